@@ -1,0 +1,42 @@
+# Two commands: `make demo` (a short CPU tour) and `make test` (the full CPU test suite).
+# Both create .venv with a Python >= 3.12 when missing and install the project with its extras.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# A Python >= 3.12 (3.12 preferred: the GPU image runs it): PATH first, then pyenv's versions.
+FIND_PYTHON := for c in python3.12 python3.13 python3.14 python3 \
+	$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.1[2-9]*/bin/python3 2>/dev/null | sort -V); do \
+	  if "$$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then echo "$$c"; break; fi; \
+	done
+
+.PHONY: demo test lint venv clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@if [ ! -x $(PY) ]; then \
+	  base=$$($(FIND_PYTHON)); \
+	  if [ -z "$$base" ]; then \
+	    echo "error: apex-jax needs Python >= 3.12 (jax 0.11 requires it). Install one, e.g." >&2; \
+	    echo "  pyenv install 3.12  or  apt-get install python3.12-venv" >&2; exit 1; \
+	  fi; \
+	  echo "creating $(VENV) with $$base"; "$$base" -m venv $(VENV); \
+	fi
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,demo,bench]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m apex_jax.demo
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV)
