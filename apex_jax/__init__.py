@@ -1,0 +1,23 @@
+"""apex-jax: compact-state fused AdamW (ApexW) for JAX, as an optax transform and a fused flat step."""
+
+from apex_jax.flat import FlatLayout, FlatParams, flatten
+from apex_jax.transform import (
+    ApexW,
+    ApexWState,
+    DenseMoments,
+    QuantizedMoments,
+    apexw,
+    state_nbytes,
+)
+
+__all__ = [
+    "ApexW",
+    "ApexWState",
+    "DenseMoments",
+    "FlatLayout",
+    "FlatParams",
+    "QuantizedMoments",
+    "apexw",
+    "flatten",
+    "state_nbytes",
+]

@@ -1,0 +1,169 @@
+"""Pytree <-> flat buffers: every parameter of a model in one aligned buffer per dtype.
+
+A :class:`FlatLayout` is computed from shapes and dtypes alone. Leaves are grouped by dtype; inside a
+group, small leaves (fewer than ``SMALL_LEAF`` elements: biases, norms) come first, then the large ones,
+each starting on a 256-element row and each region padded to ``ROWS_ALIGN`` rows:
+
+    buffer = [small leaves | pad ][ large leaves | pad ]      length = rows * 256
+
+:class:`FlatParams` is a pytree (its children are the buffers, its layout is static), so ``jax.grad``
+with respect to it returns flat gradients directly: ``FlatParams.tree()`` views the buffers as the
+original pytree through one ``lax.split`` per group, whose transpose is a single concatenate.
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.adamw import ROW
+
+ROWS_ALIGN = 64  # each region is a whole number of kernel tiles for any block_rows <= 64
+SMALL_LEAF = 4096  # leaves below this many elements keep fp32 moments under 8-bit state
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One dtype's buffer: ``rows`` rows of 256, the first ``small_rows`` holding the small leaves."""
+
+    dtype: str
+    rows: int
+    small_rows: int
+    leaves: tuple[int, ...]  # leaf indices (tree order) in buffer order
+    offsets: tuple[int, ...]  # element offset of each of those leaves
+
+    @property
+    def size(self) -> int:
+        return self.rows * ROW
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+    """Where each leaf of a pytree lives in the flat buffers (static: shapes and dtypes only)."""
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    groups: tuple[Group, ...]
+
+    @classmethod
+    def of(cls, tree) -> "FlatLayout":
+        """Layout of a pytree of arrays (or anything with ``.shape`` and ``.dtype``)."""
+        if isinstance(tree, FlatParams):
+            return tree.layout
+        leaves, treedef = jax.tree.flatten(tree)
+        if not leaves:
+            raise ValueError("cannot lay out an empty pytree: it has no arrays")
+        shapes = tuple(tuple(int(d) for d in leaf.shape) for leaf in leaves)
+        dtypes = tuple(jnp.dtype(leaf.dtype).name for leaf in leaves)
+        for dtype in set(dtypes):
+            if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+                raise TypeError(f"parameters must be floating point, got a leaf of dtype {dtype}")
+        groups = []
+        for dtype in sorted(set(dtypes)):
+            members = [i for i, d in enumerate(dtypes) if d == dtype]
+            small = [i for i in members if math.prod(shapes[i]) < SMALL_LEAF]
+            large = [i for i in members if math.prod(shapes[i]) >= SMALL_LEAF]
+            offsets, cursor, region_ends = [], 0, []
+            for region in (small, large):
+                for i in region:
+                    offsets.append(cursor)
+                    cursor += _round_up(math.prod(shapes[i]), ROW)
+                cursor = _round_up(cursor, ROWS_ALIGN * ROW)
+                region_ends.append(cursor // ROW)
+            groups.append(Group(dtype, region_ends[1], region_ends[0], tuple(small + large), tuple(offsets)))
+        return cls(treedef, shapes, dtypes, tuple(groups))
+
+    @property
+    def n_params(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def flatten(self, tree) -> "FlatParams":
+        """Copy a pytree with this layout into flat buffers (padding is zero)."""
+        if isinstance(tree, FlatParams):
+            self.check(tree)
+            return tree
+        leaves = self._leaves_of(tree)
+        buffers = []
+        for group in self.groups:
+            pieces, cursor = [], 0
+            for i, offset in zip(group.leaves, group.offsets):
+                pieces += [jnp.zeros(offset - cursor, group.dtype), jnp.ravel(leaves[i])]
+                cursor = offset + leaves[i].size
+            pieces.append(jnp.zeros(group.size - cursor, group.dtype))
+            buffers.append(jnp.concatenate([p for p in pieces if p.size]))
+        return FlatParams(tuple(buffers), self)
+
+    def unflatten(self, buffers) -> Any:
+        """The pytree viewed out of flat buffers (one ``lax.split`` per group)."""
+        leaves = [None] * len(self.shapes)
+        for group, buffer in zip(self.groups, buffers):
+            sizes, cursor = [], 0
+            for i, offset in zip(group.leaves, group.offsets):
+                sizes += [offset - cursor, math.prod(self.shapes[i])]
+                cursor = offset + sizes[-1]
+            sizes.append(group.size - cursor)
+            pieces = jax.lax.split(buffer, sizes)
+            for k, i in enumerate(group.leaves):
+                leaves[i] = pieces[2 * k + 1].reshape(self.shapes[i])
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def row_mask(self, mask) -> tuple[np.ndarray, ...]:
+        """Per-group float32 ``[rows]``: 1.0 on rows of leaves where ``mask`` (a pytree of bools) is True."""
+        flags = self._leaves_of(mask, what="mask")
+        out = []
+        for group in self.groups:
+            rows = np.zeros(group.rows, np.float32)
+            for i, offset in zip(group.leaves, group.offsets):
+                if not isinstance(flags[i], bool | np.bool_):
+                    raise TypeError(f"mask leaves must be bools, got {type(flags[i]).__name__} at leaf {i}")
+                if flags[i]:
+                    rows[offset // ROW: (offset + math.prod(self.shapes[i]) + ROW - 1) // ROW] = 1.0
+            out.append(rows)
+        return tuple(out)
+
+    def check(self, flat: "FlatParams") -> None:
+        if flat.layout != self:
+            raise ValueError("FlatParams were made with a different layout than this one")
+
+    def _leaves_of(self, tree, what: str = "tree") -> list:
+        leaves, treedef = jax.tree.flatten(tree)
+        if treedef != self.treedef:
+            raise ValueError(f"{what} structure {treedef} does not match the parameters' {self.treedef}")
+        if what == "tree":
+            for i, leaf in enumerate(leaves):
+                if tuple(leaf.shape) != self.shapes[i] or jnp.dtype(leaf.dtype).name != self.dtypes[i]:
+                    raise ValueError(f"leaf {i} is {leaf.dtype}{list(leaf.shape)}, expected "
+                                     f"{self.dtypes[i]}{list(self.shapes[i])}")
+        return leaves
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class FlatParams:
+    """A model's parameters as one 1-D buffer per dtype; ``tree()`` gives the usual pytree view."""
+
+    buffers: tuple[jax.Array, ...]
+    layout: FlatLayout
+
+    def tree(self) -> Any:
+        return self.layout.unflatten(self.buffers)
+
+    def tree_flatten(self):
+        return self.buffers, self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, buffers):
+        return cls(tuple(buffers), layout)
+
+
+def flatten(tree) -> FlatParams:
+    """``FlatParams`` holding a copy of ``tree`` (see :class:`FlatLayout`)."""
+    return FlatLayout.of(tree).flatten(tree)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

@@ -1,0 +1,261 @@
+"""ApexW: AdamW with compact moments and one fused update for a whole model.
+
+Two ways to use the same optimizer (same state, same checkpoints):
+
+* ``apexw(...)``: an optax ``GradientTransformationExtraArgs`` for ``optax.chain``, ``inject_hyperparams``
+  and ``optax.apply_updates``. It accepts any params pytree: the leaves are concatenated into flat
+  buffers, updated by one kernel launch per dtype and split back, so compile time does not grow with the
+  leaf count.
+* ``ApexW(...).step(params, grads, state) -> (params, state)``: the fused step for :class:`FlatParams`.
+  Under ``jax.jit(..., donate_argnums=(0, 2))`` it updates params and moments in place in one pass, with
+  no ``updates`` array; bf16 params are stochastically rounded.
+"""
+
+import dataclasses
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from apex_jax.flat import ROWS_ALIGN, FlatLayout, FlatParams
+from pallas_kernels.adamw import ROW, BlockConfig, Hyper, fused_adamw, fused_adamw_reference, stream_keys
+
+STATE_DTYPES = ("fp32", "bf16", "int8")
+KERNELS = ("auto", "pallas", "interpret", "reference")  # auto: Pallas on GPU, plain jnp elsewhere
+
+
+class DenseMoments(NamedTuple):
+    """fp32 or bf16 moments of one buffer group, ``[rows, 256]``."""
+
+    mu: jax.Array
+    nu: jax.Array
+
+
+class QuantizedMoments(NamedTuple):
+    """8-bit moments of one buffer group: codes and per-256 scales for large leaves, fp32 for small."""
+
+    mu_codes: jax.Array  # int8 [large_rows, 256]
+    nu_codes: jax.Array  # uint8 [large_rows, 256]
+    mu_scale: jax.Array  # float32 [large_rows]
+    nu_scale: jax.Array  # float32 [large_rows]
+    mu_small: jax.Array  # float32 [small_rows, 256]
+    nu_small: jax.Array  # float32 [small_rows, 256]
+
+
+class ApexWState(NamedTuple):
+    count: jax.Array  # int32: steps taken
+    skipped: jax.Array  # int32: steps skipped for non-finite gradients
+    moments: tuple  # one DenseMoments | QuantizedMoments per dtype group of the layout
+
+
+ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class ApexW:
+    """AdamW with fp32, bf16 or 8-bit blockwise moments and a fused single-launch update.
+
+    Per element, with t the step (from 1) and decay = 1 where ``mask`` is True:
+
+        m <- b1 m + (1 - b1) g,   v <- b2 v + (1 - b2) g^2
+        p <- p - lr_t ((m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * decay * p)
+
+    Args:
+      learning_rate: a float, a scalar array or an optax schedule of the step count.
+      b1, b2: moment decay rates in [0, 1). eps: added to sqrt(v_hat), >= 0.
+      weight_decay: decoupled weight decay (>= 0), applied where ``mask`` is True.
+      mask: pytree of bools matching params (or a callable params -> such a pytree); None = everywhere.
+      state_dtype: "fp32" (8 B/param), "bf16" (4 B/param, stochastically rounded) or "int8"
+        (int8 m + uint8 v + fp32 scale per 256, about 2.03 B/param; leaves under 4096 elements stay fp32).
+      quant_map: "power" (default) or "linear" code map for int8 moments (see ``pallas_kernels.adamw``).
+      skip_nonfinite: if any gradient is NaN/Inf, leave params and moments untouched and count the skip.
+      seed: seed of the stochastic-rounding hash (with the step and the element index).
+      kernel: "auto" (Pallas on GPU, jnp elsewhere), "pallas", "interpret" or "reference".
+      block: launch geometry of the Pallas kernel.
+    """
+
+    learning_rate: ScalarOrSchedule
+    b1: float | jax.Array = 0.9
+    b2: float | jax.Array = 0.999
+    eps: float | jax.Array = 1e-8
+    weight_decay: float | jax.Array = 1e-4
+    mask: Any = None
+    state_dtype: str = "bf16"
+    quant_map: str = "power"
+    skip_nonfinite: bool = False
+    seed: int | jax.Array = 0
+    kernel: str = "auto"
+    block: BlockConfig = BlockConfig()
+
+    def __post_init__(self):
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"unknown state_dtype {self.state_dtype!r}; expected one of {STATE_DTYPES}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {self.kernel!r}; expected one of {KERNELS}")
+        if self.quant_map not in ("power", "linear"):
+            raise ValueError(f"unknown quant_map {self.quant_map!r}; expected 'power' or 'linear'")
+        if self.block.block_rows > ROWS_ALIGN:
+            raise ValueError(f"block.block_rows must be <= {ROWS_ALIGN}, got {self.block.block_rows}")
+        if not callable(self.learning_rate):
+            _check_range("learning_rate", self.learning_rate, 0.0, None)
+        _check_range("b1", self.b1, 0.0, 1.0)
+        _check_range("b2", self.b2, 0.0, 1.0)
+        _check_range("eps", self.eps, 0.0, None)
+        _check_range("weight_decay", self.weight_decay, 0.0, None)
+
+    # ------------------------------------------------------------------ optax interface
+
+    def init(self, params) -> ApexWState:
+        """Zero moments for ``params`` (a pytree or FlatParams)."""
+        layout = FlatLayout.of(params)
+        self._row_masks(layout, params)  # validates the mask early
+        moments = tuple(self._zero_moments(group) for group in layout.groups)
+        return ApexWState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32), moments)
+
+    def update(self, updates, state: ApexWState, params=None, **extra_args):
+        """optax update: gradients -> (updates to add to params, new state)."""
+        del extra_args
+        if params is None:
+            raise ValueError("apexw needs params in update(grads, state, params) (weight decay reads them)")
+        new, state = self._run(params, updates, state, apply=False)
+        return new, state
+
+    # ------------------------------------------------------------------ fused step
+
+    def step(self, params, grads, state: ApexWState):
+        """Fused AdamW step: ``(params, grads, state) -> (new params, new state)``.
+
+        With FlatParams under ``jax.jit(opt.step, donate_argnums=(0, 2))`` params and moments are
+        updated in place by one launch per dtype group.
+        """
+        return self._run(params, grads, state, apply=True)
+
+    # ------------------------------------------------------------------ internals
+
+    def _run(self, params, grads, state: ApexWState, apply: bool):
+        layout = FlatLayout.of(params)
+        if len(state.moments) != len(layout.groups):
+            raise ValueError(f"state has {len(state.moments)} moment groups, params need {len(layout.groups)}")
+        p_flat, g_flat = layout.flatten(params), layout.flatten(grads)
+        row_masks = self._row_masks(layout, params)
+        count = state.count
+        t = optax.safe_increment(count)
+        lr = self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate
+        # Same expressions as optax.adamw, so the fp32 kind rounds exactly as it does.
+        hp = Hyper(*(jnp.asarray(x, jnp.float32) for x in (
+            lr, self.b1, self.b2, 1 - self.b1, 1 - self.b2, self.eps, self.weight_decay,
+            1 - self.b1 ** t, 1 - self.b2 ** t)))
+
+        def update_all(_):
+            outs, moments = [], []
+            for k, (group, p, g, mom, rows) in enumerate(
+                    zip(layout.groups, p_flat.buffers, g_flat.buffers, state.moments, row_masks)):
+                out, mom = self._group_step(group, p, g, mom, rows, hp, stream_keys(self.seed, t, k), apply)
+                outs.append(out)
+                moments.append(mom)
+            return tuple(outs), tuple(moments)
+
+        if self.skip_nonfinite:
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in g_flat.buffers]))
+            unchanged = p_flat.buffers if apply else tuple(jnp.zeros_like(g) for g in g_flat.buffers)
+            outs, moments = jax.lax.cond(finite, update_all, lambda _: (unchanged, state.moments), None)
+            new_state = ApexWState(jnp.where(finite, t, count), state.skipped + (~finite).astype(jnp.int32),
+                                   moments)
+        else:
+            outs, moments = update_all(None)
+            new_state = ApexWState(t, state.skipped, moments)
+        out = FlatParams(outs, layout)
+        return (out if isinstance(params, FlatParams) else out.tree()), new_state
+
+    def _group_step(self, group, p, g, moments, rows, hp, keys, apply):
+        shape2d = (group.rows, ROW)
+        p2, g2 = p.reshape(shape2d), g.reshape(shape2d)
+        rows = jnp.asarray(rows)
+        call = dict(apply=apply, out_dtype=g.dtype, quant_map=self.quant_map)
+        if isinstance(moments, DenseMoments):
+            out, new = self._kernel(p2, g2, tuple(moments), rows, hp, keys, codec="fp32"
+                                    if self.state_dtype == "fp32" else "bf16", **call)
+            return out.reshape(-1), DenseMoments(*new)
+        small = group.small_rows
+        if group.rows == small:  # only small leaves: plain fp32 moments
+            out, new = self._kernel(p2, g2, tuple(moments[4:]), rows, hp, keys, codec="fp32", **call)
+            return out.reshape(-1), moments._replace(mu_small=new[0], nu_small=new[1])
+        arrays = tuple(moments) if small else tuple(moments[:4])
+        out, new = self._kernel(p2, g2, arrays, rows, hp, keys, codec="int8", n_plain_rows=small, **call)
+        return out.reshape(-1), QuantizedMoments(*new) if small else QuantizedMoments(*new, *moments[4:])
+
+    def _kernel(self, *args, **static):
+        if self.kernel == "reference":
+            return fused_adamw_reference(*args, **static)
+        pallas = lambda *a: fused_adamw(*a, config=self.block, interpret=self.kernel == "interpret", **static)
+        if self.kernel in ("pallas", "interpret"):
+            return pallas(*args)
+        return jax.lax.platform_dependent(*args, cuda=pallas,
+                                          default=lambda *a: fused_adamw_reference(*a, **static))
+
+    def _zero_moments(self, group):
+        if self.state_dtype != "int8":
+            dtype = jnp.float32 if self.state_dtype == "fp32" else jnp.bfloat16
+            return DenseMoments(jnp.zeros((group.rows, ROW), dtype), jnp.zeros((group.rows, ROW), dtype))
+        large = group.rows - group.small_rows
+        return QuantizedMoments(
+            jnp.zeros((large, ROW), jnp.int8), jnp.zeros((large, ROW), jnp.uint8),
+            jnp.zeros((large,), jnp.float32), jnp.zeros((large,), jnp.float32),
+            jnp.zeros((group.small_rows, ROW), jnp.float32), jnp.zeros((group.small_rows, ROW), jnp.float32))
+
+    def _row_masks(self, layout: FlatLayout, params):
+        if self.mask is None:
+            return tuple(np.ones(group.rows, np.float32) for group in layout.groups)
+        tree = params.tree() if isinstance(params, FlatParams) else params
+        mask = self.mask(tree) if callable(self.mask) else self.mask
+        try:
+            return layout.row_mask(mask)
+        except ValueError as err:
+            raise ValueError(f"apexw mask does not match the params: {err}") from None
+
+
+def apexw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+          weight_decay: float = 1e-4, mask: Any = None, *, state_dtype: str = "bf16",
+          quant_map: str = "power", skip_nonfinite: bool = False, seed: int = 0,
+          kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
+    """ApexW as an optax transformation (see :class:`ApexW` for the update rule and arguments).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from apex_jax import apexw
+      >>> params = {"w": jnp.ones((64, 64))}
+      >>> tx = optax.chain(optax.clip_by_global_norm(1.0), apexw(1e-3, state_dtype="int8"))
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.full((64, 64), 0.1)}, state, params)
+      >>> params = optax.apply_updates(params, updates)
+      >>> print(f"{float(params['w'][0, 0]):.6f}")
+      0.998999
+
+    References:
+      Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019;
+      Dettmers et al., "8-bit Optimizers via Block-wise Quantization", 2022.
+    """
+    opt = ApexW(learning_rate, b1, b2, eps, weight_decay, mask, state_dtype, quant_map, skip_nonfinite, seed,
+                kernel)
+    return optax.GradientTransformationExtraArgs(opt.init, opt.update)
+
+
+def state_nbytes(state: ApexWState) -> int:
+    """Bytes held by the moments (the optimizer's state memory)."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(state.moments))
+
+
+def _check_range(name: str, value, low: float, high: float | None) -> None:
+    """Reject concrete out-of-range hyperparameters (traced ones, as under inject_hyperparams, pass)."""
+    if isinstance(value, jax.core.Tracer):
+        return
+    if not isinstance(value, numbers.Real | np.ndarray | jax.Array):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    v = float(np.asarray(value))
+    if not np.isfinite(v) or v < low or (high is not None and v >= high):
+        expected = f"in [{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {expected}, got {v}")

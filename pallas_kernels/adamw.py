@@ -1,0 +1,303 @@
+"""Fused AdamW over flat ``[rows, 256]`` buffers, with fp32, bf16 or 8-bit blockwise moments.
+
+One launch updates a whole parameter buffer, whatever the model's leaf count. Per element, step t >= 1:
+
+    m <- (1 - b1) g + b1 m                 v <- (1 - b2) g^2 + b2 v
+    u  = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * decay_row * p
+    p <- p - lr u        (``apply=True``: in place, the fused step)
+    out = -lr u          (``apply=False``: optax "updates")
+
+Moment storage (the ``codec``):
+  * ``fp32``: m, v in float32 (8 B/param).
+  * ``bf16``: m, v in bfloat16 (4 B/param), stored with stochastic rounding so that v still decays when
+    ``b2 v`` rounds back to ``v`` (b2 = 0.999 is below bf16's resolution).
+  * ``int8``: each row of 256 is a block with an fp32 absmax scale; m as signed int8 codes, v as unsigned
+    uint8 codes (2.03 B/param). The ``power`` map stores y = sign(x) |x/s|^(1/2) for m and (v/s)^(1/4)
+    for v, linearly in y, which gives small moments far more resolution than the ``linear`` map (x/s).
+    Codes are stochastically rounded. Rows below ``n_plain_rows`` (small tensors) keep fp32 moments.
+    A block holding a NaN stores a NaN scale, so a NaN is never decoded as a number.
+
+Random bits come from a counter-based hash of (seed, step, stream, element index), so results do not
+depend on the launch geometry; bf16 parameters are stochastically rounded with them too.
+"""
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+ROW = 256  # elements per row: the quantization block, and the alignment of every leaf in a flat buffer
+CODECS = ("fp32", "bf16", "int8")
+QUANT_MAPS = ("power", "linear")
+INT8_MAX = 127.0  # signed codes in [-127, 127] (symmetric: -128 unused)
+UINT8_MAX = 255.0
+HP_SLOTS = 16  # Hyper's scalars, padded to a power of 2 (a Triton block shape)
+_GOLDEN = 0x9E3779B1  # odd multiplier that spreads consecutive indices over the 32-bit range
+
+
+class Hyper(NamedTuple):
+    """Per-step scalars, traced (so schedules and ``inject_hyperparams`` never recompile)."""
+
+    lr: jax.Array
+    b1: jax.Array
+    b2: jax.Array
+    one_minus_b1: jax.Array  # given separately: 1 - b1 rounded from float64, as optax computes it
+    one_minus_b2: jax.Array
+    eps: jax.Array
+    weight_decay: jax.Array
+    bias_correction1: jax.Array  # 1 - b1^t
+    bias_correction2: jax.Array  # 1 - b2^t
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """Launch geometry: a program updates ``block_rows x 256`` elements."""
+
+    block_rows: int = 16
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        for name in ("block_rows", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"BlockConfig.{name} must be a positive power of 2, got {value}")
+        if self.num_stages < 1:
+            raise ValueError(f"BlockConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+# --------------------------------------------------------------------------- element math (kernel + reference)
+
+
+def fmix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: a bijection that mixes every input bit into every output bit."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def stream_keys(seed: jax.Array, step: jax.Array, group: int) -> jax.Array:
+    """uint32[4] keys for the (param, m, v) random streams of one step of one buffer group."""
+    base = fmix32(jnp.asarray(seed).astype(jnp.uint32) ^ fmix32(jnp.asarray(step).astype(jnp.uint32)))
+    streams = jnp.arange(4, dtype=jnp.uint32) + jnp.uint32(4 * group)
+    return fmix32(base + streams * jnp.uint32(_GOLDEN))
+
+
+def random_bits(index: jax.Array, key: jax.Array) -> jax.Array:
+    """uint32 random bits for each element ``index`` (uint32) under ``key``."""
+    return fmix32(index * jnp.uint32(_GOLDEN) + key)
+
+
+def uniform(bits: jax.Array) -> jax.Array:
+    """float32 in [0, 1) from the top 24 of 32 random bits."""
+    return (bits >> 8).astype(jnp.int32).astype(jnp.float32) * (1.0 / (1 << 24))
+
+
+def round_to_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
+    """Stochastic rounding float32 -> bfloat16: E[result] = x. NaN stays NaN."""
+    raw = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    raw = (raw + (bits & jnp.uint32(0xFFFF))) & jnp.uint32(0xFFFF0000)
+    rounded = jax.lax.bitcast_convert_type(raw, jnp.float32)
+    return jnp.where(x != x, x, rounded).astype(jnp.bfloat16)
+
+
+def quantize_rows(x, bits, *, signed: bool, quant_map: str):
+    """float32 [r, 256] -> (codes int8|uint8 [r, 256], scale f32 [r]); NaN in a row -> NaN scale."""
+    scale = jnp.max(jnp.abs(x), axis=1)
+    has_nan = jnp.max(jnp.where(x != x, 1.0, 0.0), axis=1) > 0
+    scale = jnp.where(has_nan, jnp.nan, scale)
+    y = x / jnp.where(scale > 0, scale, 1.0)[:, None]
+    if quant_map == "power":
+        y = jnp.where(y < 0, -jnp.sqrt(-y), jnp.sqrt(y)) if signed else jnp.sqrt(jnp.sqrt(y))
+    top = INT8_MAX if signed else UINT8_MAX
+    codes = jnp.floor(y * top + uniform(bits))
+    codes = jnp.clip(codes, -top if signed else 0.0, top)
+    codes = codes.astype(jnp.int32)
+    return codes.astype(jnp.int8 if signed else jnp.uint8), scale
+
+
+def dequantize_rows(codes, scale, *, signed: bool, quant_map: str):
+    """Inverse of :func:`quantize_rows` (up to rounding): [r, 256] codes, [r] scale -> float32."""
+    y = codes.astype(jnp.int32).astype(jnp.float32) * (1.0 / (INT8_MAX if signed else UINT8_MAX))
+    if quant_map == "power":
+        y = y * jnp.abs(y) if signed else (y * y) * (y * y)
+    return y * scale[:, None]
+
+
+def adam_direction(p, g, m, v, hp: Hyper, decay):
+    """New (m, v) and the AdamW direction u (all float32), in optax's operation order."""
+    m = hp.one_minus_b1 * g + hp.b1 * m
+    v = hp.one_minus_b2 * (g * g) + hp.b2 * v
+    u = (m / hp.bias_correction1) / (jnp.sqrt(v / hp.bias_correction2) + hp.eps)
+    return m, v, u + (hp.weight_decay * decay) * p
+
+
+def finish(p, u, hp: Hyper, out_dtype, bits, apply: bool):
+    """The new parameter (``apply``) or the optax update, in ``out_dtype``."""
+    if not apply:
+        return (-hp.lr * u).astype(out_dtype)
+    new = p + (-hp.lr * u)
+    return round_to_bf16(new, bits) if out_dtype == jnp.bfloat16 else new.astype(out_dtype)
+
+
+def store_dense(x, bits, dtype):
+    return round_to_bf16(x, bits) if dtype == jnp.bfloat16 else x.astype(dtype)
+
+
+# --------------------------------------------------------------------------- Pallas kernel
+
+
+def _adamw_kernel(hp_ref, key_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_map, apply, n_plain_tiles,
+                  block_rows):
+    n_state = len(refs) // 2  # refs = (*state_in, out_ref, *state_out)
+    state_in, out_ref, state_out = refs[:n_state], refs[n_state], refs[n_state + 1:]
+    i = pl.program_id(0)
+    hp = Hyper(*(hp_ref[k] for k in range(len(Hyper._fields))))
+    rows = i * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, ROW), 0)
+    index = (rows * ROW + jax.lax.broadcasted_iota(jnp.int32, (block_rows, ROW), 1)).astype(jnp.uint32)
+    p = p_ref[...].astype(jnp.float32)
+    g = g_ref[...].astype(jnp.float32)
+    decay = decay_ref[...][:, None]
+
+    def dense(m_ref, v_ref, m_out, v_out):
+        m, v, u = adam_direction(p, g, m_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32), hp, decay)
+        m_out[...] = store_dense(m, random_bits(index, key_ref[1]), m_out.dtype)
+        v_out[...] = store_dense(v, random_bits(index, key_ref[2]), v_out.dtype)
+        out_ref[...] = finish(p, u, hp, out_ref.dtype, random_bits(index, key_ref[0]), apply)
+
+    if codec != "int8":
+        dense(*state_in, *state_out)
+        return
+
+    def quantized():
+        mq, vq, ms, vs = state_in[:4]
+        m = dequantize_rows(mq[...], ms[...], signed=True, quant_map=quant_map)
+        v = dequantize_rows(vq[...], vs[...], signed=False, quant_map=quant_map)
+        m, v, u = adam_direction(p, g, m, v, hp, decay)
+        mq_out, vq_out, ms_out, vs_out = state_out[:4]
+        mq_out[...], ms_out[...] = quantize_rows(
+            m, random_bits(index, key_ref[1]), signed=True, quant_map=quant_map)
+        vq_out[...], vs_out[...] = quantize_rows(
+            v, random_bits(index, key_ref[2]), signed=False, quant_map=quant_map)
+        out_ref[...] = finish(p, u, hp, out_ref.dtype, random_bits(index, key_ref[0]), apply)
+
+    if n_plain_tiles == 0:
+        quantized()
+        return
+    pl.when(i < n_plain_tiles)(lambda: dense(*state_in[4:], *state_out[4:]))
+    pl.when(i >= n_plain_tiles)(quantized)
+
+
+def _state_specs(codec, n_plain_tiles, block_rows, n_tiles):
+    """BlockSpecs of the moment arrays, in the order of the codec's state tuple."""
+    tile = (block_rows, ROW)
+    row_block = pl.BlockSpec(tile, lambda i: (i, 0))
+    if codec != "int8":
+        return [row_block, row_block]
+    quant = pl.BlockSpec(tile, lambda i: (jnp.maximum(i - n_plain_tiles, 0), 0))
+    scale = pl.BlockSpec((block_rows,), lambda i: (jnp.maximum(i - n_plain_tiles, 0),))
+    specs = [quant, quant, scale, scale]
+    if n_plain_tiles:
+        plain = pl.BlockSpec(tile, lambda i: (jnp.minimum(i, n_plain_tiles - 1), 0))
+        specs += [plain, plain]
+    return specs
+
+
+def _check(p, g, state, decay, codec, n_plain_rows, quant_map):
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    if quant_map not in QUANT_MAPS:
+        raise ValueError(f"unknown quant_map {quant_map!r}; expected one of {QUANT_MAPS}")
+    if p.ndim != 2 or p.shape[1] != ROW or g.shape != p.shape:
+        raise ValueError(f"params and grads must both be [rows, {ROW}]; got {p.shape} and {g.shape}")
+    if decay.shape != (p.shape[0],):
+        raise ValueError(f"decay must be [rows] = [{p.shape[0]}], got {decay.shape}")
+    expected = 6 if codec == "int8" and n_plain_rows else 4 if codec == "int8" else 2
+    if len(state) != expected:
+        raise ValueError(f"codec {codec!r} expects {expected} moment arrays, got {len(state)}")
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "n_plain_rows", "quant_map", "apply", "out_dtype",
+                                             "config", "interpret"))
+def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int = 0,
+                quant_map: str = "power", apply: bool = True, out_dtype=None,
+                config: BlockConfig = BlockConfig(), interpret: bool = False):
+    """One AdamW step over a flat buffer in a single launch.
+
+    Args:
+      p, g: params and grads, ``[rows, 256]`` (float32 or bfloat16).
+      state: moment arrays of ``codec``: ``(m, v)`` for fp32/bf16, ``(m_codes, v_codes, m_scale,
+        v_scale[, m_plain, v_plain])`` for int8, where the codes cover rows ``[n_plain_rows, rows)`` and the
+        fp32 plain moments rows ``[0, n_plain_rows)``.
+      decay: float32 ``[rows]``, 1 where weight decay applies, else 0.
+      hp: per-step scalars (:class:`Hyper`); keys: ``stream_keys(seed, step, group)``.
+      apply: True writes the new params over ``p`` (donate it); False returns optax updates.
+      out_dtype: dtype of the updates when ``apply=False`` (default: ``p``'s).
+
+    Returns:
+      ``(new_params or updates, new_state)`` with ``new_state`` in the order of ``state``.
+    """
+    _check(p, g, state, decay, codec, n_plain_rows, quant_map)
+    rows, r = p.shape[0], config.block_rows
+    if rows % r or n_plain_rows % r:
+        raise ValueError(f"rows ({rows}) and n_plain_rows ({n_plain_rows}) must be multiples of block_rows={r}")
+    n_tiles, n_plain_tiles = rows // r, (n_plain_rows // r if codec == "int8" else 0)
+    tile_spec = pl.BlockSpec((r, ROW), lambda i: (i, 0))
+    state_specs = _state_specs(codec, n_plain_tiles, r, n_tiles)
+    hp_vec = jnp.stack([jnp.asarray(x, jnp.float32) for x in hp])
+    hp_vec = jnp.pad(hp_vec, (0, HP_SLOTS - hp_vec.size))
+    out_dtype = p.dtype if apply or out_dtype is None else out_dtype
+    n_fixed = 5  # hp, keys, decay, p, g
+    aliases = {n_fixed + k: 1 + k for k in range(len(state))}
+    if apply:
+        aliases[3] = 0
+    kernel = functools.partial(_adamw_kernel, codec=codec, quant_map=quant_map, apply=apply,
+                               n_plain_tiles=n_plain_tiles, block_rows=r)
+    out, *new_state = pl.pallas_call(
+        kernel,
+        grid=(n_tiles,),
+        in_specs=[pl.BlockSpec((HP_SLOTS,), lambda i: (0,)), pl.BlockSpec((4,), lambda i: (0,)),
+                  pl.BlockSpec((r,), lambda i: (i,)), tile_spec, tile_spec, *state_specs],
+        out_specs=[tile_spec, *state_specs],
+        out_shape=[jax.ShapeDtypeStruct(p.shape, out_dtype), *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state)],
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name=f"apexw_{codec}",
+    )(hp_vec, keys, decay, p, g, *state)
+    return out, tuple(new_state)
+
+
+def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int = 0,
+                          quant_map: str = "power", apply: bool = True, out_dtype=None):
+    """Plain-jnp :func:`fused_adamw` (same arguments and results, bit-for-bit on the same backend)."""
+    _check(p, g, state, decay, codec, n_plain_rows, quant_map)
+    out_dtype = p.dtype if apply or out_dtype is None else out_dtype
+    index = jnp.arange(p.size, dtype=jnp.uint32).reshape(p.shape)
+    bits = [random_bits(index, keys[k]) for k in range(3)]
+    pf, gf, decay = p.astype(jnp.float32), g.astype(jnp.float32), decay[:, None]
+
+    if codec != "int8":
+        m, v = state
+        m_new, v_new, u = adam_direction(pf, gf, m.astype(jnp.float32), v.astype(jnp.float32), hp, decay)
+        new_state = (store_dense(m_new, bits[1], m.dtype), store_dense(v_new, bits[2], v.dtype))
+        return finish(pf, u, hp, out_dtype, bits[0], apply), new_state
+
+    n = n_plain_rows
+    mq, vq, ms, vs = state[:4]
+    m_parts, v_parts = [dequantize_rows(mq, ms, signed=True, quant_map=quant_map)], [
+        dequantize_rows(vq, vs, signed=False, quant_map=quant_map)]
+    if n:
+        m_parts.insert(0, state[4])
+        v_parts.insert(0, state[5])
+    m_new, v_new, u = adam_direction(pf, gf, jnp.concatenate(m_parts), jnp.concatenate(v_parts), hp, decay)
+    mq_new, ms_new = quantize_rows(m_new[n:], bits[1][n:], signed=True, quant_map=quant_map)
+    vq_new, vs_new = quantize_rows(v_new[n:], bits[2][n:], signed=False, quant_map=quant_map)
+    new_state = (mq_new, vq_new, ms_new, vs_new) + ((m_new[:n], v_new[:n]) if n else ())
+    return finish(pf, u, hp, out_dtype, bits[0], apply), new_state
