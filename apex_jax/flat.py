@@ -12,6 +12,7 @@ original pytree through one ``lax.split`` per group, whose transpose is a single
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -40,7 +41,7 @@ class Group:
         return self.rows * ROW
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class FlatLayout:
     """Where each leaf of a pytree lives in the flat buffers (static: shapes and dtypes only)."""
 
@@ -48,6 +49,22 @@ class FlatLayout:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     groups: tuple[Group, ...]
+
+    # jit hashes a pytree's static data at every call: hash an 8192-leaf layout once, not per step.
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, FlatLayout) and self._hash == other._hash
+                                 and self._key == other._key)
+
+    @functools.cached_property
+    def _key(self) -> tuple:
+        return self.treedef, self.shapes, self.dtypes, self.groups
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(self._key)
 
     @classmethod
     def of(cls, tree) -> "FlatLayout":
@@ -90,7 +107,7 @@ class FlatLayout:
         buffers = []
         for group in self.groups:
             pieces, cursor = [], 0
-            for i, offset in zip(group.leaves, group.offsets):
+            for i, offset in zip(group.leaves, group.offsets, strict=True):
                 pieces += [jnp.zeros(offset - cursor, group.dtype), jnp.ravel(leaves[i])]
                 cursor = offset + leaves[i].size
             pieces.append(jnp.zeros(group.size - cursor, group.dtype))
@@ -100,9 +117,9 @@ class FlatLayout:
     def unflatten(self, buffers) -> Any:
         """The pytree viewed out of flat buffers (one ``lax.split`` per group)."""
         leaves = [None] * len(self.shapes)
-        for group, buffer in zip(self.groups, buffers):
+        for group, buffer in zip(self.groups, buffers, strict=True):
             sizes, cursor = [], 0
-            for i, offset in zip(group.leaves, group.offsets):
+            for i, offset in zip(group.leaves, group.offsets, strict=True):
                 sizes += [offset - cursor, math.prod(self.shapes[i])]
                 cursor = offset + sizes[-1]
             sizes.append(group.size - cursor)
@@ -117,7 +134,7 @@ class FlatLayout:
         out = []
         for group in self.groups:
             rows = np.zeros(group.rows, np.float32)
-            for i, offset in zip(group.leaves, group.offsets):
+            for i, offset in zip(group.leaves, group.offsets, strict=True):
                 if not isinstance(flags[i], bool | np.bool_):
                     raise TypeError(f"mask leaves must be bools, got {type(flags[i]).__name__} at leaf {i}")
                 if flags[i]:

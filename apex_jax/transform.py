@@ -153,7 +153,7 @@ class ApexW:
         def update_all(_):
             outs, moments = [], []
             for k, (group, p, g, mom, rows) in enumerate(
-                    zip(layout.groups, p_flat.buffers, g_flat.buffers, state.moments, row_masks)):
+                    zip(layout.groups, p_flat.buffers, g_flat.buffers, state.moments, row_masks, strict=True)):
                 out, mom = self._group_step(group, p, g, mom, rows, hp, stream_keys(self.seed, t, k), apply)
                 outs.append(out)
                 moments.append(mom)

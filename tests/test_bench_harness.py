@@ -1,0 +1,83 @@
+"""Tests of benchmarks/harness.py: timers, result files and tables."""
+
+import json
+import sys
+import types
+
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import harness
+
+
+def test_time_jax_returns_sane_timing():
+    x = jnp.ones((256, 256))
+    timing = harness.time_jax(lambda a: a @ a, x, warmup=2, iters=20)
+    assert timing.runs == 20
+    assert 0 < timing.p10_ms <= timing.median_ms <= timing.p90_ms < 10_000
+
+
+def test_time_jax_refuses_few_runs():
+    with pytest.raises(ValueError, match="iters=5"):
+        harness.time_jax(lambda: jnp.zeros(1), iters=5)
+
+
+def test_time_torch_without_cuda_uses_wall_clock(monkeypatch):
+    """torch is only on the GPU machine; a stand-in without CUDA exercises the CPU path."""
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: False))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    calls = []
+    timing = harness.time_torch(lambda: calls.append(1), warmup=3, iters=20)
+    assert len(calls) == 23 and timing.runs == 20
+    assert 0 <= timing.p10_ms <= timing.median_ms <= timing.p90_ms
+
+
+def test_write_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("APEX_GIT_COMMIT", "abc123")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    payload = {"rows": [{"impl": "x", "step_ms": 1.5, "gb_s": float("nan")}], "meta": {"note": "hi"}}
+    path = harness.write_results("demo", payload, out_dir=tmp_path / "results")
+    assert path == tmp_path / "results" / "demo.json"
+    result = json.loads(path.read_text())
+    assert result["benchmark"] == "demo"
+    assert result["rows"] == [{"impl": "x", "step_ms": 1.5, "gb_s": None}]
+    meta = result["meta"]
+    for key in ("date_utc", "device", "device_count", "git_commit", "platform", "versions"):
+        assert key in meta
+    assert list(meta) == sorted(meta)
+    assert meta["git_commit"] == "abc123" and meta["note"] == "hi" and meta["platform"] == "cpu"
+    assert {"python", "jax", "jaxlib", "numpy", "optax"} <= set(meta["versions"])
+    assert (tmp_path / "out" / "demo.json").read_text() == path.read_text()
+
+
+def test_write_results_refuses_path_names(tmp_path):
+    with pytest.raises(ValueError, match="plain file stem"):
+        harness.write_results("../demo", {}, out_dir=tmp_path)
+
+
+def test_save_plot(tmp_path):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    path = harness.save_plot(fig, "demo", out_dir=tmp_path)
+    plt.close(fig)
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_format_table_aligns():
+    rows = [
+        {"impl": "optax.adamw", "step_ms": 12.3456, "status": "ok"},
+        {"impl": "apexw fused", "step_ms": 1.5, "status": "ok"},
+        {"impl": "bnb", "step_ms": None, "status": "timeout"},
+    ]
+    lines = harness.format_table(rows, ["impl", "step_ms", "status"]).splitlines()
+    assert len(lines) == 2 + len(rows)
+    assert len({len(line) for line in lines}) == 1
+    assert lines[2].split() == ["optax.adamw", "12.35", "ok"]
+    assert lines[4].split() == ["bnb", "-", "timeout"]
+    # Numbers are right-aligned under their header; text is left-aligned.
+    step_end = lines[0].index("step_ms") + len("step_ms")
+    assert all(line[step_end - 1] != " " for line in (lines[2], lines[3], lines[4]))
+    status_start = lines[0].index("status")
+    assert lines[4][status_start:].startswith("timeout")
