@@ -232,8 +232,8 @@ def apexw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
       >>> state = tx.init(params)
       >>> updates, state = tx.update({"w": jnp.full((64, 64), 0.1)}, state, params)
       >>> params = optax.apply_updates(params, updates)
-      >>> print(f"{float(params['w'][0, 0]):.6f}")
-      0.998999
+      >>> print(f"{float(params['w'][0, 0]):.4f}")
+      0.9990
 
     References:
       Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019;

@@ -18,7 +18,8 @@ Moment storage (the ``codec``):
     A block holding a NaN stores a NaN scale, so a NaN is never decoded as a number.
 
 Random bits come from a counter-based hash of (seed, step, stream, element index), so results do not
-depend on the launch geometry; bf16 parameters are stochastically rounded with them too.
+depend on the launch geometry: one 32-bit hash rounds m (low half) and v (high half), another the bf16
+parameters.
 """
 
 import dataclasses
@@ -57,7 +58,7 @@ class Hyper(NamedTuple):
 class BlockConfig:
     """Launch geometry: a program updates ``block_rows x 256`` elements."""
 
-    block_rows: int = 16
+    block_rows: int = 8
     num_warps: int = 4
     num_stages: int = 1
 
@@ -95,8 +96,13 @@ def random_bits(index: jax.Array, key: jax.Array) -> jax.Array:
 
 
 def uniform(bits: jax.Array) -> jax.Array:
-    """float32 in [0, 1) from the top 24 of 32 random bits."""
-    return (bits >> 8).astype(jnp.int32).astype(jnp.float32) * (1.0 / (1 << 24))
+    """float32 in [0, 1) from the low 16 random bits (ample for rounding to 8-bit codes)."""
+    return (bits & jnp.uint32(0xFFFF)).astype(jnp.int32).astype(jnp.float32) * (1.0 / (1 << 16))
+
+
+def fast_sqrt(x: jax.Array) -> jax.Array:
+    """sqrt(x) for x >= 0 through the hardware rsqrt (a few ulps; exact 0 at 0), for codec maps only."""
+    return jnp.where(x > 0, x * jax.lax.rsqrt(x), 0.0)
 
 
 def round_to_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
@@ -108,13 +114,12 @@ def round_to_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
 
 
 def quantize_rows(x, bits, *, signed: bool, quant_map: str):
-    """float32 [r, 256] -> (codes int8|uint8 [r, 256], scale f32 [r]); NaN in a row -> NaN scale."""
-    scale = jnp.max(jnp.abs(x), axis=1)
-    has_nan = jnp.max(jnp.where(x != x, 1.0, 0.0), axis=1) > 0
-    scale = jnp.where(has_nan, jnp.nan, scale)
-    y = x / jnp.where(scale > 0, scale, 1.0)[:, None]
+    """float32 [r, 256] -> (codes int8|uint8 [r, 256], scale f32 [r]); NaN or Inf in a row -> NaN scale."""
+    scale = jnp.max(jnp.where(x != x, jnp.inf, jnp.abs(x)), axis=1)  # one reduction sees NaN and Inf
+    scale = jnp.where(scale == jnp.inf, jnp.nan, scale)
+    y = x * (1.0 / jnp.where(scale > 0, scale, 1.0))[:, None]
     if quant_map == "power":
-        y = jnp.where(y < 0, -jnp.sqrt(-y), jnp.sqrt(y)) if signed else jnp.sqrt(jnp.sqrt(y))
+        y = jnp.where(y < 0, -fast_sqrt(-y), fast_sqrt(y)) if signed else fast_sqrt(fast_sqrt(y))
     top = INT8_MAX if signed else UINT8_MAX
     codes = jnp.floor(y * top + uniform(bits))
     codes = jnp.clip(codes, -top if signed else 0.0, top)
@@ -134,7 +139,8 @@ def adam_direction(p, g, m, v, hp: Hyper, decay):
     """New (m, v) and the AdamW direction u (all float32), in optax's operation order."""
     m = hp.one_minus_b1 * g + hp.b1 * m
     v = hp.one_minus_b2 * (g * g) + hp.b2 * v
-    u = (m / hp.bias_correction1) / (jnp.sqrt(v / hp.bias_correction2) + hp.eps)
+    # Scalar reciprocals: one division per element (the 1/(sqrt(v_hat) + eps)) instead of three.
+    u = (m * (1 / hp.bias_correction1)) / (jnp.sqrt(v) * (1 / jnp.sqrt(hp.bias_correction2)) + hp.eps)
     return m, v, u + (hp.weight_decay * decay) * p
 
 
@@ -167,8 +173,9 @@ def _adamw_kernel(hp_ref, key_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_
 
     def dense(m_ref, v_ref, m_out, v_out):
         m, v, u = adam_direction(p, g, m_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32), hp, decay)
-        m_out[...] = store_dense(m, random_bits(index, key_ref[1]), m_out.dtype)
-        v_out[...] = store_dense(v, random_bits(index, key_ref[2]), v_out.dtype)
+        bits = random_bits(index, key_ref[1])  # low half rounds m, high half rounds v
+        m_out[...] = store_dense(m, bits, m_out.dtype)
+        v_out[...] = store_dense(v, bits >> 16, v_out.dtype)
         out_ref[...] = finish(p, u, hp, out_ref.dtype, random_bits(index, key_ref[0]), apply)
 
     if codec != "int8":
@@ -181,10 +188,9 @@ def _adamw_kernel(hp_ref, key_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_
         v = dequantize_rows(vq[...], vs[...], signed=False, quant_map=quant_map)
         m, v, u = adam_direction(p, g, m, v, hp, decay)
         mq_out, vq_out, ms_out, vs_out = state_out[:4]
-        mq_out[...], ms_out[...] = quantize_rows(
-            m, random_bits(index, key_ref[1]), signed=True, quant_map=quant_map)
-        vq_out[...], vs_out[...] = quantize_rows(
-            v, random_bits(index, key_ref[2]), signed=False, quant_map=quant_map)
+        bits = random_bits(index, key_ref[1])
+        mq_out[...], ms_out[...] = quantize_rows(m, bits, signed=True, quant_map=quant_map)
+        vq_out[...], vs_out[...] = quantize_rows(v, bits >> 16, signed=False, quant_map=quant_map)
         out_ref[...] = finish(p, u, hp, out_ref.dtype, random_bits(index, key_ref[0]), apply)
 
     if n_plain_tiles == 0:
@@ -280,7 +286,8 @@ def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_
     _check(p, g, state, decay, codec, n_plain_rows, quant_map)
     out_dtype = p.dtype if apply or out_dtype is None else out_dtype
     index = jnp.arange(p.size, dtype=jnp.uint32).reshape(p.shape)
-    bits = [random_bits(index, keys[k]) for k in range(3)]
+    bits = [random_bits(index, keys[0]), random_bits(index, keys[1])]
+    bits.append(bits[1] >> 16)
     pf, gf, decay = p.astype(jnp.float32), g.astype(jnp.float32), decay[:, None]
 
     if codec != "int8":

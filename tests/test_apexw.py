@@ -1,0 +1,251 @@
+"""apex_jax.apexw / ApexW: equality with optax, every state kind in optax chains, the fused flat step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import apex_jax
+from apex_jax import ApexW, apexw, flatten
+
+KINDS = ("fp32", "bf16", "int8")
+# The reference path everywhere, and the Pallas kernel (interpreted on CPU) once per kind.
+BACKENDS = ("reference", "interpret")
+
+
+def make_params(key=0, dtype=jnp.float32):
+    k = jax.random.split(jax.random.key(key), 4)
+    return {
+        "dense": {"w": jax.random.normal(k[0], (96, 80)), "b": jax.random.normal(k[1], (80,))},
+        "embed": jax.random.normal(k[2], (7, 1000)),
+        "scale": jax.random.normal(k[3], (3, 3)),
+    } if dtype == jnp.float32 else jax.tree.map(lambda x: x.astype(dtype), make_params(key))
+
+
+def grads_at(params, step, scale=0.1):
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1000 + step), len(leaves))
+    return treedef.unflatten([(scale * jax.random.normal(k, x.shape)).astype(x.dtype) for k, x in zip(keys, leaves,
+                                                                                                       strict=True)])
+
+
+def run_steps(tx, params, steps, jit=True):
+    state = tx.init(params)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, updates
+
+    step = jax.jit(step) if jit else step
+    history = []
+    for t in range(steps):
+        params, state, updates = step(params, state, grads_at(params, t))
+        history.append((params, updates))
+    return history, state
+
+
+def rel_max(a, b):
+    """max |a - b| / max |a| over the leaves (0 when both are 0)."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = x.astype(jnp.float32), y.astype(jnp.float32)
+        worst = max(worst, float(jnp.max(jnp.abs(x - y)) / jnp.maximum(jnp.max(jnp.abs(x)), 1e-30)))
+    return worst
+
+
+@pytest.mark.parametrize("kernel", BACKENDS)
+def test_fp32_equals_optax_adamw_step_by_step(kernel):
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 12)
+    mask = {"dense": {"w": True, "b": False}, "embed": True, "scale": False}
+    ours, _ = run_steps(apexw(schedule, weight_decay=0.1, mask=mask, state_dtype="fp32", kernel=kernel),
+                        make_params(), 12)
+    theirs, _ = run_steps(optax.adamw(schedule, weight_decay=0.1, mask=mask), make_params(), 12)
+    for (p_ours, u_ours), (p_theirs, u_theirs) in zip(ours, theirs, strict=True):
+        assert rel_max(u_theirs, u_ours) <= 1e-6
+        assert rel_max(p_theirs, p_ours) <= 1e-6
+
+
+@pytest.mark.parametrize("state_dtype", KINDS)
+def test_compact_kinds_track_fp32(state_dtype):
+    """bf16 and int8 moments follow the fp32 trajectory closely over 30 steps."""
+    ours, _ = run_steps(apexw(1e-2, state_dtype=state_dtype, kernel="reference"), make_params(), 30)
+    exact, _ = run_steps(optax.adamw(1e-2), make_params(), 30)
+    drift = rel_max(exact[-1][0], ours[-1][0])
+    assert drift < {"fp32": 1e-6, "bf16": 2e-2, "int8": 5e-2}[state_dtype], drift
+
+
+@pytest.mark.parametrize("state_dtype", KINDS)
+def test_pallas_kernel_and_reference_agree_through_the_transform(state_dtype):
+    ref, _ = run_steps(apexw(1e-2, state_dtype=state_dtype, kernel="reference"), make_params(), 4)
+    pallas, _ = run_steps(apexw(1e-2, state_dtype=state_dtype, kernel="interpret"), make_params(), 4)
+    # int8: a code may round one step apart where float reordering moves a value across an edge
+    assert rel_max(ref[-1][0], pallas[-1][0]) < (1e-4 if state_dtype == "int8" else 1e-5)
+
+
+@pytest.mark.parametrize("state_dtype", KINDS)
+def test_in_optax_chain_with_clipping_and_inject_hyperparams(state_dtype):
+    tx = optax.chain(optax.clip_by_global_norm(0.5),
+                     optax.inject_hyperparams(apexw, static_args=("state_dtype",))(
+                         learning_rate=1e-2, weight_decay=0.01, state_dtype=state_dtype, kernel="reference"))
+    params = make_params()
+    state = tx.init(params)
+    traces = 0
+
+    @jax.jit
+    def step(params, state, grads):
+        nonlocal traces
+        traces += 1
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for t in range(2):  # init's weak-typed scalars may cost one retrace
+        params, state = step(params, state, grads_at(params, t))
+    traced = traces
+    lr = state[1].hyperparams["learning_rate"]
+    state[1].hyperparams["learning_rate"] = jnp.zeros_like(lr)  # lr 0 freezes params, without a recompile
+    frozen, state = step(params, state, grads_at(params, 2))
+    assert traces == traced
+    np.testing.assert_array_equal(frozen["dense"]["w"], params["dense"]["w"])
+    assert int(state[1].inner_state.count) == 3
+
+
+@pytest.mark.parametrize("state_dtype", KINDS)
+def test_state_bytes_per_param(state_dtype):
+    big = {"w": jnp.zeros((1024, 1024)), "b": jnp.zeros((1024,))}
+    state = apexw(1e-3, state_dtype=state_dtype).init(big)
+    per_param = apex_jax.state_nbytes(state) / apex_jax.FlatLayout.of(big).n_params
+    expected = {"fp32": 8.0, "bf16": 4.0, "int8": 2.1}[state_dtype]
+    assert per_param <= expected * 1.02  # padding to 64-row tiles only
+    if state_dtype == "int8":
+        assert per_param <= 2.1
+
+
+@pytest.mark.parametrize("state_dtype", KINDS)
+@pytest.mark.parametrize("params_dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_flat_step_matches_transform(state_dtype, params_dtype):
+    params = make_params(dtype=params_dtype)
+    opt = ApexW(1e-2, weight_decay=0.1, state_dtype=state_dtype, kernel="reference")
+    flat, flat_state = flatten(params), opt.init(flatten(params))
+    tree_state = opt.init(params)
+    step = jax.jit(opt.step, donate_argnums=(0, 2))
+    tree_step = jax.jit(opt.update)
+    tree = params
+    for t in range(3):
+        grads = grads_at(params, t)
+        flat, flat_state = step(flat, flatten(grads), flat_state)
+        updates, tree_state = tree_step(grads, tree_state, tree)
+        tree = optax.apply_updates(tree, updates)
+    # Same moments; params agree up to the rounding of the separate add in the transform path.
+    for a, b in zip(jax.tree.leaves(flat_state), jax.tree.leaves(tree_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tol = 1e-6 if params_dtype == jnp.float32 else 2e-2
+    assert rel_max(tree, flat.tree()) < tol
+
+
+def test_bf16_params_use_unbiased_stochastic_rounding():
+    """Tiny steps that round-to-nearest would drop entirely still move bf16 params on average."""
+    params = {"w": jnp.ones((64, 256), jnp.bfloat16)}
+    opt = ApexW(1e-4, weight_decay=0.0, state_dtype="fp32", kernel="reference")
+    flat, state = flatten(params), opt.init(flatten(params))
+    grads = flatten({"w": jnp.ones((64, 256), jnp.bfloat16)})
+    for _ in range(20):
+        flat, state = opt.step(flat, grads, state)
+    mean = float(flat.tree()["w"].astype(jnp.float32).mean())
+    assert abs(mean - (1 - 20 * 1e-4)) < 2e-4  # nearest rounding would leave exactly 1.0
+
+
+def test_gradients_arrive_flat():
+    params = make_params()
+    flat = flatten(params)
+    loss = lambda fp: sum(jnp.sum(x**2) for x in jax.tree.leaves(fp.tree()))
+    grads = jax.grad(loss)(flat)
+    assert isinstance(grads, apex_jax.FlatParams) and grads.layout is flat.layout
+    expected = jax.grad(lambda p: sum(jnp.sum(x**2) for x in jax.tree.leaves(p)))(params)
+    for a, b in zip(jax.tree.leaves(grads.tree()), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("state_dtype", KINDS)
+def test_skip_nonfinite_leaves_everything_bit_identical(state_dtype):
+    opt = ApexW(1e-2, state_dtype=state_dtype, skip_nonfinite=True, kernel="reference")
+    flat = flatten(make_params())
+    state = opt.init(flat)
+    flat, state = opt.step(flat, flatten(grads_at(make_params(), 0)), state)
+    bad = grads_at(make_params(), 1)
+    bad["embed"] = bad["embed"].at[3, 7].set(jnp.nan)
+    new_flat, new_state = jax.jit(opt.step)(flat, flatten(bad), state)
+    for a, b in zip(jax.tree.leaves((flat, state.moments, state.count)),
+                    jax.tree.leaves((new_flat, new_state.moments, new_state.count)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(new_state.skipped) == 1 and int(new_state.count) == 1
+
+
+def test_int8_state_never_turns_nan_into_a_number():
+    opt = ApexW(1e-2, state_dtype="int8", kernel="reference")
+    params = {"w": jnp.ones((64, 256))}
+    flat = flatten(params)
+    grads = flatten({"w": jnp.ones((64, 256)).at[10, 3].set(jnp.nan)})
+    flat, state = opt.step(flat, grads, opt.init(flat))
+    assert bool(jnp.isnan(flat.tree()["w"][10, 3]))
+    assert bool(jnp.isnan(state.moments[0].mu_scale).any())  # the block holding the NaN stays NaN
+
+
+def test_sharded_params_over_8_devices():
+    if jax.device_count() < 8:
+        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (make test sets it)")
+    mesh = jax.make_mesh((8,), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    params = {"w": jax.random.normal(jax.random.key(0), (64, 512)), "b": jnp.ones((8,))}
+    sharded = jax.device_put(params, sharding)
+    ours, _ = run_steps(apexw(1e-2, state_dtype="fp32", kernel="reference"), sharded, 3)
+    theirs, _ = run_steps(optax.adamw(1e-2), params, 3)
+    assert rel_max(theirs[-1][0], ours[-1][0]) <= 1e-6
+    assert ours[-1][0]["w"].sharding.is_equivalent_to(sharding, 2)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(state_dtype="int4"), "state_dtype"),
+    (dict(learning_rate=-1.0), "learning_rate"),
+    (dict(b1=1.0), "b1"),
+    (dict(b2=-0.1), "b2"),
+    (dict(eps=float("nan")), "eps"),
+    (dict(weight_decay=-1e-4), "weight_decay"),
+    (dict(kernel="cuda"), "kernel"),
+])
+def test_bad_arguments_raise_value_error(bad, match):
+    args = dict(learning_rate=1e-3) | bad
+    with pytest.raises(ValueError, match=match):
+        apexw(**args)
+
+
+def test_mask_that_does_not_match_params_raises():
+    tx = apexw(1e-3, mask={"dense": {"w": True}})
+    with pytest.raises(ValueError, match="mask does not match"):
+        tx.init(make_params())
+    with pytest.raises(TypeError, match="bools"):
+        apexw(1e-3, mask=jax.tree.map(lambda x: 1, make_params())).init(make_params())
+
+
+def test_update_without_params_raises():
+    tx = apexw(1e-3)
+    params = make_params()
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(params, tx.init(params))
+
+
+def test_grads_with_wrong_shape_raise():
+    opt = ApexW(1e-3, kernel="reference")
+    params = make_params()
+    grads = dict(params, scale=jnp.zeros((4, 4)))
+    with pytest.raises(ValueError, match="expected float32"):
+        opt.update(grads, opt.init(params), params)
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    import apex_jax.transform as module
+
+    failures, _ = doctest.testmod(module, verbose=False)
+    assert failures == 0
