@@ -264,9 +264,10 @@ def main() -> None:
 
     previous = RESULTS_DIR / f"{name}.json"
     if previous.exists() and (args.layouts or args.groups):  # a partial run replaces its own rows only
-        old = json.loads(previous.read_text())["rows"]
+        old = json.loads(previous.read_text())
         measured = {(r["layout"], r["impl"], r.get("state")) for r in rows}
-        rows = [r for r in old if (r["layout"], r["impl"], r.get("state")) not in measured] + rows
+        rows = [r for r in old["rows"] if (r["layout"], r["impl"], r.get("state")) not in measured] + rows
+        sweep = sweep or old.get("block_sweep", [])
     write_results(name, dict(floor_tb_s=BANDWIDTH_TB_S, block_sweep=sweep, rows=rows))
     plot(rows, name)
     columns = ["layout", "impl", "state", "step_ms", "floor_pct", "speedup_vs_torch_fused",
