@@ -256,19 +256,20 @@ def main() -> None:
                 blocks[kind] = min(ok, key=lambda r: r["step_ms"])["block"]
         print("  best blocks:", blocks, flush=True)
 
+    previous = RESULTS_DIR / f"{name}.json"
+    old = json.loads(previous.read_text()) if previous.exists() and (args.layouts or args.groups) else None
     rows = []
     for layout, (n, size) in layouts.items():
         for group in groups:
             case = run_case(group, layout, (n, size), blocks, TIMEOUT_S.get(group, DEFAULT_TIMEOUT_S))
             rows += finish_rows(case, layout, n, size, None if args.cpu else BANDWIDTH_TB_S)
-
-    previous = RESULTS_DIR / f"{name}.json"
-    if previous.exists() and (args.layouts or args.groups):  # a partial run replaces its own rows only
-        old = json.loads(previous.read_text())
-        measured = {(r["layout"], r["impl"], r.get("state")) for r in rows}
-        rows = [r for r in old["rows"] if (r["layout"], r["impl"], r.get("state")) not in measured] + rows
-        sweep = sweep or old.get("block_sweep", [])
-    write_results(name, dict(floor_tb_s=BANDWIDTH_TB_S, block_sweep=sweep, rows=rows))
+            merged = rows
+            if old:  # a partial run replaces its own rows only
+                measured = {(r["layout"], r["impl"], r.get("state")) for r in rows}
+                merged = [r for r in old["rows"] if (r["layout"], r["impl"], r.get("state")) not in measured] + rows
+            write_results(name, dict(floor_tb_s=BANDWIDTH_TB_S, block_sweep=sweep or (old or {}).get("block_sweep", []),
+                                     rows=merged))  # after every case: a run cut short keeps what it measured
+    rows = merged
     plot(rows, name)
     columns = ["layout", "impl", "state", "step_ms", "floor_pct", "speedup_vs_torch_fused",
                "state_bytes_per_param", "compile_s", "status"]

@@ -179,7 +179,8 @@ class LmConfig:
     heads: int = 4
     context: int = 128
     batch: int = 32
-    steps: int = 2000
+    # ~125 ms a step on 2 CPU cores: 1600 steps x 5 variants keeps the whole script near 20 minutes.
+    steps: int = 1600
     lr: float = 3e-3
     warmup: int = 100
     weight_decay: float = 0.1  # the usual transformer-LM value (GPT-2/nanoGPT); masked off 1-D params
