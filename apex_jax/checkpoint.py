@@ -38,6 +38,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from apex_jax.flat import FlatParams
+
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -65,6 +67,12 @@ def _abstract_leaf(x: Any) -> Any:
 
 def _describe(spec: tuple[tuple[int, ...], np.dtype] | None) -> str:
     return "missing" if spec is None else f"{spec[0]} {spec[1]}"
+
+
+def _flat_layouts(tree: Any) -> list[str]:
+    """sha256 of each FlatParams layout in tree: orbax saves the buffers, not the static layout."""
+    nodes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, FlatParams))
+    return [hashlib.sha256(repr(n.layout.key).encode()).hexdigest() for n in nodes if isinstance(n, FlatParams)]
 
 
 def _fsync_dir(path: pathlib.Path) -> None:
@@ -159,9 +167,10 @@ class Checkpointer:
             logger.warning("skipping checkpoint step %d in %s: %s", step, self.directory, error)
         return None
 
-    def _write_manifest(self, step: int) -> None:
+    def _write_manifest(self, step: int, tree: Any) -> None:
         step_dir = self.directory / str(step)
-        body = json.dumps({"step": step, "sha256": _hash_files(step_dir, fsync=True)}, indent=1)
+        body = json.dumps({"step": step, "flat_layouts": _flat_layouts(tree),
+                           "sha256": _hash_files(step_dir, fsync=True)}, indent=1)
         tmp = step_dir / (MANIFEST + ".tmp")
         with open(tmp, "w") as f:
             f.write(body)
@@ -187,7 +196,7 @@ class Checkpointer:
             logger.warning("SIGTERM received: saving checkpoint step %d", step)
         self._manager.save(step, args=ocp.args.StandardSave(tree), force=True)
         self._manager.wait_until_finished()
-        self._write_manifest(step)
+        self._write_manifest(step, tree)
         return True
 
     def _check_matches(self, step: int, target: Any) -> None:
@@ -197,6 +206,9 @@ class Checkpointer:
         wanted = {_leaf_path(p): _leaf_spec(x) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
         problems = [f"{path}: saved {_describe(saved.get(path))}, target {_describe(wanted.get(path))}"
                     for path in sorted(saved.keys() | wanted.keys()) if saved.get(path) != wanted.get(path)]
+        manifest = json.loads((self.directory / str(step) / MANIFEST).read_text())
+        if manifest.get("flat_layouts", []) != _flat_layouts(target):
+            problems.append("FlatParams layout: the target's leaf shapes, dtypes or order differ from the saved ones")
         if problems:
             raise ValueError(f"checkpoint step {step} in {self.directory} does not match the target:\n  "
                              + "\n  ".join(problems))

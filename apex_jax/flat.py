@@ -56,15 +56,16 @@ class FlatLayout:
 
     def __eq__(self, other) -> bool:
         return self is other or (isinstance(other, FlatLayout) and self._hash == other._hash
-                                 and self._key == other._key)
+                                 and self.key == other.key)
 
     @functools.cached_property
-    def _key(self) -> tuple:
+    def key(self) -> tuple:
+        """Everything that defines the layout (for equality and checkpoint fingerprints)."""
         return self.treedef, self.shapes, self.dtypes, self.groups
 
     @functools.cached_property
     def _hash(self) -> int:
-        return hash(self._key)
+        return hash(self.key)
 
     @classmethod
     def of(cls, tree) -> "FlatLayout":

@@ -182,7 +182,7 @@ CRASH_SCRIPT = """
     if mode == "mid_write":
         os.rename = held_rename
     else:  # finalized by orbax, killed before the manifest is written
-        Checkpointer._write_manifest = lambda self, step: os.kill(os.getpid(), signal.SIGKILL)
+        Checkpointer._write_manifest = lambda self, step, tree: os.kill(os.getpid(), signal.SIGKILL)
     rng = np.random.default_rng(0)  # random: incompressible, so 32 MiB of chunks really hit the disk
     big = {f"leaf{i}": rng.standard_normal(1 << 20, np.float32) for i in range(8)}
     ckpt.save(2, big)

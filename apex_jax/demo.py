@@ -1,0 +1,276 @@
+"""A short CPU tour of apex-jax: ``python -m apex_jax.demo`` (or ``make demo``).
+
+The tour is a list of steps (:data:`STEPS`), each a function of the shared :class:`Tour`, run in order:
+
+1. ``train_optimizers``: an MLP 784-256-256-10 on real MNIST, one epoch per optimizer variant (optax.adamw
+   with fp32 state; apexw with bf16 and int8 state through optax; the fused ``ApexW.step`` on FlatParams).
+2. ``checkpoint_round_trip``: the fused variant's params and state saved with :class:`Checkpointer` and
+   restored bit-exactly.
+3. ``optimizer_table``: final train loss, test accuracy, optimizer-state memory and median step time.
+
+A later part of the toolkit (predictive coding, serving) joins the tour by adding its own ``DemoStep``.
+"""
+
+import dataclasses
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from apex_jax.checkpoint import Checkpointer
+from apex_jax.data import MNIST_CLASSES, MNIST_PIXELS, Mnist, load_mnist
+from apex_jax.flat import FlatParams, flatten
+from apex_jax.transform import ApexW, ApexWState, apexw, state_nbytes
+
+HIDDEN = (256, 256)  # MLP 784-256-256-10: 269k params, a few ms a step on 2 CPU cores
+LOSS_WINDOW = 20  # the reported train loss is the mean of the last this many steps (one batch is noisy)
+FUSED = "ApexW.step int8 (flat)"  # the variant whose model the checkpoint step saves
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """What the tour trains: ``steps=None`` means one epoch of MNIST's 50k training images."""
+
+    steps: int | None = None
+    batch_size: int = 128
+    learning_rate: float = 1e-3
+    weight_decay: float = 1e-4
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.steps is not None and self.steps < 2:
+            raise ValueError(f"steps must be >= 2 (the first step compiles and is not timed), got {self.steps}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+
+class OptimizerRow(NamedTuple):
+    """One line of the optimizer table."""
+
+    variant: str
+    losses: np.ndarray  # float32 [steps]: the training loss of every step
+    test_accuracy: float
+    state_bytes: int
+    n_params: int
+    step_ms: float  # median over all steps but the first (which compiles)
+
+    @property
+    def final_loss(self) -> float:
+        return float(self.losses[-LOSS_WINDOW:].mean())
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.state_bytes / self.n_params
+
+
+@dataclasses.dataclass
+class Tour:
+    """What the steps share: the config, the console, and what earlier steps left for later ones."""
+
+    config: DemoConfig
+    console: Console
+    mnist: Mnist | None = None
+    optimizer_rows: list[OptimizerRow] = dataclasses.field(default_factory=list)
+    results: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. variant name -> (params, state)
+
+
+class DemoStep(NamedTuple):
+    name: str
+    run: Callable[[Tour], None]
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+def init_mlp(key: jax.Array, sizes: tuple[int, ...] = (MNIST_PIXELS, *HIDDEN, MNIST_CLASSES)) -> dict:
+    """He-normal weights ``w [fan_in, fan_out]`` and zero biases ``b [fan_out]``, one dict per layer."""
+    keys = jax.random.split(key, len(sizes) - 1)
+    return {f"layer{i}": {"w": jax.random.normal(k, (m, n)) * math.sqrt(2.0 / m), "b": jnp.zeros(n)}
+            for i, (k, m, n) in enumerate(zip(keys, sizes[:-1], sizes[1:], strict=True))}
+
+
+def mlp(params: dict, x: jax.Array) -> jax.Array:
+    """Logits ``[batch, 10]`` of images ``x [batch, 784]``."""
+    layers = list(params.values())
+    for layer in layers[:-1]:
+        x = jax.nn.relu(x @ layer["w"] + layer["b"])
+    return x @ layers[-1]["w"] + layers[-1]["b"]
+
+
+def loss_fn(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(mlp(params, x), y).mean()
+
+
+@jax.jit
+def accuracy(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.argmax(mlp(params, x), axis=-1) == y)
+
+
+# ---------------------------------------------------------------------------------------------- variants
+
+
+class Variant(NamedTuple):
+    """An optimizer to train with: ``init(params) -> (carry, state)`` and a jitted, donating step."""
+
+    name: str
+    init: Callable[[dict], tuple[Any, Any]]
+    step: Callable  # (carry, state, x, y) -> (carry, state, loss)
+    tree: Callable[[Any], dict]  # carry -> params pytree
+
+
+def optax_variant(name: str, tx: optax.GradientTransformation) -> Variant:
+    """Params as a pytree; gradients through ``tx.update`` and ``optax.apply_updates``."""
+
+    def step(params, state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    return Variant(name, lambda params: (params, tx.init(params)), jax.jit(step, donate_argnums=(0, 1)),
+                   lambda params: params)
+
+
+def fused_variant(name: str, opt: ApexW) -> Variant:
+    """Params as FlatParams: flat gradients straight from ``jax.grad`` and one fused ``opt.step``."""
+
+    def step(flat, state, x, y):
+        loss, grads = jax.value_and_grad(lambda f: loss_fn(f.tree(), x, y))(flat)
+        flat, state = opt.step(flat, grads, state)
+        return flat, state, loss
+
+    def init(params):
+        flat = flatten(params)
+        return flat, opt.init(flat)
+
+    return Variant(name, init, jax.jit(step, donate_argnums=(0, 1)), FlatParams.tree)
+
+
+def make_variants(config: DemoConfig) -> list[Variant]:
+    lr, wd = config.learning_rate, config.weight_decay
+    return [
+        optax_variant("optax.adamw fp32", optax.adamw(lr, weight_decay=wd)),
+        optax_variant("apexw bf16 (optax)", apexw(lr, weight_decay=wd, state_dtype="bf16")),
+        optax_variant("apexw int8 (optax)", apexw(lr, weight_decay=wd, state_dtype="int8")),
+        fused_variant(FUSED, ApexW(lr, weight_decay=wd, state_dtype="int8")),
+    ]
+
+
+def optimizer_state_bytes(state: Any) -> int:
+    """Moment bytes of an ApexWState (``state_nbytes``), else every array leaf of an optax state."""
+    if isinstance(state, ApexWState):
+        return state_nbytes(state)
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(state) if hasattr(leaf, "nbytes"))
+
+
+# ---------------------------------------------------------------------------------------------- steps
+
+
+def train_optimizers(tour: Tour) -> None:
+    """Trains the MLP with every variant from the same init on the same batches; fills optimizer_rows."""
+    config = tour.config
+    if tour.mnist is None:
+        tour.mnist = load_mnist()
+    mnist = tour.mnist
+    epoch_steps = len(mnist.train_y) // config.batch_size
+    steps = config.steps or epoch_steps
+    order = np.random.default_rng(config.seed).permutation(len(mnist.train_y))
+    order = np.resize(order, steps * config.batch_size)  # wraps into a second epoch only if steps asks for it
+    train_x, train_y = jax.device_put(mnist.train_x[order]), jax.device_put(mnist.train_y[order])
+    test_x, test_y = jax.device_put(mnist.test_x), jax.device_put(mnist.test_y)
+    init_params = init_mlp(jax.random.key(config.seed))
+    n_params = sum(leaf.size for leaf in jax.tree.leaves(init_params))
+    tour.console.print(f"MLP {MNIST_PIXELS}-{'-'.join(map(str, HIDDEN))}-{MNIST_CLASSES} ({n_params:,} params) on "
+                       f"MNIST: {steps} steps of {config.batch_size} images "
+                       f"({steps / epoch_steps:.2f} epochs), lr {config.learning_rate}")
+
+    columns = (TextColumn("{task.description:<26}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn())
+    with Progress(*columns, console=tour.console) as progress:
+        for variant in make_variants(config):
+            task = progress.add_task(variant.name, total=steps, loss=float("nan"))
+            carry, state = variant.init(jax.tree.map(jnp.copy, init_params))  # steps donate their inputs
+            state_bytes = optimizer_state_bytes(state)
+            losses, times = np.zeros(steps, np.float32), np.zeros(steps)
+            for i in range(steps):
+                batch = slice(i * config.batch_size, (i + 1) * config.batch_size)
+                x, y = train_x[batch], train_y[batch]
+                start = time.perf_counter()
+                carry, state, loss = jax.block_until_ready(variant.step(carry, state, x, y))
+                times[i] = time.perf_counter() - start
+                losses[i] = loss
+                progress.update(task, advance=1, loss=losses[max(0, i - LOSS_WINDOW + 1): i + 1].mean())
+            test_accuracy = float(accuracy(variant.tree(carry), test_x, test_y))
+            tour.optimizer_rows.append(OptimizerRow(variant.name, losses, test_accuracy, state_bytes, n_params,
+                                                    float(np.median(times[1:])) * 1e3))
+            tour.results[variant.name] = (carry, state)
+
+
+def checkpoint_round_trip(tour: Tour) -> None:
+    """Saves the fused variant's FlatParams and ApexWState with Checkpointer and restores them bit-exactly."""
+    flat, state = tour.results[FUSED]
+    saved = {"params": flat, "opt_state": state}
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), saved)  # nothing but shapes
+    with tempfile.TemporaryDirectory() as directory, Checkpointer(directory, handle_sigterm=False) as ckpt:
+        step = int(state.count)
+        ckpt.save(step, saved)
+        restored = ckpt.restore(target)
+    leaves, restored_leaves = jax.tree.leaves(saved), jax.tree.leaves(restored)
+    same_types = jax.tree.structure(restored) == jax.tree.structure(saved)
+    same_bits = all(np.asarray(a).dtype == np.asarray(b).dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+                    for a, b in zip(leaves, restored_leaves, strict=True))
+    if not (same_types and same_bits):
+        raise RuntimeError(f"checkpoint round trip changed the tree (same pytree types: {same_types}, "
+                           f"same bits: {same_bits})")
+    nbytes = sum(leaf.nbytes for leaf in leaves)
+    tour.results["checkpoint"] = restored
+    tour.console.print(f"checkpoint: FlatParams + ApexWState (int8) at step {step} saved and restored "
+                       f"bit-exactly ({len(leaves)} arrays, {nbytes:,} bytes)")
+
+
+def optimizer_table(tour: Tour) -> None:
+    table = Table(title=f"ApexW on MNIST ({tour.optimizer_rows[0].losses.size} steps)")
+    for column in ("variant", "train loss", "test acc", "state bytes", "B/param", "step ms"):
+        table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=column == "variant")
+    for row in tour.optimizer_rows:
+        table.add_row(row.variant, f"{row.final_loss:.4f}", f"{row.test_accuracy:.2%}", f"{row.state_bytes:,}",
+                      f"{row.bytes_per_param:.2f}", f"{row.step_ms:.2f}")
+    tour.console.print(table)
+
+
+STEPS: list[DemoStep] = [
+    DemoStep("train MNIST with every optimizer variant", train_optimizers),
+    DemoStep("checkpoint round trip", checkpoint_round_trip),
+    DemoStep("optimizer table", optimizer_table),
+]
+
+
+def run(steps: int | None = None, batch_size: int = 128, console: Console | None = None,
+        demo_steps: list[DemoStep] | None = None) -> Tour:
+    """Runs the tour's steps in order and returns what they left.
+
+    Args:
+      steps: training steps per optimizer variant; None trains one epoch.
+      batch_size: images per step.
+      console: where to print (a quiet ``Console(file=io.StringIO())`` in tests); None prints to stdout.
+      demo_steps: which steps to run; None runs all of :data:`STEPS`.
+    """
+    tour = Tour(DemoConfig(steps=steps, batch_size=batch_size), console or Console())
+    for step in STEPS if demo_steps is None else demo_steps:
+        tour.console.rule(step.name)
+        start = time.perf_counter()
+        step.run(tour)
+        tour.console.print(f"[dim]{step.name}: {time.perf_counter() - start:.1f} s[/dim]")
+    return tour
+
+
+if __name__ == "__main__":
+    run()
