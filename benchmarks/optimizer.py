@@ -184,7 +184,6 @@ def run_case(group: str, layout: str, shape: tuple[int, int], blocks: dict, time
 
 
 def finish_rows(rows: list[dict], layout: str, n: int, size: int, bandwidth_tb_s: float | None) -> list[dict]:
-    fused_torch = next((r["step_ms"] for r in rows if r.get("impl") == "torch fused" and r.get("step_ms")), None)
     out = []
     for row in rows:
         row = dict(layout=layout, n_tensors=n, n_params=n * size, status="ok") | row
@@ -192,9 +191,17 @@ def finish_rows(rows: list[dict], layout: str, n: int, size: int, bandwidth_tb_s
         floor_bytes = FLOOR_BYTES_PER_PARAM[kind] * n * size
         row["gb_s"] = floor_bytes / (ms * 1e6) if ms else None
         row["floor_pct"] = 100 * floor_bytes / (bandwidth_tb_s * 1e12) / (ms * 1e-3) if ms and bandwidth_tb_s else None
-        row["speedup_vs_torch_fused"] = fused_torch / ms if ms and fused_torch else None
         out.append(row)
     return out
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """speedup_vs_torch_fused of every row, against torch fused on the same layout."""
+    torch_ms = {r["layout"]: r["step_ms"] for r in rows if r.get("impl") == "torch fused" and r.get("step_ms")}
+    for row in rows:
+        base, ms = torch_ms.get(row["layout"]), row.get("step_ms")
+        row["speedup_vs_torch_fused"] = base / ms if base and ms else None
+    return rows
 
 
 def plot(rows: list[dict], name: str) -> None:
@@ -268,7 +275,7 @@ def main() -> None:
                 measured = {(r["layout"], r["impl"], r.get("state")) for r in rows}
                 merged = [r for r in old["rows"] if (r["layout"], r["impl"], r.get("state")) not in measured] + rows
             write_results(name, dict(floor_tb_s=BANDWIDTH_TB_S, block_sweep=sweep or (old or {}).get("block_sweep", []),
-                                     rows=merged))  # after every case: a run cut short keeps what it measured
+                                     rows=add_speedups(merged)))  # after every case: a cut-short run keeps its rows
     rows = merged
     plot(rows, name)
     columns = ["layout", "impl", "state", "step_ms", "floor_pct", "speedup_vs_torch_fused",
