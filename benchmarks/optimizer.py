@@ -30,7 +30,7 @@ GPU_LAYOUTS = {"4x32M": (4, 32 << 20), "1024x128K": (1024, 128 << 10), "8192x16K
 CPU_LAYOUTS = {"4x256K": (4, 256 << 10), "128x8K": (128, 8 << 10)}
 FLOOR_BYTES_PER_PARAM = {"fp32": 28.0, "bf16": 20.0, "int8": 16.0 + 16 / 256}
 STATE_KINDS = ("fp32", "bf16", "int8")
-GROUPS = ("torch", "bnb", "torchao", "optax", "apexw-transform", "apexw-fused")
+GROUPS = ("torch", "bnb", "torchao", "optax", "apexw-transform", "apexw-transform-flat", "apexw-fused")
 TIMEOUT_S = {"optax": 100}  # the issue saw optax not compile within 100 s at 8192 leaves
 DEFAULT_TIMEOUT_S = 400
 BLOCK_SWEEP = [(2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]  # (block_rows, num_warps)
@@ -99,9 +99,12 @@ def jax_worker(group: str, n: int, size: int, blocks: dict) -> list[dict]:
     params = [jax.random.normal(jax.random.fold_in(key, i), (size,)) for i in range(n)]
     grads = [jax.random.normal(jax.random.fold_in(key, n + i), (size,)) for i in range(n)]
     rows = []
-    if group in ("optax", "apexw-transform"):
+    if group == "apexw-transform-flat":  # the optax path over FlatParams: few leaves whatever the model
+        params, grads = apex_jax.flatten(params), apex_jax.flatten(grads)
+    if group in ("optax", "apexw-transform", "apexw-transform-flat"):
+        impl = "apexw transform" + (" (flat)" if group.endswith("flat") else "")
         variants = [("optax.adamw", "fp32", optax.adamw(LR))] if group == "optax" else [
-            ("apexw transform", kind, apex_jax.apexw(LR, state_dtype=kind)) for kind in STATE_KINDS]
+            (impl, kind, apex_jax.apexw(LR, state_dtype=kind)) for kind in STATE_KINDS]
         for impl, kind, tx in variants:
             def step(p, s, g, tx=tx):
                 u, s = tx.update(g, s, p)

@@ -24,6 +24,8 @@ def make_params(key=0, dtype=jnp.float32):
 
 
 def grads_at(params, step, scale=0.1):
+    if isinstance(params, apex_jax.FlatParams):
+        return flatten(grads_at(params.tree(), step, scale))
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1000 + step), len(leaves))
     return treedef.unflatten([(scale * jax.random.normal(k, x.shape)).astype(x.dtype) for k, x in zip(keys, leaves,
@@ -141,6 +143,17 @@ def test_fused_flat_step_matches_transform(state_dtype, params_dtype):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     tol = 1e-6 if params_dtype == jnp.float32 else 2e-2
     assert rel_max(tree, flat.tree()) < tol
+
+
+@pytest.mark.parametrize("state_dtype", KINDS)
+def test_optax_chain_over_flat_params(state_dtype):
+    """The transform path on FlatParams: clipping and apply_updates see a few buffers, not every leaf."""
+    chain = lambda: optax.chain(optax.clip_by_global_norm(0.5), apexw(1e-2, state_dtype=state_dtype,
+                                                                        kernel="reference"))
+    tree_history, _ = run_steps(chain(), make_params(), 3)
+    flat_history, _ = run_steps(chain(), flatten(make_params()), 3)
+    assert isinstance(flat_history[-1][0], apex_jax.FlatParams)
+    assert rel_max(tree_history[-1][0], flat_history[-1][0].tree()) < 1e-6
 
 
 def test_bf16_params_use_unbiased_stochastic_rounding():
