@@ -75,7 +75,7 @@ class ApexW:
       skip_nonfinite: if any gradient is NaN/Inf, leave params and moments untouched and count the skip.
       seed: seed of the stochastic-rounding hash (with the step and the element index).
       kernel: "auto" (Pallas on GPU, jnp elsewhere), "pallas", "interpret" or "reference".
-      block: launch geometry of the Pallas kernel.
+      block: launch geometry of the Pallas kernel (default: tuned per state kind on an H200).
     """
 
     learning_rate: ScalarOrSchedule
@@ -89,7 +89,7 @@ class ApexW:
     skip_nonfinite: bool = False
     seed: int | jax.Array = 0
     kernel: str = "auto"
-    block: BlockConfig = BlockConfig()
+    block: BlockConfig | None = None
 
     def __post_init__(self):
         if self.state_dtype not in STATE_DTYPES:
@@ -98,7 +98,7 @@ class ApexW:
             raise ValueError(f"unknown kernel {self.kernel!r}; expected one of {KERNELS}")
         if self.quant_map not in ("power", "linear"):
             raise ValueError(f"unknown quant_map {self.quant_map!r}; expected 'power' or 'linear'")
-        if self.block.block_rows > ROWS_ALIGN:
+        if self.block is not None and self.block.block_rows > ROWS_ALIGN:
             raise ValueError(f"block.block_rows must be <= {ROWS_ALIGN}, got {self.block.block_rows}")
         if not callable(self.learning_rate):
             _check_range("learning_rate", self.learning_rate, 0.0, None)
