@@ -11,7 +11,7 @@ Variants: `optax.adamw` and `apexw` with fp32, bf16 and int8 moments (power code
 linear code map. A whole training run is one jitted `lax.scan` over steps. `final_loss` is the mean train
 loss of the last 200 steps; `rel_diff_vs_optax` its relative difference from `optax.adamw`'s.
 
-    python benchmarks/optimizer_quality.py           # results/optimizer_quality.json + .png (~20 min, 2 CPU cores)
+    python benchmarks/optimizer_quality.py           # results/optimizer_quality.json + .png (~22 min, 2 CPU cores)
     python benchmarks/optimizer_quality.py --quick   # tiny models, a few dozen steps (tests)
 """
 
@@ -179,7 +179,7 @@ class LmConfig:
     heads: int = 4
     context: int = 128
     batch: int = 32
-    # ~125 ms a step on 2 CPU cores: 1600 steps x 5 variants keeps the whole script near 20 minutes.
+    # ~125 ms a step on 2 CPU cores: 1600 steps x 5 variants keeps the whole script near 22 minutes.
     steps: int = 1600
     lr: float = 3e-3
     warmup: int = 100
