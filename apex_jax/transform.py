@@ -138,14 +138,14 @@ class ApexW:
 
     def _run(self, params, grads, state: ApexWState, apply: bool):
         layout = FlatLayout.of(params)
-        if len(state.moments) != len(layout.groups):
-            raise ValueError(f"state has {len(state.moments)} moment groups, params need {len(layout.groups)}")
+        self._check_state(layout, state)
         p_flat, g_flat = layout.flatten(params), layout.flatten(grads)
         row_masks = self._row_masks(layout, params)
         count = state.count
         t = optax.safe_increment(count)
         lr = self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate
-        # Same expressions as optax.adamw, so the fp32 kind rounds exactly as it does.
+        # optax.adamw's scalar expressions (1 - b rounded from float64); the kernel then multiplies by the
+        # bias corrections' reciprocals, which keeps the fp32 kind within a few ulps of optax.
         hp = Hyper(*(jnp.asarray(x, jnp.float32) for x in (
             lr, self.b1, self.b2, 1 - self.b1, 1 - self.b2, self.eps, self.weight_decay,
             1 - self.b1 ** t, 1 - self.b2 ** t)))
@@ -196,6 +196,14 @@ class ApexW:
             return pallas(*args)
         return jax.lax.platform_dependent(*args, cuda=pallas,
                                           default=lambda *a: fused_adamw_reference(*a, **static))
+
+    def _check_state(self, layout: FlatLayout, state: ApexWState) -> None:
+        """The state must be this optimizer's kind for these params (a restored checkpoint may not be)."""
+        expected = jax.eval_shape(lambda: tuple(self._zero_moments(group) for group in layout.groups))
+        spec = lambda tree: [(x.shape, jnp.dtype(x.dtype).name) for x in jax.tree.leaves(tree)]
+        if jax.tree.structure(state.moments) != jax.tree.structure(expected) or spec(state.moments) != spec(expected):
+            raise ValueError(f"optimizer state does not match state_dtype={self.state_dtype!r} for these params: "
+                             f"got {jax.tree.map(lambda x: (x.shape, x.dtype.name), state.moments)}")
 
     def _zero_moments(self, group):
         if self.state_dtype != "int8":

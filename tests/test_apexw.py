@@ -247,6 +247,13 @@ def test_update_without_params_raises():
         tx.update(params, tx.init(params))
 
 
+def test_state_of_another_kind_raises():
+    params = make_params()
+    bf16_state = ApexW(1e-3, state_dtype="bf16").init(params)
+    with pytest.raises(ValueError, match="state_dtype='int8'"):
+        ApexW(1e-3, state_dtype="int8", kernel="reference").update(params, bf16_state, params)
+
+
 def test_grads_with_wrong_shape_raise():
     opt = ApexW(1e-3, kernel="reference")
     params = make_params()
