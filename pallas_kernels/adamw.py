@@ -105,9 +105,12 @@ def uniform(bits: jax.Array) -> jax.Array:
     return (bits & jnp.uint32(0xFFFF)).astype(jnp.int32).astype(jnp.float32) * (1.0 / (1 << 16))
 
 
+TINY = 1e-30  # keeps rsqrt finite at 0 (x * rsqrt(x + TINY) = 0 there); far below any moment that matters
+
+
 def fast_sqrt(x: jax.Array) -> jax.Array:
-    """sqrt(x) for x >= 0 through the hardware rsqrt (a few ulps; exact 0 at 0), for codec maps only."""
-    return jnp.where(x > 0, x * jax.lax.rsqrt(x), 0.0)
+    """sqrt(x) for x >= 0 through the hardware rsqrt (a few ulps; exactly 0 at 0)."""
+    return x * jax.lax.rsqrt(x + TINY)
 
 
 def round_to_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
@@ -140,12 +143,21 @@ def dequantize_rows(codes, scale, *, signed: bool, quant_map: str):
     return y * scale[:, None]
 
 
-def adam_direction(p, g, m, v, hp: Hyper, decay):
-    """New (m, v) and the AdamW direction u (all float32), in optax's operation order."""
+def adam_direction(p, g, m, v, hp: Hyper, decay, fast: bool):
+    """New (m, v) and the AdamW direction u (all float32), in optax's operation order.
+
+    The bias corrections enter as scalar reciprocals. ``fast`` (bf16 and int8 moments, whose storage error
+    is ~1e-3) also takes sqrt and 1/(sqrt(v_hat) + eps) from the hardware rsqrt; fp32 keeps IEEE sqrt and
+    division, within a few ulps of optax.
+    """
     m = hp.one_minus_b1 * g + hp.b1 * m
     v = hp.one_minus_b2 * (g * g) + hp.b2 * v
-    # Scalar reciprocals: one division per element (the 1/(sqrt(v_hat) + eps)) instead of three.
-    u = (m * (1 / hp.bias_correction1)) / (jnp.sqrt(v) * (1 / jnp.sqrt(hp.bias_correction2)) + hp.eps)
+    m_hat = m * (1 / hp.bias_correction1)
+    if fast:
+        denom = fast_sqrt(v) * jax.lax.rsqrt(hp.bias_correction2) + hp.eps  # >= eps, so denom^2 > 0
+        u = m_hat * jax.lax.rsqrt(denom * denom)
+    else:
+        u = m_hat / (jnp.sqrt(v) * (1 / jnp.sqrt(hp.bias_correction2)) + hp.eps)
     return m, v, u + (hp.weight_decay * decay) * p
 
 
@@ -175,9 +187,11 @@ def _adamw_kernel(hp_ref, key_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_
     p = p_ref[...].astype(jnp.float32)
     g = g_ref[...].astype(jnp.float32)
     decay = decay_ref[...][:, None]
+    fast = codec != "fp32"
 
     def dense(m_ref, v_ref, m_out, v_out):
-        m, v, u = adam_direction(p, g, m_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32), hp, decay)
+        m, v, u = adam_direction(p, g, m_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32), hp, decay,
+                                 fast)
         bits = random_bits(index, key_ref[1])  # low half rounds m, high half rounds v
         m_out[...] = store_dense(m, bits, m_out.dtype)
         v_out[...] = store_dense(v, bits >> 16, v_out.dtype)
@@ -191,7 +205,7 @@ def _adamw_kernel(hp_ref, key_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_
         mq, vq, ms, vs = state_in[:4]
         m = dequantize_rows(mq[...], ms[...], signed=True, quant_map=quant_map)
         v = dequantize_rows(vq[...], vs[...], signed=False, quant_map=quant_map)
-        m, v, u = adam_direction(p, g, m, v, hp, decay)
+        m, v, u = adam_direction(p, g, m, v, hp, decay, fast)
         mq_out, vq_out, ms_out, vs_out = state_out[:4]
         bits = random_bits(index, key_ref[1])
         mq_out[...], ms_out[...] = quantize_rows(m, bits, signed=True, quant_map=quant_map)
@@ -296,10 +310,11 @@ def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_
     bits = [random_bits(index, keys[0]), random_bits(index, keys[1])]
     bits.append(bits[1] >> 16)
     pf, gf, decay = p.astype(jnp.float32), g.astype(jnp.float32), decay[:, None]
+    fast = codec != "fp32"
 
     if codec != "int8":
         m, v = state
-        m_new, v_new, u = adam_direction(pf, gf, m.astype(jnp.float32), v.astype(jnp.float32), hp, decay)
+        m_new, v_new, u = adam_direction(pf, gf, m.astype(jnp.float32), v.astype(jnp.float32), hp, decay, fast)
         new_state = (store_dense(m_new, bits[1], m.dtype), store_dense(v_new, bits[2], v.dtype))
         return finish(pf, u, hp, out_dtype, bits[0], apply), new_state
 
@@ -310,7 +325,7 @@ def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_
     if n:
         m_parts.insert(0, state[4])
         v_parts.insert(0, state[5])
-    m_new, v_new, u = adam_direction(pf, gf, jnp.concatenate(m_parts), jnp.concatenate(v_parts), hp, decay)
+    m_new, v_new, u = adam_direction(pf, gf, jnp.concatenate(m_parts), jnp.concatenate(v_parts), hp, decay, fast)
     mq_new, ms_new = quantize_rows(m_new[n:], bits[1][n:], signed=True, quant_map=quant_map)
     vq_new, vs_new = quantize_rows(v_new[n:], bits[2][n:], signed=False, quant_map=quant_map)
     new_state = (mq_new, vq_new, ms_new, vs_new) + ((m_new[:n], v_new[:n]) if n else ())
