@@ -1,0 +1,340 @@
+"""Fused predictive-coding settling: all T inference steps of a batch tile in one Pallas (Triton) launch.
+
+Supervised discriminative predictive coding on an MLP with L >= 2 weight layers. Activities x_0 (the
+clamped input, ``[batch, n_0]``) and x_1..x_L (``[batch, n_l]``); weights W_l ``[n_l, n_{l+1}]``, biases
+b_l ``[n_{l+1}]``, activation f (sigmoid, tanh or relu):
+
+    mu_l = f(x_{l-1}) @ W_{l-1} + b_{l-1}          e_l = x_l - mu_l          E = sum_l 0.5 ||e_l||^2
+
+Hidden activities start at the feed-forward pass (x_l = mu_l); the output x_L starts clamped to the target
+(training) or, with no target, at its prediction and free (then every error starts at 0, the minimum of E,
+and the state stays there). T explicit Euler steps of dx = -dE/dx, every layer updated from the errors of
+the same state:
+
+    x_l <- x_l - dt (e_l - f'(x_l) * (e_{l+1} @ W_l^T))      hidden l = 1..L-1
+    x_L <- x_L - dt e_L                                      free output only
+
+x_0 is clamped, so mu_1 = f(x_0) @ W_0 + b_0 is computed once, before the loop. The kernel returns the
+settled x_1..x_L (and, on request, their errors e_1..e_L); the caller forms the weight gradients
+dE/dW_{l-1} = -f(x_{l-1})^T e_l. The settled activities are treated as constants there, so the kernel has
+no VJP.
+
+Layout: the wrapper pads every width to a power of 2 (at least 16, the smallest ``tl.dot`` tile; 784 ->
+1024, 10 -> 16) and the batch to a multiple of ``block_b``, all with zeros, and slices the results back.
+Padded units stay exactly 0: their mu is 0 (zero weight columns and bias), so their error is 0, and their
+backward term e_{l+1} @ W_l^T is 0 (zero weight rows); f(0) (0.5 for sigmoid) only meets zero weights.
+
+Design and expected speed
+-------------------------
+One program settles ``block_b`` rows of the batch (grid = batch / block_b). Its activities and errors stay
+in registers for the whole ``fori_loop`` over T, held as lists of ``chunk``-wide column blocks so that each
+matmul is a static grid of small ``tl.dot``s (f32 accumulation) and no register tensor is ever sliced.
+The weights are NOT kept on chip in this version: every step re-reads each weight block from global memory
+inside the loop (W_l for the predictions, the same blocks transposed for e_{l+1} @ W_l^T), relying on the
+L2 cache (50 MB on an H200) to hold them: the Deepity weights are 2.7 MB in fp32 (3.2 MB padded). The
+loop stores the output layer each step, between the forward and the backward reads; without a store,
+Triton would hoist the loads out of the read-only loop (its LICM) or merge a block's two loads (CSE), and
+hold whole weight matrices in registers.
+
+FLOPs, Deepity (784-512-512-10), one epoch of 60,000 samples at T = 20, 2 FLOP per multiply-add:
+  * once per sample:  mu_1 = f(x_0) W_0:                       784*512             = 0.40 M MAC
+  * per step:          W_1, W_2 forward + the same transposed:  2 * (512*512 + 512*10) = 0.53 M MAC
+  * per sample: 0.40 + 20 * 0.53 = 11.1 M MAC = 22.2 MFLOP; per epoch 60,000 * 22.2 M = 1.33 TFLOP
+    (the weight gradients outside add 0.08 TFLOP; the kernel's padding to 1024 and 16 adds about 2%).
+
+Each weight element read from L2 feeds 2 * block_b FLOPs: 8 FLOP/byte at block_b = 16 in fp32 (16 with
+bf16 weights). At block_b = 16 an epoch streams about 3,750 programs * 20 steps * 2.2 MB = 160 GB of
+weights from L2, so at an L2 bandwidth of several TB/s this version should be L2-bound at tens of
+milliseconds per epoch, well below the tensor cores' rate (about 1.3 TFLOP / 495 TFLOP/s = 3 ms in TF32).
+These are estimates, to be measured; larger ``block_b`` and bf16 operands raise the intensity, at the cost
+of registers.
+
+A later Hopper version would keep the weights resident on chip for the whole launch: W_1 (512 KB in bf16)
+split by columns across the shared memory of a thread-block cluster of 4-8 SMs, read from HBM once, with
+activities exchanged through distributed shared memory each step; a persistent grid walking batch tiles;
+and ``wgmma`` (64-row warpgroup tiles, B from shared memory) through Mosaic GPU instead of Triton's
+``tl.dot``. That removes the L2 stream and leaves the loop compute-bound.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MIN_WIDTH = 16  # smallest M, N and K of a Triton tl.dot tile: every width, chunk and block_b is at least this
+
+
+def _sigmoid_grad(x, fx):
+    return fx * (1.0 - fx)
+
+
+def _tanh_grad(x, fx):
+    return 1.0 - fx * fx
+
+
+def _relu_grad(x, fx):
+    return jnp.where(x > 0, 1.0, 0.0).astype(x.dtype)
+
+
+# name -> (f(x), f'(x) given x and f(x)); the derivative reuses f(x), which the predictions need anyway.
+ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {
+    "sigmoid": (jax.nn.sigmoid, _sigmoid_grad),
+    "tanh": (jnp.tanh, _tanh_grad),
+    "relu": (lambda x: jnp.maximum(x, 0.0), _relu_grad),
+}
+
+# How the matmul operands are multiplied (accumulation is always float32):
+#   float32: IEEE fp32 (exact reference numerics), tf32: tensor-core TF32, bfloat16: bf16 operands.
+PRECISIONS = ("float32", "tf32", "bfloat16")
+
+
+def _dot_args(precision: str):
+    """(operand dtype, lax precision) of a precision name."""
+    if precision == "bfloat16":
+        return jnp.bfloat16, None
+    return jnp.float32, (jax.lax.Precision.DEFAULT if precision == "tf32" else jax.lax.Precision.HIGHEST)
+
+
+@dataclasses.dataclass(frozen=True)
+class SettleConfig:
+    """Launch geometry: a program settles ``block_b`` batch rows; matmuls run on ``chunk``-wide blocks."""
+
+    block_b: int = 16
+    chunk: int = 64  # column block of activities and weights: a 64x64 fp32 weight block, 16 regs/thread
+    num_warps: int = 8  # a 512-wide net's state (x_1, x_2, mu_1 at block_b=16) is ~96 regs/thread at 8 warps
+    num_stages: int = 1  # deeper software pipelining would stage every weight block of the loop in smem
+
+    def __post_init__(self):
+        for name in ("block_b", "chunk", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"SettleConfig.{name} must be a positive power of 2, got {value}")
+        for name in ("block_b", "chunk"):
+            if getattr(self, name) < MIN_WIDTH:
+                raise ValueError(f"SettleConfig.{name} must be >= {MIN_WIDTH} (a tl.dot tile), "
+                                 f"got {getattr(self, name)}")
+        if self.num_stages < 1:
+            raise ValueError(f"SettleConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+def padded_width(n: int) -> int:
+    """The power of 2 (at least MIN_WIDTH) a width is padded to in the kernel."""
+    return max(MIN_WIDTH, 1 << (n - 1).bit_length())
+
+
+# --------------------------------------------------------------------------- Pallas kernel
+# An activity or error of a batch tile is a list of [block_b, c] column blocks, c = min(width, chunk).
+
+
+def _spans(width: int, chunk: int) -> list[tuple[int, int]]:
+    c = min(width, chunk)
+    return [(s, c) for s in range(0, width, c)]
+
+
+def _load_cols(ref, chunk):
+    return [ref[:, pl.ds(s, c)].astype(jnp.float32) for s, c in _spans(ref.shape[1], chunk)]
+
+
+def _store_cols(ref, blocks):
+    for (s, c), block in zip(_spans(ref.shape[1], blocks[0].shape[1]), blocks, strict=True):
+        ref[:, pl.ds(s, c)] = block.astype(ref.dtype)
+
+
+def _matmul(a, w_ref, *, transpose, chunk, precision):
+    """``a @ W`` (or ``a @ W^T``) for a block list ``a``, reading W's blocks from its ref (global memory)."""
+    dtype, lax_precision = _dot_args(precision)
+    rows, cols = w_ref.shape
+    k_spans, n_spans = (_spans(cols, chunk), _spans(rows, chunk)) if transpose else (
+        _spans(rows, chunk), _spans(cols, chunk))
+    contract = 1 if transpose else 0  # W's dimension contracted with a's columns
+    a = [block.astype(dtype) for block in a]
+    out = []
+    for n0, nc in n_spans:
+        acc = None
+        for (k0, kc), a_k in zip(k_spans, a, strict=True):
+            w = w_ref[pl.ds(n0, nc), pl.ds(k0, kc)] if transpose else w_ref[pl.ds(k0, kc), pl.ds(n0, nc)]
+            part = jax.lax.dot_general(a_k, w.astype(dtype), (((1,), (contract,)), ((), ())),
+                                       precision=lax_precision, preferred_element_type=jnp.float32)
+            acc = part if acc is None else acc + part
+        out.append(acc)
+    return out
+
+
+def _linear(fx, w_ref, b_ref, *, chunk, precision):
+    """Prediction blocks ``f(x) @ W + b``."""
+    mu = _matmul(fx, w_ref, transpose=False, chunk=chunk, precision=precision)
+    return [m + b_ref[pl.ds(s, c)].astype(jnp.float32)[None, :]
+            for (s, c), m in zip(_spans(b_ref.shape[0], chunk), mu, strict=True)]
+
+
+def _pc_settle_kernel(*refs, n_layers, clamped, with_errors, T, dt, activation, precision, chunk):
+    # refs = (x0, [target], W_0..W_{L-1}, b_0..b_{L-1}, x_1..x_L out, [e_1..e_L out])
+    x0_ref, refs = refs[0], refs[1:]
+    target_ref, refs = (refs[0], refs[1:]) if clamped else (None, refs)
+    w_refs, b_refs, refs = refs[:n_layers], refs[n_layers:2 * n_layers], refs[2 * n_layers:]
+    x_out, e_out = refs[:n_layers], refs[n_layers:]
+    f, df = ACTIVATIONS[activation]
+    lin = functools.partial(_linear, chunk=chunk, precision=precision)
+    act = lambda blocks: [f(b) for b in blocks]
+
+    mu1 = lin(act(_load_cols(x0_ref, chunk)), w_refs[0], b_refs[0])  # x_0 is clamped: constant
+
+    def predictions(xs):
+        fxs = [act(x) for x in xs[:-1]]
+        return fxs, [mu1] + [lin(fx, w_refs[l + 1], b_refs[l + 1]) for l, fx in enumerate(fxs)]
+
+    def errors(xs, mus):
+        return [[x - m for x, m in zip(xl, ml, strict=True)] for xl, ml in zip(xs, mus, strict=True)]
+
+    xs = [mu1]
+    for l in range(1, n_layers):
+        xs.append(lin(act(xs[-1]), w_refs[l], b_refs[l]))
+    if clamped:
+        xs[-1] = _load_cols(target_ref, chunk)
+
+    def step(_, xs):
+        fxs, mus = predictions(xs)
+        es = errors(xs, mus)
+        x_last = xs[-1] if clamped else [x - dt * e for x, e in zip(xs[-1], es[-1], strict=True)]
+        # The output layer is written every step, between the forward and the backward weight reads: cheap
+        # (n_L columns), and it keeps the weights streaming (module docstring, "Design").
+        _store_cols(x_out[-1], x_last)
+        new = []
+        for l in range(n_layers - 1):  # xs[l] is x_{l+1}; its backward term comes through W_{l+1}
+            back = _matmul(es[l + 1], w_refs[l + 1], transpose=True, chunk=chunk, precision=precision)
+            new.append([x - dt * (e - df(x, fx) * g)
+                        for x, fx, e, g in zip(xs[l], fxs[l], es[l], back, strict=True)])
+        return new + [x_last]
+
+    xs = jax.lax.fori_loop(0, T, step, xs)
+    for ref, x in zip(x_out[:-1], xs[:-1], strict=True):  # x_L was stored by the last step (T >= 1)
+        _store_cols(ref, x)
+    if with_errors:
+        for ref, e in zip(e_out, errors(xs, predictions(xs)[1]), strict=True):
+            _store_cols(ref, e)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _check(weights, biases, x0, target, T, dt, activation, precision):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; expected one of {tuple(ACTIVATIONS)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
+    if not isinstance(T, int) or T < 1:
+        raise ValueError(f"T must be an int >= 1, got {T!r}")
+    if not dt > 0:
+        raise ValueError(f"dt must be > 0, got {dt!r}")
+    if len(weights) < 2 or len(biases) != len(weights):
+        raise ValueError(f"need L >= 2 weight layers and one bias each; got {len(weights)} weights and "
+                         f"{len(biases)} biases")
+    if x0.ndim != 2:
+        raise ValueError(f"x0 must be [batch, n_0], got shape {x0.shape}")
+    n_in = x0.shape[1]
+    for l, (w, b) in enumerate(zip(weights, biases, strict=True)):
+        if w.ndim != 2 or w.shape[0] != n_in:
+            raise ValueError(f"weights[{l}] must be [{n_in}, n_{l + 1}] to follow the previous layer, "
+                             f"got {w.shape}")
+        if b.shape != (w.shape[1],):
+            raise ValueError(f"biases[{l}] must be [{w.shape[1]}], got {b.shape}")
+        n_in = w.shape[1]
+    if target is not None and target.shape != (x0.shape[0], n_in):
+        raise ValueError(f"target must be [batch, n_L] = {[x0.shape[0], n_in]}, got {list(target.shape)}")
+
+
+def _pad2(a, rows, cols):
+    return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])))
+
+
+@functools.partial(jax.jit, static_argnames=("T", "dt", "activation", "precision", "with_errors", "config",
+                                             "interpret"))
+def pc_settle(weights: Sequence[jax.Array], biases: Sequence[jax.Array], x0: jax.Array,
+              target: jax.Array | None = None, *, T: int, dt: float, activation: str = "sigmoid",
+              precision: str = "float32", with_errors: bool = False, config: SettleConfig = SettleConfig(),
+              interpret: bool = False):
+    """Settle a predictive-coding MLP for T Euler steps, in one launch.
+
+    Args:
+      weights: L >= 2 arrays, ``weights[l]`` is ``[n_l, n_{l+1}]``.
+      biases: L arrays, ``biases[l]`` is ``[n_{l+1}]``.
+      x0: the clamped input, ``[batch, n_0]``; any batch size (padded to a multiple of ``config.block_b``).
+      target: ``[batch, n_L]`` to clamp the output to (e.g. one-hot labels), or None for a free output.
+      T: Euler steps (>= 1). dt: step size (> 0).
+      activation: ``"sigmoid"``, ``"tanh"`` or ``"relu"``.
+      precision: matmul operands, one of :data:`PRECISIONS` (accumulation is always float32).
+      with_errors: also return the errors of the settled state.
+      config: launch geometry (:class:`SettleConfig`).
+
+    Returns:
+      The settled activities ``[x_1, ..., x_L]``, float32 ``[batch, n_l]``; with ``with_errors``, the pair
+      ``(activities, [e_1, ..., e_L])``.
+    """
+    _check(weights, biases, x0, target, T, dt, activation, precision)
+    n_layers, batch, bb = len(weights), x0.shape[0], config.block_b
+    widths = [x0.shape[1]] + [w.shape[1] for w in weights]
+    pw = [padded_width(n) for n in widths]
+    rows = -(-batch // bb) * bb
+    w_dtype = _dot_args(precision)[0]  # cast once here: bf16 weights halve the bytes streamed each step
+    ws = [_pad2(w.astype(w_dtype), pw[l], pw[l + 1]) for l, w in enumerate(weights)]
+    bs = [jnp.pad(b.astype(jnp.float32), (0, pw[l + 1] - b.shape[0])) for l, b in enumerate(biases)]
+    tiles = [_pad2(x0, rows, pw[0])]
+    if target is not None:
+        tiles.append(_pad2(target, rows, pw[-1]))
+    tile_spec = lambda n: pl.BlockSpec((bb, n), lambda i: (i, 0))
+    in_specs = [tile_spec(pw[0])] + ([tile_spec(pw[-1])] if target is not None else [])
+    in_specs += [pl.BlockSpec(w.shape, lambda i: (0, 0)) for w in ws]
+    in_specs += [pl.BlockSpec(b.shape, lambda i: (0,)) for b in bs]
+    out_shape = [jax.ShapeDtypeStruct((rows, n), jnp.float32) for n in pw[1:]] * (2 if with_errors else 1)
+    kernel = functools.partial(_pc_settle_kernel, n_layers=n_layers, clamped=target is not None,
+                               with_errors=with_errors, T=T, dt=float(dt), activation=activation,
+                               precision=precision, chunk=config.chunk)
+    out = pl.pallas_call(
+        kernel,
+        grid=(rows // bb,),
+        in_specs=in_specs,
+        out_specs=[tile_spec(s.shape[1]) for s in out_shape],
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name=f"pc_settle_{n_layers}layers",
+    )(*tiles, *ws, *bs)
+    out = [o[:batch, :n] for o, n in zip(out, widths[1:] * (len(out) // n_layers), strict=True)]
+    return (out[:n_layers], out[n_layers:]) if with_errors else out
+
+
+def pc_settle_reference(weights: Sequence[jax.Array], biases: Sequence[jax.Array], x0: jax.Array,
+                        target: jax.Array | None = None, *, T: int, dt: float, activation: str = "sigmoid",
+                        precision: str = "float32", with_errors: bool = False):
+    """Plain-jnp :func:`pc_settle` (same arguments and results, no padding, no tiling)."""
+    _check(weights, biases, x0, target, T, dt, activation, precision)
+    f, df = ACTIVATIONS[activation]
+    dtype, lax_precision = _dot_args(precision)
+    ws = [w.astype(dtype) for w in weights]
+    bs = [b.astype(jnp.float32) for b in biases]
+    dot = lambda a, w: jnp.dot(a.astype(dtype), w, precision=lax_precision, preferred_element_type=jnp.float32)
+    mu1 = dot(f(x0.astype(jnp.float32)), ws[0]) + bs[0]
+
+    def predictions(xs):
+        fxs = [f(x) for x in xs[:-1]]
+        return fxs, [mu1] + [dot(fx, ws[l + 1]) + bs[l + 1] for l, fx in enumerate(fxs)]
+
+    def step(_, xs):
+        fxs, mus = predictions(xs)
+        es = [x - mu for x, mu in zip(xs, mus, strict=True)]
+        new = [xs[l] - dt * (es[l] - df(xs[l], fxs[l]) * dot(es[l + 1], ws[l + 1].T)) for l in range(len(ws) - 1)]
+        return new + [xs[-1] if target is not None else xs[-1] - dt * es[-1]]
+
+    xs = [mu1]
+    for w, b in zip(ws[1:], bs[1:], strict=True):
+        xs.append(dot(f(xs[-1]), w) + b)
+    if target is not None:
+        xs[-1] = target.astype(jnp.float32)
+    xs = jax.lax.fori_loop(0, T, step, xs)
+    if not with_errors:
+        return xs
+    return xs, [x - mu for x, mu in zip(xs, predictions(xs)[1], strict=True)]
