@@ -1,0 +1,32 @@
+"""pc: predictive-coding networks whose settling (iterative inference) runs inside one jit.
+
+networks (config, params, forward) -> energy (E, errors, dE/dx) -> settle (solvers) -> train (epochs).
+"""
+
+from pc.energy import energy, energy_and_grads, errors
+from pc.generative import reconstruct, sample
+from pc.networks import ACTIVATIONS, OUTPUTS, PCNet, forward, init_params, parse_arch
+from pc.settle import KERNELS, SOLVERS, SettleResult, settle, settle_activities
+from pc.train import VARIANTS, evaluate, train_epoch
+
+__all__ = [
+    "ACTIVATIONS",
+    "KERNELS",
+    "OUTPUTS",
+    "PCNet",
+    "SOLVERS",
+    "SettleResult",
+    "VARIANTS",
+    "energy",
+    "energy_and_grads",
+    "errors",
+    "evaluate",
+    "forward",
+    "init_params",
+    "parse_arch",
+    "reconstruct",
+    "sample",
+    "settle",
+    "settle_activities",
+    "train_epoch",
+]

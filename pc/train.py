@@ -1,0 +1,196 @@
+"""Training predictive-coding networks: a whole epoch is one jitted call.
+
+Per minibatch: activities start at the feed-forward pass, the clamped layers are set, settling runs T steps
+(``pc.settle``), then the weights take one optax step on the gradient of the batch-mean energy at the
+settled activities (held constant), which is local: dE/dW_l = -f(x_l)^T e_{l+1} / batch (times s in a
+residual block). Variants:
+
+  * "supervised": x_0 = image and x_L = label (one-hot) clamped; hidden layers inferred.
+  * "generative": the image is clamped at the output side (x_L, Gaussian), the latent x_0 (prior N(0, I),
+    starting at 0) and the hidden layers are inferred; see ``pc.generative`` for reconstructions and samples.
+  * "incremental": iPC, supervised clamping, but the weights take an optax step at every settling step,
+    from the same state as the activity step (Salvatori et al., "A Stable, Fast, and Fully Automatic
+    Learning Algorithm for Predictive Coding Networks", ICLR 2024).
+
+The epoch shuffles with ``key`` and runs a ``lax.scan`` over ``len(images) // batch_size`` minibatches (the
+remainder is dropped), gathering each minibatch from the arrays on the device: pass ``jax.device_put``
+arrays to keep the data resident across epochs.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pc.energy import energy, energy_and_grads, errors
+from pc.networks import Params, PCNet, check_params, forward
+from pc.settle import check_settle_args, free_layers, join_free, make_solver, settle_activities
+
+VARIANTS = ("supervised", "generative", "incremental")
+EVAL_BATCH = 1000  # rows per evaluation chunk: bounds the activities' memory; does not change the result
+
+
+def _weight_step(optimizer, params, opt_state, xs, net, input_prior=False):
+    """One optax step on the gradient of the batch-mean energy at fixed activities ``xs``."""
+    xs = [jax.lax.stop_gradient(x) for x in xs]
+    loss = lambda p: jnp.mean(energy(p, xs, net, output_clamped=True, input_prior=input_prior))
+    mean_energy, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, mean_energy
+
+
+def _hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.argmax(logits, axis=-1) == labels)
+
+
+def _clamp_label(params, x, y, net):
+    """Feed-forward activities with x_L clamped to one-hot y, and the accuracy of the free-output prediction."""
+    xs = forward(params, x, net)
+    accuracy = _hits(xs[-1], y)  # before this batch's update
+    xs[-1] = jax.nn.one_hot(y, net.sizes[-1], dtype=jnp.float32)
+    return xs, accuracy
+
+
+def _supervised(params, opt_state, x, y, dt, *, optimizer, net, T, solver):
+    xs, accuracy = _clamp_label(params, x, y, net)
+    settled = settle_activities(params, xs, net, T=T, dt=dt, solver=solver, output_clamped=True).xs
+    params, opt_state, mean_energy = _weight_step(optimizer, params, opt_state, settled, net)
+    return params, opt_state, {"energy": mean_energy, "accuracy": accuracy}
+
+
+def _generative(params, opt_state, x, y, dt, *, optimizer, net, T, solver):
+    del y
+    xs = forward(params, jnp.zeros((x.shape[0], net.sizes[0]), x.dtype), net)
+    xs[-1] = x
+    settled = settle_activities(params, xs, net, T=T, dt=dt, solver=solver, output_clamped=True,
+                                infer_input=True).xs
+    mse = jnp.mean(errors(params, settled, net, output_clamped=True)[-1] ** 2)
+    params, opt_state, mean_energy = _weight_step(optimizer, params, opt_state, settled, net, input_prior=True)
+    return params, opt_state, {"energy": mean_energy, "mse": mse}
+
+
+def _incremental(params, opt_state, x, y, dt, *, optimizer, net, T, solver):
+    xs, accuracy = _clamp_label(params, x, y, net)
+    free = free_layers(net, output_clamped=True)
+    activity_opt = make_solver(solver)
+
+    def activity_grads(p, z):
+        e, grads = energy_and_grads(p, join_free(xs, free, z), net, output_clamped=True)
+        return e, tuple(grads[l] for l in free)
+
+    def step(carry, _):
+        p, state, z, z_state = carry
+        _, g = activity_grads(p, z)
+        z_new, z_state = activity_opt.step(lambda v: activity_grads(p, v)[1], z, g, z_state, dt)
+        p, state, mean_energy = _weight_step(optimizer, p, state, join_free(xs, free, z), net)
+        return (p, state, z_new, z_state), mean_energy
+
+    z0 = tuple(xs[l] for l in free)
+    (params, opt_state, _, _), energies = jax.lax.scan(step, (params, opt_state, z0, activity_opt.init(z0)),
+                                                       None, length=T)
+    return params, opt_state, {"energy": energies[-1], "accuracy": accuracy}
+
+
+_STEPS = {"supervised": _supervised, "generative": _generative, "incremental": _incremental}
+
+
+@functools.partial(jax.jit, static_argnames=("optimizer", "net", "T", "batch_size", "solver", "variant"))
+def _train_epoch(params, opt_state, images, labels, key, dt, *, optimizer, net, T, batch_size, solver, variant):
+    n_batches = images.shape[0] // batch_size
+    order = jax.random.permutation(key, images.shape[0])[: n_batches * batch_size].reshape(n_batches, batch_size)
+    step = functools.partial(_STEPS[variant], optimizer=optimizer, net=net, T=T, solver=solver)
+
+    def batch(carry, idx):
+        p, state = carry
+        y = None if labels is None else labels[idx]
+        p, state, metrics = step(p, state, images[idx], y, dt)
+        return (p, state), metrics
+
+    (params, opt_state), metrics = jax.lax.scan(batch, (params, opt_state), order)
+    return params, opt_state, jax.tree.map(jnp.mean, metrics)
+
+
+def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.GradientTransformation,
+                images: jax.Array, labels: jax.Array | None, *, net: PCNet, T: int, dt: float, batch_size: int,
+                key: jax.Array, solver: str | optax.GradientTransformation = "euler",
+                variant: str = "supervised") -> tuple[Params, optax.OptState, dict[str, jax.Array]]:
+    """One epoch of PC training as a single jitted call.
+
+    Args:
+      params, opt_state: network parameters and ``optimizer.init(params)``.
+      optimizer: any optax transformation of the weights (e.g. ``optax.adamw`` or ``apex_jax.apexw``);
+        it is a static argument, so reuse the same object across epochs to reuse the compiled epoch.
+      images: ``[n, n_0]`` (``[n, n_L]`` for "generative"), float.
+      labels: int ``[n]`` in 0..n_L-1; unused (may be None) for "generative".
+      net, T, dt, solver: the network and its settling (see ``pc.settle.settle``).
+      batch_size: minibatch rows; the last ``n % batch_size`` shuffled rows are dropped.
+      key: PRNG key of this epoch's shuffle.
+      variant: one of :data:`VARIANTS`.
+
+    Returns:
+      ``(params, opt_state, metrics)``; metrics are epoch means: "energy" (batch-mean settled energy; for
+      "incremental" the energy before the last step) and "accuracy" (of the feed-forward prediction, before
+      each batch's update), or "mse" (squared error of the settled output prediction) for "generative".
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+    check_settle_args(T, dt, solver)
+    check_params(params, net)
+    images = jnp.asarray(images)
+    width = net.sizes[-1] if variant == "generative" else net.sizes[0]
+    where = "n_L (the image is clamped at the output)" if variant == "generative" else "n_0 (the input)"
+    if images.ndim != 2 or images.shape[1] != width:
+        raise ValueError(f"images must be [n, {width}] for net {net.sizes}: width = {where}; got shape "
+                         f"{images.shape}")
+    if not isinstance(batch_size, int) or not 1 <= batch_size <= images.shape[0]:
+        raise ValueError(f"batch_size must be an int in [1, {images.shape[0]}] (the number of images), "
+                         f"got {batch_size!r}")
+    if variant == "generative":
+        if net.output != "gaussian":
+            raise ValueError(f"the generative variant clamps images with a Gaussian energy: net.output must be "
+                             f"'gaussian', got {net.output!r}")
+        labels = None
+    else:
+        labels = _check_labels(labels, images.shape[0], net)
+    return _train_epoch(params, opt_state, images, labels, key, jnp.float32(dt), optimizer=optimizer, net=net,
+                        T=T, batch_size=batch_size, solver=solver, variant=variant)
+
+
+def _check_labels(labels, n: int, net: PCNet) -> jax.Array:
+    if labels is None:
+        raise ValueError("labels are required for supervised and incremental training")
+    labels = jnp.asarray(labels)
+    if labels.shape != (n,) or not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(f"labels must be int [n] = [{n}], got {labels.dtype}{list(labels.shape)}")
+    low, high = (int(v) for v in np.asarray(jnp.stack([labels.min(), labels.max()])))
+    if low < 0 or high >= net.sizes[-1]:
+        raise ValueError(f"labels span [{low}, {high}], expected within [0, {net.sizes[-1] - 1}] "
+                         f"(n_L = {net.sizes[-1]} classes)")
+    return labels
+
+
+@functools.partial(jax.jit, static_argnames=("net", "batch_size"))
+def _accuracy(params, images, labels, *, net, batch_size):
+    predict_one = lambda x: forward(params, x[None], net)[-1][0]
+    logits = jax.lax.map(predict_one, images, batch_size=batch_size)
+    return _hits(logits, labels)
+
+
+def evaluate(params: Params, images: jax.Array, labels: jax.Array, net: PCNet,
+             batch_size: int = EVAL_BATCH) -> float:
+    """Accuracy of ``argmax x_L`` with a free output, on images ``[n, n_0]`` and int labels ``[n]``.
+
+    With a free output and activities starting at the feed-forward pass every error is 0 at step 0, so
+    every solver leaves the state where it is: the settled output IS the feed-forward prediction, and
+    evaluation needs no settling loop. ``batch_size`` rows are predicted at a time (any n works).
+    """
+    check_params(params, net)
+    images = jnp.asarray(images)
+    if images.ndim != 2 or images.shape[1] != net.sizes[0]:
+        raise ValueError(f"images must be [n, {net.sizes[0]}] for net {net.sizes}, got shape {images.shape}")
+    labels = _check_labels(labels, images.shape[0], net)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    return float(_accuracy(params, images, labels, net=net, batch_size=batch_size))

@@ -1,0 +1,185 @@
+"""pc core: the energy and its closed-form gradient, the settling solvers, MNIST training, input checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import apex_jax
+import pc
+from apex_jax.data import load_mnist
+
+SMALL = (6, 9, 7, 4)  # a net small enough for long reference runs
+
+
+def random_activities(key, net: pc.PCNet, batch: int = 5) -> list[jax.Array]:
+    """Activities away from the forward pass, so every error and every gradient term is non-zero."""
+    keys = jax.random.split(key, len(net.sizes))
+    return [jax.random.normal(k, (batch, n)) for k, n in zip(keys, net.sizes, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def mnist_subset():
+    m = load_mnist()
+    n = 2000
+    return tuple(jax.device_put(a) for a in (m.train_x[:n], m.train_y[:n], m.test_x[:n], m.test_y[:n]))
+
+
+@pytest.mark.parametrize("activation", sorted(pc.ACTIVATIONS))
+@pytest.mark.parametrize("output,output_clamped,input_prior", [
+    ("gaussian", False, False), ("cross_entropy", True, False), ("gaussian", True, True)])
+def test_closed_form_gradient_equals_autodiff(activation, output, output_clamped, input_prior):
+    net = pc.PCNet((6, 8, 8, 8, 4), activation=activation, output=output, residual=True,
+                   input_activation=activation != "relu")
+    params = pc.init_params(jax.random.key(0), net)
+    params = jax.tree.map(lambda p: p + 0.1, params)  # non-zero biases
+    xs = random_activities(jax.random.key(1), net)
+    if output_clamped:
+        xs[-1] = jax.nn.softmax(xs[-1])  # a CE target is a distribution
+    kw = dict(output_clamped=output_clamped, input_prior=input_prior)
+    e, grads = pc.energy_and_grads(params, xs, net, **kw)
+    auto = jax.grad(lambda xs: pc.energy(params, xs, net, **kw).sum())(xs)
+    assert e.shape == (5,)
+    for l, (g, a) in enumerate(zip(grads, auto, strict=True)):
+        np.testing.assert_allclose(g, a, rtol=1e-5, atol=1e-5, err_msg=f"dE/dx_{l}")
+
+
+def test_energy_is_half_squared_errors():
+    net = pc.PCNet(SMALL, activation="tanh")
+    params = pc.init_params(jax.random.key(0), net)
+    xs = random_activities(jax.random.key(1), net)
+    expected = sum(0.5 * jnp.sum(e**2, axis=-1) for e in pc.errors(params, xs, net))
+    np.testing.assert_allclose(pc.energy(params, xs, net), expected, rtol=1e-6)
+
+
+def test_euler_with_tiny_dt_decreases_energy_monotonically():
+    net = pc.PCNet(SMALL, activation="tanh")
+    params = pc.init_params(jax.random.key(0), net)
+    x0, target = jax.random.normal(jax.random.key(1), (8, SMALL[0])), jax.random.normal(jax.random.key(2), (8, 4))
+    result = pc.settle(params, x0, net, T=200, dt=0.01, target=target, trace=True)
+    energies = np.append(np.asarray(result.trace), float(result.energy))
+    assert energies.shape == (201,)
+    assert np.all(np.diff(energies) <= 1e-7), np.diff(energies).max()
+    assert energies[-1] < 0.8 * energies[0]
+
+
+def test_heun_beats_euler_against_a_fine_solution():
+    net = pc.PCNet(SMALL, activation="tanh")
+    params = pc.init_params(jax.random.key(0), net)
+    x0, target = jax.random.normal(jax.random.key(1), (8, SMALL[0])), jax.random.normal(jax.random.key(2), (8, 4))
+    T, dt, refine = 10, 0.2, 100
+    fine = pc.settle(params, x0, net, T=T * refine, dt=dt / refine, solver="heun", target=target).xs
+    err = {}
+    for solver in pc.SOLVERS:
+        xs = pc.settle(params, x0, net, T=T, dt=dt, solver=solver, target=target).xs
+        err[solver] = sum(float(jnp.linalg.norm(x - f)) for x, f in zip(xs, fine, strict=True))
+    assert err["heun"] < 0.2 * err["euler"], err
+
+
+def test_optax_sgd_solver_is_euler():
+    net = pc.PCNet(SMALL, activation="sigmoid")
+    params = pc.init_params(jax.random.key(0), net)
+    x0, labels = jax.random.normal(jax.random.key(1), (8, SMALL[0])), jnp.arange(8) % 4
+    euler = pc.settle(params, x0, net, T=15, dt=0.1, target=labels)
+    sgd = pc.settle(params, x0, net, T=15, dt=0.1, solver=optax.sgd(1.0), target=labels)
+    adam = pc.settle(params, x0, net, T=15, dt=1.0, solver=optax.adam(0.05), target=labels)
+    for a, b in zip(euler.xs, sgd.xs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert float(adam.energy) < float(pc.settle(params, x0, net, T=1, dt=1e-9, target=labels).energy)
+
+
+def test_clamped_output_moves_hidden_free_output_stays_at_zero_error():
+    net = pc.PCNet(SMALL, activation="tanh", output="cross_entropy")
+    params = pc.init_params(jax.random.key(0), net)
+    x0 = jax.random.normal(jax.random.key(1), (8, SMALL[0]))
+    ff = pc.forward(params, x0, net)
+    clamped = pc.settle(params, x0, net, T=20, dt=0.1, target=jnp.arange(8) % 4)
+    for l in range(1, net.depth):
+        assert float(jnp.max(jnp.abs(clamped.xs[l] - ff[l]))) > 1e-3, f"x_{l} did not move"
+    for solver in (*pc.SOLVERS, optax.adam(0.1)):
+        free = pc.settle(params, x0, net, T=20, dt=0.1, solver=solver)
+        assert float(free.energy) == 0.0
+        for l, (x, f) in enumerate(zip(free.xs, ff, strict=True)):
+            np.testing.assert_array_equal(x, f, err_msg=f"free x_{l} moved ({solver})")
+
+
+def test_early_stop_at_steady_state():
+    net = pc.PCNet(SMALL, activation="linear")
+    params = pc.init_params(jax.random.key(0), net)
+    x0, target = jax.random.normal(jax.random.key(1), (8, SMALL[0])), jax.random.normal(jax.random.key(2), (8, 4))
+    T, tol = 5000, 1e-4
+    stopped = pc.settle(params, x0, net, T=T, dt=0.2, target=target, tol=tol, trace=True)
+    steps = int(stopped.steps)
+    assert 0 < steps < T
+    assert np.all(np.isfinite(stopped.trace[:steps])) and np.all(np.isnan(stopped.trace[steps:]))
+    _, grads = pc.energy_and_grads(params, stopped.xs, net, output_clamped=True)
+    assert float(jnp.max(jnp.sqrt(sum(jnp.sum(g**2, axis=-1) for g in grads[1:-1])))) < tol
+    full = pc.settle(params, x0, net, T=steps, dt=0.2, target=target)  # the same path, without the check
+    for a, b in zip(stopped.xs, full.xs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert int(pc.settle(params, x0, net, T=T, dt=0.2, tol=tol).steps) == 0  # a free output is already there
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "apexw"])
+def test_train_epoch_learns_mnist_subset(mnist_subset, optimizer):
+    """One epoch over 2000 images: > 80% on 2000 test images (the feed-forward prediction)."""
+    train_x, train_y, test_x, test_y = mnist_subset
+    net = pc.PCNet(pc.parse_arch("784-128-10"), activation="tanh", output="cross_entropy", input_activation=False)
+    tx = optax.adamw(5e-3) if optimizer == "adamw" else apex_jax.apexw(5e-3)
+    params = pc.init_params(jax.random.key(0), net)
+    params, _, metrics = pc.train_epoch(params, tx.init(params), tx, train_x, train_y, net=net, T=20, dt=0.1,
+                                        batch_size=20, key=jax.random.key(1))
+    assert set(metrics) == {"energy", "accuracy"}
+    assert 0.5 < float(metrics["accuracy"]) and 0 < float(metrics["energy"]) < 2.3  # ln 10: chance-level CE
+    accuracy = pc.evaluate(params, test_x, test_y, net)
+    assert accuracy > 0.8, accuracy
+
+
+def test_parse_arch_and_net_checks():
+    assert pc.parse_arch("784-512-512-10") == (784, 512, 512, 10)
+    assert pc.parse_arch("784-128*3-10") == (784, 128, 128, 128, 10)
+    net = pc.PCNet(pc.parse_arch("784-128*4-10"), residual=True)
+    assert [net.is_residual(l) for l in range(net.depth)] == [False, True, True, True, False]
+    assert net.branch_scale == pytest.approx(3**-0.5)
+    params = pc.init_params(jax.random.key(0), net)
+    assert [p["w"].shape for p in params] == [(784, 128)] + [(128, 128)] * 3 + [(128, 10)]
+
+
+_NET = pc.PCNet((4, 5, 3))
+_PARAMS = pc.init_params(jax.random.key(0), _NET)
+_X = jnp.zeros((2, 4))
+_TX = optax.sgd(0.1)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: pc.PCNet((784,)), r"at least 2 layers.*\(784,\)"),
+    (lambda: pc.PCNet((784, 0, 10)), r"positive integers.*\(784, 0, 10\)"),
+    (lambda: pc.PCNet((4, 3), activation="swish"), "unknown activation 'swish'"),
+    (lambda: pc.PCNet((4, 3), output="mse"), "unknown output 'mse'"),
+    (lambda: pc.PCNet((4, 5, 3), residual=True), "residual=True.*none"),
+    (lambda: pc.parse_arch("784-abc-10"), "bad layer 'abc'"),
+    (lambda: pc.settle(_PARAMS, _X, _NET, T=0, dt=0.1), "T .* >= 1, got 0"),
+    (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.0), r"dt .* > 0, got 0.0"),
+    (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, solver="rk4"), "unknown solver 'rk4'"),
+    (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, kernel="cuda"), "unknown kernel 'cuda'"),
+    (lambda: pc.settle(_PARAMS, jnp.zeros((2, 7)), _NET, T=5, dt=0.1), r"x0 must be \[batch, n_0\].*\(2, 7\)"),
+    (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, target=jnp.zeros((2, 9))), r"target .*\(2, 9\)"),
+    (lambda: pc.settle(_PARAMS, _X, pc.PCNet((4, 6, 3)), T=5, dt=0.1), r"params\[0\] has w \(4, 5\)"),
+    (lambda: pc.train_epoch(_PARAMS, _TX.init(_PARAMS), _TX, jnp.zeros((8, 784)), jnp.zeros(8, jnp.int32),
+                            net=_NET, T=5, dt=0.1, batch_size=4, key=jax.random.key(0)),
+     r"images must be \[n, 4\].*\(8, 784\)"),
+    (lambda: pc.train_epoch(_PARAMS, _TX.init(_PARAMS), _TX, jnp.zeros((8, 4)), jnp.full(8, 3),
+                            net=_NET, T=5, dt=0.1, batch_size=4, key=jax.random.key(0)), r"labels span \[3, 3\]"),
+    (lambda: pc.train_epoch(_PARAMS, _TX.init(_PARAMS), _TX, jnp.zeros((8, 4)), jnp.zeros(8, jnp.int32),
+                            net=_NET, T=5, dt=0.1, batch_size=16, key=jax.random.key(0)), "batch_size .* got 16"),
+    (lambda: pc.train_epoch(_PARAMS, _TX.init(_PARAMS), _TX, jnp.zeros((8, 4)), jnp.zeros(8, jnp.int32),
+                            net=_NET, T=0, dt=0.1, batch_size=4, key=jax.random.key(0)), "T .* got 0"),
+    (lambda: pc.train_epoch(_PARAMS, _TX.init(_PARAMS), _TX, jnp.zeros((8, 4)), jnp.zeros(8, jnp.int32),
+                            net=_NET, T=5, dt=0.1, batch_size=4, key=jax.random.key(0), variant="hebbian"),
+     "unknown variant 'hebbian'"),
+    (lambda: pc.evaluate(_PARAMS, jnp.zeros((8, 5)), jnp.zeros(8, jnp.int32), _NET), r"images must be .*\(8, 5\)"),
+])
+def test_bad_inputs_raise_clear_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
