@@ -29,6 +29,7 @@ def test_tiny_tour_runs_every_step_and_every_variant_learns():
     assert "restored bit-exactly" in text
     for step in demo.STEPS:
         assert step.name in text
+    assert tour.results["pc_test_accuracy"] > 0.5
 
 
 def test_config_rejects_too_few_steps():
