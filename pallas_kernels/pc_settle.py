@@ -2,9 +2,16 @@
 
 Supervised discriminative predictive coding on an MLP with L >= 2 weight layers. Activities x_0 (the
 clamped input, ``[batch, n_0]``) and x_1..x_L (``[batch, n_l]``); weights W_l ``[n_l, n_{l+1}]``, biases
-b_l ``[n_{l+1}]``, activation f (sigmoid, tanh or relu):
+b_l ``[n_{l+1}]``, activation f (sigmoid, tanh or relu) on the hidden layers:
 
-    mu_l = f(x_{l-1}) @ W_{l-1} + b_{l-1}          e_l = x_l - mu_l          E = sum_l 0.5 ||e_l||^2
+    mu_l = f(x_{l-1}) @ W_{l-1} + b_{l-1}   (l >= 2)        e_l = x_l - mu_l        E = sum_l 0.5 ||e_l||^2
+
+x_0 is clamped, so mu_1 = f_0(x_0) @ W_0 + b_0 is constant while settling: the caller computes it once, with
+whatever f_0 its net applies to the input (f, or the identity for a linear input), and passes mu_1
+``[batch, n_1]`` in place of x_0 and W_0. A clamped output has a Gaussian energy, or (``output=
+"cross_entropy"``) CE(softmax(mu_L), x_L) = -sum x_L log softmax(mu_L), whose error e_L = x_L - softmax(mu_L)
+is -dE/dmu_L as x_L - mu_L is for the Gaussian, so the updates below hold for both (see ``pc.energy``). A
+free output is always Gaussian.
 
 Hidden activities start at the feed-forward pass (x_l = mu_l); the output x_L starts clamped to the target
 (training) or, with no target, at its prediction and free (then every error starts at 0, the minimum of E,
@@ -14,15 +21,15 @@ the same state:
     x_l <- x_l - dt (e_l - f'(x_l) * (e_{l+1} @ W_l^T))      hidden l = 1..L-1
     x_L <- x_L - dt e_L                                      free output only
 
-x_0 is clamped, so mu_1 = f(x_0) @ W_0 + b_0 is computed once, before the loop. The kernel returns the
-settled x_1..x_L (and, on request, their errors e_1..e_L); the caller forms the weight gradients
-dE/dW_{l-1} = -f(x_{l-1})^T e_l. The settled activities are treated as constants there, so the kernel has
-no VJP.
+The kernel returns the settled x_1..x_L (and, on request, their errors e_1..e_L); the caller forms the
+weight gradients dE/dW_{l-1} = -f(x_{l-1})^T e_l. The settled activities are treated as constants there, so
+the kernel has no VJP.
 
-Layout: the wrapper pads every width to a power of 2 (at least 16, the smallest ``tl.dot`` tile; 784 ->
-1024, 10 -> 16) and the batch to a multiple of ``block_b``, all with zeros, and slices the results back.
-Padded units stay exactly 0: their mu is 0 (zero weight columns and bias), so their error is 0, and their
-backward term e_{l+1} @ W_l^T is 0 (zero weight rows); f(0) (0.5 for sigmoid) only meets zero weights.
+Layout: the wrapper pads every width to a power of 2 (at least 16, the smallest ``tl.dot`` tile; 10 -> 16)
+and the batch to a multiple of ``block_b``, all with zeros, and slices the results back. Padded units stay
+exactly 0: their mu is 0 (zero weight columns and bias, zero mu_1 columns), so their error is 0, and their
+backward term e_{l+1} @ W_l^T is 0 (zero weight rows); f(0) (0.5 for sigmoid) only meets zero weights. A
+cross-entropy output's softmax masks its padded columns out (probability 0, so their error is 0 too).
 
 Design and expected speed
 -------------------------
@@ -31,20 +38,20 @@ in registers for the whole ``fori_loop`` over T, held as lists of ``chunk``-wide
 matmul is a static grid of small ``tl.dot``s (f32 accumulation) and no register tensor is ever sliced.
 The weights are NOT kept on chip in this version: every step re-reads each weight block from global memory
 inside the loop (W_l for the predictions, the same blocks transposed for e_{l+1} @ W_l^T), relying on the
-L2 cache (50 MB on an H200) to hold them: the Deepity weights are 2.7 MB in fp32 (3.2 MB padded). The
-loop stores the output layer each step, between the forward and the backward reads; without a store,
+L2 cache (50 MB on an H200) to hold them: the Deepity weights the loop reads (W_1, W_2) are 1.1 MB in fp32.
+The loop stores the output layer each step, between the forward and the backward reads; without a store,
 Triton would hoist the loads out of the read-only loop (its LICM) or merge a block's two loads (CSE), and
 hold whole weight matrices in registers.
 
 FLOPs, Deepity (784-512-512-10), one epoch of 60,000 samples at T = 20, 2 FLOP per multiply-add:
-  * once per sample:  mu_1 = f(x_0) W_0:                       784*512             = 0.40 M MAC
-  * per step:          W_1, W_2 forward + the same transposed:  2 * (512*512 + 512*10) = 0.53 M MAC
+  * once per sample, by XLA before the launch:  mu_1 = f_0(x_0) W_0:   784*512             = 0.40 M MAC
+  * per step, in the kernel:  W_1, W_2 forward + the same transposed:  2 * (512*512 + 512*10) = 0.53 M MAC
   * per sample: 0.40 + 20 * 0.53 = 11.1 M MAC = 22.2 MFLOP; per epoch 60,000 * 22.2 M = 1.33 TFLOP
-    (the weight gradients outside add 0.08 TFLOP; the kernel's padding to 1024 and 16 adds about 2%).
+    (the weight gradients outside add 0.08 TFLOP; the kernel's padding of 10 to 16 adds about 1%).
 
 Each weight element read from L2 feeds 2 * block_b FLOPs: 8 FLOP/byte at block_b = 16 in fp32 (16 with
-bf16 weights). At block_b = 16 an epoch streams about 3,750 programs * 20 steps * 2.2 MB = 160 GB of
-weights from L2, so at an L2 bandwidth of several TB/s this version should be L2-bound at tens of
+bf16 weights). At block_b = 16 an epoch streams about 3,750 programs * 20 steps * 2 reads * 1.1 MB =
+160 GB of weights from L2, so at an L2 bandwidth of several TB/s this version should be L2-bound at tens of
 milliseconds per epoch, well below the tensor cores' rate (about 1.3 TFLOP / 495 TFLOP/s = 3 ms in TF32).
 These are estimates, to be measured; larger ``block_b`` and bf16 operands raise the intensity, at the cost
 of registers.
@@ -90,6 +97,9 @@ ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {
 # How the matmul operands are multiplied (accumulation is always float32):
 #   float32: IEEE fp32 (exact reference numerics), tf32: tensor-core TF32, bfloat16: bf16 operands.
 PRECISIONS = ("float32", "tf32", "bfloat16")
+
+# Energy of a clamped output: 0.5 ||x_L - mu_L||^2 or CE(softmax(mu_L), x_L). A free output is always Gaussian.
+OUTPUTS = ("gaussian", "cross_entropy")
 
 
 def _dot_args(precision: str):
@@ -171,27 +181,47 @@ def _linear(fx, w_ref, b_ref, *, chunk, precision):
             for (s, c), m in zip(_spans(b_ref.shape[0], chunk), mu, strict=True)]
 
 
-def _pc_settle_kernel(*refs, n_layers, clamped, with_errors, T, dt, activation, precision, chunk):
-    # refs = (x0, [target], W_0..W_{L-1}, b_0..b_{L-1}, x_1..x_L out, [e_1..e_L out])
-    x0_ref, refs = refs[0], refs[1:]
+def _softmax(blocks, n_valid):
+    """Row softmax of a block list over its first ``n_valid`` columns; the padded columns get probability 0."""
+    c = blocks[0].shape[1]
+    masked = []
+    for s, block in zip(range(0, c * len(blocks), c), blocks, strict=True):
+        if s + c > n_valid:
+            column = s + jax.lax.broadcasted_iota(jnp.int32, block.shape, 1)
+            block = jnp.where(column < n_valid, block, -jnp.inf)
+        masked.append(block)
+    row_max = functools.reduce(jnp.maximum, [jnp.max(b, axis=1, keepdims=True) for b in masked])
+    exps = [jnp.exp(b - row_max) for b in masked]
+    total = sum(jnp.sum(p, axis=1, keepdims=True) for p in exps)
+    return [p / total for p in exps]
+
+
+def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_errors, T, activation, precision,
+                      chunk):
+    # refs = (dt, mu_1, [target], W_1..W_{L-1}, b_1..b_{L-1}, x_1..x_L out, [e_1..e_L out])
+    dt_ref, mu1_ref, refs = refs[0], refs[1], refs[2:]
     target_ref, refs = (refs[0], refs[1:]) if clamped else (None, refs)
-    w_refs, b_refs, refs = refs[:n_layers], refs[n_layers:2 * n_layers], refs[2 * n_layers:]
+    n_w = n_layers - 1
+    w_refs, b_refs, refs = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
     x_out, e_out = refs[:n_layers], refs[n_layers:]
     f, df = ACTIVATIONS[activation]
     lin = functools.partial(_linear, chunk=chunk, precision=precision)
     act = lambda blocks: [f(b) for b in blocks]
+    dt = dt_ref[0]
+    mu1 = _load_cols(mu1_ref, chunk)  # x_0 is clamped: constant
 
-    mu1 = lin(act(_load_cols(x0_ref, chunk)), w_refs[0], b_refs[0])  # x_0 is clamped: constant
-
-    def predictions(xs):
+    def predictions(xs):  # w_refs[l] is W_{l+1}: it predicts x_{l+2} from xs[l] = x_{l+1}
         fxs = [act(x) for x in xs[:-1]]
-        return fxs, [mu1] + [lin(fx, w_refs[l + 1], b_refs[l + 1]) for l, fx in enumerate(fxs)]
+        return fxs, [mu1] + [lin(fx, w_refs[l], b_refs[l]) for l, fx in enumerate(fxs)]
 
     def errors(xs, mus):
-        return [[x - m for x, m in zip(xl, ml, strict=True)] for xl, ml in zip(xs, mus, strict=True)]
+        es = [[x - m for x, m in zip(xl, ml, strict=True)] for xl, ml in zip(xs, mus, strict=True)]
+        if cross_entropy:
+            es[-1] = [x - p for x, p in zip(xs[-1], _softmax(mus[-1], n_out), strict=True)]
+        return es
 
     xs = [mu1]
-    for l in range(1, n_layers):
+    for l in range(n_w):
         xs.append(lin(act(xs[-1]), w_refs[l], b_refs[l]))
     if clamped:
         xs[-1] = _load_cols(target_ref, chunk)
@@ -204,8 +234,8 @@ def _pc_settle_kernel(*refs, n_layers, clamped, with_errors, T, dt, activation, 
         # (n_L columns), and it keeps the weights streaming (module docstring, "Design").
         _store_cols(x_out[-1], x_last)
         new = []
-        for l in range(n_layers - 1):  # xs[l] is x_{l+1}; its backward term comes through W_{l+1}
-            back = _matmul(es[l + 1], w_refs[l + 1], transpose=True, chunk=chunk, precision=precision)
+        for l in range(n_w):  # xs[l] is x_{l+1}; its backward term comes through W_{l+1}
+            back = _matmul(es[l + 1], w_refs[l], transpose=True, chunk=chunk, precision=precision)
             new.append([x - dt * (e - df(x, fx) * g)
                         for x, fx, e, g in zip(xs[l], fxs[l], es[l], back, strict=True)])
         return new + [x_last]
@@ -221,51 +251,58 @@ def _pc_settle_kernel(*refs, n_layers, clamped, with_errors, T, dt, activation, 
 # --------------------------------------------------------------------------- public API
 
 
-def _check(weights, biases, x0, target, T, dt, activation, precision):
+def _check(weights, biases, mu1, target, T, dt, activation, output, precision):
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; expected one of {tuple(ACTIVATIONS)}")
+    if output not in OUTPUTS:
+        raise ValueError(f"unknown output {output!r}; expected one of {OUTPUTS}")
+    if output == "cross_entropy" and target is None:
+        raise ValueError("output='cross_entropy' needs a target: a free output is always Gaussian")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
     if not isinstance(T, int) or T < 1:
         raise ValueError(f"T must be an int >= 1, got {T!r}")
-    if not dt > 0:
+    if jnp.ndim(dt) != 0:
+        raise ValueError(f"dt must be a scalar, got shape {jnp.shape(dt)}")
+    if not isinstance(dt, jax.core.Tracer) and not float(dt) > 0:
         raise ValueError(f"dt must be > 0, got {dt!r}")
-    if len(weights) < 2 or len(biases) != len(weights):
-        raise ValueError(f"need L >= 2 weight layers and one bias each; got {len(weights)} weights and "
-                         f"{len(biases)} biases")
-    if x0.ndim != 2:
-        raise ValueError(f"x0 must be [batch, n_0], got shape {x0.shape}")
-    n_in = x0.shape[1]
+    if len(weights) < 1 or len(biases) != len(weights):
+        raise ValueError(f"need the L - 1 >= 1 weight layers W_1..W_{{L-1}} and one bias each; got "
+                         f"{len(weights)} weights and {len(biases)} biases")
+    if mu1.ndim != 2:
+        raise ValueError(f"mu1 must be [batch, n_1], got shape {mu1.shape}")
+    n_in = mu1.shape[1]
     for l, (w, b) in enumerate(zip(weights, biases, strict=True)):
         if w.ndim != 2 or w.shape[0] != n_in:
-            raise ValueError(f"weights[{l}] must be [{n_in}, n_{l + 1}] to follow the previous layer, "
-                             f"got {w.shape}")
+            raise ValueError(f"weights[{l}] (W_{l + 1}) must be [{n_in}, n_{l + 2}] to follow the previous "
+                             f"layer, got {w.shape}")
         if b.shape != (w.shape[1],):
             raise ValueError(f"biases[{l}] must be [{w.shape[1]}], got {b.shape}")
         n_in = w.shape[1]
-    if target is not None and target.shape != (x0.shape[0], n_in):
-        raise ValueError(f"target must be [batch, n_L] = {[x0.shape[0], n_in]}, got {list(target.shape)}")
+    if target is not None and target.shape != (mu1.shape[0], n_in):
+        raise ValueError(f"target must be [batch, n_L] = {[mu1.shape[0], n_in]}, got {list(target.shape)}")
 
 
 def _pad2(a, rows, cols):
     return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])))
 
 
-@functools.partial(jax.jit, static_argnames=("T", "dt", "activation", "precision", "with_errors", "config",
-                                             "interpret"))
-def pc_settle(weights: Sequence[jax.Array], biases: Sequence[jax.Array], x0: jax.Array,
-              target: jax.Array | None = None, *, T: int, dt: float, activation: str = "sigmoid",
-              precision: str = "float32", with_errors: bool = False, config: SettleConfig = SettleConfig(),
-              interpret: bool = False):
+def pc_settle(weights: Sequence[jax.Array], biases: Sequence[jax.Array], mu1: jax.Array,
+              target: jax.Array | None = None, *, T: int, dt: float | jax.Array, activation: str = "sigmoid",
+              output: str = "gaussian", precision: str = "float32", with_errors: bool = False,
+              config: SettleConfig = SettleConfig(), interpret: bool = False):
     """Settle a predictive-coding MLP for T Euler steps, in one launch.
 
     Args:
-      weights: L >= 2 arrays, ``weights[l]`` is ``[n_l, n_{l+1}]``.
-      biases: L arrays, ``biases[l]`` is ``[n_{l+1}]``.
-      x0: the clamped input, ``[batch, n_0]``; any batch size (padded to a multiple of ``config.block_b``).
+      weights: W_1..W_{L-1}, L - 1 >= 1 arrays; ``weights[l]`` is W_{l+1}, ``[n_{l+1}, n_{l+2}]``.
+      biases: b_1..b_{L-1}; ``biases[l]`` is ``[n_{l+2}]``.
+      mu1: the clamped input's prediction f_0(x_0) @ W_0 + b_0, ``[batch, n_1]``; any batch size (padded to
+        a multiple of ``config.block_b``).
       target: ``[batch, n_L]`` to clamp the output to (e.g. one-hot labels), or None for a free output.
-      T: Euler steps (>= 1). dt: step size (> 0).
-      activation: ``"sigmoid"``, ``"tanh"`` or ``"relu"``.
+      T: Euler steps (>= 1).
+      dt: step size (> 0): a float or a traced scalar (one compiled kernel serves every dt).
+      activation: f of the hidden layers, ``"sigmoid"``, ``"tanh"`` or ``"relu"``.
+      output: energy of the clamped output, one of :data:`OUTPUTS`; ``"cross_entropy"`` needs a target.
       precision: matmul operands, one of :data:`PRECISIONS` (accumulation is always float32).
       with_errors: also return the errors of the settled state.
       config: launch geometry (:class:`SettleConfig`).
@@ -274,25 +311,33 @@ def pc_settle(weights: Sequence[jax.Array], biases: Sequence[jax.Array], x0: jax
       The settled activities ``[x_1, ..., x_L]``, float32 ``[batch, n_l]``; with ``with_errors``, the pair
       ``(activities, [e_1, ..., e_L])``.
     """
-    _check(weights, biases, x0, target, T, dt, activation, precision)
-    n_layers, batch, bb = len(weights), x0.shape[0], config.block_b
-    widths = [x0.shape[1]] + [w.shape[1] for w in weights]
+    _check(weights, biases, mu1, target, T, dt, activation, output, precision)  # outside jit: dt is concrete
+    return _pc_settle(weights, biases, mu1, target, dt, T=T, activation=activation, output=output,
+                      precision=precision, with_errors=with_errors, config=config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("T", "activation", "output", "precision", "with_errors", "config",
+                                             "interpret"))
+def _pc_settle(weights, biases, mu1, target, dt, *, T, activation, output, precision, with_errors, config,
+               interpret):
+    n_layers, batch, bb = len(weights) + 1, mu1.shape[0], config.block_b
+    widths = [mu1.shape[1]] + [w.shape[1] for w in weights]
     pw = [padded_width(n) for n in widths]
     rows = -(-batch // bb) * bb
     w_dtype = _dot_args(precision)[0]  # cast once here: bf16 weights halve the bytes streamed each step
     ws = [_pad2(w.astype(w_dtype), pw[l], pw[l + 1]) for l, w in enumerate(weights)]
     bs = [jnp.pad(b.astype(jnp.float32), (0, pw[l + 1] - b.shape[0])) for l, b in enumerate(biases)]
-    tiles = [_pad2(x0, rows, pw[0])]
+    tiles = [_pad2(mu1.astype(jnp.float32), rows, pw[0])]
     if target is not None:
-        tiles.append(_pad2(target, rows, pw[-1]))
+        tiles.append(_pad2(target.astype(jnp.float32), rows, pw[-1]))
     tile_spec = lambda n: pl.BlockSpec((bb, n), lambda i: (i, 0))
-    in_specs = [tile_spec(pw[0])] + ([tile_spec(pw[-1])] if target is not None else [])
+    in_specs = [pl.BlockSpec((1,), lambda i: (0,))] + [tile_spec(t.shape[1]) for t in tiles]
     in_specs += [pl.BlockSpec(w.shape, lambda i: (0, 0)) for w in ws]
     in_specs += [pl.BlockSpec(b.shape, lambda i: (0,)) for b in bs]
-    out_shape = [jax.ShapeDtypeStruct((rows, n), jnp.float32) for n in pw[1:]] * (2 if with_errors else 1)
-    kernel = functools.partial(_pc_settle_kernel, n_layers=n_layers, clamped=target is not None,
-                               with_errors=with_errors, T=T, dt=float(dt), activation=activation,
-                               precision=precision, chunk=config.chunk)
+    out_shape = [jax.ShapeDtypeStruct((rows, n), jnp.float32) for n in pw] * (2 if with_errors else 1)
+    kernel = functools.partial(_pc_settle_kernel, n_layers=n_layers, n_out=widths[-1], clamped=target is not None,
+                               cross_entropy=output == "cross_entropy", with_errors=with_errors, T=T,
+                               activation=activation, precision=precision, chunk=config.chunk)
     out = pl.pallas_call(
         kernel,
         grid=(rows // bb,),
@@ -302,39 +347,46 @@ def pc_settle(weights: Sequence[jax.Array], biases: Sequence[jax.Array], x0: jax
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=f"pc_settle_{n_layers}layers",
-    )(*tiles, *ws, *bs)
-    out = [o[:batch, :n] for o, n in zip(out, widths[1:] * (len(out) // n_layers), strict=True)]
+    )(jnp.reshape(dt, (1,)).astype(jnp.float32), *tiles, *ws, *bs)
+    out = [o[:batch, :n] for o, n in zip(out, widths * (len(out) // n_layers), strict=True)]
     return (out[:n_layers], out[n_layers:]) if with_errors else out
 
 
-def pc_settle_reference(weights: Sequence[jax.Array], biases: Sequence[jax.Array], x0: jax.Array,
-                        target: jax.Array | None = None, *, T: int, dt: float, activation: str = "sigmoid",
-                        precision: str = "float32", with_errors: bool = False):
+def pc_settle_reference(weights: Sequence[jax.Array], biases: Sequence[jax.Array], mu1: jax.Array,
+                        target: jax.Array | None = None, *, T: int, dt: float | jax.Array,
+                        activation: str = "sigmoid", output: str = "gaussian", precision: str = "float32",
+                        with_errors: bool = False):
     """Plain-jnp :func:`pc_settle` (same arguments and results, no padding, no tiling)."""
-    _check(weights, biases, x0, target, T, dt, activation, precision)
+    _check(weights, biases, mu1, target, T, dt, activation, output, precision)
     f, df = ACTIVATIONS[activation]
     dtype, lax_precision = _dot_args(precision)
     ws = [w.astype(dtype) for w in weights]
     bs = [b.astype(jnp.float32) for b in biases]
     dot = lambda a, w: jnp.dot(a.astype(dtype), w, precision=lax_precision, preferred_element_type=jnp.float32)
-    mu1 = dot(f(x0.astype(jnp.float32)), ws[0]) + bs[0]
+    mu1 = mu1.astype(jnp.float32)
 
     def predictions(xs):
         fxs = [f(x) for x in xs[:-1]]
-        return fxs, [mu1] + [dot(fx, ws[l + 1]) + bs[l + 1] for l, fx in enumerate(fxs)]
+        return fxs, [mu1] + [dot(fx, w) + b for fx, w, b in zip(fxs, ws, bs, strict=True)]
+
+    def errors(xs, mus):
+        es = [x - mu for x, mu in zip(xs, mus, strict=True)]
+        if output == "cross_entropy":
+            es[-1] = xs[-1] - jax.nn.softmax(mus[-1], axis=-1)
+        return es
 
     def step(_, xs):
         fxs, mus = predictions(xs)
-        es = [x - mu for x, mu in zip(xs, mus, strict=True)]
-        new = [xs[l] - dt * (es[l] - df(xs[l], fxs[l]) * dot(es[l + 1], ws[l + 1].T)) for l in range(len(ws) - 1)]
+        es = errors(xs, mus)
+        new = [xs[l] - dt * (es[l] - df(xs[l], fxs[l]) * dot(es[l + 1], ws[l].T)) for l in range(len(ws))]
         return new + [xs[-1] if target is not None else xs[-1] - dt * es[-1]]
 
     xs = [mu1]
-    for w, b in zip(ws[1:], bs[1:], strict=True):
+    for w, b in zip(ws, bs, strict=True):
         xs.append(dot(f(xs[-1]), w) + b)
     if target is not None:
         xs[-1] = target.astype(jnp.float32)
     xs = jax.lax.fori_loop(0, T, step, xs)
     if not with_errors:
         return xs
-    return xs, [x - mu for x, mu in zip(xs, predictions(xs)[1], strict=True)]
+    return xs, errors(xs, predictions(xs)[1])

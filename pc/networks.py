@@ -49,7 +49,7 @@ class PCNet:
         (CE(softmax(mu_L), y)). A free output is always Gaussian.
       residual: make the equal-width hidden-to-hidden layers residual blocks (muPC).
       residual_scale: s of the residual branch; None means 1 / sqrt(number of residual blocks).
-      input_activation: apply f to x_0 too (Whittington & Bogacz; what ``pallas_kernels.pc_settle`` fuses).
+      input_activation: apply f to x_0 too (Whittington & Bogacz).
         False feeds x_0 linearly, mu_1 = x_0 @ W_0 + b_0, as a plain MLP does: on raw pixels this trains
         sigmoid nets far faster (sigmoid squashes [0, 1] pixels into [0.5, 0.73]).
     """

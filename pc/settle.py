@@ -12,6 +12,12 @@ net with a free output therefore starts, and stays, at its zero-energy minimum. 
 minus x_L when the output is clamped to a target, plus x_0 with ``infer_input`` (a generative net's latent,
 under a standard-normal prior). With ``tol`` the loop (``lax.while_loop``) stops at a steady state, when
 every sample's ||dE/dz|| < tol; otherwise it is a ``lax.scan`` of exactly T steps.
+
+Euler settling of a plain net with a fixed T, no trace and a clamped input (the supervised case, output
+clamped or free) is also one fused GPU kernel, ``pallas_kernels.pc_settle``: ``kernel="auto"`` runs it when
+the code runs on an NVIDIA GPU (``lax.platform_dependent``) and the jnp loop elsewhere or when it does not
+apply (:func:`fused_kernel_unsupported`); "jnp" always runs the loop; "pallas" always runs the kernel,
+interpreted off the GPU (slow: for tests).
 """
 
 from collections.abc import Callable
@@ -21,11 +27,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pc.energy import energy_and_grads
-from pc.networks import Params, PCNet, check_params, forward
+from pallas_kernels.pc_settle import ACTIVATIONS as KERNEL_ACTIVATIONS
+from pallas_kernels.pc_settle import pc_settle
+from pc.energy import energy, energy_and_grads
+from pc.networks import Params, PCNet, check_params, forward, predict
 
 SOLVERS = ("euler", "heun")
-KERNELS = ("auto", "jnp")  # "auto": the fused kernel where one applies (see settle), else the jnp loop
+KERNELS = ("auto", "jnp", "pallas")  # see the module docstring
+# The kernel multiplies in IEEE fp32, as the jnp loop does on a CPU, so both paths settle to the same state
+# up to summation order. (Its "tf32" operands would be faster on an H200, at 1e-3 relative error.)
+KERNEL_PRECISION = "float32"
 
 Activities = tuple[jax.Array, ...]
 
@@ -93,6 +104,37 @@ def join_free(xs: list[jax.Array], free: tuple[int, ...], z: Activities) -> list
     for l, zl in zip(free, z, strict=True):
         full[l] = zl
     return full
+
+
+def fused_kernel_unsupported(net: PCNet, solver: str | optax.GradientTransformation, *, trace: bool = False,
+                             tol: float | jax.Array | None = None, infer_input: bool = False) -> str | None:
+    """Why the fused kernel cannot compute this settling exactly as the jnp loop does; None when it can."""
+    if not (isinstance(solver, str) and solver == "euler"):
+        return f"solver {solver!r}: the kernel takes explicit Euler steps"
+    if trace:
+        return "trace=True: the kernel records no energies"
+    if tol is not None:
+        return "tol: the kernel always takes T steps"
+    if infer_input:
+        return "infer_input=True: the kernel keeps x_0 clamped"
+    if net.num_residual:
+        return "residual=True: the kernel has plain layers only"
+    if net.depth < 2:
+        return f"sizes {net.sizes}: the kernel needs L >= 2 weight layers"
+    if net.activation not in KERNEL_ACTIVATIONS:
+        return f"activation {net.activation!r}: the kernel has {tuple(KERNEL_ACTIVATIONS)}"
+    return None
+
+
+def check_kernel(kernel: str, net: PCNet, solver: str | optax.GradientTransformation, *, trace: bool = False,
+                 tol: float | jax.Array | None = None, infer_input: bool = False) -> None:
+    """Raise ValueError for an unknown kernel, or for "pallas" where the fused kernel does not apply."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+    reason = fused_kernel_unsupported(net, solver, trace=trace, tol=tol, infer_input=infer_input)
+    if kernel == "pallas" and reason is not None:
+        raise ValueError(f"kernel='pallas' cannot settle this configuration ({reason}); use kernel='auto' or "
+                         "'jnp'")
 
 
 def settle_activities(params: Params, xs: list[jax.Array], net: PCNet, *, T: int, dt: float | jax.Array,
@@ -173,14 +215,14 @@ def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
       trace: also return the batch-mean energy at the start of every step, ``[T]``.
       tol: stop early once every sample's ||dE/dz|| < tol (a ``lax.while_loop``); None = always T steps.
       infer_input: x_0 is free too (with a 0.5 ||x_0||^2 prior): generative inference of a latent.
-      kernel: "auto" or "jnp" (see below).
+      kernel: "auto" (the fused kernel on a GPU where it applies, else the jnp loop), "jnp" or "pallas"
+        (the fused kernel, interpreted off the GPU); see the module docstring.
 
     Returns:
       :class:`SettleResult`.
     """
     check_settle_args(T, dt, solver, tol)
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+    check_kernel(kernel, net, solver, trace=trace, tol=tol, infer_input=infer_input)
     check_params(params, net)
     x0 = jnp.asarray(x0, jnp.float32)
     if x0.ndim != 2 or x0.shape[1] != net.sizes[0]:
@@ -188,21 +230,46 @@ def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
                          f"got shape {x0.shape}")
     if target is not None:
         target = as_target(target, net, x0.shape[0])
+    return _settle_jit(params, x0, net, T=T, dt=dt, solver=solver, target=target, trace=trace, tol=tol,
+                       infer_input=infer_input, kernel=kernel)
+
+
+def settle_from_input(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float | jax.Array,
+                      solver: str | optax.GradientTransformation = "euler", target: jax.Array | None = None,
+                      trace: bool = False, tol: float | jax.Array | None = None, infer_input: bool = False,
+                      kernel: str = "auto") -> SettleResult:
+    """:func:`settle` without validation (call inside jit; ``target`` is ``[batch, n_L]`` float or None).
+
+    The dispatch point between the fused kernel and the jnp loop (module docstring). Both start from the
+    feed-forward pass of ``x0``, which the kernel computes itself, so this takes ``x0`` rather than activities.
+    """
     # ---- Fused-kernel dispatch point (the only one). ----
-    # pallas_kernels.pc_settle fuses all T Euler steps of a plain (non-residual) net with a Gaussian or free
-    # output into one launch. Once it lands, kernel="auto" picks it here on GPU for that case (Euler, no
-    # trace, no tol, no infer_input, its activations), as apex_jax.transform does for fused_adamw. Until
-    # then every kernel value runs the jnp loop.
-    return _settle_jit(params, x0, target, dt, tol, net=net, T=T, solver=solver, trace=trace,
-                       infer_input=infer_input, early_stop=tol is not None)
+    check_kernel(kernel, net, solver, trace=trace, tol=tol, infer_input=infer_input)  # "pallas" must apply
+    if kernel == "jnp" or fused_kernel_unsupported(net, solver, trace=trace, tol=tol, infer_input=infer_input):
+        return _settle_loop(params, x0, net, T=T, dt=dt, solver=solver, target=target, trace=trace, tol=tol,
+                            infer_input=infer_input)
+
+    def fused(interpret: bool) -> list[jax.Array]:
+        mu1 = predict(params[0], x0, net, 0)  # constant while settling: x_0 is clamped
+        xs = pc_settle([p["w"] for p in params[1:]], [p["b"] for p in params[1:]], mu1, target, T=T, dt=dt,
+                       activation=net.activation, output=net.output if target is not None else "gaussian",
+                       precision=KERNEL_PRECISION, interpret=interpret)
+        return [x0, *xs]
+
+    loop = lambda: _settle_loop(params, x0, net, T=T, dt=dt, solver=solver, target=target).xs
+    xs = jax.lax.platform_dependent(cuda=lambda: fused(interpret=False),
+                                    default=(lambda: fused(interpret=True)) if kernel == "pallas" else loop)
+    final = energy(params, xs, net, output_clamped=target is not None)
+    return SettleResult(xs, jnp.mean(final), jnp.asarray(T, jnp.int32), None)
 
 
-def _settle(params, x0, target, dt, tol, *, net, T, solver, trace, infer_input, early_stop):
+def _settle_loop(params, x0, net, *, T, dt, solver, target, trace=False, tol=None, infer_input=False):
+    """The jnp loop: the feed-forward pass, the output clamped to ``target``, then :func:`settle_activities`."""
     xs = forward(params, x0, net)
     if target is not None:
         xs[-1] = target
     return settle_activities(params, xs, net, T=T, dt=dt, solver=solver, output_clamped=target is not None,
-                             infer_input=infer_input, trace=trace, tol=tol if early_stop else None)
+                             infer_input=infer_input, trace=trace, tol=tol)
 
 
-_settle_jit = jax.jit(_settle, static_argnames=("net", "T", "solver", "trace", "infer_input", "early_stop"))
+_settle_jit = jax.jit(settle_from_input, static_argnames=("net", "T", "solver", "trace", "infer_input", "kernel"))

@@ -26,7 +26,15 @@ import optax
 
 from pc.energy import energy, energy_and_grads, errors
 from pc.networks import Params, PCNet, check_params, forward
-from pc.settle import check_settle_args, free_layers, join_free, make_solver, settle_activities
+from pc.settle import (
+    check_kernel,
+    check_settle_args,
+    free_layers,
+    join_free,
+    make_solver,
+    settle_activities,
+    settle_from_input,
+)
 
 VARIANTS = ("supervised", "generative", "incremental")
 EVAL_BATCH = 1000  # rows per evaluation chunk: bounds the activities' memory; does not change the result
@@ -53,15 +61,16 @@ def _clamp_label(params, x, y, net):
     return xs, accuracy
 
 
-def _supervised(params, opt_state, x, y, dt, *, optimizer, net, T, solver):
-    xs, accuracy = _clamp_label(params, x, y, net)
-    settled = settle_activities(params, xs, net, T=T, dt=dt, solver=solver, output_clamped=True).xs
+def _supervised(params, opt_state, x, y, dt, *, optimizer, net, T, solver, kernel):
+    accuracy = _hits(forward(params, x, net)[-1], y)  # before this batch's update
+    target = jax.nn.one_hot(y, net.sizes[-1], dtype=jnp.float32)
+    settled = settle_from_input(params, x, net, T=T, dt=dt, solver=solver, target=target, kernel=kernel).xs
     params, opt_state, mean_energy = _weight_step(optimizer, params, opt_state, settled, net)
     return params, opt_state, {"energy": mean_energy, "accuracy": accuracy}
 
 
-def _generative(params, opt_state, x, y, dt, *, optimizer, net, T, solver):
-    del y
+def _generative(params, opt_state, x, y, dt, *, optimizer, net, T, solver, kernel):
+    del y, kernel  # the fused kernel keeps x_0 clamped: no generative settling
     xs = forward(params, jnp.zeros((x.shape[0], net.sizes[0]), x.dtype), net)
     xs[-1] = x
     settled = settle_activities(params, xs, net, T=T, dt=dt, solver=solver, output_clamped=True,
@@ -71,7 +80,8 @@ def _generative(params, opt_state, x, y, dt, *, optimizer, net, T, solver):
     return params, opt_state, {"energy": mean_energy, "mse": mse}
 
 
-def _incremental(params, opt_state, x, y, dt, *, optimizer, net, T, solver):
+def _incremental(params, opt_state, x, y, dt, *, optimizer, net, T, solver, kernel):
+    del kernel  # the fused kernel settles with fixed weights
     xs, accuracy = _clamp_label(params, x, y, net)
     free = free_layers(net, output_clamped=True)
     activity_opt = make_solver(solver)
@@ -96,11 +106,12 @@ def _incremental(params, opt_state, x, y, dt, *, optimizer, net, T, solver):
 _STEPS = {"supervised": _supervised, "generative": _generative, "incremental": _incremental}
 
 
-@functools.partial(jax.jit, static_argnames=("optimizer", "net", "T", "batch_size", "solver", "variant"))
-def _train_epoch(params, opt_state, images, labels, key, dt, *, optimizer, net, T, batch_size, solver, variant):
+@functools.partial(jax.jit, static_argnames=("optimizer", "net", "T", "batch_size", "solver", "variant", "kernel"))
+def _train_epoch(params, opt_state, images, labels, key, dt, *, optimizer, net, T, batch_size, solver, variant,
+                 kernel):
     n_batches = images.shape[0] // batch_size
     order = jax.random.permutation(key, images.shape[0])[: n_batches * batch_size].reshape(n_batches, batch_size)
-    step = functools.partial(_STEPS[variant], optimizer=optimizer, net=net, T=T, solver=solver)
+    step = functools.partial(_STEPS[variant], optimizer=optimizer, net=net, T=T, solver=solver, kernel=kernel)
 
     def batch(carry, idx):
         p, state = carry
@@ -115,7 +126,8 @@ def _train_epoch(params, opt_state, images, labels, key, dt, *, optimizer, net, 
 def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.GradientTransformation,
                 images: jax.Array, labels: jax.Array | None, *, net: PCNet, T: int, dt: float, batch_size: int,
                 key: jax.Array, solver: str | optax.GradientTransformation = "euler",
-                variant: str = "supervised") -> tuple[Params, optax.OptState, dict[str, jax.Array]]:
+                variant: str = "supervised", kernel: str = "auto"
+                ) -> tuple[Params, optax.OptState, dict[str, jax.Array]]:
     """One epoch of PC training as a single jitted call.
 
     Args:
@@ -128,6 +140,8 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
       batch_size: minibatch rows; the last ``n % batch_size`` shuffled rows are dropped.
       key: PRNG key of this epoch's shuffle.
       variant: one of :data:`VARIANTS`.
+      kernel: settling of the "supervised" variant, "auto", "jnp" or "pallas" (see ``pc.settle``); the
+        other variants always run the jnp loop.
 
     Returns:
       ``(params, opt_state, metrics)``; metrics are epoch means: "energy" (batch-mean settled energy; for
@@ -137,6 +151,10 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
     check_settle_args(T, dt, solver)
+    if kernel == "pallas" and variant != "supervised":
+        raise ValueError(f"kernel='pallas' fuses supervised settling only; variant {variant!r} needs kernel='auto' "
+                         "or 'jnp'")
+    check_kernel(kernel, net, solver)
     check_params(params, net)
     images = jnp.asarray(images)
     width = net.sizes[-1] if variant == "generative" else net.sizes[0]
@@ -155,7 +173,7 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
     else:
         labels = _check_labels(labels, images.shape[0], net)
     return _train_epoch(params, opt_state, images, labels, key, jnp.float32(dt), optimizer=optimizer, net=net,
-                        T=T, batch_size=batch_size, solver=solver, variant=variant)
+                        T=T, batch_size=batch_size, solver=solver, variant=variant, kernel=kernel)
 
 
 def _check_labels(labels, n: int, net: PCNet) -> jax.Array:
@@ -164,6 +182,8 @@ def _check_labels(labels, n: int, net: PCNet) -> jax.Array:
     labels = jnp.asarray(labels)
     if labels.shape != (n,) or not jnp.issubdtype(labels.dtype, jnp.integer):
         raise ValueError(f"labels must be int [n] = [{n}], got {labels.dtype}{list(labels.shape)}")
+    if isinstance(labels, jax.core.Tracer):  # traced (e.g. lowered ahead of time): no values to check
+        return labels
     low, high = (int(v) for v in np.asarray(jnp.stack([labels.min(), labels.max()])))
     if low < 0 or high >= net.sizes[-1]:
         raise ValueError(f"labels span [{low}, {high}], expected within [0, {net.sizes[-1] - 1}] "

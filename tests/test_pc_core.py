@@ -163,6 +163,9 @@ _TX = optax.sgd(0.1)
     (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.0), r"dt .* > 0, got 0.0"),
     (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, solver="rk4"), "unknown solver 'rk4'"),
     (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, kernel="cuda"), "unknown kernel 'cuda'"),
+    (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, solver="heun", kernel="pallas"),
+     r"kernel='pallas' cannot settle .*solver 'heun'"),
+    (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, tol=1e-3, kernel="pallas"), r"kernel='pallas' .*tol"),
     (lambda: pc.settle(_PARAMS, jnp.zeros((2, 7)), _NET, T=5, dt=0.1), r"x0 must be \[batch, n_0\].*\(2, 7\)"),
     (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, target=jnp.zeros((2, 9))), r"target .*\(2, 9\)"),
     (lambda: pc.settle(_PARAMS, _X, pc.PCNet((4, 6, 3)), T=5, dt=0.1), r"params\[0\] has w \(4, 5\)"),
@@ -178,6 +181,12 @@ _TX = optax.sgd(0.1)
     (lambda: pc.train_epoch(_PARAMS, _TX.init(_PARAMS), _TX, jnp.zeros((8, 4)), jnp.zeros(8, jnp.int32),
                             net=_NET, T=5, dt=0.1, batch_size=4, key=jax.random.key(0), variant="hebbian"),
      "unknown variant 'hebbian'"),
+    (lambda: pc.train_epoch(_PARAMS, _TX.init(_PARAMS), _TX, jnp.zeros((8, 4)), jnp.zeros(8, jnp.int32),
+                            net=_NET, T=5, dt=0.1, batch_size=4, key=jax.random.key(0), kernel="gpu"),
+     "unknown kernel 'gpu'"),
+    (lambda: pc.train_epoch(_PARAMS, _TX.init(_PARAMS), _TX, jnp.zeros((8, 4)), jnp.zeros(8, jnp.int32),
+                            net=_NET, T=5, dt=0.1, batch_size=4, key=jax.random.key(0), variant="incremental",
+                            kernel="pallas"), "kernel='pallas' fuses supervised settling only"),
     (lambda: pc.evaluate(_PARAMS, jnp.zeros((8, 5)), jnp.zeros(8, jnp.int32), _NET), r"images must be .*\(8, 5\)"),
 ])
 def test_bad_inputs_raise_clear_errors(call, match):

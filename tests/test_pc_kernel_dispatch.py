@@ -1,0 +1,116 @@
+"""pc.settle's kernel dispatch: the fused Pallas path settles (and trains) as the jnp loop does, and "auto"
+picks it for an H200 exactly where it applies.
+
+On a CPU, kernel="pallas" runs the kernel in interpret mode; the H200 checks lower without a GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pc
+from apex_jax.data import load_mnist
+from pallas_kernels.testing import assert_close, lower_for_h200
+
+SMALL = (12, 20, 18, 5)
+# Kernel and loop sum their matmuls in different orders (blocks of the padded widths vs XLA's dot): fp32
+# reordering, ~1e-7 per step, a few ulps after a few steps.
+RTOL, ATOL = 1e-5, 1e-6
+# Four minibatches compound those reorderings in the settled states and the weights they update.
+UPDATE_RTOL = 1e-4
+
+
+def small_problem(output, input_activation, seed=0):
+    net = pc.PCNet(SMALL, activation="sigmoid" if output == "cross_entropy" else "tanh", output=output,
+                   input_activation=input_activation)
+    params = jax.tree.map(lambda p: p + 0.05, pc.init_params(jax.random.key(seed), net))  # non-zero biases
+    x0 = jax.random.uniform(jax.random.key(seed + 1), (9, SMALL[0]))
+    return net, params, x0, jnp.arange(9) % SMALL[-1]
+
+
+@pytest.mark.parametrize("clamped", [True, False], ids=["clamped", "free"])
+@pytest.mark.parametrize("input_activation", [True, False], ids=["f_x0", "linear_x0"])
+@pytest.mark.parametrize("output", list(pc.OUTPUTS))
+def test_pallas_settles_as_the_jnp_loop(output, input_activation, clamped):
+    net, params, x0, labels = small_problem(output, input_activation)
+    run = lambda kernel: pc.settle(params, x0, net, T=3, dt=0.2, target=labels if clamped else None, kernel=kernel)
+    fused, loop = run("pallas"), run("jnp")
+    assert len(fused.xs) == len(loop.xs) == len(SMALL)
+    for l, (a, b) in enumerate(zip(fused.xs, loop.xs, strict=True)):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f"x_{l}")
+    np.testing.assert_allclose(fused.energy, loop.energy, rtol=RTOL, atol=ATOL)
+    assert int(fused.steps) == 3 and fused.trace is None
+    if clamped:  # the hidden layers moved: a path that skipped the loop would fail above
+        assert float(jnp.max(jnp.abs(loop.xs[1] - pc.forward(params, x0, net)[1]))) > 100 * ATOL
+
+
+def test_train_epoch_with_the_kernel_gives_the_jnp_params():
+    """Four minibatches of 25 MNIST images through the fused (interpreted) settling and through the loop.
+
+    SGD keeps the weight step linear in the gradients, so the paths' fp32 reorderings stay that small.
+    """
+    m = load_mnist()
+    images, labels = jnp.asarray(m.train_x[:100]), jnp.asarray(m.train_y[:100])
+    net = pc.PCNet((784, 24, 16, 10), activation="sigmoid", output="cross_entropy", input_activation=False)
+    params = pc.init_params(jax.random.key(0), net)
+    tx = optax.sgd(0.5)
+    run = lambda kernel: pc.train_epoch(params, tx.init(params), tx, images, labels, net=net, T=5, dt=0.1,
+                                        batch_size=25, key=jax.random.key(1), kernel=kernel)
+    (fused, _, fused_metrics), (loop, _, loop_metrics) = run("pallas"), run("jnp")
+    for l, (a, b, p0) in enumerate(zip(fused, loop, params, strict=True)):
+        for name in ("w", "b"):  # the change each path made, to 1e-4 relative (Frobenius)
+            step = b[name] - p0[name]
+            assert float(jnp.linalg.norm(step)) > 1e-4, f"params[{l}][{name!r}] did not train"
+            assert_close(a[name] - p0[name], step, rtol=UPDATE_RTOL, name=f"params[{l}][{name!r}] update")
+    for name in ("energy", "accuracy"):
+        np.testing.assert_allclose(fused_metrics[name], loop_metrics[name], rtol=1e-5, err_msg=name)
+
+
+NET = dict(sizes=(784, 64, 64, 10), activation="sigmoid", output="cross_entropy", input_activation=False)
+SETTLE_CASES = {  # id -> (changes to NET, changes to settle's arguments, whether the fused kernel runs)
+    "clamped": ({}, {}, True),
+    "free": ({}, dict(target=None), True),
+    "gaussian": (dict(output="gaussian"), {}, True),
+    "relu": (dict(activation="relu"), {}, True),
+    "f_x0": (dict(input_activation=True), {}, True),
+    "pallas": ({}, dict(kernel="pallas"), True),
+    "jnp": ({}, dict(kernel="jnp"), False),
+    "heun": ({}, dict(solver="heun"), False),
+    "optax": ({}, dict(solver=optax.sgd(1.0)), False),
+    "trace": ({}, dict(trace=True), False),
+    "tol": ({}, dict(tol=1e-3), False),
+    "infer_input": ({}, dict(infer_input=True), False),
+    "residual": (dict(sizes=(784, 64, 64, 64, 10), residual=True), {}, False),
+    "gelu": (dict(activation="gelu"), {}, False),
+    "one_layer": (dict(sizes=(784, 10)), {}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(SETTLE_CASES))
+def test_auto_runs_the_kernel_on_h200_exactly_where_it_applies(case):
+    net_changes, settle_changes, fused = SETTLE_CASES[case]
+    net = pc.PCNet(**(NET | net_changes))
+    kwargs = dict(target=jax.ShapeDtypeStruct((64,), jnp.int32), kernel="auto") | settle_changes
+    target = kwargs.pop("target")
+    params = jax.eval_shape(lambda: pc.init_params(jax.random.key(0), net))
+    x0 = jax.ShapeDtypeStruct((64, 784), jnp.float32)
+    text = lower_for_h200(lambda p, x, y: pc.settle(p, x, net, T=20, dt=0.1, target=y, **kwargs).xs,
+                          params, x0, target)
+    assert ("triton" in text) == fused
+
+
+def test_train_epoch_lowers_with_the_fused_kernel_for_h200():
+    """One whole Deepity epoch (784-512-512-10 sigmoid, CE output, linear input, T = 20, batch 250) on an
+    abstract H200: kernel="auto" settles with the Triton kernel."""
+    net = pc.PCNet(pc.parse_arch("784-512-512-10"), activation="sigmoid", output="cross_entropy",
+                   input_activation=False)
+    tx = optax.adamw(1e-3)
+    params = jax.eval_shape(lambda: pc.init_params(jax.random.key(0), net))
+    abstract = (params, jax.eval_shape(tx.init, params), jax.ShapeDtypeStruct((1000, 784), jnp.float32),
+                jax.ShapeDtypeStruct((1000,), jnp.int32), jax.eval_shape(lambda: jax.random.key(0)))
+    epoch = lambda p, s, x, y, key: pc.train_epoch(p, s, tx, x, y, net=net, T=20, dt=0.1, batch_size=250, key=key,
+                                                   kernel="auto")
+    text = lower_for_h200(epoch, *abstract)
+    assert "triton" in text and "pc_settle_3layers" in text
