@@ -91,7 +91,6 @@ def _torch_state_bytes(opt) -> int:
 
 def jax_worker(group: str, n: int, size: int, blocks: dict) -> list[dict]:
     import jax
-    import jax.numpy as jnp
     import optax
 
     import apex_jax
@@ -128,7 +127,6 @@ def jax_worker(group: str, n: int, size: int, blocks: dict) -> list[dict]:
                                        impl="apexw fused", state=kind, block=list(rows_w),
                                        state_bytes_per_param=apex_jax.state_nbytes(state) / (n * size)))
             flat = rows[-1].pop("carry")[0]
-    del jnp
     return rows
 
 

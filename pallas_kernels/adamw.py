@@ -89,7 +89,8 @@ def fmix32(h: jax.Array) -> jax.Array:
 
 
 def stream_keys(seed: jax.Array, step: jax.Array, group: int) -> jax.Array:
-    """uint32[4] keys for the (param, m, v) random streams of one step of one buffer group."""
+    """uint32[4] keys of one step of one buffer group: [0] rounds the params, [1] the moments (m with the low
+    16 bits, v with the high 16); [2:] are spare, keeping the key block a power of 2."""
     base = fmix32(jnp.asarray(seed).astype(jnp.uint32) ^ fmix32(jnp.asarray(step).astype(jnp.uint32)))
     streams = jnp.arange(4, dtype=jnp.uint32) + jnp.uint32(4 * group)
     return fmix32(base + streams * jnp.uint32(_GOLDEN))
@@ -219,7 +220,7 @@ def _adamw_kernel(hp_ref, key_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_
     pl.when(i >= n_plain_tiles)(quantized)
 
 
-def _state_specs(codec, n_plain_tiles, block_rows, n_tiles):
+def _state_specs(codec, n_plain_tiles, block_rows):
     """BlockSpecs of the moment arrays, in the order of the codec's state tuple."""
     tile = (block_rows, ROW)
     row_block = pl.BlockSpec(tile, lambda i: (i, 0))
@@ -276,7 +277,7 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
         raise ValueError(f"rows ({rows}) and n_plain_rows ({n_plain_rows}) must be multiples of block_rows={r}")
     n_tiles, n_plain_tiles = rows // r, (n_plain_rows // r if codec == "int8" else 0)
     tile_spec = pl.BlockSpec((r, ROW), lambda i: (i, 0))
-    state_specs = _state_specs(codec, n_plain_tiles, r, n_tiles)
+    state_specs = _state_specs(codec, n_plain_tiles, r)
     hp_vec = jnp.stack([jnp.asarray(x, jnp.float32) for x in hp])
     hp_vec = jnp.pad(hp_vec, (0, HP_SLOTS - hp_vec.size))
     out_dtype = p.dtype if apply or out_dtype is None else out_dtype
@@ -303,7 +304,8 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
 
 def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int = 0,
                           quant_map: str = "power", apply: bool = True, out_dtype=None):
-    """Plain-jnp :func:`fused_adamw` (same arguments and results, bit-for-bit on the same backend)."""
+    """Plain-jnp :func:`fused_adamw`: same arguments, same math; results agree up to float reordering
+    (an 8-bit code may land one step apart where that moves a value across a rounding edge)."""
     _check(p, g, state, decay, codec, n_plain_rows, quant_map)
     out_dtype = p.dtype if apply or out_dtype is None else out_dtype
     index = jnp.arange(p.size, dtype=jnp.uint32).reshape(p.shape)
