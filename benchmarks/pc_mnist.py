@@ -1,16 +1,29 @@
-"""Predictive coding on real MNIST: apex-jax's `pc` against Deepity (C++/AVX), side by side in one run.
+"""Predictive coding on real MNIST: apex-jax's `pc` against Deepity (C++/AVX) on the CPU, its fused settling
+kernel against the plain-XLA loop on the GPU, and the pcx config.
 
 The matched config (Deepity's): MLP 784-512-512-10, sigmoid hidden units, T=20 settling steps, batch 250,
 AdamW with lr 0.00373 decayed by 0.94 per epoch and decoupled weight decay 1e-4 (Deepity's own MNIST
 profiling script), 60k training images, 10k test. Our side uses a cross-entropy energy at the clamped label
-and settling step dt=0.1 (Deepity: Gaussian targets 0.001/0.999, inference rate 0.08). Also measured: Heun
-(2nd order) with fewer steps. Each trainer's epochs are timed alone (our first epoch includes the compile,
-so it is reported apart); the two sides run back to back on the same machine.
+and settling step dt=0.1 (Deepity: Gaussian targets 0.001/0.999, inference rate 0.08). Each trainer's epochs
+are timed alone (our first epoch includes the compile, so it is reported apart).
+
+* CPU (``--suite deepity``): Deepity and ours back to back on the same machine; also Heun (2nd order) with
+  fewer steps.
+* GPU (``--suite deepity``): the fused kernel (``pallas_kernels.pc_settle``) against the plain-XLA settling
+  loop (the same epoch, ``kernel="jnp"``), each at tf32, bf16 and fp32 matmul operands, plus a timing of one
+  batch's settling per kernel launch geometry.
+* ``--suite pcx``: pcx's config (784-128x3-10, T=8, batch 128). Hyperparameters (activation, lr, dt) are
+  chosen by the accuracy on MNIST's 10k validation split after training on the other 50k; the chosen one is
+  then trained on all 60k and tested once on the 10k test set.
 
     python benchmarks/pc_mnist.py --epochs 10           # CPU: results/pc_mnist_cpu.json + .png
+    python benchmarks/pc_mnist.py --epochs 20           # GPU: results/pc_mnist.json + .png
+    python benchmarks/pc_mnist.py --suite pcx           # results/pc_pcx[_cpu].json + .png
 """
 
 import argparse
+import dataclasses
+import itertools
 import sys
 import tempfile
 import time
@@ -19,54 +32,72 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.harness import format_table, save_plot, write_results
+from apex_jax.data import load_mnist
+from benchmarks.harness import format_table, save_plot, time_jax, write_results
 from benchmarks.pc_baselines import run_deepity, write_mnist_npz
+from pallas_kernels.pc_settle import SettleConfig, pc_settle
 from pc import PCNet, evaluate, init_params, train_epoch
-from pc.data import load_dataset
+from pc.data import Dataset, load_dataset
+from pc.networks import predict
+from pc.settle import settle_from_input
 
 NET = PCNet((784, 512, 512, 10), activation="sigmoid", output="cross_entropy", input_activation=False)
 BATCH = 250
 LR, LR_DECAY_PER_EPOCH, WEIGHT_DECAY = 0.00373, 0.94, 1e-4
+DEEPITY_TARGET_ACCURACY = 0.982  # Deepity's README: 98.21% after 100 epochs
 OURS = {"pc euler T=20": ("euler", 20, 0.1), "pc heun T=8": ("heun", 8, 0.1)}  # name -> (solver, T, dt)
+# GPU: "pc euler T=20" with each settling implementation; name -> (kernel, matmul precision)
+GPU_VARIANTS = {"fused tf32": ("pallas", "tf32"), "fused bf16": ("pallas", "bfloat16"),
+                "fused fp32": ("pallas", "float32"), "plain XLA tf32": ("jnp", "tf32"),
+                "plain XLA fp32": ("jnp", "float32")}
+# Launch geometries timed for one batch's settling: (block_b, chunk, num_warps)
+SETTLE_CONFIGS = [(16, 64, 4), (16, 64, 8), (16, 128, 8), (32, 64, 8), (32, 128, 8)]
+
+PCX_SIZES, PCX_T, PCX_BATCH, PCX_TARGET_ACCURACY = (784, 128, 128, 128, 10), 8, 128, 0.983
+PCX_GRID = dict(activation=("relu", "tanh", "gelu"), lr=(1e-3, 3e-3), dt=(0.1, 0.3))
+PCX_WEIGHT_DECAY = 1e-4
 
 
-def run_ours(name: str, epochs: int, data, seed: int = 0) -> list[dict]:
-    solver, T, dt = OURS[name]
+def run_ours(name: str, epochs: int, data: Dataset, *, net: PCNet = NET, solver: str = "euler", T: int = 20,
+             dt: float = 0.1, kernel: str = "auto", seed: int = 0) -> list[dict]:
+    """Train the matched config for ``epochs``; one row per epoch (seconds, test accuracy)."""
     steps_per_epoch = data.train_x.shape[0] // BATCH
     schedule = optax.exponential_decay(LR, steps_per_epoch, LR_DECAY_PER_EPOCH, staircase=True)
     optimizer = optax.adamw(schedule, weight_decay=WEIGHT_DECAY)
     key = jax.random.key(seed)
-    params = init_params(jax.random.fold_in(key, 0), NET)
+    params = init_params(jax.random.fold_in(key, 0), net)
     state = optimizer.init(params)
     x, y = jax.device_put(data.train_x), jax.device_put(data.train_y)
     rows = []
     for epoch in range(1, epochs + 1):
         start = time.perf_counter()
-        params, state, _ = train_epoch(params, state, optimizer, x, y, net=NET, T=T, dt=dt, batch_size=BATCH,
-                                       key=jax.random.fold_in(key, epoch), solver=solver)
+        params, state, _ = train_epoch(params, state, optimizer, x, y, net=net, T=T, dt=dt, batch_size=BATCH,
+                                       key=jax.random.fold_in(key, epoch), solver=solver, kernel=kernel)
         jax.block_until_ready(params)
         seconds = time.perf_counter() - start
         rows.append(dict(impl=name, epoch=epoch, seconds=seconds,
-                         test_accuracy=evaluate(params, data.test_x, data.test_y, NET)))
-        print(f"  {name:<16} epoch {epoch:3d}  {seconds:6.1f} s  test {rows[-1]['test_accuracy']:.4f}", flush=True)
+                         test_accuracy=evaluate(params, data.test_x, data.test_y, net)))
+        print(f"  {name:<16} epoch {epoch:3d}  {seconds:7.3f} s  test {rows[-1]['test_accuracy']:.4f}", flush=True)
     return rows
 
 
 def summarize(rows: list[dict], impl: str, reference_accuracy: float | None) -> dict:
+    """Steady s/epoch (epoch 1 compiles), accuracies, and the epochs and seconds to ``reference_accuracy``."""
     mine = [r for r in rows if r["impl"] == impl]
-    steady = [r["seconds"] for r in mine[1:]] or [mine[0]["seconds"]]  # epoch 1 of ours compiles
+    steady = [r["seconds"] for r in mine[1:]] or [mine[0]["seconds"]]
     reached = next((r for r in mine if reference_accuracy and r["test_accuracy"] >= reference_accuracy), None)
     wall = np.cumsum([r["seconds"] for r in mine])
     return dict(impl=impl, epochs=len(mine), s_per_epoch=float(np.median(steady)), first_epoch_s=mine[0]["seconds"],
                 final_accuracy=mine[-1]["test_accuracy"], best_accuracy=max(r["test_accuracy"] for r in mine),
-                epochs_to_deepity_final=reached["epoch"] if reached else None,
-                seconds_to_deepity_final=float(wall[reached["epoch"] - 1]) if reached else None)
+                epochs_to_reference=reached["epoch"] if reached else None,
+                seconds_to_reference=float(wall[reached["epoch"] - 1]) if reached else None)
 
 
-def plot(rows: list[dict], name: str) -> None:
+def plot(rows: list[dict], name: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(11, 4))
@@ -77,47 +108,198 @@ def plot(rows: list[dict], name: str) -> None:
         by_time.plot(np.cumsum([r["seconds"] for r in mine]), acc, marker="o", label=impl)
     by_epoch.set(xlabel="epoch", ylabel="test accuracy (%)", title="accuracy per epoch")
     by_time.set(xlabel="training wall time (s, compile included)", ylabel="test accuracy (%)",
-                title="accuracy vs time (same CPU, back to back)")
+                title=f"accuracy vs time ({jax.devices()[0].device_kind}, back to back)")
     for ax in (by_epoch, by_time):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("Predictive coding, MNIST 784-512-512-10 sigmoid, batch 250")
+    fig.suptitle(title)
+    fig.tight_layout()
+    save_plot(fig, name)
+
+
+def _matched_config() -> dict:
+    return dict(arch=list(NET.sizes), activation=NET.activation, batch=BATCH, lr=LR,
+                lr_decay_per_epoch=LR_DECAY_PER_EPOCH, weight_decay=WEIGHT_DECAY)
+
+
+def deepity_cpu_suite(epochs: int, deepity_timeout: float) -> dict:
+    """Deepity and our Euler / Heun trainers, back to back on this CPU."""
+    data = load_dataset("mnist")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        print("Deepity 0.1.0a3:", flush=True)
+        for row in run_deepity(epochs, write_mnist_npz(Path(tmp) / "mnist.npz"), deepity_timeout):
+            rows.append(dict(impl="deepity", **row))
+            print(f"  deepity          epoch {row['epoch']:3d}  {row['seconds']:6.1f} s  test "
+                  f"{row['test_accuracy']:.4f}", flush=True)
+    for name, (solver, T, dt) in OURS.items():
+        print(f"{name}:", flush=True)
+        rows += run_ours(name, epochs, data, solver=solver, T=T, dt=dt)
+    deepity_final = summarize(rows, "deepity", None)["final_accuracy"]
+    summary = [summarize(rows, impl, deepity_final) for impl in ("deepity", *OURS)]
+    for s in summary:
+        s["time_ratio_vs_deepity"] = s["s_per_epoch"] / summary[0]["s_per_epoch"]
+    payload = dict(config=dict(_matched_config(), reference="Deepity's final accuracy in this run",
+                               ours={k: dict(solver=s, T=t, dt=d) for k, (s, t, d) in OURS.items()}),
+                   summary=summary, rows=rows)
+    write_results("pc_mnist_cpu", payload)
+    plot(rows, "pc_mnist_cpu", "Predictive coding, MNIST 784-512-512-10 sigmoid, batch 250")
+    print(format_table(summary, ["impl", "epochs", "s_per_epoch", "time_ratio_vs_deepity", "first_epoch_s",
+                                 "final_accuracy", "best_accuracy", "epochs_to_reference", "seconds_to_reference"]))
+    return payload
+
+
+def settle_timings(data: Dataset) -> list[dict]:
+    """One batch's T=20 settling (the kernel's unit of work): every launch geometry and precision of the fused
+    kernel against the plain-XLA loop, with each result's largest deviation from the fp32 loop."""
+    params = init_params(jax.random.key(0), NET)
+    x0 = jnp.asarray(data.train_x[:BATCH])
+    target = jax.nn.one_hot(jnp.asarray(data.train_y[:BATCH]), NET.sizes[-1])
+    exact = settle_from_input(params, x0, dataclasses.replace(NET, precision="float32"), T=20, dt=0.1, target=target,
+                              kernel="jnp").xs
+    rows = []
+
+    def record(name, precision, fn, **geometry):
+        try:
+            timing = time_jax(fn, iters=50)
+        except Exception as err:  # a launch geometry the compiler rejects (e.g. out of registers) is a result
+            rows.append(dict(impl=name, precision=precision, **geometry, error=f"{type(err).__name__}: {err}"[:300]))
+            print(f"  {name:<10} {precision:<9} {geometry}  failed: {rows[-1]['error']}", flush=True)
+            return
+        xs = fn()
+        err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(xs[1:], exact[1:], strict=True))
+        rows.append(dict(impl=name, precision=precision, **geometry, settle_us=1e3 * timing.median_ms,
+                         max_rel_dev_from_fp32=err))
+        print(f"  {name:<10} {precision:<9} {geometry}  {1e3 * timing.median_ms:8.1f} us  dev {err:.1e}", flush=True)
+
+    for precision in ("tf32", "bfloat16", "float32"):
+        net = dataclasses.replace(NET, precision=precision)
+        loop = jax.jit(lambda p, net=net: settle_from_input(p, x0, net, T=20, dt=0.1, target=target,
+                                                            kernel="jnp").xs)
+        record("plain XLA", precision, lambda loop=loop: loop(params))
+        mu1 = jax.jit(lambda p, net=net: predict(p[0], x0, net, 0))(params)
+        for block_b, chunk, warps in SETTLE_CONFIGS:
+            config = SettleConfig(block_b=block_b, chunk=chunk, num_warps=warps)
+            fused = jax.jit(lambda p, m, precision=precision, config=config: [x0] + pc_settle(
+                [q["w"] for q in p[1:]], [q["b"] for q in p[1:]], m, target, T=20, dt=0.1,
+                activation=NET.activation, output=NET.output, precision=precision, config=config))
+            record("fused", precision, lambda fused=fused, mu1=mu1: fused(params, mu1), block_b=block_b,
+                   chunk=chunk, num_warps=warps)
+    return rows
+
+
+def deepity_gpu_suite(epochs: int) -> dict:
+    """The matched config on the GPU: each settling implementation trains ``epochs`` epochs, back to back."""
+    data = load_dataset("mnist")
+    print("one batch's settling (T=20, batch 250):", flush=True)
+    settle_rows = settle_timings(data)
+    rows = []
+    for name, (kernel, precision) in GPU_VARIANTS.items():
+        print(f"{name}:", flush=True)
+        rows += run_ours(name, epochs, data, net=dataclasses.replace(NET, precision=precision), kernel=kernel)
+    summary = [summarize(rows, impl, DEEPITY_TARGET_ACCURACY) for impl in GPU_VARIANTS]
+    xla = {s["impl"].split()[-1]: s["s_per_epoch"] for s in summary if s["impl"].startswith("plain XLA")}
+    for s in summary:
+        s["speedup_vs_plain_xla_tf32"] = xla["tf32"] / s["s_per_epoch"]
+    payload = dict(config=dict(_matched_config(), solver="euler", T=20, dt=0.1,
+                               reference=f"Deepity's README accuracy {DEEPITY_TARGET_ACCURACY}",
+                               variants={k: dict(kernel=kn, precision=pr) for k, (kn, pr) in GPU_VARIANTS.items()}),
+                   summary=summary, settle=settle_rows, rows=rows)
+    write_results("pc_mnist", payload)
+    plot(rows, "pc_mnist", "Predictive coding, MNIST 784-512-512-10 sigmoid, T=20, batch 250: fused kernel vs XLA")
+    print(format_table(settle_rows, ["impl", "precision", "block_b", "chunk", "num_warps", "settle_us",
+                                     "max_rel_dev_from_fp32"]))
+    print(format_table(summary, ["impl", "epochs", "s_per_epoch", "speedup_vs_plain_xla_tf32", "first_epoch_s",
+                                 "final_accuracy", "best_accuracy", "epochs_to_reference", "seconds_to_reference"]))
+    return payload
+
+
+# One optimizer object for every pcx run: it is a static argument of the jitted epoch, so the sweep compiles
+# once per activation; the learning rate lives in its state.
+PCX_OPTIMIZER = optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, weight_decay=PCX_WEIGHT_DECAY)
+
+
+def train_pcx(train_x, train_y, eval_x, eval_y, *, activation: str, lr: float, dt: float, epochs: int,
+              seed: int = 0) -> list[float]:
+    """pcx's config with AdamW, lr_e = lr (1 + cos(pi (e - 1) / epochs)) / 2 in epoch e; eval accuracy per epoch."""
+    net = PCNet(PCX_SIZES, activation=activation, output="cross_entropy", input_activation=False)
+    key = jax.random.key(seed)
+    params = init_params(jax.random.fold_in(key, 0), net)
+    state = PCX_OPTIMIZER.init(params)
+    accuracy = []
+    for epoch in range(1, epochs + 1):
+        state.hyperparams["learning_rate"] = jnp.float32(lr * (1 + np.cos(np.pi * (epoch - 1) / epochs)) / 2)
+        params, state, _ = train_epoch(params, state, PCX_OPTIMIZER, train_x, train_y, net=net, T=PCX_T, dt=dt,
+                                       batch_size=PCX_BATCH, key=jax.random.fold_in(key, epoch))
+        accuracy.append(evaluate(params, eval_x, eval_y, net))
+    return accuracy
+
+
+def pcx_suite(epochs: int, limit: int | None) -> dict:
+    """Choose (activation, lr, dt) on the validation split, then train the choice on 60k and test it once."""
+    m = load_mnist()
+    n = limit or m.train_x.shape[0]
+    train_x, train_y = jax.device_put(m.train_x[:n]), jax.device_put(m.train_y[:n])
+    sweep = []
+    for activation, lr, dt in itertools.product(*PCX_GRID.values()):
+        start = time.perf_counter()
+        curve = train_pcx(train_x, train_y, m.valid_x, m.valid_y, activation=activation, lr=lr, dt=dt, epochs=epochs)
+        sweep.append(dict(activation=activation, lr=lr, dt=dt, valid_accuracy=curve[-1], valid_curve=curve,
+                          seconds=time.perf_counter() - start))
+        print(f"  {activation:<5} lr {lr:g} dt {dt:g}: valid {curve[-1]:.4f}  ({sweep[-1]['seconds']:.1f} s)",
+              flush=True)
+    best = max(sweep, key=lambda r: r["valid_accuracy"])
+    full_x = jax.device_put(np.concatenate([m.train_x[:n], m.valid_x]))
+    full_y = jax.device_put(np.concatenate([m.train_y[:n], m.valid_y]))
+    start = time.perf_counter()
+    test_curve = train_pcx(full_x, full_y, m.test_x, m.test_y, activation=best["activation"], lr=best["lr"],
+                           dt=best["dt"], epochs=epochs)
+    final = dict(activation=best["activation"], lr=best["lr"], dt=best["dt"], epochs=epochs,
+                 test_accuracy=test_curve[-1], test_curve=test_curve, seconds=time.perf_counter() - start,
+                 target_accuracy=PCX_TARGET_ACCURACY, reached_target=test_curve[-1] >= PCX_TARGET_ACCURACY)
+    name = "pc_pcx_cpu" if jax.default_backend() == "cpu" else "pc_pcx"
+    payload = dict(config=dict(arch=list(PCX_SIZES), T=PCX_T, batch=PCX_BATCH, solver="euler",
+                               output="cross_entropy", optimizer="adamw, cosine lr decay per epoch",
+                               weight_decay=PCX_WEIGHT_DECAY, grid=PCX_GRID, train_images=n,
+                               selection="final validation accuracy (10k split), then 60k train / 10k test"),
+                   sweep=sweep, final=final)
+    write_results(name, payload)
+    _plot_pcx(sweep, final, name)
+    print(format_table(sweep, ["activation", "lr", "dt", "valid_accuracy", "seconds"]))
+    print(format_table([final], ["activation", "lr", "dt", "epochs", "test_accuracy", "reached_target", "seconds"]))
+    return payload
+
+
+def _plot_pcx(sweep: list[dict], final: dict, name: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in sweep:
+        ax.plot(range(1, len(r["valid_curve"]) + 1), [100 * a for a in r["valid_curve"]], alpha=0.4, lw=1,
+                label=f"{r['activation']} lr {r['lr']:g} dt {r['dt']:g} (valid)")
+    ax.plot(range(1, final["epochs"] + 1), [100 * a for a in final["test_curve"]], color="k", lw=2,
+            label="chosen, 60k train (test)")
+    ax.axhline(100 * PCX_TARGET_ACCURACY, color="r", ls="--", lw=1, label="target")
+    ax.set(xlabel="epoch", ylabel="accuracy (%)", ylim=(96, 99),
+           title="pcx config: 784-128x3-10, T=8, batch 128")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     save_plot(fig, name)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=("deepity", "pcx"), default="deepity")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--deepity-timeout", type=float, default=3600)
+    parser.add_argument("--limit", type=int, help="pcx: train on the first N images only (quick runs)")
     args = parser.parse_args(argv)
-    data = load_dataset("mnist")
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        print("Deepity 0.1.0a3:", flush=True)
-        for row in run_deepity(args.epochs, write_mnist_npz(Path(tmp) / "mnist.npz"), args.deepity_timeout):
-            rows.append(dict(impl="deepity", **row))
-            print(f"  deepity          epoch {row['epoch']:3d}  {row['seconds']:6.1f} s  test "
-                  f"{row['test_accuracy']:.4f}", flush=True)
-    for name in OURS:
-        print(f"{name}:", flush=True)
-        rows += run_ours(name, args.epochs, data)
-    deepity_final = summarize(rows, "deepity", None)["final_accuracy"]
-    summary = [summarize(rows, impl, deepity_final) for impl in ("deepity", *OURS)]
-    base = summary[0]["s_per_epoch"]
-    for s in summary:
-        s["time_ratio_vs_deepity"] = s["s_per_epoch"] / base
-    name = "pc_mnist_cpu" if jax.default_backend() == "cpu" else "pc_mnist"
-    payload = dict(config=dict(arch=list(NET.sizes), activation=NET.activation, batch=BATCH, lr=LR,
-                               lr_decay_per_epoch=LR_DECAY_PER_EPOCH, weight_decay=WEIGHT_DECAY,
-                               ours={k: dict(solver=s, T=t, dt=d) for k, (s, t, d) in OURS.items()}),
-                   summary=summary, rows=rows)
-    write_results(name, payload)
-    plot(rows, name)
-    print(format_table(summary, ["impl", "epochs", "s_per_epoch", "time_ratio_vs_deepity", "first_epoch_s",
-                                 "final_accuracy", "best_accuracy", "epochs_to_deepity_final",
-                                 "seconds_to_deepity_final"]))
-    return payload
+    if args.suite == "pcx":
+        return pcx_suite(args.epochs, args.limit)
+    if jax.default_backend() == "cpu":
+        return deepity_cpu_suite(args.epochs, args.deepity_timeout)
+    return deepity_gpu_suite(args.epochs)
 
 
 if __name__ == "__main__":

@@ -102,8 +102,8 @@ PRECISIONS = ("float32", "tf32", "bfloat16")
 OUTPUTS = ("gaussian", "cross_entropy")
 
 
-def _dot_args(precision: str):
-    """(operand dtype, lax precision) of a precision name."""
+def dot_args(precision: str):
+    """(operand dtype, lax precision) of a precision name (one of :data:`PRECISIONS`)."""
     if precision == "bfloat16":
         return jnp.bfloat16, None
     return jnp.float32, (jax.lax.Precision.DEFAULT if precision == "tf32" else jax.lax.Precision.HIGHEST)
@@ -156,7 +156,7 @@ def _store_cols(ref, blocks):
 
 def _matmul(a, w_ref, *, transpose, chunk, precision):
     """``a @ W`` (or ``a @ W^T``) for a block list ``a``, reading W's blocks from its ref (global memory)."""
-    dtype, lax_precision = _dot_args(precision)
+    dtype, lax_precision = dot_args(precision)
     rows, cols = w_ref.shape
     k_spans, n_spans = (_spans(cols, chunk), _spans(rows, chunk)) if transpose else (
         _spans(rows, chunk), _spans(cols, chunk))
@@ -324,7 +324,7 @@ def _pc_settle(weights, biases, mu1, target, dt, *, T, activation, output, preci
     widths = [mu1.shape[1]] + [w.shape[1] for w in weights]
     pw = [padded_width(n) for n in widths]
     rows = -(-batch // bb) * bb
-    w_dtype = _dot_args(precision)[0]  # cast once here: bf16 weights halve the bytes streamed each step
+    w_dtype = dot_args(precision)[0]  # cast once here: bf16 weights halve the bytes streamed each step
     ws = [_pad2(w.astype(w_dtype), pw[l], pw[l + 1]) for l, w in enumerate(weights)]
     bs = [jnp.pad(b.astype(jnp.float32), (0, pw[l + 1] - b.shape[0])) for l, b in enumerate(biases)]
     tiles = [_pad2(mu1.astype(jnp.float32), rows, pw[0])]
@@ -359,7 +359,7 @@ def pc_settle_reference(weights: Sequence[jax.Array], biases: Sequence[jax.Array
     """Plain-jnp :func:`pc_settle` (same arguments and results, no padding, no tiling)."""
     _check(weights, biases, mu1, target, T, dt, activation, output, precision)
     f, df = ACTIVATIONS[activation]
-    dtype, lax_precision = _dot_args(precision)
+    dtype, lax_precision = dot_args(precision)
     ws = [w.astype(dtype) for w in weights]
     bs = [b.astype(jnp.float32) for b in biases]
     dot = lambda a, w: jnp.dot(a.astype(dtype), w, precision=lax_precision, preferred_element_type=jnp.float32)

@@ -23,7 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from apex_jax import apexw
 from apex_jax.checkpoint import Checkpointer
 from pc.data import DATASETS, load_dataset
-from pc.networks import ACTIVATIONS, OUTPUTS, PCNet, init_params, parse_arch
+from pc.networks import ACTIVATIONS, OUTPUTS, PRECISIONS, PCNet, init_params, parse_arch
 from pc.settle import SOLVERS
 from pc.train import evaluate, train_epoch
 
@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", choices=OUTPUTS, default="cross_entropy", help="energy of the clamped label")
     t.add_argument("--linear-input", action="store_true",
                    help="feed pixels linearly, mu_1 = x_0 W_0 + b_0 (default: f(x_0), as in Whittington & Bogacz)")
+    t.add_argument("--precision", choices=PRECISIONS, default="tf32",
+                   help="matmul operands (float32 accumulation); tf32 is exact float32 on a CPU")
     t.add_argument("--T", type=int, default=20, help="settling steps per minibatch")
     t.add_argument("--dt", type=float, default=0.1, help="settling step size")
     t.add_argument("--solver", choices=SOLVERS, default="euler")
@@ -62,7 +64,7 @@ def train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dic
     """Runs the epochs; returns the log records written by this call."""
     try:
         net = PCNet(parse_arch(args.arch), activation=args.activation, output=args.output,
-                    input_activation=not args.linear_input)
+                    input_activation=not args.linear_input, precision=args.precision)
         data = load_dataset(args.dataset, args.data_path)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))

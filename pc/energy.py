@@ -90,7 +90,7 @@ def energy_and_grads(params: Params, xs: list[jax.Array], net: PCNet, *, output_
     else:
         grads.insert(0, jnp.zeros_like(xs[0]))
     for l, layer in enumerate(params):  # minus J_l^T e_{l+1}
-        back = dfxs[l] * (es[l] @ layer["w"].T)
+        back = dfxs[l] * net.matmul(es[l], layer["w"].T)
         if net.is_residual(l):
             back = es[l] + net.branch_scale * back
         grads[l] = grads[l] - back

@@ -24,6 +24,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.pc_settle import PRECISIONS, dot_args
+
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "sigmoid": jax.nn.sigmoid,
     "tanh": jnp.tanh,
@@ -52,6 +54,9 @@ class PCNet:
       input_activation: apply f to x_0 too (Whittington & Bogacz).
         False feeds x_0 linearly, mu_1 = x_0 @ W_0 + b_0, as a plain MLP does: on raw pixels this trains
         sigmoid nets far faster (sigmoid squashes [0, 1] pixels into [0.5, 0.73]).
+      precision: how every matmul multiplies its operands (accumulating in float32), in the jnp loop and in
+        the fused kernel alike: "float32" (IEEE), "tf32" (``lax.Precision.DEFAULT``: TF32 tensor cores on
+        an NVIDIA GPU, exact float32 on a CPU; what ``x @ w`` gives) or "bfloat16" operands.
     """
 
     sizes: tuple[int, ...]
@@ -60,6 +65,7 @@ class PCNet:
     residual: bool = False
     residual_scale: float | None = None
     input_activation: bool = True
+    precision: str = "tf32"
 
     def __post_init__(self):
         sizes = tuple(self.sizes)
@@ -77,6 +83,8 @@ class PCNet:
         if self.residual and self.num_residual == 0:
             raise ValueError(f"residual=True needs two consecutive hidden layers of equal width; sizes {sizes} "
                              "have none")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; expected one of {PRECISIONS}")
         if self.residual_scale is not None and not self.residual_scale > 0:
             raise ValueError(f"residual_scale must be > 0 or None, got {self.residual_scale}")
 
@@ -99,6 +107,11 @@ class PCNet:
         if self.residual_scale is not None:
             return self.residual_scale
         return 1.0 / math.sqrt(max(self.num_residual, 1))
+
+    def matmul(self, a: jax.Array, w: jax.Array) -> jax.Array:
+        """``a @ w`` at the net's :attr:`precision`, float32 result."""
+        dtype, precision = dot_args(self.precision)
+        return jnp.matmul(a.astype(dtype), w.astype(dtype), precision=precision, preferred_element_type=jnp.float32)
 
     def f(self, l: int) -> Callable[[jax.Array], jax.Array]:
         """f_l, the activation applied to x_l before weight layer l."""
@@ -146,7 +159,7 @@ def init_params(key: jax.Array, net: PCNet) -> Params:
 def predict(layer: dict[str, jax.Array], x: jax.Array, net: PCNet, l: int,
             fx: jax.Array | None = None) -> jax.Array:
     """mu_{l+1} ``[batch, n_{l+1}]`` from x_l ``[batch, n_l]`` through weight layer l (``fx``: f_l(x_l) if known)."""
-    branch = (net.f(l)(x) if fx is None else fx) @ layer["w"]
+    branch = net.matmul(net.f(l)(x) if fx is None else fx, layer["w"])
     if net.is_residual(l):
         return x + net.branch_scale * branch + layer["b"]
     return branch + layer["b"]

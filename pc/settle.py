@@ -34,9 +34,6 @@ from pc.networks import Params, PCNet, check_params, forward, predict
 
 SOLVERS = ("euler", "heun")
 KERNELS = ("auto", "jnp", "pallas")  # see the module docstring
-# The kernel multiplies in IEEE fp32, as the jnp loop does on a CPU, so both paths settle to the same state
-# up to summation order. (Its "tf32" operands would be faster on an H200, at 1e-3 relative error.)
-KERNEL_PRECISION = "float32"
 
 Activities = tuple[jax.Array, ...]
 
@@ -253,7 +250,7 @@ def settle_from_input(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: 
         mu1 = predict(params[0], x0, net, 0)  # constant while settling: x_0 is clamped
         xs = pc_settle([p["w"] for p in params[1:]], [p["b"] for p in params[1:]], mu1, target, T=T, dt=dt,
                        activation=net.activation, output=net.output if target is not None else "gaussian",
-                       precision=KERNEL_PRECISION, interpret=interpret)
+                       precision=net.precision, interpret=interpret)
         return [x0, *xs]
 
     loop = lambda: _settle_loop(params, x0, net, T=T, dt=dt, solver=solver, target=target).xs
