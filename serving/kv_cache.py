@@ -1,0 +1,107 @@
+"""The paged KV cache (device side) and the metadata of one flat, ragged batch of new tokens.
+
+The cache is a pool of fixed-size blocks. A sequence owns a list of blocks (its *block table*); its token at
+position p lives in block ``table[p // block_size]`` at offset ``p % block_size``, i.e. flat slot
+``table[p // block_size] * block_size + p % block_size``. The host-side allocator that hands out blocks
+belongs to the engine; ``make_batch`` only turns block tables into the arrays one forward step reads.
+
+One ``AttentionBatch`` serves prefill, decode and mixed chunked-prefill + decode: N new tokens from S
+sequences, flattened. Each new token's k/v is written to its slot, then each token attends causally to its
+own sequence's cached tokens at positions <= its own. Padding tokens (to a fixed N bucket) have seq id and
+slot ``PAD``: nothing is written for them and their outputs are meaningless.
+"""
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.config import ModelConfig
+
+PAD = -1  # seq id and slot of a padding token
+
+
+class AttentionBatch(NamedTuple):
+    """N new tokens from S sequences (a pytree of int32 arrays)."""
+
+    positions: jax.Array  # [N] position of each token in its sequence
+    seq_ids: jax.Array  # [N] row of block_tables / context_lens the token belongs to; PAD for padding
+    slot_mapping: jax.Array  # [N] flat cache slot (block * block_size + offset) its k/v goes to; PAD: none
+    block_tables: jax.Array  # [S, max_blocks] each sequence's cache blocks in order (entries past its end unused)
+    context_lens: jax.Array  # [S] tokens in each sequence's cache after this step (0 for a padding row)
+
+
+class PagedKV(NamedTuple):
+    """Key and value pages of every layer: ``[layers, num_blocks, block_size, kv_heads, head_dim]`` each."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> "PagedKV":
+        """An all-zero cache of ``num_blocks`` blocks of ``block_size`` tokens for standard (non-MLA) attention."""
+        if cfg.is_mla:
+            raise ValueError(f"PagedKV holds separate k/v pages; family {cfg.family!r} uses latent attention")
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"PagedKV.create: num_blocks={num_blocks}, block_size={block_size}: expected >= 1 each")
+        shape = (cfg.layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+    def write(self, layer: int, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> "PagedKV":
+        """Store new tokens' ``k``, ``v`` ``[N, kv_heads, head_dim]`` of ``layer`` at their slots (PAD: skipped)."""
+        num_blocks, block_size = self.k.shape[1], self.k.shape[2]
+        slot = jnp.where(slot_mapping >= 0, slot_mapping, num_blocks * block_size)  # PAD -> out of range: dropped
+        block, offset = slot // block_size, slot % block_size
+        return PagedKV(self.k.at[layer, block, offset].set(k.astype(self.k.dtype), mode="drop"),
+                       self.v.at[layer, block, offset].set(v.astype(self.v.dtype), mode="drop"))
+
+
+class SeqChunk(NamedTuple):
+    """One sequence's part of a step: ``count`` new tokens after ``start`` already cached ones."""
+
+    block_table: Sequence[int]
+    start: int
+    count: int
+
+
+def make_batch(chunks: Sequence[SeqChunk], block_size: int, *, num_tokens: int | None = None,
+               num_seqs: int | None = None, max_blocks: int | None = None) -> AttentionBatch:
+    """Host-side metadata (numpy int32) for the new tokens of ``chunks``, in order, padded to the given sizes.
+
+    A prefill chunk has ``start=0``, a decode step ``count=1``; any mix may share a batch. ``num_tokens``,
+    ``num_seqs``, ``max_blocks`` (default: exactly what the chunks need) pad N, S and the block-table width.
+    """
+    total = sum(c.count for c in chunks)
+    widest = max((len(c.block_table) for c in chunks), default=0)
+    num_tokens = total if num_tokens is None else num_tokens
+    num_seqs = len(chunks) if num_seqs is None else num_seqs
+    max_blocks = widest if max_blocks is None else max_blocks
+    for name, size, need in (("num_tokens", num_tokens, total), ("num_seqs", num_seqs, len(chunks)),
+                             ("max_blocks", max_blocks, widest)):
+        if size < need:
+            raise ValueError(f"make_batch: {name}={size} but the chunks need {need}")
+    positions = np.zeros(num_tokens, np.int32)
+    seq_ids = np.full(num_tokens, PAD, np.int32)
+    slots = np.full(num_tokens, PAD, np.int32)
+    tables = np.zeros((num_seqs, max_blocks), np.int32)
+    context_lens = np.zeros(num_seqs, np.int32)
+    n = 0
+    for s, (table, start, count) in enumerate(chunks):
+        end = start + count
+        if start < 0 or count < 1 or end > len(table) * block_size:
+            raise ValueError(f"make_batch: chunk {s} (start={start}, count={count}) does not fit its "
+                             f"{len(table)} blocks of {block_size} tokens")
+        pos = np.arange(start, end)
+        positions[n:n + count] = pos
+        seq_ids[n:n + count] = s
+        slots[n:n + count] = np.asarray(table, np.int64)[pos // block_size] * block_size + pos % block_size
+        tables[s, :len(table)] = table
+        context_lens[s] = end
+        n += count
+    return AttentionBatch(positions, seq_ids, slots, tables, context_lens)

@@ -1,0 +1,197 @@
+"""The pieces every model family shares, each a small pure function (``N`` = tokens in the flat batch).
+
+RMSNorm, rotary embeddings (plain, linear, llama3, yarn), the SwiGLU MLP, the routed-expert MoE layer and
+attention over the paged KV cache. ``moe`` and ``paged_attention`` are the two functions a faster version
+replaces whole (expert-parallel all-to-all; a Pallas GPU kernel): keep their signatures.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.config import ModelConfig, RopeConfig
+from serving.kv_cache import AttentionBatch
+
+MASKED = -1e30  # score of a key a query may not see: finite, so a fully masked (padding) row stays NaN-free
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, the statistics in fp32 (then back to x.dtype)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- rotary embeddings
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies ``[dim / 2]`` (float32) and the factor cos/sin are scaled by, for ``dim`` rotated dims.
+
+    Plain: ``w_i = theta^(-2i / dim)``. Scaled, with factor s and trained context L (wavelength 2 pi / w_i):
+      * linear: ``w_i / s``.
+      * llama3: ``w_i / s`` for wavelengths > L / low_freq_factor, ``w_i`` for those < L / high_freq_factor, and
+        ``(1 - a) w_i / s + a w_i`` between, ``a = (L / wavelength - low) / (high - low)``.
+      * yarn: ``(1 - e_i) w_i / s + e_i w_i`` with ``e_i = 1 - clip((i - lo) / (hi - lo), 0, 1)``, where lo, hi
+        are the dims turning beta_fast and beta_slow times over L: ``d(r) = dim ln(L / (2 pi r)) / (2 ln theta)``
+        (floored / ceiled when ``truncate``). cos/sin are scaled by ``attention_factor`` if given, else by
+        ``yarn_mscale(s, mscale) / yarn_mscale(s, mscale_all_dim)`` when both are set, else ``yarn_mscale(s)``.
+    """
+    if dim % 2:
+        raise ValueError(f"rope_frequencies: dim={dim}: expected an even number of rotated dims")
+    inv_freq = 1.0 / rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    scale = 1.0
+    if rope.kind == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.kind == "llama3":
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen = rope.original_max_position / rope.low_freq_factor  # longer: fully interpolated
+        high_wavelen = rope.original_max_position / rope.high_freq_factor  # shorter: kept
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        blended = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+        inv_freq = np.where(wavelen > low_wavelen, inv_freq / rope.factor,
+                            np.where(wavelen < high_wavelen, inv_freq, blended))
+    elif rope.kind == "yarn":
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+        lo, hi = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+        if rope.truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001  # as the reference implementation: avoid a zero-width ramp
+        ramp = np.clip((np.arange(dim // 2) - lo) / (hi - lo), 0, 1)
+        extrapolate = 1 - ramp
+        inv_freq = inv_freq / rope.factor * (1 - extrapolate) + inv_freq * extrapolate
+        if rope.attention_factor is not None:
+            scale = rope.attention_factor
+        elif rope.mscale and rope.mscale_all_dim:
+            scale = yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+        else:
+            scale = yarn_mscale(rope.factor)
+    return inv_freq.astype(np.float32), scale
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0,
+               interleaved: bool = False) -> jax.Array:
+    """Rotate ``x [N, heads, dim]`` by angles ``positions[n] * inv_freq[i]`` (fp32), cos/sin times ``scale``.
+
+    Halves (``interleaved=False``, HF Llama layout): pair (x[i], x[i + dim/2]); interleaved: pair (x[2i], x[2i+1]).
+    Each pair (a, b) -> (a cos - b sin, b cos + a sin).
+    """
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [N, dim/2]
+    cos, sin = (jnp.cos(angles) * scale)[:, None, :], (jnp.sin(angles) * scale)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    if interleaved:
+        a, b = x32[..., 0::2], x32[..., 1::2]
+        out = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(x.shape)
+    else:
+        a, b = jnp.split(x32, 2, axis=-1)
+        out = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- MLPs
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """``(silu(x @ gate) * (x @ up)) @ down``: x ``[N, D]``, gate/up ``[D, I]``, down ``[I, D]``."""
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+def route(logits: jax.Array, cfg: ModelConfig, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Pick ``cfg.top_k`` experts per token: (gate weights ``[N, k]`` fp32, expert ids ``[N, k]`` int32).
+
+    softmax: ``p = softmax(logits)``; the k largest p, weights p (divided by their sum if norm_topk_prob).
+    sigmoid (DeepSeek-V3): ``p = sigmoid(logits)``, chosen by ``p + bias``: experts form n_group groups, a
+    group scores the sum of its 2 best, only experts of the topk_group best groups compete for the k places;
+    weights are p (divided by their sum if norm_topk_prob), times routed_scaling_factor.
+    """
+    logits = logits.astype(jnp.float32)
+    if cfg.router == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+        choice = probs
+    else:
+        probs = jax.nn.sigmoid(logits)
+        choice = probs if bias is None else probs + bias.astype(jnp.float32)
+        if cfg.n_group > 1:
+            grouped = choice.reshape(choice.shape[0], cfg.n_group, -1)  # [N, groups, experts per group]
+            group_score = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0].sum(-1)  # [N, groups]
+            best_groups = jax.lax.top_k(group_score, cfg.topk_group)[1]  # [N, topk_group]
+            keep = jax.nn.one_hot(best_groups, cfg.n_group, dtype=jnp.bool_).any(axis=1)  # [N, groups]
+            choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(choice.shape)
+    experts = jax.lax.top_k(choice, cfg.top_k)[1]
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
+        valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Routed-expert SwiGLU: ``y_n = sum_j w_nj * swiglu_{e_nj}(x_n)`` over each token's top-k experts.
+
+    params: ``router [D, E]``, ``gate``/``up [E, D, I]``, ``down [E, I, D]``, optionally ``router_bias [E]``
+    (choice-only bias, sigmoid router). x ``[N, D]``; ``valid [N]`` marks real tokens (default all).
+    The N*k (token, expert) pairs are sorted by expert so that each expert's rows are contiguous, the three
+    expert matmuls run as ``jax.lax.ragged_dot`` over those groups, and the rows are unsorted and combined.
+    Returns y ``[N, D]`` and the number of valid tokens routed to each expert ``[E]`` int32.
+    """
+    num_tokens, num_experts = x.shape[0], params["router"].shape[-1]
+    # Router logits in the activation dtype for softmax routers and fp32 for sigmoid, as in the HF models.
+    logits_dtype = jnp.float32 if cfg.router == "sigmoid" else x.dtype
+    logits = jnp.dot(x, params["router"], preferred_element_type=logits_dtype)
+    weights, experts = route(logits, cfg, params.get("router_bias"))
+    flat = experts.reshape(-1)  # [N*k]
+    order = jnp.argsort(flat, stable=True)  # pair indices, grouped by expert
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    rows = x[order // cfg.top_k]  # [N*k, D]
+    hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, params["gate"], group_sizes))
+              * jax.lax.ragged_dot(rows, params["up"], group_sizes))
+    out_sorted = jax.lax.ragged_dot(hidden, params["down"], group_sizes)  # [N*k, D]
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, cfg.top_k, -1)
+    y = jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights).astype(x.dtype)
+    valid = jnp.ones(num_tokens, jnp.bool_) if valid is None else valid
+    counts = jnp.bincount(flat, weights=jnp.repeat(valid, cfg.top_k).astype(jnp.int32), length=num_experts)
+    return y, counts.astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: AttentionBatch,
+                    scale: float) -> jax.Array:
+    """Causal attention of N new tokens over their sequences' paged cache (plain-jnp reference).
+
+    q ``[N, H, D]``; k_pages ``[num_blocks, block_size, K, D]``, v_pages ``[num_blocks, block_size, K, Dv]``
+    (one layer, the new tokens already written); H = K * G (grouped-query heads). Token n of sequence s at
+    position p sees cache positions t with ``t <= p`` and ``t < context_lens[s]``:
+    ``out[n, h] = softmax_t(scale * q[n, h] . k[s, t, h // G]) @ v[s, t, h // G]``, softmax in fp32.
+    Padding tokens (seq id < 0) get zeros. Memory: every token gathers its whole sequence, ``[N, T, K, D]``
+    with T = max_blocks * block_size; the GPU kernel replacing this avoids that.
+    """
+    num_tokens, heads, _ = q.shape
+    kv_heads = k_pages.shape[2]
+    valid = batch.seq_ids >= 0
+    seq = jnp.where(valid, batch.seq_ids, 0)
+    tables = batch.block_tables[seq]  # [N, max_blocks]
+    keys = k_pages[tables].reshape(num_tokens, -1, kv_heads, k_pages.shape[-1])  # [N, T, K, D]
+    values = v_pages[tables].reshape(num_tokens, -1, kv_heads, v_pages.shape[-1])  # [N, T, K, Dv]
+    t = jnp.arange(keys.shape[1])
+    visible = (t[None, :] <= batch.positions[:, None]) & (t[None, :] < batch.context_lens[seq][:, None])
+    qg = q.reshape(num_tokens, kv_heads, heads // kv_heads, -1)  # [N, K, G, D]
+    scores = jnp.einsum("nkgd,ntkd->nkgt", qg, keys, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible[:, None, None, :], scores, MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("nkgt,ntkd->nkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, heads, -1).astype(q.dtype)

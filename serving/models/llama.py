@@ -1,0 +1,214 @@
+"""Llama: the dense decoder, and the building blocks the other families reuse.
+
+Per layer: ``x += attention(rms_norm(x))``, then ``x += swiglu(rms_norm(x))``; logits from a final
+RMSNorm and the (possibly tied) output head. Attention is grouped-query with RoPE, optional per-head q/k
+RMSNorm (Qwen3), over the paged KV cache.
+
+Weights are a pytree of plain arrays in ``x @ W`` layout ([in, out], heads as their own axis); ``layout``
+gives every weight's shape, how it is initialized and its ``PartitionSpec`` over the mesh axes
+``("data", "tensor", "expert")``: attention heads and the MLP hidden dim are split over ``"tensor"``
+(Megatron-style: column-parallel in, row-parallel out), the vocabulary too; ``"data"`` replicates weights
+(it splits the batch); experts (``moe.py``) split over ``"expert"``. kv_heads and the sizes split must be
+divisible by the ``"tensor"`` axis size. Use a mesh of ``AxisType.Auto`` axes (the compiler places the
+collectives).
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from serving.config import ModelConfig
+from serving.kv_cache import AttentionBatch, PagedKV
+from serving.layers import apply_rope, paged_attention, rms_norm, rope_frequencies, swiglu
+
+INIT_STD = 0.02  # random weights ~ N(0, 0.02^2): the HF initializer_range default (benchmarks only)
+TENSOR, EXPERT = "tensor", "expert"  # mesh axes that split weights ("data" splits only activations)
+
+Rope = tuple[np.ndarray, float]  # rope_frequencies' (inv_freq, cos/sin scale)
+
+
+class Weight(NamedTuple):
+    """One weight's shape, its sharding, and its initialization: ``"normal"`` (N(0, INIT_STD^2)) or ``"ones"``."""
+
+    shape: tuple[int, ...]
+    spec: P
+    init: str = "normal"
+
+
+def is_weight(x) -> bool:
+    return isinstance(x, Weight)
+
+
+def init_from_layout(layout, key: jax.Array, dtype: jnp.dtype):
+    """Random arrays for a pytree of ``Weight``s (one key per leaf)."""
+    leaves, treedef = jax.tree.flatten(layout, is_leaf=is_weight)
+    keys = jax.random.split(key, len(leaves))
+    arrays = [jnp.ones(w.shape, dtype) if w.init == "ones" else INIT_STD * jax.random.normal(k, w.shape, dtype)
+              for w, k in zip(leaves, keys, strict=True)]
+    return treedef.unflatten(arrays)
+
+
+def specs_from_layout(layout):
+    """The ``PartitionSpec`` pytree of a pytree of ``Weight``s."""
+    return jax.tree.map(lambda w: w.spec, layout, is_leaf=is_weight)
+
+
+def take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """HF tensor ``name``, checked to have ``shape`` (HF layout: Linear weights are [out, in])."""
+    if name not in tensors:
+        raise ValueError(f"checkpoint has no tensor {name!r} (expected shape {list(shape)})")
+    array = tensors[name]
+    if tuple(array.shape) != tuple(shape):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {list(array.shape)}: expected {list(shape)}")
+    return array
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def norm(cfg: ModelConfig, size: int | None = None) -> Weight:
+    return Weight((size or cfg.hidden,), P(), "ones")
+
+
+def embedding_layout(cfg: ModelConfig) -> dict[str, Weight]:
+    """``embed [V, D]``, final ``norm [D]``, ``lm_head [D, V]`` (absent when tied to embed): vocab over tensor."""
+    layout = {"embed": Weight((cfg.vocab, cfg.hidden), P(TENSOR, None)), "norm": norm(cfg)}
+    if not cfg.tie_embeddings:
+        layout["lm_head"] = Weight((cfg.hidden, cfg.vocab), P(None, TENSOR))
+    return layout
+
+
+def attention_layout(cfg: ModelConfig) -> dict[str, Weight]:
+    """``q [D, H, hd]``, ``k``/``v [D, K, hd]``, ``o [H, hd, D]`` (+ ``q_norm``/``k_norm [hd]``): heads over tensor."""
+    d, h, k, hd = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim
+    layout = {"q": Weight((d, h, hd), P(None, TENSOR, None)), "k": Weight((d, k, hd), P(None, TENSOR, None)),
+              "v": Weight((d, k, hd), P(None, TENSOR, None)), "o": Weight((h, hd, d), P(TENSOR, None, None))}
+    if cfg.qk_norm:
+        layout.update(q_norm=norm(cfg, hd), k_norm=norm(cfg, hd))
+    return layout
+
+
+def mlp_layout(cfg: ModelConfig, intermediate: int | None = None) -> dict[str, Weight]:
+    """SwiGLU ``gate``/``up [D, I]``, ``down [I, D]``: the hidden dim I over tensor."""
+    d, i = cfg.hidden, intermediate or cfg.intermediate
+    return {"gate": Weight((d, i), P(None, TENSOR)), "up": Weight((d, i), P(None, TENSOR)),
+            "down": Weight((i, d), P(TENSOR, None))}
+
+
+def layout(cfg: ModelConfig) -> dict:
+    layers = [{"attn_norm": norm(cfg), "attn": attention_layout(cfg), "mlp_norm": norm(cfg), "mlp": mlp_layout(cfg)}
+              for _ in range(cfg.layers)]
+    return {**embedding_layout(cfg), "layers": layers}
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.bfloat16) -> dict:
+    """Random weights of the right shapes (any size; for tests and benchmarks)."""
+    return init_from_layout(layout(cfg), key, dtype)
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """``PartitionSpec`` per weight, the pytree of ``init_params`` (see the module docstring)."""
+    return specs_from_layout(layout(cfg))
+
+
+# --------------------------------------------------------------------------- HF weights
+
+
+def embedding_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.dtype) -> dict[str, jax.Array]:
+    params = {"embed": jnp.asarray(take(tensors, "model.embed_tokens.weight", (cfg.vocab, cfg.hidden)), dtype),
+              "norm": jnp.asarray(take(tensors, "model.norm.weight", (cfg.hidden,)), dtype)}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = jnp.asarray(take(tensors, "lm_head.weight", (cfg.vocab, cfg.hidden)).T, dtype)
+    return params
+
+
+def attention_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], prefix: str,
+                      dtype: jnp.dtype) -> dict[str, jax.Array]:
+    """``{prefix}.{q,k,v,o}_proj.weight`` ([out, in]) (+ ``q_norm``/``k_norm``) -> ``attention_layout``."""
+    d, h, k, hd = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim
+
+    def proj(name: str, heads: int) -> jax.Array:
+        return jnp.asarray(take(tensors, f"{prefix}.{name}.weight", (heads * hd, d)).T.reshape(d, heads, hd), dtype)
+
+    params = {"q": proj("q_proj", h), "k": proj("k_proj", k), "v": proj("v_proj", k),
+              "o": jnp.asarray(take(tensors, f"{prefix}.o_proj.weight", (d, h * hd)).T.reshape(h, hd, d), dtype)}
+    if cfg.qk_norm:
+        params.update({n: jnp.asarray(take(tensors, f"{prefix}.{n}.weight", (hd,)), dtype)
+                       for n in ("q_norm", "k_norm")})
+    return params
+
+
+def linear_from_hf(tensors: dict[str, np.ndarray], name: str, d_in: int, d_out: int, dtype: jnp.dtype) -> jax.Array:
+    """HF Linear ``name`` ([out, in]) as ``[in, out]``."""
+    return jnp.asarray(take(tensors, name, (d_out, d_in)).T, dtype)
+
+
+def mlp_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], prefix: str, dtype: jnp.dtype,
+                intermediate: int | None = None) -> dict[str, jax.Array]:
+    """``{prefix}.{gate,up,down}_proj.weight`` -> ``mlp_layout``."""
+    d, i = cfg.hidden, intermediate or cfg.intermediate
+    return {"gate": linear_from_hf(tensors, f"{prefix}.gate_proj.weight", d, i, dtype),
+            "up": linear_from_hf(tensors, f"{prefix}.up_proj.weight", d, i, dtype),
+            "down": linear_from_hf(tensors, f"{prefix}.down_proj.weight", i, d, dtype)}
+
+
+def norms_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], prefix: str,
+                  dtype: jnp.dtype) -> dict[str, jax.Array]:
+    """A decoder layer's ``input_layernorm`` and ``post_attention_layernorm`` -> ``attn_norm``, ``mlp_norm``."""
+    return {"attn_norm": jnp.asarray(take(tensors, f"{prefix}.input_layernorm.weight", (cfg.hidden,)), dtype),
+            "mlp_norm": jnp.asarray(take(tensors, f"{prefix}.post_attention_layernorm.weight", (cfg.hidden,)), dtype)}
+
+
+def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.dtype = jnp.bfloat16) -> dict:
+    """HF ``LlamaForCausalLM`` tensors -> ``init_params``' pytree. Missing or misshapen tensor -> ValueError."""
+    layers = []
+    for l in range(cfg.layers):
+        prefix = f"model.layers.{l}"
+        layers.append({**norms_from_hf(cfg, tensors, prefix, dtype),
+                       "attn": attention_from_hf(cfg, tensors, f"{prefix}.self_attn", dtype),
+                       "mlp": mlp_from_hf(cfg, tensors, f"{prefix}.mlp", dtype)})
+    return {**embedding_from_hf(cfg, tensors, dtype), "layers": layers}
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def rope_table(cfg: ModelConfig) -> Rope:
+    return rope_frequencies(cfg.rope, cfg.rope_dim)
+
+
+def attention(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, batch: AttentionBatch, kv: PagedKV,
+              layer: int, rope: Rope) -> tuple[jax.Array, PagedKV]:
+    """Grouped-query attention of ``x [N, D]`` -> ``[N, D]``: project, (q/k norm), RoPE, write k/v, attend."""
+    q = jnp.einsum("nd,dhk->nhk", x, p["q"])
+    k = jnp.einsum("nd,dhk->nhk", x, p["k"])
+    v = jnp.einsum("nd,dhk->nhk", x, p["v"])
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p["q_norm"], cfg.rms_eps), rms_norm(k, p["k_norm"], cfg.rms_eps)
+    inv_freq, scale = rope
+    q = apply_rope(q, batch.positions, inv_freq, scale, cfg.rope.interleaved)
+    k = apply_rope(k, batch.positions, inv_freq, scale, cfg.rope.interleaved)
+    kv = kv.write(layer, k, v, batch.slot_mapping)
+    out = paged_attention(q, kv.k[layer], kv.v[layer], batch, cfg.head_dim**-0.5)
+    return jnp.einsum("nhk,hkd->nd", out, p["o"]), kv
+
+
+def logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Final RMSNorm and output head: ``[N, D]`` -> ``[N, V]`` float32."""
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    return jnp.dot(rms_norm(x, params["norm"], cfg.rms_eps), head, preferred_element_type=jnp.float32)
+
+
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch,
+            kv: PagedKV) -> tuple[jax.Array, PagedKV, jax.Array]:
+    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, updated cache, expert counts ``[layers, 0]`` (no experts))."""
+    rope = rope_table(cfg)
+    x = params["embed"][tokens]
+    for l, lp in enumerate(params["layers"]):
+        h, kv = attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_eps), batch, kv, l, rope)
+        x = x + h
+        x = x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_eps), **lp["mlp"])
+    return logits(params, cfg, x), kv, jnp.zeros((cfg.layers, cfg.num_experts), jnp.int32)
