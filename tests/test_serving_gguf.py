@@ -323,6 +323,7 @@ def test_smollm2_tensors_have_hf_llama_names_and_shapes(smollm2):
     assert {name: array.shape for name, array in smollm2.tensors.items()} == want
     for name, array in smollm2.tensors.items():
         assert array.dtype == np.float32 and np.isfinite(array).all(), name
+        assert array.flags.writeable and not isinstance(array, np.memmap), name  # independent of the file
         assert array.std() > 0, name  # dequantized to real values, not zeros
     # RMSNorm gains are O(1) and positive on average; projections are small and centred.
     assert 0.1 < smollm2.tensors["model.norm.weight"].mean() < 10

@@ -97,6 +97,8 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     for tensor in reader.tensors:
         # GGUF dims are innermost first: reversed, they are the numpy (and HF) shape.
         array = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
+        if not array.flags.writeable:  # an F32 tensor is a read-only view of the mapped file: own a copy
+            array = np.array(array)
         tensors.update(_hf_tensors(tensor.name, array, config, metadata["general.architecture"]))
     missing = sorted(set(expected_tensor_names(config)) - tensors.keys())
     if missing:
