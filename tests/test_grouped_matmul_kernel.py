@@ -1,0 +1,118 @@
+"""pallas_kernels.grouped_matmul: the MoE grouped matmul against jax.lax.ragged_dot, its visit plan, and the H200
+lowering."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import grouped_matmul as K
+from pallas_kernels.testing import assert_close, interpret, lower_for_h200
+
+
+def inputs(seed, m, k, n, group_sizes, dtype=jnp.float32):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, k)).astype(dtype)
+    w = (jax.random.normal(kw, (len(group_sizes), k, n)) / np.sqrt(k)).astype(dtype)
+    return x, w, jnp.asarray(group_sizes, jnp.int32)
+
+
+# (m, k, n, group_sizes, config, dtype, out_dtype): empty groups (first, middle, last), groups of one row, a
+# group larger than a tile, rows past sum(group_sizes), sums past m (cut at m), k and n that are not
+# multiples of the blocks.
+CASES = {
+    "ragged": (100, 32, 48, [10, 0, 37, 1, 20, 0], K.GroupedMatmulConfig(16, 16, 16), jnp.float32, None),
+    "sum_past_m": (90, 40, 48, [0, 30, 1, 70], K.GroupedMatmulConfig(32, 32, 16), jnp.float32, None),
+    "one_group_all_rows": (64, 64, 32, [0, 0, 64, 0], K.GroupedMatmulConfig(16, 16, 32), jnp.bfloat16,
+                           jnp.float32),
+    "bf16_decode_tiles": (72, 48, 40, [3, 1, 0, 9, 4, 2, 0, 30], K.GroupedMatmulConfig(16, 32, 32),
+                          jnp.bfloat16, None),
+}
+
+
+class TestGroupedMatmul:
+    @pytest.mark.parametrize("case", list(CASES))
+    def test_matches_ragged_dot(self, case):
+        m, k, n, group_sizes, config, dtype, out_dtype = CASES[case]
+        x, w, sizes = inputs(len(case), m, k, n, group_sizes, dtype)
+        out = K.grouped_matmul(x, w, sizes, out_dtype=out_dtype, config=config, interpret=interpret())
+        expected = K.grouped_matmul_reference(x, w, sizes, out_dtype=out_dtype)
+        assert_close(out, expected)
+        past = min(sum(group_sizes), m)
+        np.testing.assert_array_equal(np.asarray(out[past:]), 0.0)
+
+    def test_experts_without_rows_are_never_read(self):
+        x, w, sizes = inputs(1, 48, 32, 32, [0, 20, 0, 28, 0])
+        empty = (np.asarray(sizes) == 0)[:, None, None]
+        out = K.grouped_matmul(x, jnp.where(empty, jnp.nan, w), sizes, config=K.GroupedMatmulConfig(16, 16, 16),
+                               interpret=interpret())
+        assert_close(out, K.grouped_matmul_reference(x, w, sizes))
+
+    def test_result_does_not_depend_on_launch_geometry(self):
+        x, w, sizes = inputs(2, 80, 64, 64, [17, 0, 40, 23])
+        run = functools.partial(K.grouped_matmul, x, w, sizes, interpret=interpret())
+        assert_close(run(config=K.GroupedMatmulConfig(16, 16, 16, num_warps=4)),
+                     run(config=K.GroupedMatmulConfig(64, 32, 64, num_stages=2)))
+
+    def test_rejects_bad_arguments(self):
+        x, w, sizes = inputs(0, 32, 16, 16, [10, 22])
+        with pytest.raises(ValueError, match="same k"):
+            K.grouped_matmul(x[:, :8], w, sizes)
+        with pytest.raises(ValueError, match=r"w \[groups, k, n\]"):
+            K.grouped_matmul(x, w[0], sizes)
+        with pytest.raises(ValueError, match=r"group_sizes must be integer \[groups=2\]"):
+            K.grouped_matmul(x, w, sizes[:1])
+        with pytest.raises(ValueError, match="group_sizes must be integer"):
+            K.grouped_matmul(x, w, sizes.astype(jnp.float32))
+        with pytest.raises(ValueError, match="share one dtype"):
+            K.grouped_matmul(x.astype(jnp.bfloat16), w, sizes)
+        with pytest.raises(ValueError, match="bfloat16 or float32; got float16"):
+            K.grouped_matmul_reference(x.astype(jnp.float16), w.astype(jnp.float16), sizes)
+        with pytest.raises(ValueError, match="block_m must be a positive power of 2, got 48"):
+            K.GroupedMatmulConfig(block_m=48)
+        with pytest.raises(ValueError, match="block_k must be >= 16"):
+            K.GroupedMatmulConfig(block_k=8)
+        with pytest.raises(ValueError, match="num_stages"):
+            K.GroupedMatmulConfig(num_stages=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_visit_plan_covers_every_row_once_within_one_group(seed):
+    rng = np.random.default_rng(seed)
+    m, num_groups, block_m = 200, 12, 16
+    sizes = rng.integers(0, 3, num_groups) * rng.integers(0, 40, num_groups)  # many empty groups
+    plan = np.asarray(K.visit_plan(jnp.asarray(sizes, jnp.int32), m, block_m))
+    assert plan.shape == (3, K.max_visits(m, num_groups, block_m))
+    ends = np.minimum(np.cumsum(sizes), m)
+    owner = np.searchsorted(ends, np.arange(m), side="right")  # num_groups for the rows past the sum
+    covered = np.zeros(m, int)
+    for group, start, end in plan.T:
+        assert 0 <= end - start <= block_m and 0 <= group <= num_groups
+        assert (owner[start:end] == group).all(), (group, start, end)
+        covered[start:end] += 1
+    np.testing.assert_array_equal(covered, 1)
+    rows_per_group = np.diff(ends, prepend=0)  # sizes cut at m
+    touched = set(plan[0][plan[2] > plan[1]].tolist()) - {num_groups}
+    assert touched == set(np.flatnonzero(rows_per_group).tolist())  # a group without rows is never visited
+
+
+def test_default_config_by_rows_per_group():
+    assert K.default_config(512, 128) == K.DECODE_CONFIG
+    assert K.default_config(32768, 128) == K.PREFILL_CONFIG
+
+
+# The Qwen3-30B-A3B expert matmuls (128 experts; gate/up K=2048 -> N=768, down K=768 -> N=2048) at prefill
+# (32768 routed rows) and decode (64 tokens x top-8 = 512 rows).
+LOWERING_SHAPES = {"prefill_up": (32768, 2048, 768), "prefill_down": (32768, 768, 2048),
+                   "decode_up": (512, 2048, 768), "decode_down": (512, 768, 2048)}
+
+
+@pytest.mark.parametrize("shape", list(LOWERING_SHAPES))
+def test_lowers_for_h200(shape):
+    m, k, n = LOWERING_SHAPES[shape]
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128,), jnp.int32))
+    text = lower_for_h200(K.grouped_matmul, *args)
+    assert "triton" in text and "grouped_matmul" in text
