@@ -126,7 +126,7 @@ class ModelConfig:
         _check(0 < self.top_k <= self.num_experts, "top_k", self.top_k, f"in [1, num_experts={self.num_experts}]")
         _check(self.moe_intermediate > 0, "moe_intermediate", self.moe_intermediate, "> 0 when num_experts > 0")
         _check(self.router in ROUTERS, "router", self.router, f"one of {ROUTERS}")
-        _check(self.num_experts % self.n_group == 0, "n_group", self.n_group,
+        _check(self.n_group > 0 and self.num_experts % self.n_group == 0, "n_group", self.n_group,
                f"a divisor of num_experts={self.num_experts}")
         _check(0 < self.topk_group <= self.n_group, "topk_group", self.topk_group, f"in [1, n_group={self.n_group}]")
         if self.router == "softmax":

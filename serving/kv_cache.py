@@ -49,10 +49,6 @@ class PagedKV(NamedTuple):
         shape = (cfg.layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
-    @property
-    def block_size(self) -> int:
-        return self.k.shape[2]
-
     def write(self, layer: int, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> "PagedKV":
         """Store new tokens' ``k``, ``v`` ``[N, kv_heads, head_dim]`` of ``layer`` at their slots (PAD: skipped)."""
         num_blocks, block_size = self.k.shape[1], self.k.shape[2]
