@@ -220,8 +220,11 @@ def _check(q, k, v, seq_starts):
 
 
 def key_ranges(seq_starts: jax.Array, tokens: int, causal: bool) -> tuple[jax.Array, jax.Array]:
-    """Each row's keys ``[key_lo, key_hi)``: int32 ``[tokens]`` each; empty (0, 0) outside every sequence."""
-    seq_starts = seq_starts.astype(jnp.int32)
+    """Each row's keys ``[key_lo, key_hi)``: int32 ``[tokens]`` each; empty (0, 0) outside every sequence.
+
+    ``seq_starts`` is clipped to ``[0, tokens]``, so no key range reaches past the arrays.
+    """
+    seq_starts = jnp.clip(seq_starts.astype(jnp.int32), 0, tokens)
     rows = jnp.arange(tokens, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(seq_starts, rows, side="right") - 1, 0, seq_starts.shape[0] - 2)
     inside = (rows >= seq_starts[0]) & (rows < seq_starts[-1])

@@ -90,7 +90,7 @@ def visit_plan(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
     (``start = end = m``) and belong to it too.
     """
     num_groups = group_sizes.shape[0]
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)  # no visit leaves [0, m)
     seg_start = jnp.concatenate([jnp.zeros(1, jnp.int32), ends])  # num_groups + 1 segments tile [0, m)
     seg_end = jnp.concatenate([ends, jnp.full(1, m, jnp.int32)])
     tiles = pl.cdiv(seg_end - seg_start, block_m)

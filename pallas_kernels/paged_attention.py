@@ -243,7 +243,8 @@ def paged_mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: ja
       q_rope: ``[batch, heads, P]``.
       latent_pages: ``[num_pages, page_size, R + P]``: each token's ``[c_kv | k_rope]``.
       block_tables, lengths: as in :func:`paged_attention`.
-      scale: score scale; DeepSeek uses 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) (1/sqrt(192) in V3).
+      scale: the model's softmax scale (DeepSeek-V3: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) = 1/sqrt(192),
+        times YaRN's mscale^2 when the context is extended).
       config: launch geometry (:data:`MLA_CONFIG` by default).
 
     Returns:

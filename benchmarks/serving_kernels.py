@@ -1,0 +1,250 @@
+"""Serving kernels on the GPU: each Pallas kernel of the serving hot paths against its competitor, with a small
+block-config sweep.
+
+  * flash_attention (packed varlen prefill, causal) vs ``jax.nn.dot_product_attention`` (cudnn, xla):
+    B=4 x S=4096, 32/8 heads, d=128, bf16; TFLOP/s with causal FLOPs 4 B H S^2 d / 2.
+  * paged_attention (GQA decode) vs its jnp reference: batch 64, 2048-token contexts in 16-token pages (block
+    tables in random page order), 32/8 heads, d=128; GB/s of K and V read.
+  * paged_mla_attention (DeepSeek-V3 absorbed MLA decode, 128 heads, R=512, P=64, 64-token pages) vs its
+    reference: batch 64, 2048-token contexts; GB/s of latent rows read.
+  * grouped_matmul vs ``jax.lax.ragged_dot``: Qwen3-30B-A3B experts (128; K=2048 -> N=768 and K=768 -> N=2048)
+    at prefill (4096 tokens x top-8 = 32768 rows) and decode (64 tokens x top-8 = 512 rows), uniform random
+    routing; TFLOP/s over the routed rows and GB/s over x, the output and the touched experts' weights.
+
+Every row carries rel_err, the relative Frobenius error against the competitor's output (the first listed).
+A failing implementation or config (a Triton compile error, cudnn missing) costs its row, not the run. Each
+timed run dispatches ``REPS`` calls back to back and waits once, so host dispatch overlaps the device.
+
+    python benchmarks/serving_kernels.py                         # GPU: results/serving_kernels.json
+    python benchmarks/serving_kernels.py --kernels grouped_matmul  # a subset
+    python benchmarks/serving_kernels.py --cpu                   # tiny shapes, interpret-mode kernels
+"""
+
+import argparse
+import functools
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import format_table, time_jax, write_results  # noqa: E402
+from pallas_kernels import attention, grouped_matmul, paged_attention  # noqa: E402
+
+PEAK_TFLOP_S = 790.0  # H200 dense bf16 tensor cores
+PEAK_GB_S = 4270.0  # H200 HBM3e
+REPS = {"gpu": 10, "cpu": 1}  # calls per timed run
+
+# Shapes per mode. Attention: (batch, seq, q_heads, kv_heads, head_dim); paged: (batch, context, page_size,
+# q_heads, kv_heads, head_dim); MLA: (batch, context, page_size, heads, R, P); grouped matmul: name ->
+# (tokens, top_k, experts, k, n).
+SHAPES = {
+    "gpu": dict(
+        flash_attention=(4, 4096, 32, 8, 128),
+        paged_attention=(64, 2048, 16, 32, 8, 128),
+        paged_mla_attention=(64, 2048, 64, 128, 512, 64),
+        grouped_matmul={"prefill_up": (4096, 8, 128, 2048, 768), "prefill_down": (4096, 8, 128, 768, 2048),
+                        "decode_up": (64, 8, 128, 2048, 768), "decode_down": (64, 8, 128, 768, 2048)},
+    ),
+    "cpu": dict(
+        flash_attention=(2, 64, 4, 2, 32),
+        paged_attention=(4, 64, 8, 4, 2, 32),
+        paged_mla_attention=(2, 32, 8, 16, 32, 16),
+        grouped_matmul={"prefill": (64, 2, 4, 64, 32), "decode": (8, 2, 8, 64, 32)},
+    ),
+}
+A, P, G = attention.AttentionConfig, paged_attention.PagedConfig, grouped_matmul.GroupedMatmulConfig
+SWEEPS = {  # the first config of each list is the kernel's default
+    "gpu": dict(
+        flash_attention=[A(), A(128, 128, 8, 2), A(64, 64, 4, 3), A(128, 32, 4, 3), A(64, 128, 4, 2)],
+        paged_attention=[P(), P(block_k=128), P(block_k=32), P(num_splits=2), P(block_k=128, num_warps=8)],
+        paged_mla_attention=[paged_attention.MLA_CONFIG, P(16, 32, num_warps=4), P(64, 16, num_warps=8),
+                             P(32, 64, num_warps=8, num_stages=2)],
+        prefill=[grouped_matmul.PREFILL_CONFIG, G(128, 256, 64, 8, 3), G(64, 128, 64, 4, 4), G(128, 128, 32, 4, 5),
+                 G(64, 256, 64, 8, 3)],
+        decode=[grouped_matmul.DECODE_CONFIG, G(16, 128, 128, 4, 4), G(16, 64, 256, 4, 3), G(32, 64, 128, 4, 4),
+                G(16, 32, 128, 2, 4)],
+    ),
+    "cpu": dict(
+        flash_attention=[A(32, 16)], paged_attention=[P(block_k=16)], paged_mla_attention=[P(16, 16)],
+        prefill=[G(16, 32, 32)], decode=[G(16, 32, 32)],
+    ),
+}
+KERNELS = ("flash_attention", "paged_attention", "paged_mla_attention", "grouped_matmul")
+
+
+def relative_error(actual, expected) -> float:
+    a, e = jnp.asarray(actual, jnp.float32), jnp.asarray(expected, jnp.float32)
+    return float(jnp.linalg.norm(a - e) / jnp.maximum(jnp.linalg.norm(e), 1e-30))
+
+
+def measure(fn: Callable, args: tuple, *, reps: int, expected, flop: float, nbytes: float) -> tuple[dict, object]:
+    """Time ``fn(*args)`` (``reps`` calls a run): its row (throughput, error against ``expected`` unless that is
+    None) and its output (None if it failed)."""
+    try:
+        out = jax.block_until_ready(fn(*args))
+        timing = time_jax(lambda *a: [fn(*a) for _ in range(reps)], *args, warmup=2, iters=20)
+    except Exception as e:  # a compile error or a missing backend costs this row only
+        traceback.print_exc()
+        return dict(status=f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"), None
+    ms = timing.median_ms / reps
+    row = dict(status="ok", median_ms=ms, p10_ms=timing.p10_ms / reps, p90_ms=timing.p90_ms / reps,
+               tflop_s=flop / (ms * 1e9), gb_s=nbytes / (ms * 1e6))
+    if expected is not None:
+        row["rel_err"] = relative_error(out, expected)
+    return row, out
+
+
+def config_name(config) -> str:
+    return ",".join(f"{k}={v}" for k, v in vars(config).items())
+
+
+def run_kernel(kernel: str, shape: str, impls: list[tuple[str, Callable]], configs: list, pallas: Callable,
+               args: tuple, *, reps: int, flop: float, nbytes: float) -> list[dict]:
+    """Rows for the competitors ``impls`` (the first is the accuracy baseline), then ``pallas(config)`` per config."""
+    rows, expected = [], None
+    for impl, fn in impls:
+        row, out = measure(fn, args, reps=reps, expected=expected, flop=flop, nbytes=nbytes)
+        expected = out if expected is None else expected
+        rows.append(dict(kernel=kernel, shape=shape, impl=impl, config=None) | row)
+    for config in configs:
+        row, _ = measure(pallas(config), args, reps=reps, expected=expected, flop=flop, nbytes=nbytes)
+        rows.append(dict(kernel=kernel, shape=shape, impl="pallas", config=config_name(config)) | row)
+    timed = [r for r in rows if r["impl"] == "pallas" and r["status"] == "ok"]
+    best = min(timed, key=lambda r: r["median_ms"], default=None)
+    for r in timed:
+        r["best"] = r is best
+    for r in rows:
+        print(f"  {kernel:<20} {shape:<12} {r['impl']:<14} {r.get('median_ms') or 0:9.4f} ms  {r['status'][:80]}",
+              flush=True)
+    return rows
+
+
+def random_normal(seed: int, shape, scale: float = 1.0) -> jax.Array:
+    """bf16 normals drawn on the host (no compile per shape, which dominates the CPU mode's time)."""
+    values = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * np.float32(scale)
+    return jnp.asarray(values, dtype=jnp.bfloat16)
+
+
+def flash_attention_rows(mode: str, interpret: bool) -> list[dict]:
+    batch, seq, q_heads, kv_heads, head_dim = SHAPES[mode]["flash_attention"]
+    q = random_normal(0, (batch, seq, q_heads, head_dim))
+    k = random_normal(1, (batch, seq, kv_heads, head_dim))
+    v = random_normal(2, (batch, seq, kv_heads, head_dim))
+    starts = jnp.arange(batch + 1, dtype=jnp.int32) * seq
+    packed = lambda x: x.reshape(batch * seq, *x.shape[2:])
+    dense = lambda implementation: jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                                             implementation=implementation))
+    impls = [("xla", dense("xla"))] + ([("cudnn", dense("cudnn"))] if mode == "gpu" else [])
+
+    def pallas(config):
+        run = functools.partial(attention.flash_attention, config=config, interpret=interpret)
+        return jax.jit(lambda q, k, v: run(packed(q), packed(k), packed(v), starts).reshape(q.shape))
+
+    flop = 4 * batch * q_heads * seq * seq * head_dim / 2
+    nbytes = 2 * (q.size + k.size + v.size + q.size)
+    return run_kernel("flash_attention", f"B{batch}xS{seq}", impls, SWEEPS[mode]["flash_attention"], pallas,
+                      (q, k, v), reps=REPS[mode], flop=flop, nbytes=nbytes)
+
+
+def block_tables(batch: int, blocks: int) -> jax.Array:
+    """Every sequence's blocks on distinct pages, in random order over the pool."""
+    return jnp.asarray(np.random.default_rng(3).permutation(batch * blocks).reshape(batch, blocks), jnp.int32)
+
+
+def paged_attention_rows(mode: str, interpret: bool) -> list[dict]:
+    batch, context, page_size, q_heads, kv_heads, head_dim = SHAPES[mode]["paged_attention"]
+    blocks = context // page_size
+    q = random_normal(0, (batch, q_heads, head_dim))
+    k_pages = random_normal(1, (batch * blocks, page_size, kv_heads, head_dim))
+    v_pages = random_normal(2, (batch * blocks, page_size, kv_heads, head_dim))
+    lengths = jnp.full((batch,), context, jnp.int32)
+    args = (q, k_pages, v_pages, block_tables(batch, blocks), lengths)
+    pallas = lambda config: jax.jit(functools.partial(paged_attention.paged_attention, config=config,
+                                                      interpret=interpret))
+    nbytes = 2 * batch * context * kv_heads * 2 * head_dim
+    return run_kernel("paged_attention", f"B{batch}xT{context}", [("jnp reference",
+                                                                   jax.jit(paged_attention.paged_attention_reference))],
+                      SWEEPS[mode]["paged_attention"], pallas, args, reps=REPS[mode],
+                      flop=4 * batch * context * q_heads * head_dim, nbytes=nbytes)
+
+
+def paged_mla_attention_rows(mode: str, interpret: bool) -> list[dict]:
+    batch, context, page_size, heads, rank, rope = SHAPES[mode]["paged_mla_attention"]
+    blocks = context // page_size
+    scale = (rank + rope) ** -0.5
+    args = (random_normal(0, (batch, heads, rank)), random_normal(1, (batch, heads, rope)),
+            random_normal(2, (batch * blocks, page_size, rank + rope)), block_tables(batch, blocks),
+            jnp.full((batch,), context, jnp.int32))
+    reference = jax.jit(functools.partial(paged_attention.paged_mla_attention_reference, scale=scale))
+    pallas = lambda config: jax.jit(functools.partial(paged_attention.paged_mla_attention, scale=scale,
+                                                      config=config, interpret=interpret))
+    return run_kernel("paged_mla_attention", f"B{batch}xT{context}", [("jnp reference", reference)],
+                      SWEEPS[mode]["paged_mla_attention"], pallas, args, reps=REPS[mode],
+                      flop=2 * batch * context * heads * (2 * rank + rope), nbytes=2 * batch * context * (rank + rope))
+
+
+def routed_group_sizes(tokens: int, top_k: int, experts: int) -> np.ndarray:
+    """Rows per expert when every token picks ``top_k`` distinct experts uniformly at random."""
+    rng = np.random.default_rng(0)
+    choices = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+    return np.bincount(choices.ravel(), minlength=experts).astype(np.int32)
+
+
+def grouped_matmul_rows(mode: str, interpret: bool) -> list[dict]:
+    rows = []
+    for shape, (tokens, top_k, experts, k, n) in SHAPES[mode]["grouped_matmul"].items():
+        sizes = routed_group_sizes(tokens, top_k, experts)
+        m = tokens * top_k
+        args = (random_normal(0, (m, k)), random_normal(1, (experts, k, n), scale=k**-0.5), jnp.asarray(sizes))
+        pallas = lambda config: jax.jit(functools.partial(grouped_matmul.grouped_matmul, config=config,
+                                                          interpret=interpret))
+        touched = int((sizes > 0).sum())
+        nbytes = 2 * (m * k + m * n + touched * k * n)
+        sweep = SWEEPS[mode]["decode" if shape.startswith("decode") else "prefill"]
+        shape_rows = run_kernel("grouped_matmul", shape, [("ragged_dot", jax.jit(jax.lax.ragged_dot))], sweep,
+                                pallas, args, reps=REPS[mode], flop=2 * m * k * n, nbytes=nbytes)
+        rows += [r | dict(touched_experts=touched, max_group=int(sizes.max())) for r in shape_rows]
+    return rows
+
+
+ROWS = {"flash_attention": flash_attention_rows, "paged_attention": paged_attention_rows,
+        "paged_mla_attention": paged_mla_attention_rows, "grouped_matmul": grouped_matmul_rows}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="tiny shapes, interpret-mode kernels, on the CPU")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated subset of {KERNELS}")
+    parser.add_argument("--out-dir", help="where the JSON goes (default benchmarks/results/)")
+    args = parser.parse_args(argv)
+    kernels = args.kernels.split(",")
+    if unknown := set(kernels) - set(KERNELS):
+        parser.error(f"unknown kernels {sorted(unknown)}; expected some of {KERNELS}")
+    mode = "cpu" if args.cpu else "gpu"
+    if mode == "gpu" and jax.default_backend() != "gpu":
+        parser.error(f"the GPU benchmark needs a GPU (backend is {jax.default_backend()}); use --cpu")
+    name = "serving_kernels_cpu" if args.cpu else "serving_kernels"
+    rows = []
+    for kernel in kernels:
+        for row in ROWS[kernel](mode, interpret=mode == "cpu"):
+            if mode == "gpu" and row["status"] == "ok":
+                row["tflop_pct"] = 100 * row["tflop_s"] / PEAK_TFLOP_S
+                row["bw_pct"] = 100 * row["gb_s"] / PEAK_GB_S
+            rows.append(row)
+        # Written after every kernel: a cut-short run keeps its rows.
+        write_results(name, dict(mode=mode, reps_per_run=REPS[mode], peak_tflop_s=PEAK_TFLOP_S, peak_gb_s=PEAK_GB_S,
+                                 shapes=SHAPES[mode], rows=rows), out_dir=args.out_dir)
+    columns = ["kernel", "shape", "impl", "config", "median_ms", "tflop_s", "gb_s", "tflop_pct", "bw_pct", "rel_err",
+               "best", "status"]
+    print(format_table(rows, columns))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
