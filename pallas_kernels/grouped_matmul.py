@@ -23,8 +23,8 @@ group's weights, accumulated in fp32, and stores its rows. Visits of one expert 
 weights are read from HBM about once and served from L2 to its other row tiles.
 
 Cost of group alignment: each group's partial last tile wastes on average block_m / 2 rows of MMA work. For
-Qwen3-30B-A3B prefill (32768 routed rows over 128 experts, ~256 rows each) at block_m = 128 that is ~20%
-extra tensor-core work; at block_m = 64, ~11% (with smaller tiles). The bound for the two expert matmuls (K =
+Qwen3-30B-A3B prefill (32768 routed rows over 128 experts, ~256 rows each) at block_m = 128 that is ~25%
+extra tensor-core work; at block_m = 64, ~12% (with smaller tiles). The bound for the two expert matmuls (K =
 2048, N = 768 and K = 768, N = 2048) is 103 GFLOP each: 0.13 ms at the H200's ~790 TFLOP/s dense bf16, 0.34 ms
 at the 300 TFLOP/s target. Decode (64 tokens x top-8 = 512 rows, ~4 rows per expert) is bandwidth-bound: the
 touched experts' weights are 3.1 MB each (2048 x 768 bf16), ~400 MB for all 128, ~0.09 ms at 4.27 TB/s; 16-row
@@ -41,6 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 
 MIN_TILE = 16  # smallest M, N and K of a Triton tl.dot tile
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+MAX_GRID_Y = 65535  # CUDA's limit on a launch's second grid dimension, which holds the visits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +177,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dt
     m, num_groups, n = x.shape[0], w.shape[0], w.shape[2]
     config = config or default_config(m, num_groups)
     block_n = min(config.block_n, max(MIN_TILE, pl.next_power_of_2(n)))  # no all-padding tiles for small n
+    if (visits := max_visits(m, num_groups, config.block_m)) > MAX_GRID_Y:
+        raise ValueError(f"{m} rows in blocks of {config.block_m} over {num_groups} groups need {visits} visits, "
+                         f"more than CUDA's {MAX_GRID_Y} grid rows; use a larger block_m")
     plan = visit_plan(group_sizes, m, config.block_m)
     kernel = functools.partial(_gmm_kernel, block_m=config.block_m, block_n=block_n, block_k=config.block_k,
                                num_groups=num_groups)

@@ -70,6 +70,9 @@ class TestGroupedMatmul:
             K.grouped_matmul(x.astype(jnp.bfloat16), w, sizes)
         with pytest.raises(ValueError, match="bfloat16 or float32; got float16"):
             K.grouped_matmul_reference(x.astype(jnp.float16), w.astype(jnp.float16), sizes)
+        with pytest.raises(ValueError, match="more than CUDA's 65535 grid rows"):
+            jax.eval_shape(functools.partial(K.grouped_matmul, config=K.GroupedMatmulConfig(block_m=16)),
+                           jax.ShapeDtypeStruct((1 << 20, 16), jnp.float32), w, sizes)
         with pytest.raises(ValueError, match="block_m must be a positive power of 2, got 48"):
             K.GroupedMatmulConfig(block_m=48)
         with pytest.raises(ValueError, match="block_k must be >= 16"):
