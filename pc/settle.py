@@ -14,10 +14,12 @@ under a standard-normal prior). With ``tol`` the loop (``lax.while_loop``) stops
 every sample's ||dE/dz|| < tol; otherwise it is a ``lax.scan`` of exactly T steps.
 
 Euler settling of a plain net with a fixed T, no trace and a clamped input (the supervised case, output
-clamped or free) is also one fused GPU kernel, ``pallas_kernels.pc_settle``: ``kernel="auto"`` runs it when
-the code runs on an NVIDIA GPU (``lax.platform_dependent``) and the jnp loop elsewhere or when it does not
-apply (:func:`fused_kernel_unsupported`); "jnp" always runs the loop; "pallas" always runs the kernel,
-interpreted off the GPU (slow: for tests).
+clamped or free) is also one fused GPU kernel, ``pallas_kernels.pc_settle``: ``kernel="pallas"`` runs it
+(on an NVIDIA GPU through ``lax.platform_dependent``, interpreted elsewhere: slow, for tests) and raises where
+it does not apply (:func:`fused_kernel_unsupported`); "jnp" always runs the loop. "auto" picks the faster
+path, which today is the jnp loop on every platform: on an H200 the kernel, in its Triton form, measured
+2.9 ms per T=20 settling of a 250-row Deepity batch against 0.66-0.77 ms for XLA's loop
+(``benchmarks/pc_mnist.py``'s settle timings, H200 runs of 2026-11-29; why, in the kernel's docstring).
 """
 
 from collections.abc import Callable
@@ -212,8 +214,8 @@ def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
       trace: also return the batch-mean energy at the start of every step, ``[T]``.
       tol: stop early once every sample's ||dE/dz|| < tol (a ``lax.while_loop``); None = always T steps.
       infer_input: x_0 is free too (with a 0.5 ||x_0||^2 prior): generative inference of a latent.
-      kernel: "auto" (the fused kernel on a GPU where it applies, else the jnp loop), "jnp" or "pallas"
-        (the fused kernel, interpreted off the GPU); see the module docstring.
+      kernel: "auto" (the faster path: today the jnp loop), "jnp" or "pallas" (the fused kernel,
+        interpreted off the GPU); see the module docstring.
 
     Returns:
       :class:`SettleResult`.
@@ -242,7 +244,7 @@ def settle_from_input(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: 
     """
     # ---- Fused-kernel dispatch point (the only one). ----
     check_kernel(kernel, net, solver, trace=trace, tol=tol, infer_input=infer_input)  # "pallas" must apply
-    if kernel == "jnp" or fused_kernel_unsupported(net, solver, trace=trace, tol=tol, infer_input=infer_input):
+    if kernel != "pallas":
         return _settle_loop(params, x0, net, T=T, dt=dt, solver=solver, target=target, trace=trace, tol=tol,
                             infer_input=infer_input)
 
@@ -253,9 +255,7 @@ def settle_from_input(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: 
                        precision=net.precision, interpret=interpret)
         return [x0, *xs]
 
-    loop = lambda: _settle_loop(params, x0, net, T=T, dt=dt, solver=solver, target=target).xs
-    xs = jax.lax.platform_dependent(cuda=lambda: fused(interpret=False),
-                                    default=(lambda: fused(interpret=True)) if kernel == "pallas" else loop)
+    xs = jax.lax.platform_dependent(cuda=lambda: fused(interpret=False), default=lambda: fused(interpret=True))
     final = energy(params, xs, net, output_clamped=target is not None)
     return SettleResult(xs, jnp.mean(final), jnp.asarray(T, jnp.int32), None)
 

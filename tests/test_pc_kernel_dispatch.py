@@ -1,5 +1,5 @@
-"""pc.settle's kernel dispatch: the fused Pallas path settles (and trains) as the jnp loop does, and "auto"
-picks it for an H200 exactly where it applies.
+"""pc.settle's kernel dispatch: the fused Pallas path settles (and trains) as the jnp loop does, "pallas" runs
+it on an H200 exactly where it applies, and "auto" (the faster path today) runs the XLA loop.
 
 On a CPU, kernel="pallas" runs the kernel in interpret mode; the H200 checks lower without a GPU.
 """
@@ -75,8 +75,6 @@ SETTLE_CASES = {  # id -> (changes to NET, changes to settle's arguments, whethe
     "gaussian": (dict(output="gaussian"), {}, True),
     "relu": (dict(activation="relu"), {}, True),
     "f_x0": (dict(input_activation=True), {}, True),
-    "pallas": ({}, dict(kernel="pallas"), True),
-    "jnp": ({}, dict(kernel="jnp"), False),
     "heun": ({}, dict(solver="heun"), False),
     "optax": ({}, dict(solver=optax.sgd(1.0)), False),
     "trace": ({}, dict(trace=True), False),
@@ -89,21 +87,26 @@ SETTLE_CASES = {  # id -> (changes to NET, changes to settle's arguments, whethe
 
 
 @pytest.mark.parametrize("case", list(SETTLE_CASES))
-def test_auto_runs_the_kernel_on_h200_exactly_where_it_applies(case):
+def test_pallas_runs_the_kernel_on_h200_exactly_where_it_applies_and_auto_never(case):
     net_changes, settle_changes, fused = SETTLE_CASES[case]
     net = pc.PCNet(**(NET | net_changes))
-    kwargs = dict(target=jax.ShapeDtypeStruct((64,), jnp.int32), kernel="auto") | settle_changes
+    kwargs = dict(target=jax.ShapeDtypeStruct((64,), jnp.int32)) | settle_changes
     target = kwargs.pop("target")
     params = jax.eval_shape(lambda: pc.init_params(jax.random.key(0), net))
     x0 = jax.ShapeDtypeStruct((64, 784), jnp.float32)
-    text = lower_for_h200(lambda p, x, y: pc.settle(p, x, net, T=20, dt=0.1, target=y, **kwargs).xs,
-                          params, x0, target)
-    assert ("triton" in text) == fused
+    lower = lambda kernel: lower_for_h200(
+        lambda p, x, y: pc.settle(p, x, net, T=20, dt=0.1, target=y, kernel=kernel, **kwargs).xs, params, x0, target)
+    assert "triton" not in lower("auto")
+    if fused:
+        assert "triton" in lower("pallas")
+    else:
+        with pytest.raises(ValueError, match="kernel='pallas' cannot settle"):
+            lower("pallas")
 
 
 def test_train_epoch_lowers_with_the_fused_kernel_for_h200():
     """One whole Deepity epoch (784-512-512-10 sigmoid, CE output, linear input, T = 20, batch 250) on an
-    abstract H200: kernel="auto" settles with the Triton kernel."""
+    abstract H200: kernel="pallas" settles with the Triton kernel."""
     net = pc.PCNet(pc.parse_arch("784-512-512-10"), activation="sigmoid", output="cross_entropy",
                    input_activation=False)
     tx = optax.adamw(1e-3)
@@ -111,6 +114,6 @@ def test_train_epoch_lowers_with_the_fused_kernel_for_h200():
     abstract = (params, jax.eval_shape(tx.init, params), jax.ShapeDtypeStruct((1000, 784), jnp.float32),
                 jax.ShapeDtypeStruct((1000,), jnp.int32), jax.eval_shape(lambda: jax.random.key(0)))
     epoch = lambda p, s, x, y, key: pc.train_epoch(p, s, tx, x, y, net=net, T=20, dt=0.1, batch_size=250, key=key,
-                                                   kernel="auto")
+                                                   kernel="pallas")
     text = lower_for_h200(epoch, *abstract)
     assert "triton" in text and "pc_settle_3layers" in text
