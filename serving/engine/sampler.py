@@ -1,0 +1,146 @@
+"""Batched sampling on device: one jitted function over a batch of per-request parameters.
+
+Every parameter is a ``[B]`` array, so one compile serves any mix of greedy and sampled requests. Per row:
+
+1. penalties on the raw logits ``z``: tokens seen in the prompt or output get ``z / r`` (z > 0) or ``z * r``
+   (repetition), then ``z -= presence * [count > 0] + frequency * count`` over output counts;
+2. greedy rows (temperature 0) take ``argmax z``; the others sample from ``softmax(z / T)`` restricted by top-k
+   (the k largest), top-p (the smallest prefix, by descending probability, whose mass reaches p) and min-p
+   (probability >= min_p * the largest), each filter applied to the distribution the previous one left;
+3. randomness is ``jax.random.fold_in(jax.random.key(seed), step)`` with ``step`` the index of the token in the
+   request's output, so a seeded request samples the same tokens alone or in any batch;
+4. logprobs come from ``log_softmax`` of the raw logits: the chosen token's and the top ``num_top``.
+"""
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.engine.sampling_params import SamplingParams
+
+NO_TOKEN = -1  # padding in the penalty id lists
+
+
+class SamplingBatch(NamedTuple):
+    """Per-row sampling parameters (a pytree of arrays; B rows)."""
+
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_k: jax.Array  # [B] int32, 0 = off
+    top_p: jax.Array  # [B] float32, 1 = off
+    min_p: jax.Array  # [B] float32, 0 = off
+    repetition_penalty: jax.Array  # [B] float32, 1 = off
+    presence_penalty: jax.Array  # [B] float32
+    frequency_penalty: jax.Array  # [B] float32
+    seed: jax.Array  # [B] uint32
+    step: jax.Array  # [B] int32 index of the token being sampled in the request's output
+    prompt_ids: jax.Array  # [B, Lp] int32 prompt tokens (NO_TOKEN padded; Lp may be 0 when no row has penalties)
+    output_ids: jax.Array  # [B, Lo] int32 generated tokens so far (NO_TOKEN padded)
+
+
+class SampleResult(NamedTuple):
+    tokens: jax.Array  # [B] int32
+    logprobs: jax.Array  # [B] float32 logprob of the chosen token
+    top_ids: jax.Array  # [B, num_top] int32
+    top_logprobs: jax.Array  # [B, num_top] float32
+
+
+class SampleRow(NamedTuple):
+    """What the host knows about one row: its params, seed, output index and token history."""
+
+    params: SamplingParams
+    seed: int
+    step: int
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+
+
+def _pad_ids(lists: Sequence[Sequence[int]], rows: int, width: int) -> np.ndarray:
+    out = np.full((rows, width), NO_TOKEN, np.int32)
+    for r, ids in enumerate(lists):
+        out[r, :len(ids)] = ids
+    return out
+
+
+def _bucket(n: int) -> int:
+    """Next power of two >= n (0 stays 0), so the penalty history widths take few distinct shapes."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+def sampling_batch(rows: Sequence[SampleRow], num_rows: int | None = None) -> SamplingBatch:
+    """Host arrays for ``rows``, padded to ``num_rows`` with greedy rows. Token histories are sent only when a
+    row uses penalties (else width 0), padded to a power of two."""
+    num_rows = len(rows) if num_rows is None else num_rows
+    if num_rows < len(rows):
+        raise ValueError(f"sampling_batch: num_rows={num_rows} < {len(rows)} rows")
+
+    def column(get, dtype, pad):
+        return np.array([get(r) for r in rows] + [pad] * (num_rows - len(rows)), dtype)
+
+    penalized = [r for r in rows if r.params.uses_penalties]
+    prompts = [r.prompt_ids if r.params.uses_penalties else () for r in rows]
+    outputs = [r.output_ids if r.params.uses_penalties else () for r in rows]
+    return SamplingBatch(
+        temperature=column(lambda r: r.params.temperature, np.float32, 0.0),
+        top_k=column(lambda r: r.params.top_k, np.int32, 0),
+        top_p=column(lambda r: r.params.top_p, np.float32, 1.0),
+        min_p=column(lambda r: r.params.min_p, np.float32, 0.0),
+        repetition_penalty=column(lambda r: r.params.repetition_penalty, np.float32, 1.0),
+        presence_penalty=column(lambda r: r.params.presence_penalty, np.float32, 0.0),
+        frequency_penalty=column(lambda r: r.params.frequency_penalty, np.float32, 0.0),
+        seed=column(lambda r: r.seed, np.uint32, 0),
+        step=column(lambda r: r.step, np.int32, 0),
+        prompt_ids=_pad_ids(prompts, num_rows, _bucket(max((len(r.prompt_ids) for r in penalized), default=0))),
+        output_ids=_pad_ids(outputs, num_rows, _bucket(max((len(r.output_ids) for r in penalized), default=0))))
+
+
+def _token_counts(ids: jax.Array, vocab: int) -> jax.Array:
+    """``[B, L]`` ids (NO_TOKEN padded) -> ``[B, V]`` float32 occurrence counts."""
+    rows = jnp.arange(ids.shape[0])[:, None]
+    return jnp.zeros((ids.shape[0], vocab), jnp.float32).at[rows, jnp.where(ids >= 0, ids, vocab)].add(1, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    """Repetition, presence and frequency penalties on ``logits [B, V]`` (step 1 of the module docstring)."""
+    vocab = logits.shape[-1]
+    output_counts = _token_counts(b.output_ids, vocab)
+    seen = (_token_counts(b.prompt_ids, vocab) + output_counts) > 0
+    r = b.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return logits - b.presence_penalty[:, None] * (output_counts > 0) - b.frequency_penalty[:, None] * output_counts
+
+
+def filtered_logits(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    """``penalized logits [B, V] / T`` with the tokens top-k, top-p and min-p exclude set to -inf."""
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.where(b.temperature > 0, b.temperature, 1.0)[:, None]
+    ranked = -jnp.sort(-scaled, axis=-1)  # [B, V] descending
+    k = jnp.where((b.top_k > 0) & (b.top_k < vocab), b.top_k, vocab)
+    kth = jnp.take_along_axis(ranked, (k - 1)[:, None], axis=-1)
+    ranked = jnp.where(jnp.arange(vocab)[None] < k[:, None], ranked, -jnp.inf)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < b.top_p[:, None]  # mass before the token still short of p
+    kept = jnp.maximum(keep.sum(-1), 1)
+    pth = jnp.take_along_axis(ranked, (kept - 1)[:, None], axis=-1)
+    scaled = jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    return jnp.where(probs >= b.min_p[:, None] * probs.max(-1, keepdims=True), scaled, -jnp.inf)
+
+
+def _draw(seed: jax.Array, step: jax.Array, logits: jax.Array) -> jax.Array:
+    return jax.random.categorical(jax.random.fold_in(jax.random.key(seed), step), logits)
+
+
+@functools.partial(jax.jit, static_argnames="num_top")
+def sample(logits: jax.Array, b: SamplingBatch, num_top: int = 0) -> SampleResult:
+    """Sample one token per row of ``logits [B, V]`` float32 (see the module docstring)."""
+    penalized = apply_penalties(logits, b)
+    drawn = jax.vmap(_draw)(b.seed, b.step, filtered_logits(penalized, b))
+    tokens = jnp.where(b.temperature > 0, drawn, jnp.argmax(penalized, axis=-1)).astype(jnp.int32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logp, num_top)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return SampleResult(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)

@@ -1,0 +1,54 @@
+"""``SamplingParams``: how one request is sampled and when it stops (validated on construction)."""
+
+import dataclasses
+
+MAX_LOGPROBS = 20  # top-n logprobs a request may ask for (the sampler computes this many when any request asks)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping.
+
+    temperature 0 is greedy. Filters apply in order top-k, top-p, min-p to ``softmax(penalized logits / T)``;
+    0 (top_k, min_p) or 1 (top_p) switch a filter off. Penalties: ``repetition_penalty`` r divides positive
+    (multiplies negative) logits of tokens seen in the prompt or output; ``presence_penalty`` subtracts a constant
+    from tokens seen in the output, ``frequency_penalty`` that times their count. ``seed`` makes sampling
+    reproducible (sample i of ``n`` uses seed + i). ``logprobs`` = n returns the chosen token's logprob and the
+    top n (from the model's raw distribution, before penalties and temperature).
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        checks = (("n", self.n >= 1, ">= 1"), ("max_tokens", self.max_tokens >= 1, ">= 1"),
+                  ("temperature", self.temperature >= 0, ">= 0"), ("top_k", self.top_k >= 0, ">= 0 (0: off)"),
+                  ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+                  ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+                  ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+                  ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+                  ("seed", self.seed is None or 0 <= self.seed < 2**32, "None or in [0, 2**32)"),
+                  ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                   f"None or in [0, {MAX_LOGPROBS}]"),
+                  ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"))
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: expected {expected}")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
