@@ -21,16 +21,20 @@ import numpy as np
 BlockHash = bytes
 
 
+def hash_block(previous: BlockHash, block_ids: Sequence[int], salt: str | None = None) -> BlockHash:
+    """``SHA-256(previous || token ids (int64) || salt)``: one link of the chain (``previous`` = b"" first)."""
+    salt_bytes = b"" if salt is None else salt.encode()
+    return hashlib.sha256(previous + np.asarray(block_ids, np.int64).tobytes() + salt_bytes).digest()
+
+
 def hash_blocks(token_ids: Sequence[int], block_size: int, salt: str | None = None,
                 num_blocks: int | None = None) -> list[BlockHash]:
     """Chained hashes of the first ``num_blocks`` (default: all) full blocks of ``token_ids``."""
     full = len(token_ids) // block_size
     count = full if num_blocks is None else min(num_blocks, full)
-    salt_bytes = b"" if salt is None else salt.encode()
-    ids = np.asarray(token_ids[:count * block_size], np.int64)
     hashes, previous = [], b""
     for i in range(count):
-        previous = hashlib.sha256(previous + ids[i * block_size:(i + 1) * block_size].tobytes() + salt_bytes).digest()
+        previous = hash_block(previous, token_ids[i * block_size:(i + 1) * block_size], salt)
         hashes.append(previous)
     return hashes
 

@@ -1,0 +1,154 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+Each step has a token budget. Running sequences that are decoding (one token each) are scheduled first,
+oldest first; then running sequences still filling their prompt, then waiting ones in arrival order (while
+fewer than ``max_running`` run), each taking ``min(budget left, tokens left)`` tokens: a long prompt is
+prefilled in chunks over several steps, mixed with other sequences' decodes. A waiting sequence first takes
+the longest cached prefix of its full blocks from the allocator.
+
+When a sequence needs a block and none is free, the newest running sequence is preempted: its blocks are
+freed (they stay in the prefix cache) and it goes back to the front of the queue, to be recomputed later.
+The cache never runs out; a prompt that cannot fit the whole cache is refused up front (``add``).
+"""
+
+from typing import NamedTuple
+
+from serving.engine.blocks import BlockAllocator, hash_block, hash_blocks
+from serving.engine.request import Sequence
+
+
+class ScheduledChunk(NamedTuple):
+    """``count`` tokens of ``seq`` starting at ``start`` (= its ``num_computed``) run this step; ``samples``: the
+    chunk reaches the sequence's last token, whose logits give its next token."""
+
+    seq: Sequence
+    start: int
+    count: int
+    samples: bool
+
+
+def _chunk(seq: Sequence, count: int) -> ScheduledChunk:
+    return ScheduledChunk(seq, seq.num_computed, count, seq.num_computed + count == seq.num_tokens)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_running: int, token_budget: int):
+        if max_running < 1 or token_budget < 1:
+            raise ValueError(f"Scheduler: max_running={max_running}, token_budget={token_budget}: expected >= 1")
+        self.allocator, self.max_running, self.token_budget = allocator, max_running, token_budget
+        self.block_size = allocator.block_size
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self.num_preemptions = 0
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the whole cache holds."""
+        return self.allocator.num_blocks * self.block_size
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens > min(self.capacity, seq.max_len - 1):
+            raise ValueError(f"request {seq.request_id!r}: its {seq.num_tokens}-token prompt does not fit: the cache "
+                             f"holds {self.capacity} tokens ({self.allocator.num_blocks} blocks of {self.block_size})"
+                             f" and the context is {seq.max_len} tokens (at most max_len - 1 for the prompt)")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """This step's chunks (allocating their blocks); see the module docstring for the order."""
+        chunks: list[ScheduledChunk] = []
+        budget = self.token_budget
+        for decoding in (True, False):
+            for seq in list(self.running):
+                left = seq.num_tokens - seq.num_computed
+                if budget == 0 or seq not in self.running or (left == 1) != decoding:
+                    continue
+                count = min(budget, left)
+                if self._reserve(seq, count, chunks):
+                    chunks.append(_chunk(seq, count))
+                budget = self.token_budget - sum(c.count for c in chunks)  # preempted chunks give theirs back
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            self._take_cached_prefix(seq)
+            count = min(budget, seq.num_tokens - seq.num_computed)
+            if self._blocks_needed(seq, count) > self.allocator.num_free:
+                self._release(seq)  # wait for running sequences to finish; never preempt for a newcomer
+                break
+            self.waiting.pop(0)
+            self.running.append(seq)
+            self._reserve(seq, count, chunks)
+            chunks.append(_chunk(seq, count))
+            budget -= count
+        return chunks
+
+    def update(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[tuple[Sequence, str]]:
+        """Record a step: ``tokens[i]`` is chunk i's sampled token (ignored unless it samples).
+
+        Returns (sequence, new text) for every sequence that got a token; finished ones leave the running set.
+        """
+        updated = []
+        for chunk, token in zip(chunks, tokens, strict=True):
+            seq = chunk.seq
+            seq.num_computed += chunk.count
+            self._register_full_blocks(seq)
+            if not chunk.samples:
+                continue
+            updated.append((seq, seq.append(int(token))))
+            if seq.finished:
+                self.running.remove(seq)
+                self._release(seq)
+        return updated
+
+    def abort(self, request_id: str) -> None:
+        """Drop every sequence of ``request_id`` (waiting or running), freeing its blocks."""
+        for queue in (self.waiting, self.running):
+            for seq in [s for s in queue if s.request_id == request_id]:
+                queue.remove(seq)
+                self._release(seq)
+
+    def _blocks_needed(self, seq: Sequence, count: int) -> int:
+        return -(-(seq.num_computed + count) // self.block_size) - len(seq.block_table)
+
+    def _reserve(self, seq: Sequence, count: int, chunks: list[ScheduledChunk]) -> bool:
+        """Allocate the blocks ``count`` more tokens of ``seq`` need, preempting the newest running sequences
+        while none is free; False if ``seq`` itself had to be preempted."""
+        needed = self._blocks_needed(seq, count)
+        while self.allocator.num_free < needed:
+            victim = self.running[-1]
+            self._preempt(victim, chunks)
+            if victim is seq:
+                return False
+        seq.block_table += [self.allocator.allocate() for _ in range(needed)]
+        return True
+
+    def _preempt(self, seq: Sequence, chunks: list[ScheduledChunk]) -> None:
+        self.running.remove(seq)
+        chunks[:] = [c for c in chunks if c.seq is not seq]
+        self._release(seq)
+        self.waiting.insert(0, seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        """Free the blocks of ``seq``, last first (so the LRU cache evicts tails before shared prefixes)."""
+        for block in reversed(seq.block_table):
+            self.allocator.free(block)
+        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """Start a waiting ``seq`` from its longest cached prefix, keeping at least its last token to compute."""
+        hashes = hash_blocks(seq.tokens, self.block_size, seq.cache_salt, (seq.num_tokens - 1) // self.block_size)
+        seq.block_table = self.allocator.cached_prefix(hashes)
+        seq.block_hashes = hashes[:len(seq.block_table)]
+        seq.num_computed = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Register every block of ``seq`` that is now full and computed under its chained hash."""
+        tokens = None
+        for i in range(len(seq.block_hashes), seq.num_computed // self.block_size):
+            tokens = seq.tokens if tokens is None else tokens
+            previous = seq.block_hashes[-1] if seq.block_hashes else b""
+            seq.block_hashes.append(hash_block(previous, tokens[i * self.block_size:(i + 1) * self.block_size],
+                                               seq.cache_salt))
+            self.allocator.register(seq.block_table[i], seq.block_hashes[-1])

@@ -1,0 +1,120 @@
+"""The continuous-batching scheduler and a sequence's stop conditions, on the host (no model: tokens are made up)."""
+
+import pytest
+
+from serving.engine.blocks import BlockAllocator
+from serving.engine.request import LENGTH, STOP, Sequence
+from serving.engine.sampling_params import SamplingParams
+from serving.engine.scheduler import Scheduler
+from serving.tokenizer import Tokenizer
+
+BLOCK = 4
+EOS = 2
+
+
+def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8, max_len: int = 1000, **params) -> Sequence:
+    """A sequence whose prompt (distinct per seq_id, so no prefix is shared by accident) is made-up ids."""
+    prompt = list(range(10 + 50 * seq_id, 10 + 50 * seq_id + prompt_len))
+    return Sequence(seq_id, f"r{seq_id}", 0, prompt, SamplingParams(max_tokens=max_tokens, **params),
+                    seed=0, eos_ids=(EOS,), max_len=max_len)
+
+
+def run_step(sched: Scheduler, token: int = 5):
+    chunks = sched.schedule()
+    return chunks, sched.update(chunks, [token] * len(chunks))
+
+
+def check_blocks(sched: Scheduler) -> None:
+    """Running sequences hold exactly the blocks their computed tokens need; none is shared by accident."""
+    held = [b for s in sched.running for b in s.block_table]
+    assert len(held) == len(set(held))
+    assert all(sched.allocator.refcount[b] == 1 for b in held)
+    assert all(not s.block_table for s in sched.waiting)
+
+
+def test_token_budget_chunks_prefill_and_schedules_decodes_first():
+    sched = Scheduler(BlockAllocator(64, BLOCK), max_running=4, token_budget=6)
+    sched.add(make_seq(0, 3))
+    chunks, _ = run_step(sched)
+    assert [(c.seq.seq_id, c.start, c.count) for c in chunks] == [(0, 0, 3)]
+    sched.add(make_seq(1, 13))
+    chunks, _ = run_step(sched)
+    assert [(c.seq.seq_id, c.start, c.count, c.samples) for c in chunks] == [(0, 3, 1, True), (1, 0, 5, False)]
+    chunks, _ = run_step(sched)
+    assert [(c.seq.seq_id, c.start, c.count, c.samples) for c in chunks] == [(0, 4, 1, True), (1, 5, 5, False)]
+    chunks, updated = run_step(sched)
+    assert [(c.seq.seq_id, c.start, c.count, c.samples) for c in chunks] == [(0, 5, 1, True), (1, 10, 3, True)]
+    assert [s.seq_id for s, _ in updated] == [0, 1]
+    check_blocks(sched)
+
+
+def test_max_running_limits_admission():
+    sched = Scheduler(BlockAllocator(64, BLOCK), max_running=2, token_budget=100)
+    for i in range(3):
+        sched.add(make_seq(i, 2))
+    chunks, _ = run_step(sched)
+    assert [c.seq.seq_id for c in chunks] == [0, 1] and len(sched.waiting) == 1
+
+
+def test_preemption_frees_the_newest_and_recomputes_it_later():
+    sched = Scheduler(BlockAllocator(4, BLOCK), max_running=4, token_budget=100)
+    old, new = make_seq(0, 7, max_tokens=6), make_seq(1, 7, max_tokens=6)
+    sched.add(old)
+    sched.add(new)
+    run_step(sched)  # each takes 2 blocks: the cache is full
+    run_step(sched)  # position 7 still fits
+    chunks, _ = run_step(sched)  # both need a third block at position 8: the newest is preempted
+    assert [c.seq for c in chunks] == [old] and sched.waiting == [new] and sched.num_preemptions == 1
+    assert new.num_computed == 0 and new.output_ids == [5, 5]  # its output is kept and recomputed as prompt
+    while sched.has_work():
+        run_step(sched)
+        check_blocks(sched)
+    assert old.finish_reason == new.finish_reason == LENGTH and len(new.output_ids) == 6
+    assert sched.allocator.num_free == 4
+
+
+def test_prompt_longer_than_the_cache_is_refused():
+    sched = Scheduler(BlockAllocator(2, BLOCK), max_running=1, token_budget=8)
+    with pytest.raises(ValueError, match="does not fit: the cache holds 8 tokens"):
+        sched.add(make_seq(0, 9))
+
+
+def test_prefix_cache_supplies_full_blocks_of_a_shared_prompt():
+    sched = Scheduler(BlockAllocator(16, BLOCK), max_running=4, token_budget=100)
+    first = make_seq(0, 10, max_tokens=1)
+    sched.add(first)
+    run_step(sched)
+    second = make_seq(1, 10, max_tokens=1)
+    second.prompt_ids = first.prompt_ids[:9] + [99]
+    sched.add(second)
+    chunks, _ = run_step(sched)
+    assert second.num_cached_tokens == 8 and chunks[0].start == 8 and chunks[0].count == 2
+
+
+def test_stop_token_eos_max_tokens_and_context_length():
+    assert_reason = lambda seq, tokens, reason: [seq.append(t) for t in tokens] and seq.finish_reason == reason
+    assert assert_reason(make_seq(0, 2), [5, EOS], STOP)
+    assert assert_reason(make_seq(0, 2, stop_token_ids=(7,)), [5, 7], STOP)
+    assert assert_reason(make_seq(0, 2, max_tokens=3), [5, 5, 5], LENGTH)
+    assert assert_reason(make_seq(0, 2, max_len=4), [5, 5], LENGTH)
+    seq = make_seq(0, 2, ignore_eos=True)
+    seq.append(EOS)
+    assert not seq.finished
+
+
+class CharTokenizer:
+    """Token id i decodes to the i-th character of ALPHABET (enough for a Detokenizer)."""
+
+    ALPHABET = "abcdefgh .XY"
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.ALPHABET[i] for i in ids)
+
+
+def test_stop_strings_are_cut_and_never_emitted():
+    tok = CharTokenizer()
+    seq = make_seq(0, 2, max_tokens=50, stop=("XY",))
+    seq.detokenizer = Tokenizer.decode_stream(tok)  # a Detokenizer over the char tokenizer
+    deltas = [seq.append(t) for t in (0, 1, 10, 0, 10, 11, 2)]  # "ab" "X" "a" "X" "Y": stops at "XY"
+    assert seq.finish_reason == STOP and seq.text == "abXa" and "".join(deltas) == "abXa"
+    assert deltas[2] == ""  # "X" is held back until it is known not to start "XY"
