@@ -139,7 +139,9 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, num
                        other=None if w_mask is None else 0.0)
         return acc + _dot(x, w)
 
-    steps = jnp.where(group < num_groups, pl.cdiv(k_dim, block_k), 0)
+    # int32 branches, not Python ints: Pallas' Triton lowering gives a weak-typed literal operand of select_n the
+    # predicate's type, i1, so the K-step count became an i1 `false` and scf.for's bounds mismatched (i32 vs i1).
+    steps = jnp.where(group < num_groups, jnp.int32(pl.cdiv(k_dim, block_k)), jnp.int32(0))
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
     plgpu.store(o_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc.astype(o_ref.dtype),
                 mask=_and(rows_ok, cols_ok))

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from pallas_kernels import grouped_matmul as K
 from pallas_kernels.testing import assert_close, interpret, lower_for_h200
@@ -119,3 +120,26 @@ def test_lowers_for_h200(shape):
             jax.ShapeDtypeStruct((128,), jnp.int32))
     text = lower_for_h200(K.grouped_matmul, *args)
     assert "triton" in text and "grouped_matmul" in text
+
+
+def _counting_kernel(steps_ref, o_ref, *, int32_branches):
+    """o ``[16]`` = the loop's step count, 16 if steps_ref[0] < 4 else 0, chosen by jnp.where as in _gmm_kernel."""
+    on, off = (jnp.int32(16), jnp.int32(0)) if int32_branches else (16, 0)
+    steps = jnp.where(steps_ref[0] < 4, on, off)
+    o_ref[...] = jax.lax.fori_loop(0, steps, lambda i, acc: acc + 1.0, jnp.zeros((16,), jnp.float32))
+
+
+@pytest.mark.parametrize("int32_branches", [False, True])
+def test_h200_lowering_verifies_the_triton_module(int32_branches):
+    """The grouped matmul's GPU compile failure in miniature. With Python-int branches, jax 0.11.2 lowers the
+    jnp.where to an i1 select, so scf.for gets an i32 lower and an i1 upper bound: the lowering succeeds and
+    only the MLIR verifier (XLA's, on the GPU) rejects the module. With int32 branches the module verifies."""
+    kernel = functools.partial(_counting_kernel, int32_branches=int32_branches)
+    fn = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32), name="counting")
+    steps = jax.ShapeDtypeStruct((1,), jnp.int32)
+    if int32_branches:
+        assert "counting" in lower_for_h200(fn, steps)
+    else:
+        with pytest.raises(AssertionError, match=r"kernel 'counting' fails the MLIR verifier(.|\n)*'scf.for' op "
+                                                 r"failed to verify that all of \{lowerBound, upperBound, step\}"):
+            lower_for_h200(fn, steps)
