@@ -1,0 +1,114 @@
+"""The engine end to end on the tiny HF fixtures (fp32): greedy equals HF's greedy, and neither batching,
+chunked prefill, late arrivals, preemption nor the prefix cache changes any token."""
+
+import functools
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serving.engine.engine import Engine
+from serving.engine.sampling_params import SamplingParams
+
+HF = Path(__file__).parent / "fixtures" / "hf"
+FAMILIES = ("llama", "qwen3_moe", "mixtral")
+BLOCK = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+@functools.cache
+def reference(name: str) -> tuple[list[list[int]], np.ndarray]:
+    with np.load(HF / name / "reference.npz") as ref:
+        return [ids[:n].tolist() for ids, n in zip(ref["input_ids"], ref["lengths"], strict=True)], ref["greedy"]
+
+
+def engine(name: str = "llama", **kwargs) -> Engine:
+    options = dict(dtype=jnp.float32, num_blocks=64, block_size=BLOCK, max_running=8, token_budget=64) | kwargs
+    return Engine(HF / name, **options)
+
+
+def tokens(results) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in results]
+
+
+@pytest.mark.parametrize("name", [FAMILIES[0], *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES[1:])])
+def test_greedy_matches_hf_greedy(name):
+    prompts, greedy = reference(name)
+    eng = engine(name)
+    assert tokens(eng.generate(prompts, GREEDY)) == greedy.tolist()
+    cfg = eng.cfg
+    moe_layers = sum(cfg.is_moe_layer(l) for l in range(cfg.layers))
+    # every computed token (prompt + all generated but the last) is routed to top_k experts in each MoE layer
+    assert eng.runner.expert_load.sum() == sum(len(p) + 31 for p in prompts) * cfg.top_k * moe_layers
+
+
+@pytest.mark.slow  # ~60 s on 2 shared cores: about a dozen batch shapes compile
+def test_batch_invariance_alone_and_in_batches_of_1_7_32():
+    prompts, greedy = reference("llama")
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=3)
+    for size in (1, 7, 32):
+        others = [rng.integers(3, 320, rng.integers(1, 20)).tolist() for _ in range(size - 1)]
+        mix = [params if i % 2 else sampled for i in range(size - 1)]
+        results = engine(max_running=32, num_blocks=160).generate([prompts[0], *others], [params, *mix])
+        assert results[0].outputs[0].token_ids == greedy[0, :8].tolist(), size
+
+
+def test_late_arrivals_and_tiny_token_budget_give_the_same_tokens():
+    prompts, greedy = reference("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    eng = engine(token_budget=3)  # prompts of 12 and 7 tokens prefill in chunks of <= 3, beside decodes
+    first = eng.add_request(prompts[0], params)
+    for _ in range(6):
+        eng.step()
+    second = eng.add_request(prompts[1], params)  # arrives mid-generation
+    while eng.has_unfinished():
+        eng.step()
+    assert [eng.result(r).outputs[0].token_ids for r in (first, second)] == greedy[:, :12].tolist()
+
+
+@pytest.mark.slow  # ~30 s: recomputation visits many block-table widths
+def test_preemption_under_a_tiny_cache_gives_the_same_tokens():
+    prompts, greedy = reference("llama")
+    eng = engine(num_blocks=12)  # 48 slots: both sequences (44 and 39 tokens) cannot stay cached at once
+    assert tokens(eng.generate(prompts, GREEDY)) == greedy.tolist()
+    assert eng.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_hit_allocates_fewer_blocks_and_gives_the_same_output():
+    prompts, _ = reference("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    shared = prompts[0] + prompts[1]  # 19 tokens
+    variant = shared[:16] + [5, 6]
+    cold = engine().generate([variant], params)[0]
+    eng = engine()
+    eng.generate([shared], params)
+    free_before = eng.allocator.num_free - sum(eng.allocator.is_cached(b) for b in range(64))
+    hot = eng.generate([variant], params)[0]
+    assert hot.num_cached_tokens == 16 and cold.num_cached_tokens == 0
+    assert hot.outputs[0].token_ids == cold.outputs[0].token_ids
+    newly_used = free_before - (eng.allocator.num_free - sum(eng.allocator.is_cached(b) for b in range(64)))
+    assert newly_used == 1  # only the 2 tokens past the shared 16 needed a block (then freed, cached)
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched_and_n_samples_differ():
+    prompts, _ = reference("llama")
+    params = SamplingParams(temperature=1.0, top_k=50, max_tokens=6, seed=1234, n=3, logprobs=2)
+    alone = engine().generate([prompts[0]], params)[0]
+    batched = engine().generate([prompts[1], prompts[0]], [SamplingParams(temperature=0.0), params])[1]
+    assert [o.token_ids for o in alone.outputs] == [o.token_ids for o in batched.outputs]
+    assert len({tuple(o.token_ids) for o in alone.outputs}) > 1
+    entry = alone.outputs[0].logprobs[0]
+    assert len(entry["top"]) == 2 and entry["logprob"] <= entry["top"][0][1] + 1e-6
+
+
+def test_bad_requests_raise_clear_errors():
+    eng = engine(num_blocks=2)
+    with pytest.raises(ValueError, match="does not fit: the cache holds 8 tokens"):
+        eng.add_request(list(range(3, 12)))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        eng.add_request("hello")
+    with pytest.raises(ValueError, match=r"prompt ids must be .* \[0, 320\)"):
+        eng.add_request([999])
