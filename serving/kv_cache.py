@@ -4,6 +4,8 @@ The cache is a pool of fixed-size blocks. A sequence owns a list of blocks (its 
 position p lives in block ``table[p // block_size]`` at offset ``p % block_size``, i.e. flat slot
 ``table[p // block_size] * block_size + p % block_size``. The host-side allocator that hands out blocks
 belongs to the engine; ``make_batch`` only turns block tables into the arrays one forward step reads.
+``PagedKV`` holds k and v pages; latent-attention models (DeepSeek) cache one latent row per token instead
+(``PagedLatentKV``), in the same blocks and slots.
 
 One ``AttentionBatch`` serves prefill, decode and mixed chunked-prefill + decode: N new tokens from S
 sequences, flattened. Each new token's k/v is written to its slot, then each token attends causally to its
@@ -43,7 +45,8 @@ class PagedKV(NamedTuple):
     def create(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> "PagedKV":
         """An all-zero cache of ``num_blocks`` blocks of ``block_size`` tokens for standard (non-MLA) attention."""
         if cfg.is_mla:
-            raise ValueError(f"PagedKV holds separate k/v pages; family {cfg.family!r} uses latent attention")
+            raise ValueError(f"PagedKV holds separate k/v pages; family {cfg.family!r} uses latent attention "
+                             "(PagedLatentKV)")
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"PagedKV.create: num_blocks={num_blocks}, block_size={block_size}: expected >= 1 each")
         shape = (cfg.layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim)
@@ -51,11 +54,45 @@ class PagedKV(NamedTuple):
 
     def write(self, layer: int, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> "PagedKV":
         """Store new tokens' ``k``, ``v`` ``[N, kv_heads, head_dim]`` of ``layer`` at their slots (PAD: skipped)."""
-        num_blocks, block_size = self.k.shape[1], self.k.shape[2]
-        slot = jnp.where(slot_mapping >= 0, slot_mapping, num_blocks * block_size)  # PAD -> out of range: dropped
-        block, offset = slot // block_size, slot % block_size
+        block, offset = _block_offsets(slot_mapping, self.k.shape[1], self.k.shape[2])
         return PagedKV(self.k.at[layer, block, offset].set(k.astype(self.k.dtype), mode="drop"),
                        self.v.at[layer, block, offset].set(v.astype(self.v.dtype), mode="drop"))
+
+
+class PagedLatentKV(NamedTuple):
+    """Multi-head latent attention's cache (DeepSeek): ``latent [layers, num_blocks, block_size, R + P]``.
+
+    Each token stores one row shared by all heads, ``[c_kv | k_rope]``: its normalized KV latent (R =
+    kv_lora_rank) and its rotated rope key (P = qk_rope_head_dim), the page layout of
+    ``pallas_kernels.paged_attention.paged_mla_attention``. Keys and values are never materialized: attention
+    absorbs the up-projections into the queries and outputs (``layers.paged_mla_attention``). Per token and
+    layer that is R + P values instead of a full cache's heads * (qk head dim + v head dim).
+    """
+
+    latent: jax.Array
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> "PagedLatentKV":
+        """An all-zero latent cache of ``num_blocks`` blocks of ``block_size`` tokens (``cfg.is_mla`` only)."""
+        if not cfg.is_mla:
+            raise ValueError(f"PagedLatentKV needs latent attention (kv_lora_rank > 0); family {cfg.family!r} has "
+                             f"kv_lora_rank={cfg.kv_lora_rank} (use PagedKV)")
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"PagedLatentKV.create: num_blocks={num_blocks}, block_size={block_size}: expected >= 1 "
+                             "each")
+        shape = (cfg.layers, num_blocks, block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        return cls(jnp.zeros(shape, dtype))
+
+    def write(self, layer: int, latent: jax.Array, slot_mapping: jax.Array) -> "PagedLatentKV":
+        """Store new tokens' ``latent [N, R + P]`` of ``layer`` at their slots (PAD: skipped)."""
+        block, offset = _block_offsets(slot_mapping, self.latent.shape[1], self.latent.shape[2])
+        return PagedLatentKV(self.latent.at[layer, block, offset].set(latent.astype(self.latent.dtype), mode="drop"))
+
+
+def _block_offsets(slot_mapping: jax.Array, num_blocks: int, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """Flat slots ``[N]`` -> (block, offset) ``[N]``; PAD maps out of range, so a ``mode="drop"`` write skips it."""
+    slot = jnp.where(slot_mapping >= 0, slot_mapping, num_blocks * block_size)
+    return slot // block_size, slot % block_size
 
 
 class SeqChunk(NamedTuple):

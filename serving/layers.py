@@ -1,8 +1,9 @@
 """The pieces every model family shares, each a small pure function (``N`` = tokens in the flat batch).
 
 RMSNorm, rotary embeddings (plain, linear, llama3, yarn), the SwiGLU MLP, the routed-expert MoE layer and
-attention over the paged KV cache. ``moe`` and ``paged_attention`` are the two functions a faster version
-replaces whole (expert-parallel all-to-all; a Pallas GPU kernel): keep their signatures.
+attention over the paged KV cache (standard, and absorbed latent attention over a latent cache). ``moe``,
+``paged_attention`` and ``paged_mla_attention`` are the functions a faster version replaces whole
+(expert-parallel all-to-all; a Pallas GPU kernel): keep their signatures.
 """
 
 import math
@@ -195,3 +196,23 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch:
     out = jnp.einsum("nkgt,ntkd->nkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, heads, -1).astype(q.dtype)
+
+
+def paged_mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array, batch: AttentionBatch,
+                        scale: float) -> jax.Array:
+    """Absorbed multi-head latent attention of N new tokens over their sequences' latent cache (jnp reference).
+
+    q_latent ``[N, H, R]`` (q_nope already multiplied by W_UK^T), q_rope ``[N, H, P]``; latent_pages
+    ``[num_blocks, block_size, R + P]`` (one layer, each token's ``[c_kv | k_rope]``, the new tokens already
+    written). With the visibility of ``paged_attention``:
+    ``out[n, h] = softmax_t(scale * (q_latent[n, h] . c_kv[t] + q_rope[n, h] . k_rope[t])) @ c_kv[t]``, ``[N, H, R]``
+    (still to be multiplied by W_UV). This is ``paged_attention`` with one kv head, q = ``[q_latent | q_rope]``
+    and values = the keys' first R columns, as in ``pallas_kernels.paged_attention.paged_mla_attention``.
+    """
+    rank = q_latent.shape[-1]
+    if latent_pages.shape[-1] != rank + q_rope.shape[-1]:
+        raise ValueError(f"paged_mla_attention: latent_pages {latent_pages.shape}: expected last dim R + P = "
+                         f"{rank} + {q_rope.shape[-1]}")
+    q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
+    pages = latent_pages[:, :, None, :]  # [num_blocks, block_size, 1, R + P]: one kv head shared by all H
+    return paged_attention(q, pages, pages[..., :rank], batch, scale)
