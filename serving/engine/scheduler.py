@@ -101,13 +101,6 @@ class Scheduler:
                 self._release(seq)
         return updated
 
-    def abort(self, request_id: str) -> None:
-        """Drop every sequence of ``request_id`` (waiting or running), freeing its blocks."""
-        for queue in (self.waiting, self.running):
-            for seq in [s for s in queue if s.request_id == request_id]:
-                queue.remove(seq)
-                self._release(seq)
-
     def _blocks_needed(self, seq: Sequence, count: int) -> int:
         return -(-(seq.num_computed + count) // self.block_size) - len(seq.block_table)
 
