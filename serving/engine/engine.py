@@ -23,7 +23,7 @@ from serving.engine.runner import ModelRunner
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.engine.scheduler import Scheduler
-from serving.kv_cache import PagedKV, SeqChunk
+from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.loaders import load_model
 from serving.loaders.gguf import load_gguf
 from serving.models import model_module
@@ -87,11 +87,8 @@ def load(model: str | Path | None, dtype: jnp.dtype) -> tuple[ModelConfig, dict,
 
 
 def create_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> Any:
-    """The model's paged cache: ``PagedKV``, or the family module's own ``create_cache`` (e.g. a latent cache)."""
-    module = model_module(cfg.family)
-    if hasattr(module, "create_cache"):
-        return module.create_cache(cfg, num_blocks, block_size, dtype)
-    return PagedKV.create(cfg, num_blocks, block_size, dtype)
+    """The model's paged cache: latent pages for MLA (DeepSeek), separate k/v pages otherwise."""
+    return (PagedLatentKV if cfg.is_mla else PagedKV).create(cfg, num_blocks, block_size, dtype)
 
 
 class Engine:
