@@ -1,7 +1,8 @@
 """Qwen3-MoE and Mixtral: the Llama decoder with routed-expert MLPs.
 
 Per layer: ``x += attention(rms_norm(x))``, then ``x += moe(rms_norm(x))`` (``layers.moe``: softmax router,
-top-k experts, SwiGLU experts as ragged matmuls), or a dense SwiGLU on layers ``cfg.is_moe_layer`` excludes.
+top-k experts, SwiGLU experts as ragged matmuls; expert-parallel under a ``jax.set_mesh`` mesh with an
+``"expert"`` axis, see ``sharding.moe``), or a dense SwiGLU on layers ``cfg.is_moe_layer`` excludes.
 The two families differ only in HF tensor names and two flags: Qwen3-MoE has per-head q/k RMSNorm
 (``cfg.qk_norm``) and an optional top-k renormalization, Mixtral always renormalizes.
 
@@ -17,9 +18,10 @@ from jax.sharding import PartitionSpec as P
 
 from serving.config import ModelConfig
 from serving.kv_cache import AttentionBatch, PagedKV
-from serving.layers import moe, rms_norm, swiglu
+from serving.layers import rms_norm, swiglu
 from serving.models import llama
 from serving.models.llama import EXPERT, TENSOR, Weight
+from serving.sharding import moe
 
 # family -> (HF module of the sparse MLP, expert gate / up / down Linear names).
 HF_EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
