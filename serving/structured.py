@@ -52,7 +52,7 @@ class InvalidConstraintError(ValueError):
 
 
 def _preview(value: Any) -> str:
-    text = value if isinstance(value, str) else repr(value)
+    text = repr(value)
     return text if len(text) <= ERROR_PREVIEW_CHARS else text[:ERROR_PREVIEW_CHARS] + "..."
 
 
@@ -90,7 +90,8 @@ class ConstraintSpec:
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str) -> "ConstraintSpec":
-        """Output is JSON valid under `schema` (a dict or its JSON text; stored as canonical JSON text)."""
+        """Output is JSON valid under `schema` (a dict or its JSON text; stored as compact JSON text, key order
+        kept: properties are generated in the schema's order)."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -98,7 +99,7 @@ class ConstraintSpec:
                 raise InvalidConstraintError(f"json_schema {_preview(schema)} is not valid JSON: {e}") from None
         if not isinstance(schema, Mapping):
             raise InvalidConstraintError(f"json_schema must be a JSON object, got {_preview(schema)}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def json_object(cls) -> "ConstraintSpec":

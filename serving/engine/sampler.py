@@ -3,7 +3,8 @@
 Every parameter is a ``[B]`` array, so one compile serves any mix of greedy and sampled requests. Per row:
 
 1. penalties on the raw logits ``z``: tokens seen in the prompt or output get ``z / r`` (z > 0) or ``z * r``
-   (repetition), then ``z -= presence * [count > 0] + frequency * count`` over output counts;
+   (repetition), then ``z -= presence * [count > 0] + frequency * count`` over output counts; rows with a
+   structured-output constraint then get ``z = -inf`` for every token their ``token_bitmask`` disallows;
 2. greedy rows (temperature 0) take ``argmax z``; the others sample from ``softmax(z / T)`` restricted by top-k
    (the k largest), top-p (the smallest prefix, by descending probability, whose mass reaches p) and min-p
    (probability >= min_p * the largest), each filter applied to the distribution the previous one left;
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.engine.sampling_params import SamplingParams
+from serving.structured import apply_token_bitmask
 
 NO_TOKEN = -1  # padding in the penalty id lists
 
@@ -39,6 +41,9 @@ class SamplingBatch(NamedTuple):
     step: jax.Array  # [B] int32 index of the token being sampled in the request's output
     prompt_ids: jax.Array  # [B, Lp] int32 prompt tokens (NO_TOKEN padded; Lp may be 0 when no row has penalties)
     output_ids: jax.Array  # [B, Lo] int32 generated tokens so far (NO_TOKEN padded)
+    # [B, ceil(V / 32)] int32 allowed tokens, packed (serving.structured.fill_token_bitmask; all ones for a row
+    # without a constraint); None when no row is constrained
+    token_bitmask: jax.Array | None = None
 
 
 class SampleResult(NamedTuple):
@@ -70,12 +75,16 @@ def _bucket(n: int) -> int:
     return 0 if n == 0 else 1 << (n - 1).bit_length()
 
 
-def sampling_batch(rows: Sequence[SampleRow], num_rows: int | None = None) -> SamplingBatch:
+def sampling_batch(rows: Sequence[SampleRow], num_rows: int | None = None,
+                   token_bitmask: np.ndarray | None = None) -> SamplingBatch:
     """Host arrays for ``rows``, padded to ``num_rows`` with greedy rows. Token histories are sent only when a
-    row uses penalties (else width 0), padded to a power of two."""
+    row uses penalties (else width 0), padded to a power of two. ``token_bitmask`` ``[num_rows, W]`` int32: the
+    structured-output masks of the rows, or None when no row has a constraint."""
     num_rows = len(rows) if num_rows is None else num_rows
     if num_rows < len(rows):
         raise ValueError(f"sampling_batch: num_rows={num_rows} < {len(rows)} rows")
+    if token_bitmask is not None and (token_bitmask.ndim != 2 or token_bitmask.shape[0] != num_rows):
+        raise ValueError(f"sampling_batch: token_bitmask shape {token_bitmask.shape}, expected ({num_rows}, W)")
 
     def column(get, dtype, pad):
         return np.array([get(r) for r in rows] + [pad] * (num_rows - len(rows)), dtype)
@@ -94,7 +103,8 @@ def sampling_batch(rows: Sequence[SampleRow], num_rows: int | None = None) -> Sa
         seed=column(lambda r: r.seed, np.uint32, 0),
         step=column(lambda r: r.step, np.int32, 0),
         prompt_ids=_pad_ids(prompts, num_rows, _bucket(max((len(r.prompt_ids) for r in penalized), default=0))),
-        output_ids=_pad_ids(outputs, num_rows, _bucket(max((len(r.output_ids) for r in penalized), default=0))))
+        output_ids=_pad_ids(outputs, num_rows, _bucket(max((len(r.output_ids) for r in penalized), default=0))),
+        token_bitmask=token_bitmask)
 
 
 def _token_counts(ids: jax.Array, vocab: int) -> jax.Array:
@@ -138,6 +148,8 @@ def _draw(seed: jax.Array, step: jax.Array, logits: jax.Array) -> jax.Array:
 def sample(logits: jax.Array, b: SamplingBatch, num_top: int = 0) -> SampleResult:
     """Sample one token per row of ``logits [B, V]`` float32 (see the module docstring)."""
     penalized = apply_penalties(logits, b)
+    if b.token_bitmask is not None:
+        penalized = apply_token_bitmask(penalized, b.token_bitmask)
     drawn = jax.vmap(_draw)(b.seed, b.step, filtered_logits(penalized, b))
     tokens = jnp.where(b.temperature > 0, drawn, jnp.argmax(penalized, axis=-1)).astype(jnp.int32)
     logp = jax.nn.log_softmax(logits, axis=-1)
