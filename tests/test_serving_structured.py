@@ -1,0 +1,307 @@
+"""Tests of serving.structured: constraint specs and errors, matchers (eos, vocab padding, rollback), the packed
+token bitmask in the batched sampler, and SmolLM2 generating under JSON schema, regex and choice constraints."""
+
+import json
+import math
+import re
+
+import gguf
+import jax
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+
+from serving import weights
+from serving.config import ModelConfig
+from serving.engine.sampler import SampleRow, sample, sampling_batch
+from serving.engine.sampling_params import SamplingParams
+from serving.kv_cache import PagedKV, SeqChunk, make_batch
+from serving.loaders.gguf import load_gguf, read_metadata
+from serving.models import llama
+from serving.structured import (
+    ALL_ALLOWED,
+    ConstraintSpec,
+    InvalidConstraintError,
+    apply_token_bitmask,
+    compile_constraint,
+    fill_token_bitmask,
+)
+from serving.tokenizer import Tokenizer
+
+PADDED_VOCAB = 49152 + 64  # SmolLM2's 49152 ids plus embedding padding rows no token may use
+BLOCK_SIZE = 16
+MAX_NEW_TOKENS = 72  # every schema below bounds its strings, numbers and arrays well inside this
+SEEDS = (0, 1)
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.95)
+
+_NAME = {"type": "string", "minLength": 1, "maxLength": 16}
+
+
+def _object(properties: dict, required: list[str]) -> dict:
+    """A closed object: without additionalProperties=false a small model wanders off into extra keys."""
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+
+SCHEMAS = {
+    "person": _object({"name": _NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}}, ["name", "age"]),
+    "enum_bool": _object({"color": {"enum": ["red", "amber", "green"]}, "blinking": {"type": "boolean"}},
+                         ["color", "blinking"]),
+    "number": _object({"celsius": {"type": "number", "minimum": -50, "maximum": 50}}, ["celsius"]),
+    "string_array": _object({"fruits": {"type": "array", "items": _NAME, "minItems": 1, "maxItems": 3}}, ["fruits"]),
+    "nested": _object({"name": _NAME, "address": _object(
+        {"city": _NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, ["city", "zip"])}, ["name", "address"]),
+    "object_array": _object({"items": {"type": "array", "maxItems": 2, "items": _object(
+        {"name": _NAME, "qty": {"type": "integer", "minimum": 1, "maximum": 9}}, ["name", "qty"])}}, ["items"]),
+    "pattern": _object({"sku": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"}, "in_stock": {"type": "boolean"}},
+                       ["sku", "in_stock"]),
+    "optional": _object({"title": _NAME, "year": {"type": "integer", "minimum": 1000, "maximum": 2100}}, ["title"]),
+}
+PHONE = r"[0-9]{3}-[0-9]{3}-[0-9]{4}"
+CHOICES = ("positive", "negative", "neutral")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(read_metadata(gguf.GGUFReader(weights.default_model_gguf())))
+
+
+def _ids(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+# --------------------------------------------------------------------------- specs and invalid constraints
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: ConstraintSpec("grammar", "x"), "constraint kind 'grammar'"),
+    (lambda: ConstraintSpec.regex(""), "regex needs a non-empty string"),
+    (lambda: ConstraintSpec.json_schema("{not json"), "not valid JSON"),
+    (lambda: ConstraintSpec.json_schema("[1, 2]"), "must be a JSON object"),
+    (lambda: ConstraintSpec.choice([]), "non-empty tuple"),
+    (lambda: ConstraintSpec.choice(["a", ""]), "non-empty strings"),
+    (lambda: ConstraintSpec.choice("yes"), "got the string 'yes'"),
+    (lambda: ConstraintSpec("json_object", "{}"), "json_object takes no value"),
+])
+def test_bad_specs_raise(make, match):
+    with pytest.raises(InvalidConstraintError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("spec, match", [
+    (ConstraintSpec.json_schema({"type": "strng"}), "strng"),
+    (ConstraintSpec.json_schema({"type": "string", "pattern": "(ab"}), "unclosed group"),
+    (ConstraintSpec.json_schema({"$ref": "#/$defs/missing"}), "missing"),
+    (ConstraintSpec.json_schema({"type": "integer", "minimum": 5, "maximum": 1}), "Unsatisfiable schema"),
+    (ConstraintSpec.json_schema({"type": "object", "required": ["a"], "additionalProperties": False}),
+     "required property 'a' is unsatisfiable"),
+    (ConstraintSpec.regex("[0-9"), "unclosed"),
+])
+def test_invalid_constraint_is_a_value_error_naming_it(tok, spec, match):
+    with pytest.raises(InvalidConstraintError, match=match) as info:
+        compile_constraint(spec, tok)
+    assert isinstance(info.value, ValueError)  # the server maps it to 400
+    assert f"invalid {spec.kind} constraint" in str(info.value)
+
+
+def test_compile_is_cached_per_spec_and_vocab(tok):
+    schema = SCHEMAS["person"]
+    first = compile_constraint(ConstraintSpec.json_schema(schema), tok)
+    assert compile_constraint(ConstraintSpec.json_schema(json.dumps(schema)), tok) is first
+    assert compile_constraint(ConstraintSpec.json_schema(schema), tok, PADDED_VOCAB) is not first
+    with pytest.raises(ValueError, match="vocab_size=100 is smaller than the tokenizer's 49152"):
+        compile_constraint(ConstraintSpec.json_object(), tok, 100)
+
+
+# --------------------------------------------------------------------------- matchers
+
+
+def test_eos_allowed_exactly_when_accepting_and_padding_never(tok):
+    """Walk a valid output token by token: each token is allowed, eos only once the JSON is complete."""
+    eos = list(tok.eos_token_ids)
+    matcher = compile_constraint(ConstraintSpec.json_schema(SCHEMAS["optional"]), tok, PADDED_VOCAB).matcher()
+    text_ids = _ids(tok, '{"title":"Dune","year":1965}')
+    for token in text_ids:
+        allowed = matcher.allowed_tokens()
+        assert allowed.shape == (PADDED_VOCAB,) and allowed.dtype == bool
+        assert allowed[token]
+        assert not allowed[tok.vocab_size:].any()
+        assert allowed[eos].all() == matcher.is_accepting()
+        matcher.advance(token)
+    assert matcher.is_accepting() and matcher.is_finished()
+    assert np.flatnonzero(matcher.allowed_tokens()).tolist() == eos
+    matcher.advance(eos[0])
+    with pytest.raises(ValueError, match="after eos"):
+        matcher.advance(text_ids[0])
+
+
+def test_advance_rejects_disallowed_tokens(tok):
+    matcher = compile_constraint(ConstraintSpec.regex(PHONE), tok).matcher()
+    with pytest.raises(ValueError, match=f"eos {tok.eos_token_ids[0]} before the output is complete"):
+        matcher.advance(tok.eos_token_ids[0])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        matcher.advance(tok.vocab_size)
+    letter = _ids(tok, "a")[0]
+    assert not matcher.allowed_tokens()[letter]
+    with pytest.raises(ValueError, match=f"token {letter} is not allowed after 0 tokens"):
+        matcher.advance(letter)
+
+
+def test_rollback_restores_the_matcher_state(tok):
+    """After rolling back k tokens (eos included) the masks and acceptance are those seen k tokens earlier."""
+    spec = ConstraintSpec.json_schema(SCHEMAS["object_array"])
+    matcher = compile_constraint(spec, tok).matcher()
+    ids = _ids(tok, '{"items":[{"name":"tea","qty":2},{"name":"milk","qty":1}]}') + [tok.eos_token_ids[0]]
+    states = []
+    for token in ids:
+        states.append((matcher.allowed_tokens(), matcher.is_accepting(), matcher.is_finished()))
+        matcher.advance(token)
+    assert matcher.is_finished()
+    for k in (1, 3, len(ids)):  # eos alone, eos and two tokens, everything
+        matcher.rollback(k)
+        mask, accepting, finished = states[len(ids) - k]
+        np.testing.assert_array_equal(matcher.allowed_tokens(), mask)
+        assert (matcher.is_accepting(), matcher.is_finished()) == (accepting, finished)
+        assert matcher.num_tokens == len(ids) - k
+        for token in ids[len(ids) - k:]:
+            matcher.advance(token)
+    with pytest.raises(ValueError, match=r"rollback\(99\): expected 0 <= n <= "):
+        matcher.rollback(99)
+
+
+def test_choice_and_regex_masks(tok):
+    choice = compile_constraint(ConstraintSpec.choice(CHOICES), tok).matcher()
+    first = {tok.decode([t]) for t in np.flatnonzero(choice.allowed_tokens())}
+    assert first and all(any(c.startswith(text) for c in CHOICES) for text in first)
+    assert "positive" in first and "neutral" in first
+    phone = compile_constraint(ConstraintSpec.regex(PHONE), tok).matcher()
+    for token in _ids(tok, "555-123-4567"):
+        phone.advance(token)
+    assert phone.is_finished()
+
+
+# --------------------------------------------------------------------------- the bitmask in the batched sampler
+
+
+def _pack(mask: np.ndarray) -> np.ndarray:
+    """``[B, V]`` bool -> ``[B, ceil(V / 32)]`` int32, token t at bit t % 32 of word t // 32."""
+    words = -(-mask.shape[1] // 32)
+    padded = np.zeros((mask.shape[0], words * 32), bool)
+    padded[:, :mask.shape[1]] = mask
+    return np.packbits(padded, axis=1, bitorder="little").view(np.int32)
+
+
+def test_apply_token_bitmask_matches_a_bool_mask():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 100)).astype(np.float32)
+    mask = rng.random((4, 100)) < 0.3
+    bitmask = _pack(mask)
+    bitmask[2] = ALL_ALLOWED  # an unconstrained row passes through
+    mask[2] = True
+    out = jax.jit(apply_token_bitmask)(logits, bitmask)
+    np.testing.assert_array_equal(np.asarray(out), np.where(mask, logits, -np.inf))
+    with pytest.raises(ValueError, match=r"bitmask shape \(4, 3\) does not cover logits \(4, 100\)"):
+        apply_token_bitmask(logits, bitmask[:, :3])
+
+
+def test_fill_token_bitmask_rows(tok):
+    matchers = [compile_constraint(ConstraintSpec.choice(CHOICES), tok, PADDED_VOCAB).matcher(), None,
+                compile_constraint(ConstraintSpec.regex(PHONE), tok, PADDED_VOCAB).matcher()]
+    bitmask = fill_token_bitmask(matchers, PADDED_VOCAB, num_rows=4)
+    assert bitmask.shape == (4, math.ceil(PADDED_VOCAB / 32)) and bitmask.dtype == np.int32
+    for row, matcher in zip(bitmask, matchers, strict=False):
+        expected = np.ones(PADDED_VOCAB, bool) if matcher is None else matcher.allowed_tokens()
+        np.testing.assert_array_equal(np.unpackbits(row.view(np.uint8), bitorder="little")[:PADDED_VOCAB], expected)
+    assert (bitmask[3] == ALL_ALLOWED).all()
+    with pytest.raises(ValueError, match="vocab_size=49216, expected 49152"):
+        fill_token_bitmask(matchers, 49152)
+
+
+def test_sampler_samples_only_allowed_tokens():
+    """Greedy and sampled rows pick allowed tokens; an all-ones row samples exactly as without a mask."""
+    rng = np.random.default_rng(1)
+    vocab, rows = 300, 6
+    logits = jnp.asarray(rng.normal(size=(rows, vocab)) * 3, jnp.float32)
+    mask = rng.random((rows, vocab)) < 0.05
+    mask[0] = True
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)] + [SAMPLED] * (rows - 2)
+    sample_rows = [SampleRow(p, seed, 0, (), ()) for seed, p in enumerate(params)]
+    plain = sample(logits, sampling_batch(sample_rows))
+    for step in range(4):
+        sample_rows = [r._replace(step=step) for r in sample_rows]
+        masked = sample(logits, sampling_batch(sample_rows, token_bitmask=_pack(mask)))
+        tokens = np.asarray(masked.tokens)
+        assert mask[np.arange(rows), tokens].all()
+    assert int(masked.tokens[0]) == int(plain.tokens[0])
+    assert int(np.asarray(masked.tokens)[1]) == int(jnp.argmax(jnp.where(mask[1], logits[1], -jnp.inf)))
+    with pytest.raises(ValueError, match=r"token_bitmask shape \(2, 10\), expected \(6, W\)"):
+        sampling_batch(sample_rows, token_bitmask=np.zeros((2, 10), np.int32))
+
+
+# --------------------------------------------------------------------------- SmolLM2 under constraints
+
+
+def generate(params: dict, cfg: ModelConfig, tok: Tokenizer, prompts: list[list[int]],
+             specs: list[ConstraintSpec | None], sampling: list[SamplingParams], seeds: list[int]) -> list[list[int]]:
+    """All prompts as one batch: a ragged prefill, then one decode step per token, sampled by the engine's
+    sampler under each row's constraint (None: unconstrained) until eos or MAX_NEW_TOKENS."""
+    matchers = [None if s is None else compile_constraint(s, tok, cfg.vocab).matcher() for s in specs]
+    blocks = max(math.ceil((len(p) + MAX_NEW_TOKENS) / BLOCK_SIZE) for p in prompts)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(prompts))]
+    kv = PagedKV.create(cfg, len(prompts) * blocks, BLOCK_SIZE, jnp.float32)
+    step_fn = jax.jit(lambda params, tokens, batch, kv, last, sb: (
+        lambda logits, kv: (sample(logits[last], sb).tokens, kv))(*llama.forward(params, cfg, tokens, batch, kv)[:2]))
+    chunks = [SeqChunk(t, 0, len(p)) for t, p in zip(tables, prompts, strict=True)]
+    tokens, last = np.concatenate(prompts), np.cumsum([len(p) for p in prompts]) - 1
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    while not all(done):
+        rows = [SampleRow(p, seed, len(o), (), ()) for p, seed, o in zip(sampling, seeds, outputs, strict=True)]
+        bitmask = fill_token_bitmask([None if d else m for m, d in zip(matchers, done, strict=True)], cfg.vocab)
+        picked, kv = step_fn(params, tokens, make_batch(chunks, BLOCK_SIZE), kv, last,
+                             sampling_batch(rows, token_bitmask=bitmask))
+        for i, token in enumerate(np.asarray(picked).tolist()):
+            if not done[i]:
+                if matchers[i] is not None:
+                    matchers[i].advance(token)  # raises if the sampler picked a disallowed token
+                outputs[i].append(token)
+                done[i] = token in tok.eos_token_ids or len(outputs[i]) == MAX_NEW_TOKENS
+        chunks = [SeqChunk(t, len(p) + len(o) - 1, 1) for t, p, o in zip(tables, prompts, outputs, strict=True)]
+        tokens, last = np.asarray([o[-1] for o in outputs], np.int32), np.arange(len(prompts))
+    return outputs
+
+
+@pytest.mark.slow
+def test_smollm2_constrained_outputs_parse_and_validate():
+    """8 JSON schemas, a regex and a choice, each greedy and with 2 seeds, in one batch with an unconstrained
+    row: every constrained output ends with eos, parses and validates (or fullmatches / is a choice)."""
+    checkpoint = load_gguf(weights.default_model_gguf())
+    cfg = ModelConfig.from_hf(checkpoint.config)
+    params = llama.params_from_hf(cfg, checkpoint.tensors, jnp.float32)
+    tok = checkpoint.tokenizer
+    cases = [(f"Describe an example {name.replace('_', ' ')} as JSON.", ConstraintSpec.json_schema(schema), name)
+             for name, schema in SCHEMAS.items()]
+    cases += [("Give a US phone number.", ConstraintSpec.regex(PHONE), "phone"),
+              ("Is 'I love this!' positive, negative or neutral?", ConstraintSpec.choice(CHOICES), "choice")]
+    rows = [(prompt, spec, name, sp, seed) for prompt, spec, name in cases
+            for sp, seed in [(SamplingParams(temperature=0.0), 0)] + [(SAMPLED, s) for s in SEEDS]]
+    rows.append(("What is the capital of France?", None, "free", SamplingParams(temperature=0.0), 0))
+    prompts = [_ids(tok, tok.apply_chat_template([{"role": "user", "content": r[0]}])) for r in rows]
+    outputs = generate(params, cfg, tok, prompts, [r[1] for r in rows], [r[3] for r in rows], [r[4] for r in rows])
+
+    eos = set(tok.eos_token_ids)
+    for (_, spec, name, sp, seed), ids in zip(rows, outputs, strict=True):
+        label = f"{name} T={sp.temperature} seed={seed}: {tok.decode(ids)!r}"
+        if spec is None:
+            assert "Paris" in tok.decode(ids), label  # the mask of other rows does not reach this one
+            continue
+        assert ids[-1] in eos, f"no eos within {MAX_NEW_TOKENS} tokens: {label}"
+        text = tok.decode(ids[:-1])
+        if spec.kind == "json_schema":
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
+        elif spec.kind == "regex":
+            assert re.fullmatch(PHONE, text), label
+        else:
+            assert text in CHOICES, label
+    sampled = [tuple(ids) for r, ids in zip(rows, outputs, strict=True) if r[3] is SAMPLED and r[2] == "person"]
+    assert len(set(sampled)) > 1, sampled  # seeds make different outputs
