@@ -3,6 +3,11 @@
 Each ``step`` is one scheduler decision and one device call (``runner.py``); outputs carry each sequence's new
 token, its text delta (stop strings cut), and, when the sequence is done, why. A request with
 ``SamplingParams.n = k`` runs as k sequences (sample i seeded with seed + i).
+
+Bookkeeping stays bounded: ``release`` hands back a finished request's result and forgets it (``generate`` does
+so), ``abort`` drops an unfinished one and frees its cache blocks at once, and ``max_queue`` caps the
+sequences that may wait beyond the ``max_running`` that run (``add_request`` raises ``EngineFullError``). A
+step that raises fails only the requests it ran: they are aborted and ``StepError`` names them.
 """
 
 import dataclasses
@@ -12,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,9 +33,23 @@ from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.loaders import load_model
 from serving.loaders.gguf import load_gguf
 from serving.models import model_module
+from serving.speculative import DraftRequest, Proposal, SpecConfig, SpecStats, VerifyChunk, verify_step
 from serving.tokenizer import Tokenizer
 
 SEED_RANGE = 2**32  # seeds are uint32
+ABORT = "abort"  # finish reason of the samples ``Engine.abort`` stopped
+
+
+class EngineFullError(RuntimeError):
+    """``add_request`` would exceed ``max_running + max_queue`` unfinished sequences: retry later."""
+
+
+class StepError(RuntimeError):
+    """A step raised; ``request_ids`` are the requests it ran, which have been aborted (the cause is chained)."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"step failed for requests {request_ids}: {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
 Prompt = Sequence[int] | str | Sequence[Mapping[str, Any]]  # token ids, text, or chat messages
 
 
@@ -100,13 +120,20 @@ class Engine:
       num_blocks, block_size: the paged cache (num_blocks * block_size tokens in all).
       max_running: the most sequences in one step; token_budget: the most new tokens in one step.
       max_model_len: context length (default: the model's max_position).
+      max_queue: the most sequences waiting beyond ``max_running`` (None: no limit).
+      speculative: draft tokens and verify them in each decode step (``serving.speculative``); acceptance
+        counters in ``spec_stats``. Outputs are unchanged (greedy: identical; sampled: the same distribution).
     """
 
     def __init__(self, model: str | Path | None = None, dtype: jnp.dtype = jnp.float32, num_blocks: int = 256,
                  block_size: int = 16, max_running: int = 32, token_budget: int = 256,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, max_queue: int | None = None,
+                 speculative: SpecConfig | None = None):
+        if max_queue is not None and max_queue < 0:
+            raise ValueError(f"Engine: max_queue={max_queue}: expected None (no limit) or >= 0")
         self.cfg, params, self.tokenizer, self.eos_ids = load(model, dtype)
         self.max_model_len = min(self.cfg.max_position, max_model_len or self.cfg.max_position)
+        self.max_queue, self.dtype = max_queue, dtype
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.scheduler = Scheduler(self.allocator, max_running, token_budget)
         kv = create_cache(self.cfg, num_blocks, block_size, dtype)
@@ -114,6 +141,9 @@ class Engine:
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
         self._requests: dict[str, tuple[list[int], list[Seq]]] = {}
+        self.speculative = speculative
+        self.drafter = speculative.build(self.cfg, params) if speculative else None
+        self.spec_stats = SpecStats()
 
     @classmethod
     def from_default(cls, **kwargs: Any) -> "Engine":
@@ -140,6 +170,14 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.max_queue is not None:
+            limit = self.scheduler.max_running + self.max_queue
+            if params.n > limit:
+                raise ValueError(f"SamplingParams.n = {params.n}: expected <= max_running + max_queue = {limit}")
+            unfinished = len(self.scheduler.waiting) + len(self.scheduler.running)
+            if unfinished + params.n > limit:
+                raise EngineFullError(f"{unfinished} sequences are unfinished and {params.n} more would exceed "
+                                      f"max_running + max_queue = {limit}")
         ids = self.encode(prompt)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(SEED_RANGE))
         seqs = [Seq(next(self._ids), request_id, i, list(ids), params, (seed + i) % SEED_RANGE, self.eos_ids,
@@ -153,11 +191,63 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def num_requests(self) -> int:
+        """Requests the engine holds: unfinished ones and finished ones not yet released."""
+        return len(self._requests)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop request ``request_id`` now: its unfinished samples end with finish reason "abort", their cache
+        blocks are freed, and the request is forgotten. False if the engine does not hold it."""
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return False
+        for seq in entry[1]:
+            if not seq.finished:
+                self.scheduler.abort(seq)
+                seq.finish_reason = ABORT
+        return True
+
+    def release(self, request_id: str) -> RequestResult:
+        """The result of a finished request, which the engine then forgets (so finished requests do not pile up)."""
+        result = self.result(request_id)
+        unfinished = [c.index for c in result.outputs if c.finish_reason is None]
+        if unfinished:
+            raise ValueError(f"release({request_id!r}): samples {unfinished} are unfinished: abort it instead")
+        del self._requests[request_id]
+        return result
+
     def step(self) -> list[StepOutput]:
-        """Run one scheduled step; one output per sequence that sampled a token."""
+        """Run one scheduled step; one output per sequence that sampled a token.
+
+        If the step raises, the requests it ran are aborted (the others keep their place) and ``StepError``
+        names them; a cache the failed device call consumed is rebuilt (``_reset_cache``).
+        """
+        drafted = self._propose() if self.drafter is not None else None
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        try:
+            return self._run(chunks) if drafted is None else self._run_speculative(chunks, *drafted)
+        except Exception as e:
+            request_ids = list(dict.fromkeys(c.seq.request_id for c in chunks))
+            for request_id in request_ids:
+                self.abort(request_id)
+            if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.runner.kv)):
+                self._reset_cache()
+            raise StepError(request_ids, e) from e
+
+    def _reset_cache(self) -> None:
+        """A fresh cache and allocator (the old prefix cache named blocks that are gone); every running sequence
+        goes back to the queue, to be recomputed."""
+        for seq in reversed(list(self.scheduler.running)):
+            self.scheduler.running.remove(seq)
+            seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+            self.scheduler.waiting.insert(0, seq)
+        self.allocator = self.scheduler.allocator = BlockAllocator(self.allocator.num_blocks, self.allocator.block_size)
+        self.runner.kv = create_cache(self.cfg, self.allocator.num_blocks, self.allocator.block_size, self.dtype)
+
+    def _run(self, chunks: list) -> list[StepOutput]:
         seqs = [c.seq for c in chunks]
         rows = [SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids) for s in seqs]
         wants_top = any(c.samples and c.seq.params.logprobs for c in chunks)
@@ -179,6 +269,61 @@ class Engine:
                                       seq.finish_reason, entry))
         return outputs
 
+    def _propose(self) -> tuple[list[Seq], Proposal]:
+        """Drafts for every running sequence that is decoding (``draft_ids``), at most k and never past its
+        max_tokens or the context length."""
+        decoding = [s for s in self.scheduler.running if s.num_tokens - s.num_computed == 1]
+        k = self.speculative.k
+        limits = [min(k, s.params.max_tokens - len(s.output_ids) - 1, s.max_len - s.num_tokens - 1) for s in decoding]
+        proposal = self.drafter.propose([DraftRequest(s.seq_id, s.tokens, len(s.output_ids), s.params, s.seed, n)
+                                         for s, n in zip(decoding, limits, strict=True)], k)
+        for seq, drafts, n in zip(decoding, proposal.tokens, limits, strict=True):
+            seq.draft_ids = list(drafts[:max(n, 0)])
+        return decoding, proposal
+
+    def _run_speculative(self, chunks: list, drafted: list[Seq], proposal: Proposal) -> list[StepOutput]:
+        """One target forward over every chunk (decoding ones with their drafts), verification, and one output
+        per appended token."""
+        proposal_rows = {s.seq_id: i for i, s in enumerate(drafted)}
+        verify_chunks = []
+        for c in chunks:
+            s = c.seq
+            drafts = s.draft_ids[:max(0, c.start + c.count - s.num_tokens)]
+            verify_chunks.append(VerifyChunk(SeqChunk(s.block_table, c.start, c.count),
+                                             s.tokens[c.start:c.start + c.count - len(drafts)] + drafts,
+                                             SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids),
+                                             drafts, proposal_rows.get(s.seq_id, 0)))
+        for seq in drafted:
+            seq.draft_ids = []
+        wants_top = any(c.samples and c.seq.params.logprobs for c in chunks)
+        result = verify_step(self.runner, verify_chunks, self.speculative.k, proposal.probs,
+                             MAX_LOGPROBS if wants_top else 0)
+        accepted = [result.tokens[i, :result.num_accepted[i] + 1].tolist() for i in range(len(chunks))]
+        for c, v, n in zip(chunks, verify_chunks, result.num_accepted.tolist(), strict=True):
+            if c.samples and v.drafts:
+                self.spec_stats.num_steps += 1
+                self.spec_stats.num_draft_tokens += len(v.drafts)
+                self.spec_stats.num_accepted_tokens += n
+        chunk_of = {c.seq.seq_id: i for i, c in enumerate(chunks)}
+        outputs = []
+        for seq, group in itertools.groupby(self.scheduler.update(chunks, accepted), key=lambda update: update[0]):
+            i, texts = chunk_of[seq.seq_id], [text for _, text in group]
+            first = len(seq.output_ids) - len(texts)
+            for j, text in enumerate(texts):
+                entry = None
+                if seq.params.logprobs is not None:
+                    n = seq.params.logprobs
+                    top = list(zip(result.top_ids[i, j, :n].tolist(), result.top_logprobs[i, j, :n].tolist(),
+                                   strict=True))
+                    entry = {"logprob": float(result.logprobs[i, j]), "top": top}
+                    seq.logprobs.append(entry)
+                last = j == len(texts) - 1
+                outputs.append(StepOutput(seq.request_id, seq.index, seq.output_ids[first + j], text,
+                                          seq.finished and last, seq.finish_reason if last else None, entry))
+            if seq.finished:
+                self.drafter.release(seq.seq_id)
+        return outputs
+
     def result(self, request_id: str) -> RequestResult:
         """The request's outputs so far (complete once every sample finished)."""
         ids, seqs = self._requests[request_id]
@@ -195,4 +340,4 @@ class Engine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
         while any(not s.finished for i in ids for s in self._requests[i][1]):
             self.step()
-        return [self.result(i) for i in ids]
+        return [self.release(i) for i in ids]

@@ -8,7 +8,8 @@ the longest cached prefix of its full blocks from the allocator.
 
 When a sequence needs a block and none is free, the newest running sequence is preempted: its blocks are
 freed (they stay in the prefix cache) and it goes back to the front of the queue, to be recomputed later.
-The cache never runs out; a prompt that cannot fit the whole cache is refused up front (``add``).
+The cache never runs out; a prompt that cannot fit the whole cache is refused up front (``add``). ``abort``
+takes a sequence out wherever it is and frees its blocks at once.
 """
 
 from typing import NamedTuple
@@ -19,7 +20,8 @@ from serving.engine.request import Sequence
 
 class ScheduledChunk(NamedTuple):
     """``count`` tokens of ``seq`` starting at ``start`` (= its ``num_computed``) run this step; ``samples``: the
-    chunk reaches the sequence's last token, whose logits give its next token."""
+    chunk reaches the sequence's last token, whose logits give its next token. A decoding chunk may carry the
+    sequence's speculative ``draft_ids`` after its last token (``count = 1 + drafts``)."""
 
     seq: Sequence
     start: int
@@ -28,7 +30,7 @@ class ScheduledChunk(NamedTuple):
 
 
 def _chunk(seq: Sequence, count: int) -> ScheduledChunk:
-    return ScheduledChunk(seq, seq.num_computed, count, seq.num_computed + count == seq.num_tokens)
+    return ScheduledChunk(seq, seq.num_computed, count, seq.num_computed + count >= seq.num_tokens)
 
 
 class Scheduler:
@@ -56,6 +58,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the waiting or running set and free its blocks (a no-op once it has left both)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            return
+        self._release(seq)
+
     def schedule(self) -> list[ScheduledChunk]:
         """This step's chunks (allocating their blocks); see the module docstring for the order."""
         chunks: list[ScheduledChunk] = []
@@ -65,7 +77,8 @@ class Scheduler:
                 left = seq.num_tokens - seq.num_computed
                 if budget == 0 or seq not in self.running or (left == 1) != decoding:
                     continue
-                count = min(budget, left)
+                count = min(budget, left + (len(seq.draft_ids) if decoding else 0))
+                del seq.draft_ids[max(count - left, 0):]  # drafts past the budget (or stale ones) are dropped
                 if self._reserve(seq, count, chunks):
                     chunks.append(_chunk(seq, count))
                 budget = self.token_budget - sum(c.count for c in chunks)  # preempted chunks give theirs back
@@ -83,19 +96,29 @@ class Scheduler:
             budget -= count
         return chunks
 
-    def update(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[tuple[Sequence, str]]:
-        """Record a step: ``tokens[i]`` is chunk i's sampled token (ignored unless it samples).
+    def update(self, chunks: list[ScheduledChunk], tokens: list[int | list[int]]) -> list[tuple[Sequence, str]]:
+        """Record a step: ``tokens[i]`` is chunk i's sampled token, or its accepted tokens in order (speculative
+        decoding), ignored unless the chunk samples. Tokens after a stop condition are dropped; the cache keeps
+        only the positions of accepted tokens (rejected drafts' slots are overwritten later) and the blocks that
+        no longer hold any token are freed.
 
-        Returns (sequence, new text) for every sequence that got a token; finished ones leave the running set.
+        Returns (sequence, new text) for every appended token, in order; finished sequences leave the running set.
         """
         updated = []
-        for chunk, token in zip(chunks, tokens, strict=True):
+        for chunk, new in zip(chunks, tokens, strict=True):
             seq = chunk.seq
             seq.num_computed += chunk.count
+            if chunk.samples:
+                for token in [new] if isinstance(new, int) else new:
+                    updated.append((seq, seq.append(int(token))))
+                    if seq.finished:
+                        break
+                seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
+                keep = -(-seq.num_tokens // self.block_size)  # every token's block (the last is computed next)
+                for block in reversed(seq.block_table[keep:]):
+                    self.allocator.free(block)
+                del seq.block_table[keep:]
             self._register_full_blocks(seq)
-            if not chunk.samples:
-                continue
-            updated.append((seq, seq.append(int(token))))
             if seq.finished:
                 self.running.remove(seq)
                 self._release(seq)
