@@ -1,0 +1,273 @@
+"""Structured-output grammar libraries on SmolLM2's 49k-token vocabulary: llguidance vs outlines-core (CPU).
+
+For ten JSON schemas of increasing complexity, a regex and a choice list:
+
+* compile time: llguidance builds its matcher (`serving.structured.compile_constraint`, cache cleared);
+  outlines-core turns the schema into a regex (`build_regex_from_schema`) and builds its token-level `Index`.
+* per-token mask time (median, p99) along real constrained generations: SmolLM2-135M-Instruct generates
+  each output greedily under the llguidance constraint, then both libraries replay those tokens, timing the
+  mask of every step (llguidance `fill_bitmask`, outlines-core `Guide.write_mask_into`). A token outlines-core
+  does not allow counts as a disagreement (a correctness check of both).
+* batch time: the masks of 16 sequences per step through `serving.structured.fill_token_bitmask`
+  (llguidance's thread pool), the cost the engine pays per decode step at batch 16.
+
+xgrammar is not measured: it needs torch and transformers, too heavy for this project's dependencies.
+
+Choice (recorded in `serving/structured.py`): llguidance. Measured on 2 shared CPU cores, it compiles every case
+in 1-10 ms where outlines-core needs 0.03-2.4 s per schema (its index walks the whole vocabulary through the
+regex's automaton); outlines-core's masks are faster per token (median 2-47 us vs 3-280 us), which a 100-token
+output does not win back. llguidance also supports recursive schemas and any-JSON (`json_object`) and rolls
+back tokens for speculative decoding. Greedy SmolLM2 under `"type": "number"` writes fraction digits until
+the token limit (case 4): numbers have no length bound in either grammar.
+
+Run: ``python -m benchmarks.structured_output`` (writes ``results/structured_output_cpu.json``).
+"""
+
+import argparse
+import importlib.metadata
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from outlines_core import Guide, Index, Vocabulary
+from outlines_core.json_schema import build_regex_from_schema
+
+from benchmarks.harness import format_table, write_results
+from serving import structured, weights
+from serving.config import ModelConfig
+from serving.kv_cache import PagedKV, SeqChunk, make_batch
+from serving.loaders.gguf import load_gguf
+from serving.models import llama
+from serving.structured import ConstraintSpec
+from serving.tokenizer import Tokenizer
+
+BLOCK_SIZE = 16
+MAX_NEW_TOKENS = 96  # every case's output fits (strings and arrays are bounded)
+BATCH = 16  # the batch size the engine's overhead target (<= 10% per token) is stated for
+BATCH_STEPS = 200  # decode steps timed at batch BATCH
+
+_NAME = {"type": "string", "maxLength": 24}
+
+
+def _object(properties: dict, required: list[str]) -> dict:
+    """A closed object (no properties beyond the listed ones, as outlines-core assumes and strict APIs ask)."""
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+
+_ITEM = _object({"sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{3}$"},
+                 "qty": {"type": "integer", "minimum": 1, "maximum": 9}}, ["sku", "qty"])
+_ORDER = {"$defs": {"item": _ITEM}, **_object({
+    "id": {"type": "integer", "minimum": 1, "maximum": 99999},
+    "customer": _object({"name": _NAME, "vip": {"type": "boolean"}}, ["name", "vip"]),
+    "items": {"type": "array", "items": {"$ref": "#/$defs/item"}, "minItems": 1, "maxItems": 3},
+    "payment": {"anyOf": [_object({"card": {"type": "string", "pattern": "^[0-9]{4}$"}}, ["card"]),
+                          _object({"cash": {"type": "boolean"}}, ["cash"])]},
+    "status": {"enum": ["new", "paid", "shipped"]}}, ["id", "customer", "items", "payment", "status"])}
+_CASES: list[tuple[str, str, ConstraintSpec]] = [  # (name, what the prompt asks for, constraint)
+    ("1 string", "a city name", ConstraintSpec.json_schema(_object({"city": _NAME}, ["city"]))),
+    ("2 string+int", "a person with a name and an age",
+     ConstraintSpec.json_schema(_object({"name": _NAME, "age": {"type": "integer"}}, ["name", "age"]))),
+    ("3 enum+bool", "a traffic light state",
+     ConstraintSpec.json_schema(_object({"color": {"enum": ["red", "amber", "green"]},
+                                         "blinking": {"type": "boolean"}}, ["color", "blinking"]))),
+    ("4 number range", "a temperature reading in Celsius",
+     ConstraintSpec.json_schema(_object({"celsius": {"type": "number", "minimum": -90, "maximum": 60},
+                                         "station": _NAME}, ["celsius", "station"]))),
+    ("5 string array", "three fruits",
+     ConstraintSpec.json_schema(_object({"fruits": {"type": "array", "items": _NAME, "minItems": 1, "maxItems": 3}},
+                                        ["fruits"]))),
+    ("6 pattern", "a product with a SKU like AB-1234",
+     ConstraintSpec.json_schema(_object({"sku": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"},
+                                         "name": _NAME}, ["sku", "name"]))),
+    ("7 nested", "a user with an address",
+     ConstraintSpec.json_schema(_object({"name": _NAME, "address": _object(
+         {"street": _NAME, "city": _NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+         ["street", "city", "zip"])}, ["name", "address"]))),
+    ("8 optional fields", "a book; title required, year and author optional",
+     ConstraintSpec.json_schema(_object({"title": _NAME, "author": _NAME,
+                                         "year": {"type": "integer", "minimum": 0, "maximum": 2100},
+                                         "isbn": {"type": "string", "pattern": "^[0-9]{10}$"}}, ["title"]))),
+    ("9 array of objects", "two items of a shopping list",
+     ConstraintSpec.json_schema(_object({"items": {"type": "array", "maxItems": 3, "items": _object(
+         {"name": _NAME, "qty": {"type": "integer", "minimum": 1, "maximum": 99}}, ["name", "qty"])}}, ["items"]))),
+    ("10 order (anyOf, $defs)", "an order with a customer, items and payment", ConstraintSpec.json_schema(_ORDER)),
+    ("regex phone", "a US phone number like 555-123-4567", ConstraintSpec.regex(r"[0-9]{3}-[0-9]{3}-[0-9]{4}")),
+    ("choice sentiment", "the sentiment of 'I love this!'",
+     ConstraintSpec.choice(["positive", "negative", "neutral"])),
+]
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in character -> the byte it stands for (GPT-2's table, rebuilt)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+def outlines_vocabulary(tokenizer: Tokenizer) -> Vocabulary:
+    """outlines-core's token map: each non-special token's bytes -> its ids; the eos id is passed apart."""
+    decoder = _byte_decoder()
+    special = {i for i, t in tokenizer.hf.get_added_tokens_decoder().items() if t.special}
+    tokens: dict[bytes, list[int]] = {}
+    for i in range(tokenizer.vocab_size):
+        if i not in special:
+            tokens.setdefault(bytes(decoder[c] for c in tokenizer.hf.id_to_token(i)), []).append(i)
+    return Vocabulary(tokenizer.eos_token_ids[0], tokens)
+
+
+def outlines_regex(spec: ConstraintSpec) -> str:
+    if spec.kind == "json_schema":
+        return build_regex_from_schema(spec.value)
+    if spec.kind == "choice":
+        return "|".join(re.escape(c) for c in spec.value)
+    return spec.value
+
+
+def _timed(fn: Callable[[], object]) -> tuple[object, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - start) * 1e3
+
+
+def generate(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, prompts: list[list[int]],
+             specs: list[ConstraintSpec], max_new_tokens: int) -> list[list[int]]:
+    """Greedy constrained generation of all prompts as one batch (ragged prefill, then batched decode)."""
+    matchers = [structured.compile_constraint(s, tokenizer, cfg.vocab).matcher() for s in specs]
+    blocks_per_seq = max(math.ceil((len(p) + max_new_tokens) / BLOCK_SIZE) for p in prompts)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(prompts))]
+    kv = PagedKV.create(cfg, len(prompts) * blocks_per_seq, BLOCK_SIZE, jnp.float32)
+    forward = jax.jit(llama.forward, static_argnums=1)
+    masked_argmax = jax.jit(lambda logits, bits: jnp.argmax(structured.apply_token_bitmask(logits, bits), -1))
+    chunks = [SeqChunk(t, 0, len(p)) for t, p in zip(tables, prompts, strict=True)]
+    tokens = np.concatenate(prompts)
+    last = np.cumsum([len(p) for p in prompts]) - 1
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    while not all(done):
+        logits, kv, _ = forward(params, cfg, jnp.asarray(tokens, jnp.int32), make_batch(chunks, BLOCK_SIZE), kv)
+        bits = structured.fill_token_bitmask([None if d else m for m, d in zip(matchers, done, strict=True)],
+                                             cfg.vocab)
+        picked = np.asarray(masked_argmax(logits[last], bits))
+        for i, token in enumerate(picked.tolist()):
+            if done[i]:
+                continue
+            matchers[i].advance(token)
+            outputs[i].append(token)
+            done[i] = token in tokenizer.eos_token_ids or len(outputs[i]) == max_new_tokens
+        chunks = [SeqChunk(t, len(p) + len(o) - 1, 1) for t, p, o in zip(tables, prompts, outputs, strict=True)]
+        tokens, last = np.asarray([o[-1] for o in outputs]), np.arange(len(prompts))
+    return outputs
+
+
+def replay_llguidance(spec: ConstraintSpec, tokenizer: Tokenizer, vocab: int, ids: list[int]) -> list[float]:
+    """Per-step mask times (ms) of llguidance along `ids` (the mask before each token, eos included)."""
+    matcher = structured.compile_constraint(spec, tokenizer, vocab).matcher()
+    words = np.empty(matcher.bitmask_words, np.int32)
+    times = []
+    for token in ids:
+        times.append(_timed(lambda: matcher.fill_bitmask(words))[1])
+        matcher.advance(token)
+    return times
+
+
+def replay_outlines(index: Index, eos_id: int, ids: list[int], vocab: int) -> tuple[list[float], int]:
+    """Per-step mask times (ms) of outlines-core along `ids`, and how many tokens its mask disallowed."""
+    guide = Guide(index)
+    words = np.zeros(math.ceil(vocab / 32), np.int32)
+    times, disagreements = [], 0
+    for token in ids:
+        times.append(_timed(lambda: guide.write_mask_into(words.ctypes.data, words.size, 4))[1])
+        if not (words[token // 32] >> (token % 32)) & 1:
+            disagreements += 1
+            break
+        if token != eos_id:
+            guide.advance(token, return_tokens=False)
+    return times, disagreements
+
+
+def batch_step_times(specs: list[ConstraintSpec], outputs: list[list[int]], tokenizer: Tokenizer,
+                     vocab: int, steps: int) -> list[float]:
+    """Per-step time (ms) of `fill_token_bitmask` over a full batch of BATCH sequences for `steps` steps.
+
+    Row i replays generation ``i % len(specs)``; a row whose replay ends starts it again with a fresh matcher
+    (a new request), so every step masks BATCH live sequences.
+    """
+    cases = [i % len(specs) for i in range(BATCH)]
+    matchers = [structured.compile_constraint(specs[c], tokenizer, vocab).matcher() for c in cases]
+    positions = [0] * BATCH
+    times = []
+    for _ in range(steps):
+        times.append(_timed(lambda: structured.fill_token_bitmask(matchers, vocab))[1])
+        for row, case in enumerate(cases):
+            ids = outputs[case]
+            matchers[row].advance(ids[positions[row]])
+            positions[row] += 1
+            if positions[row] == len(ids):
+                matchers[row] = structured.compile_constraint(specs[case], tokenizer, vocab).matcher()
+                positions[row] = 0
+    return times
+
+
+def _stats(times: list[float]) -> dict[str, float]:
+    return {"median": float(np.median(times)), "p99": float(np.percentile(times, 99))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    args = parser.parse_args(argv)
+    checkpoint = load_gguf(weights.default_model_gguf())
+    cfg = ModelConfig.from_hf(checkpoint.config)
+    params = llama.params_from_hf(cfg, checkpoint.tensors, jnp.float32)
+    tok = checkpoint.tokenizer
+    eos = tok.eos_token_ids[0]
+    _, vocab_ms = _timed(lambda: outlines_vocabulary(tok))
+    outlines_vocab = outlines_vocabulary(tok)
+    structured.compile_constraint(_CASES[0][2], tok, cfg.vocab)  # builds llguidance's tokenizer view once
+
+    specs = [spec for _, _, spec in _CASES]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Give {task}. Answer in JSON."
+                                                    if spec.kind == "json_schema" else f"Give {task}."}]),
+                          add_special_tokens=False) for _, task, spec in _CASES]
+    outputs, generate_ms = _timed(lambda: generate(params, cfg, tok, prompts, specs, args.max_new_tokens))
+
+    rows = []
+    for (name, _, spec), ids in zip(_CASES, outputs, strict=True):
+        structured.compile_constraint.cache_clear()
+        _, ll_compile = _timed(lambda: structured.compile_constraint(spec, tok, cfg.vocab))  # noqa: B023
+        regex, regex_ms = _timed(lambda: outlines_regex(spec))  # noqa: B023
+        index, index_ms = _timed(lambda: Index(regex, outlines_vocab))  # noqa: B023
+        ll_times = replay_llguidance(spec, tok, cfg.vocab, ids)
+        oc_times, disagreements = replay_outlines(index, eos, ids, cfg.vocab)
+        ll, oc = _stats(ll_times), _stats(oc_times)
+        rows.append({"case": name, "kind": spec.kind, "tokens": len(ids), "finished": ids[-1] == eos,
+                     "output": tok.decode(ids, skip_special_tokens=True),
+                     "llg_compile_ms": ll_compile, "llg_mask_med_us": ll["median"] * 1e3,
+                     "llg_mask_p99_us": ll["p99"] * 1e3,
+                     "oc_compile_ms": regex_ms + index_ms, "oc_mask_med_us": oc["median"] * 1e3,
+                     "oc_mask_p99_us": oc["p99"] * 1e3, "oc_disagreements": disagreements})
+    batch = _stats(batch_step_times(specs, outputs, tok, cfg.vocab, BATCH_STEPS))
+    columns = ["case", "tokens", "finished", "llg_compile_ms", "llg_mask_med_us", "llg_mask_p99_us",
+               "oc_compile_ms", "oc_mask_med_us", "oc_mask_p99_us", "oc_disagreements"]
+    print(format_table(rows, columns))
+    for row in rows:
+        print(f"{row['case']}: {row['output']}")
+    print(f"batch {BATCH} ({BATCH_STEPS} steps): fill_token_bitmask median {batch['median']:.3f} ms, "
+          f"p99 {batch['p99']:.3f} ms per step; outlines-core vocabulary {vocab_ms:.0f} ms; "
+          f"generation {generate_ms / 1e3:.1f} s")
+    write_results("structured_output_cpu", {
+        "meta": {"tokenizer_vocab": tok.vocab_size, "model_vocab": cfg.vocab, "max_new_tokens": args.max_new_tokens,
+                 "cpu_count": os.cpu_count(),
+                 "llguidance": importlib.metadata.version("llguidance"),
+                 "outlines-core": importlib.metadata.version("outlines-core")},
+        "chosen": "llguidance", "cases": rows, "outlines_vocabulary_ms": vocab_ms,
+        f"batch{BATCH}_fill_ms": batch})
+
+
+if __name__ == "__main__":
+    main()
