@@ -1,0 +1,160 @@
+"""What the OpenAI and Anthropic routes share: request parsing, model check, prompt and limit checks,
+submission (503 when full), waiting for a result (abort when the client leaves), and SSE streaming.
+
+Every check that can refuse a request runs before it reaches the engine, so a bad request gets its 4xx before
+any response starts, and a streamed response only ever fails with an error event from a failed step.
+"""
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pydantic
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from serving.api.async_engine import AsyncEngine, RequestStream
+from serving.api.errors import APIError, overloaded, sse_error
+from serving.api.metrics import Metrics
+from serving.api.security import resolve_model_path
+from serving.engine.engine import EngineFullError, RequestResult, StepError
+from serving.engine.sampling_params import SamplingParams
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+Model = TypeVar("Model", bound=pydantic.BaseModel)
+
+
+class StrictModel(pydantic.BaseModel):
+    """Request bodies: JSON types as declared (no "1" for 1), unknown fields ignored (clients send extras)."""
+
+    model_config = pydantic.ConfigDict(strict=True, extra="ignore")
+
+
+def _validation_message(error: pydantic.ValidationError) -> tuple[str, str | None]:
+    first = error.errors()[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    return f"{param or 'body'}: {first['msg']} (got {first.get('input')!r:.200})", param
+
+
+class Frontend:
+    """The state the routes share: the async engine, the served model's name and path, metrics.
+
+    Args:
+      async_engine: the running ``AsyncEngine``.
+      model_name: the name clients use (``/v1/models`` lists it).
+      model_path: the served checkpoint's path, or None (the embedded default model).
+      models_root: a folder under which clients may also name the served model by its path, or None.
+    """
+
+    def __init__(self, async_engine: AsyncEngine, model_name: str, model_path: Path | None = None,
+                 models_root: Path | None = None, metrics: Metrics | None = None):
+        self.async_engine, self.engine = async_engine, async_engine.engine
+        self.model_name, self.models_root = model_name, models_root
+        self.model_path = model_path.resolve() if model_path is not None else None
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    async def parse(self, request: Request, model: type[Model]) -> Model:
+        """The body as ``model``: 400 for malformed JSON, a non-object, or a field of the wrong type or range."""
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+        try:
+            return model.model_validate(body)
+        except pydantic.ValidationError as e:
+            raise APIError(400, *_validation_message(e)) from None
+
+    def check_model(self, name: str) -> None:
+        """404 unless ``name`` is the served model (by name, or by its path under the models root)."""
+        if name == self.model_name:
+            return
+        if self.models_root is not None and resolve_model_path(self.models_root, name) == self.model_path:
+            return
+        raise APIError(404, f"model {name!r} not found: this server serves {self.model_name!r}", "model")
+
+    def encode(self, prompt: Any) -> list[int]:
+        """Token ids of text, chat messages or ids; 400 for an empty prompt or ids outside the vocabulary."""
+        try:
+            ids = self.engine.encode(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+        if not ids:
+            raise APIError(400, "the prompt is empty: expected at least one token", "prompt")
+        return ids
+
+    def sampling_params(self, prompt_ids: list[int], max_tokens: int | None, **fields: Any) -> SamplingParams:
+        """``SamplingParams`` for a prompt: ``max_tokens`` defaults to the rest of the context, and prompt +
+        max_tokens must fit the context and the cache; 400 naming the field otherwise."""
+        context = self.engine.max_model_len
+        limit = min(self.engine.scheduler.capacity, context - 1)
+        if len(prompt_ids) > limit:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens: expected at most {limit} (context "
+                           f"{context}, cache {self.engine.scheduler.capacity} tokens)", "messages")
+        room = context - len(prompt_ids)
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens={max_tokens} with a {len(prompt_ids)}-token prompt exceeds the "
+                           f"context length {context}: expected at most {room}", "max_tokens")
+        capacity = self.async_engine.capacity
+        if capacity is not None and fields.get("n", 1) > capacity:
+            raise APIError(400, f"n={fields['n']} exceeds what this server runs at once ({capacity})", "n")
+        try:
+            return SamplingParams(max_tokens=room if max_tokens is None else max_tokens,
+                                  **{k: v for k, v in fields.items() if v is not None})
+        except ValueError as e:
+            raise APIError(400, str(e).removeprefix("SamplingParams."), str(e).split(" ")[0].split(".")[-1]) from None
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> RequestStream:
+        try:
+            stream = self.async_engine.submit(prompt_ids, params, prefix)
+        except EngineFullError as e:
+            raise overloaded(str(e)) from None
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+        return stream
+
+    async def collect(self, stream: RequestStream, request: Request) -> RequestResult:
+        """Wait for the whole result; abort the request if the client disconnects first."""
+        try:
+            while True:
+                try:
+                    if await asyncio.wait_for(stream.next(), DISCONNECT_POLL_S) is None:
+                        return stream.result
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        raise APIError(499, "client disconnected") from None
+        except (StepError, RuntimeError, ValueError) as e:
+            raise _engine_error(e) from None
+        finally:
+            if not stream.done:
+                self.async_engine.abort(stream.request_id)
+
+    def sse(self, request: Request, stream: RequestStream, events: AsyncIterator[str]) -> StreamingResponse:
+        """Stream ``events``; a failed request ends with an error event; a client that leaves aborts it."""
+        path = request.url.path
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield event
+            except (StepError, RuntimeError, ValueError) as e:
+                error = _engine_error(e)
+                yield sse_error(path, error.status, error.message)
+            finally:
+                if not stream.done:
+                    self.async_engine.abort(stream.request_id)
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _engine_error(error: Exception) -> APIError:
+    """A refused request is the client's fault (400); anything else failed on our side (500)."""
+    if isinstance(error, ValueError):
+        return APIError(400, str(error))
+    return APIError(500, f"the engine failed while running this request: {error}")

@@ -1,0 +1,351 @@
+"""OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
+
+Sampling fields map onto ``SamplingParams`` (``max_completion_tokens`` or ``max_tokens``; ``top_k``, ``min_p``,
+``repetition_penalty`` and ``ignore_eos`` are accepted as extensions, ``top_k = -1`` meaning off). Streams are
+SSE ``data: {chunk}`` lines ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk
+with the usage. Logprobs: ``logprobs`` + ``top_logprobs`` (chat), ``logprobs`` = k (completions).
+
+With ``tools`` (and ``tool_choice`` other than "none") the prompt and the output follow ``serving.api.tools``;
+a streamed answer is then sent whole in its last chunk, once it is known to be a call or plain content.
+``response_format`` json_object / json_schema is checked (a bad schema is a 400) but not applied yet: the
+engine has no per-sequence constraint hook, so such requests get a 400 saying so.
+"""
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import pydantic
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from serving.api import tools as tool_calls
+from serving.api.async_engine import RequestStream
+from serving.api.errors import APIError
+from serving.api.frontend import Frontend, StrictModel
+from serving.engine.engine import Completion, RequestResult
+from serving.engine.sampling_params import MAX_LOGPROBS
+from serving.structured import ConstraintSpec, InvalidConstraintError, compile_constraint
+
+MAX_N = 16  # samples per request: more is refused before it can take the whole batch
+MAX_STOP = 16  # stop strings per request
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(StrictModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class Function(StrictModel):
+    name: str = pydantic.Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: dict[str, str]
+
+
+class JsonSchemaFormat(StrictModel):
+    name: str = "response"
+    schema_: dict[str, Any] | None = pydantic.Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class SamplingFields(StrictModel):
+    """The sampling fields both endpoints take."""
+
+    model: str
+    n: int = pydantic.Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = pydantic.Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = pydantic.Field(None, ge=-1)
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = pydantic.Field(None, max_length=MAX_STOP)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = pydantic.Field(min_length=1)
+    max_completion_tokens: int | None = pydantic.Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = pydantic.Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = pydantic.Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def _sampling(frontend: Frontend, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+              logprobs: int | None):
+    return frontend.sampling_params(
+        prompt_ids, max_tokens, n=body.n, temperature=body.temperature, top_p=body.top_p,
+        top_k=None if body.top_k is None else max(body.top_k, 0), min_p=body.min_p,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, seed=body.seed, logprobs=logprobs,
+        stop=[body.stop] if isinstance(body.stop, str) else body.stop, ignore_eos=body.ignore_eos)
+
+
+def _usage(result: RequestResult) -> dict[str, int]:
+    prompt, completion = len(result.prompt_ids), sum(len(c.token_ids) for c in result.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class OpenAIRoutes:
+    """The routes over one ``Frontend`` (``router`` is mounted by ``serving.api.server.create_app``)."""
+
+    def __init__(self, frontend: Frontend):
+        self.frontend, self.engine = frontend, frontend.engine
+        self.router = APIRouter()
+        self.router.add_api_route("/v1/models", self.models, methods=["GET"])
+        self.router.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+        self.router.add_api_route("/v1/completions", self.completions, methods=["POST"])
+
+    async def models(self) -> dict[str, Any]:
+        f = self.frontend
+        return {"object": "list", "data": [{"id": f.model_name, "object": "model", "created": f.created,
+                                            "owned_by": "serving", "max_model_len": self.engine.max_model_len}]}
+
+    # --- token strings and logprobs -------------------------------------------------------------------------
+
+    def _token(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+    def _chat_logprob(self, entry: dict) -> dict[str, Any]:
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            token = self._token(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        top = [item(t, lp) for t, lp in entry["top"]]
+        return {**item(entry["top_id"], entry["logprob"]), "top_logprobs": top}
+
+    def _with_ids(self, token_ids: list[int], logprobs: list[dict]) -> list[dict]:
+        return [{**e, "top_id": t} for t, e in zip(token_ids, logprobs, strict=True)]
+
+    def _completion_logprobs(self, entries: list[dict], offset: int) -> dict[str, Any]:
+        tokens = [self._token(e["top_id"]) for e in entries]
+        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{self._token(t): lp for t, lp in e["top"]} for e in entries],
+                "text_offset": offsets}
+
+    # --- chat -------------------------------------------------------------------------------------------------
+
+    def _chat_prompt(self, body: ChatRequest) -> tuple[list[int], set[str] | None]:
+        """Prompt ids, and the tool names a call may use (None: no tool calling)."""
+        if self.engine.tokenizer is None or self.engine.tokenizer.chat_template is None:
+            raise APIError(400, "this model has no chat template: use /v1/completions")
+        messages = []
+        for i, m in enumerate(body.messages):
+            content = m.content if isinstance(m.content, str) or m.content is None else \
+                "".join(part.text for part in m.content)
+            calls = "".join(tool_calls.tool_call_text(c.function.name, c.function.arguments)
+                            for c in m.tool_calls or [])
+            if content is None and not calls:
+                raise APIError(400, f"messages[{i}] has neither content nor tool_calls", f"messages.{i}.content")
+            messages.append({"role": "system" if m.role == "developer" else m.role,
+                             "content": (content or "") + calls})
+        allowed = None
+        choice = body.tool_choice
+        if body.tools and choice != "none":
+            allowed = {t.function.name for t in body.tools}
+            if isinstance(choice, NamedToolChoice):
+                name = choice.function.get("name")
+                if name not in allowed:
+                    raise APIError(400, f"tool_choice names {name!r}: expected one of {sorted(allowed)}",
+                                   "tool_choice")
+                allowed = {name}
+            offered = [t.function.model_dump(exclude_none=True) for t in body.tools if t.function.name in allowed]
+            messages = tool_calls.add_tool_instructions(messages, offered)
+        try:
+            return self.frontend.encode(messages), allowed
+        except (TypeError, ValueError) as e:
+            raise APIError(400, f"messages cannot be rendered by the chat template: {e}", "messages") from None
+
+    def _check_response_format(self, response_format: ResponseFormat | None) -> None:
+        if response_format is None or response_format.type == "text":
+            return
+        try:
+            if response_format.type == "json_object":
+                spec = ConstraintSpec.json_object()
+            elif response_format.json_schema is None or response_format.json_schema.schema_ is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+            else:
+                spec = ConstraintSpec.json_schema(response_format.json_schema.schema_)
+            compile_constraint(spec, self.engine.tokenizer, self.engine.cfg.vocab)
+        except InvalidConstraintError as e:
+            raise APIError(400, f"response_format: {e}", "response_format") from None
+        raise APIError(400, f"response_format {response_format.type!r} is not supported yet: the engine does not "
+                       "apply output constraints", "response_format")
+
+    def _message(self, completion: Completion, allowed: set[str] | None) -> tuple[dict[str, Any], str]:
+        """(the assistant message, the finish reason) of one sample."""
+        if allowed is not None:
+            content, calls = tool_calls.parse_tool_calls(completion.text, allowed)
+            if calls:
+                return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": completion.text}, completion.finish_reason
+
+    async def chat(self, request: Request) -> Response:
+        f = self.frontend
+        body = await f.parse(request, ChatRequest)
+        f.check_model(body.model)
+        self._check_response_format(body.response_format)
+        prompt_ids, allowed = self._chat_prompt(body)
+        top = body.top_logprobs or 0 if body.logprobs else None
+        params = _sampling(f, body, prompt_ids, body.max_completion_tokens or body.max_tokens, top)
+        stream = f.submit(prompt_ids, params, "chatcmpl-")
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return f.sse(request, stream, self._chat_events(stream, body, allowed, usage))
+        result = await f.collect(stream, request)
+        choices = []
+        for c in result.outputs:
+            message, finish = self._message(c, allowed)
+            logprobs = {"content": [self._chat_logprob(e) for e in self._with_ids(c.token_ids, c.logprobs)]} \
+                if c.logprobs is not None else None
+            choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        return JSONResponse({"id": stream.request_id, "object": "chat.completion", "created": int(time.time()),
+                             "model": body.model, "choices": choices, "usage": _usage(result)})
+
+    async def _chat_events(self, stream: RequestStream, body: ChatRequest, allowed: set[str] | None,
+                           usage: bool) -> AsyncIterator[str]:
+        head = {"id": stream.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": body.model}
+
+        def chunk(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+
+        for i in range(body.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        texts = [""] * body.n
+        async for out in stream:
+            texts[out.index] += out.text
+            logprobs = {"content": [self._chat_logprob({**out.logprobs, "top_id": out.token_id})]} \
+                if out.logprobs is not None else None
+            if allowed is None and (out.text or logprobs):
+                yield chunk(out.index, {"content": out.text}, logprobs)
+            if out.finished:
+                completion = Completion(out.index, [], texts[out.index], out.finish_reason, None)
+                message, finish = self._message(completion, allowed)
+                delta = {} if allowed is None else {k: v for k, v in message.items() if k != "role"}
+                if "tool_calls" in delta:
+                    delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(delta["tool_calls"])]
+                yield chunk(out.index, delta, None, finish)
+        if usage:
+            yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(stream.result)})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    # --- completions ------------------------------------------------------------------------------------------
+
+    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, f"prompt is a batch of {len(prompt)} prompts: expected one per request",
+                               "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise APIError(400, "prompt is an empty list: expected text or token ids", "prompt")
+        return self.frontend.encode(prompt)
+
+    async def completions(self, request: Request) -> Response:
+        f = self.frontend
+        body = await f.parse(request, CompletionRequest)
+        f.check_model(body.model)
+        if body.suffix is not None:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if body.best_of not in (None, body.n):
+            raise APIError(400, f"best_of={body.best_of} is not supported: expected it unset or equal to n",
+                           "best_of")
+        prompt_ids = self._completion_prompt(body)
+        params = _sampling(f, body, prompt_ids, body.max_tokens, body.logprobs)
+        stream = f.submit(prompt_ids, params, "cmpl-")
+        echo = self._decode(prompt_ids) if body.echo else ""
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return f.sse(request, stream, self._completion_events(stream, body, echo, usage))
+        result = await f.collect(stream, request)
+        choices = [{"index": c.index, "text": echo + c.text, "finish_reason": c.finish_reason,
+                    "logprobs": None if c.logprobs is None else
+                    self._completion_logprobs(self._with_ids(c.token_ids, c.logprobs), len(echo))}
+                   for c in result.outputs]
+        return JSONResponse({"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
+                             "model": body.model, "choices": choices, "usage": _usage(result)})
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(ids) if self.engine.tokenizer is not None else ""
+
+    async def _completion_events(self, stream: RequestStream, body: CompletionRequest, echo: str,
+                                 usage: bool) -> AsyncIterator[str]:
+        head = {"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
+                "model": body.model}
+
+        def chunk(out_index: int, text: str, logprobs: dict | None, finish: str | None) -> str:
+            choice = {"index": out_index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+
+        offsets = [len(echo)] * body.n
+        if echo:
+            for i in range(body.n):
+                yield chunk(i, echo, None, None)
+        async for out in stream:
+            logprobs = None if out.logprobs is None else \
+                self._completion_logprobs([{**out.logprobs, "top_id": out.token_id}], offsets[out.index])
+            offsets[out.index] += len(out.text)
+            if out.text or logprobs or out.finished:
+                yield chunk(out.index, out.text, logprobs, out.finish_reason if out.finished else None)
+        if usage:
+            yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(stream.result)})}\n\n"
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,155 @@
+"""The FastAPI app over one engine (``create_app``) and a uvicorn server on a background thread (``Server``).
+
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (OpenAI), ``/v1/messages`` (Anthropic),
+``/health`` (200 while the engine thread lives; never needs the key) and ``/metrics`` (Prometheus). Every
+error, unknown routes and unexpected exceptions included, has the JSON shape of the API it was sent to.
+"""
+
+import contextlib
+import logging
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serving.api.anthropic_api import AnthropicRoutes
+from serving.api.async_engine import AsyncEngine
+from serving.api.errors import APIError, error_response
+from serving.api.frontend import Frontend
+from serving.api.metrics import Metrics
+from serving.api.openai_api import OpenAIRoutes
+from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, GuardMiddleware, check_bind
+from serving.engine.engine import Engine
+
+STARTUP_TIMEOUT_S = 60.0  # how long ``Server.start`` waits for uvicorn to listen
+POLL_S = 0.01
+log = logging.getLogger(__name__)
+
+
+class _CountRequests:
+    """ASGI middleware: count requests by route and HTTP status (unknown paths count as route "other")."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: set[str]):
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in self.routes else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def create_app(engine: Engine, model_name: str, *, model_path: Path | None = None, models_root: Path | None = None,
+               api_key: str | None = None, max_queue: int | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app serving ``engine`` as ``model_name``; the engine thread runs while the app does (lifespan).
+
+    Args:
+      model_path, models_root: clients may name the model by its path under ``models_root`` too.
+      api_key: required on every route but /health when set.
+      max_queue: sequences admitted beyond the engine's max_running (default: the engine's max_queue).
+    """
+    metrics = Metrics(engine)
+    async_engine = AsyncEngine(engine, max_queue, on_step=metrics.on_step)
+    frontend = Frontend(async_engine, model_name, model_path, models_root, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        async_engine.stop()
+
+    app = FastAPI(title="serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.frontend = frontend
+    routers = [OpenAIRoutes(frontend).router, AnthropicRoutes(frontend).router]
+    for router in routers:
+        app.include_router(router)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_alive():
+            return JSONResponse({"status": "engine thread stopped"}, 503)
+        return JSONResponse({"status": "ok", "in_flight": async_engine.in_flight})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> Response:
+        return error_response(request.url.path, error)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        return error_response(request.url.path, APIError(error.status_code, f"{request.method} {request.url.path}: "
+                                                         f"{error.detail}"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> Response:
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(request.url.path, APIError(500, f"internal error: {type(error).__name__}"))
+
+    routes = {route.path for router in routers for route in router.routes} | {"/health", "/metrics"}
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(_CountRequests, metrics=metrics, routes=routes)
+    return app
+
+
+class Server:
+    """uvicorn serving ``app`` on a background thread (tests, demos, the in-process chat).
+
+    ``port=0`` picks a free port; ``url`` is known once ``start`` returns.
+    """
+
+    def __init__(self, app: FastAPI, host: str = DEFAULT_HOST, port: int = 0, log_level: str = "warning"):
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                    timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, name="serving-http", daemon=True)
+        self.host = host
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "Server":
+        self.thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on {self.host} did not start")
+            time.sleep(POLL_S)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(app: FastAPI, host: str = DEFAULT_HOST, port: int = 8000, api_key: str | None = None,
+          log_level: str = "info") -> None:
+    """Serve ``app`` in the foreground (the CLI); refuses a non-loopback ``host`` without ``api_key``."""
+    check_bind(host, api_key)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=1)

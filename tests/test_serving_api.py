@@ -1,0 +1,203 @@
+"""The OpenAI and Anthropic routes on a real loopback server over the tiny Llama fixture, driven by the
+unmodified ``openai`` and ``anthropic`` clients (streaming included) and raw httpx for the wire format."""
+
+import json
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+from test_serving_api_fixture import LLAMA, MODEL_NAME, make_engine, model_folder, running_server
+
+from serving.api.tools import add_tool_instructions, parse_tool_calls, tool_call_text
+
+GREEDY_TOKENS = 12
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    engine = make_engine(model_folder(tmp_path_factory.mktemp("models")))
+    with running_server(engine) as (server, _):
+        yield server
+
+
+@pytest.fixture(scope="module")
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", timeout=TIMEOUT_S, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[int], list[int]]:
+    """The first fixture prompt and HF transformers' greedy continuation of it."""
+    with np.load(LLAMA / "reference.npz") as ref:
+        return ref["input_ids"][0, :ref["lengths"][0]].tolist(), ref["greedy"][0, :GREEDY_TOKENS].tolist()
+
+
+def chat(content: str = "hello") -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def sse_data(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_health_and_models(server, oai):
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    assert [m.id for m in oai.models.list().data] == [MODEL_NAME]
+
+
+def test_completion_of_token_ids_is_hf_greedy(server, oai, reference):
+    prompt, greedy = reference
+    engine = server.server.config.app.state.frontend.engine
+    response = oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=GREEDY_TOKENS, temperature=0.0,
+                                      logprobs=2, extra_body={"ignore_eos": True})
+    choice = response.choices[0]
+    assert choice.text == engine.tokenizer.decode(greedy, skip_special_tokens=True)
+    assert choice.finish_reason == "length"
+    assert response.usage.prompt_tokens == len(prompt) and response.usage.completion_tokens == GREEDY_TOKENS
+    lp = choice.logprobs
+    assert len(lp.token_logprobs) == GREEDY_TOKENS and all(x <= 0 for x in lp.token_logprobs)
+    # greedy takes the most likely token: no logprob of the top 2 beats it (two ids may decode to one string)
+    assert all(x >= max(top.values()) - 1e-5 for x, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True))
+
+
+def test_streamed_chat_equals_the_non_streamed_one(oai):
+    options = dict(model=MODEL_NAME, messages=chat(), max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True})
+    whole = oai.chat.completions.create(**options)
+    chunks = list(oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **options))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10 == whole.usage.completion_tokens
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_seeded_sampling_is_reproducible_and_n_samples_differ(oai):
+    options = dict(model=MODEL_NAME, messages=chat(), max_tokens=12, temperature=1.0, top_p=0.95, seed=7, n=2,
+                   presence_penalty=0.5, frequency_penalty=0.5, extra_body={"top_k": 50, "min_p": 0.01,
+                                                                            "ignore_eos": True})
+    first, second = (oai.chat.completions.create(**options) for _ in range(2))
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in second.choices]
+    assert len(texts) == 2 and texts[0] != texts[1]
+
+
+def test_stop_string_cuts_the_output(oai):
+    options = dict(model=MODEL_NAME, messages=chat("stop test"), max_tokens=16, temperature=0.0,
+                   extra_body={"ignore_eos": True})
+    full = oai.chat.completions.create(**options).choices[0].message.content
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    cut = oai.chat.completions.create(stop=[stop], **options).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == full[:full.index(stop)]
+
+
+def test_chat_logprobs(oai):
+    response = oai.chat.completions.create(model=MODEL_NAME, messages=chat(), max_tokens=5, temperature=0.0,
+                                           logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = response.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+
+
+def test_raw_sse_format_ends_with_done(server):
+    body = {"model": MODEL_NAME, "prompt": "abc", "max_tokens": 4, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        data = sse_data(response.read().decode())
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_tools_are_offered_and_the_answer_is_content_or_calls(oai):
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    response = oai.chat.completions.create(model=MODEL_NAME, messages=chat("weather?"), tools=tools, max_tokens=6,
+                                           temperature=0.0, extra_body={"ignore_eos": True})
+    message = response.choices[0].message
+    # the random fixture model does not follow instructions: its answer comes back as content
+    assert message.tool_calls is None and message.content and response.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="tool_choice names 'nope'"):
+        oai.chat.completions.create(model=MODEL_NAME, messages=chat(), tools=tools, max_tokens=2,
+                                    tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_tool_call_convention():
+    allowed = {"weather", "time"}
+    text = tool_call_text("weather", '{"city": "Paris"}')
+    content, calls = parse_tool_calls(f"Let me check. {text}", allowed)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("weather", {"city": "Paris"})]
+    content, calls = parse_tool_calls('[{"name": "time", "arguments": {}}, {"name": "weather", "arguments": '
+                                      '"{\\"city\\": \\"Oslo\\"}"}]', allowed)
+    assert content is None and [c["function"]["name"] for c in calls] == ["time", "weather"]
+    for not_a_call in ('{"name": "shell", "arguments": {}}', "<tool_call>{oops</tool_call>", "plain text",
+                       '{"name": "time", "arguments": [1]}'):
+        assert parse_tool_calls(not_a_call, allowed) == (not_a_call, [])
+    messages = add_tool_instructions([{"role": "system", "content": "Be brief."}, *chat()],
+                                     [{"name": "time"}])
+    assert messages[0]["content"].startswith("Be brief.\n\nYou can call") and '{"name": "time"}' in \
+        messages[0]["content"] and messages[1:] == chat()
+
+
+def test_response_format(oai):
+    with pytest.raises(openai.BadRequestError, match="response_format.*(not valid|invalid)"):
+        oai.chat.completions.create(model=MODEL_NAME, messages=chat(), max_tokens=2, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+    with pytest.raises(openai.BadRequestError, match="not supported yet"):
+        oai.chat.completions.create(model=MODEL_NAME, messages=chat(), max_tokens=2,
+                                    response_format={"type": "json_object"})
+
+
+def test_anthropic_messages(claude):
+    # this client version no longer takes temperature / top_k as arguments: they go in the body
+    options = dict(model=MODEL_NAME, max_tokens=10, system="Be brief.", extra_body={"temperature": 0.0, "top_k": 5},
+                   messages=[{"role": "user", "content": [{"type": "text", "text": "hello"}]}])
+    message = claude.messages.create(**options)
+    assert message.role == "assistant" and message.content[0].type == "text"
+    assert message.usage.output_tokens <= 10 and message.usage.input_tokens > 0
+    with claude.messages.stream(**options) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == final.content[0].text == message.content[0].text
+    assert final.stop_reason == message.stop_reason in ("end_turn", "max_tokens")
+    text = message.content[0].text
+    if message.stop_reason == "max_tokens" and len(text) > 2:
+        stop = text[len(text) // 2:len(text) // 2 + 1]
+        cut = claude.messages.create(stop_sequences=[stop], **options)
+        assert (cut.stop_reason, cut.stop_sequence, cut.content[0].text) == ("stop_sequence", stop,
+                                                                             text[:text.index(stop)])
+
+
+def test_anthropic_event_sequence(server):
+    body = {"model": MODEL_NAME, "max_tokens": 4, "stream": True, "messages": chat()}
+    response = httpx.post(f"{server.url}/v1/messages", json=body, timeout=TIMEOUT_S)
+    events = [line[len("event: "):] for line in response.text.splitlines() if line.startswith("event: ")]
+    assert events[:2] == ["message_start", "content_block_start"]
+    assert set(events[2:-3]) <= {"content_block_delta"}
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    payloads = [json.loads(d) for d in sse_data(response.text)]
+    assert [p["type"] for p in payloads] == events
+
+
+def test_metrics(server, oai):
+    oai.chat.completions.create(model=MODEL_NAME, messages=chat(), max_tokens=3)
+    text = httpx.get(f"{server.url}/metrics").text
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    assert samples['serving_requests_total{route="/v1/chat/completions",status="200"}'] >= 1
+    assert samples["serving_prompt_tokens_total"] > 0 and samples["serving_generated_tokens_total"] >= 3
+    assert samples["serving_time_to_first_token_seconds_count"] >= 1
+    assert samples["serving_time_per_output_token_seconds_count"] >= 2
+    assert samples["serving_queue_depth"] == 0 and samples["serving_running"] == 0
+    assert 0 <= samples["serving_kv_blocks_used_ratio"] <= 1
