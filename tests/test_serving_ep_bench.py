@@ -1,0 +1,39 @@
+"""benchmarks/serving_ep.py in its tiny CPU mode: every setup runs, gives the one-device outputs, and is written."""
+
+import json
+
+import jax
+import pytest
+
+from benchmarks import serving_ep
+from pallas_kernels.testing import on_gpu
+
+needs_8_devices = pytest.mark.skipif(jax.device_count("cpu") < 8,
+                                     reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+@needs_8_devices
+def test_cpu_mode_decodes_on_every_mesh_with_the_one_device_outputs(tmp_path):
+    serving_ep.main(["--cpu", "--out-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "serving_ep_cpu.json").read_text())
+    assert result["benchmark"] == "serving_ep_cpu" and result["meta"]["platform"] == "cpu"
+    rows = {r["setup"]: r for r in result["rows"]}
+    assert list(rows) == list(serving_ep.SETUPS["cpu"])
+    assert all(r["status"] == "ok" and r["tokens_s"] > 0 and r["expert_load"] >= 1 for r in rows.values()), rows
+    assert rows["1dev"]["devices"] == 1 and "rel_err" not in rows["1dev"]
+    for setup in ("expert8", "data2_expert4"):
+        assert rows[setup]["devices"] == 8
+        assert rows[setup]["same_outputs"] and rows[setup]["argmax_match"] == 1.0, rows[setup]
+        assert rows[setup]["rel_err"] <= serving_ep.SAME_OUTPUT_RTOL
+    assert rows["data2_expert4"]["mesh"] == {"data": 2, "tensor": 1, "expert": 4}
+
+
+def test_rejects_unknown_setups():
+    with pytest.raises(SystemExit):
+        serving_ep.main(["--cpu", "--setups", "expert3"])
+
+
+@pytest.mark.skipif(on_gpu(), reason="on a GPU this would start the full benchmark")
+def test_gpu_mode_refuses_to_run_without_a_gpu():
+    with pytest.raises(SystemExit):
+        serving_ep.main([])
