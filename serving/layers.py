@@ -14,6 +14,7 @@ import numpy as np
 
 from serving.config import ModelConfig, RopeConfig
 from serving.kv_cache import AttentionBatch
+from serving.quantize import Weight, linear
 
 MASKED = -1e30  # score of a key a query may not see: finite, so a fully masked (padding) row stays NaN-free
 
@@ -104,9 +105,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: 
 # --------------------------------------------------------------------------- MLPs
 
 
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """``(silu(x @ gate) * (x @ up)) @ down``: x ``[N, D]``, gate/up ``[D, I]``, down ``[I, D]``."""
-    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+def swiglu(x: jax.Array, gate: Weight, up: Weight, down: Weight) -> jax.Array:
+    """``(silu(x @ gate) * (x @ up)) @ down``: x ``[N, D]``, gate/up ``[D, I]``, down ``[I, D]`` (each plain or
+    quantized: ``quantize.linear``)."""
+    return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
 
 
 def route(logits: jax.Array, cfg: ModelConfig, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -144,7 +146,8 @@ def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
     params: ``router [D, E]``, ``gate``/``up [E, D, I]``, ``down [E, I, D]``, optionally ``router_bias [E]``
     (choice-only bias, sigmoid router). x ``[N, D]``; ``valid [N]`` marks real tokens (default all).
     The N*k (token, expert) pairs are sorted by expert so that each expert's rows are contiguous, the three
-    expert matmuls run as ``jax.lax.ragged_dot`` over those groups, and the rows are unsorted and combined.
+    expert matmuls run as ``jax.lax.ragged_dot`` over those groups (``quantize.linear``: the expert weights may be
+    quantized), and the rows are unsorted and combined.
     Returns y ``[N, D]`` and the number of valid tokens routed to each expert ``[E]`` int32.
     """
     num_tokens, num_experts = x.shape[0], params["router"].shape[-1]
@@ -156,9 +159,9 @@ def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
     order = jnp.argsort(flat, stable=True)  # pair indices, grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     rows = x[order // cfg.top_k]  # [N*k, D]
-    hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, params["gate"], group_sizes))
-              * jax.lax.ragged_dot(rows, params["up"], group_sizes))
-    out_sorted = jax.lax.ragged_dot(hidden, params["down"], group_sizes)  # [N*k, D]
+    hidden = (jax.nn.silu(linear(rows, params["gate"], group_sizes=group_sizes))
+              * linear(rows, params["up"], group_sizes=group_sizes))
+    out_sorted = linear(hidden, params["down"], group_sizes=group_sizes)  # [N*k, D]
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, cfg.top_k, -1)
     y = jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights).astype(x.dtype)
     valid = jnp.ones(num_tokens, jnp.bool_) if valid is None else valid

@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from serving import layers
 from serving.config import ModelConfig
+from serving.quantize import linear, quantized_specs
 
 DATA, TENSOR, EXPERT = "data", "tensor", "expert"
 AXES = (DATA, TENSOR, EXPERT)  # make_mesh's axis order: "expert" varies fastest (neighbouring devices)
@@ -104,7 +105,8 @@ def moe_expert_parallel(x: jax.Array, params: dict[str, jax.Array], cfg: ModelCo
     pad = -num_tokens % shards
     valid = jnp.ones(num_tokens, jnp.bool_) if valid is None else valid
     local = jax.shard_map(functools.partial(_local_moe, cfg=cfg, ep=ep), mesh=mesh,
-                          in_specs=(P(TOKENS, None), {name: EXPERT_SPECS[name] for name in params}, P(TOKENS)),
+                          in_specs=(P(TOKENS, None), quantized_specs({name: EXPERT_SPECS[name] for name in params},
+                                                                     params), P(TOKENS)),
                           out_specs=(P(TOKENS, None), P()))
     y, counts = local(jnp.pad(x, ((0, pad), (0, 0))), params, jnp.pad(valid, (0, pad)))
     return y[:num_tokens], counts
@@ -139,9 +141,9 @@ def _local_moe(x: jax.Array, params: dict[str, jax.Array], valid: jax.Array, *, 
     recv_order = jnp.argsort(recv_ids, stable=True)
     group_sizes = jnp.bincount(recv_ids, length=local_experts).astype(jnp.int32)
     rows = recv_rows[recv_order]
-    hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, params["gate"], group_sizes))
-              * jax.lax.ragged_dot(rows, params["up"], group_sizes))
-    out_sorted = jax.lax.ragged_dot(hidden, params["down"], group_sizes)  # [ep * capacity, D]; 0 past the groups
+    hidden = (jax.nn.silu(linear(rows, params["gate"], group_sizes=group_sizes))
+              * linear(rows, params["up"], group_sizes=group_sizes))
+    out_sorted = linear(hidden, params["down"], group_sizes=group_sizes)  # [ep * capacity, D]; 0 past the groups
     out = jnp.zeros_like(out_sorted).at[recv_order].set(out_sorted)
     back = jax.lax.all_to_all(out, EXPERT, 0, 0, tiled=True)  # each row back in the slot it was sent from
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from serving import quantize
 from serving.config import ModelConfig
 from serving.models import model_module
 
@@ -63,6 +64,9 @@ def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray
 
 
 def load_model(path: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelConfig, dict]:
-    """(config, params in ``dtype``) of any supported family, from a HF checkpoint folder."""
+    """(config, params in ``dtype``) of any supported family, from a HF checkpoint folder; a folder whose
+    config.json has a ``quantization_config`` loads through ``quantize.load_quantized`` (quantized params)."""
+    if quantize.quantization_config(path) is not None:
+        return quantize.load_quantized(path, dtype)
     cfg, tensors = read_checkpoint(path)
     return cfg, model_module(cfg.family).params_from_hf(cfg, tensors, dtype)

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from serving.config import ModelConfig
 from serving.kv_cache import AttentionBatch, PagedKV
 from serving.layers import apply_rope, paged_attention, rms_norm, rope_frequencies, swiglu
+from serving.quantize import linear
 
 INIT_STD = 0.02  # random weights ~ N(0, 0.02^2): the HF initializer_range default (benchmarks only)
 TENSOR, EXPERT = "tensor", "expert"  # mesh axes that split weights ("data" splits only activations)
@@ -183,9 +184,7 @@ def rope_table(cfg: ModelConfig) -> Rope:
 def attention(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, batch: AttentionBatch, kv: PagedKV,
               layer: int, rope: Rope) -> tuple[jax.Array, PagedKV]:
     """Grouped-query attention of ``x [N, D]`` -> ``[N, D]``: project, (q/k norm), RoPE, write k/v, attend."""
-    q = jnp.einsum("nd,dhk->nhk", x, p["q"])
-    k = jnp.einsum("nd,dhk->nhk", x, p["k"])
-    v = jnp.einsum("nd,dhk->nhk", x, p["v"])
+    q, k, v = linear(x, p["q"]), linear(x, p["k"]), linear(x, p["v"])  # [N, D] @ [D, heads, hd]
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], cfg.rms_eps), rms_norm(k, p["k_norm"], cfg.rms_eps)
     inv_freq, scale = rope
@@ -193,7 +192,7 @@ def attention(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, batch: At
     k = apply_rope(k, batch.positions, inv_freq, scale, cfg.rope.interleaved)
     kv = kv.write(layer, k, v, batch.slot_mapping)
     out = paged_attention(q, kv.k[layer], kv.v[layer], batch, cfg.head_dim**-0.5)
-    return jnp.einsum("nhk,hkd->nd", out, p["o"]), kv
+    return linear(out, p["o"], axes=2), kv  # [N, H, hd] @ [H, hd, D]
 
 
 def logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
