@@ -35,6 +35,7 @@ class Sequence:
     text: str = ""  # output text so far (a stop string and anything after it cut off)
     emitted: int = 0  # characters of text already returned
     finish_reason: str | None = None
+    draft_ids: list[int] = dataclasses.field(default_factory=list)  # speculative tokens to verify this step
 
     @property
     def tokens(self) -> list[int]:

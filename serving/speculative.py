@@ -1,0 +1,417 @@
+"""Lossless speculative decoding: drafters propose tokens, the target scores them in one pass and keeps a prefix.
+
+A drafter proposes up to k tokens ``x_1..x_k`` per decoding sequence. The target model runs the sequence's last
+token and its drafts, 1 + k tokens, as one chunk of the ragged batch, and its sampler is evaluated at each of
+the 1 + k positions as if the drafts before it had been accepted (penalties see them in the history, the
+sampling step is ``len(output) + j``). Verification keeps a prefix and adds one token of the target's own:
+
+- greedy rows: accept while ``x_j == argmax p_j``; then the target's argmax at the first mismatch (or after the
+  last draft). The output is exactly the target's greedy output.
+- sampled rows (Leviathan et al. 2023, Chen et al. 2023): accept ``x_j`` with probability
+  ``min(1, p_j(x_j) / q_j(x_j))``; on the first rejection sample ``norm(max(0, p_j - q_j))``; when all drafts
+  pass, sample the bonus token from ``p_{k+1}``. Each emitted token is then distributed as the target's ``p``
+  whatever the draft distribution ``q``. A deterministic drafter (n-gram, greedy draft model) has one-hot q.
+
+``p_j`` is the sampler's distribution (``sampler.filtered_logits`` after penalties and the structured-output
+mask). The randomness of position j is ``fold_in(key(seed), step_j)`` as in ``sampler.py``, split into streams
+for acceptance, residual and draft sampling: a seeded request gives the same tokens alone or in any batch, and
+a request whose draft is empty samples exactly as without speculation.
+
+Drafters (``Drafter``): ``NgramDrafter`` (prompt lookup in the sequence's own history) and
+``DraftModelDrafter`` (a smaller model with the same vocabulary and its own paged cache, e.g. the first L'
+layers of the target: ``DraftModelDrafter.from_target``). A block drafter that proposes all k tokens in one
+pass fits the same ``propose`` interface.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.config import ModelConfig
+from serving.engine.blocks import BlockAllocator
+from serving.engine.runner import MIN_TOKENS_BUCKET, ModelRunner, bucket
+from serving.engine.sampler import SampleRow, SamplingBatch, apply_penalties, filtered_logits, sampling_batch
+from serving.engine.sampling_params import SamplingParams
+from serving.kv_cache import AttentionBatch, PagedKV, PagedLatentKV, SeqChunk, make_batch
+from serving.models import model_module
+from serving.structured import apply_token_bitmask
+
+# Random streams folded into a position's key fold_in(key(seed), step): the plain draw uses the key itself (as
+# sampler.py does), so positions without a draft sample exactly as without speculation.
+ACCEPT_STREAM, RESIDUAL_STREAM, DRAFT_STREAM = 1, 2, 3
+NO_DRAFT = -1  # padding in draft token arrays
+DEFAULT_NGRAM = 3  # longest n-gram prompt lookup tries to match (then shorter, down to min_n)
+
+
+# --------------------------------------------------------------------------- drafter interface
+
+
+class DraftRequest(NamedTuple):
+    """One sequence asking for drafts."""
+
+    seq_id: int  # stable while the sequence lives (drafters may keep per-sequence state under it)
+    token_ids: Sequence[int]  # prompt + output so far; the drafts continue it
+    num_output: int  # tokens generated so far: the first draft is output token ``num_output``
+    params: SamplingParams
+    seed: int
+    max_draft: int  # propose at most this many tokens (0: none)
+
+
+class Proposal(NamedTuple):
+    """Drafts for a list of ``DraftRequest``s, in their order."""
+
+    tokens: list[list[int]]  # per request, at most its max_draft tokens
+    # [>= requests, k, V] float32 draft distribution q of each proposed token (row i, position j), or None when
+    # every draft token was chosen deterministically (q one-hot at the token)
+    probs: jax.Array | None = None
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes draft tokens for a batch of sequences; may keep per-sequence state until ``release``."""
+
+    def propose(self, requests: Sequence[DraftRequest], k: int) -> Proposal:
+        """Up to ``min(k, request.max_draft)`` tokens per request (``probs``, if any, is ``[>= R, k, V]``)."""
+
+    def release(self, seq_id: int) -> None:
+        """Forget sequence ``seq_id`` (finished or aborted)."""
+
+
+DrafterFactory = Callable[[ModelConfig, dict], Drafter]  # (target config, target params) -> drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """``Engine(..., speculative=SpecConfig(drafter, k))``: draft up to k tokens per sequence and step.
+
+    ``drafter`` is a ``Drafter`` or a factory called with the target's config and params (for drafters built
+    from the target, e.g. ``functools.partial(DraftModelDrafter.from_target, num_layers=8)``).
+    """
+
+    drafter: Drafter | DrafterFactory
+    k: int = 4
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"SpecConfig.k = {self.k!r}: expected an int >= 1 (draft tokens per step)")
+        if not (isinstance(self.drafter, Drafter) or callable(self.drafter)):
+            raise ValueError(f"SpecConfig.drafter = {self.drafter!r}: expected a Drafter or a factory "
+                             "(ModelConfig, params) -> Drafter")
+
+    def build(self, cfg: ModelConfig, params: dict) -> Drafter:
+        drafter = self.drafter if isinstance(self.drafter, Drafter) else self.drafter(cfg, params)
+        vocab = getattr(drafter, "vocab", cfg.vocab)
+        if vocab != cfg.vocab:
+            raise ValueError(f"the draft model's vocabulary has {vocab} tokens, the target's {cfg.vocab}: they must "
+                             "be the same")
+        return drafter
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Acceptance counters over the sequence-steps that had at least one draft token."""
+
+    num_steps: int = 0  # sequence-steps verified with drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per drafted sequence-step: accepted drafts + the target's own token."""
+        return (self.num_accepted_tokens + self.num_steps) / max(self.num_steps, 1)
+
+
+# --------------------------------------------------------------------------- verification
+
+
+class VerifyResult(NamedTuple):
+    tokens: jax.Array  # [S, k + 1] int32: accepted drafts, then the target's token at num_accepted; rest NO_DRAFT
+    num_accepted: jax.Array  # [S] int32 drafts kept
+    logprobs: jax.Array  # [S, k + 1] float32 raw-model logprob of each token
+    top_ids: jax.Array  # [S, k + 1, num_top] int32
+    top_logprobs: jax.Array  # [S, k + 1, num_top] float32
+
+
+def _position_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seed, step)
+
+
+def _stream(keys: jax.Array, stream: int) -> jax.Array:
+    return jax.vmap(lambda key: jax.random.fold_in(key, stream))(keys)
+
+
+def verify(logits: jax.Array, b: SamplingBatch, draft_tokens: jax.Array, draft_counts: jax.Array,
+           draft_probs: jax.Array | None, num_top: int = 0) -> VerifyResult:
+    """Accept a prefix of each sequence's drafts (module docstring) from the target's logits at every position.
+
+    Args:
+      logits: ``[S * (k + 1), V]`` float32, row ``s * (k + 1) + j`` the target's logits after the sequence's
+        last token and its first j drafts (rows past a sequence's draft count are ignored).
+      b: the sampling rows of those positions (``SamplingBatch`` of S * (k + 1) rows; temperature, seed and
+        the other parameters repeat per sequence, ``step`` counts up, penalty histories include the drafts).
+      draft_tokens: ``[S, k]`` int32 (NO_DRAFT past ``draft_counts``); draft_counts: ``[S]`` int32.
+      draft_probs: ``[S, k, V]`` float32 q of each draft position, or None (deterministic drafts: q one-hot).
+    """
+    num_seqs, k = draft_tokens.shape
+    vocab = logits.shape[-1]
+    penalized = apply_penalties(logits, b)
+    if b.token_bitmask is not None:
+        penalized = apply_token_bitmask(penalized, b.token_bitmask)
+    scaled = filtered_logits(penalized, b)  # [R, V]
+    keys = _position_keys(b.seed, b.step)
+    plain = jax.vmap(jax.random.categorical)(keys, scaled).reshape(num_seqs, k + 1)
+    argmax = jnp.argmax(penalized, axis=-1).reshape(num_seqs, k + 1)
+    p = jax.nn.softmax(scaled, axis=-1).reshape(num_seqs, k + 1, vocab)[:, :k]  # [S, k, V]
+    x = jnp.maximum(draft_tokens, 0)
+    q = jax.nn.one_hot(x, vocab, dtype=p.dtype) if draft_probs is None else draft_probs
+    p_x = jnp.take_along_axis(p, x[..., None], axis=-1)[..., 0]
+    q_x = jnp.take_along_axis(q, x[..., None], axis=-1)[..., 0]
+    u = jax.vmap(jax.random.uniform)(_stream(keys, ACCEPT_STREAM)).reshape(num_seqs, k + 1)[:, :k]
+    greedy = (b.temperature.reshape(num_seqs, k + 1)[:, 0] == 0)[:, None]
+    in_draft = jnp.arange(k)[None] < draft_counts[:, None]
+    accept = jnp.where(greedy, x == argmax[:, :k], u * q_x < p_x) & in_draft  # u < p/q without dividing by q
+    num_accepted = jnp.cumprod(accept, axis=-1).sum(-1).astype(jnp.int32)
+    residual = jnp.maximum(p - q, 0.0)
+    residual_logits = jnp.where(residual.sum(-1, keepdims=True) > 0, jnp.log(residual), jnp.log(p))
+    resampled = jax.vmap(jax.random.categorical)(_stream(keys, RESIDUAL_STREAM).reshape(num_seqs, k + 1)[:, :k]
+                                                 .reshape(-1), residual_logits.reshape(-1, vocab))
+    resampled = jnp.pad(resampled.reshape(num_seqs, k), ((0, 0), (0, 1)))  # [S, k + 1]; no residual after k
+    rejected = (num_accepted < draft_counts)[:, None]
+    sampled = jnp.where(rejected, resampled, plain)
+    final = jnp.where(greedy, argmax, sampled)  # [S, k + 1]: the token at position j if j were the first kept
+    positions = jnp.arange(k + 1)[None]
+    drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)), constant_values=NO_DRAFT)
+    tokens = jnp.where(positions < num_accepted[:, None], drafts,
+                       jnp.where(positions == num_accepted[:, None], final, NO_DRAFT)).astype(jnp.int32)
+    logp = jax.nn.log_softmax(logits, axis=-1).reshape(num_seqs, k + 1, vocab)
+    chosen = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    top_logprobs, top_ids = jax.lax.top_k(logp, num_top)
+    return VerifyResult(tokens, num_accepted, chosen, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def _prepare(runner: ModelRunner, chunks: list[SeqChunk], token_ids: list[list[int]]
+             ) -> tuple[np.ndarray, AttentionBatch]:
+    """Flat tokens ``[N]`` and batch metadata of ``chunks``, padded to ``runner``'s buckets (as ``runner.run``)."""
+    total = sum(c.count for c in chunks)
+    batch = make_batch(chunks, runner.block_size, num_tokens=bucket(total, MIN_TOKENS_BUCKET),
+                       num_seqs=bucket(len(chunks)), max_blocks=bucket(max(len(c.block_table) for c in chunks)))
+    tokens = np.zeros(batch.positions.shape, np.int32)
+    tokens[:total] = np.concatenate(token_ids)
+    return tokens, batch
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "num_top"), donate_argnames="kv")
+def _verify_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, rows: jax.Array, sampling: SamplingBatch,
+                 draft_tokens: jax.Array, draft_counts: jax.Array, draft_probs: jax.Array | None,
+                 draft_rows: jax.Array, *, forward: Callable, cfg: ModelConfig,
+                 num_top: int) -> tuple[VerifyResult, Any, jax.Array]:
+    """The target's forward over ``tokens [N]``, then ``verify`` at the flat indices ``rows [S * (k + 1)]``."""
+    logits, kv, expert_counts = forward(params, cfg, tokens, batch, kv)
+    probs = None if draft_probs is None else draft_probs[draft_rows]
+    return verify(logits[rows], sampling, draft_tokens, draft_counts, probs, num_top), kv, expert_counts
+
+
+class VerifyChunk(NamedTuple):
+    """One sequence's part of a verification step: the chunk (its last real token and its drafts last)."""
+
+    chunk: SeqChunk
+    token_ids: list[int]  # the chunk's tokens, drafts included
+    row: SampleRow  # sampling row of the first scored position (step = its output index)
+    drafts: list[int]
+    proposal_row: int  # row of the drafter's ``Proposal.probs`` (ignored when there are none)
+
+
+def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draft_probs: jax.Array | None,
+                num_top: int = 0) -> VerifyResult:
+    """Score every chunk's drafts in one forward of ``runner``'s model and verify them (host arrays back).
+
+    Each chunk's last ``1 + len(drafts)`` tokens are scored: position j samples as output token
+    ``row.step + j`` with the drafts before it appended to the history.
+    """
+    tokens, batch = _prepare(runner, [c.chunk for c in chunks], [c.token_ids for c in chunks])
+    num_seqs = batch.context_lens.shape[0]
+    rows = np.zeros((num_seqs, k + 1), np.int32)
+    draft_tokens = np.full((num_seqs, k), NO_DRAFT, np.int32)
+    draft_counts = np.zeros(num_seqs, np.int32)
+    draft_rows = np.zeros(num_seqs, np.int32)
+    sample_rows, end = [], 0
+    for s, c in enumerate(chunks):
+        d = len(c.drafts)
+        if d > k:
+            raise ValueError(f"verify_step: chunk {s} has {d} drafts, expected at most k={k}")
+        end += c.chunk.count
+        rows[s] = end - 1 - d + np.minimum(np.arange(k + 1), d)
+        draft_tokens[s, :d], draft_counts[s], draft_rows[s] = c.drafts, d, c.proposal_row
+        history = list(c.row.output_ids) + list(c.drafts)
+        out = len(c.row.output_ids)
+        sample_rows += [c.row._replace(step=c.row.step + j, output_ids=history[:out + min(j, d)]) for j in range(k + 1)]
+    result, runner.kv, counts = _verify_step(
+        runner.params, runner.kv, tokens, batch, rows.reshape(-1), sampling_batch(sample_rows, num_seqs * (k + 1)),
+        draft_tokens, draft_counts, draft_probs, draft_rows, forward=runner.forward, cfg=runner.cfg, num_top=num_top)
+    runner.expert_load += np.asarray(counts)
+    n = len(chunks)
+    return VerifyResult(*(np.asarray(a)[:n] for a in result))
+
+
+# --------------------------------------------------------------------------- n-gram drafter
+
+
+class NgramDrafter:
+    """Prompt lookup: find the most recent earlier occurrence of the sequence's last n tokens in its own
+    history and propose the tokens that followed it; tries n, n - 1, ..., min_n. Deterministic (q one-hot).
+
+    Strong on repetitive output (code edits, quoting the prompt, lists); proposes nothing when no n-gram recurs.
+    """
+
+    def __init__(self, n: int = DEFAULT_NGRAM, min_n: int = 1):
+        if not 1 <= min_n <= n:
+            raise ValueError(f"NgramDrafter: n={n}, min_n={min_n}: expected 1 <= min_n <= n")
+        self.n, self.min_n = n, min_n
+
+    def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens following the latest earlier match of the longest recurring tail n-gram."""
+        ids = np.asarray(token_ids, np.int64)
+        for n in range(min(self.n, len(ids) - 1), self.min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # [L - n, n], ending before the tail
+            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+            if hits.size:
+                start = hits[-1] + n
+                return ids[start:start + k].tolist()
+        return []
+
+    def propose(self, requests: Sequence[DraftRequest], k: int) -> Proposal:
+        return Proposal([self.lookup(r.token_ids, min(k, r.max_draft)) if r.max_draft > 0 else [] for r in requests])
+
+    def release(self, seq_id: int) -> None:
+        """Stateless: nothing to forget."""
+
+
+# --------------------------------------------------------------------------- draft-model drafter
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "sample"), donate_argnames="kv")
+def _draft_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, last: jax.Array, sampling: SamplingBatch, *,
+                forward: Callable, cfg: ModelConfig, sample: bool) -> tuple[jax.Array, jax.Array | None, Any]:
+    """Draft model forward, then one draft token per sequence ``[S]`` (and its distribution q ``[S, V]``)."""
+    logits, kv, _ = forward(params, cfg, tokens, batch, kv)
+    logits = logits[last]
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sample:
+        return argmax, None, kv
+    scaled = filtered_logits(logits, sampling)
+    keys = _stream(_position_keys(sampling.seed, sampling.step), DRAFT_STREAM)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    greedy = sampling.temperature == 0
+    q = jnp.where(greedy[:, None], jax.nn.one_hot(argmax, logits.shape[-1]), jax.nn.softmax(scaled, axis=-1))
+    return jnp.where(greedy, argmax, drawn), q, kv
+
+
+@dataclasses.dataclass
+class _DraftState:
+    blocks: list[int]
+    cached: list[int]  # tokens whose k/v are in the draft cache, in order
+
+
+class DraftModelDrafter:
+    """A smaller model with the target's vocabulary drafts k tokens, one forward per token, on its own cache.
+
+    Per sequence it keeps the tokens it has cached; each ``propose`` rolls that back to the longest prefix still
+    in the sequence (rejected drafts drop out), runs the rest (the whole prompt the first time), then drafts.
+    ``sample=False`` drafts greedily (q one-hot, valid for sampled requests too); ``sample=True`` samples each
+    draft from the request's own temperature/top-k/top-p/min-p over the draft logits and returns q.
+    When its cache is full, the states of sequences not in the current call are dropped (recomputed if needed).
+    """
+
+    def __init__(self, cfg: ModelConfig, params: dict, num_blocks: int = 256, block_size: int = 16,
+                 sample: bool = False, dtype: jnp.dtype | None = None):
+        dtype = dtype or jax.tree.leaves(params)[0].dtype
+        kv = (PagedLatentKV if cfg.is_mla else PagedKV).create(cfg, num_blocks, block_size, dtype)
+        self.runner = ModelRunner(cfg, params, model_module(cfg.family).forward, kv, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.vocab, self.block_size, self.sample = cfg.vocab, block_size, sample
+        self.states: dict[int, _DraftState] = {}
+
+    @classmethod
+    def from_target(cls, cfg: ModelConfig, params: dict, num_layers: int, **kwargs: Any) -> "DraftModelDrafter":
+        """Self-speculative: the target's first ``num_layers`` layers, final norm and head (weights shared)."""
+        if not 1 <= num_layers < cfg.layers:
+            raise ValueError(f"from_target: num_layers={num_layers}, expected 1 <= num_layers < {cfg.layers} "
+                             "(the target's layers)")
+        draft_cfg = dataclasses.replace(cfg, layers=num_layers)
+        return cls(draft_cfg, {**params, "layers": params["layers"][:num_layers]}, **kwargs)
+
+    def release(self, seq_id: int) -> None:
+        state = self.states.pop(seq_id, None)
+        for block in reversed(state.blocks if state else []):
+            self.allocator.free(block)
+
+    def propose(self, requests: Sequence[DraftRequest], k: int) -> Proposal:
+        """Draft ``min(k, max_draft)`` tokens per request: one forward for the new tokens, then one per draft."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        wanted = [min(k, r.max_draft) for r in requests]
+        live = [i for i, w in enumerate(wanted) if w > 0]
+        keep = {requests[i].seq_id for i in live}
+        states = {i: self._prepare(requests[i], wanted[i], keep) for i in live}
+        new_ids = {i: list(requests[i].token_ids[len(states[i].cached):]) for i in live}
+        step_probs = []  # per draft step: (q [S, V] or None, request index -> row of q)
+        for j in range(max(wanted, default=0)):
+            rows = [SampleRow(requests[i].params, requests[i].seed, requests[i].num_output + j, (), ()) for i in live]
+            tokens, q = self._step([(states[i], new_ids[i]) for i in live], rows)
+            step_probs.append((q, {i: r for r, i in enumerate(live)}))
+            for i, token in zip(live, tokens, strict=True):
+                states[i].cached += new_ids[i]
+                drafts[i].append(token)
+                new_ids[i] = [token]
+            live = [i for i in live if len(drafts[i]) < wanted[i]]
+        if not (self.sample and step_probs):
+            return Proposal(drafts)
+        return Proposal(drafts, self._stack(step_probs, len(requests), k))
+
+    def _stack(self, step_probs: list[tuple[jax.Array, dict[int, int]]], num_requests: int, k: int) -> jax.Array:
+        """Per-step q ``[S_j, V]`` -> ``[bucket(requests), k, V]`` by request (zeros where nothing was drafted)."""
+        num_rows = bucket(num_requests)
+        per_step = [q[np.array([rows.get(i, 0) for i in range(num_rows)])] for q, rows in step_probs]
+        zeros = jnp.zeros((num_rows, self.vocab), jnp.float32)
+        return jnp.stack(per_step + [zeros] * (k - len(per_step)), axis=1)
+
+    def _prepare(self, request: DraftRequest, num_draft: int, keep: set[int]) -> _DraftState:
+        """The request's state rolled back to its longest cached prefix (keeping its last token to run), with
+        blocks for every token and all but the last draft."""
+        state = self.states.setdefault(request.seq_id, _DraftState([], []))
+        tokens, common = request.token_ids, 0
+        limit = min(len(state.cached), len(tokens) - 1)
+        while common < limit and state.cached[common] == tokens[common]:
+            common += 1
+        del state.cached[common:]
+        needed = -(-(len(tokens) + num_draft - 1) // self.block_size) - len(state.blocks)
+        for victim in [seq_id for seq_id in self.states if seq_id not in keep]:
+            if self.allocator.num_free >= needed:
+                break
+            self.release(victim)
+        if self.allocator.num_free < needed:
+            raise ValueError(f"DraftModelDrafter: the draft cache ({self.allocator.num_blocks} blocks of "
+                             f"{self.block_size}) cannot hold this step's sequences: give it more num_blocks")
+        state.blocks += [self.allocator.allocate() for _ in range(max(needed, 0))]
+        return state
+
+    def _step(self, chunks: list[tuple[_DraftState, list[int]]],
+              rows: list[SampleRow]) -> tuple[list[int], jax.Array | None]:
+        """Run each state's new ``ids`` after its cached tokens; one draft token per chunk (and q)."""
+        tokens, batch = _prepare(self.runner, [SeqChunk(s.blocks, len(s.cached), len(ids)) for s, ids in chunks],
+                                            [ids for _, ids in chunks])
+        num_seqs = batch.context_lens.shape[0]
+        last = np.zeros(num_seqs, np.int32)
+        last[:len(chunks)] = np.cumsum([len(ids) for _, ids in chunks]) - 1
+        drafted, q, self.runner.kv = _draft_step(self.runner.params, self.runner.kv, tokens, batch, last,
+                                                 sampling_batch(rows, num_seqs), forward=self.runner.forward,
+                                                 cfg=self.runner.cfg, sample=self.sample)
+        return np.asarray(drafted)[:len(chunks)].tolist(), q
