@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from pallas_kernels.testing import RTOL, assert_close
 from serving import layers, sharding
 from serving.config import ModelConfig
-from serving.kv_cache import PagedKV, SeqChunk, make_batch
+from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk, make_batch
 from serving.loaders import read_checkpoint
 from serving.models import model_module
 
@@ -162,7 +162,7 @@ def forward(params, cfg, tokens, batch, kv):
 
 
 @pytest.mark.slow  # ~20 s each on 2 CPU cores (compiling two forward passes on 8 devices)
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_fixture_models_on_an_expert_parallel_mesh_give_the_one_device_logits(name):
     """Both prompts prefilled as one padded batch, then one decode step (1 token: padded to the 8 token shards)."""
     cfg, tensors = read_checkpoint(HF / name)
@@ -179,7 +179,8 @@ def test_fixture_models_on_an_expert_parallel_mesh_give_the_one_device_logits(na
     real = sum(map(len, prompts))
 
     def run(params):
-        logits, kv, counts = forward(params, cfg, tokens, prefill, PagedKV.create(cfg, NUM_BLOCKS, BLOCK, jnp.float32))
+        kv = (PagedLatentKV if cfg.is_mla else PagedKV).create(cfg, NUM_BLOCKS, BLOCK, jnp.float32)
+        logits, kv, counts = forward(params, cfg, tokens, prefill, kv)
         step_logits, _, step_counts = forward(params, cfg, np.array([7], np.int32), decode, kv)
         return np.asarray(logits[:real]), np.asarray(counts), np.asarray(step_logits), np.asarray(step_counts)
 
@@ -189,7 +190,8 @@ def test_fixture_models_on_an_expert_parallel_mesh_give_the_one_device_logits(na
                            module.param_specs(cfg))
     with jax.set_mesh(mesh):
         expert_parallel = run(on_mesh)
-    assert len(on_mesh["layers"][0]["mlp"]["gate"].addressable_shards[0].data) == cfg.num_experts // 4
+    first_moe = next(l for l in range(cfg.layers) if cfg.is_moe_layer(l))  # DeepSeek's layer 0 is dense
+    assert len(on_mesh["layers"][first_moe]["mlp"]["gate"].addressable_shards[0].data) == cfg.num_experts // 4
     assert_close(expert_parallel[0], one_device[0], rtol=1e-5, name=f"{name} prefill logits")
     assert_close(expert_parallel[2], one_device[2], rtol=1e-5, name=f"{name} decode logits")
     np.testing.assert_array_equal(expert_parallel[1], one_device[1])
