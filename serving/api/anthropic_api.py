@@ -70,6 +70,7 @@ class AnthropicRoutes:
 
     async def messages(self, request: Request) -> Response:
         f = self.frontend
+        f.check_room()
         body = await f.parse(request, MessagesRequest)
         f.check_model(body.model)
         if self.engine.tokenizer is None or self.engine.tokenizer.chat_template is None:

@@ -23,7 +23,7 @@ from serving.api.security import resolve_model_path
 from serving.engine.engine import EngineFullError, RequestResult, StepError
 from serving.engine.sampling_params import SamplingParams
 
-DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+DISCONNECT_POLL_S = 0.05  # how often a non-streaming request checks that its client is still there (cheap)
 Model = TypeVar("Model", bound=pydantic.BaseModel)
 
 
@@ -120,19 +120,34 @@ class Frontend:
 
     async def collect(self, stream: RequestStream, request: Request) -> RequestResult:
         """Wait for the whole result; abort the request if the client disconnects first."""
+        async def drain() -> RequestResult:
+            while await stream.next() is not None:
+                pass
+            return stream.result
+
+        async def disconnected() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+
+        result, watch = asyncio.ensure_future(drain()), asyncio.ensure_future(disconnected())
         try:
-            while True:
-                try:
-                    if await asyncio.wait_for(stream.next(), DISCONNECT_POLL_S) is None:
-                        return stream.result
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        raise APIError(499, "client disconnected") from None
+            await asyncio.wait([result, watch], return_when=asyncio.FIRST_COMPLETED)
+            if not result.done():
+                raise APIError(499, "client disconnected")
+            return result.result()
         except (StepError, RuntimeError, ValueError) as e:
             raise _engine_error(e) from None
         finally:
+            result.cancel()
+            watch.cancel()
             if not stream.done:
                 self.async_engine.abort(stream.request_id)
+
+    def check_room(self) -> None:
+        """503 at once while the server is full, before a request is even parsed."""
+        capacity = self.async_engine.capacity
+        if capacity is not None and self.async_engine.in_flight >= capacity:
+            raise overloaded(f"server is at capacity ({capacity} sequences in flight): retry later")
 
     def sse(self, request: Request, stream: RequestStream, events: AsyncIterator[str]) -> StreamingResponse:
         """Stream ``events``; a failed request ends with an error event; a client that leaves aborts it."""

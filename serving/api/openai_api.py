@@ -238,6 +238,7 @@ class OpenAIRoutes:
 
     async def chat(self, request: Request) -> Response:
         f = self.frontend
+        f.check_room()
         body = await f.parse(request, ChatRequest)
         f.check_model(body.model)
         self._check_response_format(body.response_format)
@@ -302,6 +303,7 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request) -> Response:
         f = self.frontend
+        f.check_room()
         body = await f.parse(request, CompletionRequest)
         f.check_model(body.model)
         if body.suffix is not None:
