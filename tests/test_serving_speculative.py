@@ -195,3 +195,18 @@ def test_bad_speculative_config_raises_clear_errors():
         NgramDrafter(n=2, min_n=3)
     with pytest.raises(ValueError, match=r"num_layers=2, expected 1 <= num_layers < 2"):
         Engine(HF / "llama", speculative=SpecConfig(functools.partial(DraftModelDrafter.from_target, num_layers=2)))
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_chat_with_stop_string_is_identical_with_ngram_speculation():
+    messages = [[{"role": "user", "content": "Repeat this list twice: red, green, blue, yellow."}],
+                [{"role": "user", "content": "What is the capital of France?"}]]
+    params = [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperature=0.0, max_tokens=24,
+                                                                              stop=("Paris",))]
+    options = dict(dtype=jnp.float32, num_blocks=64, block_size=16, max_running=4, token_budget=128)
+    plain = Engine.from_default(**options).generate(messages, params)
+    eng = Engine.from_default(speculative=SpecConfig(NgramDrafter(), k=4), **options)
+    fast = eng.generate(messages, params)
+    assert [r.outputs[0].token_ids for r in fast] == [r.outputs[0].token_ids for r in plain]
+    assert [r.outputs[0].text for r in fast] == [r.outputs[0].text for r in plain]
+    assert eng.spec_stats.mean_acceptance_length > 1.2, eng.spec_stats  # the repeated list is drafted from itself
