@@ -2,6 +2,10 @@
 
     python -m serving quantize --model smollm2 --kind int8 --out /tmp/smollm2-int8
     python -m serving quantize --model path/to/hf_folder_or.gguf --kind fp8 --out DIR [--dtype float32]
+    python -m serving serve --model smollm2|PATH [--host --port --api-key --max-running --max-queue ...]
+    python -m serving chat [--url URL | --model smollm2|PATH]
+
+``serve`` and ``chat`` (the HTTP API and a streaming terminal chat) are described in ``serving.api.cli``.
 
 ``quantize`` loads a checkpoint (the embedded SmolLM2-135M-Instruct, a HF safetensors folder or a GGUF file)
 in ``--dtype``, quantizes its attention and MLP/expert projections per output channel
@@ -19,6 +23,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from serving import quantize, weights
+from serving.api import cli as api_cli
 from serving.config import ModelConfig
 from serving.loaders.gguf import load_gguf
 from serving.loaders.safetensors import read_tensors
@@ -79,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of the weights that are quantized and of those kept unquantized")
     q.set_defaults(run=quantize_command)
+    api_cli.add_commands(commands)
     return main
 
 

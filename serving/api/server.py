@@ -115,7 +115,8 @@ class Server:
     """
 
     def __init__(self, app: FastAPI, host: str = DEFAULT_HOST, port: int = 0, log_level: str = "warning"):
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+        # log_config=None: uvicorn's records go to the host program's logging instead of new stdout handlers
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None,
                                                     timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, name="serving-http", daemon=True)
         self.host = host

@@ -1,0 +1,130 @@
+"""``python -m serving serve`` and ``python -m serving chat`` (added to ``serving/__main__.py``'s parser).
+
+    python -m serving serve --model smollm2 --port 8000 [--host 0.0.0.0 --api-key KEY] [--max-running 32 ...]
+    python -m serving chat [--url http://127.0.0.1:8000/v1 --api-key KEY]   # without --url: serves --model itself
+
+The API key may also come from the ``SERVING_API_KEY`` environment variable (keeps it out of ``ps``); it is
+never printed or logged.
+"""
+
+import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, check_bind
+from serving.api.server import Server, create_app, serve
+from serving.engine.engine import Engine
+
+DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct
+API_KEY_ENV = "SERVING_API_KEY"
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+EXIT_WORDS = ("/exit", "/quit")
+
+
+def _engine(args: argparse.Namespace) -> tuple[Engine, str, Path | None]:
+    """(engine, served model name, model path or None) for ``--model``."""
+    path = None if args.model == DEFAULT_MODEL else Path(args.model)
+    if path is not None and not path.exists():
+        raise FileNotFoundError(f"--model {args.model!r}: expected {DEFAULT_MODEL!r}, a HF folder or a .gguf file")
+    engine = Engine(path, dtype=DTYPES[args.dtype], num_blocks=args.num_blocks, block_size=args.block_size,
+                    max_running=args.max_running, token_budget=args.token_budget, max_model_len=args.max_model_len,
+                    max_queue=args.max_queue)
+    return engine, args.name or (DEFAULT_MODEL if path is None else path.name), path
+
+
+def serve_command(args: argparse.Namespace) -> str:
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    try:
+        check_bind(args.host, api_key)  # before the minutes of loading a model
+    except ValueError as e:
+        raise SystemExit(f"serve refuses to start: {e}") from None
+    engine, name, path = _engine(args)
+    models_root = Path(args.models_root) if args.models_root else None
+    app = create_app(engine, name, model_path=path, models_root=models_root, api_key=api_key,
+                     max_body_bytes=args.max_body_bytes)
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (API key {'required' if api_key else 'off'})")
+    serve(app, args.host, args.port, api_key, args.log_level)
+    return "server stopped"
+
+
+def chat_loop(client, model: str, read: Callable[[str], str], console, system: str | None = None,
+              max_tokens: int = 512, temperature: float = 0.7) -> list[dict]:
+    """Read user turns with ``read`` until EOF or /exit, stream each answer to the rich ``console``; returns
+    the conversation."""
+    messages = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            text = read("[bold green]you>[/] ")
+        except EOFError:
+            return messages
+        if text.strip() in EXIT_WORDS:
+            return messages
+        messages.append({"role": "user", "content": text})
+        console.print("[bold blue]assistant>[/] ", end="")
+        reply = ""
+        for chunk in client.chat.completions.create(model=model, messages=messages, stream=True,
+                                                    max_tokens=max_tokens, temperature=temperature):
+            delta = chunk.choices[0].delta.content if chunk.choices else None
+            if delta:
+                reply += delta
+                console.print(delta, end="", markup=False, highlight=False)
+        console.print()
+        messages.append({"role": "assistant", "content": reply})
+
+
+def chat_command(args: argparse.Namespace) -> str:
+    import openai
+    from rich.console import Console
+
+    console = Console()
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or "unused"
+
+    def run(url: str, model: str) -> list[dict]:
+        client = openai.OpenAI(base_url=url, api_key=api_key)
+        return chat_loop(client, model, console.input, console, args.system, args.max_tokens, args.temperature)
+
+    if args.url:
+        messages = run(args.url, args.name or args.model)
+    else:
+        engine, name, _ = _engine(args)
+        with Server(create_app(engine, name)) as server:
+            console.print(f"[dim]{name} on {server.url} - /exit or Ctrl-D to leave[/]")
+            messages = run(f"{server.url}/v1", name)
+    return f"{sum(m['role'] == 'user' for m in messages)} turns"
+
+
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"{DEFAULT_MODEL!r} (the embedded SmolLM2-135M-Instruct), a HF folder or a .gguf file")
+    parser.add_argument("--name", help="the model name clients use (default: smollm2 or the folder name)")
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--max-running", type=int, default=32, help="sequences run per step")
+    parser.add_argument("--max-queue", type=int, default=64, help="sequences waiting beyond max-running; more: 503")
+    parser.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    parser.add_argument("--token-budget", type=int, default=512, help="new tokens per step (chunked prefill)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """Add ``serve`` and ``chat`` to ``python -m serving``'s subcommands."""
+    s = commands.add_parser("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API")
+    _engine_options(s)
+    s.add_argument("--host", default=DEFAULT_HOST, help="bind address; beyond loopback it needs --api-key")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help=f"required bearer key (or ${API_KEY_ENV})")
+    s.add_argument("--models-root", default=None, help="folder under which clients may name the model by path")
+    s.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(run=serve_command)
+    c = commands.add_parser("chat", help="chat in the terminal (streaming), with a server or an in-process one")
+    _engine_options(c)
+    c.add_argument("--url", default=None, help="a server's /v1 URL (default: serve --model in-process)")
+    c.add_argument("--api-key", default=None, help=f"the server's key (or ${API_KEY_ENV})")
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--max-tokens", type=int, default=512)
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.set_defaults(run=chat_command)
