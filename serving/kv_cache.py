@@ -11,6 +11,10 @@ One ``AttentionBatch`` serves prefill, decode and mixed chunked-prefill + decode
 sequences, flattened. Each new token's k/v is written to its slot, then each token attends causally to its
 own sequence's cached tokens at positions <= its own. Padding tokens (to a fixed N bucket) have seq id and
 slot ``PAD``: nothing is written for them and their outputs are meaningless.
+
+The batch also carries what the GPU attention kernels read (``layers.paged_attention``), derived once per
+step on the host: each token's paged context length ``kv_lens`` and the packed-sequence boundaries
+``chunk_starts`` of the first prefill chunks, which attend only to their own new tokens.
 """
 
 from collections.abc import Sequence
@@ -33,6 +37,13 @@ class AttentionBatch(NamedTuple):
     slot_mapping: jax.Array  # [N] flat cache slot (block * block_size + offset) its k/v goes to; PAD: none
     block_tables: jax.Array  # [S, max_blocks] each sequence's cache blocks in order (entries past its end unused)
     context_lens: jax.Array  # [S] tokens in each sequence's cache after this step (0 for a padding row)
+    # [N] keys a token reads from the paged cache: position + 1 for a decode token or a chunk continuing a cached
+    # prefix (start > 0); 0 for a first prefill chunk (start = 0: its keys are its own new tokens) and padding.
+    kv_lens: jax.Array
+    # [N + 1] packed-sequence boundaries over the flat tokens: each first prefill chunk is one sequence, every
+    # other real token a sequence of its own (its result is taken from the paged path); the tail is padded with
+    # the number of real tokens, so padding tokens lie past the last boundary.
+    chunk_starts: jax.Array
 
 
 class PagedKV(NamedTuple):
@@ -109,6 +120,8 @@ def make_batch(chunks: Sequence[SeqChunk], block_size: int, *, num_tokens: int |
 
     A prefill chunk has ``start=0``, a decode step ``count=1``; any mix may share a batch. ``num_tokens``,
     ``num_seqs``, ``max_blocks`` (default: exactly what the chunks need) pad N, S and the block-table width.
+    ``kv_lens`` and ``chunk_starts`` split the tokens between the paged and the packed attention kernels
+    (``AttentionBatch``).
     """
     total = sum(c.count for c in chunks)
     widest = max((len(c.block_table) for c in chunks), default=0)
@@ -124,6 +137,8 @@ def make_batch(chunks: Sequence[SeqChunk], block_size: int, *, num_tokens: int |
     slots = np.full(num_tokens, PAD, np.int32)
     tables = np.zeros((num_seqs, max_blocks), np.int32)
     context_lens = np.zeros(num_seqs, np.int32)
+    kv_lens = np.zeros(num_tokens, np.int32)
+    boundaries = [0]
     n = 0
     for s, (table, start, count) in enumerate(chunks):
         end = start + count
@@ -136,5 +151,12 @@ def make_batch(chunks: Sequence[SeqChunk], block_size: int, *, num_tokens: int |
         slots[n:n + count] = np.asarray(table, np.int64)[pos // block_size] * block_size + pos % block_size
         tables[s, :len(table)] = table
         context_lens[s] = end
+        if start:  # continues a cached prefix: every token reads its context through the pages
+            kv_lens[n:n + count] = pos + 1
+            boundaries += range(n + 1, n + count + 1)
+        else:  # a first chunk: one packed sequence of its own tokens
+            boundaries.append(n + count)
         n += count
-    return AttentionBatch(positions, seq_ids, slots, tables, context_lens)
+    chunk_starts = np.full(num_tokens + 1, total, np.int32)
+    chunk_starts[:len(boundaries)] = boundaries
+    return AttentionBatch(positions, seq_ids, slots, tables, context_lens, kv_lens, chunk_starts)

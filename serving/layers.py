@@ -4,19 +4,80 @@ RMSNorm, rotary embeddings (plain, linear, llama3, yarn), the SwiGLU MLP, the ro
 attention over the paged KV cache (standard, and absorbed latent attention over a latent cache). ``moe``,
 ``paged_attention`` and ``paged_mla_attention`` are the functions a faster version replaces whole
 (expert-parallel all-to-all; a Pallas GPU kernel): keep their signatures.
+
+GPU kernels: on an NVIDIA GPU these three run the Pallas kernels of ``pallas_kernels`` (elsewhere their
+plain-jnp references), chosen once per op by ``jax.lax.platform_dependent`` in ``_dispatch``:
+
+* attention of an ``AttentionBatch`` is split by the metadata ``make_batch`` derives on the host. Tokens that
+  read their context from the pages (``kv_lens > 0``: decode tokens, and chunks continuing a cached prefix)
+  go through ``paged_attention`` (``paged_mla_attention`` for MLA) with one query row per token: token n is
+  the kernel's "sequence" n, with its sequence's block table and ``kv_lens[n] = position + 1`` keys, which is
+  exactly causal attention over the cache. A first prefill chunk (start 0) attends only to its own new
+  tokens: those go through ``flash_attention`` over the flat batch packed by ``chunk_starts``, with keys and
+  values read back from their just-written slots. Both kernels see all N tokens; a token not theirs costs a
+  program with no key to read. The documented price of this split: a chunk continuing a cached prefix reads
+  its context once per token (from L2 mostly: its tokens are neighbouring programs), not once per chunk.
+* ``moe``'s three expert matmuls run as ``grouped_matmul`` (plain weights of the activations' dtype;
+  quantized weights keep ``quantize.linear``).
+
+A shape or dtype a kernel does not take (head dims not a multiple of 16, mixed dtypes) runs the reference.
+``use_kernels("interpret")`` runs the kernels in Pallas' interpreter on any platform (tests) and
+``use_kernels("reference")`` the references everywhere; the mode is read when a function is traced, so a
+jitted caller must key its cache on ``kernel_mode()`` (as ``engine.runner`` does).
 """
 
+import contextlib
+import contextvars
+import functools
 import math
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import attention as attention_kernels
+from pallas_kernels import paged_attention as paged_kernels
+from pallas_kernels.grouped_matmul import grouped_matmul
 from serving.config import ModelConfig, RopeConfig
 from serving.kv_cache import AttentionBatch
 from serving.quantize import Weight, linear
 
 MASKED = -1e30  # score of a key a query may not see: finite, so a fully masked (padding) row stays NaN-free
+KERNEL_MODES = ("auto", "interpret", "reference")  # module docstring
+# MLA's packed prefill has R + P = 576-wide rows: the paged MLA kernel's accumulator size (32 x 512 fp32 at 8 warps).
+MLA_FLASH_CONFIG = attention_kernels.AttentionConfig(block_q=32, block_k=32, num_warps=8, num_stages=2)
+
+_kernel_mode = contextvars.ContextVar("serving_kernel_mode", default="auto")
+
+
+@contextlib.contextmanager
+def use_kernels(mode: str) -> Iterator[None]:
+    """Within the block, trace ``moe`` and the attention functions with kernel mode ``mode`` (module docstring)."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"use_kernels: mode={mode!r}: expected one of {KERNEL_MODES}")
+    token = _kernel_mode.set(mode)
+    try:
+        yield
+    finally:
+        _kernel_mode.reset(token)
+
+
+def kernel_mode() -> str:
+    """The kernel mode functions are traced with now: "auto" unless inside ``use_kernels``."""
+    return _kernel_mode.get()
+
+
+def _dispatch(kernel: Callable, reference: Callable, *args: Any, supported: bool = True) -> jax.Array:
+    """``kernel(*args, interpret=...)`` on an NVIDIA GPU, ``reference(*args)`` elsewhere (or where not
+    ``supported``); ``use_kernels`` overrides the choice."""
+    mode = kernel_mode()
+    if mode == "reference" or not supported:
+        return reference(*args)
+    if mode == "interpret":
+        return kernel(*args, interpret=True)
+    return jax.lax.platform_dependent(*args, cuda=functools.partial(kernel, interpret=False), default=reference)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -146,8 +207,7 @@ def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
     params: ``router [D, E]``, ``gate``/``up [E, D, I]``, ``down [E, I, D]``, optionally ``router_bias [E]``
     (choice-only bias, sigmoid router). x ``[N, D]``; ``valid [N]`` marks real tokens (default all).
     The N*k (token, expert) pairs are sorted by expert so that each expert's rows are contiguous, the three
-    expert matmuls run as ``jax.lax.ragged_dot`` over those groups (``quantize.linear``: the expert weights may be
-    quantized), and the rows are unsorted and combined.
+    expert matmuls run over those groups (``expert_matmul``), and the rows are unsorted and combined.
     Returns y ``[N, D]`` and the number of valid tokens routed to each expert ``[E]`` int32.
     """
     num_tokens, num_experts = x.shape[0], params["router"].shape[-1]
@@ -159,9 +219,9 @@ def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
     order = jnp.argsort(flat, stable=True)  # pair indices, grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     rows = x[order // cfg.top_k]  # [N*k, D]
-    hidden = (jax.nn.silu(linear(rows, params["gate"], group_sizes=group_sizes))
-              * linear(rows, params["up"], group_sizes=group_sizes))
-    out_sorted = linear(hidden, params["down"], group_sizes=group_sizes)  # [N*k, D]
+    hidden = (jax.nn.silu(expert_matmul(rows, params["gate"], group_sizes))
+              * expert_matmul(rows, params["up"], group_sizes))
+    out_sorted = expert_matmul(hidden, params["down"], group_sizes)  # [N*k, D]
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, cfg.top_k, -1)
     y = jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights).astype(x.dtype)
     valid = jnp.ones(num_tokens, jnp.bool_) if valid is None else valid
@@ -169,11 +229,57 @@ def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
     return y, counts.astype(jnp.int32)
 
 
+def expert_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:
+    """Grouped matmul ``x [M, in]`` (rows sorted by expert) times ``w [E, in, out]`` -> ``[M, out]``, row r by its
+    expert's matrix: ``grouped_matmul`` on a GPU for a plain weight of x's dtype, else ``quantize.linear``
+    (``ragged_dot``; quantized weights)."""
+    plain = isinstance(w, jax.Array) and w.dtype == x.dtype and x.dtype in attention_kernels.DTYPES
+    if not plain:
+        return linear(x, w, group_sizes=group_sizes)
+    return _dispatch(lambda x, w, g, interpret: grouped_matmul(x, w, g, interpret=interpret),
+                     lambda x, w, g: linear(x, w, group_sizes=g), x, w, group_sizes)
+
+
 # --------------------------------------------------------------------------- attention
+
+
+def _kernel_shapes_ok(q: jax.Array, pages: jax.Array, *head_dims: int) -> bool:
+    """The attention kernels take bf16 or fp32 q and pages of one dtype, head dims multiples of 16."""
+    return (q.dtype == pages.dtype and q.dtype in attention_kernels.DTYPES
+            and all(d % attention_kernels.MIN_TILE == 0 for d in head_dims))
+
+
+def _token_tables(batch: AttentionBatch) -> jax.Array:
+    """Each token's sequence's block table ``[N, max_blocks]`` (row 0 for padding: it reads no key)."""
+    return batch.block_tables[jnp.maximum(batch.seq_ids, 0)]
+
+
+def _new_rows(pages: jax.Array, batch: AttentionBatch) -> jax.Array:
+    """The new tokens' just-written cache rows ``[N, ...]`` of ``pages [num_blocks, block_size, ...]``."""
+    return pages.reshape(-1, *pages.shape[2:])[jnp.maximum(batch.slot_mapping, 0)]
+
+
+def _paged_attention_kernels(q, k_pages, v_pages, batch, scale, *, interpret):
+    """The kernel path of ``paged_attention`` (module docstring): paged rows where ``kv_lens > 0``, else packed."""
+    paged = paged_kernels.paged_attention(q, k_pages, v_pages, _token_tables(batch), batch.kv_lens, scale=scale,
+                                          interpret=interpret)
+    packed = attention_kernels.flash_attention(q, _new_rows(k_pages, batch), _new_rows(v_pages, batch),
+                                               batch.chunk_starts, scale=scale, interpret=interpret)
+    return jnp.where((batch.kv_lens > 0)[:, None, None], paged, packed)
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: AttentionBatch,
                     scale: float) -> jax.Array:
+    """Causal attention of N new tokens over their sequences' paged cache: ``paged_attention_reference``'s
+    result, through the Pallas kernels on a GPU (module docstring)."""
+    supported = _kernel_shapes_ok(q, k_pages, q.shape[-1], v_pages.shape[-1]) and v_pages.dtype == q.dtype
+    return _dispatch(functools.partial(_paged_attention_kernels, scale=scale),
+                     functools.partial(paged_attention_reference, scale=scale),
+                     q, k_pages, v_pages, batch, supported=supported)
+
+
+def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: AttentionBatch,
+                              scale: float) -> jax.Array:
     """Causal attention of N new tokens over their sequences' paged cache (plain-jnp reference).
 
     q ``[N, H, D]``; k_pages ``[num_blocks, block_size, K, D]``, v_pages ``[num_blocks, block_size, K, Dv]``
@@ -201,8 +307,34 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch:
     return out.reshape(num_tokens, heads, -1).astype(q.dtype)
 
 
+def _paged_mla_attention_kernels(q_latent, q_rope, latent_pages, batch, scale, *, interpret):
+    """The kernel path of ``paged_mla_attention``: as ``_paged_attention_kernels``, one kv head of width R + P."""
+    rank = q_latent.shape[-1]
+    paged = paged_kernels.paged_mla_attention(q_latent, q_rope, latent_pages, _token_tables(batch), batch.kv_lens,
+                                              scale=scale, interpret=interpret)
+    latent = _new_rows(latent_pages, batch)[:, None, :]  # [N, 1, R + P]
+    packed = attention_kernels.flash_attention(jnp.concatenate([q_latent, q_rope], axis=-1), latent,
+                                               latent[..., :rank], batch.chunk_starts, scale=scale,
+                                               config=MLA_FLASH_CONFIG, interpret=interpret)
+    return jnp.where((batch.kv_lens > 0)[:, None, None], paged, packed)
+
+
 def paged_mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array, batch: AttentionBatch,
                         scale: float) -> jax.Array:
+    """Absorbed multi-head latent attention of N new tokens over their sequences' latent cache: the math of
+    ``paged_mla_attention_reference``, through the Pallas kernels on a GPU (module docstring)."""
+    rank, rope = q_latent.shape[-1], q_rope.shape[-1]
+    if latent_pages.shape[-1] != rank + rope:
+        raise ValueError(f"paged_mla_attention: latent_pages {latent_pages.shape}: expected last dim R + P = "
+                         f"{rank} + {rope}")
+    supported = _kernel_shapes_ok(q_latent, latent_pages, rank, rope) and q_rope.dtype == q_latent.dtype
+    return _dispatch(functools.partial(_paged_mla_attention_kernels, scale=scale),
+                     functools.partial(paged_mla_attention_reference, scale=scale),
+                     q_latent, q_rope, latent_pages, batch, supported=supported)
+
+
+def paged_mla_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
+                                  batch: AttentionBatch, scale: float) -> jax.Array:
     """Absorbed multi-head latent attention of N new tokens over their sequences' latent cache (jnp reference).
 
     q_latent ``[N, H, R]`` (q_nope already multiplied by W_UK^T), q_rope ``[N, H, P]``; latent_pages
@@ -218,4 +350,4 @@ def paged_mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: ja
                          f"{rank} + {q_rope.shape[-1]}")
     q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
     pages = latent_pages[:, :, None, :]  # [num_blocks, block_size, 1, R + P]: one kv head shared by all H
-    return paged_attention(q, pages, pages[..., :rank], batch, scale)
+    return paged_attention_reference(q, pages, pages[..., :rank], batch, scale)

@@ -4,7 +4,9 @@ The flat batch of N new tokens from S sequences is padded to power-of-two bucket
 width, so the number of compiles stays bounded (log2 of each range). The cache is donated: the forward pass
 updates it in place, and no array goes back to the host between layers. Per call the host gets the sampled
 token of every sequence (the logits at its chunk's last token), their logprobs, and the per-layer expert
-counts, which the runner sums into ``expert_load [layers, experts]``.
+counts, which the runner sums into ``expert_load [layers, experts]``. The attention kernels' metadata
+(``kv_lens``, ``chunk_starts``) comes with the batch from ``make_batch``, on the host, once per step; the
+compiled step is keyed on ``layers.kernel_mode()`` (kernels on a GPU, or as ``layers.use_kernels`` says).
 """
 
 import functools
@@ -14,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from serving import layers
 from serving.config import ModelConfig
 from serving.engine.sampler import SampleResult, SampleRow, SamplingBatch, sample, sampling_batch
 from serving.kv_cache import SeqChunk, make_batch
@@ -34,11 +37,13 @@ class StepResult(NamedTuple):
     expert_counts: np.ndarray  # [layers, experts] tokens routed to each expert this step
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg", "num_top"), donate_argnames="kv")
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "num_top", "kernels"), donate_argnames="kv")
 def _step(params: dict, kv: Any, tokens: jax.Array, batch: Any, last: jax.Array, sampling: SamplingBatch, *,
-          forward: Callable, cfg: ModelConfig, num_top: int) -> tuple[SampleResult, Any, jax.Array]:
-    """forward over ``tokens [N]``, then sample at the flat indices ``last [S]`` (each chunk's last token)."""
-    logits, kv, expert_counts = forward(params, cfg, tokens, batch, kv)
+          forward: Callable, cfg: ModelConfig, num_top: int, kernels: str) -> tuple[SampleResult, Any, jax.Array]:
+    """forward over ``tokens [N]`` (traced in kernel mode ``kernels``), then sample at the flat indices ``last [S]``
+    (each chunk's last token)."""
+    with layers.use_kernels(kernels):
+        logits, kv, expert_counts = forward(params, cfg, tokens, batch, kv)
     return sample(logits[last], sampling, num_top=num_top), kv, expert_counts
 
 
@@ -61,7 +66,8 @@ class ModelRunner:
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.cumsum([c.count for c in chunks]) - 1
         result, self.kv, counts = _step(self.params, self.kv, tokens, batch, last, sampling_batch(rows, num_seqs),
-                                        forward=self.forward, cfg=self.cfg, num_top=num_top)
+                                        forward=self.forward, cfg=self.cfg, num_top=num_top,
+                                        kernels=layers.kernel_mode())
         counts = np.asarray(counts)
         self.expert_load += counts
         n = len(chunks)
