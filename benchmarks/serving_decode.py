@@ -1,0 +1,371 @@
+"""Whole-model serving speed on the GPU: decode tokens/s against the bandwidth roofline, prefill tokens/s and
+time to first token, through ``serving``'s forward pass (the Pallas kernels on a GPU), and the same models
+through HF transformers' ``generate`` on the same GPU as the familiar reference point.
+
+Models (``MODELS``, HF config dicts; ``ModelConfig.from_hf`` reads the same dict):
+  * qwen3-30b-a3b: Qwen3-30B-A3B's shape (48 layers, hidden 2048, 32/4 heads d128, 128 experts top-8,
+    moe_intermediate 768, vocab 151936), random bf16 weights (61 GB). ``--layers 8`` runs a layer-reduced
+    variant; every row carries ms per layer.
+  * moe-1b: a 1B-class Qwen3-MoE (16 layers, hidden 1024, 16/4 heads d64, 32 experts top-4, moe_intermediate
+    512, vocab 32000: 0.91B parameters, 0.21B active per token with the output head), random bf16 weights.
+  * smollm2-135m: SmolLM2-135M-Instruct with its real weights (the embedded GGUF, dequantized to bf16; on an
+    offline machine pass ``--smollm2-gguf`` or set ``$APEX_JAX_SMOLLM2_WHEEL``); HF runs its config, random.
+
+serving cases (``serving_worker``), each step jitted with the cache donated, batch metadata built once on the
+host (the device step alone: no scheduler or host work between steps):
+  * decode: B in ``DECODE_BATCHES`` sequences at context ``CONTEXT``, one new token each, forward + greedy
+    argmax; tokens/s = B / step time. Roofline: the bytes a step must read over ``BANDWIDTH_TB_S``: every
+    weight but the routed experts and the embedding once (the embedding's B rows; a tied head reads it whole),
+    the routed experts the step actually touched (``expert_counts > 0``, per layer) and each sequence's cached
+    K and V; ``roofline_pct`` = measured / roofline tokens/s.
+  * prefill: one ``CONTEXT``-token prompt (time to first token: forward + argmax) and ``PREFILL_SEQS`` of
+    them in one step (prefill tokens/s).
+hf cases (``hf_worker``): ``AutoModelForCausalLM.from_config`` (random bf16 weights on the GPU, no download),
+B prompts of ``CONTEXT`` random tokens: time to first token = ``generate(max_new_tokens=1)``; decode tokens/s
+= B * HF_NEW_TOKENS / (T(1 + HF_NEW_TOKENS tokens) - T(1 token)), greedy, default (dynamic) cache.
+
+Each (model, engine) runs in its own subprocess under a time limit and prints a row per measurement as it
+goes, so a compile that never ends or a missing package costs the rows not yet printed; the JSON is written
+after every case, and a subset run (``--models``, ``--engines``, ``--layers``) replaces only its own rows
+(keyed by model, engine and depth). The device tool allows 10 minutes a command: run it in pieces, e.g.
+``--models smollm2-135m,moe-1b``, then ``--models qwen3-30b-a3b --engines serving`` (``--layers 8`` if the
+48-layer compile does not fit), then ``--models qwen3-30b-a3b --engines hf``.
+
+    python benchmarks/serving_decode.py                                  # GPU: results/serving_decode.json + png
+    python benchmarks/serving_decode.py --models qwen3-30b-a3b --engines serving --layers 8
+    python benchmarks/serving_decode.py --cpu                            # tiny model, CPU, seconds
+"""
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# This process only spawns the workers and writes results: it must not take the GPU's memory from them.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from benchmarks.harness import RESULTS_DIR, format_table, save_plot, write_results  # noqa: E402
+
+BANDWIDTH_TB_S = 4.27  # H200 HBM3e, measured device-to-device copy (benchmarks/optimizer.py)
+BLOCK_SIZE = 16  # cache page size (the paged kernel's measured configuration)
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     intermediate_size=6144, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                     norm_topk_prob=True, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1e6,
+                     max_position_embeddings=40960, tie_word_embeddings=False, hidden_act="silu")
+MOE_1B = QWEN3_30B_A3B | dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+                              head_dim=64, intermediate_size=2816, num_experts=32, num_experts_per_tok=4,
+                              moe_intermediate_size=512, vocab_size=32000, max_position_embeddings=8192)
+SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
+                    rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+                    hidden_act="silu")
+# The --cpu model: the test fixtures' Qwen3-MoE dims, random weights.
+TINY_MOE = QWEN3_30B_A3B | dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                head_dim=16, intermediate_size=96, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=32, vocab_size=320, max_position_embeddings=256)
+MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B, "moe-1b": MOE_1B, "smollm2-135m": SMOLLM2_135M}
+REAL_WEIGHTS = ("smollm2-135m",)
+ENGINES = ("serving", "hf")
+# Per mode: context length, decode batches, prompts in the prefill-throughput step, timed runs.
+SETTINGS = {"gpu": dict(context=2048, batches=(1, 8, 64), prefill_seqs=4, decode_steps_per_run=10, iters=20),
+            "cpu": dict(context=64, batches=(1, 2), prefill_seqs=1, decode_steps_per_run=1, iters=20)}
+HF_NEW_TOKENS = 32  # decode tokens per HF generate call (after the first)
+HF_RUNS = 3  # generate calls per timing (median): each prefills B x CONTEXT tokens
+TIMEOUT_S = {"serving": 540, "hf": 540}  # per (model, engine) subprocess; the device tool allows 600 s a command
+
+
+# ----------------------------------------------------------------------------- serving (JAX) worker
+
+
+def load_serving_model(name: str, hf_config: dict, dtype, smollm2_gguf: str | None):
+    """(ModelConfig, params): real weights for ``REAL_WEIGHTS``, random ones otherwise."""
+    import jax
+
+    from serving.config import ModelConfig
+    from serving.models import model_module
+
+    cfg = ModelConfig.from_hf(hf_config)
+    if name not in REAL_WEIGHTS:
+        return cfg, model_module(cfg.family).init_params(cfg, jax.random.key(0), dtype)
+    from serving import weights
+    from serving.loaders.gguf import load_gguf
+
+    checkpoint = load_gguf(Path(smollm2_gguf) if smollm2_gguf else weights.default_model_gguf())
+    real = ModelConfig.from_hf(checkpoint.config | dict(num_hidden_layers=cfg.layers))  # --layers: the first ones
+    if (real.layers, real.hidden, real.heads, real.kv_heads, real.vocab) != (
+            cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.vocab):
+        raise ValueError(f"{name}: the GGUF's config {real} does not match the benchmark's {cfg}")
+    return real, model_module(real.family).params_from_hf(real, checkpoint.tensors, dtype)
+
+
+def weight_bytes_per_step(params: dict, cfg, batch: int, expert_counts) -> tuple[int, int]:
+    """(bytes of weights one step reads, bytes of routed expert weights among them): every weight once but the
+    routed experts (only those ``expert_counts [layers, E]`` shows touched) and the embedding (its ``batch``
+    rows, unless it is also the output head)."""
+    import jax
+    import numpy as np
+
+    total, experts = 0, 0
+    for name, leaf in params.items():
+        if name == "embed" and not cfg.tie_embeddings:
+            total += batch * leaf.shape[1] * leaf.dtype.itemsize
+        elif name != "layers":
+            total += leaf.nbytes
+    for layer, lp in enumerate(params["layers"]):
+        for key, group in lp.items():
+            routed = isinstance(group, dict) and "router" in group
+            for weight, leaf in (group.items() if isinstance(group, dict) else [(key, group)]):
+                if routed and weight in ("gate", "up", "down"):
+                    touched = int(np.count_nonzero(np.asarray(expert_counts)[layer]))
+                    experts += touched * leaf.nbytes // leaf.shape[0]
+                else:
+                    total += sum(x.nbytes for x in jax.tree.leaves(leaf))
+    return total + experts, experts
+
+
+def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, smollm2_gguf: str | None):
+    """Print one JSON row per measurement (decode per batch, then prefill) as each finishes."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.harness import time_jax_steps
+    from serving.kv_cache import PagedKV, SeqChunk, make_batch
+    from serving.models import model_module
+
+    settings = SETTINGS[mode]
+    context = settings["context"]
+    dtype = jnp.bfloat16
+    if layers:
+        hf_config = hf_config | dict(num_hidden_layers=layers)
+    cfg, params = load_serving_model(name, hf_config, dtype, smollm2_gguf)
+    forward = model_module(cfg.family).forward
+    blocks_per_seq = context // BLOCK_SIZE
+    max_seqs = max(max(settings["batches"]), settings["prefill_seqs"])
+    kv = PagedKV.create(cfg, max_seqs * blocks_per_seq, BLOCK_SIZE, dtype)
+    kv_bytes_per_token = sum(x.nbytes for x in kv) // (max_seqs * blocks_per_seq * BLOCK_SIZE)
+    tables = np.arange(max_seqs * blocks_per_seq).reshape(max_seqs, blocks_per_seq).tolist()
+    rng = np.random.default_rng(0)
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def step(params, kv, tokens, batch, last):
+        logits, kv, counts = forward(params, cfg, tokens, batch, kv)
+        return kv, jnp.argmax(logits[last], axis=-1), counts
+
+    def measure(chunks, steps_per_run):
+        nonlocal kv
+        batch = make_batch(chunks, BLOCK_SIZE)
+        tokens = rng.integers(0, cfg.vocab, len(batch.positions)).astype(np.int32)
+        last = np.cumsum([c.count for c in chunks]).astype(np.int32) - 1
+        start = time.perf_counter()
+        kv, _, counts = jax.block_until_ready(step(params, kv, tokens, batch, last))
+        compile_s = time.perf_counter() - start
+        timing, (kv,) = time_jax_steps(lambda kv: step(params, kv, tokens, batch, last)[:1], (kv,),
+                                       steps_per_run=steps_per_run, warmup=2, iters=settings["iters"])
+        return timing, compile_s, np.asarray(counts)
+
+    base = dict(model=name, engine="serving", layers=cfg.layers, context=context, weights="real" if name in
+                REAL_WEIGHTS else "random", params_b=sum(x.size for x in jax.tree.leaves(params)) / 1e9)
+    for batch in settings["batches"]:
+        timing, compile_s, counts = measure([SeqChunk(tables[s], context - 1, 1) for s in range(batch)],
+                                            settings["decode_steps_per_run"])
+        total, experts = weight_bytes_per_step(params, cfg, batch, counts)
+        kv_bytes = batch * context * kv_bytes_per_token
+        roofline_ms = (total + kv_bytes) / (BANDWIDTH_TB_S * 1e9)
+        emit(base | dict(case="decode", batch=batch, step_ms=timing.median_ms, p10_ms=timing.p10_ms,
+                         p90_ms=timing.p90_ms, compile_s=compile_s, tokens_per_s=batch / (timing.median_ms * 1e-3),
+                         ms_per_layer=timing.median_ms / cfg.layers, weight_gb=total / 1e9,
+                         expert_gb=experts / 1e9, kv_gb=kv_bytes / 1e9, roofline_ms=roofline_ms,
+                         roofline_tokens_per_s=batch / (roofline_ms * 1e-3),
+                         roofline_pct=100 * roofline_ms / timing.median_ms,
+                         touched_experts_per_layer=float(np.count_nonzero(counts, axis=1).mean())))
+    for seqs in dict.fromkeys((1, settings["prefill_seqs"])):
+        timing, compile_s, _ = measure([SeqChunk(tables[s], 0, context) for s in range(seqs)], 1)
+        emit(base | dict(case="prefill", batch=seqs, step_ms=timing.median_ms, p10_ms=timing.p10_ms,
+                         p90_ms=timing.p90_ms, compile_s=compile_s, ttft_ms=timing.median_ms if seqs == 1 else None,
+                         tokens_per_s=seqs * context / (timing.median_ms * 1e-3),
+                         ms_per_layer=timing.median_ms / cfg.layers))
+
+
+# ----------------------------------------------------------------------------- HF transformers worker
+
+
+def hf_worker(name: str, hf_config: dict, mode: str, layers: int | None):
+    """The same model in HF transformers (random bf16 weights on the GPU): one JSON row per batch."""
+    import statistics
+
+    import torch
+    import transformers
+
+    settings = SETTINGS[mode]
+    context = settings["context"]
+    if layers:
+        hf_config = hf_config | dict(num_hidden_layers=layers)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 directly: the fp32 30B model would not fit
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if (dtype := next(model.parameters()).dtype) != torch.bfloat16:
+        raise RuntimeError(f"HF {name}: built in {dtype}, expected bfloat16 (torch's default dtype)")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def timed_generate(ids, new_tokens, runs=HF_RUNS):
+        """Median wall time (ms) of ``runs`` greedy generate calls of exactly ``new_tokens`` tokens."""
+        times = []
+        for _ in range(runs):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    base = dict(model=name, engine="hf", layers=config.num_hidden_layers, context=context, weights="random",
+                transformers=transformers.__version__)
+    for batch in settings["batches"]:
+        ids = torch.randint(0, config.vocab_size, (batch, context), device="cuda", generator=generator)
+        timed_generate(ids, 2, runs=1)  # warm-up
+        first_ms = timed_generate(ids, 1)
+        total_ms = timed_generate(ids, 1 + HF_NEW_TOKENS)
+        decode_ms = (total_ms - first_ms) / HF_NEW_TOKENS
+        emit(base | dict(case="decode", batch=batch, ttft_ms=first_ms, step_ms=decode_ms,
+                         tokens_per_s=batch / (decode_ms * 1e-3),
+                         prefill_tokens_per_s=batch * context / (first_ms * 1e-3),
+                         ms_per_layer=decode_ms / config.num_hidden_layers))
+
+
+def emit(row: dict) -> None:
+    print(json.dumps(row), flush=True)
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def run_case(name: str, engine: str, args: argparse.Namespace, timeout: float) -> list[dict]:
+    """The rows a worker subprocess printed (a status row added when it failed or ran out of time)."""
+    cmd = [sys.executable, __file__, "--worker", engine, "--models", name]
+    cmd += ["--cpu"] if args.cpu else []
+    cmd += ["--layers", str(args.layers)] if args.layers else []
+    cmd += ["--smollm2-gguf", args.smollm2_gguf] if args.smollm2_gguf else []
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        stdout, status = done.stdout, None
+        if done.returncode:
+            status = "error: " + ((done.stderr.strip().splitlines() or ["no output"])[-1])[:300]
+    except subprocess.TimeoutExpired as e:  # the rows printed before the limit still count
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        status = f"timeout (> {timeout:g} s)"
+    print(f"  {name:<16} {engine:<8} {time.perf_counter() - start:7.1f} s  {status or 'ok'}", flush=True)
+    rows = [dict(json.loads(line), status="ok") for line in stdout.splitlines() if line.startswith("{")]
+    if status:
+        layers = args.layers or (TINY_MOE if args.cpu else MODELS[name])["num_hidden_layers"]
+        rows.append(dict(model=name, engine=engine, layers=layers, case="-", status=status))
+    return rows
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """``speedup_vs_hf`` of every serving decode row: its tokens/s over HF generate's, same model, depth, batch."""
+    hf = {(r["model"], r["layers"], r["batch"]): r["tokens_per_s"] for r in rows
+          if r["engine"] == "hf" and r.get("case") == "decode" and r.get("tokens_per_s")}
+    for r in rows:
+        base = hf.get((r["model"], r.get("layers"), r.get("batch")))
+        if r["engine"] == "serving" and r.get("case") == "decode":
+            r["speedup_vs_hf"] = r["tokens_per_s"] / base if base else None
+    return rows
+
+
+def plot(rows: list[dict], name: str, out_dir: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows if r.get("case") == "decode"))
+    if not models:
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        decode = [r for r in rows if r["model"] == model and r.get("case") == "decode" and r.get("tokens_per_s")]
+        batches = sorted({r["batch"] for r in decode})
+        series = {"serving": [r for r in decode if r["engine"] == "serving"],
+                  "HF generate": [r for r in decode if r["engine"] == "hf"]}
+        width = 0.27
+        for i, (label, key) in enumerate([("serving", "tokens_per_s"), ("HF generate", "tokens_per_s"),
+                                          ("roofline", "roofline_tokens_per_s")]):
+            source = series["HF generate" if label == "HF generate" else "serving"]
+            values = {r["batch"]: r.get(key) for r in source}
+            ax.bar([b + (i - 1) * width for b in range(len(batches))], [values.get(b) or 0 for b in batches],
+                   width, label=label)
+        ax.set_xticks(range(len(batches)), [f"B={b}" for b in batches])
+        ax.set_yscale("log")
+        ax.set_ylabel("decode tokens/s (log)")
+        ax.set_title(model)
+        ax.legend()
+    fig.suptitle("Decode throughput at context 2048 (higher is better)")
+    fig.tight_layout()
+    save_plot(fig, name, out_dir)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="a tiny random MoE on the CPU (reference path)")
+    parser.add_argument("--models", help=f"comma-separated subset of {list(MODELS)}")
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {ENGINES}")
+    parser.add_argument("--layers", type=int, help="run every model with this many layers (per-layer figures)")
+    parser.add_argument("--smollm2-gguf", help="SmolLM2-135M-Instruct GGUF (default: the embedded model's cache)")
+    parser.add_argument("--timeout", type=float, help="seconds per (model, engine) subprocess")
+    parser.add_argument("--out-dir", help="where the JSON and PNG go (default benchmarks/results/)")
+    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    mode = "cpu" if args.cpu else "gpu"
+    models = {"tiny-moe": TINY_MOE} if args.cpu else MODELS
+    names = args.models.split(",") if args.models else list(models)
+    engines = args.engines.split(",")
+    if unknown := (set(names) - set(models)) | (set(engines) - set(ENGINES)):
+        parser.error(f"unknown models/engines {sorted(unknown)}: expected models in {list(models)}, engines in "
+                     f"{ENGINES}")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers={args.layers}: expected >= 1")
+
+    if args.worker:
+        if args.worker == "serving":
+            serving_worker(names[0], models[names[0]], mode, args.layers, args.smollm2_gguf)
+        else:
+            hf_worker(names[0], models[names[0]], mode, args.layers)
+        return []
+
+    import jax
+
+    if mode == "gpu" and jax.default_backend() != "gpu":
+        parser.error(f"the GPU benchmark needs a GPU (backend is {jax.default_backend()}); use --cpu")
+    if mode == "cpu":
+        engines = [e for e in engines if e != "hf"]  # torch is on the GPU image only
+    result_name = "serving_decode_cpu" if args.cpu else "serving_decode"
+    out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
+    previous = out_dir / f"{result_name}.json"
+    old = json.loads(previous.read_text())["rows"] if previous.exists() and not args.cpu else []
+    rows = []
+    for name in names:
+        for engine in engines:
+            rows += run_case(name, engine, args, args.timeout or TIMEOUT_S[engine])
+            measured = {(r["model"], r["engine"], r["layers"]) for r in rows}
+            merged = add_speedups([r for r in old if (r["model"], r["engine"], r["layers"]) not in measured] + rows)
+            write_results(result_name, dict(mode=mode, bandwidth_tb_s=BANDWIDTH_TB_S, block_size=BLOCK_SIZE,
+                                            settings=SETTINGS[mode], hf_new_tokens=HF_NEW_TOKENS,
+                                            layers_override=args.layers, rows=merged), out_dir=out_dir)
+    plot(merged, result_name, out_dir)
+    columns = ["model", "engine", "layers", "case", "batch", "step_ms", "tokens_per_s", "roofline_tokens_per_s",
+               "roofline_pct", "speedup_vs_hf", "ttft_ms", "ms_per_layer", "compile_s", "status"]
+    print(format_table(merged, columns))
+    return merged
+
+
+if __name__ == "__main__":
+    main()
