@@ -144,7 +144,7 @@ class AsyncEngine:
         stream = command.stream
         try:
             self.engine.add_request(command.prompt_ids, command.params, stream.request_id)
-        except (ValueError, EngineFullError) as e:
+        except Exception as e:  # refused (ValueError, EngineFullError) or worse: only this request fails
             with self._lock:
                 self._in_flight -= stream.n
             stream.put(e)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import jinja2
 import pydantic
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -79,11 +80,12 @@ class Frontend:
         raise APIError(404, f"model {name!r} not found: this server serves {self.model_name!r}", "model")
 
     def encode(self, prompt: Any) -> list[int]:
-        """Token ids of text, chat messages or ids; 400 for an empty prompt or ids outside the vocabulary."""
+        """Token ids of text, chat messages or ids; 400 for an empty prompt, ids outside the vocabulary, or
+        messages the chat template refuses."""
         try:
             ids = self.engine.encode(prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), "prompt") from None
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise APIError(400, f"cannot encode the prompt: {e}", "prompt") from None
         if not ids:
             raise APIError(400, "the prompt is empty: expected at least one token", "prompt")
         return ids

@@ -119,11 +119,7 @@ class Server:
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None,
                                                     timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, name="serving-http", daemon=True)
-        self.host = host
-
-    @property
-    def port(self) -> int:
-        return self.server.servers[0].sockets[0].getsockname()[1]
+        self.host, self.port = host, port
 
     @property
     def url(self) -> str:
@@ -136,6 +132,7 @@ class Server:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the server on {self.host} did not start")
             time.sleep(POLL_S)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
         return self
 
     def stop(self) -> None:
