@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from benchmarks import serving_decode
-from pallas_kernels.testing import on_gpu
+from pallas_kernels.testing import lower_for_h200, on_gpu
 from serving.config import ModelConfig
+from serving.kv_cache import PagedKV, SeqChunk, make_batch
 from serving.models import model_module
 
 
@@ -62,3 +63,22 @@ def test_a_case_past_its_time_limit_costs_its_rows_not_the_run(tmp_path):
     serving_decode.main(["--cpu", "--out-dir", str(tmp_path), "--timeout", "0.5"])
     rows = json.loads((tmp_path / "serving_decode_cpu.json").read_text())["rows"]
     assert rows == [dict(model="tiny-moe", engine="serving", layers=2, case="-", status="timeout (> 0.5 s)")]
+
+
+@pytest.mark.parametrize("name", list(serving_decode.MODELS))
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+def test_the_benchmark_models_lower_to_the_triton_kernels_for_an_h200(name, case):
+    """One layer of each benchmark model at its real width: B=64 decode and a 2048-token prefill lower for an H200,
+    every Triton module passing the MLIR verifier (the GPU run's compile errors, caught on a CPU)."""
+    cfg = ModelConfig.from_hf(serving_decode.MODELS[name] | dict(num_hidden_layers=1))
+    module = model_module(cfg.family)
+    context, blocks = 2048, 2048 // serving_decode.BLOCK_SIZE
+    params = jax.eval_shape(lambda: module.init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    kv = jax.eval_shape(lambda: PagedKV.create(cfg, 64 * blocks, serving_decode.BLOCK_SIZE, jnp.bfloat16))
+    tables = np.arange(64 * blocks).reshape(64, blocks).tolist()
+    chunks = ([SeqChunk(t, context - 1, 1) for t in tables] if case == "decode" else [SeqChunk(tables[0], 0, context)])
+    batch = make_batch(chunks, serving_decode.BLOCK_SIZE)
+    text = lower_for_h200(lambda p, t, b, c: module.forward(p, cfg, t, b, c), params,
+                          jax.ShapeDtypeStruct(batch.positions.shape, jnp.int32), batch, kv)
+    kernels = ("paged_attention", "flash_attention_causal") + (("grouped_matmul",) if cfg.num_experts else ())
+    assert all(f'name = "{k}"' in text for k in kernels), kernels
