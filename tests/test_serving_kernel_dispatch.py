@@ -3,6 +3,7 @@
 models give the same logits through it, and a whole decode step lowered for an H200 carries the Triton kernels.
 """
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -209,3 +210,22 @@ def test_a_whole_decode_step_lowers_to_the_triton_kernels_for_an_h200(name, kern
     for kernel in kernels:
         assert f'name = "{kernel}"' in text, kernel
     assert "ragged_dot" not in text  # the reference branch is not lowered for cuda
+
+
+# DeepSeek-V3's attention widths (128 heads, R = 512, P = 64, nope 128, v 128) on the fixture's small rest.
+V3_ATTENTION = dict(heads=128, kv_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                    v_head_dim=128, head_dim=192, q_lora_rank=256)
+
+
+@pytest.mark.parametrize("chunks", [[SeqChunk(list(range(s * 32, s * 32 + 32)), 2047, 1) for s in range(8)],
+                                    [SeqChunk(list(range(32)), 0, 2048)]], ids=["decode", "prefill"])
+def test_mla_at_deepseek_v3_width_lowers_for_an_h200(chunks):
+    """The packed MLA prefill (576-wide q/k rows, MLA_FLASH_CONFIG) and the paged MLA decode at V3's widths."""
+    cfg = dataclasses.replace(fixture("deepseek_v3")[0], **V3_ATTENTION)
+    module = model_module(cfg.family)
+    params = jax.eval_shape(lambda: module.init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    kv = jax.eval_shape(lambda: PagedLatentKV.create(cfg, 8 * 32, 64, jnp.bfloat16))
+    batch = make_batch(chunks, 64)
+    text = lower_for_h200(lambda p, t, b, c: module.forward(p, cfg, t, b, c), params,
+                          jax.ShapeDtypeStruct(batch.positions.shape, jnp.int32), batch, kv)
+    assert 'name = "paged_mla_attention"' in text and 'name = "flash_attention_causal"' in text
