@@ -25,6 +25,7 @@ pass fits the same ``propose`` interface.
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -39,7 +40,7 @@ from serving.engine.sampler import SampleRow, SamplingBatch, apply_penalties, fi
 from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import AttentionBatch, PagedKV, PagedLatentKV, SeqChunk, make_batch
 from serving.models import model_module
-from serving.structured import apply_token_bitmask
+from serving.structured import apply_token_bitmask, fill_token_bitmask
 
 # Random streams folded into a position's key fold_in(key(seed), step): the plain draw uses the key itself (as
 # sampler.py does), so positions without a draft sample exactly as without speculation.
@@ -254,8 +255,15 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
         history = list(c.row.output_ids) + list(c.drafts)
         out = len(c.row.output_ids)
         sample_rows += [c.row._replace(step=c.row.step + j, output_ids=history[:out + min(j, d)]) for j in range(k + 1)]
+        if c.row.matcher is not None and d:
+            raise ValueError(f"verify_step: chunk {s} is constrained (structured output) and must have no drafts")
+    # A constrained sequence is never drafted, so its one scored position (j = 0) takes its matcher's mask.
+    matchers = [r.matcher if j == 0 else None for r, j in zip(sample_rows, itertools.cycle(range(k + 1)))]
+    bitmask = (fill_token_bitmask(matchers, runner.cfg.vocab, num_seqs * (k + 1))
+               if any(m is not None for m in matchers) else None)
     result, runner.kv, counts = _verify_step(
-        runner.params, runner.kv, tokens, batch, rows.reshape(-1), sampling_batch(sample_rows, num_seqs * (k + 1)),
+        runner.params, runner.kv, tokens, batch, rows.reshape(-1),
+        sampling_batch(sample_rows, num_seqs * (k + 1), token_bitmask=bitmask),
         draft_tokens, draft_counts, draft_probs, draft_rows, forward=runner.forward, cfg=runner.cfg, num_top=num_top)
     runner.expert_load += np.asarray(counts)
     n = len(chunks)

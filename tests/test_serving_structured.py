@@ -1,6 +1,7 @@
 """Tests of serving.structured: constraint specs and errors, matchers (eos, vocab padding, rollback), the packed
 token bitmask in the batched sampler, and SmolLM2 generating under JSON schema, regex and choice constraints."""
 
+import dataclasses
 import json
 import math
 import re
@@ -13,12 +14,11 @@ import numpy as np
 import pytest
 
 from serving import weights
-from serving.config import ModelConfig
+from serving.engine.engine import Engine
 from serving.engine.sampler import SampleRow, sample, sampling_batch
 from serving.engine.sampling_params import SamplingParams
-from serving.kv_cache import PagedKV, SeqChunk, make_batch
-from serving.loaders.gguf import load_gguf, read_metadata
-from serving.models import llama
+from serving.loaders.gguf import read_metadata
+from serving.speculative import NgramDrafter, SpecConfig
 from serving.structured import (
     ALL_ALLOWED,
     ConstraintSpec,
@@ -241,57 +241,37 @@ def test_sampler_samples_only_allowed_tokens():
 # --------------------------------------------------------------------------- SmolLM2 under constraints
 
 
-def generate(params: dict, cfg: ModelConfig, tok: Tokenizer, prompts: list[list[int]],
-             specs: list[ConstraintSpec | None], sampling: list[SamplingParams], seeds: list[int]) -> list[list[int]]:
-    """All prompts as one batch: a ragged prefill, then one decode step per token, sampled by the engine's
-    sampler under each row's constraint (None: unconstrained) until eos or MAX_NEW_TOKENS."""
-    matchers = [None if s is None else compile_constraint(s, tok, cfg.vocab).matcher() for s in specs]
-    blocks = max(math.ceil((len(p) + MAX_NEW_TOKENS) / BLOCK_SIZE) for p in prompts)
-    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(prompts))]
-    kv = PagedKV.create(cfg, len(prompts) * blocks, BLOCK_SIZE, jnp.float32)
-    step_fn = jax.jit(lambda params, tokens, batch, kv, last, sb: (
-        lambda logits, kv: (sample(logits[last], sb).tokens, kv))(*llama.forward(params, cfg, tokens, batch, kv)[:2]))
-    chunks = [SeqChunk(t, 0, len(p)) for t, p in zip(tables, prompts, strict=True)]
-    tokens, last = np.concatenate(prompts), np.cumsum([len(p) for p in prompts]) - 1
-    outputs: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    while not all(done):
-        rows = [SampleRow(p, seed, len(o), (), ()) for p, seed, o in zip(sampling, seeds, outputs, strict=True)]
-        bitmask = fill_token_bitmask([None if d else m for m, d in zip(matchers, done, strict=True)], cfg.vocab)
-        picked, kv = step_fn(params, tokens, make_batch(chunks, BLOCK_SIZE), kv, last,
-                             sampling_batch(rows, token_bitmask=bitmask))
-        for i, token in enumerate(np.asarray(picked).tolist()):
-            if not done[i]:
-                if matchers[i] is not None:
-                    matchers[i].advance(token)  # raises if the sampler picked a disallowed token
-                outputs[i].append(token)
-                done[i] = token in tok.eos_token_ids or len(outputs[i]) == MAX_NEW_TOKENS
-        chunks = [SeqChunk(t, len(p) + len(o) - 1, 1) for t, p, o in zip(tables, prompts, outputs, strict=True)]
-        tokens, last = np.asarray([o[-1] for o in outputs], np.int32), np.arange(len(prompts))
-    return outputs
+@pytest.fixture(scope="module")
+def smollm2_engines():
+    """The engine over SmolLM2, plain and with n-gram speculation (constrained rows are never drafted)."""
+    plain = Engine.from_default(num_blocks=512, max_running=64, token_budget=1024)
+    return plain, Engine.from_default(num_blocks=512, max_running=64, token_budget=1024,
+                                      speculative=SpecConfig(NgramDrafter(), k=4))
 
 
 @pytest.mark.slow
-def test_smollm2_constrained_outputs_parse_and_validate():
-    """8 JSON schemas, a regex and a choice, each greedy and with 2 seeds, in one batch with an unconstrained
-    row: every constrained output ends with eos, parses and validates (or fullmatches / is a choice)."""
-    checkpoint = load_gguf(weights.default_model_gguf())
-    cfg = ModelConfig.from_hf(checkpoint.config)
-    params = llama.params_from_hf(cfg, checkpoint.tensors, jnp.float32)
-    tok = checkpoint.tokenizer
+@pytest.mark.parametrize("speculative", [False, True])
+def test_smollm2_constrained_outputs_parse_and_validate(smollm2_engines, speculative):
+    """8 JSON schemas, a regex and a choice, each greedy and with 2 seeds, in one engine batch with an
+    unconstrained row: every constrained output ends with eos, parses and validates (or fullmatches / is a
+    choice); with speculation on, the outputs are the same."""
+    engine = smollm2_engines[speculative]
+    tok = engine.tokenizer
     cases = [(f"Describe an example {name.replace('_', ' ')} as JSON.", ConstraintSpec.json_schema(schema), name)
              for name, schema in SCHEMAS.items()]
     cases += [("Give a US phone number.", ConstraintSpec.regex(PHONE), "phone"),
               ("Is 'I love this!' positive, negative or neutral?", ConstraintSpec.choice(CHOICES), "choice")]
-    rows = [(prompt, spec, name, sp, seed) for prompt, spec, name in cases
+    rows = [(prompt, spec, name, dataclasses.replace(sp, seed=seed, constraint=spec, max_tokens=MAX_NEW_TOKENS))
+            for prompt, spec, name in cases
             for sp, seed in [(SamplingParams(temperature=0.0), 0)] + [(SAMPLED, s) for s in SEEDS]]
-    rows.append(("What is the capital of France?", None, "free", SamplingParams(temperature=0.0), 0))
-    prompts = [_ids(tok, tok.apply_chat_template([{"role": "user", "content": r[0]}])) for r in rows]
-    outputs = generate(params, cfg, tok, prompts, [r[1] for r in rows], [r[3] for r in rows], [r[4] for r in rows])
+    rows.append(("What is the capital of France?", None, "free",
+                 SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)))
+    results = engine.generate([[{"role": "user", "content": r[0]}] for r in rows], [r[3] for r in rows])
+    outputs = [r.outputs[0].token_ids for r in results]
 
     eos = set(tok.eos_token_ids)
-    for (_, spec, name, sp, seed), ids in zip(rows, outputs, strict=True):
-        label = f"{name} T={sp.temperature} seed={seed}: {tok.decode(ids)!r}"
+    for (_, spec, name, sp), ids in zip(rows, outputs, strict=True):
+        label = f"{name} T={sp.temperature} seed={sp.seed}: {tok.decode(ids)!r}"
         if spec is None:
             assert "Paris" in tok.decode(ids), label  # the mask of other rows does not reach this one
             continue
@@ -303,5 +283,15 @@ def test_smollm2_constrained_outputs_parse_and_validate():
             assert re.fullmatch(PHONE, text), label
         else:
             assert text in CHOICES, label
-    sampled = [tuple(ids) for r, ids in zip(rows, outputs, strict=True) if r[3] is SAMPLED and r[2] == "person"]
+    sampled = [tuple(ids) for r, ids in zip(rows, outputs, strict=True)
+               if r[3].temperature > 0 and r[2] == "person"]
     assert len(set(sampled)) > 1, sampled  # seeds make different outputs
+    if speculative:
+        assert engine.spec_stats.num_steps > 0
+
+
+def test_engine_rejects_an_invalid_constraint_before_queueing(smollm2_engines):
+    engine = smollm2_engines[0]
+    with pytest.raises(InvalidConstraintError):
+        engine.add_request("hi", SamplingParams(constraint=ConstraintSpec.json_schema({"type": "nonsense"})))
+    assert not engine.has_unfinished()

@@ -7,10 +7,11 @@ with the usage. Logprobs: ``logprobs`` + ``top_logprobs`` (chat), ``logprobs`` =
 
 With ``tools`` (and ``tool_choice`` other than "none") the prompt and the output follow ``serving.api.tools``;
 a streamed answer is then sent whole in its last chunk, once it is known to be a call or plain content.
-``response_format`` json_object / json_schema is checked (a bad schema is a 400) but not applied yet: the
-engine has no per-sequence constraint hook, so such requests get a 400 saying so.
+``response_format`` json_object / json_schema constrains the output through ``serving.structured`` (token masks
+in the batched sampler); a bad schema is a 400.
 """
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -238,12 +239,11 @@ class OpenAIRoutes:
         f.check_room()
         body = await f.parse(request, ChatRequest)
         f.check_model(body.model)
-        if self._constraint(body.response_format) is not None:  # to wire once SamplingParams takes a constraint
-            raise APIError(400, f"response_format {body.response_format.type!r} is not supported yet: the engine "
-                           "does not apply output constraints", "response_format")
+        constraint = self._constraint(body.response_format)
         prompt_ids, allowed = self._chat_prompt(body)
         top = body.top_logprobs or 0 if body.logprobs else None
-        params = _sampling(f, body, prompt_ids, body.max_completion_tokens or body.max_tokens, top)
+        params = dataclasses.replace(_sampling(f, body, prompt_ids, body.max_completion_tokens or body.max_tokens, top),
+                                     constraint=constraint)
         stream = f.submit(prompt_ids, params, "chatcmpl-")
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage

@@ -34,6 +34,7 @@ from serving.loaders import load_model
 from serving.loaders.gguf import load_gguf
 from serving.models import model_module
 from serving.speculative import DraftRequest, Proposal, SpecConfig, SpecStats, VerifyChunk, verify_step
+from serving.structured import compile_constraint
 from serving.tokenizer import Tokenizer
 
 SEED_RANGE = 2**32  # seeds are uint32
@@ -81,6 +82,11 @@ class RequestResult:
     prompt_ids: list[int]
     outputs: list[Completion]  # one per sample, by index
     num_cached_tokens: int  # prompt tokens the prefix cache supplied (first sample, last admission)
+
+
+def _sample_row(seq: Seq) -> SampleRow:
+    """What the sampler needs of a sequence for its next token."""
+    return SampleRow(seq.params, seq.seed, len(seq.output_ids), seq.prompt_ids, seq.output_ids, seq.matcher)
 
 
 def _eos_from_folder(path: Path) -> tuple[int, ...]:
@@ -179,9 +185,15 @@ class Engine:
                 raise EngineFullError(f"{unfinished} sequences are unfinished and {params.n} more would exceed "
                                       f"max_running + max_queue = {limit}")
         ids = self.encode(prompt)
+        constraint = None
+        if params.constraint is not None:  # compiled before queueing: an invalid one raises InvalidConstraintError
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.constraint needs a tokenizer; this model has none")
+            constraint = compile_constraint(params.constraint, self.tokenizer, self.cfg.vocab)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(SEED_RANGE))
         seqs = [Seq(next(self._ids), request_id, i, list(ids), params, (seed + i) % SEED_RANGE, self.eos_ids,
-                    self.max_model_len, self.tokenizer.decode_stream() if self.tokenizer else None, cache_salt)
+                    self.max_model_len, self.tokenizer.decode_stream() if self.tokenizer else None, cache_salt,
+                    matcher=constraint.matcher() if constraint else None)
                 for i in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)
@@ -249,7 +261,7 @@ class Engine:
 
     def _run(self, chunks: list) -> list[StepOutput]:
         seqs = [c.seq for c in chunks]
-        rows = [SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids) for s in seqs]
+        rows = [_sample_row(s) for s in seqs]
         wants_top = any(c.samples and c.seq.params.logprobs for c in chunks)
         result = self.runner.run([SeqChunk(s.block_table, c.start, c.count) for s, c in zip(seqs, chunks, strict=True)],
                                  [s.tokens[c.start:c.start + c.count] for s, c in zip(seqs, chunks, strict=True)],
@@ -274,7 +286,9 @@ class Engine:
         max_tokens or the context length."""
         decoding = [s for s in self.scheduler.running if s.num_tokens - s.num_computed == 1]
         k = self.speculative.k
-        limits = [min(k, s.params.max_tokens - len(s.output_ids) - 1, s.max_len - s.num_tokens - 1) for s in decoding]
+        # A constrained sequence (structured output) is not drafted: its matcher masks only the scored position.
+        limits = [0 if s.matcher is not None else
+                  min(k, s.params.max_tokens - len(s.output_ids) - 1, s.max_len - s.num_tokens - 1) for s in decoding]
         proposal = self.drafter.propose([DraftRequest(s.seq_id, s.tokens, len(s.output_ids), s.params, s.seed, n)
                                          for s, n in zip(decoding, limits, strict=True)], k)
         for seq, drafts, n in zip(decoding, proposal.tokens, limits, strict=True):
@@ -291,7 +305,7 @@ class Engine:
             drafts = s.draft_ids[:max(0, c.start + c.count - s.num_tokens)]
             verify_chunks.append(VerifyChunk(SeqChunk(s.block_table, c.start, c.count),
                                              s.tokens[c.start:c.start + c.count - len(drafts)] + drafts,
-                                             SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids),
+                                             _sample_row(s),
                                              drafts, proposal_rows.get(s.seq_id, 0)))
         for seq in drafted:
             seq.draft_ids = []

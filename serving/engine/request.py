@@ -9,6 +9,7 @@ give the next one, so a sequence with ``len(tokens) - num_computed == 1`` is dec
 import dataclasses
 
 from serving.engine.sampling_params import SamplingParams
+from serving.structured import ConstraintMatcher
 from serving.tokenizer import Detokenizer
 
 STOP, LENGTH = "stop", "length"  # finish reasons: a stop condition met, or max_tokens / the context length
@@ -36,6 +37,7 @@ class Sequence:
     emitted: int = 0  # characters of text already returned
     finish_reason: str | None = None
     draft_ids: list[int] = dataclasses.field(default_factory=list)  # speculative tokens to verify this step
+    matcher: ConstraintMatcher | None = None  # structured-output state (params.constraint), advanced by append
 
     @property
     def tokens(self) -> list[int]:
@@ -56,6 +58,8 @@ class Sequence:
         the stop string; while the text ends in a possible start of a stop string, that tail is held back.
         """
         self.output_ids.append(token)
+        if self.matcher is not None:
+            self.matcher.advance(token)
         p = self.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             self.finish_reason = STOP

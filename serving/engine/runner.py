@@ -20,6 +20,7 @@ from serving import layers
 from serving.config import ModelConfig
 from serving.engine.sampler import SampleResult, SampleRow, SamplingBatch, sample, sampling_batch
 from serving.kv_cache import SeqChunk, make_batch
+from serving.structured import fill_token_bitmask
 
 MIN_TOKENS_BUCKET = 8  # the smallest padded N: decode batches of up to 8 sequences share one compile
 
@@ -65,7 +66,11 @@ class ModelRunner:
         tokens[:total] = np.concatenate(token_ids)
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.cumsum([c.count for c in chunks]) - 1
-        result, self.kv, counts = _step(self.params, self.kv, tokens, batch, last, sampling_batch(rows, num_seqs),
+        matchers = [r.matcher for r in rows]
+        bitmask = (fill_token_bitmask(matchers, self.cfg.vocab, num_seqs)
+                   if any(m is not None for m in matchers) else None)  # unconstrained batches keep their compile
+        sampling = sampling_batch(rows, num_seqs, token_bitmask=bitmask)
+        result, self.kv, counts = _step(self.params, self.kv, tokens, batch, last, sampling,
                                         forward=self.forward, cfg=self.cfg, num_top=num_top,
                                         kernels=layers.kernel_mode())
         counts = np.asarray(counts)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.engine.sampling_params import SamplingParams
-from serving.structured import apply_token_bitmask
+from serving.structured import ConstraintMatcher, apply_token_bitmask
 
 NO_TOKEN = -1  # padding in the penalty id lists
 
@@ -61,6 +61,7 @@ class SampleRow(NamedTuple):
     step: int
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    matcher: ConstraintMatcher | None = None  # the row's structured-output state, if constrained
 
 
 def _pad_ids(lists: Sequence[Sequence[int]], rows: int, width: int) -> np.ndarray:

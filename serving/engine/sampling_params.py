@@ -2,6 +2,8 @@
 
 import dataclasses
 
+from serving.structured import ConstraintSpec
+
 MAX_LOGPROBS = 20  # top-n logprobs a request may ask for (the sampler computes this many when any request asks)
 
 
@@ -14,7 +16,8 @@ class SamplingParams:
     (multiplies negative) logits of tokens seen in the prompt or output; ``presence_penalty`` subtracts a constant
     from tokens seen in the output, ``frequency_penalty`` that times their count. ``seed`` makes sampling
     reproducible (sample i of ``n`` uses seed + i). ``logprobs`` = n returns the chosen token's logprob and the
-    top n (from the model's raw distribution, before penalties and temperature).
+    top n (from the model's raw distribution, before penalties and temperature). ``constraint`` restricts the
+    output to a JSON schema, regex or choice (``serving.structured``): disallowed tokens are masked out.
     """
 
     n: int = 1
@@ -31,6 +34,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    constraint: ConstraintSpec | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
