@@ -10,7 +10,8 @@ The tour is a list of steps (:data:`STEPS`), each a function of the shared :clas
 4. ``predictive_coding_epoch``: one epoch of supervised predictive coding (``pc``) on MNIST, in Deepity's
    configuration (784-512-512-10 sigmoid, T=20 Euler settling steps, batch 250, AdamW), as one jitted call.
 
-A later part of the toolkit (serving) joins the tour by adding its own ``DemoStep``.
+5. ``serving_chat``: the real SmolLM2-135M-Instruct served on 127.0.0.1 by ``serving``'s OpenAI-compatible
+   server, one chat request through the official ``openai`` client, the reply and tokens/s.
 """
 
 import dataclasses
@@ -274,11 +275,23 @@ def predictive_coding_epoch(tour: Tour) -> None:
                        f"{float(metrics['energy']):.3f}, test accuracy {accuracy:.2%}")
 
 
+def serving_chat(tour: Tour) -> None:
+    """SmolLM2 behind the OpenAI-compatible server on loopback: one chat request, its reply and speed."""
+    from serving.api.demo import demo_round_trip  # the serving part loads its model only when this step runs
+
+    with tour.console.status("serving: loading SmolLM2-135M-Instruct and starting the server on 127.0.0.1"):
+        result = demo_round_trip()
+    tour.results["serving"] = result
+    tour.console.print(f"server {result['url']}: {result['reply']!r} ({result['completion_tokens']} tokens, "
+                       f"{result['tokens_per_s']:.1f} tokens/s, batch 1 on this CPU, after a warm-up request)")
+
+
 STEPS: list[DemoStep] = [
     DemoStep("train MNIST with every optimizer variant", train_optimizers),
     DemoStep("checkpoint round trip", checkpoint_round_trip),
     DemoStep("optimizer table", optimizer_table),
     DemoStep("predictive coding: one epoch", predictive_coding_epoch),
+    DemoStep("serving: SmolLM2 behind the OpenAI-compatible API", serving_chat),
 ]
 
 

@@ -30,6 +30,8 @@ def test_tiny_tour_runs_every_step_and_every_variant_learns():
     for step in demo.STEPS:
         assert step.name in text
     assert tour.results["pc_test_accuracy"] > 0.5
+    served = tour.results["serving"]  # SmolLM2 through the loopback server and the openai client
+    assert "Paris" in served["reply"] and served["tokens_per_s"] > 0 and served["url"].startswith("http://127.0.0.1:")
 
 
 def test_config_rejects_too_few_steps():
