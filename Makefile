@@ -33,7 +33,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -p no:cacheprovider
+	# Two worker processes, each taking whole files (module fixtures stay shared): the suite takes about half as long
+	# on 2 cores, and no single process accumulates every compiled executable of the suite.
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
