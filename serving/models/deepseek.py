@@ -38,8 +38,8 @@ from serving.kv_cache import AttentionBatch, PagedLatentKV
 from serving.layers import apply_rope, paged_mla_attention, rms_norm, swiglu, yarn_mscale
 from serving.models import llama
 from serving.models import moe as moe_model
-from serving.models.llama import TENSOR, Rope, Weight
-from serving.sharding import moe
+from serving.models.llama import Rope, Weight
+from serving.sharding import TENSOR, moe
 
 LORA_NORM_EPS = 1e-6  # HF's q_a_layernorm / kv_a_layernorm use the RMSNorm default, not config.rms_norm_eps
 ROUTER_DTYPE = jnp.float32  # router weight and bias dtype in every model dtype (HF keeps them fp32)

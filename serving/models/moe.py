@@ -20,8 +20,8 @@ from serving.config import ModelConfig
 from serving.kv_cache import AttentionBatch, PagedKV
 from serving.layers import rms_norm, swiglu
 from serving.models import llama
-from serving.models.llama import EXPERT, TENSOR, Weight
-from serving.sharding import moe
+from serving.models.llama import Weight
+from serving.sharding import EXPERT, TENSOR, moe
 
 # family -> (HF module of the sparse MLP, expert gate / up / down Linear names).
 HF_EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
