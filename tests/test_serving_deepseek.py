@@ -3,12 +3,13 @@ latent attention against the naive decompressed form, sharded execution on 8 CPU
 
 import dataclasses
 import functools
-from pathlib import Path
 
+import hf_fixture
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_fixture import BF16_RTOL, BLOCK, FP32_RTOL, HF, MAX_BLOCKS, NUM_BLOCKS, SEQS, TABLES, forward
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -21,17 +22,8 @@ from serving.layers import apply_rope, paged_mla_attention
 from serving.loaders import read_checkpoint
 from serving.models import deepseek, llama, model_module
 
-FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "deepseek_v3"
-BLOCK = 4  # small blocks, so every prompt spans several (randomly placed) blocks
-NUM_BLOCKS = 32
-MAX_BLOCKS = 12  # 48 slots per sequence: a 12-token prompt + 32 generated tokens
-BUCKET = 24  # prefill calls are padded to this many tokens (the two prompts hold 19)
-SEQS = 2  # and to this many sequences
-TABLES = [list(b) for b in np.random.default_rng(0).permutation(NUM_BLOCKS)[:2 * MAX_BLOCKS].reshape(2, -1)]
-FP32_RTOL = 1e-4  # the brief's bound; reordered fp32 sums land near 1e-6
-# One bf16 rounding per op over three layers: HF's own bf16 logits are within ~1.5% of its fp32 ones wherever
-# no routing decision flips.
-BF16_RTOL = 3e-2
+NAME = "deepseek_v3"
+FIXTURE = HF / NAME
 # Routing margins (fp32, on the biased sigmoid scores that choose: the topk_group-th best group minus the next,
 # and the k-th eligible expert minus the next) under which bf16 rounding of the hidden state may pick another
 # group or expert, in HF's bf16 run or in ours. Our bf16 run moves single choice scores by up to 8e-3 (median
@@ -39,39 +31,10 @@ BF16_RTOL = 3e-2
 ROUTER_TIE = 1e-2
 
 
-@functools.cache
-def fixture() -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, np.ndarray]]:
-    cfg, tensors = read_checkpoint(FIXTURE)
-    with np.load(FIXTURE / "reference.npz") as npz:
-        return cfg, tensors, dict(npz)
-
-
-@functools.cache
-def fixture_params(dtype: jnp.dtype) -> dict:
-    cfg, tensors, _ = fixture()
-    return deepseek.params_from_hf(cfg, tensors, dtype)
-
-
-forward = jax.jit(deepseek.forward, static_argnums=1)
-
-
-def prompts() -> list[np.ndarray]:
-    ref = fixture()[2]
-    return [ids[:n] for ids, n in zip(ref["input_ids"], ref["lengths"], strict=True)]
-
-
-def prefill(dtype: jnp.dtype, seqs: list[int], forward_fn=forward, params: dict | None = None):
-    """The prompts ``seqs`` as one padded ragged batch: (logits per prompt, latent cache, expert counts)."""
-    cfg = fixture()[0]
-    chunks = [SeqChunk(TABLES[s], 0, len(prompts()[s])) for s in seqs]
-    batch = make_batch(chunks, BLOCK, num_tokens=BUCKET, num_seqs=SEQS, max_blocks=MAX_BLOCKS)
-    tokens = np.zeros(BUCKET, np.int32)
-    flat = np.concatenate([prompts()[s] for s in seqs])
-    tokens[:len(flat)] = flat
-    params = fixture_params(dtype) if params is None else params
-    logits, kv, counts = forward_fn(params, cfg, tokens, batch, PagedLatentKV.create(cfg, NUM_BLOCKS, BLOCK, dtype))
-    ends = np.cumsum([0] + [c.count for c in chunks])
-    return [np.asarray(logits[a:b]) for a, b in zip(ends[:-1], ends[1:], strict=True)], kv, np.asarray(counts)
+fixture = functools.partial(hf_fixture.fixture, NAME)
+fixture_params = functools.partial(hf_fixture.fixture_params, NAME)
+prompts = functools.partial(hf_fixture.prompts, NAME)
+prefill = functools.partial(hf_fixture.prefill, NAME)
 
 
 # --------------------------------------------------------------------------- against the HF fixture
@@ -96,16 +59,9 @@ def test_prefill_ragged_batch_matches_hf_fp32():
 
 def test_greedy_decode_through_the_latent_cache_matches_hf():
     cfg, _, ref = fixture()
-    params = fixture_params(jnp.float32)
-    new_tokens = ref["greedy"].shape[1]
-    for s, prompt in enumerate(prompts()):
-        logits, kv, _ = prefill(jnp.float32, [s])
-        generated = [int(np.argmax(logits[0][-1]))]
-        for position in range(len(prompt), len(prompt) + new_tokens - 1):
-            batch = make_batch([SeqChunk(TABLES[s], position, 1)], BLOCK, num_seqs=SEQS, max_blocks=MAX_BLOCKS)
-            step_logits, kv, _ = forward(params, cfg, np.array(generated[-1:], np.int32), batch, kv)
-            generated.append(int(np.argmax(step_logits[0])))
-        np.testing.assert_array_equal(generated, ref["greedy"][s], err_msg=f"prompt {s}")
+    for s in range(len(prompts())):
+        np.testing.assert_array_equal(hf_fixture.greedy(NAME, s, ref["greedy"].shape[1]), ref["greedy"][s],
+                                      err_msg=f"prompt {s}")
 
 
 def routing_margin(x: np.ndarray, params: dict, cfg: ModelConfig) -> np.ndarray:

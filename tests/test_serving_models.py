@@ -10,6 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_fixture import (
+    BF16_RTOL,
+    BLOCK,
+    FP32_RTOL,
+    HF,
+    fixture,
+    fixture_params,
+    forward,
+    greedy,
+    prefill,
+    prompts,
+)
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
@@ -23,58 +35,11 @@ from serving.loaders.safetensors import read_tensors
 from serving.models import llama, model_module
 from serving.models import moe as moe_model
 
-HF = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ("llama", "qwen3_moe", "mixtral")
-BLOCK = 4  # small blocks, so every prompt spans several (randomly placed) blocks
-NUM_BLOCKS = 32
-MAX_BLOCKS = 12  # 48 slots per sequence: a 12-token prompt + 32 generated tokens
-BUCKET = 24  # prefill calls are padded to this many tokens (the two prompts hold 19)
-SEQS = 2  # and to this many sequences
-TABLES = [list(b) for b in np.random.default_rng(0).permutation(NUM_BLOCKS)[:2 * MAX_BLOCKS].reshape(2, -1)]
-FP32_RTOL = 1e-4  # the brief's bound; reordered fp32 sums land near 1e-6
-# One bf16 rounding per op over two layers: HF's own bf16 logits are within ~1.2% of its fp32 ones wherever
-# no routing decision flips.
-BF16_RTOL = 3e-2
 # Top-k routing margins (k-th minus (k+1)-th router probability, fp32) under which bf16 rounding (observed to
 # move margins by up to 1.3e-3 here) may pick another expert, in HF's bf16 run or in ours.
 ROUTER_TIE = 3e-3
 
-
-@functools.cache
-def fixture(name: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, np.ndarray]]:
-    cfg, tensors = read_checkpoint(HF / name)
-    with np.load(HF / name / "reference.npz") as npz:
-        return cfg, tensors, dict(npz)
-
-
-@functools.cache
-def fixture_params(name: str, dtype: jnp.dtype) -> dict:
-    cfg, tensors, _ = fixture(name)
-    return model_module(cfg.family).params_from_hf(cfg, tensors, dtype)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def forward(params, cfg, tokens, batch, kv):
-    return model_module(cfg.family).forward(params, cfg, tokens, batch, kv)
-
-
-def prompts(name: str) -> list[np.ndarray]:
-    ref = fixture(name)[2]
-    return [ids[:n] for ids, n in zip(ref["input_ids"], ref["lengths"], strict=True)]
-
-
-def prefill(name: str, dtype: jnp.dtype, seqs: list[int], forward_fn=forward):
-    """The prompts ``seqs`` as one padded ragged batch: (logits per prompt, kv, expert counts)."""
-    cfg = fixture(name)[0]
-    chunks = [SeqChunk(TABLES[s], 0, len(prompts(name)[s])) for s in seqs]
-    batch = make_batch(chunks, BLOCK, num_tokens=BUCKET, num_seqs=SEQS, max_blocks=MAX_BLOCKS)
-    tokens = np.zeros(BUCKET, np.int32)
-    flat = np.concatenate([prompts(name)[s] for s in seqs])
-    tokens[:len(flat)] = flat
-    logits, kv, counts = forward_fn(fixture_params(name, dtype), cfg, tokens, batch,
-                                    PagedKV.create(cfg, NUM_BLOCKS, BLOCK, dtype))
-    ends = np.cumsum([0] + [c.count for c in chunks])
-    return [np.asarray(logits[a:b]) for a, b in zip(ends[:-1], ends[1:], strict=True)], kv, np.asarray(counts)
 
 
 # --------------------------------------------------------------------------- against the HF fixtures
@@ -95,16 +60,9 @@ def test_prefill_ragged_batch_matches_hf_fp32(name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_decode_through_the_paged_cache_matches_hf(name):
     cfg, _, ref = fixture(name)
-    params = fixture_params(name, jnp.float32)
-    new_tokens = ref["greedy"].shape[1]
-    for s, prompt in enumerate(prompts(name)):
-        logits, kv, _ = prefill(name, jnp.float32, [s])
-        generated = [int(np.argmax(logits[0][-1]))]
-        for position in range(len(prompt), len(prompt) + new_tokens - 1):
-            batch = make_batch([SeqChunk(TABLES[s], position, 1)], BLOCK, num_seqs=SEQS, max_blocks=MAX_BLOCKS)
-            step_logits, kv, _ = forward(params, cfg, np.array(generated[-1:], np.int32), batch, kv)
-            generated.append(int(np.argmax(step_logits[0])))
-        np.testing.assert_array_equal(generated, ref["greedy"][s], err_msg=f"{name} prompt {s}")
+    for s in range(len(prompts(name))):
+        np.testing.assert_array_equal(greedy(name, s, ref["greedy"].shape[1]), ref["greedy"][s],
+                                      err_msg=f"{name} prompt {s}")
 
 
 def recording_moe(margins: list, x, params, cfg, valid=None):
