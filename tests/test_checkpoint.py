@@ -246,7 +246,10 @@ def test_sigterm_saves_current_step_and_exits_cleanly(tmp_path):
         time.sleep(0.2)
         child.send_signal(signal.SIGTERM)
         step = int(_wait_for_line(child, "saved ").split()[1])
-        rest, _ = child.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+        child.wait(timeout=SUBPROCESS_TIMEOUT_S)
+        # read() through the same buffered stream: communicate() would read the pipe's fd directly and miss lines
+        # the iteration above had already buffered (e.g. "exiting" arriving in one chunk with "saved N").
+        rest = child.stdout.read()
     finally:
         if child.poll() is None:
             child.kill()
