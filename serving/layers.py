@@ -219,14 +219,22 @@ def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
     order = jnp.argsort(flat, stable=True)  # pair indices, grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     rows = x[order // cfg.top_k]  # [N*k, D]
-    hidden = (jax.nn.silu(expert_matmul(rows, params["gate"], group_sizes))
-              * expert_matmul(rows, params["up"], group_sizes))
-    out_sorted = expert_matmul(hidden, params["down"], group_sizes)  # [N*k, D]
+    out_sorted = expert_swiglu(rows, params, group_sizes)  # [N*k, D]
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, cfg.top_k, -1)
     y = jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights).astype(x.dtype)
     valid = jnp.ones(num_tokens, jnp.bool_) if valid is None else valid
     counts = jnp.bincount(flat, weights=jnp.repeat(valid, cfg.top_k).astype(jnp.int32), length=num_experts)
     return y, counts.astype(jnp.int32)
+
+
+def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: jax.Array,
+                  matmul: Callable[[jax.Array, Weight, jax.Array], jax.Array] | None = None) -> jax.Array:
+    """SwiGLU of rows ``[M, D]`` sorted by expert, each through its expert's ``gate``/``up [E, D, I]`` and
+    ``down [E, I, D]`` (rows past ``sum(group_sizes)`` come out 0). ``matmul(x, w, group_sizes)`` defaults to
+    :func:`expert_matmul`."""
+    matmul = matmul or expert_matmul
+    hidden = jax.nn.silu(matmul(rows, params["gate"], group_sizes)) * matmul(rows, params["up"], group_sizes)
+    return matmul(hidden, params["down"], group_sizes)
 
 
 def expert_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:

@@ -7,7 +7,7 @@ Expert parallelism (``moe_expert_parallel``, the math of ``layers.moe``), as Dee
 batch is split over ``("data", "expert")`` and each of the ``ep`` devices along ``"expert"`` holds
 ``E / ep`` experts (``gate``/``up [E/ep, D, I/tp]``, ``down [E/ep, I/tp, D]``). Per device, inside
 ``jax.shard_map``: route its own n tokens; send each (token, expert) row to the device holding that expert
-(all-to-all); run the local experts as ``jax.lax.ragged_dot`` over the received rows grouped by expert; send
+(all-to-all); run the local experts (``layers.expert_swiglu`` with ``ragged_dot``) on the received rows; send
 the results back (all-to-all); combine them with the routing weights; sum the partial outputs over
 ``"tensor"`` (each device holds a slice of every local expert's hidden dim).
 
@@ -141,9 +141,9 @@ def _local_moe(x: jax.Array, params: dict[str, jax.Array], valid: jax.Array, *, 
     recv_order = jnp.argsort(recv_ids, stable=True)
     group_sizes = jnp.bincount(recv_ids, length=local_experts).astype(jnp.int32)
     rows = recv_rows[recv_order]
-    hidden = (jax.nn.silu(linear(rows, params["gate"], group_sizes=group_sizes))
-              * linear(rows, params["up"], group_sizes=group_sizes))
-    out_sorted = linear(hidden, params["down"], group_sizes=group_sizes)  # [ep * capacity, D]; 0 past the groups
+    # ragged_dot (quantize.linear), not the Pallas kernel: inside shard_map (check_vma) a pallas_call's out_shape
+    # must carry a manual_axis_type, which grouped_matmul does not set (yet).
+    out_sorted = layers.expert_swiglu(rows, params, group_sizes, matmul=lambda x, w, g: linear(x, w, group_sizes=g))
     out = jnp.zeros_like(out_sorted).at[recv_order].set(out_sorted)
     back = jax.lax.all_to_all(out, EXPERT, 0, 0, tiled=True)  # each row back in the slot it was sent from
 
