@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-MIN_TILE = 16  # smallest M, N and K of a Triton tl.dot tile
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+from pallas_kernels.attention import DTYPES, MIN_TILE, check_power_of_2, check_tile, dot
+
 MAX_GRID_Y = 65535  # CUDA's limit on a launch's second grid dimension, which holds the visits
 
 
@@ -55,14 +55,8 @@ class GroupedMatmulConfig:
     num_stages: int = 4  # K-loop tiles in flight (Triton software pipelining)
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k", "num_warps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"GroupedMatmulConfig.{name} must be a positive power of 2, got {value!r}")
-        for name in ("block_m", "block_n", "block_k"):
-            if getattr(self, name) < MIN_TILE:
-                raise ValueError(f"GroupedMatmulConfig.{name} must be >= {MIN_TILE} (a tl.dot tile), "
-                                 f"got {getattr(self, name)}")
+        check_power_of_2(self, ("block_m", "block_n", "block_k", "num_warps"))
+        check_tile(self, ("block_m", "block_n", "block_k"))
         if self.num_stages < 1:
             raise ValueError(f"GroupedMatmulConfig.num_stages must be >= 1, got {self.num_stages}")
 
@@ -108,12 +102,6 @@ def visit_plan(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
 # --------------------------------------------------------------------------- Pallas kernel
 
 
-def _dot(a, b):
-    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None  # fp32: IEEE, not TF32
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
-
-
 def _and(a, b):
     return b if a is None else a if b is None else a & b
 
@@ -137,7 +125,7 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, num
         w_mask = _and(cols_ok, None if k_ok is None else k_ok[:, None])
         w = plgpu.load(w_ref.at[expert, pl.ds(k0, block_k), pl.ds(col0, block_n)], mask=w_mask,
                        other=None if w_mask is None else 0.0)
-        return acc + _dot(x, w)
+        return acc + dot(x, w)
 
     # int32 branches, not Python ints: Pallas' Triton lowering gives a weak-typed literal operand of select_n the
     # predicate's type, i1, so the K-step count became an i1 `false` and scf.for's bounds mismatched (i32 vs i1).

@@ -35,10 +35,10 @@ import numpy as np
 
 from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
-from serving.engine.runner import MIN_TOKENS_BUCKET, ModelRunner, bucket
+from serving.engine.runner import ModelRunner, bucket
 from serving.engine.sampler import SampleRow, SamplingBatch, apply_penalties, filtered_logits, sampling_batch
 from serving.engine.sampling_params import SamplingParams
-from serving.kv_cache import AttentionBatch, PagedKV, PagedLatentKV, SeqChunk, make_batch
+from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.models import model_module
 from serving.structured import apply_token_bitmask, fill_token_bitmask
 
@@ -199,17 +199,6 @@ def verify(logits: jax.Array, b: SamplingBatch, draft_tokens: jax.Array, draft_c
     return VerifyResult(tokens, num_accepted, chosen, top_ids.astype(jnp.int32), top_logprobs)
 
 
-def _prepare(runner: ModelRunner, chunks: list[SeqChunk], token_ids: list[list[int]]
-             ) -> tuple[np.ndarray, AttentionBatch]:
-    """Flat tokens ``[N]`` and batch metadata of ``chunks``, padded to ``runner``'s buckets (as ``runner.run``)."""
-    total = sum(c.count for c in chunks)
-    batch = make_batch(chunks, runner.block_size, num_tokens=bucket(total, MIN_TOKENS_BUCKET),
-                       num_seqs=bucket(len(chunks)), max_blocks=bucket(max(len(c.block_table) for c in chunks)))
-    tokens = np.zeros(batch.positions.shape, np.int32)
-    tokens[:total] = np.concatenate(token_ids)
-    return tokens, batch
-
-
 @functools.partial(jax.jit, static_argnames=("forward", "cfg", "num_top"), donate_argnames="kv")
 def _verify_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, rows: jax.Array, sampling: SamplingBatch,
                  draft_tokens: jax.Array, draft_counts: jax.Array, draft_probs: jax.Array | None,
@@ -238,7 +227,7 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
     Each chunk's last ``1 + len(drafts)`` tokens are scored: position j samples as output token
     ``row.step + j`` with the drafts before it appended to the history.
     """
-    tokens, batch = _prepare(runner, [c.chunk for c in chunks], [c.token_ids for c in chunks])
+    tokens, batch = runner.prepare([c.chunk for c in chunks], [c.token_ids for c in chunks])
     num_seqs = batch.context_lens.shape[0]
     rows = np.zeros((num_seqs, k + 1), np.int32)
     draft_tokens = np.full((num_seqs, k), NO_DRAFT, np.int32)
@@ -414,7 +403,7 @@ class DraftModelDrafter:
     def _step(self, chunks: list[tuple[_DraftState, list[int]]],
               rows: list[SampleRow]) -> tuple[list[int], jax.Array | None]:
         """Run each state's new ``ids`` after its cached tokens; one draft token per chunk (and q)."""
-        tokens, batch = _prepare(self.runner, [SeqChunk(s.blocks, len(s.cached), len(ids)) for s, ids in chunks],
+        tokens, batch = self.runner.prepare([SeqChunk(s.blocks, len(s.cached), len(ids)) for s, ids in chunks],
                                             [ids for _, ids in chunks])
         num_seqs = batch.context_lens.shape[0]
         last = np.zeros(num_seqs, np.int32)

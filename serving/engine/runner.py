@@ -19,7 +19,7 @@ import numpy as np
 from serving import layers
 from serving.config import ModelConfig
 from serving.engine.sampler import SampleResult, SampleRow, SamplingBatch, sample, sampling_batch
-from serving.kv_cache import SeqChunk, make_batch
+from serving.kv_cache import AttentionBatch, SeqChunk, make_batch
 from serving.structured import fill_token_bitmask
 
 MIN_TOKENS_BUCKET = 8  # the smallest padded N: decode batches of up to 8 sequences share one compile
@@ -55,15 +55,20 @@ class ModelRunner:
         self.cfg, self.params, self.forward, self.kv, self.block_size = cfg, params, forward, kv, block_size
         self.expert_load = np.zeros((cfg.layers, cfg.num_experts), np.int64)
 
+    def prepare(self, chunks: list[SeqChunk], token_ids: list[list[int]]) -> tuple[np.ndarray, AttentionBatch]:
+        """Flat tokens ``[N]`` and batch metadata of ``chunks``, padded to the power-of-two buckets."""
+        total = sum(c.count for c in chunks)
+        batch = make_batch(chunks, self.block_size, num_tokens=bucket(total, MIN_TOKENS_BUCKET),
+                           num_seqs=bucket(len(chunks)), max_blocks=bucket(max(len(c.block_table) for c in chunks)))
+        tokens = np.zeros(batch.positions.shape, np.int32)
+        tokens[:total] = np.concatenate(token_ids)
+        return tokens, batch
+
     def run(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
             num_top: int = 0) -> StepResult:
         """Run ``chunks`` (with their new ``token_ids``) and sample one token per chunk from ``rows``."""
-        total = sum(c.count for c in chunks)
-        num_seqs = bucket(len(chunks))
-        batch = make_batch(chunks, self.block_size, num_tokens=bucket(total, MIN_TOKENS_BUCKET), num_seqs=num_seqs,
-                           max_blocks=bucket(max(len(c.block_table) for c in chunks)))
-        tokens = np.zeros(batch.positions.shape, np.int32)
-        tokens[:total] = np.concatenate(token_ids)
+        tokens, batch = self.prepare(chunks, token_ids)
+        num_seqs = batch.context_lens.shape[0]
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.cumsum([c.count for c in chunks]) - 1
         matchers = [r.matcher for r in rows]
