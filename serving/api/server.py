@@ -3,6 +3,7 @@
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (OpenAI), ``/v1/messages`` (Anthropic),
 ``/health`` (200 while the engine thread lives; never needs the key) and ``/metrics`` (Prometheus). Every
 error, unknown routes and unexpected exceptions included, has the JSON shape of the API it was sent to.
+``/dashboard``: a live page of the server's load with a chat box, and ``/dashboard/stats``, the JSON it polls.
 """
 
 import contextlib
@@ -21,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.api.anthropic_api import AnthropicRoutes
 from serving.api.async_engine import AsyncEngine
+from serving.api.dashboard import DashboardRoutes
 from serving.api.errors import APIError, error_response
 from serving.api.frontend import Frontend
 from serving.api.metrics import Metrics
@@ -74,7 +76,7 @@ def create_app(engine: Engine, model_name: str, *, model_path: Path | None = Non
 
     app = FastAPI(title="serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.frontend = frontend
-    routers = [OpenAIRoutes(frontend).router, AnthropicRoutes(frontend).router]
+    routers = [OpenAIRoutes(frontend).router, AnthropicRoutes(frontend).router, DashboardRoutes(frontend).router]
     for router in routers:
         app.include_router(router)
 
