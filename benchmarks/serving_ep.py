@@ -78,8 +78,9 @@ def decode_step(params: dict, cfg: ModelConfig, tokens: jax.Array, kv: PagedKV, 
 def random_cache(cfg: ModelConfig, num_blocks: int, block: int, seed: int = 1) -> PagedKV:
     """A float32 cache of random keys and values (as if prefilled)."""
     empty = jax.eval_shape(lambda: PagedKV.create(cfg, num_blocks, block, jnp.float32))
-    k, v = jax.random.split(jax.random.key(seed, impl="rbg"))
-    return PagedKV(jax.random.normal(k, empty.k.shape), jax.random.normal(v, empty.v.shape))
+    keys = jax.random.split(jax.random.key(seed, impl="rbg"), 2 * cfg.layers)
+    return jax.tree.unflatten(jax.tree.structure(empty), [jax.random.normal(key, x.shape) for key, x in
+                                                        zip(keys, jax.tree.leaves(empty), strict=True)])
 
 
 def run_setup(mode: str, mesh_axes, devices: list, cfg: ModelConfig, master: tuple[dict, PagedKV],

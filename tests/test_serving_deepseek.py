@@ -170,7 +170,7 @@ def test_absorbed_attention_equals_naive_decompressed_attention(q_lora):
     lengths = [9, 6]
     xs = [rng.normal(size=(n, cfg.hidden)) for n in lengths]
     want = [naive_mla(p, cfg, x, deepseek.softmax_scale(cfg)) for x in xs]
-    kv = PagedLatentKV(jnp.full((1, NUM_BLOCKS, BLOCK, cfg.kv_lora_rank + cfg.qk_rope_head_dim), 1e3))  # poisoned
+    kv = PagedLatentKV((jnp.full((NUM_BLOCKS, BLOCK, cfg.kv_lora_rank + cfg.qk_rope_head_dim), 1e3),))  # poisoned
     for chunks in ([(0, 0, 5), (1, 0, 5)], [(1, 5, 1), (0, 5, 4)]):
         batch = make_batch([SeqChunk(TABLES[s], start, count) for s, start, count in chunks], BLOCK,
                            num_tokens=12, num_seqs=SEQS, max_blocks=MAX_BLOCKS)
@@ -206,13 +206,13 @@ def test_latent_cache_bytes_per_token():
     """(R + P) * dtype bytes per token and layer: 5x under a full K/V cache here, 71x at DeepSeek-V3's size."""
     cfg = fixture()[0]
     kv = PagedLatentKV.create(cfg, NUM_BLOCKS, BLOCK, jnp.bfloat16)
-    per_token_layer = kv.latent.nbytes / (cfg.layers * NUM_BLOCKS * BLOCK)
+    per_token_layer = sum(x.nbytes for x in kv.latent) / (cfg.layers * NUM_BLOCKS * BLOCK)
     assert per_token_layer == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 == 96
     full_kv = cfg.heads * (cfg.head_dim + cfg.v_head_dim) * 2  # k [H, nope + P] and v [H, Dv], bf16
     assert full_kv / per_token_layer == 5
     v3 = dataclasses.replace(cfg, hidden=7168, layers=61, heads=128, kv_heads=128, head_dim=192, kv_lora_rank=512,
                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
-    latent = jax.eval_shape(lambda: PagedLatentKV.create(v3, 1, 64, jnp.bfloat16)).latent
+    latent = jax.eval_shape(lambda: PagedLatentKV.create(v3, 1, 64, jnp.bfloat16)).latent[0]
     assert latent.shape[-1] * 2 == 1152  # bytes per token and layer
     assert 128 * (192 + 128) * 2 / 1152 == pytest.approx(71.1, abs=0.05)
 

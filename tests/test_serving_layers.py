@@ -285,8 +285,8 @@ class PagedScenario:
         self.k = [rng.normal(size=(n, KV_HEADS, HEAD_DIM)).astype(np.float32) for n in lengths]
         self.v = [rng.normal(size=(n, KV_HEADS, V_DIM)).astype(np.float32) for n in lengths]
         # Poison the cache: a slot read without having been written shows up in the outputs.
-        self.kv = PagedKV(jnp.full((1, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM), 1e3, jnp.float32),
-                          jnp.full((1, NUM_BLOCKS, BLOCK, KV_HEADS, V_DIM), 1e3, jnp.float32))
+        self.kv = PagedKV((jnp.full((NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM), 1e3, jnp.float32),),
+                          (jnp.full((NUM_BLOCKS, BLOCK, KV_HEADS, V_DIM), 1e3, jnp.float32),))
 
     def step(self, chunks: list[tuple[int, int, int]]):
         """Run (seq, start, count) chunks as one padded batch; check every real token against dense attention."""
