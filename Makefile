@@ -11,7 +11,7 @@ FIND_PYTHON := for c in python3.12 python3.13 python3.14 python3 \
 	  if "$$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then echo "$$c"; break; fi; \
 	done
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv clean browser
 
 $(STAMP): pyproject.toml constraints.txt
 	@if [ ! -x $(PY) ]; then \
@@ -31,7 +31,15 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m apex_jax.demo
 
-test: $(STAMP)
+# The dashboard's browser test drives Debian's chromium: installed here when apt-get can (as root); otherwise that
+# test skips and says how to install it.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
+	  echo "note: no chromium/chromedriver: the dashboard browser test will skip (apt-get install chromium chromium-driver)"
+
+test: $(STAMP) browser
 	$(PY) -m ruff check .
 	# Two worker processes, each taking whole files (module fixtures stay shared): the suite takes about half as long
 	# on 2 cores, and no single process accumulates every compiled executable of the suite.

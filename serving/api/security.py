@@ -19,7 +19,7 @@ from serving.api.errors import APIError, error_response
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_HOST = "127.0.0.1"
-OPEN_PATHS = ("/health",)  # reachable without the API key (load balancer probes)
+OPEN_PATHS = ("/health", "/dashboard")  # without the key: load balancer probes, the static page (its stats need it)
 MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: a 128k-token prompt as JSON text with room to spare
 
 
