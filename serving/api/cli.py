@@ -1,37 +1,83 @@
 """``python -m serving serve`` and ``python -m serving chat`` (added to ``serving/__main__.py``'s parser).
 
     python -m serving serve --model smollm2 --port 8000 [--host 0.0.0.0 --api-key KEY] [--max-running 32 ...]
+    python -m serving serve --model path/to/config.json --random-weights   # a HF config, random weights
     python -m serving chat [--url http://127.0.0.1:8000/v1 --api-key KEY]   # without --url: serves --model itself
+
+``--random-weights`` serves a model that exists only as a HF ``config.json`` (load tests and benchmarks of a
+shape, not of answers): ``--model`` names the config file or the folder holding it; the weights are the model
+family's ``init_params`` (seed ``RANDOM_WEIGHTS_SEED``) in ``--dtype``, and a ``tokenizer.json`` beside the config
+is used when there is one (without it, prompts must be token ids on ``/v1/completions``).
 
 The API key may also come from the ``SERVING_API_KEY`` environment variable (keeps it out of ``ps``); it is
 never printed or logged.
 """
 
 import argparse
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
+import jax
 import jax.numpy as jnp
 
 from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, check_bind
 from serving.api.server import Server, create_app, serve
+from serving.config import ModelConfig
+from serving.engine import engine as engine_module
 from serving.engine.engine import Engine
+from serving.models import model_module
+from serving.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct
 API_KEY_ENV = "SERVING_API_KEY"
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 EXIT_WORDS = ("/exit", "/quit")
+RANDOM_WEIGHTS_SEED = 0  # --random-weights: the same weights on every run, so runs compare
+
+
+def _config_file(model: str) -> Path:
+    """The HF config.json that ``--model`` names for ``--random-weights`` (the file, or the folder holding it)."""
+    if model == DEFAULT_MODEL:
+        raise ValueError(f"--random-weights with --model {model!r}: expected a HF config.json or its folder")
+    path = Path(model)
+    config = path / "config.json" if path.is_dir() else path
+    if not config.is_file() or config.suffix != ".json":
+        raise FileNotFoundError(f"--random-weights --model {model!r}: expected a HF config.json file or a folder "
+                                "holding one")
+    return config
+
+
+def _load_random(config: Path, dtype: jnp.dtype) -> tuple[ModelConfig, dict, Tokenizer | None, tuple[int, ...]]:
+    """What ``serving.engine.engine.load`` returns, for random weights of the model ``config`` describes."""
+    cfg = ModelConfig.from_hf(json.loads(config.read_text()))
+    params = model_module(cfg.family).init_params(cfg, jax.random.key(RANDOM_WEIGHTS_SEED), dtype)
+    folder = config.parent
+    tokenizer = Tokenizer.from_hf_folder(folder) if (folder / "tokenizer.json").is_file() else None
+    return cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else engine_module._eos_from_folder(folder)
 
 
 def _engine(args: argparse.Namespace) -> tuple[Engine, str, Path | None]:
-    """(engine, served model name, model path or None) for ``--model``."""
+    """(engine, served model name, model path or None) for ``--model`` (and ``--random-weights``)."""
+    options = dict(dtype=DTYPES[args.dtype], num_blocks=args.num_blocks, block_size=args.block_size,
+                   max_running=args.max_running, token_budget=args.token_budget, max_model_len=args.max_model_len,
+                   max_queue=args.max_queue)
+    if args.random_weights:
+        config = _config_file(args.model)
+        loaded = _load_random(config, options["dtype"])
+        # Engine reads its weights through engine.load only; for this one construction it returns random ones.
+        with mock.patch.object(engine_module, "load", lambda model, dtype: loaded):
+            engine = Engine(config.parent, **options)
+        return engine, args.name or config.parent.resolve().name, config.parent
     path = None if args.model == DEFAULT_MODEL else Path(args.model)
     if path is not None and not path.exists():
         raise FileNotFoundError(f"--model {args.model!r}: expected {DEFAULT_MODEL!r}, a HF folder or a .gguf file")
-    engine = Engine(path, dtype=DTYPES[args.dtype], num_blocks=args.num_blocks, block_size=args.block_size,
-                    max_running=args.max_running, token_budget=args.token_budget, max_model_len=args.max_model_len,
-                    max_queue=args.max_queue)
+    if path is not None and path.suffix == ".json":
+        raise ValueError(f"--model {args.model!r} is a config without weights: add --random-weights to serve it "
+                         "with random weights, or pass a HF folder or a .gguf file")
+    engine = Engine(path, **options)
     return engine, args.name or (DEFAULT_MODEL if path is None else path.name), path
 
 
@@ -107,6 +153,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--token-budget", type=int, default=512, help="new tokens per step (chunked prefill)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="--model is a HF config.json (or its folder): serve that shape with random weights")
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:

@@ -1,0 +1,526 @@
+"""Serving under load: an async load generator against an OpenAI-compatible server, with the latency percentiles
+``vllm bench serve`` reports (TTFT, TPOT, ITL, end-to-end) and the throughput at each load.
+
+The generator (``run_load``) streams every request (SSE with ``stream_options.include_usage``) through httpx and
+records, per request: its status, the time to first token (TTFT: send -> first chunk carrying a token), the
+inter-token latencies (ITL: between successive such chunks), the end-to-end latency (E2E: send -> end of the
+response), the output tokens (the usage chunk) and the time per output token
+TPOT = (E2E - TTFT) / (output tokens - 1). Arrivals are either a closed loop of ``concurrency`` clients (each
+sends its next request when its last one ends) or Poisson at ``rate`` requests/s (exponential gaps, seeded).
+Statuses (``STATUSES``): ok; 503 (a 503 with Retry-After: backpressure); 4xx; 5xx (a 503 without Retry-After and
+an error event inside a stream count by their code too); timeout; connection_error. ``summarize`` gives the
+counts per status, request and output-token throughput over the run, and the mean, median, p90 and p99 (ms) of
+each latency over the ok requests.
+
+The benchmark (``main``) serves each model with ``python -m serving serve`` in a subprocess on a free loopback
+port (``ServerProcess``) and, at each concurrency level, runs a closed loop of ``2 * concurrency`` untimed
+requests (compiles the step shapes this load visits), then the timed closed loop: ``/v1/completions`` with a
+prompt of ``input_len`` random token ids and ``max_tokens = output_len`` with ``ignore_eos`` (every request the
+same length, as vllm's random dataset), and ``logprobs: 0`` so that every token is its own chunk (the random MoE
+has no tokenizer: its chunks carry a token's logprob and no text).
+
+Models: ``smollm2`` (the embedded SmolLM2-135M-Instruct, real weights; offline, pass ``--smollm2-gguf``) and
+``moe-1b`` (``benchmarks.serving_decode.MOE_1B``, random weights through ``serve --random-weights``); ``--cpu``:
+smollm2 and serving_decode's ``TINY_MOE``, short requests, concurrency 1 and 4.
+
+    python benchmarks/serving_load.py                                # GPU: results/serving_load.json + png
+    python benchmarks/serving_load.py --models moe-1b --concurrency 1,16,64 --requests 128
+    python benchmarks/serving_load.py --cpu                          # CPU: results/serving_load_cpu.json + png
+"""
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import multiprocessing
+import multiprocessing.synchronize
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+# benchmarks.harness and benchmarks.serving_decode (jax, matplotlib: seconds to import) are imported where the
+# benchmark uses them: client processes import this module for the load generator alone.
+
+STATUSES = ("ok", "503", "4xx", "5xx", "timeout", "connection_error")
+LATENCIES = ("ttft", "tpot", "itl", "e2e")
+PERCENTILES = {"median": 50, "p90": 90, "p99": 99}
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+REQUEST_TIMEOUT_S = 300.0  # one request, send to [DONE]: a queued request at concurrency 64 waits for others
+STARTUP_TIMEOUT_S = 300.0  # server start: loading (or initializing) the weights
+HEALTH_POLL_S = 0.25
+STOP_TIMEOUT_S = 30.0  # SIGTERM -> exit, then SIGKILL
+LOG_TAIL_CHARS = 3000  # of the server's output, in the error when it fails to start
+BLOCK_SIZE = 16  # the server's KV cache page (the serve default)
+WARMUP_REQUESTS_PER_CLIENT = 2  # untimed closed-loop requests per client before each level
+# Per mode: levels, request shape, timed requests per level = max(min_requests, requests_per_client * c), client
+# processes (at concurrency 64 one httpx process would spend most of its time reading chunks).
+SETTINGS = {"gpu": dict(concurrency=(1, 16, 64), input_len=256, output_len=128, requests_per_client=4,
+                        min_requests=32, dtype="bfloat16", token_budget=2048, client_processes=4),
+            "cpu": dict(concurrency=(1, 4), input_len=32, output_len=16, requests_per_client=2, min_requests=8,
+                        dtype="float32", token_budget=256, client_processes=1)}
+
+
+# ----------------------------------------------------------------------------- the load generator
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """One request as the client saw it; times in seconds, ``start`` from the beginning of the run."""
+
+    status: str  # one of STATUSES
+    start: float
+    e2e: float = 0.0  # send -> end of the response (for a refusal: how fast it came)
+    ttft: float | None = None
+    itl: list[float] = dataclasses.field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    http_status: int | None = None
+    retry_after: str | None = None  # the Retry-After header of a refusal
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        """(E2E - TTFT) / (output tokens - 1): the mean time of each token after the first."""
+        if self.status != "ok" or self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclasses.dataclass
+class LoadResult:
+    records: list[RequestRecord]  # in the order of the bodies sent
+    duration_s: float  # the run's start -> the last response's end
+    client_cpu_s: list[float]  # CPU seconds of each client process over the run
+    started_at: float  # time.perf_counter() at the run's start (system-wide on Linux: processes agree)
+
+    @property
+    def client_cpu_fraction(self) -> float:
+        """The busiest client process's CPU time over the run's: near 1, the client bounds what it measures."""
+        return max(self.client_cpu_s) / self.duration_s if self.duration_s > 0 else 0.0
+
+
+def _error_status(code: int, retry_after: str | None) -> str:
+    if code == 503 and retry_after is not None:
+        return "503"
+    return "5xx" if code >= 500 else "4xx"
+
+
+def _carries_token(choice: dict) -> bool:
+    """A streamed choice with new output: text (completions), content (chat), or a token's logprobs."""
+    delta = choice.get("delta") or {}
+    return bool(choice.get("text") or delta.get("content") or choice.get("logprobs"))
+
+
+async def _sse_data(response: httpx.Response) -> AsyncIterator[tuple[float, bytes]]:
+    """(arrival time, payload) of each ``data:`` line of an SSE response. Bytes are split on blank lines here:
+    httpx's text and line decoders cost more per chunk, and at high concurrency the client's time per chunk
+    bounds the ITL it can measure."""
+    buffer = b""
+    async for raw in response.aiter_bytes():
+        now = time.perf_counter()
+        *events, buffer = (buffer + raw).split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data: "):
+                    yield now, line.removeprefix(b"data: ")
+
+
+async def _read_stream(response: httpx.Response, record: RequestRecord, sent: float) -> None:
+    """Time the token chunks of an SSE response into ``record``; ok only if it ends with ``data: [DONE]``."""
+    last = None
+    async for now, data in _sse_data(response):
+        if data == b"[DONE]":
+            record.status = "ok"
+            return
+        event = json.loads(data)
+        if "error" in event:  # a failed step: the error event carries the HTTP code it would have had
+            code = event["error"].get("code")
+            record.status = _error_status(code if isinstance(code, int) else 500, None)
+            record.error = event["error"].get("message")
+            return
+        if any(_carries_token(choice) for choice in event.get("choices", [])):
+            if last is None:
+                record.ttft = now - sent
+            else:
+                record.itl.append(now - last)
+            last = now
+        if usage := event.get("usage"):
+            record.prompt_tokens, record.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+    record.error = "the stream ended without data: [DONE]"
+
+
+async def send(client: httpx.AsyncClient, url: str, route: str, body: dict, run_start: float,
+               timeout_s: float = REQUEST_TIMEOUT_S) -> RequestRecord:
+    """POST ``body`` to ``url + route`` as a stream with usage, and time it (never raises for a failed request)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    record = RequestRecord("connection_error", sent - run_start)
+    try:
+        async with asyncio.timeout(timeout_s), client.stream("POST", url + route, json=body) as response:
+            record.http_status = response.status_code
+            if response.status_code == 200:
+                await _read_stream(response, record, sent)
+            else:
+                await response.aread()
+                record.retry_after = response.headers.get("retry-after")
+                record.status = _error_status(response.status_code, record.retry_after)
+                record.error = response.text[:300]
+    except (TimeoutError, httpx.TimeoutException):
+        record.status, record.error = "timeout", f"no complete answer within {timeout_s:g} s"
+    except httpx.HTTPError as e:
+        record.status, record.error = "connection_error", f"{type(e).__name__}: {e}"
+    record.e2e = time.perf_counter() - sent
+    return record
+
+
+async def run_load(url: str, route: str, bodies: Sequence[dict], *, concurrency: int | None = None,
+                   rate: float | None = None, seed: int = 0, timeout_s: float = REQUEST_TIMEOUT_S) -> LoadResult:
+    """Send each of ``bodies`` once to ``url + route``: a closed loop of ``concurrency`` clients, or Poisson
+    arrivals at ``rate`` requests/s (gaps ~ Exponential(1 / rate), drawn with ``seed``; the first at t = 0)."""
+    if (concurrency is None) == (rate is None):
+        raise ValueError(f"run_load: concurrency={concurrency}, rate={rate}: expected exactly one of them")
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"run_load: concurrency={concurrency}: expected >= 1")
+    if rate is not None and not rate > 0:
+        raise ValueError(f"run_load: rate={rate}: expected > 0 requests/s")
+    records: list[RequestRecord | None] = [None] * len(bodies)
+    # No connection limit: a request waiting for a pooled connection would time the client, not the server.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        start, cpu = time.perf_counter(), time.process_time()
+
+        async def one(i: int) -> None:
+            records[i] = await send(client, url, route, bodies[i], start, timeout_s)
+
+        if concurrency is not None:
+            indices = iter(range(len(bodies)))
+
+            async def closed_loop_client() -> None:
+                for i in indices:  # shared: each client takes the next request when its last one ends
+                    await one(i)
+
+            await asyncio.gather(*(closed_loop_client() for _ in range(concurrency)))
+        else:
+            gaps = np.random.default_rng(seed).exponential(1 / rate, len(bodies))
+            arrivals = np.cumsum(gaps) - gaps[0]
+
+            async def arrive(i: int) -> None:
+                await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+                await one(i)
+
+            await asyncio.gather(*(arrive(i) for i in range(len(bodies))))
+        cpu = time.process_time() - cpu
+    end = max((r.start + r.e2e for r in records), default=0.0)
+    return LoadResult(records, end, [cpu], start)
+
+
+def _client_process(results: multiprocessing.Queue, ready: multiprocessing.synchronize.Barrier, index: int,
+                    url: str, route: str, bodies: list[dict], arrivals: dict, timeout_s: float) -> None:
+    """One of ``run_load_processes``' clients: waits for the others, runs its share, puts (index, LoadResult)."""
+    ready.wait()
+    results.put((index, asyncio.run(run_load(url, route, bodies, timeout_s=timeout_s, **arrivals))))
+
+
+def run_load_processes(url: str, route: str, bodies: Sequence[dict], processes: int, *,
+                       concurrency: int | None = None, rate: float | None = None, seed: int = 0,
+                       timeout_s: float = REQUEST_TIMEOUT_S) -> LoadResult:
+    """``run_load`` spread over ``processes`` client processes started together, so that the client's time per
+    chunk (a few hundred microseconds through httpx) does not bound what it measures at high concurrency.
+
+    Process i sends ``bodies[i::processes]``: closed loop, with every ``processes``-th of the ``concurrency``
+    clients (at most ``concurrency`` processes); Poisson, at ``rate / processes`` with seed ``seed + i`` (independent
+    Poisson streams add up to one at the sum of their rates). One process: ``run_load`` in this one.
+    """
+    if processes < 1:
+        raise ValueError(f"run_load_processes: processes={processes}: expected >= 1")
+    processes = min(processes, concurrency or processes, len(bodies))
+    if processes <= 1:
+        return asyncio.run(run_load(url, route, bodies, concurrency=concurrency, rate=rate, seed=seed,
+                                    timeout_s=timeout_s))
+    context = multiprocessing.get_context("spawn")  # this process may hold jax's threads: no fork
+    results, ready = context.Queue(), context.Barrier(processes)
+    workers = []
+    for i in range(processes):
+        arrivals = (dict(concurrency=len(range(i, concurrency, processes))) if concurrency is not None else
+                    dict(rate=rate / processes, seed=seed + i))
+        workers.append(context.Process(target=_client_process, daemon=True,
+                                       args=(results, ready, i, url, route, list(bodies[i::processes]), arrivals,
+                                             timeout_s)))
+        workers[-1].start()
+    shares: dict[int, LoadResult] = {}
+    try:
+        while len(shares) < processes:
+            try:
+                index, share = results.get(timeout=HEALTH_POLL_S)
+                shares[index] = share
+            except queue.Empty:
+                if failed := [w.exitcode for w in workers if w.exitcode not in (None, 0)]:
+                    raise RuntimeError(f"run_load_processes: client processes exited with {failed}") from None
+    finally:
+        for worker in workers:
+            if len(shares) < processes:  # failed: the others may wait at the barrier forever
+                worker.terminate()
+            worker.join(STOP_TIMEOUT_S)
+    base = min(share.started_at for share in shares.values())
+    records: list[RequestRecord] = [None] * len(bodies)
+    for i, share in shares.items():
+        for record in share.records:
+            record.start += share.started_at - base
+        records[i::processes] = share.records
+    end = max(r.start + r.e2e for r in records)
+    return LoadResult(records, end, [cpu for share in shares.values() for cpu in share.client_cpu_s], base)
+
+
+def completion_bodies(model: str, vocab: int, num: int, input_len: int, output_len: int, seed: int = 0) -> list[dict]:
+    """``num`` /v1/completions bodies: ``input_len`` random token ids (distinct prompts: no prefix-cache hits),
+    ``output_len`` tokens each (``ignore_eos``), ``logprobs: 0`` (one chunk per token, text or not)."""
+    ids = np.random.default_rng(seed).integers(0, vocab, (num, input_len))
+    return [{"model": model, "prompt": row.tolist(), "max_tokens": output_len, "ignore_eos": True, "logprobs": 0,
+             "temperature": 0.0} for row in ids]
+
+
+def _stats_ms(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, **dict.fromkeys(PERCENTILES)}
+    ms = np.asarray(values, np.float64) * 1e3
+    return {"mean": float(ms.mean()), **{k: float(np.percentile(ms, q)) for k, q in PERCENTILES.items()}}
+
+
+def summarize(result: LoadResult) -> dict[str, Any]:
+    """Counts per status, throughput over the run, ``{latency}_{mean|median|p90|p99}_ms`` over ok requests for
+    latency in ttft, tpot, itl (every gap of every ok request), e2e, and the busiest client process's CPU use."""
+    ok = [r for r in result.records if r.status == "ok"]
+    duration = result.duration_s
+    output_tokens = sum(r.output_tokens for r in ok)
+    statuses = {s: sum(r.status == s for r in result.records) for s in STATUSES}
+    summary = {"requests": len(result.records), "failed": len(result.records) - len(ok), "statuses": statuses,
+               "duration_s": duration, "input_tokens": sum(r.prompt_tokens for r in ok),
+               "output_tokens": output_tokens,
+               "request_throughput": len(ok) / duration if duration > 0 else None,
+               "output_throughput": output_tokens / duration if duration > 0 else None,
+               "client_cpu": result.client_cpu_fraction}
+    samples = {"ttft": [r.ttft for r in ok if r.ttft is not None], "tpot": [r.tpot for r in ok if r.tpot is not None],
+               "itl": [gap for r in ok for gap in r.itl], "e2e": [r.e2e for r in ok]}
+    for name in LATENCIES:
+        summary |= {f"{name}_{k}_ms": v for k, v in _stats_ms(samples[name]).items()}
+    return summary
+
+
+# ----------------------------------------------------------------------------- the server subprocess
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m serving serve SERVE_ARGS`` on a free loopback port, healthy once entered, stopped on exit.
+
+    Its output goes to a temporary file; ``log_tail()`` reads the end of it (startup failures quote it).
+    """
+
+    def __init__(self, serve_args: Sequence[str], env: dict[str, str] | None = None,
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S):
+        self.serve_args, self.env, self.startup_timeout_s = list(serve_args), env, startup_timeout_s
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def log_tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-LOG_TAIL_CHARS:]
+
+    def __enter__(self) -> "ServerProcess":
+        self.log = tempfile.TemporaryFile()
+        cmd = [sys.executable, "-m", "serving", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               "--log-level", "warning", *self.serve_args]
+        self.process = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=self.env if self.env is not None else os.environ.copy())
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                tail = self.log_tail()
+                self.__exit__()
+                raise RuntimeError(f"serve {self.serve_args} exited with {self.process.returncode}:\n{tail}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=HEALTH_POLL_S * 4).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                self.__exit__()
+                raise RuntimeError(f"serve {self.serve_args} was not healthy within {self.startup_timeout_s:g} s:"
+                                   f"\n{tail}")
+            time.sleep(HEALTH_POLL_S)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+def models(mode: str) -> dict[str, dict]:
+    """The mode's models: how ``serve`` gets each (a HF config: random weights) and its vocabulary (prompt ids)."""
+    from benchmarks.serving_decode import MOE_1B, SMOLLM2_135M, TINY_MOE
+
+    smollm2 = dict(model="smollm2", vocab=SMOLLM2_135M["vocab_size"])
+    if mode == "cpu":
+        return {"smollm2": smollm2, "tiny-moe": dict(config=TINY_MOE, vocab=TINY_MOE["vocab_size"])}
+    return {"smollm2": smollm2, "moe-1b": dict(config=MOE_1B, vocab=MOE_1B["vocab_size"])}
+
+
+def serve_args(name: str, spec: dict, settings: dict, levels: Sequence[int], folder: Path,
+               smollm2_gguf: str | None) -> list[str]:
+    """``serve`` options for ``name``: room for the largest level (running, queued warm-up clients, cache)."""
+    if "config" in spec:
+        (folder / "config.json").write_text(json.dumps(spec["config"]))
+        model = [str(folder / "config.json"), "--random-weights"]
+    else:
+        model = [smollm2_gguf or spec["model"]]
+    top = max(levels)
+    blocks_per_request = math.ceil((settings["input_len"] + settings["output_len"]) / BLOCK_SIZE)
+    return ["--model", *model, "--name", name, "--dtype", settings["dtype"], "--max-running", str(top),
+            "--max-queue", str(top), "--num-blocks", str(2 * top * blocks_per_request + 1),
+            "--block-size", str(BLOCK_SIZE), "--token-budget", str(settings["token_budget"])]
+
+
+def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requests: int | None,
+              smollm2_gguf: str | None, env: dict[str, str]) -> list[dict]:
+    """One server for ``name``; a warm-up and a timed closed loop per level; one row per level."""
+    from benchmarks.harness import format_table
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        args = serve_args(name, spec, settings, levels, Path(folder), smollm2_gguf)
+        started = time.perf_counter()
+        with ServerProcess(args, env) as server:
+            print(f"  {name}: server healthy after {time.perf_counter() - started:.1f} s", flush=True)
+            shape = dict(input_len=settings["input_len"], output_len=settings["output_len"])
+            for i, c in enumerate(levels):
+                num = requests or max(settings["min_requests"], settings["requests_per_client"] * c)
+                warm = completion_bodies(name, spec["vocab"], WARMUP_REQUESTS_PER_CLIENT * c, seed=2 * i + 1,
+                                         **shape)
+                processes = settings["client_processes"]
+                run_load_processes(server.url, COMPLETIONS, warm, processes, concurrency=c)
+                bodies = completion_bodies(name, spec["vocab"], num, seed=2 * i, **shape)
+                summary = summarize(run_load_processes(server.url, COMPLETIONS, bodies, processes, concurrency=c))
+                rows.append({"model": name, "concurrency": c, **shape, **summary})
+                print(format_table(rows[-1:], TABLE_COLUMNS), flush=True)
+    return rows
+
+
+TABLE_COLUMNS = ["model", "concurrency", "requests", "failed", "request_throughput", "output_throughput",
+                 "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms", "itl_p99_ms", "e2e_median_ms",
+                 "e2e_p99_ms", "client_cpu"]
+
+
+def plot(rows: list[dict], name: str, out_dir: Path) -> None:
+    """Median and p99 TTFT and TPOT, and output tokens/s, against concurrency, one line per model."""
+    import matplotlib.pyplot as plt
+
+    from benchmarks.harness import save_plot
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for i, model in enumerate(dict.fromkeys(r["model"] for r in rows)):
+        mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["concurrency"])
+        x = [r["concurrency"] for r in mine]
+        color = f"C{i}"
+        for ax, latency in zip(axes[:2], ("ttft", "tpot"), strict=True):
+            ax.plot(x, [r[f"{latency}_median_ms"] for r in mine], "o-", color=color, label=f"{model} median")
+            ax.plot(x, [r[f"{latency}_p99_ms"] for r in mine], "s--", color=color, label=f"{model} p99")
+        axes[2].plot(x, [r["output_throughput"] for r in mine], "o-", color=color, label=model)
+    titles = ("time to first token (ms)", "time per output token (ms)", "output tokens/s")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrency (closed loop)")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.suptitle("Serving under load: latency percentiles and throughput against concurrency")
+    fig.tight_layout()
+    save_plot(fig, name, out_dir)
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    levels = tuple(int(c) for c in text.split(","))
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"--concurrency {text!r}: expected comma-separated integers >= 1")
+    return levels
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    server_env = os.environ.copy()
+    # This process's jax (the run metadata) must not take the GPU memory the servers need.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    from benchmarks.harness import RESULTS_DIR, format_table, write_results
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="CPU: smollm2 and a tiny random MoE, short requests")
+    parser.add_argument("--models", help="comma-separated subset of the mode's models (gpu: smollm2,moe-1b; "
+                        "cpu: smollm2,tiny-moe)")
+    parser.add_argument("--concurrency", type=_levels, help="comma-separated levels (default: gpu 1,16,64; cpu 1,4)")
+    parser.add_argument("--requests", type=int, help="timed requests per level (default: max(min, per client * c))")
+    parser.add_argument("--input-len", type=int, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, help="output tokens per request")
+    parser.add_argument("--client-processes", type=int, help="processes sending the requests (default gpu 4, cpu 1)")
+    parser.add_argument("--smollm2-gguf", help="SmolLM2-135M-Instruct GGUF (default: the embedded model's cache)")
+    parser.add_argument("--out-dir", help="where the JSON and PNG go (default benchmarks/results/)")
+    args = parser.parse_args(argv)
+    mode = "cpu" if args.cpu else "gpu"
+    specs = models(mode)
+    names = args.models.split(",") if args.models else list(specs)
+    if unknown := set(names) - set(specs):
+        parser.error(f"unknown models {sorted(unknown)}: expected a subset of {list(specs)}")
+    if args.requests is not None and args.requests < 1:
+        parser.error(f"--requests={args.requests}: expected >= 1")
+    overrides = dict(input_len=args.input_len, output_len=args.output_len, client_processes=args.client_processes)
+    settings = SETTINGS[mode] | {k: v for k, v in overrides.items() if v is not None}
+    if bad := {k: settings[k] for k in overrides if settings[k] < 1}:
+        parser.error(f"{bad}: expected every one >= 1")
+    levels = args.concurrency or settings["concurrency"]
+    env = server_env | ({"JAX_PLATFORMS": "cpu"} if args.cpu else {})
+
+    result_name = "serving_load_cpu" if args.cpu else "serving_load"
+    out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
+    previous = out_dir / f"{result_name}.json"
+    old = json.loads(previous.read_text())["rows"] if previous.exists() and not args.cpu else []
+    rows: list[dict] = []
+    for name in names:
+        rows += run_model(name, specs[name], settings, levels, args.requests, args.smollm2_gguf, env)
+        measured = {(r["model"], r["concurrency"]) for r in rows}
+        merged = [r for r in old if (r["model"], r["concurrency"]) not in measured] + rows
+        write_results(result_name, dict(mode=mode, settings=settings, levels=list(levels), rows=merged),
+                      out_dir=out_dir)
+    plot(merged, result_name, out_dir)
+    print(format_table(merged, TABLE_COLUMNS))
+    return merged
+
+
+if __name__ == "__main__":
+    main()
