@@ -20,6 +20,9 @@ host (the device step alone: no scheduler or host work between steps):
     K and V; ``roofline_pct`` = measured / roofline tokens/s.
   * prefill: one ``CONTEXT``-token prompt (time to first token: forward + argmax) and ``PREFILL_SEQS`` of
     them in one step (prefill tokens/s).
+serving-bi cases (``--batch-invariant``): the same cases with the step through ``serving.batch_invariant`` (fixed-
+geometry Pallas matmuls, sums and attention splits: logits independent of the batch); ``overhead_vs_serving`` =
+its step time over the serving row's (same model, depth, case and batch).
 hf cases (``hf_worker``): ``AutoModelForCausalLM.from_config`` (random bf16 weights on the GPU, no download),
 B prompts of ``CONTEXT`` random tokens: time to first token = ``generate(max_new_tokens=1)``; decode tokens/s
 = B * HF_NEW_TOKENS / (T(1 + HF_NEW_TOKENS tokens) - T(1 token)), greedy, default (dynamic) cache.
@@ -33,11 +36,11 @@ after every case, and a subset run (``--models``, ``--engines``, ``--layers``) r
 
     python benchmarks/serving_decode.py                                  # GPU: results/serving_decode.json + png
     python benchmarks/serving_decode.py --models qwen3-30b-a3b --engines serving --layers 8
+    python benchmarks/serving_decode.py --models moe-1b --engines serving --batch-invariant   # + serving-bi rows
     python benchmarks/serving_decode.py --cpu                            # tiny model, CPU, seconds
 """
 
 import argparse
-import functools
 import json
 import os
 import subprocess
@@ -72,12 +75,14 @@ TINY_MOE = QWEN3_30B_A3B | dict(hidden_size=64, num_hidden_layers=2, num_attenti
 MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B, "moe-1b": MOE_1B, "smollm2-135m": SMOLLM2_135M}
 REAL_WEIGHTS = ("smollm2-135m",)
 ENGINES = ("serving", "hf")
+INVARIANT_ENGINE = "serving-bi"  # --batch-invariant: the serving cases in batch-invariant mode
 # Per mode: context length, decode batches, prompts in the prefill-throughput step, timed runs.
 SETTINGS = {"gpu": dict(context=2048, batches=(1, 8, 64), prefill_seqs=4, decode_steps_per_run=10, iters=20),
             "cpu": dict(context=64, batches=(1, 2), prefill_seqs=1, decode_steps_per_run=1, iters=20)}
 HF_NEW_TOKENS = 32  # decode tokens per HF generate call (after the first)
 HF_RUNS = 3  # generate calls per timing (median): each prefills B x CONTEXT tokens
-TIMEOUT_S = {"serving": 540, "hf": 540}  # per (model, engine) subprocess; the device tool allows 600 s a command
+# per (model, engine) subprocess; the device tool allows 600 s a command
+TIMEOUT_S = {"serving": 540, INVARIANT_ENGINE: 540, "hf": 540}
 
 
 # ----------------------------------------------------------------------------- serving (JAX) worker
@@ -129,13 +134,16 @@ def weight_bytes_per_step(params: dict, cfg, batch: int, expert_counts) -> tuple
     return total + experts, experts
 
 
-def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, smollm2_gguf: str | None):
-    """Print one JSON row per measurement (decode per batch, then prefill) as each finishes."""
+def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, smollm2_gguf: str | None,
+                   batch_invariant: bool = False):
+    """Print one JSON row per measurement (decode per batch, then prefill) as each finishes; ``batch_invariant``:
+    the step through ``serving.batch_invariant.invariant`` (engine ``INVARIANT_ENGINE``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from benchmarks.harness import time_jax_steps
+    from serving.batch_invariant import invariant
     from serving.kv_cache import PagedKV, SeqChunk, make_batch
     from serving.models import model_module
 
@@ -149,14 +157,15 @@ def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
     blocks_per_seq = context // BLOCK_SIZE
     max_seqs = max(max(settings["batches"]), settings["prefill_seqs"])
     kv = PagedKV.create(cfg, max_seqs * blocks_per_seq, BLOCK_SIZE, dtype)
-    kv_bytes_per_token = sum(x.nbytes for x in kv) // (max_seqs * blocks_per_seq * BLOCK_SIZE)
+    kv_bytes_per_token = sum(x.nbytes for x in jax.tree.leaves(kv)) // (max_seqs * blocks_per_seq * BLOCK_SIZE)
     tables = np.arange(max_seqs * blocks_per_seq).reshape(max_seqs, blocks_per_seq).tolist()
     rng = np.random.default_rng(0)
 
-    @functools.partial(jax.jit, donate_argnums=1)
-    def step(params, kv, tokens, batch, last):
+    def forward_and_argmax(params, kv, tokens, batch, last):
         logits, kv, counts = forward(params, cfg, tokens, batch, kv)
         return kv, jnp.argmax(logits[last], axis=-1), counts
+
+    step = jax.jit(invariant(forward_and_argmax) if batch_invariant else forward_and_argmax, donate_argnums=1)
 
     def measure(chunks, steps_per_run):
         nonlocal kv
@@ -170,8 +179,9 @@ def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
                                        steps_per_run=steps_per_run, warmup=2, iters=settings["iters"])
         return timing, compile_s, np.asarray(counts)
 
-    base = dict(model=name, engine="serving", layers=cfg.layers, context=context, weights="real" if name in
-                REAL_WEIGHTS else "random", params_b=sum(x.size for x in jax.tree.leaves(params)) / 1e9)
+    base = dict(model=name, engine=INVARIANT_ENGINE if batch_invariant else "serving", layers=cfg.layers,
+                context=context, weights="real" if name in REAL_WEIGHTS else "random",
+                params_b=sum(x.size for x in jax.tree.leaves(params)) / 1e9)
     for batch in settings["batches"]:
         timing, compile_s, counts = measure([SeqChunk(tables[s], context - 1, 1) for s in range(batch)],
                                             settings["decode_steps_per_run"])
@@ -274,13 +284,19 @@ def run_case(name: str, engine: str, args: argparse.Namespace, timeout: float) -
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
-    """``speedup_vs_hf`` of every serving decode row: its tokens/s over HF generate's, same model, depth, batch."""
+    """``speedup_vs_hf`` of every serving decode row: its tokens/s over HF generate's, same model, depth, batch;
+    ``overhead_vs_serving`` of every serving-bi row: its step time over the serving row's, same case too."""
     hf = {(r["model"], r["layers"], r["batch"]): r["tokens_per_s"] for r in rows
           if r["engine"] == "hf" and r.get("case") == "decode" and r.get("tokens_per_s")}
+    serving = {(r["model"], r["layers"], r["case"], r["batch"]): r["step_ms"] for r in rows
+               if r["engine"] == "serving" and r.get("step_ms")}
     for r in rows:
         base = hf.get((r["model"], r.get("layers"), r.get("batch")))
-        if r["engine"] == "serving" and r.get("case") == "decode":
+        if r["engine"] in ("serving", INVARIANT_ENGINE) and r.get("case") == "decode":
             r["speedup_vs_hf"] = r["tokens_per_s"] / base if base else None
+        if r["engine"] == INVARIANT_ENGINE and r.get("step_ms"):
+            plain = serving.get((r["model"], r["layers"], r["case"], r["batch"]))
+            r["overhead_vs_serving"] = r["step_ms"] / plain if plain else None
     return rows
 
 
@@ -322,21 +338,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--smollm2-gguf", help="SmolLM2-135M-Instruct GGUF (default: the embedded model's cache)")
     parser.add_argument("--timeout", type=float, help="seconds per (model, engine) subprocess")
     parser.add_argument("--out-dir", help="where the JSON and PNG go (default benchmarks/results/)")
-    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help=f"also run the serving cases in batch-invariant mode (engine {INVARIANT_ENGINE!r})")
+    parser.add_argument("--worker", choices=(*ENGINES, INVARIANT_ENGINE), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     mode = "cpu" if args.cpu else "gpu"
     models = {"tiny-moe": TINY_MOE} if args.cpu else MODELS
     names = args.models.split(",") if args.models else list(models)
-    engines = args.engines.split(",")
-    if unknown := (set(names) - set(models)) | (set(engines) - set(ENGINES)):
+    engines = list(dict.fromkeys(args.engines.split(",") + ([INVARIANT_ENGINE] if args.batch_invariant else [])))
+    if unknown := (set(names) - set(models)) | (set(engines) - {*ENGINES, INVARIANT_ENGINE}):
         parser.error(f"unknown models/engines {sorted(unknown)}: expected models in {list(models)}, engines in "
                      f"{ENGINES}")
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers={args.layers}: expected >= 1")
 
     if args.worker:
-        if args.worker == "serving":
-            serving_worker(names[0], models[names[0]], mode, args.layers, args.smollm2_gguf)
+        if args.worker in ("serving", INVARIANT_ENGINE):
+            serving_worker(names[0], models[names[0]], mode, args.layers, args.smollm2_gguf,
+                           batch_invariant=args.worker == INVARIANT_ENGINE)
         else:
             hf_worker(names[0], models[names[0]], mode, args.layers)
         return []
@@ -362,7 +381,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                             layers_override=args.layers, rows=merged), out_dir=out_dir)
     plot(merged, result_name, out_dir)
     columns = ["model", "engine", "layers", "case", "batch", "step_ms", "tokens_per_s", "roofline_tokens_per_s",
-               "roofline_pct", "speedup_vs_hf", "ttft_ms", "ms_per_layer", "compile_s", "status"]
+               "roofline_pct", "speedup_vs_hf", "overhead_vs_serving", "ttft_ms", "ms_per_layer", "compile_s",
+               "status"]
     print(format_table(merged, columns))
     return merged
 

@@ -24,10 +24,27 @@ A shape or dtype a kernel does not take (head dims not a multiple of 16, mixed d
 ``use_kernels("interpret")`` runs the kernels in Pallas' interpreter on any platform (tests) and
 ``use_kernels("reference")`` the references everywhere; the mode is read when a function is traced, so a
 jitted caller must key its cache on ``kernel_mode()`` (as ``engine.runner`` does).
+
+Batch-invariant mode (``use_kernels(BATCH_INVARIANT)``, set by ``serving.batch_invariant.invariant``, which also
+pins the step's matmuls and sums): the kernels always, compiled on a GPU and interpreted elsewhere (a shape
+they do not take is a ValueError, never the reference), with no launch geometry chosen by the batch:
+
+* every real token, prefill ones included, attends through ``paged_attention`` over the cache (its chunk's
+  K/V are written first) with ``position + 1`` keys, walked in ``block_k`` blocks aligned to position 0 and
+  split every ``INVARIANT_SPLIT_TOKENS`` positions (the block tables are padded to whole splits, so the splits
+  do not depend on the batch's table width; the empty splits past a token's length add exact zeros when they
+  are combined). A token's attention is then the same sums whether its prompt came in one chunk or many,
+  alone or beside 31 others. The packed ``flash_attention`` path is not used: its key tiles are aligned to the
+  packed batch, not to the sequence. The price: a prefill token reads its context itself (mostly from L2).
+* ``grouped_matmul`` runs one geometry (``INVARIANT_GROUPED_CONFIG``) for every row count. A row's expert
+  output is then a fixed K loop over that row and its expert's weights: tiles are aligned to groups, not to
+  the row axis, so where the row sits in its tile changes which program computes it, not how. Routing is
+  per row (top-k is exact; its softmax sum is pinned by ``invariant``).
 """
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator
@@ -39,15 +56,21 @@ import numpy as np
 
 from pallas_kernels import attention as attention_kernels
 from pallas_kernels import paged_attention as paged_kernels
-from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul import DECODE_CONFIG, grouped_matmul
 from serving.config import ModelConfig, RopeConfig
 from serving.kv_cache import AttentionBatch
 from serving.quantize import Weight, linear
 
 MASKED = -1e30  # score of a key a query may not see: finite, so a fully masked (padding) row stays NaN-free
-KERNEL_MODES = ("auto", "interpret", "reference")  # module docstring
+BATCH_INVARIANT = "batch_invariant"  # the kernels with no geometry chosen by the batch (module docstring)
+KERNEL_MODES = ("auto", "interpret", "reference", BATCH_INVARIANT)  # module docstring
 # MLA's packed prefill has R + P = 576-wide rows: the paged MLA kernel's accumulator size (32 x 512 fp32 at 8 warps).
 MLA_FLASH_CONFIG = attention_kernels.AttentionConfig(block_q=32, block_k=32, num_warps=8, num_stages=2)
+# Batch-invariant attention splits a context every 512 positions: 4 programs per kv head at 2048 tokens of context,
+# so small decode batches keep flash-decoding's parallelism.
+INVARIANT_SPLIT_TOKENS = 512
+# Batch-invariant experts: the decode geometry, at every row count (decode is most of a serving step's launches).
+INVARIANT_GROUPED_CONFIG = DECODE_CONFIG
 
 _kernel_mode = contextvars.ContextVar("serving_kernel_mode", default="auto")
 
@@ -71,8 +94,16 @@ def kernel_mode() -> str:
 
 def _dispatch(kernel: Callable, reference: Callable, *args: Any, supported: bool = True) -> jax.Array:
     """``kernel(*args, interpret=...)`` on an NVIDIA GPU, ``reference(*args)`` elsewhere (or where not
-    ``supported``); ``use_kernels`` overrides the choice."""
+    ``supported``); ``use_kernels`` overrides the choice. Batch-invariant mode: the kernel everywhere."""
     mode = kernel_mode()
+    if mode == BATCH_INVARIANT:
+        if not supported:
+            operands = ", ".join(f"{a.dtype}{list(a.shape)}" for a in args if isinstance(a, jax.Array))
+            raise ValueError(f"batch-invariant mode runs the Pallas kernels, which do not take {operands}: expected "
+                             f"bf16 or fp32 operands of one dtype and head dims that are multiples of "
+                             f"{attention_kernels.MIN_TILE}")
+        return jax.lax.platform_dependent(*args, cuda=functools.partial(kernel, interpret=False),
+                                          default=functools.partial(kernel, interpret=True))
     if mode == "reference" or not supported:
         return reference(*args)
     if mode == "interpret":
@@ -244,7 +275,8 @@ def expert_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:
     plain = isinstance(w, jax.Array) and w.dtype == x.dtype and x.dtype in attention_kernels.DTYPES
     if not plain:
         return linear(x, w, group_sizes=group_sizes)
-    return _dispatch(lambda x, w, g, interpret: grouped_matmul(x, w, g, interpret=interpret),
+    config = INVARIANT_GROUPED_CONFIG if kernel_mode() == BATCH_INVARIANT else None
+    return _dispatch(lambda x, w, g, interpret: grouped_matmul(x, w, g, config=config, interpret=interpret),
                      lambda x, w, g: linear(x, w, group_sizes=g), x, w, group_sizes)
 
 
@@ -267,8 +299,26 @@ def _new_rows(pages: jax.Array, batch: AttentionBatch) -> jax.Array:
     return pages.reshape(-1, *pages.shape[2:])[jnp.maximum(batch.slot_mapping, 0)]
 
 
+def _invariant_paged(batch: AttentionBatch, page_size: int,
+                     config: paged_kernels.PagedConfig) -> tuple[jax.Array, jax.Array, paged_kernels.PagedConfig]:
+    """Batch-invariant mode's paged-kernel arguments (module docstring): each token's block table padded to whole
+    splits of ``INVARIANT_SPLIT_TOKENS`` positions, its ``position + 1`` keys, and ``config`` with one split per
+    such span."""
+    split_pages = math.ceil(INVARIANT_SPLIT_TOKENS / page_size)
+    tables = _token_tables(batch)
+    width = math.ceil(tables.shape[1] / split_pages) * split_pages
+    tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))  # page 0: past every length, never read
+    lengths = jnp.where(batch.seq_ids >= 0, batch.positions + 1, 0)
+    return tables, lengths, dataclasses.replace(config, num_splits=width // split_pages)
+
+
 def _paged_attention_kernels(q, k_pages, v_pages, batch, scale, *, interpret):
-    """The kernel path of ``paged_attention`` (module docstring): paged rows where ``kv_lens > 0``, else packed."""
+    """The kernel path of ``paged_attention`` (module docstring): paged rows where ``kv_lens > 0``, else packed;
+    all paged in batch-invariant mode."""
+    if kernel_mode() == BATCH_INVARIANT:
+        tables, lengths, config = _invariant_paged(batch, k_pages.shape[1], paged_kernels.PagedConfig())
+        return paged_kernels.paged_attention(q, k_pages, v_pages, tables, lengths, scale=scale, config=config,
+                                             interpret=interpret)
     paged = paged_kernels.paged_attention(q, k_pages, v_pages, _token_tables(batch), batch.kv_lens, scale=scale,
                                           interpret=interpret)
     packed = attention_kernels.flash_attention(q, _new_rows(k_pages, batch), _new_rows(v_pages, batch),
@@ -317,6 +367,10 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 
 def _paged_mla_attention_kernels(q_latent, q_rope, latent_pages, batch, scale, *, interpret):
     """The kernel path of ``paged_mla_attention``: as ``_paged_attention_kernels``, one kv head of width R + P."""
+    if kernel_mode() == BATCH_INVARIANT:
+        tables, lengths, config = _invariant_paged(batch, latent_pages.shape[1], paged_kernels.MLA_CONFIG)
+        return paged_kernels.paged_mla_attention(q_latent, q_rope, latent_pages, tables, lengths, scale=scale,
+                                                 config=config, interpret=interpret)
     rank = q_latent.shape[-1]
     paged = paged_kernels.paged_mla_attention(q_latent, q_rope, latent_pages, _token_tables(batch), batch.kv_lens,
                                               scale=scale, interpret=interpret)
