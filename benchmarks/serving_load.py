@@ -13,11 +13,13 @@ counts per status, request and output-token throughput over the run, and the mea
 each latency over the ok requests.
 
 The benchmark (``main``) serves each model with ``python -m serving serve`` in a subprocess on a free loopback
-port (``ServerProcess``) and, at each concurrency level, runs a closed loop of ``2 * concurrency`` untimed
-requests (compiles the step shapes this load visits), then the timed closed loop: ``/v1/completions`` with a
-prompt of ``input_len`` random token ids and ``max_tokens = output_len`` with ``ignore_eos`` (every request the
-same length, as vllm's random dataset), and ``logprobs: 0`` so that every token is its own chunk (the random MoE
-has no tokenizer: its chunks carry a token's logprob and no text).
+port (``ServerProcess``) and, at each concurrency level, runs the load twice: untimed (the engine compiles a step
+per padded batch shape, seconds each, and this load visits many; ``warmup_s`` in the row), then timed. Each is a
+closed loop of ``concurrency`` clients sending ``requests`` requests to ``/v1/completions``: a prompt of
+``input_len`` random token ids and ``max_tokens = output_len`` with ``ignore_eos`` (every request the same
+length, as vllm's random dataset), and ``logprobs: 0`` so that every token is its own chunk (the random MoE has
+no tokenizer: its chunks carry a token's logprob and no text). ``client_cpu`` in a row is the busiest client
+process's CPU time over the run's: near 1, the client bounds what it measures (raise ``--client-processes``).
 
 Models: ``smollm2`` (the embedded SmolLM2-135M-Instruct, real weights; offline, pass ``--smollm2-gguf``) and
 ``moe-1b`` (``benchmarks.serving_decode.MOE_1B``, random weights through ``serve --random-weights``); ``--cpu``:
@@ -65,7 +67,6 @@ HEALTH_POLL_S = 0.25
 STOP_TIMEOUT_S = 30.0  # SIGTERM -> exit, then SIGKILL
 LOG_TAIL_CHARS = 3000  # of the server's output, in the error when it fails to start
 BLOCK_SIZE = 16  # the server's KV cache page (the serve default)
-WARMUP_REQUESTS_PER_CLIENT = 2  # untimed closed-loop requests per client before each level
 # Per mode: levels, request shape, timed requests per level = max(min_requests, requests_per_client * c), client
 # processes (at concurrency 64 one httpx process would spend most of its time reading chunks).
 SETTINGS = {"gpu": dict(concurrency=(1, 16, 64), input_len=256, output_len=128, requests_per_client=4,
@@ -126,9 +127,8 @@ def _carries_token(choice: dict) -> bool:
 
 
 async def _sse_data(response: httpx.Response) -> AsyncIterator[tuple[float, bytes]]:
-    """(arrival time, payload) of each ``data:`` line of an SSE response. Bytes are split on blank lines here:
-    httpx's text and line decoders cost more per chunk, and at high concurrency the client's time per chunk
-    bounds the ITL it can measure."""
+    """(arrival time, payload) of each ``data:`` line of an SSE response: events split from the raw bytes on
+    blank lines, each stamped with the time its bytes were read, before any parsing."""
     buffer = b""
     async for raw in response.aiter_bytes():
         now = time.perf_counter()
@@ -165,7 +165,8 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, sent: fl
 
 async def send(client: httpx.AsyncClient, url: str, route: str, body: dict, run_start: float,
                timeout_s: float = REQUEST_TIMEOUT_S) -> RequestRecord:
-    """POST ``body`` to ``url + route`` as a stream with usage, and time it (never raises for a failed request)."""
+    """POST ``body`` to ``url + route`` as a stream with usage, and time it (a refused, failed, timed-out or
+    unreachable request is a record, never an exception)."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
     record = RequestRecord("connection_error", sent - run_start)
@@ -338,6 +339,7 @@ class ServerProcess:
 
     def __init__(self, serve_args: Sequence[str], env: dict[str, str] | None = None,
                  startup_timeout_s: float = STARTUP_TIMEOUT_S):
+        """``env``: the server's environment (None: this process's)."""
         self.serve_args, self.env, self.startup_timeout_s = list(serve_args), env, startup_timeout_s
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -351,8 +353,7 @@ class ServerProcess:
         self.log = tempfile.TemporaryFile()
         cmd = [sys.executable, "-m", "serving", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--log-level", "warning", *self.serve_args]
-        self.process = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env=self.env if self.env is not None else os.environ.copy())
+        self.process = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if self.process.poll() is not None:
@@ -424,13 +425,12 @@ def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requ
             shape = dict(input_len=settings["input_len"], output_len=settings["output_len"])
             for i, c in enumerate(levels):
                 num = requests or max(settings["min_requests"], settings["requests_per_client"] * c)
-                warm = completion_bodies(name, spec["vocab"], WARMUP_REQUESTS_PER_CLIENT * c, seed=2 * i + 1,
-                                         **shape)
                 processes = settings["client_processes"]
-                run_load_processes(server.url, COMPLETIONS, warm, processes, concurrency=c)
+                warm = completion_bodies(name, spec["vocab"], num, seed=2 * i + 1, **shape)
+                warmup_s = run_load_processes(server.url, COMPLETIONS, warm, processes, concurrency=c).duration_s
                 bodies = completion_bodies(name, spec["vocab"], num, seed=2 * i, **shape)
                 summary = summarize(run_load_processes(server.url, COMPLETIONS, bodies, processes, concurrency=c))
-                rows.append({"model": name, "concurrency": c, **shape, **summary})
+                rows.append({"model": name, "concurrency": c, **shape, **summary, "warmup_s": warmup_s})
                 print(format_table(rows[-1:], TABLE_COLUMNS), flush=True)
     return rows
 
@@ -456,8 +456,10 @@ def plot(rows: list[dict], name: str, out_dir: Path) -> None:
             ax.plot(x, [r[f"{latency}_p99_ms"] for r in mine], "s--", color=color, label=f"{model} p99")
         axes[2].plot(x, [r["output_throughput"] for r in mine], "o-", color=color, label=model)
     titles = ("time to first token (ms)", "time per output token (ms)", "output tokens/s")
+    levels = sorted({r["concurrency"] for r in rows})
     for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
         ax.set_yscale("log")
         ax.set_xlabel("concurrency (closed loop)")
         ax.set_title(title)
@@ -504,6 +506,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if bad := {k: settings[k] for k in overrides if settings[k] < 1}:
         parser.error(f"{bad}: expected every one >= 1")
     levels = args.concurrency or settings["concurrency"]
+    import jax
+
+    if args.cpu:  # the servers run on the CPU (JAX_PLATFORMS below); the run metadata says so too
+        jax.config.update("jax_platforms", "cpu")
+    if mode == "gpu" and jax.default_backend() != "gpu":
+        parser.error(f"the GPU benchmark needs a GPU (backend is {jax.default_backend()}); use --cpu")
     env = server_env | ({"JAX_PLATFORMS": "cpu"} if args.cpu else {})
 
     result_name = "serving_load_cpu" if args.cpu else "serving_load"

@@ -17,7 +17,6 @@ from benchmarks.serving_load import CHAT, COMPLETIONS, LATENCIES, PERCENTILES, c
 from serving.__main__ import main as serving_main
 
 MAX_RUNNING, MAX_QUEUE = 2, 12
-IN_FLIGHT_LIMIT = MAX_RUNNING + MAX_QUEUE
 PROMPT_TOKENS, OUTPUT_TOKENS = 8, 48
 # One 64-token block holds a whole request: every step's block table is one wide, so the step shapes are few
 # (tokens 8 or 16, sequences 1 or 2) and the warm-up compiles them all; a compile during a timed phase stalls the
