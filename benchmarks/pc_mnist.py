@@ -11,13 +11,16 @@ are timed alone (our first epoch includes the compile, so it is reported apart).
   fewer steps.
 * GPU (``--suite deepity``): the fused kernel (``pallas_kernels.pc_settle``) against the plain-XLA settling
   loop (the same epoch, ``kernel="jnp"``), each at tf32, bf16 and fp32 matmul operands, plus a timing of one
-  batch's settling per kernel launch geometry.
+  batch's settling per kernel launch geometry and precision (``--fused-configs``, ``--fused-precisions``);
+  ``--suite settle`` runs that settle sweep alone.
 * ``--suite pcx``: pcx's config (784-128x3-10, T=8, batch 128). Hyperparameters (activation, lr, dt) are
   chosen by the accuracy on MNIST's 10k validation split after training on the other 50k; the chosen one is
   then trained on all 60k and tested once on the 10k test set.
 
     python benchmarks/pc_mnist.py --epochs 10           # CPU: results/pc_mnist_cpu.json + .png
     python benchmarks/pc_mnist.py --epochs 20           # GPU: results/pc_mnist.json + .png
+    python benchmarks/pc_mnist.py --suite settle --fused-configs 32x16x8 16x32x4 --fused-precisions tf32 bfloat16
+                                                        # GPU: results/pc_mnist_settle.json
     python benchmarks/pc_mnist.py --suite pcx           # results/pc_pcx[_cpu].json + .png
 """
 
@@ -27,6 +30,7 @@ import itertools
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,7 +43,7 @@ import optax
 from apex_jax.data import load_mnist
 from benchmarks.harness import format_table, save_plot, time_jax, write_results
 from benchmarks.pc_baselines import run_deepity, write_mnist_npz
-from pallas_kernels.pc_settle import SettleConfig, pc_settle
+from pallas_kernels.pc_settle import PRECISIONS, SettleConfig, launch_grid, pc_settle
 from pc import PCNet, evaluate, init_params, train_epoch
 from pc.data import Dataset, load_dataset
 from pc.networks import predict
@@ -53,10 +57,14 @@ OURS = {"pc euler T=20": ("euler", 20, 0.1), "pc heun T=8": ("heun", 8, 0.1)}  #
 # GPU: "pc euler T=20" with each settling implementation; name -> (kernel, matmul precision)
 GPU_VARIANTS = {"fused tf32": ("pallas", "tf32"), "fused bf16": ("pallas", "bfloat16"),
                 "plain XLA tf32": ("jnp", "tf32"), "plain XLA fp32": ("jnp", "float32")}
-# Launch geometries timed for one batch's settling: (block_b, chunk, num_warps)
-# On the H200 (16, 64, 8) took 2.9 ms; (16, 64, 4) 14 ms, (16, 64, 16) 5.2 ms, (16, 128, 8) 10 ms, (32, 64, 8)
-# 15 ms; each geometry compiles for about a minute, so only the best is timed.
-SETTLE_CONFIGS = [(16, 64, 8)]
+# Launch geometries of the cooperative kernel timed for one batch's settling, "BLOCK_BxGROUPSxWARPS" (rows per
+# program, unit groups G, warps; --fused-configs). For 250 rows, R x G programs: 32x16 and 64x32 give 8 x 16 and
+# 4 x 32 = 128, one row tile each; 16x32 gives 4 x 32, each slot settling 4 tiles in turn; 32x8 gives 8 x 8.
+# Each compiles in seconds: its Triton module has 2 (L - 1) dots per step, none unrolled over column blocks.
+# (The previous kernel, one program per 16-row tile streaming the weights, took 2.9 ms at its best geometry and
+# about a minute to compile each.)
+FUSED_CONFIGS = ("32x16x8", "32x16x4", "32x16x16", "64x32x8", "16x32x4", "32x8x8")
+FUSED_PRECISIONS = ("tf32", "bfloat16")
 
 PCX_SIZES, PCX_T, PCX_BATCH, PCX_TARGET_ACCURACY = (784, 128, 128, 128, 10), 8, 128, 0.983
 # A first 30-epoch sweep over relu/tanh/gelu, lr 1e-3/3e-3, dt 0.1/0.3 picked gelu, lr 1e-3, dt 0.1 (98.24% test).
@@ -151,9 +159,21 @@ def deepity_cpu_suite(epochs: int, deepity_timeout: float) -> dict:
     return payload
 
 
-def settle_timings(data: Dataset) -> list[dict]:
+def fused_config(spec: str) -> SettleConfig:
+    """A launch geometry from "BLOCK_BxGROUPSxWARPS", e.g. "32x16x8"."""
+    try:
+        block_b, groups, warps = (int(v) for v in spec.lower().split("x"))
+        return SettleConfig(block_b=block_b, groups=groups, num_warps=warps)
+    except ValueError as err:  # argparse would print only "invalid value"
+        raise argparse.ArgumentTypeError(f"fused config {spec!r}: expected BLOCK_BxGROUPSxWARPS such as 32x16x8 "
+                                         f"({err})") from None
+
+
+def settle_timings(data: Dataset, configs: Sequence[SettleConfig] = tuple(map(fused_config, FUSED_CONFIGS)),
+                   precisions: Sequence[str] = FUSED_PRECISIONS) -> list[dict]:
     """One batch's T=20 settling (the kernel's unit of work): every launch geometry and precision of the fused
-    kernel against the plain-XLA loop, with each result's largest deviation from the fp32 loop."""
+    kernel against the plain-XLA loop, with each result's compile time and largest deviation from the fp32
+    loop (NaN: a barrier gave up, see ``pallas_kernels.pc_settle``)."""
     params = init_params(jax.random.key(0), NET)
     x0 = jnp.asarray(data.train_x[:BATCH])
     target = jax.nn.one_hot(jnp.asarray(data.train_y[:BATCH]), NET.sizes[-1])
@@ -161,40 +181,59 @@ def settle_timings(data: Dataset) -> list[dict]:
                               kernel="jnp").xs
     rows = []
 
-    def record(name, precision, fn, **geometry):
+    def record(name, precision, fn, *args, **geometry):
         try:
-            timing = time_jax(fn, iters=50)
+            start = time.perf_counter()
+            compiled = fn.lower(*args).compile()
+            compile_s = time.perf_counter() - start
+            timing = time_jax(compiled, *args, iters=50)
         except Exception as err:  # a launch geometry the compiler rejects (e.g. out of registers) is a result
             rows.append(dict(impl=name, precision=precision, **geometry, error=f"{type(err).__name__}: {err}"[:300]))
             print(f"  {name:<10} {precision:<9} {geometry}  failed: {rows[-1]['error']}", flush=True)
             return
-        xs = fn()
+        xs = compiled(*args)
         err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(xs[1:], exact[1:], strict=True))
         rows.append(dict(impl=name, precision=precision, **geometry, settle_us=1e3 * timing.median_ms,
-                         max_rel_dev_from_fp32=err))
-        print(f"  {name:<10} {precision:<9} {geometry}  {1e3 * timing.median_ms:8.1f} us  dev {err:.1e}", flush=True)
+                         compile_s=compile_s, max_rel_dev_from_fp32=err))
+        print(f"  {name:<10} {precision:<9} {geometry}  {1e3 * timing.median_ms:8.1f} us  compile {compile_s:5.1f} s"
+              f"  dev {err:.1e}", flush=True)
 
-    for precision in ("tf32", "bfloat16"):
+    for precision in precisions:
         net = dataclasses.replace(NET, precision=precision)
         loop = jax.jit(lambda p, net=net: settle_from_input(p, x0, net, T=20, dt=0.1, target=target,
                                                             kernel="jnp").xs)
-        record("plain XLA", precision, lambda loop=loop: loop(params))
+        record("plain XLA", precision, loop, params)
         mu1 = jax.jit(lambda p, net=net: predict(p[0], x0, net, 0))(params)
-        for block_b, chunk, warps in SETTLE_CONFIGS:
-            config = SettleConfig(block_b=block_b, chunk=chunk, num_warps=warps)
+        for config in configs:
             fused = jax.jit(lambda p, m, precision=precision, config=config: [x0] + pc_settle(
                 [q["w"] for q in p[1:]], [q["b"] for q in p[1:]], m, target, T=20, dt=0.1,
                 activation=NET.activation, output=NET.output, precision=precision, config=config))
-            record("fused", precision, lambda fused=fused, mu1=mu1: fused(params, mu1), block_b=block_b,
-                   chunk=chunk, num_warps=warps)
+            grid = launch_grid(BATCH, NET.sizes[1:], config)
+            record("fused", precision, fused, params, mu1, block_b=config.block_b, groups=grid.groups,
+                   num_warps=config.num_warps, programs=grid.slots * grid.groups)
     return rows
 
 
-def deepity_gpu_suite(epochs: int) -> dict:
-    """The matched config on the GPU: each settling implementation trains ``epochs`` epochs, back to back."""
+SETTLE_COLUMNS = ["impl", "precision", "block_b", "groups", "num_warps", "programs", "settle_us", "compile_s",
+                  "max_rel_dev_from_fp32"]
+
+
+def settle_suite(configs: Sequence[SettleConfig], precisions: Sequence[str]) -> dict:
+    """GPU only: the settle sweep alone (results/pc_mnist_settle.json)."""
+    print("one batch's settling (T=20, batch 250):", flush=True)
+    rows = settle_timings(load_dataset("mnist"), configs, precisions)
+    payload = dict(config=dict(_matched_config(), solver="euler", T=20, dt=0.1), settle=rows)
+    write_results("pc_mnist_settle", payload)
+    print(format_table(rows, SETTLE_COLUMNS))
+    return payload
+
+
+def deepity_gpu_suite(epochs: int, configs: Sequence[SettleConfig], precisions: Sequence[str]) -> dict:
+    """The matched config on the GPU: the settle sweep, then each settling implementation trains ``epochs``
+    epochs, back to back."""
     data = load_dataset("mnist")
     print("one batch's settling (T=20, batch 250):", flush=True)
-    settle_rows = settle_timings(data)
+    settle_rows = settle_timings(data, configs, precisions)
     rows = []
     for name, (kernel, precision) in GPU_VARIANTS.items():
         print(f"{name}:", flush=True)
@@ -209,8 +248,7 @@ def deepity_gpu_suite(epochs: int) -> dict:
                    summary=summary, settle=settle_rows, rows=rows)
     write_results("pc_mnist", payload)
     plot(rows, "pc_mnist", "Predictive coding, MNIST 784-512-512-10 sigmoid, T=20, batch 250: fused kernel vs XLA")
-    print(format_table(settle_rows, ["impl", "precision", "block_b", "chunk", "num_warps", "settle_us",
-                                     "max_rel_dev_from_fp32"]))
+    print(format_table(settle_rows, SETTLE_COLUMNS))
     print(format_table(summary, ["impl", "epochs", "s_per_epoch", "speedup_vs_plain_xla_tf32", "first_epoch_s",
                                  "final_accuracy", "best_accuracy", "epochs_to_reference", "seconds_to_reference"]))
     return payload
@@ -292,16 +330,25 @@ def _plot_pcx(sweep: list[dict], final: dict, name: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("deepity", "pcx"), default="deepity")
+    parser.add_argument("--suite", choices=("deepity", "pcx", "settle"), default="deepity",
+                        help="settle: the GPU settle sweep alone (fused geometries x precisions vs XLA)")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--deepity-timeout", type=float, default=3600)
     parser.add_argument("--limit", type=int, help="pcx: train on the first N images only (quick runs)")
+    parser.add_argument("--fused-configs", nargs="+", type=fused_config, default=list(map(fused_config, FUSED_CONFIGS)),
+                        metavar="BxGxW", help=f"GPU settle sweep: geometries (default {' '.join(FUSED_CONFIGS)})")
+    parser.add_argument("--fused-precisions", nargs="+", choices=PRECISIONS, default=list(FUSED_PRECISIONS),
+                        help="GPU settle sweep: matmul precisions")
     args = parser.parse_args(argv)
     if args.suite == "pcx":
         return pcx_suite(args.epochs, args.limit)
+    if args.suite == "settle":
+        if jax.default_backend() == "cpu":
+            parser.error("--suite settle times the fused kernel on a GPU")
+        return settle_suite(args.fused_configs, args.fused_precisions)
     if jax.default_backend() == "cpu":
         return deepity_cpu_suite(args.epochs, args.deepity_timeout)
-    return deepity_gpu_suite(args.epochs)
+    return deepity_gpu_suite(args.epochs, args.fused_configs, args.fused_precisions)
 
 
 if __name__ == "__main__":

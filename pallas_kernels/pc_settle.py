@@ -26,59 +26,98 @@ weight gradients dE/dW_{l-1} = -f(x_{l-1})^T e_l. The settled activities are tre
 the kernel has no VJP.
 
 Layout: the wrapper pads every width to a power of 2 (at least 16, the smallest ``tl.dot`` tile; 10 -> 16)
-and the batch to a multiple of ``block_b``, all with zeros, and slices the results back. Padded units stay
-exactly 0: their mu is 0 (zero weight columns and bias, zero mu_1 columns), so their error is 0, and their
-backward term e_{l+1} @ W_l^T is 0 (zero weight rows); f(0) (0.5 for sigmoid) only meets zero weights. A
-cross-entropy output's softmax masks its padded columns out (probability 0, so their error is 0 too).
+and the batch to whole row tiles, all with zeros, and slices the results back. Padded units stay exactly 0:
+their mu is 0 (zero weight columns and bias, zero mu_1 columns), so their error is 0, and their backward term
+e_{l+1} @ W_l^T is 0 (zero weight rows); f(0) (0.5 for sigmoid) only meets zero weights. A cross-entropy
+output's softmax masks its padded columns out (probability 0, so their error is 0 too).
 
-Design and expected speed
--------------------------
-One program settles ``block_b`` rows of the batch (grid = batch / block_b). Its activities and errors stay
-in registers for the whole ``fori_loop`` over T, held as lists of ``chunk``-wide column blocks so that each
-matmul is a static grid of small ``tl.dot``s (f32 accumulation) and no register tensor is ever sliced.
-The weights are NOT kept on chip in this version: every step re-reads each weight block from global memory
-inside the loop (W_l for the predictions, the same blocks transposed for e_{l+1} @ W_l^T), relying on the
-L2 cache (50 MB on an H200) to hold them: the Deepity weights the loop reads (W_1, W_2) are 1.1 MB in fp32.
-The loop stores the output layer each step, between the forward and the backward reads; without a store,
-Triton would hoist the loads out of the read-only loop (its LICM) or merge a block's two loads (CSE), and
-hold whole weight matrices in registers.
+Design: a cooperative grid
+--------------------------
+The grid is (R, G) (:func:`launch_grid`): R row slots, each settling row tiles of ``block_b`` rows one after
+another (a persistent loop, so any batch fits one launch), and G unit groups: every hidden layer's padded
+units are cut into G equal groups U_g of u_l = n_l / G >= 16 units. Program (r, g) owns U_g of every hidden
+layer for the tiles of slot r. Before any loop it loads, once for the whole launch, the weight slices its
+units need:
 
-FLOPs, Deepity (784-512-512-10), one epoch of 60,000 samples at T = 20, 2 FLOP per multiply-add:
-  * once per sample, by XLA before the launch:  mu_1 = f_0(x_0) W_0:   784*512             = 0.40 M MAC
-  * per step, in the kernel:  W_1, W_2 forward + the same transposed:  2 * (512*512 + 512*10) = 0.53 M MAC
-  * per sample: 0.40 + 20 * 0.53 = 11.1 M MAC = 22.2 MFLOP; per epoch 60,000 * 22.2 M = 1.33 TFLOP
-    (the weight gradients outside add 0.08 TFLOP; the kernel's padding of 10 to 16 adds about 1%).
+    W_{l-1}[:, U_g]  [n_{l-1}, u_l]    its units' predictions                       (hidden l >= 2)
+    W_l[U_g, :]      [u_l, n_{l+1}]    its units' backward term (e_{l+1} @ W_l^T)[:, U_g]  (hidden l)
 
-Each weight element read from L2 feeds 2 * block_b FLOPs: 8 FLOP/byte at block_b = 16 in fp32 (16 with
-bf16 weights). At block_b = 16 an epoch streams about 3,750 programs * 20 steps * 2 reads * 1.1 MB =
-160 GB of weights from L2, so at an L2 bandwidth of several TB/s this version should be L2-bound at tens of
-milliseconds per epoch, well below the tensor cores' rate (about 1.3 TFLOP / 495 TFLOP/s = 3 ms in TF32).
-Measured on the H200 (``benchmarks/pc_mnist.py``, one 250-row batch, T = 20, tf32): 2.9 ms at
-(block_b 16, chunk 64, 8 warps), against 0.66-0.77 ms for XLA's unfused loop; 4 warps (14 ms), 16 warps
-(5.2 ms), 128-wide chunks (10 ms) and block_b 32 (15 ms) are slower still. The estimate above is wrong by
-two orders of magnitude because the loop is latency-bound, not bandwidth-bound: the unrolled Python loops
-issue ~130 dependent weight-block loads per step with no software pipelining (``num_stages`` only pipelines
-``fori_loop``s over K, which this layout has none of), and only 16 programs (250 rows / 16) run on 132 SMs.
-So ``pc.settle``'s "auto" runs XLA's loop; this kernel is kept, tested and opt-in (``kernel="pallas"``)
-as the base of the redesign below.
+and for the last hidden layer the second slice also gives its share of the output's prediction. They are
+values live across both loops, so Triton keeps them on chip: Deepity at G = 16 keeps 2 * 512 * 32 + 32 * 16
+= 33K weights per program, 66 KB in bf16 and 132 KB in fp32 against an SM's 256 KB register file (whether
+fp32 spills at 8 warps is for the H200 sweep to show). Each Euler step is two phases, each ended by a
+barrier of the slot's G programs:
 
-The redesign (not built yet) would keep the weights resident on chip for the whole launch: W_1 (512 KB in bf16)
-split by columns across the shared memory of a thread-block cluster of 4-8 SMs, read from HBM once, with
-activities exchanged through distributed shared memory each step; a persistent grid walking batch tiles;
-and ``wgmma`` (64-row warpgroup tiles, B from shared memory) through Mosaic GPU instead of Triton's
-``tl.dot``. That removes the L2 stream and leaves the loop compute-bound.
+  A (errors): read f(x_{l-1}) ``[block_b, n_{l-1}]`` of every hidden l >= 2 from the activity exchange;
+      mu_l[:, U_g] = f(x_{l-1}) @ W_{l-1}[:, U_g] + b;  e_l[:, U_g] = x_l[:, U_g] - mu_l[:, U_g]  -> error
+      exchange; and the output's partial prediction f(x_{L-1}[:, U_g]) @ W_{L-1}[U_g, :]  -> partials
+      ``[G, block_b, n_L]``.
+  B (update): mu_L = b + the G partials summed in one fixed order, so every program holds the same output
+      state and error e_L (the output layer is replicated: 16 padded units); read e_{l+1} from the error
+      exchange (or use e_L); update x_l[:, U_g] (the step above); write f(x_l[:, U_g]) -> activity exchange.
+
+The phases cannot merge: A needs all of f(x) after B's update and B all of e after A. One buffer of each kind
+suffices: a phase rewrites a buffer only after the barrier that follows every read of its previous contents.
+The exchange buffers (``[R * block_b, n_l]`` per layer, in the matmul operand dtype: f(x) and e are only ever
+matmul operands, and the reference rounds them the same way) stay in L2; every read of them is volatile,
+served by L2 and never by L1, which is not coherent across SMs and would serve a line cached one step stale
+the next.
+
+Barrier (:func:`_barrier`): an int32 arrival counter per row slot in a zeroed global buffer (input aliased to
+output). A CTA barrier orders the exchange stores of all the program's threads before one thread's
+``atomic_add`` (acq_rel, GPU scope) releases them; the program then spins on ``atomic_add(0)`` (an acquiring
+read) until the count reaches G x (barriers passed), and a second CTA barrier holds its threads until then:
+the grid-sync pattern of CUDA cooperative groups. The count only grows, so it is never reset. Since a program
+waits for the other G - 1 of its slot, all R * G programs must be resident at once: :func:`launch_grid`
+keeps R * G <= ``SettleConfig.max_programs`` (MAX_PROGRAMS = 128: one program per SM of an H200's 132). Should
+they not be, a barrier gives up after BARRIER_SPINS reads (about a second) instead of hanging the GPU, and
+the slot's results come back NaN. Interpret mode runs programs one after another, where a barrier of G > 1
+programs would never open, so it always uses G = 1 (each barrier is then passed by its own program).
+
+Compile time: nothing is unrolled over column blocks. Every matmul is one ``tl.dot`` over its whole
+contraction (at most the padded width, 512 for Deepity), and the T steps and the row tiles are
+``fori_loop``s (``scf.for``), so the Triton module holds 2 (L - 1) dots per step, L - 2 for the feed-forward
+start and, ``with_errors``, L - 1 for the final errors, whatever the widths (5 for Deepity: a ~900-line
+module). The previous kernel unrolled ~130 block dots per step and took about a minute per launch geometry
+to compile.
+
+Expected speed (NOT measured yet; the lead times it with ``benchmarks/pc_mnist.py --fused-configs``):
+Deepity, T = 20, one 250-row batch at (block_b 32, G 16): 8 row slots x 16 groups = 128 programs. Per step
+and program: two barriers (an L2 atomic round trip, ~1 us each with the spin) and reads of f(x_1) and e_2,
+2 x 32 x 512 x 4 B = 128 KB in fp32 (64 KB with bf16 operands), about 1-2 us when all 128 SMs read L2 at
+once; its matmuls (2 x 32 x 512 x 32 MACs) take a fraction of a microsecond. About 4 us per step, ~0.1 ms
+per settling, against 0.66-0.77 ms for XLA's loop (about 5 small launches per step).
+
+Measured before, the previous design (one program per 16-row tile of the whole net: 16 programs on 132 SMs,
+each re-reading every weight block from L2 in every step through ~130 dependent, unpipelined loads): 2.9 ms
+per settling on the H200 at its best geometry (tf32), so ``pc.settle``'s "auto" runs XLA's loop.
 """
 
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-MIN_WIDTH = 16  # smallest M, N and K of a Triton tl.dot tile: every width, chunk and block_b is at least this
+MIN_WIDTH = 16  # smallest M, N and K of a Triton tl.dot tile: every width, unit group and block_b is at least this
+# Most programs of one launch on an H200 (SettleConfig.max_programs). A program waits at barriers for the others
+# of its row slot, so all must be resident at once: with at most one per SM (a program's weight slices fill
+# much of an SM's registers) that is up to the H200's 132 SMs.
+MAX_PROGRAMS = 128
+# Every exchange-buffer read is volatile (ld.volatile, a relaxed system-scope load on sm_70+): served from L2,
+# never from L1, which is not coherent across SMs. (The ".cg" cache modifier would do too, but jax 0.11.2's
+# Triton lowering cannot emit it: it looks ".cg" up among the names "cg", ... and raises KeyError.)
+exchange_load = functools.partial(plgpu.load, volatile=True)
+# A barrier gives up after BARRIER_SPINS acquiring reads (about a second; co-resident programs arrive within
+# microseconds) rather than hang the GPU, and adds BARRIER_BROKEN to its slot's counter: every later barrier of
+# the slot opens at once, and every program of the slot writes NaN results.
+BARRIER_SPINS = 1 << 20
+BARRIER_BROKEN = 1 << 30  # far above any count: G x (2T + L barriers per row tile at most) x tiles per slot
 
 
 def _sigmoid_grad(x, fx):
@@ -117,24 +156,28 @@ def dot_args(precision: str):
 
 @dataclasses.dataclass(frozen=True)
 class SettleConfig:
-    """Launch geometry: a program settles ``block_b`` batch rows; matmuls run on ``chunk``-wide blocks."""
+    """Launch geometry: ``block_b`` batch rows per program, and at most ``groups`` programs per row tile.
 
-    block_b: int = 16
-    chunk: int = 64  # column block of activities and weights: a 64x64 fp32 weight block, 16 regs/thread
-    num_warps: int = 8  # a 512-wide net's state (x_1, x_2, mu_1 at block_b=16) is ~96 regs/thread at 8 warps
-    num_stages: int = 1  # deeper software pipelining would stage every weight block of the loop in smem
+    ``groups`` (G) is an upper bound: :func:`launch_grid` uses fewer where a hidden layer has fewer than
+    16 G padded units or where G > ``max_programs``, and 1 in interpret mode. ``max_programs`` caps the
+    programs of a launch, which must all be resident at once, at most one per SM (lower it on a GPU with fewer
+    SMs than an H200).
+    """
+
+    block_b: int = 32
+    groups: int = 16  # Deepity (512-wide hidden layers): 32 units per program, 8 row slots of 32 for 250 rows
+    num_warps: int = 8
+    max_programs: int = MAX_PROGRAMS
 
     def __post_init__(self):
-        for name in ("block_b", "chunk", "num_warps"):
+        for name in ("block_b", "groups", "num_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"SettleConfig.{name} must be a positive power of 2, got {value}")
-        for name in ("block_b", "chunk"):
-            if getattr(self, name) < MIN_WIDTH:
-                raise ValueError(f"SettleConfig.{name} must be >= {MIN_WIDTH} (a tl.dot tile), "
-                                 f"got {getattr(self, name)}")
-        if self.num_stages < 1:
-            raise ValueError(f"SettleConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.max_programs < 1:
+            raise ValueError(f"SettleConfig.max_programs must be >= 1, got {self.max_programs}")
+        if self.block_b < MIN_WIDTH:
+            raise ValueError(f"SettleConfig.block_b must be >= {MIN_WIDTH} (a tl.dot tile), got {self.block_b}")
 
 
 def padded_width(n: int) -> int:
@@ -142,116 +185,169 @@ def padded_width(n: int) -> int:
     return max(MIN_WIDTH, 1 << (n - 1).bit_length())
 
 
+class Grid(NamedTuple):
+    """A launch: ``slots`` x ``groups`` programs; each slot settles ``tiles_per_slot`` row tiles in turn."""
+
+    slots: int  # R
+    groups: int  # G
+    tiles_per_slot: int
+
+
+def launch_grid(batch: int, widths: Sequence[int], config: SettleConfig, *, interpret: bool = False) -> Grid:
+    """The cooperative grid for ``batch`` rows of a net with layer widths ``[n_1, ..., n_L]``.
+
+    G = ``config.groups``, lowered until every hidden layer has at least MIN_WIDTH units per group and to at
+    most ``config.max_programs`` (1 in interpret mode, which runs programs one at a time); R = as many row
+    slots as the batch has tiles of ``block_b`` rows, at most ``config.max_programs // G``, so that all R * G
+    programs are resident at once.
+    """
+    narrowest = min(padded_width(n) for n in widths[:-1])
+    groups = 1 if interpret else min(config.groups, narrowest // MIN_WIDTH, config.max_programs)
+    tiles = -(-batch // config.block_b)
+    slots = min(tiles, config.max_programs // groups)
+    return Grid(slots, groups, -(-tiles // slots))
+
+
 # --------------------------------------------------------------------------- Pallas kernel
-# An activity or error of a batch tile is a list of [block_b, c] column blocks, c = min(width, chunk).
 
 
-def _spans(width: int, chunk: int) -> list[tuple[int, int]]:
-    c = min(width, chunk)
-    return [(s, c) for s in range(0, width, c)]
+def _barrier(counter_ref, slot, passed: jax.Array, *, groups: int, interpret: bool) -> jax.Array:
+    """Wait until the ``groups`` programs of row slot ``slot`` have all arrived; returns ``passed + 1``.
+
+    ``passed`` is the number of barriers the slot has passed; the counter reaches ``groups * (passed + 1)``.
+    Interpret mode runs one program at a time with G = 1: it only counts (it has no CTA barrier to lower).
+    """
+    if not interpret:
+        plgpu.debug_barrier()  # a CTA barrier: every thread's exchange stores come before the release below
+    seen = plgpu.atomic_add(counter_ref, slot, np.int32(1)) + 1  # one thread; acq_rel at GPU scope
+    if groups > 1:  # spin on an acquiring read (an atomic add of 0); a lone program waits for no one
+        target = groups * (passed + 1)
+        seen, _ = jax.lax.while_loop(lambda c: (c[0] < target) & (c[1] < BARRIER_SPINS),
+                                     lambda c: (plgpu.atomic_add(counter_ref, slot, np.int32(0)), c[1] + 1),
+                                     (seen, np.int32(0)))
+
+        @pl.when(seen < target)
+        def _give_up():  # a program of the slot never came (not resident): open the slot's barriers for good
+            plgpu.atomic_add(counter_ref, slot, np.int32(BARRIER_BROKEN))
+
+    if not interpret:
+        plgpu.debug_barrier()  # no thread reads the exchange before the acquire above
+    return passed + 1
 
 
-def _load_cols(ref, chunk):
-    return [ref[:, pl.ds(s, c)].astype(jnp.float32) for s, c in _spans(ref.shape[1], chunk)]
-
-
-def _store_cols(ref, blocks):
-    for (s, c), block in zip(_spans(ref.shape[1], blocks[0].shape[1]), blocks, strict=True):
-        ref[:, pl.ds(s, c)] = block.astype(ref.dtype)
-
-
-def _matmul(a, w_ref, *, transpose, chunk, precision):
-    """``a @ W`` (or ``a @ W^T``) for a block list ``a``, reading W's blocks from its ref (global memory)."""
-    dtype, lax_precision = dot_args(precision)
-    rows, cols = w_ref.shape
-    k_spans, n_spans = (_spans(cols, chunk), _spans(rows, chunk)) if transpose else (
-        _spans(rows, chunk), _spans(cols, chunk))
-    contract = 1 if transpose else 0  # W's dimension contracted with a's columns
-    a = [block.astype(dtype) for block in a]
-    out = []
-    for n0, nc in n_spans:
-        acc = None
-        for (k0, kc), a_k in zip(k_spans, a, strict=True):
-            w = w_ref[pl.ds(n0, nc), pl.ds(k0, kc)] if transpose else w_ref[pl.ds(k0, kc), pl.ds(n0, nc)]
-            part = jax.lax.dot_general(a_k, w.astype(dtype), (((1,), (contract,)), ((), ())),
-                                       precision=lax_precision, preferred_element_type=jnp.float32)
-            acc = part if acc is None else acc + part
-        out.append(acc)
-    return out
-
-
-def _linear(fx, w_ref, b_ref, *, chunk, precision):
-    """Prediction blocks ``f(x) @ W + b``."""
-    mu = _matmul(fx, w_ref, transpose=False, chunk=chunk, precision=precision)
-    return [m + b_ref[pl.ds(s, c)].astype(jnp.float32)[None, :]
-            for (s, c), m in zip(_spans(b_ref.shape[0], chunk), mu, strict=True)]
-
-
-def _softmax(blocks, n_valid):
-    """Row softmax of a block list over its first ``n_valid`` columns; the padded columns get probability 0."""
-    c = blocks[0].shape[1]
-    masked = []
-    for s, block in zip(range(0, c * len(blocks), c), blocks, strict=True):
-        if s + c > n_valid:
-            column = s + jax.lax.broadcasted_iota(jnp.int32, block.shape, 1)
-            block = jnp.where(column < n_valid, block, -jnp.inf)
-        masked.append(block)
-    row_max = functools.reduce(jnp.maximum, [jnp.max(b, axis=1, keepdims=True) for b in masked])
-    exps = [jnp.exp(b - row_max) for b in masked]
-    total = sum(jnp.sum(p, axis=1, keepdims=True) for p in exps)
-    return [p / total for p in exps]
+def _softmax(logits, n_valid):
+    """Row softmax over the first ``n_valid`` columns; the padded columns get probability 0."""
+    column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    logits = jnp.where(column < n_valid, logits, -jnp.inf)
+    p = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
+    return p / jnp.sum(p, axis=1, keepdims=True)
 
 
 def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_errors, T, activation, precision,
-                      chunk):
-    # refs = (dt, mu_1, [target], W_1..W_{L-1}, b_1..b_{L-1}, x_1..x_L out, [e_1..e_L out])
+                      block_b, groups, tiles_per_slot, interpret):
+    # Inputs: dt, mu_1, [target], W_1..W_{L-1}, b_1..b_{L-1}, counters. Outputs: x_1..x_L, [e_1..e_L],
+    # counters (aliased), activity exchange f(x_1)..f(x_{L-2}), error exchange e_2..e_{L-1}, output partials.
+    # Below, layer k is x_{k+1}: k = 0..L-2 are the hidden layers, k = L-1 the output.
+    n_w, n_ex = n_layers - 1, n_layers - 2
     dt_ref, mu1_ref, refs = refs[0], refs[1], refs[2:]
     target_ref, refs = (refs[0], refs[1:]) if clamped else (None, refs)
-    n_w = n_layers - 1
-    w_refs, b_refs, refs = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
-    x_out, e_out = refs[:n_layers], refs[n_layers:]
+    w_refs, b_refs, refs = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w + 1:]  # (the input counters alias)
+    x_out, refs = refs[:n_layers], refs[n_layers:]
+    e_out, refs = (refs[:n_layers], refs[n_layers:]) if with_errors else ((), refs)
+    counter_ref, fx_ex, e_ex, partial_ex = refs[0], refs[1:1 + n_ex], refs[1 + n_ex:1 + 2 * n_ex], refs[-1]
     f, df = ACTIVATIONS[activation]
-    lin = functools.partial(_linear, chunk=chunk, precision=precision)
-    act = lambda blocks: [f(b) for b in blocks]
+    dtype, lax_precision = dot_args(precision)
+
+    def dot(a, w):  # float32 accumulation
+        return jax.lax.dot(a.astype(dtype), w, precision=lax_precision, preferred_element_type=jnp.float32)
+
+    slot, g = pl.program_id(0), pl.program_id(1)
+    width = [mu1_ref.shape[1]] + [w.shape[1] for w in w_refs]
+    units = [pl.ds(g * (n // groups), n // groups) for n in width[:-1]]  # U_g of each hidden layer
+    ex_rows = pl.ds(slot * block_b, block_b)  # this slot's rows of the exchange buffers
+    exchange = lambda ref: exchange_load(ref.at[ex_rows, :])
     dt = dt_ref[0]
-    mu1 = _load_cols(mu1_ref, chunk)  # x_0 is clamped: constant
+    sync = functools.partial(_barrier, counter_ref, slot, groups=groups, interpret=interpret)
 
-    def predictions(xs):  # w_refs[l] is W_{l+1}: it predicts x_{l+2} from xs[l] = x_{l+1}
-        fxs = [act(x) for x in xs[:-1]]
-        return fxs, [mu1] + [lin(fx, w_refs[l], b_refs[l]) for l, fx in enumerate(fxs)]
+    # The weight slices, once per launch (module docstring, "Design"): w_fwd[k - 1] = W_k[:, U_g] predicts
+    # hidden layer k >= 1 and w_back[k] = W_{k+1}[U_g, :]^T carries layer k + 1's error back to hidden layer k;
+    # w_out = W_{L-1}[U_g, :] gives this program's share of the output's prediction.
+    w_fwd = [w_refs[k - 1][:, units[k]] for k in range(1, n_w)]
+    b_fwd = [b_refs[k - 1][units[k]].astype(jnp.float32)[None, :] for k in range(1, n_w)]
+    w_back = [w_refs[k][units[k], :].T for k in range(n_w)]
+    w_out = w_refs[-1][units[-1], :]
+    b_out = b_refs[-1][...].astype(jnp.float32)[None, :]
 
-    def errors(xs, mus):
-        es = [[x - m for x, m in zip(xl, ml, strict=True)] for xl, ml in zip(xs, mus, strict=True)]
-        if cross_entropy:
-            es[-1] = [x - p for x, p in zip(xs[-1], _softmax(mus[-1], n_out), strict=True)]
-        return es
+    def predict_hidden(k):  # mu of hidden layer k >= 1 on this program's units, from the activity exchange
+        return dot(exchange(fx_ex[k - 1]), w_fwd[k - 1]) + b_fwd[k - 1]
 
-    xs = [mu1]
-    for l in range(n_w):
-        xs.append(lin(act(xs[-1]), w_refs[l], b_refs[l]))
-    if clamped:
-        xs[-1] = _load_cols(target_ref, chunk)
+    def phase_a(xs, fxs, mu1, passed):
+        """The errors of hidden layers on U_g -> error exchange; the output's partial prediction -> partials."""
+        es = [xs[0] - mu1]
+        for k in range(1, n_w):
+            es.append(xs[k] - predict_hidden(k))
+            e_ex[k - 1][ex_rows, units[k]] = es[k].astype(e_ex[k - 1].dtype)
+        partial_ex[g, ex_rows, :] = dot(fxs[-1], w_out)
+        return es, sync(passed)
 
-    def step(_, xs):
-        fxs, mus = predictions(xs)
-        es = errors(xs, mus)
-        x_last = xs[-1] if clamped else [x - dt * e for x, e in zip(xs[-1], es[-1], strict=True)]
-        # The output layer is written every step, between the forward and the backward weight reads: cheap
-        # (n_L columns), and it keeps the weights streaming (module docstring, "Design").
-        _store_cols(x_out[-1], x_last)
-        new = []
-        for l in range(n_w):  # xs[l] is x_{l+1}; its backward term comes through W_{l+1}
-            back = _matmul(es[l + 1], w_refs[l], transpose=True, chunk=chunk, precision=precision)
-            new.append([x - dt * (e - df(x, fx) * g)
-                        for x, fx, e, g in zip(xs[l], fxs[l], es[l], back, strict=True)])
-        return new + [x_last]
+    def output_error(x_last, mu_last):
+        return x_last - (_softmax(mu_last, n_out) if cross_entropy else mu_last)
 
-    xs = jax.lax.fori_loop(0, T, step, xs)
-    for ref, x in zip(x_out[:-1], xs[:-1], strict=True):  # x_L was stored by the last step (T >= 1)
-        _store_cols(ref, x)
-    if with_errors:
-        for ref, e in zip(e_out, errors(xs, predictions(xs)[1]), strict=True):
-            _store_cols(ref, e)
+    def output_prediction():  # every program sums the G partials in the same order: the same bits everywhere
+        return jnp.sum(exchange_load(partial_ex.at[:, ex_rows, :]), axis=0) + b_out
+
+    def settle_tile(j, passed):
+        rows = pl.ds((slot * tiles_per_slot + j) * block_b, block_b)
+        mu1 = mu1_ref[rows, units[0]].astype(jnp.float32)  # x_0 is clamped: mu_1 is constant
+        xs, fxs = [mu1], [f(mu1)]  # the feed-forward pass, one exchange per hidden layer
+        for k in range(1, n_w):
+            fx_ex[k - 1][ex_rows, units[k - 1]] = fxs[k - 1].astype(fx_ex[k - 1].dtype)
+            passed = sync(passed)
+            xs.append(predict_hidden(k))
+            fxs.append(f(xs[k]))
+        # A free output starts at its prediction: the first step's phase B sets it.
+        x_last = target_ref[rows, :].astype(jnp.float32) if clamped else jnp.zeros((block_b, width[-1]), jnp.float32)
+
+        def step(t, carry):
+            xs, fxs, x_last, passed = carry
+            es, passed = phase_a(xs, fxs, mu1, passed)
+            mu_last = output_prediction()
+            if not clamped:
+                x_last = jnp.where(t == 0, mu_last, x_last)
+            e_last = output_error(x_last, mu_last)
+            new = []
+            for k in range(n_w):
+                e_next = exchange(e_ex[k]) if k + 1 < n_w else e_last
+                back = dot(e_next, w_back[k])
+                new.append(xs[k] - dt * (es[k] - df(xs[k], fxs[k]) * back))
+            fxs = [f(x) for x in new]
+            for k in range(n_ex):
+                fx_ex[k][ex_rows, units[k]] = fxs[k].astype(fx_ex[k].dtype)
+            if not clamped:
+                x_last = x_last - dt * e_last
+            return new, fxs, x_last, sync(passed)
+
+        xs, fxs, x_last, passed = jax.lax.fori_loop(0, T, step, (xs, fxs, x_last, passed))
+        results = [(x_out, [*xs, x_last])]
+        if with_errors:
+            es, passed = phase_a(xs, fxs, mu1, passed)
+            results.append((e_out, [*es, output_error(x_last, output_prediction())]))
+            passed = sync(passed)  # the next tile's phase A rewrites the partials
+        checked = lambda value: value
+        if groups > 1:  # a barrier of the slot gave up (see _barrier): its results are NaN, every program's
+            broken = plgpu.atomic_add(counter_ref, slot, np.int32(0)) >= BARRIER_BROKEN
+            checked = lambda value: jnp.where(broken, jnp.nan, value)
+        for out_refs, values in results:
+            for k in range(n_w):
+                out_refs[k][rows, units[k]] = checked(values[k])
+
+            @pl.when(g == 0)  # the output layer is replicated: one program writes it
+            def _(out_ref=out_refs[-1], value=values[-1]):
+                out_ref[rows, :] = checked(value)
+
+        return passed
+
+    jax.lax.fori_loop(0, tiles_per_slot, settle_tile, jnp.int32(0))
 
 
 # --------------------------------------------------------------------------- public API
@@ -303,7 +399,7 @@ def pc_settle(weights: Sequence[jax.Array], biases: Sequence[jax.Array], mu1: ja
       weights: W_1..W_{L-1}, L - 1 >= 1 arrays; ``weights[l]`` is W_{l+1}, ``[n_{l+1}, n_{l+2}]``.
       biases: b_1..b_{L-1}; ``biases[l]`` is ``[n_{l+2}]``.
       mu1: the clamped input's prediction f_0(x_0) @ W_0 + b_0, ``[batch, n_1]``; any batch size (padded to
-        a multiple of ``config.block_b``).
+        whole row tiles of ``config.block_b``).
       target: ``[batch, n_L]`` to clamp the output to (e.g. one-hot labels), or None for a free output.
       T: Euler steps (>= 1).
       dt: step size (> 0): a float or a traced scalar (one compiled kernel serves every dt).
@@ -311,7 +407,8 @@ def pc_settle(weights: Sequence[jax.Array], biases: Sequence[jax.Array], mu1: ja
       output: energy of the clamped output, one of :data:`OUTPUTS`; ``"cross_entropy"`` needs a target.
       precision: matmul operands, one of :data:`PRECISIONS` (accumulation is always float32).
       with_errors: also return the errors of the settled state.
-      config: launch geometry (:class:`SettleConfig`).
+      config: launch geometry (:class:`SettleConfig`, grid from :func:`launch_grid`).
+      interpret: run in the Pallas interpreter (with one unit group: module docstring, "Barrier").
 
     Returns:
       The settled activities ``[x_1, ..., x_L]``, float32 ``[batch, n_l]``; with ``with_errors``, the pair
@@ -329,32 +426,38 @@ def _pc_settle(weights, biases, mu1, target, dt, *, T, activation, output, preci
     n_layers, batch, bb = len(weights) + 1, mu1.shape[0], config.block_b
     widths = [mu1.shape[1]] + [w.shape[1] for w in weights]
     pw = [padded_width(n) for n in widths]
-    rows = -(-batch // bb) * bb
-    w_dtype = dot_args(precision)[0]  # cast once here: bf16 weights halve the bytes streamed each step
-    ws = [_pad2(w.astype(w_dtype), pw[l], pw[l + 1]) for l, w in enumerate(weights)]
-    bs = [jnp.pad(b.astype(jnp.float32), (0, pw[l + 1] - b.shape[0])) for l, b in enumerate(biases)]
-    tiles = [_pad2(mu1.astype(jnp.float32), rows, pw[0])]
+    grid = launch_grid(batch, widths, config, interpret=interpret)
+    rows, ex_rows = grid.slots * grid.tiles_per_slot * bb, grid.slots * bb
+    dtype = dot_args(precision)[0]  # weights and exchanged operands in the matmul dtype: bf16 halves their bytes
+    inputs = [jnp.reshape(dt, (1,)).astype(jnp.float32), _pad2(mu1.astype(jnp.float32), rows, pw[0])]
     if target is not None:
-        tiles.append(_pad2(target.astype(jnp.float32), rows, pw[-1]))
-    tile_spec = lambda n: pl.BlockSpec((bb, n), lambda i: (i, 0))
-    in_specs = [pl.BlockSpec((1,), lambda i: (0,))] + [tile_spec(t.shape[1]) for t in tiles]
-    in_specs += [pl.BlockSpec(w.shape, lambda i: (0, 0)) for w in ws]
-    in_specs += [pl.BlockSpec(b.shape, lambda i: (0,)) for b in bs]
+        inputs.append(_pad2(target.astype(jnp.float32), rows, pw[-1]))
+    inputs += [_pad2(w.astype(dtype), pw[l], pw[l + 1]) for l, w in enumerate(weights)]
+    inputs += [jnp.pad(b.astype(jnp.float32), (0, pw[l + 1] - b.shape[0])) for l, b in enumerate(biases)]
+    inputs.append(jnp.zeros((grid.slots,), jnp.int32))  # barrier arrival counters, one per row slot
     out_shape = [jax.ShapeDtypeStruct((rows, n), jnp.float32) for n in pw] * (2 if with_errors else 1)
+    n_results = len(out_shape)
+    out_shape.append(jax.ShapeDtypeStruct((grid.slots,), jnp.int32))
+    out_shape += [jax.ShapeDtypeStruct((ex_rows, n), dtype) for n in pw[:n_layers - 2]]  # f(x_1)..f(x_{L-2})
+    out_shape += [jax.ShapeDtypeStruct((ex_rows, n), dtype) for n in pw[1:n_layers - 1]]  # e_2..e_{L-1}
+    out_shape.append(jax.ShapeDtypeStruct((grid.groups, ex_rows, pw[-1]), jnp.float32))  # output partials
+    whole = lambda shape: pl.BlockSpec(shape, lambda r, g: (0,) * len(shape))  # programs index by hand
     kernel = functools.partial(_pc_settle_kernel, n_layers=n_layers, n_out=widths[-1], clamped=target is not None,
                                cross_entropy=output == "cross_entropy", with_errors=with_errors, T=T,
-                               activation=activation, precision=precision, chunk=config.chunk)
+                               activation=activation, precision=precision, block_b=bb, groups=grid.groups,
+                               tiles_per_slot=grid.tiles_per_slot, interpret=interpret)
     out = pl.pallas_call(
         kernel,
-        grid=(rows // bb,),
-        in_specs=in_specs,
-        out_specs=[tile_spec(s.shape[1]) for s in out_shape],
+        grid=(grid.slots, grid.groups),
+        in_specs=[whole(a.shape) for a in inputs],
+        out_specs=[whole(s.shape) for s in out_shape],
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        input_output_aliases={len(inputs) - 1: n_results},
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name=f"pc_settle_{n_layers}layers",
-    )(jnp.reshape(dt, (1,)).astype(jnp.float32), *tiles, *ws, *bs)
-    out = [o[:batch, :n] for o, n in zip(out, widths * (len(out) // n_layers), strict=True)]
+    )(*inputs)
+    out = [o[:batch, :n] for o, n in zip(out[:n_results], widths * (n_results // n_layers), strict=True)]
     return (out[:n_layers], out[n_layers:]) if with_errors else out
 
 

@@ -17,9 +17,10 @@ Euler settling of a plain net with a fixed T, no trace and a clamped input (the 
 clamped or free) is also one fused GPU kernel, ``pallas_kernels.pc_settle``: ``kernel="pallas"`` runs it
 (on an NVIDIA GPU through ``lax.platform_dependent``, interpreted elsewhere: slow, for tests) and raises where
 it does not apply (:func:`fused_kernel_unsupported`); "jnp" always runs the loop. "auto" picks the faster
-path, which today is the jnp loop on every platform: on an H200 the kernel, in its Triton form, measured
+path, which today is the jnp loop on every platform: on an H200 the kernel's first Triton form measured
 2.9 ms per T=20 settling of a 250-row Deepity batch against 0.66-0.77 ms for XLA's loop
-(``benchmarks/pc_mnist.py``'s settle timings, H200 runs of 2026-11-29; why, in the kernel's docstring).
+(``benchmarks/pc_mnist.py``'s settle timings, H200 runs of 2026-11-29); its cooperative redesign (the
+kernel's docstring) is not timed yet. ``kernel_config`` sets the kernel's launch geometry.
 """
 
 from collections.abc import Callable
@@ -30,12 +31,13 @@ import jax.numpy as jnp
 import optax
 
 from pallas_kernels.pc_settle import ACTIVATIONS as KERNEL_ACTIVATIONS
-from pallas_kernels.pc_settle import pc_settle
+from pallas_kernels.pc_settle import SettleConfig, pc_settle
 from pc.energy import energy, energy_and_grads
 from pc.networks import Params, PCNet, check_params, forward, predict
 
 SOLVERS = ("euler", "heun")
 KERNELS = ("auto", "jnp", "pallas")  # see the module docstring
+KERNEL_CONFIG = SettleConfig()  # the fused kernel's default launch geometry
 
 Activities = tuple[jax.Array, ...]
 
@@ -201,7 +203,7 @@ def as_target(target: jax.Array, net: PCNet, batch: int) -> jax.Array:
 def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
            solver: str | optax.GradientTransformation = "euler", target: jax.Array | None = None,
            trace: bool = False, tol: float | None = None, infer_input: bool = False,
-           kernel: str = "auto") -> SettleResult:
+           kernel: str = "auto", kernel_config: SettleConfig = KERNEL_CONFIG) -> SettleResult:
     """Feed-forward initialisation, then T steps of energy descent in the free activities, in one jit.
 
     Args:
@@ -216,6 +218,7 @@ def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
       infer_input: x_0 is free too (with a 0.5 ||x_0||^2 prior): generative inference of a latent.
       kernel: "auto" (the faster path: today the jnp loop), "jnp" or "pallas" (the fused kernel,
         interpreted off the GPU); see the module docstring.
+      kernel_config: the fused kernel's launch geometry (``pallas_kernels.pc_settle.SettleConfig``).
 
     Returns:
       :class:`SettleResult`.
@@ -230,13 +233,13 @@ def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
     if target is not None:
         target = as_target(target, net, x0.shape[0])
     return _settle_jit(params, x0, net, T=T, dt=dt, solver=solver, target=target, trace=trace, tol=tol,
-                       infer_input=infer_input, kernel=kernel)
+                       infer_input=infer_input, kernel=kernel, kernel_config=kernel_config)
 
 
 def settle_from_input(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float | jax.Array,
                       solver: str | optax.GradientTransformation = "euler", target: jax.Array | None = None,
                       trace: bool = False, tol: float | jax.Array | None = None, infer_input: bool = False,
-                      kernel: str = "auto") -> SettleResult:
+                      kernel: str = "auto", kernel_config: SettleConfig = KERNEL_CONFIG) -> SettleResult:
     """:func:`settle` without validation (call inside jit; ``target`` is ``[batch, n_L]`` float or None).
 
     The dispatch point between the fused kernel and the jnp loop (module docstring). Both start from the
@@ -252,7 +255,7 @@ def settle_from_input(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: 
         mu1 = predict(params[0], x0, net, 0)  # constant while settling: x_0 is clamped
         xs = pc_settle([p["w"] for p in params[1:]], [p["b"] for p in params[1:]], mu1, target, T=T, dt=dt,
                        activation=net.activation, output=net.output if target is not None else "gaussian",
-                       precision=net.precision, interpret=interpret)
+                       precision=net.precision, config=kernel_config, interpret=interpret)
         return [x0, *xs]
 
     xs = jax.lax.platform_dependent(cuda=lambda: fused(interpret=False), default=lambda: fused(interpret=True))
@@ -269,4 +272,5 @@ def _settle_loop(params, x0, net, *, T, dt, solver, target, trace=False, tol=Non
                              infer_input=infer_input, trace=trace, tol=tol)
 
 
-_settle_jit = jax.jit(settle_from_input, static_argnames=("net", "T", "solver", "trace", "infer_input", "kernel"))
+_settle_jit = jax.jit(settle_from_input, static_argnames=("net", "T", "solver", "trace", "infer_input", "kernel",
+                                                          "kernel_config"))

@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_pc_settle_kernel import lower_grid
 
 import pc
 from apex_jax.data import load_mnist
+from pallas_kernels.pc_settle import SettleConfig
 from pallas_kernels.testing import assert_close, lower_for_h200
 
 SMALL = (12, 20, 18, 5)
@@ -102,6 +104,21 @@ def test_pallas_runs_the_kernel_on_h200_exactly_where_it_applies_and_auto_never(
     else:
         with pytest.raises(ValueError, match="kernel='pallas' cannot settle"):
             lower("pallas")
+
+
+def test_kernel_config_sets_the_launch_grid():
+    """settle's kernel_config reaches the kernel: 64 rows of a 64-wide net as (R, G) = (2, 4) by default, (4, 2)
+    with 16-row tiles and at most 2 unit groups."""
+    net = pc.PCNet(**NET)
+    params = jax.eval_shape(lambda: pc.init_params(jax.random.key(0), net))
+    x0, labels = jax.ShapeDtypeStruct((64, 784), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.int32)
+
+    def grid(**config):
+        return lower_grid(lower_for_h200(lambda p, x, y: pc.settle(p, x, net, T=20, dt=0.1, target=y, kernel="pallas",
+                                                                   **config).xs, params, x0, labels))
+
+    assert grid() == (2, 4)
+    assert grid(kernel_config=SettleConfig(block_b=16, groups=2)) == (4, 2)
 
 
 def test_train_epoch_lowers_with_the_fused_kernel_for_h200():

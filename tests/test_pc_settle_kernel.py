@@ -1,28 +1,40 @@
-"""pallas_kernels.pc_settle: the fused settling kernel against its jnp reference, padding, and the H200 lowering."""
+"""pallas_kernels.pc_settle: the cooperative settling kernel against its jnp reference, its launch grid, padding,
+and the H200 lowering (G > 1 unit groups: what interpret mode, one program at a time, cannot run)."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as triton_dialect
 
 from pallas_kernels import pc_settle as K
-from pallas_kernels.testing import assert_close, interpret, lower_for_h200
+from pallas_kernels.testing import H200, TRITON_CALL_TARGET, assert_close, interpret, lower_for_h200
 
 DEEPITY = (784, 512, 512, 10)
 PCX = (784, 128, 128, 128, 10)
 SMALL = (20, 40, 24, 36, 10)  # 3 hidden layers, no width a power of 2: every width is padded
 DT = 0.1
-# The interpreter runs every tl.dot of the unrolled body; 128-wide blocks keep DEEPITY's count (and the
-# test's time on 2 CPU cores) 4x below the default config's. SMALL covers many blocks per width instead.
-WIDE_BLOCKS = K.SettleConfig(chunk=128)
+# 16-row tiles: a 32-row batch spreads over two row slots, so every test runs several programs. (Interpret
+# mode always runs one unit group; the GPU and test_lowers_for_h200 run G > 1.)
+TILES = K.SettleConfig(block_b=16)
 # Relative Frobenius error per matmul precision. float32 reorders sums by block; bfloat16 operands round
 # at 2^-8 and a value near a rounding edge may round either way in kernel and reference.
 RTOL = {"float32": 1e-5, "tf32": 1e-3, "bfloat16": 2 * 2.0**-8}
 # (clamped, output): the two energies of a clamped output, and a free output (always Gaussian).
 MODES = [(True, "gaussian"), (True, "cross_entropy"), (False, "gaussian")]
 MODE_IDS = ["gaussian", "cross_entropy", "free"]
+
+
+def cases(fast, activations=tuple(K.ACTIVATIONS)):
+    """(activation, clamped, output) for every activation and mode. The interpreter compiles each case anew
+    (5-20 s on 2 shared cores), so all but the ``fast`` one are marked slow (``make test`` still runs them)."""
+    return [pytest.param(a, clamped, output, id=f"{mode}-{a}", marks=() if (a, mode) == fast else pytest.mark.slow)
+            for a in activations for (clamped, output), mode in zip(MODES, MODE_IDS, strict=True)]
 
 
 def network(widths, batch, seed):
@@ -55,11 +67,11 @@ def assert_matches_reference(widths, batch, *, clamped, seed, config: K.SettleCo
                          interpret=interpret(), **static)
     ref_xs, ref_es = K.pc_settle_reference(weights, biases, mu1, target, dt=DT, with_errors=True, **static)
     rtol = RTOL[static.get("precision", "float32")]
-    for l, (x, e, rx, re) in enumerate(zip(xs, es, ref_xs, ref_es, strict=True), start=1):
+    for l, (x, e, rx, rex) in enumerate(zip(xs, es, ref_xs, ref_es, strict=True), start=1):
         assert_close(x, rx, rtol=rtol, name=f"x_{l}")
         # An error is a difference of nearby activities: bound it relative to the activities' size.
-        e_rtol = rtol * float(jnp.linalg.norm(rx)) / max(float(jnp.linalg.norm(re)), 1e-30)
-        assert_close(e, re, rtol=max(rtol, e_rtol), name=f"e_{l}")
+        e_rtol = rtol * float(jnp.linalg.norm(rx)) / max(float(jnp.linalg.norm(rex)), 1e-30)
+        assert_close(e, rex, rtol=max(rtol, e_rtol), name=f"e_{l}")
     start = feed_forward(weights, biases, mu1, static.get("activation", "sigmoid"))
     if clamped:  # the last hidden layer moved far beyond fp32 noise: a kernel that skipped the loop fails
         moved = float(jnp.linalg.norm(ref_xs[-2] - start[-2]) / jnp.linalg.norm(start[-2]))
@@ -70,42 +82,53 @@ def assert_matches_reference(widths, batch, *, clamped, seed, config: K.SettleCo
 
 
 class TestPCSettle:
-    @pytest.mark.parametrize("activation", list(K.ACTIVATIONS))
-    @pytest.mark.parametrize("clamped,output", MODES, ids=MODE_IDS)
+    @pytest.mark.parametrize("activation,clamped,output", cases(fast=("sigmoid", "cross_entropy")))
     def test_deepity_matches_reference(self, activation, clamped, output):
         T = {"sigmoid": 3, "tanh": 4, "relu": 5}[activation]
         assert_matches_reference(DEEPITY, 32, clamped=clamped, seed=T + clamped, T=T, activation=activation,
-                                 output=output, config=WIDE_BLOCKS)
+                                 output=output, config=TILES)
 
+    @pytest.mark.slow
     def test_deepity_bf16_operands_match_reference(self):
-        assert_matches_reference(DEEPITY, 32, clamped=True, seed=7, T=4, precision="bfloat16",
-                                 config=WIDE_BLOCKS)
+        assert_matches_reference(DEEPITY, 32, clamped=True, seed=7, T=4, precision="bfloat16", config=TILES)
 
-    @pytest.mark.parametrize("activation", list(K.ACTIVATIONS))
-    @pytest.mark.parametrize("clamped,output", MODES, ids=MODE_IDS)
+    @pytest.mark.parametrize("activation,clamped,output", cases(fast=("relu", "free")))
     def test_three_hidden_layers_match_reference(self, activation, clamped, output):
         assert_matches_reference(SMALL, 32, clamped=clamped, seed=11, T=5, activation=activation, output=output,
-                                 config=K.SettleConfig(chunk=32))
+                                 config=TILES)
 
     def test_three_hidden_layers_bf16_operands_match_reference(self):
         assert_matches_reference(SMALL, 32, clamped=True, seed=12, T=5, activation="tanh", precision="bfloat16",
-                                 output="cross_entropy", config=K.SettleConfig(chunk=32))
+                                 output="cross_entropy", config=TILES)
 
-    def test_cross_entropy_softmax_spans_blocks(self):
-        """36 classes in 16-wide blocks: the softmax reduces over 4 blocks, the last two partly or all padding."""
+    def test_cross_entropy_softmax_masks_padded_classes(self):
+        """36 classes padded to 64: the softmax must give the 28 padded columns probability 0."""
         assert_matches_reference(SMALL[:-1], 32, clamped=True, seed=4, T=4, activation="tanh",
-                                 output="cross_entropy", config=K.SettleConfig(chunk=16))
+                                 output="cross_entropy", config=TILES)
+
+    def test_one_hidden_layer(self):
+        """L = 2: no activity or error exchange, only the output partials."""
+        assert_matches_reference((20, 40, 10), 32, clamped=True, seed=8, T=5, output="cross_entropy", config=TILES)
 
     def test_batch_not_divisible_by_block_b(self):
-        assert_matches_reference(SMALL, 37, clamped=True, seed=3, T=4, output="cross_entropy",
-                                 config=K.SettleConfig(block_b=16, chunk=32))
+        assert_matches_reference(SMALL, 37, clamped=True, seed=3, T=4, output="cross_entropy", config=TILES)
 
+    @pytest.mark.parametrize("activation,clamped,output", cases(("sigmoid", "cross_entropy"), ["sigmoid"]))
+    def test_a_slot_settles_its_row_tiles_in_turn(self, activation, clamped, output):
+        """Two row slots for five 16-row tiles: each slot settles three tiles (the sixth all padding), reusing
+        its exchange rows and counting on through their barriers."""
+        config = K.SettleConfig(block_b=16, max_programs=2)
+        assert K.launch_grid(73, SMALL[1:], config, interpret=interpret()) == K.Grid(2, 1, 3)
+        assert_matches_reference(SMALL, 73, clamped=clamped, seed=13, T=3, activation=activation, output=output,
+                                 config=config)
+
+    @pytest.mark.slow
     def test_result_does_not_depend_on_launch_geometry(self):
         weights, biases, mu1, target = network(SMALL, 64, 5)
         run = functools.partial(K.pc_settle, weights, biases, mu1, target, T=4, dt=DT, interpret=interpret())
-        small = run(config=K.SettleConfig(block_b=16, chunk=16, num_warps=4))
-        large = run(config=K.SettleConfig(block_b=32, chunk=64))
-        for l, (a, b) in enumerate(zip(small, large, strict=True), start=1):
+        one_slot = run(config=K.SettleConfig(block_b=16, num_warps=4, max_programs=1))  # 4 tiles in turn
+        two_tiles = run(config=K.SettleConfig(block_b=32))
+        for l, (a, b) in enumerate(zip(one_slot, two_tiles, strict=True), start=1):
             assert_close(a, b, name=f"x_{l}")
 
     def test_traced_dt_matches_a_float_dt(self):
@@ -116,7 +139,8 @@ class TestPCSettle:
         for l, (a, b) in enumerate(zip(jax.jit(run)(jnp.float32(0.3)), run(0.3), strict=True), start=1):
             assert_close(a, b, name=f"x_{l}")
 
-    @pytest.mark.parametrize("activation", list(K.ACTIVATIONS))
+    @pytest.mark.parametrize("activation", [a if a == "sigmoid" else pytest.param(a, marks=pytest.mark.slow)
+                                            for a in K.ACTIVATIONS])
     def test_padded_units_stay_zero(self, activation):
         """A net padded by hand to power-of-2 widths: the padded units stay exactly 0, the rest is unchanged."""
         weights, biases, mu1, target = network(SMALL, 16, 2)
@@ -133,7 +157,7 @@ class TestPCSettle:
             np.testing.assert_array_equal(np.asarray(pad_x[:, widths[l]:]), 0.0, err_msg=f"x_{l + 1} padding")
             assert_close(pad_x[:, :widths[l]], x, name=f"x_{l + 1}")
 
-    @pytest.mark.parametrize("output", list(K.OUTPUTS))
+    @pytest.mark.parametrize("output", ["cross_entropy", pytest.param("gaussian", marks=pytest.mark.slow)])
     def test_settling_lowers_the_energy(self, output):
         weights, biases, mu1, target = network(SMALL, 32, 9)
         _, es = K.pc_settle(weights, biases, mu1, target, T=20, dt=DT, output=output, with_errors=True,
@@ -177,10 +201,33 @@ class TestPCSettle:
             K.pc_settle(weights, biases, mu1[0], None, T=3, dt=DT)
         with pytest.raises(ValueError, match="activation"):
             K.pc_settle_reference(weights, biases, mu1, target, T=3, dt=DT, activation="gelu")
-        with pytest.raises(ValueError, match="power of 2"):
-            K.SettleConfig(chunk=48)
-        with pytest.raises(ValueError, match=">= 16"):
+        with pytest.raises(ValueError, match="groups must be a positive power of 2, got 12"):
+            K.SettleConfig(groups=12)
+        with pytest.raises(ValueError, match="block_b must be >= 16"):
             K.SettleConfig(block_b=8)
+        with pytest.raises(ValueError, match="max_programs must be >= 1"):
+            K.SettleConfig(max_programs=0)
+
+
+GRIDS = {  # id -> (batch, net widths n_0..n_L, config, interpret, expected grid)
+    "deepity": (250, DEEPITY, K.SettleConfig(), False, K.Grid(8, 16, 1)),  # 8 tiles of 32 rows x 16 groups
+    "deepity_10k": (10_000, DEEPITY, K.SettleConfig(), False, K.Grid(8, 16, 40)),  # 313 tiles: 8 slots x 40
+    "pcx": (250, PCX, K.SettleConfig(), False, K.Grid(8, 8, 1)),  # 128 units: at most 8 groups of 16
+    "small": (37, SMALL, K.SettleConfig(), False, K.Grid(2, 2, 1)),  # narrowest hidden layer 24 -> 32: G = 2
+    "132_sms": (250, DEEPITY, K.SettleConfig(max_programs=132), False, K.Grid(8, 16, 1)),
+    "8_sms": (250, DEEPITY, K.SettleConfig(max_programs=8), False, K.Grid(1, 8, 8)),
+    "interpret": (250, DEEPITY, K.SettleConfig(), True, K.Grid(8, 1, 1)),
+}
+
+
+@pytest.mark.parametrize("case", list(GRIDS))
+def test_launch_grid_keeps_every_program_resident(case):
+    batch, widths, config, interpreted, expected = GRIDS[case]
+    grid = K.launch_grid(batch, widths[1:], config, interpret=interpreted)
+    assert grid == expected
+    assert grid.slots * grid.groups <= config.max_programs
+    assert batch <= grid.slots * grid.tiles_per_slot * config.block_b < batch + grid.slots * config.block_b
+    assert all(K.padded_width(n) // grid.groups >= K.MIN_WIDTH for n in widths[1:-1])
 
 
 def abstract_args(widths, batch=1024):
@@ -188,23 +235,115 @@ def abstract_args(widths, batch=1024):
     return weights, biases, mu1, target
 
 
+def lower_grid(text: str) -> tuple[int, int]:
+    """(grid_x, grid_y) = (R, G) of the one Triton kernel in a lowered module's text."""
+    (x,), (y,) = (re.findall(rf"grid_{axis} = (\d+)", text) for axis in "xy")
+    return int(x), int(y)
+
+
 @pytest.mark.parametrize("widths", [DEEPITY, PCX], ids=["deepity", "pcx"])
 @pytest.mark.parametrize("clamped,output", MODES, ids=MODE_IDS)
 def test_lowers_for_h200(widths, clamped, output):
-    weights, biases, mu1, target = abstract_args(widths)
+    """The benchmark's batch of 250 rows: the cooperative grid (G > 1) lowers and passes the MLIR verifier."""
+    weights, biases, mu1, target = abstract_args(widths, batch=250)
     text = lower_for_h200(functools.partial(K.pc_settle, T=20, dt=DT, output=output), weights, biases, mu1,
                           target if clamped else None)
-    assert "triton" in text and "pc_settle_" in text
+    grid = K.launch_grid(250, widths[1:], K.SettleConfig())
+    assert grid.groups > 1 and lower_grid(text) == (grid.slots, grid.groups)
+    assert "pc_settle_" in text
 
 
 @pytest.mark.parametrize("static", [dict(precision="bfloat16", activation="tanh", with_errors=True),
                                     dict(precision="tf32", activation="relu", output="cross_entropy")])
 def test_deepity_variants_lower_for_h200(static):
     text = lower_for_h200(functools.partial(K.pc_settle, T=20, dt=DT, **static), *abstract_args(DEEPITY))
-    assert "triton" in text
+    assert lower_grid(text) == (8, 16)  # 1024 rows: 32 tiles of 32 in 8 slots, 4 tiles each
 
 
-def test_1024_wide_layers_lower_at_block_b_16():
-    text = lower_for_h200(functools.partial(K.pc_settle, T=20, dt=DT, config=K.SettleConfig(block_b=16)),
+@pytest.mark.parametrize("config", [K.SettleConfig(block_b=16, groups=32), K.SettleConfig(block_b=64, groups=8)],
+                         ids=["b16_g32", "b64_g8"])
+def test_1024_wide_layers_lower(config):
+    text = lower_for_h200(functools.partial(K.pc_settle, T=20, dt=DT, config=config),
                           *abstract_args((1024, 1024, 1024, 10), batch=256))
-    assert "triton" in text
+    assert lower_grid(text)[1] == config.groups
+
+
+def triton_module(stablehlo: ir.Module) -> ir.Module:
+    """The Triton module of the one Pallas Triton kernel in a lowered StableHLO module, parsed."""
+    payloads = []
+
+    def collect(op):
+        if op.name == "stablehlo.custom_call" and ir.StringAttr(op.attributes["call_target_name"]).value == \
+                TRITON_CALL_TARGET:
+            payloads.append(ir.StringAttr(ir.DictAttr(op.attributes["mhlo.backend_config"])["ir"]).value_bytes)
+        return ir.WalkResult.ADVANCE
+
+    stablehlo.operation.walk(collect)
+    (payload,) = payloads
+    context = ir.Context()
+    context.append_dialect_registry(mlir.upstream_dialects)
+    triton_dialect.register_dialect(context)
+    context.load_all_available_dialects()
+    with context:
+        return ir.Module.parse(payload)
+
+
+def ops_named(root: ir.Operation, name: str) -> list[ir.Operation]:
+    found = []
+
+    def collect(op):
+        if op.name == name:
+            found.append(op.operation)
+        return ir.WalkResult.ADVANCE
+
+    root.walk(collect)
+    return found
+
+
+def in_loop(op: ir.Operation) -> bool:
+    parent = op.parent
+    while parent.name != "tt.func":
+        if parent.name in ("scf.for", "scf.while"):
+            return True
+        parent = parent.parent
+    return False
+
+
+def kernel_argument(pointer: ir.Value) -> int | None:
+    """The kernel argument a load's pointer tensor is computed from (None if from elsewhere)."""
+    pointer = pointer.maybe_downcast()
+    while not isinstance(pointer, ir.BlockArgument):
+        if pointer.owner.name not in ("tt.addptr", "tt.splat", "tt.broadcast", "tt.expand_dims"):
+            return None
+        pointer = pointer.owner.operands[0].maybe_downcast()
+    return pointer.arg_number if pointer.owner.owner.name == "tt.func" else None
+
+
+@pytest.mark.parametrize("widths", [DEEPITY, PCX], ids=["deepity", "pcx"])
+def test_weight_slices_load_once_before_every_loop(widths):
+    """In the Triton module: every weight slice is loaded outside the row-tile and T loops (once per launch),
+    every exchange read is volatile (never served from a stale L1 line), and each step's matmuls are single
+    ``tl.dot``s: 2 (L - 1) per step plus L - 2 in the feed-forward start, whatever the widths."""
+    weights, biases, mu1, target = abstract_args(widths, batch=250)
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=H200)
+    run = functools.partial(K.pc_settle, T=20, dt=DT, output="cross_entropy", precision="bfloat16")
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(run).trace(weights, biases, mu1, target).lower(lowering_platforms=("cuda",))
+    module = triton_module(lowered.compiler_ir("stablehlo"))  # (owns the ops below: keep it alive)
+    (func,) = [op.operation for op in module.body.operations if op.operation.name == "tt.func"]
+    n_layers = len(widths) - 1
+    n_inputs = 3 + 2 * len(weights) + 1  # dt, mu_1, target, W.., b.., counters
+    n_args = len(func.regions[0].blocks[0].arguments)
+    weight_args = set(range(3, 3 + len(weights)))
+    exchange_args = set(range(n_args - (2 * (n_layers - 2) + 1), n_args))  # f(x) and e exchanges, partials
+    assert n_args == n_inputs + n_layers + 1 + 2 * (n_layers - 2) + 1
+    loads = {}
+    for load in ops_named(func, "tt.load"):
+        if list(load.result.uses):  # (Pallas lowers a store as a swap: a load whose result is dead, then a store)
+            loads.setdefault(kernel_argument(load.operands[0]), []).append(load)
+    for arg in weight_args:
+        assert loads[arg] and not any(in_loop(load) for load in loads[arg]), f"weight argument {arg}"
+    exchange_loads = [load for arg in exchange_args for load in loads[arg]]
+    assert any(in_loop(load) for load in exchange_loads)
+    assert all(ir.BoolAttr(load.attributes["isVolatile"]).value for load in exchange_loads)
+    assert len(ops_named(func, "tt.dot")) == 2 * (n_layers - 1) + n_layers - 2
