@@ -63,7 +63,7 @@ def _engine(args: argparse.Namespace) -> tuple[Engine, str, Path | None]:
     """(engine, served model name, model path or None) for ``--model`` (and ``--random-weights``)."""
     options = dict(dtype=DTYPES[args.dtype], num_blocks=args.num_blocks, block_size=args.block_size,
                    max_running=args.max_running, token_budget=args.token_budget, max_model_len=args.max_model_len,
-                   max_queue=args.max_queue)
+                   max_queue=args.max_queue, batch_invariant=args.batch_invariant)
     if args.random_weights:
         config = _config_file(args.model)
         loaded = _load_random(config, options["dtype"])
@@ -155,6 +155,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--random-weights", action="store_true",
                         help="--model is a HF config.json (or its folder): serve that shape with random weights")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="a request's output is bitwise the same in any batch (serving.batch_invariant; slower)")
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:

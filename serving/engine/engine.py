@@ -129,21 +129,28 @@ class Engine:
       max_queue: the most sequences waiting beyond ``max_running`` (None: no limit).
       speculative: draft tokens and verify them in each decode step (``serving.speculative``); acceptance
         counters in ``spec_stats``. Outputs are unchanged (greedy: identical; sampled: the same distribution).
+      batch_invariant: every step through ``serving.batch_invariant`` (fixed-geometry Pallas kernels, in Pallas'
+        interpreter off a GPU): a sequence's logits are bitwise the same alone or in any batch and chunking.
+        Plain bf16/fp32 weights on one device; not with ``speculative``.
     """
 
     def __init__(self, model: str | Path | None = None, dtype: jnp.dtype = jnp.float32, num_blocks: int = 256,
                  block_size: int = 16, max_running: int = 32, token_budget: int = 256,
                  max_model_len: int | None = None, max_queue: int | None = None,
-                 speculative: SpecConfig | None = None):
+                 speculative: SpecConfig | None = None, batch_invariant: bool = False):
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"Engine: max_queue={max_queue}: expected None (no limit) or >= 0")
+        if batch_invariant and speculative is not None:
+            raise ValueError("Engine: batch_invariant=True with speculative decoding: expected one of the two "
+                             "(speculative verification steps do not run in batch-invariant mode)")
         self.cfg, params, self.tokenizer, self.eos_ids = load(model, dtype)
         self.max_model_len = min(self.cfg.max_position, max_model_len or self.cfg.max_position)
         self.max_queue, self.dtype = max_queue, dtype
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.scheduler = Scheduler(self.allocator, max_running, token_budget)
         kv = create_cache(self.cfg, num_blocks, block_size, dtype)
-        self.runner = ModelRunner(self.cfg, params, model_module(self.cfg.family).forward, kv, block_size)
+        self.runner = ModelRunner(self.cfg, params, model_module(self.cfg.family).forward, kv, block_size,
+                                  batch_invariant=batch_invariant)
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
         self._requests: dict[str, tuple[list[int], list[Seq]]] = {}

@@ -6,7 +6,10 @@ updates it in place, and no array goes back to the host between layers. Per call
 token of every sequence (the logits at its chunk's last token), their logprobs, and the per-layer expert
 counts, which the runner sums into ``expert_load [layers, experts]``. The attention kernels' metadata
 (``kv_lens``, ``chunk_starts``) comes with the batch from ``make_batch``, on the host, once per step; the
-compiled step is keyed on ``layers.kernel_mode()`` (kernels on a GPU, or as ``layers.use_kernels`` says).
+compiled step is keyed on ``layers.kernel_mode()`` (kernels on a GPU, or as ``layers.use_kernels`` says). A runner
+made with ``batch_invariant=True`` runs every step through ``serving.batch_invariant`` (kernel mode
+``layers.BATCH_INVARIANT``): a sequence's logits, tokens and logprobs are then bitwise the same in any batch and
+any chunking.
 """
 
 import functools
@@ -16,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from serving import layers
+from serving import batch_invariant, layers
 from serving.config import ModelConfig
 from serving.engine.sampler import SampleResult, SampleRow, SamplingBatch, sample, sampling_batch
 from serving.kv_cache import AttentionBatch, SeqChunk, make_batch
@@ -43,16 +46,24 @@ def _step(params: dict, kv: Any, tokens: jax.Array, batch: Any, last: jax.Array,
           forward: Callable, cfg: ModelConfig, num_top: int, kernels: str) -> tuple[SampleResult, Any, jax.Array]:
     """forward over ``tokens [N]`` (traced in kernel mode ``kernels``), then sample at the flat indices ``last [S]``
     (each chunk's last token)."""
-    with layers.use_kernels(kernels):
+
+    def step(params, kv, tokens, batch, last, sampling):
         logits, kv, expert_counts = forward(params, cfg, tokens, batch, kv)
-    return sample(logits[last], sampling, num_top=num_top), kv, expert_counts
+        return sample(logits[last], sampling, num_top=num_top), kv, expert_counts
+
+    if kernels == layers.BATCH_INVARIANT:  # every matmul and sum at a fixed geometry (serving.batch_invariant)
+        step = batch_invariant.invariant(step)
+    with layers.use_kernels(kernels):
+        return step(params, kv, tokens, batch, last, sampling)
 
 
 class ModelRunner:
     """Holds the params and the cache of one model and runs scheduled steps on them."""
 
-    def __init__(self, cfg: ModelConfig, params: dict, forward: Callable, kv: Any, block_size: int):
+    def __init__(self, cfg: ModelConfig, params: dict, forward: Callable, kv: Any, block_size: int,
+                 batch_invariant: bool = False):
         self.cfg, self.params, self.forward, self.kv, self.block_size = cfg, params, forward, kv, block_size
+        self.batch_invariant = batch_invariant  # every step in kernel mode layers.BATCH_INVARIANT (module docstring)
         self.expert_load = np.zeros((cfg.layers, cfg.num_experts), np.int64)
 
     def prepare(self, chunks: list[SeqChunk], token_ids: list[list[int]]) -> tuple[np.ndarray, AttentionBatch]:
@@ -75,9 +86,9 @@ class ModelRunner:
         bitmask = (fill_token_bitmask(matchers, self.cfg.vocab, num_seqs)
                    if any(m is not None for m in matchers) else None)  # unconstrained batches keep their compile
         sampling = sampling_batch(rows, num_seqs, token_bitmask=bitmask)
+        kernels = layers.BATCH_INVARIANT if self.batch_invariant else layers.kernel_mode()
         result, self.kv, counts = _step(self.params, self.kv, tokens, batch, last, sampling,
-                                        forward=self.forward, cfg=self.cfg, num_top=num_top,
-                                        kernels=layers.kernel_mode())
+                                        forward=self.forward, cfg=self.cfg, num_top=num_top, kernels=kernels)
         counts = np.asarray(counts)
         self.expert_load += counts
         n = len(chunks)
