@@ -37,7 +37,10 @@ from pc.networks import Params, PCNet, check_params, forward, predict
 
 SOLVERS = ("euler", "heun")
 KERNELS = ("auto", "jnp", "pallas")  # see the module docstring
-KERNEL_CONFIG = SettleConfig()  # the fused kernel's default launch geometry
+# The fused kernel's default launch geometry: 64-row tiles x 32 unit groups, the best of the H200 sweep for tf32
+# and bf16 alike (Deepity, T=20, batch 250: 557 / 419 us per settle against XLA's 779 / 814 us;
+# benchmarks/results/pc_mnist.json).
+KERNEL_CONFIG = SettleConfig(block_b=64, groups=32)
 
 Activities = tuple[jax.Array, ...]
 

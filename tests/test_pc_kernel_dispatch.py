@@ -107,8 +107,8 @@ def test_pallas_runs_the_kernel_on_h200_exactly_where_it_applies_and_auto_never(
 
 
 def test_kernel_config_sets_the_launch_grid():
-    """settle's kernel_config reaches the kernel: 64 rows of a 64-wide net as (R, G) = (2, 4) by default, (4, 2)
-    with 16-row tiles and at most 2 unit groups."""
+    """settle's kernel_config reaches the kernel: 64 rows of a 64-wide net as (R, G) = (1, 4) by default (one
+    64-row tile, 64 units in groups of 16), (4, 2) with 16-row tiles and at most 2 unit groups."""
     net = pc.PCNet(**NET)
     params = jax.eval_shape(lambda: pc.init_params(jax.random.key(0), net))
     x0, labels = jax.ShapeDtypeStruct((64, 784), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.int32)
@@ -117,7 +117,7 @@ def test_kernel_config_sets_the_launch_grid():
         return lower_grid(lower_for_h200(lambda p, x, y: pc.settle(p, x, net, T=20, dt=0.1, target=y, kernel="pallas",
                                                                    **config).xs, params, x0, labels))
 
-    assert grid() == (2, 4)
+    assert grid() == (1, 4)
     assert grid(kernel_config=SettleConfig(block_b=16, groups=2)) == (4, 2)
 
 
