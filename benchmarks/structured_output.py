@@ -10,6 +10,17 @@ For ten JSON schemas of increasing complexity, a regex and a choice list:
   does not allow counts as a disagreement (a correctness check of both).
 * batch time: the masks of 16 sequences per step through `serving.structured.fill_token_bitmask`
   (llguidance's thread pool), the cost the engine pays per decode step at batch 16.
+* engine overhead at batch 16 (`batch_overhead`, the issue's target: <= 10% per token): 16 chat requests, each
+  under one of the JSON schemas that finish, run greedily through `Engine` with the constraints, then again
+  without them and with ``max_tokens`` set to each constrained output's length (``ignore_eos``), so both runs
+  have the same steps: the same sequences, context lengths and batch sizes. Constrained runs go once with the
+  masks computed before the forward pass is dispatched (``serial``) and once while it runs (``overlapped``,
+  the engine's default). Each configuration has its own engine and the three step in turn, so a change of
+  load on the machine reaches all alike. A run is timed over its decode steps while all 16 requests run
+  (until the shortest output ends; then the rest are aborted), each step's time the minimum over the repeats
+  (other processes only add time); ``overhead_pct`` compares the sums of those steps, and
+  ``mask_ms_per_step`` is the host time of `fill_token_bitmask` in them. Every constrained output of the
+  first run must end with eos, parse and validate, and every later run must repeat its tokens (greedy).
 
 xgrammar is not measured: it needs torch and transformers, too heavy for this project's dependencies.
 
@@ -20,11 +31,14 @@ output does not win back. llguidance also supports recursive schemas and any-JSO
 back tokens for speculative decoding. Greedy SmolLM2 under `"type": "number"` writes fraction digits until
 the token limit (case 4): numbers have no length bound in either grammar.
 
-Run: ``python -m benchmarks.structured_output`` (writes ``results/structured_output_cpu.json``).
+Run: ``python -m benchmarks.structured_output`` (writes ``results/structured_output_cpu.json``);
+``--batch-overhead-only`` runs just the engine overhead case, on any platform (writes
+``results/structured_output_overhead_{platform}.json``).
 """
 
 import argparse
 import importlib.metadata
+import json
 import math
 import os
 import re
@@ -33,6 +47,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import jsonschema
 import numpy as np
 from outlines_core import Guide, Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
@@ -40,6 +55,8 @@ from outlines_core.json_schema import build_regex_from_schema
 from benchmarks.harness import format_table, write_results
 from serving import structured, weights
 from serving.config import ModelConfig
+from serving.engine.engine import Engine
+from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import PagedKV, SeqChunk, make_batch
 from serving.loaders.gguf import load_gguf
 from serving.models import llama
@@ -50,6 +67,11 @@ BLOCK_SIZE = 16
 MAX_NEW_TOKENS = 96  # every case's output fits (strings and arrays are bounded)
 BATCH = 16  # the batch size the engine's overhead target (<= 10% per token) is stated for
 BATCH_STEPS = 200  # decode steps timed at batch BATCH
+OVERHEAD_REPEATS = 5  # timed runs of each engine configuration (per-step minimum taken)
+# Cases whose outputs take 17-88 tokens, so the 16 requests decode together for 16 steps (shorter ones end sooner).
+OVERHEAD_CASES = ("5 string array", "6 pattern", "7 nested", "8 optional fields", "9 array of objects",
+                  "10 order (anyOf, $defs)")
+OVERHEAD_TARGET_PCT = 10.0  # the issue's target for the constrained decode step at batch BATCH
 
 _NAME = {"type": "string", "maxLength": 24}
 
@@ -213,6 +235,76 @@ def batch_step_times(specs: list[ConstraintSpec], outputs: list[list[int]], toke
     return times
 
 
+def check_constrained(tokenizer: Tokenizer, specs: list[ConstraintSpec], outputs: list[list[int]]) -> None:
+    """Raise unless every output ends with eos and its text parses as JSON valid under its schema."""
+    for spec, ids in zip(specs, outputs, strict=True):
+        if not ids or ids[-1] not in tokenizer.eos_token_ids:
+            raise AssertionError(f"constrained output did not end with eos: {tokenizer.decode(ids)!r}")
+        jsonschema.validate(json.loads(tokenizer.decode(ids[:-1])), json.loads(spec.value))
+
+
+def _full_batch_steps(engines: dict[str, Engine], prompts: list[list[dict]], params: dict[str, list[SamplingParams]],
+                      expected: dict[str, list[list[int]]]) -> dict[str, np.ndarray]:
+    """Per engine, the wall time (s) of each decode step while all its requests run (the prefill step is not
+    timed), then abort them. The engines step in turn, so a change of load on the machine reaches all alike.
+    Raises unless every request's tokens so far start its ``expected`` output."""
+    ids = {name: [engine.add_request(p, sp) for p, sp in zip(prompts, params[name], strict=True)]
+           for name, engine in engines.items()}
+    for engine in engines.values():
+        engine.step()
+    times, finished = {name: [] for name in engines}, False
+    while not finished:
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            finished |= any(out.finished for out in engine.step())
+            times[name].append(time.perf_counter() - start)
+    for name, engine in engines.items():
+        for request_id, want in zip(ids[name], expected[name], strict=True):
+            got = engine.result(request_id).outputs[0].token_ids
+            engine.abort(request_id)
+            if got != want[:len(got)]:
+                raise AssertionError(f"{name} request {request_id}: {got} does not start the first run's {want}")
+    return {name: np.asarray(t) for name, t in times.items()}
+
+
+def batch_overhead(max_new_tokens: int, repeats: int) -> dict:
+    """Constrained vs unconstrained engine decode steps at batch BATCH (see the module docstring)."""
+    configs = ("unconstrained", "constrained_serial", "constrained_overlapped")
+    engines = {name: Engine.from_default(num_blocks=BATCH * (max_new_tokens // BLOCK_SIZE + 8),
+                                         block_size=BLOCK_SIZE, max_running=BATCH, token_budget=2048)
+               for name in configs}
+    engines["constrained_serial"].runner.overlap_masks = False
+    tok = engines["unconstrained"].tokenizer
+    cases = [case for case in _CASES if case[0] in OVERHEAD_CASES]
+    cases = [cases[i % len(cases)] for i in range(BATCH)]
+    prompts = [[{"role": "user", "content": f"Give {task}. Answer in JSON."}] for _, task, _ in cases]
+    specs = [spec for _, _, spec in cases]
+    constrained = [SamplingParams(temperature=0.0, max_tokens=max_new_tokens, constraint=s) for s in specs]
+    reference = [r.outputs[0].token_ids for r in engines["constrained_overlapped"].generate(prompts, constrained)]
+    check_constrained(tok, specs, reference)
+    free = [SamplingParams(temperature=0.0, max_tokens=len(ids), ignore_eos=True) for ids in reference]
+    free_reference = [r.outputs[0].token_ids for r in engines["unconstrained"].generate(prompts, free)]
+    params = {"unconstrained": free, "constrained_serial": constrained, "constrained_overlapped": constrained}
+    expected = {"unconstrained": free_reference, "constrained_serial": reference, "constrained_overlapped": reference}
+    _full_batch_steps(engines, prompts, params, expected)  # compiles what the serial engine has not yet run
+    mask_before = {name: engine.runner.mask_seconds for name, engine in engines.items()}
+    runs = [_full_batch_steps(engines, prompts, params, expected) for _ in range(repeats)]
+    step_s = {name: np.min([run[name] for run in runs], axis=0) for name in configs}  # [steps]
+    rows = [{"config": name, "tokens_per_s": BATCH * len(s) / s.sum(), f"step_ms_b{BATCH}": float(np.median(s)) * 1e3,
+             "mask_ms_per_step": (engines[name].runner.mask_seconds - mask_before[name]) * 1e3 / (repeats * len(s)),
+             "overhead_pct": 100 * (s.sum() / step_s["unconstrained"].sum() - 1)} for name, s in step_s.items()]
+    return {"batch": BATCH, "repeats": repeats, "steps": len(step_s["unconstrained"]), "rows": rows,
+            "outputs": [tok.decode(ids, skip_special_tokens=True) for ids in reference],
+            "target_pct": OVERHEAD_TARGET_PCT}
+
+
+def report_overhead(result: dict) -> None:
+    print(format_table(result["rows"], ["config", "tokens_per_s", f"step_ms_b{BATCH}", "mask_ms_per_step",
+                                        "overhead_pct"]))
+    print(f"batch {result['batch']}: {result['steps']} decode steps with every sequence running, minimum of "
+          f"{result['repeats']} runs each (target: overhead_pct <= {result['target_pct']}%)")
+
+
 def _stats(times: list[float]) -> dict[str, float]:
     return {"median": float(np.median(times)), "p99": float(np.percentile(times, 99))}
 
@@ -220,7 +312,15 @@ def _stats(times: list[float]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    parser.add_argument("--batch-overhead-only", action="store_true",
+                        help=f"only the engine's constrained vs unconstrained steps at batch {BATCH}")
+    parser.add_argument("--repeats", type=int, default=OVERHEAD_REPEATS, help="timed runs per engine configuration")
     args = parser.parse_args(argv)
+    overhead = batch_overhead(args.max_new_tokens, args.repeats)
+    report_overhead(overhead)
+    if args.batch_overhead_only:
+        write_results(f"structured_output_overhead_{jax.devices()[0].platform}", overhead)
+        return
     checkpoint = load_gguf(weights.default_model_gguf())
     cfg = ModelConfig.from_hf(checkpoint.config)
     params = llama.params_from_hf(cfg, checkpoint.tensors, jnp.float32)
@@ -266,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
                  "llguidance": importlib.metadata.version("llguidance"),
                  "outlines-core": importlib.metadata.version("outlines-core")},
         "chosen": "llguidance", "cases": rows, "outlines_vocabulary_ms": vocab_ms,
-        f"batch{BATCH}_fill_ms": batch})
+        f"batch{BATCH}_fill_ms": batch, f"engine_overhead_batch{BATCH}": overhead})
 
 
 if __name__ == "__main__":

@@ -272,6 +272,6 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     if bitmask.ndim != 2 or bitmask.shape[0] != batch or bitmask.shape[1] * BITS_PER_WORD < vocab:
         raise ValueError(f"apply_token_bitmask: bitmask shape {tuple(bitmask.shape)} does not cover logits "
                          f"{tuple(logits.shape)}: expected ({batch}, >= {-(-vocab // BITS_PER_WORD)})")
-    ids = jnp.arange(vocab)
-    allowed = (jnp.right_shift(bitmask[:, ids // BITS_PER_WORD], ids % BITS_PER_WORD) & 1).astype(bool)
+    bits = jnp.right_shift(bitmask[:, :, None], jnp.arange(BITS_PER_WORD, dtype=bitmask.dtype)) & 1  # [B, W, 32]
+    allowed = bits.reshape(batch, -1)[:, :vocab].astype(bool)  # elementwise and a reshape: no gather on device
     return jnp.where(allowed, logits, -jnp.inf)

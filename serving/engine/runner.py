@@ -1,4 +1,4 @@
-"""One scheduler step -> one device call: the model's forward pass and the sampler inside a single jit.
+"""One scheduler step -> two device calls: the model's forward pass, then the sampler.
 
 The flat batch of N new tokens from S sequences is padded to power-of-two buckets of N, S and the block-table
 width, so the number of compiles stays bounded (log2 of each range). The cache is donated: the forward pass
@@ -7,12 +7,18 @@ token of every sequence (the logits at its chunk's last token), their logprobs, 
 counts, which the runner sums into ``expert_load [layers, experts]``. The attention kernels' metadata
 (``kv_lens``, ``chunk_starts``) comes with the batch from ``make_batch``, on the host, once per step; the
 compiled step is keyed on ``layers.kernel_mode()`` (kernels on a GPU, or as ``layers.use_kernels`` says). A runner
-made with ``batch_invariant=True`` runs every step through ``serving.batch_invariant`` (kernel mode
+made with ``batch_invariant=True`` runs both calls through ``serving.batch_invariant`` (kernel mode
 ``layers.BATCH_INVARIANT``): a sequence's logits, tokens and logprobs are then bitwise the same in any batch and
 any chunking.
+
+Structured output costs no device time of its own: the forward pass is dispatched asynchronously, and while the
+device runs it the host packs the constrained rows' allowed tokens (``fill_token_bitmask``, llguidance's thread
+pool) and the sampling parameters; the sampler, dispatched next, applies the packed ``[S, ceil(V / 32)]`` int32
+mask. A step without constrained rows does no mask work and sends no mask.
 """
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -41,30 +47,43 @@ class StepResult(NamedTuple):
     expert_counts: np.ndarray  # [layers, experts] tokens routed to each expert this step
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg", "num_top", "kernels"), donate_argnames="kv")
-def _step(params: dict, kv: Any, tokens: jax.Array, batch: Any, last: jax.Array, sampling: SamplingBatch, *,
-          forward: Callable, cfg: ModelConfig, num_top: int, kernels: str) -> tuple[SampleResult, Any, jax.Array]:
-    """forward over ``tokens [N]`` (traced in kernel mode ``kernels``), then sample at the flat indices ``last [S]``
-    (each chunk's last token)."""
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "kernels"), donate_argnames="kv")
+def _step(params: dict, kv: Any, tokens: jax.Array, batch: Any, last: jax.Array, *, forward: Callable,
+          cfg: ModelConfig, kernels: str) -> tuple[jax.Array, Any, jax.Array]:
+    """forward over ``tokens [N]`` (traced in kernel mode ``kernels``): the logits ``[S, V]`` at the flat indices
+    ``last [S]`` (each chunk's last token), the updated cache, and the expert counts ``[layers, experts]``."""
 
-    def step(params, kv, tokens, batch, last, sampling):
-        logits, kv, expert_counts = forward(params, cfg, tokens, batch, kv)
-        return sample(logits[last], sampling, num_top=num_top), kv, expert_counts
+    def model(params, tokens, batch, kv):
+        return forward(params, cfg, tokens, batch, kv)
 
     if kernels == layers.BATCH_INVARIANT:  # every matmul and sum at a fixed geometry (serving.batch_invariant)
-        step = batch_invariant.invariant(step)
+        model = batch_invariant.invariant(model)
     with layers.use_kernels(kernels):
-        return step(params, kv, tokens, batch, last, sampling)
+        logits, kv, expert_counts = model(params, tokens, batch, kv)
+    return logits[last], kv, expert_counts
+
+
+@functools.partial(jax.jit, static_argnames=("num_top", "draw"))
+def _invariant_sample(logits: jax.Array, sampling: SamplingBatch, num_top: int, draw: bool) -> SampleResult:
+    """``sampler.sample`` with its sums at a fixed geometry (``serving.batch_invariant``)."""
+    return batch_invariant.invariant(functools.partial(sample, num_top=num_top, draw=draw))(logits, sampling)
 
 
 class ModelRunner:
-    """Holds the params and the cache of one model and runs scheduled steps on them."""
+    """Holds the params and the cache of one model and runs scheduled steps on them.
+
+    ``overlap_masks`` (default True) computes structured-output masks while the forward pass runs; False computes
+    them before it is dispatched (the same tokens; for comparison). ``mask_seconds`` sums the host time spent
+    computing masks.
+    """
 
     def __init__(self, cfg: ModelConfig, params: dict, forward: Callable, kv: Any, block_size: int,
                  batch_invariant: bool = False):
         self.cfg, self.params, self.forward, self.kv, self.block_size = cfg, params, forward, kv, block_size
         self.batch_invariant = batch_invariant  # every step in kernel mode layers.BATCH_INVARIANT (module docstring)
         self.expert_load = np.zeros((cfg.layers, cfg.num_experts), np.int64)
+        self.overlap_masks = True
+        self.mask_seconds = 0.0
 
     def prepare(self, chunks: list[SeqChunk], token_ids: list[list[int]]) -> tuple[np.ndarray, AttentionBatch]:
         """Flat tokens ``[N]`` and batch metadata of ``chunks``, padded to the power-of-two buckets."""
@@ -82,15 +101,26 @@ class ModelRunner:
         num_seqs = batch.context_lens.shape[0]
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.cumsum([c.count for c in chunks]) - 1
-        matchers = [r.matcher for r in rows]
-        bitmask = (fill_token_bitmask(matchers, self.cfg.vocab, num_seqs)
-                   if any(m is not None for m in matchers) else None)  # unconstrained batches keep their compile
-        sampling = sampling_batch(rows, num_seqs, token_bitmask=bitmask)
+        bitmask = None if self.overlap_masks else self._masks(rows, num_seqs)
         kernels = layers.BATCH_INVARIANT if self.batch_invariant else layers.kernel_mode()
-        result, self.kv, counts = _step(self.params, self.kv, tokens, batch, last, sampling,
-                                        forward=self.forward, cfg=self.cfg, num_top=num_top, kernels=kernels)
-        counts = np.asarray(counts)
+        logits, self.kv, counts = _step(self.params, self.kv, tokens, batch, last, forward=self.forward, cfg=self.cfg,
+                                        kernels=kernels)  # returns at once; the device computes
+        if self.overlap_masks:
+            bitmask = self._masks(rows, num_seqs)
+        sampler = _invariant_sample if self.batch_invariant else sample
+        result = sampler(logits, sampling_batch(rows, num_seqs, token_bitmask=bitmask), num_top=num_top,
+                         draw=any(r.params.temperature > 0 for r in rows))
+        *sampled, counts = jax.device_get((*result, counts))  # one wait for all five transfers
         self.expert_load += counts
-        n = len(chunks)
-        return StepResult(np.asarray(result.tokens)[:n], np.asarray(result.logprobs)[:n],
-                          np.asarray(result.top_ids)[:n], np.asarray(result.top_logprobs)[:n], counts)
+        return StepResult(*(a[:len(chunks)] for a in sampled), counts)
+
+    def _masks(self, rows: list[SampleRow], num_seqs: int) -> np.ndarray | None:
+        """``[num_seqs, ceil(V / 32)]`` int32 allowed tokens of ``rows``, or None when no row is constrained (that
+        step samples without a mask)."""
+        matchers = [r.matcher for r in rows]
+        if all(m is None for m in matchers):
+            return None
+        start = time.perf_counter()
+        bitmask = fill_token_bitmask(matchers, self.cfg.vocab, num_seqs)
+        self.mask_seconds += time.perf_counter() - start
+        return bitmask

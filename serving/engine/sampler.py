@@ -7,7 +7,9 @@ Every parameter is a ``[B]`` array, so one compile serves any mix of greedy and 
    structured-output constraint then get ``z = -inf`` for every token their ``token_bitmask`` disallows;
 2. greedy rows (temperature 0) take ``argmax z``; the others sample from ``softmax(z / T)`` restricted by top-k
    (the k largest), top-p (the smallest prefix, by descending probability, whose mass reaches p) and min-p
-   (probability >= min_p * the largest), each filter applied to the distribution the previous one left;
+   (probability >= min_p * the largest), each filter applied to the distribution the previous one left; a
+   batch without sampled rows skips the filters (``sample(draw=False)``: on the CPU their sort of ``[B, V]``
+   costs more than SmolLM2's forward pass at batch 16);
 3. randomness is ``jax.random.fold_in(jax.random.key(seed), step)`` with ``step`` the index of the token in the
    request's output, so a seeded request samples the same tokens alone or in any batch;
 4. logprobs come from ``log_softmax`` of the raw logits: the chosen token's and the top ``num_top``.
@@ -145,14 +147,21 @@ def _draw(seed: jax.Array, step: jax.Array, logits: jax.Array) -> jax.Array:
     return jax.random.categorical(jax.random.fold_in(jax.random.key(seed), step), logits)
 
 
-@functools.partial(jax.jit, static_argnames="num_top")
-def sample(logits: jax.Array, b: SamplingBatch, num_top: int = 0) -> SampleResult:
-    """Sample one token per row of ``logits [B, V]`` float32 (see the module docstring)."""
+@functools.partial(jax.jit, static_argnames=("num_top", "draw"))
+def sample(logits: jax.Array, b: SamplingBatch, num_top: int = 0, draw: bool = True) -> SampleResult:
+    """Sample one token per row of ``logits [B, V]`` float32 (see the module docstring).
+
+    ``draw=False`` promises that every row is greedy (temperature 0): the filters (a sort of ``[B, V]``) and the
+    draw are skipped, and the tokens are the same argmax.
+    """
     penalized = apply_penalties(logits, b)
     if b.token_bitmask is not None:
         penalized = apply_token_bitmask(penalized, b.token_bitmask)
-    drawn = jax.vmap(_draw)(b.seed, b.step, filtered_logits(penalized, b))
-    tokens = jnp.where(b.temperature > 0, drawn, jnp.argmax(penalized, axis=-1)).astype(jnp.int32)
+    tokens = jnp.argmax(penalized, axis=-1)
+    if draw:
+        drawn = jax.vmap(_draw)(b.seed, b.step, filtered_logits(penalized, b))
+        tokens = jnp.where(b.temperature > 0, drawn, tokens)
+    tokens = tokens.astype(jnp.int32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logp, num_top)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
