@@ -2,11 +2,12 @@
 
 A request's constraint (`ConstraintSpec`) is compiled once per (spec, tokenizer, vocab size) into a grammar
 (`compile_constraint`, cached); each sequence gets its own `ConstraintMatcher`, a cheap copy of the compiled
-one that follows the tokens it generates. Before every sampling step the host packs the allowed tokens of the
-batch into bits, ``bitmask [B, W]`` int32 with ``W = ceil(V / 32)`` and token ``t`` at bit ``t % 32`` of word
-``t // 32`` (`fill_token_bitmask`; rows without a constraint allow everything), and the jitted sampler sets
-the logits of disallowed tokens to -inf (`apply_token_bitmask`). Bits are 1/32 of a bool mask to send to the
-device: at V = 49152 and B = 16 that is 96 KiB instead of 768 KiB per step.
+one that follows the tokens it generates. Before every sampling step (while the device runs the step's forward
+pass: `serving.engine.runner`) the host packs the allowed tokens of the batch into bits, ``bitmask [B, W]``
+int32 with ``W = ceil(V / 32)`` and token ``t`` at bit ``t % 32`` of word ``t // 32`` (`fill_token_bitmask`;
+rows without a constraint allow everything), and the jitted sampler sets the logits of disallowed tokens to
+-inf (`apply_token_bitmask`). Bits are 1/32 of a bool mask to send to the device: at V = 49152 and B = 16 that
+is 96 KiB instead of 768 KiB per step.
 
 The grammars come from llguidance (an Earley parser over a lazily built lexer; no torch), chosen by
 `benchmarks/structured_output.py` against outlines-core with SmolLM2's 49k-token vocabulary on 2 CPU cores
