@@ -9,12 +9,16 @@ import json
 import time
 
 import httpx
+import numpy as np
 import pytest
 from test_serving_api_fixture import MODEL_NAME, VOCAB, model_folder
 
 from benchmarks import serving_load
 from benchmarks.serving_load import CHAT, COMPLETIONS, LATENCIES, PERCENTILES, completion_bodies, run_load, summarize
 from serving.__main__ import main as serving_main
+from serving.__main__ import parser as serving_parser
+from serving.api import cli
+from serving.loaders.safetensors import read_tensors
 
 MAX_RUNNING, MAX_QUEUE = 2, 12
 PROMPT_TOKENS, OUTPUT_TOKENS = 8, 48
@@ -142,8 +146,16 @@ def test_client_processes_split_poisson_arrivals_and_merge_in_body_order():
     assert 0 < result.duration_s < 5 * num / rate and result.duration_s >= max(r.start for r in result.records)
 
 
-def test_random_weights_refusals(tmp_path):
+def test_random_weights_from_a_config_folder_and_refusals(tmp_path):
     folder = model_folder(tmp_path)
+    args = serving_parser().parse_args(["serve", "--model", str(folder), "--random-weights", "--dtype", "float32"])
+    engine, name, path = cli._engine(args)
+    assert (name, path) == (MODEL_NAME, folder) and engine.cfg.vocab == VOCAB and engine.eos_ids == (2,)
+    assert engine.tokenizer.chat_template is not None  # the tokenizer files beside config.json are used
+    checkpoint_embed = read_tensors(folder)["model.embed_tokens.weight"]
+    assert engine.runner.params["embed"].shape == checkpoint_embed.shape
+    assert not np.allclose(engine.runner.params["embed"], checkpoint_embed)  # random, not the checkpoint's
+
     with pytest.raises(ValueError, match="--random-weights with --model 'smollm2'.*config.json"):
         serving_main(["serve", "--model", "smollm2", "--random-weights"])
     with pytest.raises(FileNotFoundError, match="'.*model.safetensors'.*config.json"):
