@@ -2,13 +2,16 @@
 
 Chat prompts (half of them ask to repeat or extend repetitive text, where prompt lookup shines) run greedily
 through the engine at concurrency 1 and 16, for each drafter: none (the baseline), ``NgramDrafter`` (prompt
-lookup) and ``DraftModelDrafter.from_target`` (self-speculative: the target's first layers). Each
+lookup), ``DraftModelDrafter.from_target`` (self-speculative: the target's first layers) and, given
+``--drafter DIR`` (a checkpoint of ``python -m serving.train_drafter``), ``BlockDrafter`` (a whole block of
+tokens in one pass from the target's hidden states; k = its trained block unless ``--block-k``). Each
 configuration runs once untimed (compiles) and once timed; the speculative outputs are checked to equal the
 baseline's tokens. Reported: output tokens/s, speed-up over the baseline, mean acceptance length (tokens
 emitted per drafted sequence-step) and acceptance rate.
 
 Run: ``python -m benchmarks.serving_speculative`` (CPU: writes ``results/serving_speculative_cpu.json``; on a
-GPU pass ``--name serving_speculative`` and larger ``--max-tokens``).
+GPU pass ``--name serving_speculative`` and larger ``--max-tokens``). ``--drafters none,block --drafter DIR``
+runs only those rows.
 """
 
 import argparse
@@ -39,11 +42,16 @@ DRAFT_LAYERS = 8  # of SmolLM2-135M's 30: the self-speculative draft model's dep
 NGRAM = 3
 
 
-def drafters(k: int, draft_layers: int) -> dict[str, SpecConfig | None]:
-    return {"none": None,
-            "ngram": SpecConfig(NgramDrafter(n=NGRAM), k=k),
-            f"self_spec_{draft_layers}l": SpecConfig(functools.partial(DraftModelDrafter.from_target,
-                                                                       num_layers=draft_layers), k=k)}
+def drafters(k: int, draft_layers: int, drafter: str | None = None,
+             block_k: int | None = None) -> dict[str, SpecConfig | None]:
+    """The configurations by row name: none, ngram, self_spec_<L>l, and block with a ``drafter`` checkpoint."""
+    configs = {"none": None,
+               "ngram": SpecConfig(NgramDrafter(n=NGRAM), k=k),
+               f"self_spec_{draft_layers}l": SpecConfig(functools.partial(DraftModelDrafter.from_target,
+                                                                          num_layers=draft_layers), k=k)}
+    if drafter is not None:
+        configs["block"] = SpecConfig.from_method("block", drafter, block_k)
+    return configs
 
 
 def run(spec: SpecConfig | None, concurrency: int, max_tokens: int) -> dict:
@@ -69,12 +77,22 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--k", type=int, default=K)
     parser.add_argument("--draft-layers", type=int, default=DRAFT_LAYERS)
+    parser.add_argument("--drafter", default=None, help="a block drafter checkpoint folder (adds the block row)")
+    parser.add_argument("--block-k", type=int, default=None, help="block drafter's k (default: its trained block)")
+    parser.add_argument("--drafters", default=None, help="comma-separated rows to run (default: all; none always)")
     parser.add_argument("--name", default="serving_speculative_cpu")
     args = parser.parse_args()
+    configs = drafters(args.k, args.draft_layers, args.drafter, args.block_k)
+    if args.drafters:
+        wanted = {"none", *args.drafters.split(",")}
+        unknown = sorted(wanted - set(configs))
+        if unknown:
+            parser.error(f"--drafters: unknown {unknown}; expected names among {sorted(configs)}")
+        configs = {name: spec for name, spec in configs.items() if name in wanted}
     rows = []
     for concurrency in CONCURRENCIES:
         baseline = None
-        for name, spec in drafters(args.k, args.draft_layers).items():
+        for name, spec in configs.items():
             result = run(spec, concurrency, args.max_tokens)
             baseline = baseline or result
             rows.append({"drafter": name, "concurrency": concurrency, "tokens": result["tokens"],
@@ -89,6 +107,7 @@ def main() -> None:
                "acceptance_rate", "same_tokens_as_baseline"]
     print(format_table(rows, columns))
     write_results(args.name, {"device": jax.devices()[0].device_kind, "k": args.k, "draft_layers": args.draft_layers,
+                              "drafter": args.drafter, "block_k": configs["block"].k if "block" in configs else None,
                               "max_tokens": args.max_tokens, "prompts": PROMPTS, "rows": rows})
 
 

@@ -17,22 +17,27 @@ mask). The randomness of position j is ``fold_in(key(seed), step_j)`` as in ``sa
 for acceptance, residual and draft sampling: a seeded request gives the same tokens alone or in any batch, and
 a request whose draft is empty samples exactly as without speculation.
 
-Drafters (``Drafter``): ``NgramDrafter`` (prompt lookup in the sequence's own history) and
+Drafters (``Drafter``): ``NgramDrafter`` (prompt lookup in the sequence's own history),
 ``DraftModelDrafter`` (a smaller model with the same vocabulary and its own paged cache, e.g. the first L'
-layers of the target: ``DraftModelDrafter.from_target``). A block drafter that proposes all k tokens in one
-pass fits the same ``propose`` interface.
+layers of the target: ``DraftModelDrafter.from_target``) and ``BlockDrafter`` (``serving.block_drafter``: all k
+tokens in one pass from the target's last hidden states). A ``HiddenStateDrafter`` such as ``BlockDrafter``
+is handed the hidden states every verification pass computes anyway (``observe``), so it needs no pass of the
+target of its own.
 """
 
 import dataclasses
 import functools
+import inspect
 import itertools
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving import block_drafter
 from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
 from serving.engine.runner import ModelRunner, bucket
@@ -47,6 +52,8 @@ from serving.structured import apply_token_bitmask, fill_token_bitmask
 ACCEPT_STREAM, RESIDUAL_STREAM, DRAFT_STREAM = 1, 2, 3
 NO_DRAFT = -1  # padding in draft token arrays
 DEFAULT_NGRAM = 3  # longest n-gram prompt lookup tries to match (then shorter, down to min_n)
+SPECULATIVE_METHODS = ("ngram", "block")  # SpecConfig.from_method (the command line's --speculative)
+MIN_OBSERVED_BUCKET = 8  # BlockDrafter.observe pads its row lists to powers of two from here (few compiles)
 
 
 # --------------------------------------------------------------------------- drafter interface
@@ -83,6 +90,27 @@ class Drafter(Protocol):
         """Forget sequence ``seq_id`` (finished or aborted)."""
 
 
+class HiddenSpan(NamedTuple):
+    """``count`` rows of a verification pass's hidden states, from flat row ``row`` on: positions ``position ..
+    position + count - 1`` of sequence ``seq_id``, all of them accepted tokens."""
+
+    seq_id: int
+    row: int
+    position: int
+    count: int
+
+
+@runtime_checkable
+class HiddenStateDrafter(Drafter, Protocol):
+    """A drafter conditioned on the target's hidden states after the target layers ``hidden_layers``."""
+
+    hidden_layers: tuple[int, ...]  # 1-based target layers (the model forward's ``hidden_layers``)
+
+    def observe(self, hidden: jax.Array, spans: Sequence[HiddenSpan]) -> None:
+        """Keep what it needs of a verification pass's hidden states ``[N, len(hidden_layers), D]`` (on device)
+        at ``spans``."""
+
+
 DrafterFactory = Callable[[ModelConfig, dict], Drafter]  # (target config, target params) -> drafter
 
 
@@ -103,6 +131,22 @@ class SpecConfig:
         if not (isinstance(self.drafter, Drafter) or callable(self.drafter)):
             raise ValueError(f"SpecConfig.drafter = {self.drafter!r}: expected a Drafter or a factory "
                              "(ModelConfig, params) -> Drafter")
+
+    @classmethod
+    def from_method(cls, method: str, drafter: str | Path | None = None, k: int | None = None) -> "SpecConfig":
+        """The config a command line names: ``"ngram"`` (prompt lookup, k = 4 unless given) or ``"block"`` (the
+        ``BlockDrafter`` checkpoint folder ``drafter``, k = its trained block unless given)."""
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {method!r}: expected one of {SPECULATIVE_METHODS}")
+        if method == "ngram":
+            if drafter is not None:
+                raise ValueError(f"speculative method 'ngram' takes no drafter checkpoint (got {str(drafter)!r})")
+            return cls(NgramDrafter(), k=k or cls.k)
+        if drafter is None:
+            raise ValueError("speculative method 'block' needs a drafter checkpoint folder (python -m "
+                             "serving.train_drafter --out DIR)")
+        trained = block_drafter.load_config(drafter)  # a bad folder fails here, before the target loads
+        return cls(functools.partial(BlockDrafter.load, drafter), k=k or trained.block)
 
     def build(self, cfg: ModelConfig, params: dict) -> Drafter:
         drafter = self.drafter if isinstance(self.drafter, Drafter) else self.drafter(cfg, params)
@@ -150,8 +194,30 @@ def _stream(keys: jax.Array, stream: int) -> jax.Array:
     return jax.vmap(lambda key: jax.random.fold_in(key, stream))(keys)
 
 
+def _rejection_sampling(penalized: jax.Array, b: SamplingBatch, x: jax.Array,
+                        draft_probs: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The sampled rows' side of ``verify``: (accept ``[S, k]`` with probability min(1, p/q), the residual draw
+    ``[S, k + 1]`` at each position (none after k), the plain draw from p ``[S, k + 1]``)."""
+    num_seqs, k = x.shape
+    vocab = penalized.shape[-1]
+    scaled = filtered_logits(penalized, b)  # [R, V]
+    keys = _position_keys(b.seed, b.step)
+    plain = jax.vmap(jax.random.categorical)(keys, scaled).reshape(num_seqs, k + 1)
+    p = jax.nn.softmax(scaled, axis=-1).reshape(num_seqs, k + 1, vocab)[:, :k]  # [S, k, V]
+    q = jax.nn.one_hot(x, vocab, dtype=p.dtype) if draft_probs is None else draft_probs
+    p_x = jnp.take_along_axis(p, x[..., None], axis=-1)[..., 0]
+    q_x = jnp.take_along_axis(q, x[..., None], axis=-1)[..., 0]
+    u = jax.vmap(jax.random.uniform)(_stream(keys, ACCEPT_STREAM)).reshape(num_seqs, k + 1)[:, :k]
+    residual = jnp.maximum(p - q, 0.0)
+    residual_logits = jnp.where(residual.sum(-1, keepdims=True) > 0, jnp.log(residual), jnp.log(p))
+    resampled = jax.vmap(jax.random.categorical)(_stream(keys, RESIDUAL_STREAM).reshape(num_seqs, k + 1)[:, :k]
+                                                 .reshape(-1), residual_logits.reshape(-1, vocab))
+    resampled = jnp.pad(resampled.reshape(num_seqs, k), ((0, 0), (0, 1)))
+    return u * q_x < p_x, resampled, plain  # u < p/q without dividing by q
+
+
 def verify(logits: jax.Array, b: SamplingBatch, draft_tokens: jax.Array, draft_counts: jax.Array,
-           draft_probs: jax.Array | None, num_top: int = 0) -> VerifyResult:
+           draft_probs: jax.Array | None, num_top: int = 0, draw: bool = True) -> VerifyResult:
     """Accept a prefix of each sequence's drafts (module docstring) from the target's logits at every position.
 
     Args:
@@ -161,34 +227,27 @@ def verify(logits: jax.Array, b: SamplingBatch, draft_tokens: jax.Array, draft_c
         the other parameters repeat per sequence, ``step`` counts up, penalty histories include the drafts).
       draft_tokens: ``[S, k]`` int32 (NO_DRAFT past ``draft_counts``); draft_counts: ``[S]`` int32.
       draft_probs: ``[S, k, V]`` float32 q of each draft position, or None (deterministic drafts: q one-hot).
+      draw: False promises every row is greedy: the sampling filters (a sort of ``[S * (k + 1), V]``) and the
+        draws are skipped, with the same result.
     """
     num_seqs, k = draft_tokens.shape
     vocab = logits.shape[-1]
     penalized = apply_penalties(logits, b)
     if b.token_bitmask is not None:
         penalized = apply_token_bitmask(penalized, b.token_bitmask)
-    scaled = filtered_logits(penalized, b)  # [R, V]
-    keys = _position_keys(b.seed, b.step)
-    plain = jax.vmap(jax.random.categorical)(keys, scaled).reshape(num_seqs, k + 1)
     argmax = jnp.argmax(penalized, axis=-1).reshape(num_seqs, k + 1)
-    p = jax.nn.softmax(scaled, axis=-1).reshape(num_seqs, k + 1, vocab)[:, :k]  # [S, k, V]
     x = jnp.maximum(draft_tokens, 0)
-    q = jax.nn.one_hot(x, vocab, dtype=p.dtype) if draft_probs is None else draft_probs
-    p_x = jnp.take_along_axis(p, x[..., None], axis=-1)[..., 0]
-    q_x = jnp.take_along_axis(q, x[..., None], axis=-1)[..., 0]
-    u = jax.vmap(jax.random.uniform)(_stream(keys, ACCEPT_STREAM)).reshape(num_seqs, k + 1)[:, :k]
     greedy = (b.temperature.reshape(num_seqs, k + 1)[:, 0] == 0)[:, None]
-    in_draft = jnp.arange(k)[None] < draft_counts[:, None]
-    accept = jnp.where(greedy, x == argmax[:, :k], u * q_x < p_x) & in_draft  # u < p/q without dividing by q
+    accept = x == argmax[:, :k]
+    if draw:
+        sampled_accept, resampled, plain = _rejection_sampling(penalized, b, x, draft_probs)
+        accept = jnp.where(greedy, accept, sampled_accept)
+    accept &= jnp.arange(k)[None] < draft_counts[:, None]
     num_accepted = jnp.cumprod(accept, axis=-1).sum(-1).astype(jnp.int32)
-    residual = jnp.maximum(p - q, 0.0)
-    residual_logits = jnp.where(residual.sum(-1, keepdims=True) > 0, jnp.log(residual), jnp.log(p))
-    resampled = jax.vmap(jax.random.categorical)(_stream(keys, RESIDUAL_STREAM).reshape(num_seqs, k + 1)[:, :k]
-                                                 .reshape(-1), residual_logits.reshape(-1, vocab))
-    resampled = jnp.pad(resampled.reshape(num_seqs, k), ((0, 0), (0, 1)))  # [S, k + 1]; no residual after k
-    rejected = (num_accepted < draft_counts)[:, None]
-    sampled = jnp.where(rejected, resampled, plain)
-    final = jnp.where(greedy, argmax, sampled)  # [S, k + 1]: the token at position j if j were the first kept
+    final = argmax  # [S, k + 1]: the token at position j if j were the first kept
+    if draw:
+        rejected = (num_accepted < draft_counts)[:, None]
+        final = jnp.where(greedy, argmax, jnp.where(rejected, resampled, plain))
     positions = jnp.arange(k + 1)[None]
     drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)), constant_values=NO_DRAFT)
     tokens = jnp.where(positions < num_accepted[:, None], drafts,
@@ -199,15 +258,19 @@ def verify(logits: jax.Array, b: SamplingBatch, draft_tokens: jax.Array, draft_c
     return VerifyResult(tokens, num_accepted, chosen, top_ids.astype(jnp.int32), top_logprobs)
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg", "num_top"), donate_argnames="kv")
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "num_top", "hidden_layers", "draw"),
+                   donate_argnames="kv")
 def _verify_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, rows: jax.Array, sampling: SamplingBatch,
                  draft_tokens: jax.Array, draft_counts: jax.Array, draft_probs: jax.Array | None,
-                 draft_rows: jax.Array, *, forward: Callable, cfg: ModelConfig,
-                 num_top: int) -> tuple[VerifyResult, Any, jax.Array]:
-    """The target's forward over ``tokens [N]``, then ``verify`` at the flat indices ``rows [S * (k + 1)]``."""
-    logits, kv, expert_counts = forward(params, cfg, tokens, batch, kv)
+                 draft_rows: jax.Array, *, forward: Callable, cfg: ModelConfig, num_top: int,
+                 hidden_layers: tuple[int, ...], draw: bool) -> tuple[VerifyResult, Any, jax.Array, jax.Array | None]:
+    """The target's forward over ``tokens [N]``, then ``verify`` at the flat indices ``rows [S * (k + 1)]``; when
+    ``hidden_layers`` names any, also the hidden states after them ``[N, len(hidden_layers), D]``."""
+    logits, kv, expert_counts, *hidden = forward(params, cfg, tokens, batch, kv,
+                                                 **({"hidden_layers": hidden_layers} if hidden_layers else {}))
     probs = None if draft_probs is None else draft_probs[draft_rows]
-    return verify(logits[rows], sampling, draft_tokens, draft_counts, probs, num_top), kv, expert_counts
+    result = verify(logits[rows], sampling, draft_tokens, draft_counts, probs, num_top, draw)
+    return result, kv, expert_counts, hidden[0] if hidden_layers else None
 
 
 class VerifyChunk(NamedTuple):
@@ -218,14 +281,17 @@ class VerifyChunk(NamedTuple):
     row: SampleRow  # sampling row of the first scored position (step = its output index)
     drafts: list[int]
     proposal_row: int  # row of the drafter's ``Proposal.probs`` (ignored when there are none)
+    seq_id: int = -1  # the sequence (a HiddenStateDrafter keeps its hidden states under it)
 
 
 def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draft_probs: jax.Array | None,
-                num_top: int = 0) -> VerifyResult:
+                num_top: int = 0, drafter: Drafter | None = None) -> VerifyResult:
     """Score every chunk's drafts in one forward of ``runner``'s model and verify them (host arrays back).
 
     Each chunk's last ``1 + len(drafts)`` tokens are scored: position j samples as output token
-    ``row.step + j`` with the drafts before it appended to the history.
+    ``row.step + j`` with the drafts before it appended to the history. A ``HiddenStateDrafter`` ``drafter``
+    observes the hidden states of every chunk's accepted tokens (its tokens before the drafts, and the drafts
+    kept).
     """
     tokens, batch = runner.prepare([c.chunk for c in chunks], [c.token_ids for c in chunks])
     num_seqs = batch.context_lens.shape[0]
@@ -250,13 +316,21 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
     matchers = [r.matcher if j == 0 else None for r, j in zip(sample_rows, itertools.cycle(range(k + 1)))]
     bitmask = (fill_token_bitmask(matchers, runner.cfg.vocab, num_seqs * (k + 1))
                if any(m is not None for m in matchers) else None)
-    result, runner.kv, counts = _verify_step(
+    observer = drafter if isinstance(drafter, HiddenStateDrafter) else None
+    result, runner.kv, counts, hidden = _verify_step(
         runner.params, runner.kv, tokens, batch, rows.reshape(-1),
         sampling_batch(sample_rows, num_seqs * (k + 1), token_bitmask=bitmask),
-        draft_tokens, draft_counts, draft_probs, draft_rows, forward=runner.forward, cfg=runner.cfg, num_top=num_top)
+        draft_tokens, draft_counts, draft_probs, draft_rows, forward=runner.forward, cfg=runner.cfg, num_top=num_top,
+        hidden_layers=observer.hidden_layers if observer else (),
+        draw=any(c.row.params.temperature > 0 for c in chunks))
     runner.expert_load += np.asarray(counts)
     n = len(chunks)
-    return VerifyResult(*(np.asarray(a)[:n] for a in result))
+    result = VerifyResult(*(np.asarray(a)[:n] for a in result))
+    if observer is not None:
+        starts = np.cumsum([0] + [c.chunk.count for c in chunks])
+        observer.observe(hidden, [HiddenSpan(c.seq_id, int(row), c.chunk.start, c.chunk.count - len(c.drafts) + int(a))
+                                  for c, row, a in zip(chunks, starts[:-1], result.num_accepted, strict=True)])
+    return result
 
 
 # --------------------------------------------------------------------------- n-gram drafter
@@ -300,16 +374,23 @@ def _draft_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, last: jax.
                 forward: Callable, cfg: ModelConfig, sample: bool) -> tuple[jax.Array, jax.Array | None, Any]:
     """Draft model forward, then one draft token per sequence ``[S]`` (and its distribution q ``[S, V]``)."""
     logits, kv, _ = forward(params, cfg, tokens, batch, kv)
-    logits = logits[last]
+    return *_draw_drafts(logits[last], sampling, sample), kv
+
+
+def _draw_drafts(logits: jax.Array, sampling: SamplingBatch | None,
+                 sample: bool) -> tuple[jax.Array, jax.Array | None]:
+    """Draft tokens ``[R]`` from draft logits ``[R, V]``: the argmax, or (``sample``) a draw from each row's
+    filtered distribution on the DRAFT_STREAM of its position, with that distribution q ``[R, V]`` (one-hot at
+    the argmax on greedy rows)."""
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not sample:
-        return argmax, None, kv
+        return argmax, None
     scaled = filtered_logits(logits, sampling)
     keys = _stream(_position_keys(sampling.seed, sampling.step), DRAFT_STREAM)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     greedy = sampling.temperature == 0
     q = jnp.where(greedy[:, None], jax.nn.one_hot(argmax, logits.shape[-1]), jax.nn.softmax(scaled, axis=-1))
-    return jnp.where(greedy, argmax, drawn), q, kv
+    return jnp.where(greedy, argmax, drawn), q
 
 
 @dataclasses.dataclass
@@ -412,3 +493,144 @@ class DraftModelDrafter:
                                                  sampling_batch(rows, num_seqs), forward=self.runner.forward,
                                                  cfg=self.runner.cfg, sample=self.sample)
         return np.asarray(drafted)[:len(chunks)].tolist(), q
+
+
+# --------------------------------------------------------------------------- block drafter
+
+
+@functools.partial(jax.jit, donate_argnames=("features", "positions"))
+def _observe(features: jax.Array, positions: jax.Array, hidden: jax.Array, rows: jax.Array, slots: jax.Array,
+             token_positions: jax.Array, reset: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Forget the slots ``reset``, then store ``hidden[rows]`` at ``(slots, token_positions % W)`` of the ring
+    buffers ``features [slots, W, F, D]`` / ``positions [slots, W]`` (out-of-range slots: padding, skipped)."""
+    positions = positions.at[reset].set(NO_DRAFT, mode="drop")
+    ring = token_positions % features.shape[1]
+    features = features.at[slots, ring].set(hidden[rows].astype(features.dtype), mode="drop")
+    return features, positions.at[slots, ring].set(token_positions, mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "target", "sample"))
+def _propose_block(params: dict, head: dict, features: jax.Array, positions: jax.Array, slots: jax.Array,
+                   anchors: jax.Array, window_tokens: jax.Array, sampling: SamplingBatch | None, *,
+                   cfg: block_drafter.BlockDrafterConfig, target: ModelConfig,
+                   sample: bool) -> tuple[jax.Array, jax.Array | None]:
+    """Drafts ``[S, k]`` (and q ``[S, k, V]``) for S sequences, each newest token at position ``anchors[s]``:
+    the context is its hidden states at ``a - W .. a - 1`` from the ring buffers (valid where the buffer holds
+    that very position) and ``window_tokens [S, W]``, the tokens ``x_{a-W+1} .. x_a`` after them."""
+    width = features.shape[1]
+    t = anchors[:, None] - width + jnp.arange(width)[None]  # [S, W] context positions, in order
+    ring = t % width
+    ctx = features[slots[:, None], ring]
+    valid = (positions[slots[:, None], ring] == t) & (t >= 0)
+    logits = block_drafter.draft_logits(params, head, cfg, target, ctx, window_tokens, t + 1 - anchors[:, None],
+                                        valid)
+    num_seqs, k, vocab = logits.shape
+    tokens, q = _draw_drafts(logits.reshape(-1, vocab), sampling, sample)
+    return tokens.reshape(num_seqs, k), None if q is None else q.reshape(num_seqs, k, vocab)
+
+
+class BlockDrafter:
+    """Serves a ``serving.block_drafter`` model: one forward pass drafts k tokens for every decoding sequence.
+
+    Per sequence it keeps the target's hidden states of its last W positions in a device ring buffer (slot
+    ``[W, F, D]``, row ``position % W``), filled by ``observe`` from each verification pass; it drafts for a
+    sequence whose hidden state before its newest token is there (after its prompt's pass, always). ``sample``:
+    as ``DraftModelDrafter``. ``max_seqs`` slots (keep it >= the engine's ``max_running``); when all are taken
+    the least recently observed sequence's is reused.
+    """
+
+    def __init__(self, cfg: block_drafter.BlockDrafterConfig, params: dict, target_cfg: ModelConfig,
+                 target_params: dict, max_seqs: int = 256, sample: bool = False):
+        if "hidden_layers" not in inspect.signature(model_module(target_cfg.family).forward).parameters:
+            raise ValueError(f"BlockDrafter needs the target's hidden states: family {target_cfg.family!r}'s "
+                             "forward has no hidden_layers")
+        cfg.check_target(target_cfg)
+        self.head = block_drafter.target_head(target_params)
+        dtype = self.head["embed"].dtype
+        self.cfg, self.target_cfg, self.sample, self.vocab = cfg, target_cfg, sample, target_cfg.vocab
+        self.hidden_layers = cfg.target_layers
+        self.params = jax.tree.map(lambda w: jnp.asarray(w, dtype), params)
+        self.features = jnp.zeros((max_seqs, cfg.window, len(cfg.target_layers), cfg.hidden), dtype)
+        self.positions = jnp.full((max_seqs, cfg.window), NO_DRAFT, jnp.int32)
+        self.slots: dict[int, int] = {}  # seq_id -> slot, least recently observed first
+        self.free = list(range(max_seqs - 1, -1, -1))
+        self.observed: dict[int, int] = {}  # seq_id -> 1 + the last position observed
+        self.num_passes = 0  # drafter forward passes run (one per propose with any sequence to draft)
+
+    @classmethod
+    def load(cls, path: str | Path, target_cfg: ModelConfig, target_params: dict, **kwargs: Any) -> "BlockDrafter":
+        """The drafter of the checkpoint folder ``path`` (``serving.train_drafter``) for this target."""
+        cfg, params = block_drafter.load(path, target_cfg)
+        return cls(cfg, params, target_cfg, target_params, **kwargs)
+
+    def release(self, seq_id: int) -> None:
+        self.observed.pop(seq_id, None)
+        slot = self.slots.pop(seq_id, None)
+        if slot is not None:
+            self.free.append(slot)
+
+    def _slot(self, seq_id: int, reset: list[int]) -> int:
+        """``seq_id``'s slot, moved to the most recently observed end; a new one is appended to ``reset``."""
+        slot = self.slots.pop(seq_id, None)
+        if slot is None:
+            if not self.free:
+                self.release(next(iter(self.slots)))
+            slot = self.free.pop()
+            reset.append(slot)
+        self.slots[seq_id] = slot
+        return slot
+
+    def observe(self, hidden: jax.Array, spans: Sequence[HiddenSpan]) -> None:
+        """Store the last W rows of every span (``HiddenStateDrafter``)."""
+        width, num_slots = self.cfg.window, self.features.shape[0]
+        if len(spans) > num_slots:
+            raise ValueError(f"BlockDrafter: {len(spans)} sequences in one pass, expected at most max_seqs="
+                             f"{num_slots}")
+        rows, slots, positions, reset = [], [], [], []
+        for span in spans:
+            slot, keep = self._slot(span.seq_id, reset), min(span.count, width)
+            rows += range(span.row + span.count - keep, span.row + span.count)
+            positions += range(span.position + span.count - keep, span.position + span.count)
+            slots += [slot] * keep
+            self.observed[span.seq_id] = span.position + span.count
+        def pad(values: list[int], fill: int) -> np.ndarray:
+            return np.array(values + [fill] * (bucket(len(values), MIN_OBSERVED_BUCKET) - len(values)), np.int32)
+
+        slots = pad(slots, num_slots)
+        self.features, self.positions = _observe(self.features, self.positions, hidden, pad(rows, 0), slots,
+                                                 pad(positions, 0)[:len(slots)], pad(reset, num_slots))
+
+    def propose(self, requests: Sequence[DraftRequest], k: int) -> Proposal:
+        """``min(k, block, max_draft)`` tokens for each request whose hidden states are observed, in one pass."""
+        width = self.cfg.window
+        live = [i for i, r in enumerate(requests)
+                if r.max_draft > 0 and self.observed.get(r.seq_id) == len(r.token_ids) - 1]
+        drafts: list[list[int]] = [[] for _ in requests]
+        if not live:
+            return Proposal(drafts)
+        num_seqs = bucket(len(live))
+        slots = np.zeros(num_seqs, np.int32)
+        anchors = np.zeros(num_seqs, np.int32)
+        window_tokens = np.zeros((num_seqs, width), np.int32)
+        for s, i in enumerate(live):
+            r = requests[i]
+            slots[s], anchors[s] = self.slots[r.seq_id], len(r.token_ids) - 1
+            tail = r.token_ids[-width:]
+            window_tokens[s, width - len(tail):] = tail
+        sampling = None  # position j of a request's block samples as its output token num_output + j
+        if self.sample:
+            sampling = sampling_batch([SampleRow(requests[i].params, requests[i].seed, requests[i].num_output + j, (),
+                                                 ()) for i in live for j in range(self.cfg.block)],
+                                      num_seqs * self.cfg.block)
+        tokens, q = _propose_block(self.params, self.head, self.features, self.positions, slots, anchors,
+                                   window_tokens, sampling, cfg=self.cfg, target=self.target_cfg, sample=self.sample)
+        self.num_passes += 1
+        tokens = np.asarray(tokens)
+        for s, i in enumerate(live):
+            drafts[i] = tokens[s, :min(k, requests[i].max_draft)].tolist()
+        if q is None:
+            return Proposal(drafts)
+        row_of = {i: s for s, i in enumerate(live)}
+        q = q[np.array([row_of.get(i, 0) for i in range(bucket(len(requests)))])]  # [R, block, V] by request
+        return Proposal(drafts, q[:, :k] if k <= self.cfg.block else jnp.pad(q, ((0, 0), (0, k - self.cfg.block),
+                                                                                 (0, 0))))

@@ -2,6 +2,7 @@
 
     python -m serving serve --model smollm2 --port 8000 [--host 0.0.0.0 --api-key KEY] [--max-running 32 ...]
     python -m serving serve --model path/to/config.json --random-weights   # a HF config, random weights
+    python -m serving serve --speculative block --drafter DIR   # speculative decoding (or --speculative ngram)
     python -m serving chat [--url http://127.0.0.1:8000/v1 --api-key KEY]   # without --url: serves --model itself
 
 ``--random-weights`` serves a model that exists only as a HF ``config.json`` (load tests and benchmarks of a
@@ -29,6 +30,7 @@ from serving.config import ModelConfig
 from serving.engine import engine as engine_module
 from serving.engine.engine import Engine
 from serving.models import model_module
+from serving.speculative import SPECULATIVE_METHODS, SpecConfig
 from serving.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct
@@ -61,9 +63,13 @@ def _load_random(config: Path, dtype: jnp.dtype) -> tuple[ModelConfig, dict, Tok
 
 def _engine(args: argparse.Namespace) -> tuple[Engine, str, Path | None]:
     """(engine, served model name, model path or None) for ``--model`` (and ``--random-weights``)."""
+    if args.speculative is None and (args.drafter or args.num_speculative_tokens):
+        raise ValueError("--drafter and --num-speculative-tokens need --speculative (ngram or block)")
     options = dict(dtype=DTYPES[args.dtype], num_blocks=args.num_blocks, block_size=args.block_size,
                    max_running=args.max_running, token_budget=args.token_budget, max_model_len=args.max_model_len,
-                   max_queue=args.max_queue, batch_invariant=args.batch_invariant)
+                   max_queue=args.max_queue, batch_invariant=args.batch_invariant,
+                   speculative=SpecConfig.from_method(args.speculative, args.drafter, args.num_speculative_tokens)
+                   if args.speculative else None)
     if args.random_weights:
         config = _config_file(args.model)
         loaded = _load_random(config, options["dtype"])
@@ -157,6 +163,11 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                         help="--model is a HF config.json (or its folder): serve that shape with random weights")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's output is bitwise the same in any batch (serving.batch_invariant; slower)")
+    parser.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),
+                        help="speculative decoding: n-gram prompt lookup, or a block drafter (--drafter)")
+    parser.add_argument("--drafter", default=None, help="block drafter checkpoint (python -m serving.train_drafter)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="draft tokens per step (default: 4 for ngram, the drafter's trained block for block)")
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:

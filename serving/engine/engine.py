@@ -313,12 +313,12 @@ class Engine:
             verify_chunks.append(VerifyChunk(SeqChunk(s.block_table, c.start, c.count),
                                              s.tokens[c.start:c.start + c.count - len(drafts)] + drafts,
                                              _sample_row(s),
-                                             drafts, proposal_rows.get(s.seq_id, 0)))
+                                             drafts, proposal_rows.get(s.seq_id, 0), s.seq_id))
         for seq in drafted:
             seq.draft_ids = []
         wants_top = any(c.samples and c.seq.params.logprobs for c in chunks)
         result = verify_step(self.runner, verify_chunks, self.speculative.k, proposal.probs,
-                             MAX_LOGPROBS if wants_top else 0)
+                             MAX_LOGPROBS if wants_top else 0, self.drafter)
         accepted = [result.tokens[i, :result.num_accepted[i] + 1].tolist() for i in range(len(chunks))]
         for c, v, n in zip(chunks, verify_chunks, result.num_accepted.tolist(), strict=True):
             if c.samples and v.drafts:

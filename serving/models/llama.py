@@ -201,13 +201,18 @@ def logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jnp.dot(rms_norm(x, params["norm"], cfg.rms_eps), head, preferred_element_type=jnp.float32)
 
 
-def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch,
-            kv: PagedKV) -> tuple[jax.Array, PagedKV, jax.Array]:
-    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, updated cache, expert counts ``[layers, 0]`` (no experts))."""
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch, kv: PagedKV,
+            hidden_layers: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
+    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, updated cache, expert counts ``[layers, 0]`` (no experts)),
+    and when ``hidden_layers`` names any, the hidden states after those layers ``[N, len(hidden_layers), D]``
+    (layer ``cfg.layers``: the final RMSNorm's input)."""
     rope = rope_table(cfg)
     x = params["embed"][tokens]
+    after = []  # after[l]: the hidden states after layer l + 1
     for l, lp in enumerate(params["layers"]):
         h, kv = attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_eps), batch, kv, l, rope)
         x = x + h
         x = x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_eps), **lp["mlp"])
-    return logits(params, cfg, x), kv, jnp.zeros((cfg.layers, cfg.num_experts), jnp.int32)
+        after.append(x)
+    out = logits(params, cfg, x), kv, jnp.zeros((cfg.layers, cfg.num_experts), jnp.int32)
+    return (*out, jnp.stack([after[l - 1] for l in hidden_layers], axis=1)) if hidden_layers else out

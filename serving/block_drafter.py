@@ -1,0 +1,233 @@
+"""Block drafter (in the spirit of DFlash): k draft tokens in ONE forward pass, conditioned on the target's
+hidden states.
+
+A decoding sequence is ``x_0 .. x_a``: ``x_a`` is its newest token (the target's last output) and the target's
+hidden states ``h_t [F, D]`` after F of its layers (``target_layers``: by default a third, two thirds and all of
+them, the last being its final RMSNorm's input) are known for ``t < a``. The drafter predicts
+``x_{a+1} .. x_{a+k}`` at once, from the last W of them:
+
+    context  c_t = fc([rms_norm(h_t) ; E[x_{t+1}]])    t = a - W .. a - 1, at position t + 1     [W, D]
+             (each of the F states normalized on its own, then all F + 1 vectors concatenated)
+    block    z_j = m_j (learned slot vectors)          j = 1 .. k,         at position a + j     [k, D]
+    L layers z += attention(z over [c ; z]) ; z += swiglu(z)    (pre-norm; every slot sees every valid
+             context entry and every slot: no causal mask inside the block)
+    logits_j = rms_norm(z_j) @ head                                                               [k, V]
+
+``E`` and ``head`` are the target's embedding and output head (frozen, shared); context entries before the
+sequence start are masked. Each slot's attention has the target's geometry (heads, kv heads, head dim, RoPE
+over positions relative to ``a``) and its MLP the target's width, so a drafter layer costs what a target layer
+costs, for k + W tokens. ``draft_logits`` is the whole forward; ``serving.speculative.BlockDrafter`` serves it
+and ``serving.train_drafter`` trains it. A checkpoint is a folder: ``drafter.safetensors`` (the drafter's own
+weights) and ``drafter_config.json`` (``BlockDrafterConfig`` and the target's hidden size and vocabulary).
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file, save_file
+
+from serving.config import ModelConfig
+from serving.layers import apply_rope, rms_norm, swiglu
+from serving.models import llama
+from serving.models.llama import Weight
+
+CONFIG_FILE = "drafter_config.json"
+WEIGHTS_FILE = "drafter.safetensors"
+KIND = "block_drafter"  # the config's "kind": refuses other JSON files named like ours
+MASKED = -1e30  # attention score of an invalid context entry (finite: a row never becomes NaN)
+# Default target_layers: the outputs of these fractions of the target's layers (low, middle and top features
+# carry different information: what the tokens were, and what comes next; DFlash and EAGLE-3 fuse several).
+TARGET_LAYER_FRACTIONS = (1 / 3, 2 / 3, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockDrafterConfig:
+    """A block drafter for a target of hidden size ``hidden`` and vocabulary ``vocab``.
+
+    target_layers: the target layers (1-based, increasing) whose output hidden states it reads, F of them.
+    block: k, the tokens proposed per pass. window: W, the positions whose hidden states it reads. layers: L.
+    """
+
+    hidden: int
+    vocab: int
+    target_layers: tuple[int, ...]
+    block: int = 8
+    window: int = 64
+    layers: int = 2
+
+    def __post_init__(self):
+        for name in ("hidden", "vocab", "block", "window", "layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"BlockDrafterConfig.{name} = {value!r}: expected an int >= 1")
+        layers = self.target_layers
+        if (not isinstance(layers, tuple) or not layers or not all(isinstance(l, int) and l >= 1 for l in layers)
+                or list(layers) != sorted(set(layers))):
+            raise ValueError(f"BlockDrafterConfig.target_layers = {layers!r}: expected a non-empty tuple of "
+                             "increasing layer numbers >= 1")
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, **kwargs: Any) -> "BlockDrafterConfig":
+        """A config for ``target`` (target_layers by ``TARGET_LAYER_FRACTIONS`` unless given)."""
+        layers = tuple(sorted({max(1, round(f * target.layers)) for f in TARGET_LAYER_FRACTIONS}))
+        return cls(**{"hidden": target.hidden, "vocab": target.vocab, "target_layers": layers, **kwargs})
+
+    def check_target(self, target: ModelConfig) -> None:
+        """The drafter shares the target's embedding and head and reads its layers' outputs: hidden size and
+        vocabulary must match, and the target must have the layers."""
+        if (self.hidden, self.vocab) != (target.hidden, target.vocab):
+            raise ValueError(f"block drafter for hidden={self.hidden}, vocab={self.vocab}: the target has "
+                             f"hidden={target.hidden}, vocab={target.vocab}")
+        if self.target_layers[-1] > target.layers:
+            raise ValueError(f"block drafter reads target layers {self.target_layers}: the target has "
+                             f"{target.layers}")
+
+    def layer_config(self, target: ModelConfig) -> ModelConfig:
+        """The target's config with the drafter's depth: the geometry of each drafter layer."""
+        self.check_target(target)
+        return dataclasses.replace(target, layers=self.layers)
+
+
+def layout(cfg: BlockDrafterConfig, target: ModelConfig) -> dict:
+    """The drafter's own weights: ``fc [(F + 1) D, D]``, ``slots [k, D]``, ``ctx_norm [F, D]``, ``norm [D]`` and
+    L layers shaped like the target's."""
+    lcfg = cfg.layer_config(target)
+    d, f = lcfg.hidden, len(cfg.target_layers)
+    layers = [{"attn_norm": llama.norm(lcfg), "attn": llama.attention_layout(lcfg), "mlp_norm": llama.norm(lcfg),
+               "mlp": llama.mlp_layout(lcfg)} for _ in range(cfg.layers)]
+    return {"fc": Weight(((f + 1) * d, d), P()), "slots": Weight((cfg.block, d), P()),
+            "ctx_norm": Weight((f, d), P(), "ones"), "norm": llama.norm(lcfg), "layers": layers}
+
+
+def init_params(cfg: BlockDrafterConfig, target: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> dict:
+    """Random drafter weights (N(0, 0.02^2), norms at 1)."""
+    return llama.init_from_layout(layout(cfg, target), key, dtype)
+
+
+def target_head(target_params: dict) -> dict:
+    """The frozen pieces of the target the drafter uses: ``embed`` (and ``lm_head`` when untied)."""
+    return {name: target_params[name] for name in ("embed", "lm_head") if name in target_params}
+
+
+def _attention(p: dict, cfg: ModelConfig, z: jax.Array, ctx: jax.Array, keys_valid: jax.Array,
+               positions: jax.Array) -> jax.Array:
+    """Slots ``z [B, k, D]`` attend over ``[ctx ; z]`` (``[B, W + k, D]``, ``keys_valid [B, W + k]``); returns
+    ``[B, k, D]``. ``positions [B, W + k]`` rotate keys, their last k the queries."""
+    b, k, _ = z.shape
+    inputs = jnp.concatenate([ctx, z], axis=1)
+    q = jnp.einsum("bkd,dhe->bkhe", z, p["q"])
+    keys = jnp.einsum("bnd,dhe->bnhe", inputs, p["k"])
+    values = jnp.einsum("bnd,dhe->bnhe", inputs, p["v"])
+    inv_freq, scale = llama.rope_table(cfg)
+
+    def rotate(x: jax.Array, pos: jax.Array) -> jax.Array:
+        flat = apply_rope(x.reshape(-1, *x.shape[2:]), pos.reshape(-1), inv_freq, scale, cfg.rope.interleaved)
+        return flat.reshape(x.shape)
+
+    q, keys = rotate(q, positions[:, -k:]), rotate(keys, positions)
+    kv_heads = cfg.kv_heads
+    qg = q.reshape(b, k, kv_heads, cfg.heads // kv_heads, cfg.head_dim)  # [B, k, K, G, hd]
+    scores = jnp.einsum("bqkgd,bnkd->bkgqn", qg, keys, preferred_element_type=jnp.float32) * cfg.head_dim**-0.5
+    scores = jnp.where(keys_valid[:, None, None, None, :], scores, MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("bkgqn,bnkd->bqkgd", probs, values).reshape(b, k, cfg.heads, cfg.head_dim)
+    return jnp.einsum("bqhe,hed->bqd", out, p["o"])
+
+
+def draft_logits(params: dict, head: dict, cfg: BlockDrafterConfig, target: ModelConfig, ctx_hidden: jax.Array,
+                 ctx_tokens: jax.Array, ctx_positions: jax.Array, ctx_valid: jax.Array) -> jax.Array:
+    """The drafter's logits for the k tokens after each of B anchors (module docstring).
+
+    Args:
+      params: the drafter's weights (``init_params``); head: ``target_head(target params)``, whose dtype is the
+        compute dtype.
+      ctx_hidden: ``[B, W, F, D]`` target hidden states h_t; ctx_tokens: ``[B, W]`` int32 the token after each,
+        x_{t+1}; ctx_positions: ``[B, W]`` int32 ``t + 1 - a`` (in ``[1 - W, 0]``; any order); ctx_valid:
+        ``[B, W]`` bool (False: no such state, e.g. before the sequence start).
+    Returns:
+      ``[B, k, V]`` float32: row j predicts ``x_{a+1+j}``.
+    """
+    lcfg = cfg.layer_config(target)
+    dtype = head["embed"].dtype
+    params = jax.tree.map(lambda w: w.astype(dtype), params)
+    b, w = ctx_tokens.shape
+    features = rms_norm(ctx_hidden.astype(dtype), params["ctx_norm"], lcfg.rms_eps).reshape(b, w, -1)
+    ctx = jnp.concatenate([features, head["embed"][ctx_tokens]], axis=-1) @ params["fc"]  # [B, W, D]
+    z = jnp.broadcast_to(params["slots"], (b, cfg.block, lcfg.hidden))
+    positions = jnp.concatenate([ctx_positions, jnp.broadcast_to(jnp.arange(1, cfg.block + 1), (b, cfg.block))], 1)
+    keys_valid = jnp.concatenate([ctx_valid, jnp.ones((b, cfg.block), bool)], axis=1)
+    for lp in params["layers"]:
+        z = z + _attention(lp["attn"], lcfg, rms_norm(z, lp["attn_norm"], lcfg.rms_eps),
+                           rms_norm(ctx, lp["attn_norm"], lcfg.rms_eps), keys_valid, positions)
+        z = z + swiglu(rms_norm(z, lp["mlp_norm"], lcfg.rms_eps), **lp["mlp"])
+    return llama.logits({**head, "norm": params["norm"]}, lcfg, z)
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+
+def _named_leaves(tree, is_leaf=None) -> dict[str, object]:
+    """``{"layers.0.attn.q": leaf, ...}`` of a params pytree, in leaf order."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    name = lambda path: ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return {name(path): leaf for path, leaf in leaves}
+
+
+def save(path: str | Path, cfg: BlockDrafterConfig, params: dict) -> Path:
+    """Write the checkpoint folder ``path`` (created): weights (float32) and config. Returns the folder."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({name: np.asarray(w, np.float32) for name, w in _named_leaves(params).items()},
+              str(folder / WEIGHTS_FILE))
+    (folder / CONFIG_FILE).write_text(json.dumps({"kind": KIND, **dataclasses.asdict(cfg)}, indent=2) + "\n")
+    return folder
+
+
+def load_config(path: str | Path) -> BlockDrafterConfig:
+    """The ``BlockDrafterConfig`` of the checkpoint folder ``path``."""
+    config_file = Path(path) / CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(f"block drafter checkpoint {str(path)!r}: no {CONFIG_FILE} (expected a folder "
+                                "written by serving.train_drafter)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or raw.pop("kind", None) != KIND:
+        raise ValueError(f"{config_file}: expected a JSON object with \"kind\": {KIND!r}")
+    fields = {f.name for f in dataclasses.fields(BlockDrafterConfig)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise ValueError(f"{config_file}: unknown keys {unknown}; expected keys among {sorted(fields)}")
+    if isinstance(raw.get("target_layers"), list):
+        raw["target_layers"] = tuple(raw["target_layers"])
+    try:
+        return BlockDrafterConfig(**raw)
+    except TypeError as e:
+        raise ValueError(f"{config_file}: {e} (expected keys {sorted(fields)})") from None
+
+
+def load(path: str | Path, target: ModelConfig, dtype: jnp.dtype = jnp.float32) -> tuple[BlockDrafterConfig, dict]:
+    """(config, params in ``dtype``) of the checkpoint folder ``path``, checked against the ``target`` config."""
+    cfg = load_config(path)
+    cfg.check_target(target)
+    weights_file = Path(path) / WEIGHTS_FILE
+    if not weights_file.is_file():
+        raise FileNotFoundError(f"block drafter checkpoint {str(path)!r}: no {WEIGHTS_FILE}")
+    tensors = load_file(str(weights_file))
+    expected = _named_leaves(layout(cfg, target), is_leaf=llama.is_weight)
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ValueError(f"{weights_file}: unexpected tensors {unexpected[:4]} for {cfg}")
+    for name, w in expected.items():
+        if name not in tensors or tensors[name].shape != w.shape:
+            found = f"shape {list(tensors[name].shape)}" if name in tensors else "no tensor"
+            raise ValueError(f"{weights_file}: {found} {name!r}, expected shape {list(w.shape)} for {cfg}")
+    arrays = [jnp.asarray(tensors[name], dtype) for name in expected]
+    return cfg, jax.tree.unflatten(jax.tree.structure(layout(cfg, target), is_leaf=llama.is_weight), arrays)

@@ -1,0 +1,415 @@
+"""Train a block drafter (``serving.block_drafter``) on the target's own greedy outputs, with apex_jax's AdamW.
+
+    python -m serving.train_drafter --out DIR          # SmolLM2-135M-Instruct, GPU defaults (one H200, ~7 min)
+    python -m serving.train_drafter --out DIR --cpu    # a tiny CPU run that proves the pipeline (~1-2 min)
+
+1. data: chat prompts (``serving.drafter_prompts``), the target's greedy answers through the ``Engine``
+   (batched; prompts are admitted for ``gen_seconds``, so a faster machine collects more), then ONE
+   teacher-forced pass of the target over each prompt + answer for its hidden states after the drafter's
+   ``target_layers`` (``[T, F, D]``, as a verification pass hands them to ``BlockDrafter``).
+2. training: B anchors ``a`` drawn from the answer tokens per step; the drafter sees the states at
+   ``a - W .. a - 1`` and the tokens after them and predicts ``x_{a+1} .. x_{a+k}``; loss
+   ``sum_j w_j CE_j / sum_j w_j`` with ``w_j = decay^(j-1)`` (a draft position counts only if every one before
+   it is accepted, so the early ones matter most). A share ``truncate_prob`` of contexts is cut short at random:
+   after a prompt prefix came from the prefix cache, ``BlockDrafter`` has no states for it. ``apexw`` (bf16
+   moments) after global-norm clipping; the learning rate is warmed up, then cosine-decayed over the run's
+   progress ``max(step / steps, elapsed / train_seconds)``: a slow machine ends the same schedule early instead
+   of overrunning ``time_budget``.
+3. evaluation on held-out prompts (never trained on): the acceptance length teacher-forced
+   (``1 + E[drafts equal to the target's greedy tokens before the first miss]``) and through the engine with
+   speculation (``SpecStats.mean_acceptance_length``), whose outputs are compared with the plain greedy answers.
+4. ``--out``: the checkpoint (``block_drafter.save``) and ``metrics.json``.
+
+Why in ``serving/`` and not ``benchmarks/``: the drafter is a serving artifact (``serve --speculative block
+--drafter DIR`` loads it), and its recipe belongs next to the model it trains.
+"""
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from apex_jax import apexw
+from serving import block_drafter
+from serving.block_drafter import BlockDrafterConfig
+from serving.config import ModelConfig
+from serving.drafter_prompts import chat_prompts
+from serving.engine.engine import Engine, Prompt
+from serving.engine.runner import ModelRunner
+from serving.engine.sampling_params import SamplingParams
+from serving.kv_cache import PagedKV, SeqChunk
+from serving.models import model_module
+from serving.speculative import BlockDrafter, SpecConfig
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+BLOCK_SIZE = 16  # KV cache block of the engines and the teacher-forced pass
+CLIP_NORM = 1.0  # global gradient norm clip
+LOG_EVERY = 500  # steps between progress lines
+MIN_TRAIN_SHARE = 0.1  # of the time budget, for training however long the data took
+FINAL_LR_SHARE = 0.1  # the cosine schedule ends at this share of the peak learning rate
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One run. The defaults are the GPU recipe for SmolLM2-135M-Instruct (one H200, within ``time_budget``)."""
+
+    max_prompts: int = 100_000  # training prompts at most (all of serving.drafter_prompts' but the held-out ones)
+    num_eval_prompts: int = 64  # held-out prompts
+    max_tokens: int = 192  # answer length
+    gen_seconds: float = 150.0  # training prompts are admitted to the generating engine for this long
+    block: int = 8  # k: tokens drafted per pass
+    window: int = 64  # W: positions whose target hidden states the drafter reads
+    layers: int = 2
+    steps: int = 100_000  # at most; the time budget usually ends training first
+    batch: int = 512  # anchors per step
+    lr: float = 1e-3
+    warmup: int = 300  # steps
+    weight_decay: float = 0.01
+    decay: float = 0.8  # loss weight of draft position j: decay^(j-1)
+    truncate_prob: float = 0.2  # share of training contexts cut short (module docstring)
+    dtype: str = "float32"  # the target's dtype (generation, hidden states)
+    compute_dtype: str = "bfloat16"  # the drafter's training compute and the stored hidden states
+    max_running: int = 256  # generation batch
+    tokens_per_pass: int = 16384  # teacher-forced pass: tokens per forward
+    eval_concurrency: int = 16  # the engine's max_running in the online evaluation
+    time_budget: float = 420.0  # seconds for the whole run; training gets what data and evaluation leave
+    eval_seconds: float = 90.0  # what training leaves for the evaluation (an engine's compiles, its decoding)
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("dtype", "compute_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"TrainConfig.{name} = {getattr(self, name)!r}: expected one of {list(DTYPES)}")
+        for name in ("max_prompts", "num_eval_prompts", "max_tokens", "steps", "batch", "max_running",
+                     "tokens_per_pass", "eval_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} = {getattr(self, name)!r}: expected >= 1")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"TrainConfig.decay = {self.decay!r}: expected in (0, 1]")
+        if not 0 <= self.truncate_prob <= 1:
+            raise ValueError(f"TrainConfig.truncate_prob = {self.truncate_prob!r}: expected in [0, 1]")
+
+
+CPU_CONFIG = TrainConfig(max_prompts=24, num_eval_prompts=4, max_tokens=32, block=4, window=16, layers=1, steps=60,
+                         batch=32, lr=2e-3, warmup=10, compute_dtype="float32", max_running=24, tokens_per_pass=1024,
+                         eval_concurrency=4, time_budget=240.0, eval_seconds=60.0)
+
+
+# --------------------------------------------------------------------------- data
+
+
+class TargetData(NamedTuple):
+    """Sequences (prompt + the target's answer) back to back, with the target's hidden states (device arrays)."""
+
+    tokens: jax.Array  # [T] int32
+    hidden: jax.Array  # [T, F, D] the target's hidden states after the drafter's target_layers
+    starts: jax.Array  # [T] int32 flat index where each token's sequence starts
+    ends: jax.Array  # [T] int32 flat index where it ends (exclusive)
+    anchors: jax.Array  # [A] int32 flat indices of answer tokens with a token after them
+
+
+def generate(engine: Engine, prompts: Sequence[Prompt], max_tokens: int,
+             seconds: float = math.inf) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy answer ids) of the prompts admitted within ``seconds`` (in order; those in flight then
+    finish), keeping up to ``max_running`` more queued than running."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    start, pending, ids = time.perf_counter(), list(prompts)[::-1], []
+    while pending or engine.has_unfinished():
+        if time.perf_counter() - start > seconds:
+            pending = []
+        while pending and len(engine.scheduler.waiting) < engine.scheduler.max_running:
+            ids.append(engine.add_request(pending.pop(), params))
+        engine.step()
+    return [(r.prompt_ids, r.outputs[0].token_ids) for r in map(engine.release, ids)]
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "layers"), donate_argnames="kv")
+def _hidden_pass(params: dict, kv: Any, tokens: jax.Array, batch: Any, *, forward: Callable, cfg: ModelConfig,
+                 layers: tuple[int, ...]) -> tuple[jax.Array, Any]:
+    _, kv, _, hidden = forward(params, cfg, tokens, batch, kv, hidden_layers=layers)
+    return hidden, kv
+
+
+def hidden_states(cfg: ModelConfig, params: dict, sequences: Sequence[Sequence[int]], layers: tuple[int, ...],
+                  tokens_per_pass: int, dtype: jnp.dtype) -> jax.Array:
+    """The target's hidden states after ``layers`` ``[sum of lengths, F, D]`` (in ``dtype``) of every sequence,
+    teacher-forced: sequences are packed into prefill passes of about ``tokens_per_pass`` tokens over a scratch
+    paged cache."""
+    longest = max(len(s) for s in sequences)
+    blocks = -(-max(tokens_per_pass, longest) // BLOCK_SIZE) + len(sequences)
+    runner = ModelRunner(cfg, params, model_module(cfg.family).forward,
+                         PagedKV.create(cfg, blocks, BLOCK_SIZE, params["embed"].dtype), BLOCK_SIZE)
+    out, group = [], []
+
+    def run(group: list[Sequence[int]]) -> None:
+        chunks, first = [], 0
+        for s in group:
+            n = -(-len(s) // BLOCK_SIZE)
+            chunks.append(SeqChunk(list(range(first, first + n)), 0, len(s)))
+            first += n
+        tokens, batch = runner.prepare(chunks, [list(s) for s in group])
+        hidden, runner.kv = _hidden_pass(params, runner.kv, tokens, batch, forward=runner.forward, cfg=cfg,
+                                         layers=layers)
+        out.append(hidden[:sum(len(s) for s in group)].astype(dtype))
+
+    for s in sequences:
+        if group and sum(map(len, group)) + len(s) > tokens_per_pass:
+            run(group)
+            group = []
+        group.append(s)
+    run(group)
+    return jnp.concatenate(out)
+
+
+def target_data(cfg: ModelConfig, params: dict, pairs: Sequence[tuple[list[int], list[int]]],
+                layers: tuple[int, ...], tokens_per_pass: int, dtype: jnp.dtype) -> TargetData:
+    """``TargetData`` of (prompt, answer) pairs; anchors are the answer tokens but the last of each."""
+    sequences = [p + a for p, a in pairs]
+    lengths = np.array([len(s) for s in sequences])
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    anchors = np.concatenate([np.arange(s + len(p), e - 1) for (p, _), s, e in zip(pairs, starts, ends, strict=True)])
+    return TargetData(jnp.asarray(np.concatenate(sequences), jnp.int32),
+                      hidden_states(cfg, params, sequences, layers, tokens_per_pass, dtype),
+                      jnp.asarray(np.repeat(starts, lengths), jnp.int32),
+                      jnp.asarray(np.repeat(ends, lengths), jnp.int32), jnp.asarray(anchors, jnp.int32))
+
+
+class Batch(NamedTuple):
+    ctx_hidden: jax.Array  # [B, W, F, D]
+    ctx_tokens: jax.Array  # [B, W]
+    ctx_positions: jax.Array  # [B, W]
+    ctx_valid: jax.Array  # [B, W]
+    labels: jax.Array  # [B, k] x_{a+1} .. x_{a+k}
+    label_valid: jax.Array  # [B, k] within the sequence
+
+
+def gather(data: TargetData, anchors: jax.Array, cfg: BlockDrafterConfig) -> Batch:
+    """The drafter's inputs and labels at flat anchor indices ``anchors [B]`` (as ``BlockDrafter`` sees them)."""
+    last = data.tokens.shape[0] - 1
+    t = anchors[:, None] - cfg.window + jnp.arange(cfg.window)[None]  # [B, W] context positions
+    targets = anchors[:, None] + 1 + jnp.arange(cfg.block)[None]  # [B, k]
+    return Batch(data.hidden[jnp.maximum(t, 0)], data.tokens[jnp.maximum(t + 1, 0)], t + 1 - anchors[:, None],
+                 t >= data.starts[anchors][:, None], data.tokens[jnp.minimum(targets, last)],
+                 targets < data.ends[anchors][:, None])
+
+
+def truncate_context(batch: Batch, key: jax.Array, prob: float) -> Batch:
+    """With probability ``prob`` per anchor, hide the context before a uniformly drawn position (``h_{a-1}``
+    always stays)."""
+    drop_key, cut_key = jax.random.split(key)
+    b, w = batch.ctx_positions.shape
+    cut = jax.random.randint(cut_key, (b, 1), 1 - w, 1)  # earliest relative position kept
+    dropped = jax.random.bernoulli(drop_key, prob, (b, 1))
+    return batch._replace(ctx_valid=batch.ctx_valid & (~dropped | (batch.ctx_positions >= cut)))
+
+
+# --------------------------------------------------------------------------- training
+
+
+def position_weights(cfg: BlockDrafterConfig, decay: float) -> jax.Array:
+    """``[k]`` loss weight of each draft position: ``decay^j`` for j = 0 .. k - 1."""
+    return decay ** jnp.arange(cfg.block, dtype=jnp.float32)
+
+
+def loss_and_metrics(params: dict, head: dict, cfg: BlockDrafterConfig, target: ModelConfig, batch: Batch,
+                     weights: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Weighted cross-entropy over the k positions; metrics: ``accepted [B]`` (drafts matching the labels before
+    the first miss) and ``correct [k]`` (accuracy per position)."""
+    logits = block_drafter.draft_logits(params, head, cfg, target, batch.ctx_hidden, batch.ctx_tokens,
+                                        batch.ctx_positions, batch.ctx_valid)
+    ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, batch.labels[..., None], axis=-1)[..., 0]
+    w = weights[None] * batch.label_valid
+    loss = (ce * w).sum() / w.sum()
+    correct = (jnp.argmax(logits, axis=-1) == batch.labels) & batch.label_valid
+    return loss, {"accepted": jnp.cumprod(correct, axis=-1).sum(-1),
+                  "correct": correct.sum(0) / jnp.maximum(batch.label_valid.sum(0), 1)}
+
+
+def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then apexw (bf16 moments) with its learning rate injected per step (``lr_at``); no
+    weight decay on vectors (norms)."""
+    decay_mask = lambda params: jax.tree.map(lambda w: w.ndim >= 2, params)
+    return optax.chain(optax.clip_by_global_norm(CLIP_NORM),
+                       optax.inject_hyperparams(apexw, static_args=("state_dtype", "mask"))(
+                           learning_rate=tc.lr, weight_decay=tc.weight_decay, mask=decay_mask, state_dtype="bf16"))
+
+
+def lr_at(tc: TrainConfig, step: int, progress: float) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine decay to ``FINAL_LR_SHARE`` over ``progress`` in [0, 1]."""
+    cosine = FINAL_LR_SHARE + (1 - FINAL_LR_SHARE) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return tc.lr * min(1.0, (step + 1) / tc.warmup) * cosine
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "target", "tx", "batch_size", "truncate_prob"),
+                   donate_argnames=("params", "state"))
+def train_step(params: dict, state: Any, head: dict, data: TargetData, key: jax.Array, lr: jax.Array,
+               weights: jax.Array, *, cfg: BlockDrafterConfig, target: ModelConfig, tx: optax.GradientTransformation,
+               batch_size: int, truncate_prob: float) -> tuple[dict, Any, jax.Array, dict]:
+    """One step on ``batch_size`` anchors drawn uniformly with ``key`` (contexts truncated as
+    ``truncate_context``)."""
+    anchor_key, truncate_key = jax.random.split(key)
+    anchors = data.anchors[jax.random.randint(anchor_key, (batch_size,), 0, data.anchors.shape[0])]
+    batch = truncate_context(gather(data, anchors, cfg), truncate_key, truncate_prob)
+    (loss, metrics), grads = jax.value_and_grad(loss_and_metrics, has_aux=True)(params, head, cfg, target, batch,
+                                                                                 weights)
+    state[1].hyperparams["learning_rate"] = lr  # state: (clip state, inject_hyperparams state of apexw)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss, metrics
+
+
+def train(tc: TrainConfig, cfg: BlockDrafterConfig, target: ModelConfig, head: dict, data: TargetData,
+          seconds: float, log: Callable[[str], None] = print) -> tuple[dict, list[dict]]:
+    """Train a fresh drafter for ``tc.steps`` steps or ``seconds``, whichever ends first; (params, log rows)."""
+    params = block_drafter.init_params(cfg, target, jax.random.key(tc.seed))
+    tx = optimizer(tc)
+    state = tx.init(params)
+    weights = position_weights(cfg, tc.decay)
+    key = jax.random.key(tc.seed + 1)
+    rows, start, step = [], time.perf_counter(), 0
+    while (progress := max(step / tc.steps, (time.perf_counter() - start) / seconds)) < 1:
+        params, state, loss, metrics = train_step(params, state, head, data, jax.random.fold_in(key, step),
+                                                  jnp.float32(lr_at(tc, step, progress)), weights, cfg=cfg,
+                                                  target=target, tx=tx, batch_size=tc.batch,
+                                                  truncate_prob=tc.truncate_prob)
+        step += 1
+        if step % LOG_EVERY == 0 or step == 1:
+            rows.append({"step": step, "seconds": round(time.perf_counter() - start, 1),
+                         "loss": round(float(loss), 4),
+                         "acceptance_length": round(1 + float(metrics["accepted"].mean()), 3)})  # on its batch
+            log(f"  train {rows[-1]}")
+    if rows[-1]["step"] != step:
+        rows.append({"step": step, "seconds": round(time.perf_counter() - start, 1), "loss": round(float(loss), 4),
+                     "acceptance_length": round(1 + float(metrics["accepted"].mean()), 3)})
+    return params, rows
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "target"))
+def _eval_batch(params: dict, head: dict, data: TargetData, anchors: jax.Array, weights: jax.Array, *,
+                cfg: BlockDrafterConfig, target: ModelConfig) -> tuple[jax.Array, dict]:
+    return loss_and_metrics(params, head, cfg, target, gather(data, anchors, cfg), weights)
+
+
+def evaluate_offline(params: dict, head: dict, cfg: BlockDrafterConfig, target: ModelConfig, data: TargetData,
+                     decay: float, batch: int) -> dict:
+    """Teacher-forced over every anchor of ``data``: acceptance length against the greedy target, loss, accuracy
+    per draft position."""
+    anchors = np.asarray(data.anchors)
+    weights = position_weights(cfg, decay)
+    accepted, correct, losses = [], [], []
+    for i in range(0, len(anchors), batch):
+        chunk = anchors[i:i + batch]
+        loss, metrics = _eval_batch(params, head, data, np.pad(chunk, (0, batch - len(chunk)), mode="edge"), weights,
+                                    cfg=cfg, target=target)
+        accepted.append(np.asarray(metrics["accepted"])[:len(chunk)])
+        correct.append(np.asarray(metrics["correct"]) * len(chunk))
+        losses.append(float(loss) * len(chunk))
+    n = len(anchors)
+    return {"anchors": n, "loss": round(sum(losses) / n, 4),
+            "acceptance_length": round(1 + float(np.concatenate(accepted).mean()), 3),
+            "accuracy_per_position": [round(float(c), 3) for c in np.sum(correct, axis=0) / n]}
+
+
+def evaluate_online(model: str | Path | None, tc: TrainConfig, cfg: BlockDrafterConfig, params: dict,
+                    prompts: Sequence[Prompt], greedy: Sequence[list[int]]) -> dict:
+    """The engine with ``BlockDrafter`` speculation (k = block) on ``prompts``: acceptance, and how many outputs
+    equal the plain greedy answers ``greedy``."""
+    spec = SpecConfig(lambda target, target_params: BlockDrafter(cfg, params, target, target_params,
+                                                                 max_seqs=tc.eval_concurrency), k=cfg.block)
+    engine = Engine(model, dtype=DTYPES[tc.dtype], num_blocks=tc.eval_concurrency * (tc.max_tokens // BLOCK_SIZE + 32),
+                    block_size=BLOCK_SIZE, max_running=tc.eval_concurrency, token_budget=4096, speculative=spec)
+    outputs = [answer for _, answer in generate(engine, prompts, tc.max_tokens)]
+    stats = engine.spec_stats
+    return {"prompts": len(prompts), "concurrency": tc.eval_concurrency, "k": cfg.block,
+            "acceptance_length": round(stats.mean_acceptance_length, 3),
+            "acceptance_rate": round(stats.acceptance_rate, 3),
+            "identical_outputs": sum(o == g for o, g in zip(outputs, greedy, strict=True))}
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run(tc: TrainConfig, out: str | Path, model: str | Path | None = None,
+        prompts: tuple[Sequence[Prompt], Sequence[Prompt]] | None = None,
+        log: Callable[[str], None] = print) -> dict:
+    """Data, training, evaluation and checkpoint (module docstring); returns the metrics written to ``out``.
+
+    model: what ``Engine`` loads (None: the embedded SmolLM2-135M-Instruct); prompts: (training, held-out),
+    default ``chat_prompts(tc.num_eval_prompts)`` (at most ``tc.max_prompts`` training ones).
+    """
+    start = time.perf_counter()
+    elapsed = lambda: round(time.perf_counter() - start, 1)
+    train_prompts, eval_prompts = prompts or chat_prompts(tc.num_eval_prompts, tc.seed)
+    train_prompts = train_prompts[:tc.max_prompts]
+    engine = Engine(model, dtype=DTYPES[tc.dtype], num_blocks=tc.max_running * (tc.max_tokens // BLOCK_SIZE + 32),
+                    block_size=BLOCK_SIZE, max_running=tc.max_running, token_budget=8192)
+    target, target_params = engine.cfg, engine.runner.params
+    log(f"[{elapsed()}s] greedy answers ({tc.max_tokens} tokens at most) to {len(eval_prompts)} held-out prompts, "
+        f"then to up to {len(train_prompts)} training prompts for {tc.gen_seconds:.0f}s")
+    eval_pairs = generate(engine, eval_prompts, tc.max_tokens)
+    train_pairs = generate(engine, train_prompts, tc.max_tokens, tc.gen_seconds)
+    del engine
+    cfg = BlockDrafterConfig.for_target(target, block=tc.block, window=tc.window, layers=tc.layers)
+    log(f"[{elapsed()}s] {len(train_pairs)} training answers; teacher-forced hidden states after layers "
+        f"{cfg.target_layers}")
+    dtype = DTYPES[tc.compute_dtype]
+    train_data = target_data(target, target_params, train_pairs, cfg.target_layers, tc.tokens_per_pass, dtype)
+    eval_data = target_data(target, target_params, eval_pairs, cfg.target_layers, tc.tokens_per_pass, dtype)
+    data_seconds = elapsed()
+    head = jax.tree.map(lambda w: w.astype(dtype), block_drafter.target_head(target_params))
+    train_seconds = max(tc.time_budget - tc.eval_seconds - data_seconds, MIN_TRAIN_SHARE * tc.time_budget)
+    log(f"[{elapsed()}s] training on {train_data.anchors.shape[0]} anchors ({train_data.tokens.shape[0]} tokens) "
+        f"for {tc.steps} steps or {train_seconds:.0f}s")
+    params, curve = train(tc, cfg, target, head, train_data, train_seconds, log)
+    folder = block_drafter.save(out, cfg, params)
+    log(f"[{elapsed()}s] saved {folder} after {curve[-1]['step']} steps; evaluating on {len(eval_prompts)} "
+        "held-out prompts")
+    offline = evaluate_offline(params, head, cfg, target, eval_data, tc.decay, tc.batch)
+    log(f"  teacher-forced {offline}")
+    online = evaluate_online(model, tc, cfg, params, eval_prompts, [a for _, a in eval_pairs])
+    log(f"  engine {online}")
+    metrics = {"config": dataclasses.asdict(tc), "drafter": dataclasses.asdict(cfg),
+               "device": jax.devices()[0].device_kind,
+               "data": {"train_prompts": len(train_pairs), "eval_prompts": len(eval_prompts),
+                        "train_tokens": int(train_data.tokens.shape[0]),
+                        "train_anchors": int(train_data.anchors.shape[0]),
+                        "answer_tokens_mean": round(float(np.mean([len(a) for _, a in train_pairs])), 1)},
+               "seconds": {"data": data_seconds, "total": elapsed()}, "train_curve": curve,
+               "eval_teacher_forced": offline, "eval_engine": online}
+    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    log(f"[{elapsed()}s] done: acceptance length {online['acceptance_length']} (engine), "
+        f"{offline['acceptance_length']} (teacher-forced); {folder / 'metrics.json'}")
+    return metrics
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m serving.train_drafter", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="checkpoint folder to write (created)")
+    parser.add_argument("--model", default=None, help="the target: a HF folder or a .gguf (default: SmolLM2-135M)")
+    parser.add_argument("--cpu", action="store_true", help="the tiny CPU configuration (CPU_CONFIG) on the CPU")
+    for f in dataclasses.fields(TrainConfig):  # each overrides the chosen configuration's value
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
+    args = parser.parse_args(argv)
+    tc = dataclasses.replace(CPU_CONFIG if args.cpu else TrainConfig(),
+                             **{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                                if getattr(args, f.name) is not None})
+    if args.cpu:
+        jax.config.update("jax_platforms", "cpu")
+    run(tc, args.out, args.model)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""Block drafter: the model (shapes, masking, checkpoint), its serving (one pass per proposal, the hidden-state
+ring buffer), the engine with it (greedy identical to plain decoding in a batch, seeded sampling distributed as
+the target's, structured output), and a tiny training run (tiny Llama fixture)."""
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from serving import block_drafter
+from serving.__main__ import parser
+from serving.api import cli as api_cli
+from serving.block_drafter import BlockDrafterConfig
+from serving.config import ModelConfig
+from serving.engine.engine import Engine
+from serving.engine.sampler import SampleRow, sampling_batch
+from serving.engine.sampling_params import SamplingParams
+from serving.loaders import load_model
+from serving.speculative import BlockDrafter, DraftRequest, HiddenSpan, HiddenStateDrafter, SpecConfig, verify
+from serving.structured import ConstraintSpec
+from serving.train_drafter import TrainConfig, evaluate_offline, target_data, train
+from tests.test_serving_api_fixture import model_folder
+
+HF = Path(__file__).parent / "fixtures" / "hf"
+BLOCK = 4  # KV cache block of the engines
+K = 4  # draft tokens per pass
+WINDOW = 8
+TRAIN = TrainConfig(block=K, window=WINDOW, layers=1, steps=150, batch=32, lr=3e-3, warmup=10, decay=0.8)
+SEEDS = 400  # sampled requests per distribution test
+P_VALUE = 1e-3  # a correct sampler fails once in a thousand (the seeds are fixed)
+
+
+@functools.cache
+def target() -> tuple[ModelConfig, dict]:
+    return load_model(HF / "llama", jnp.float32)
+
+
+@functools.cache
+def reference() -> tuple[list[list[int]], list[list[int]]]:
+    with np.load(HF / "llama" / "reference.npz") as ref:
+        prompts = [ids[:n].tolist() for ids, n in zip(ref["input_ids"], ref["lengths"], strict=True)]
+        return prompts, ref["greedy"].tolist()
+
+
+def drafter_config(**kwargs) -> BlockDrafterConfig:
+    return BlockDrafterConfig.for_target(target()[0], **({"block": K, "window": WINDOW, "layers": 1} | kwargs))
+
+
+@functools.cache
+def trained() -> tuple[dict, list[dict], dict, dict]:
+    """A drafter trained briefly on the fixture's greedy outputs: (params, curve, acceptance before, after)."""
+    cfg, params = target()
+    prompts, greedy = reference()
+    dcfg, head = drafter_config(), block_drafter.target_head(params)
+    data = target_data(cfg, params, list(zip(prompts, greedy, strict=True)), dcfg.target_layers, 64, jnp.float32)
+    untrained = block_drafter.init_params(dcfg, cfg, jax.random.key(TRAIN.seed))
+    before = evaluate_offline(untrained, head, dcfg, cfg, data, TRAIN.decay, TRAIN.batch)
+    drafter_params, curve = train(TRAIN, dcfg, cfg, head, data, seconds=600, log=lambda *_: None)
+    after = evaluate_offline(drafter_params, head, dcfg, cfg, data, TRAIN.decay, TRAIN.batch)
+    return drafter_params, curve, before, after
+
+
+def spec(params: dict | None = None, sample: bool = False) -> SpecConfig:
+    dcfg = drafter_config()
+    params = block_drafter.init_params(dcfg, target()[0], jax.random.key(1)) if params is None else params
+    return SpecConfig(lambda cfg, target_params: BlockDrafter(dcfg, params, cfg, target_params, max_seqs=64,
+                                                              sample=sample), k=K)
+
+
+def engine(speculative: SpecConfig | None, model: Path = HF / "llama", **kwargs) -> Engine:
+    options = dict(dtype=jnp.float32, num_blocks=256, block_size=BLOCK, max_running=8, token_budget=64) | kwargs
+    return Engine(model, speculative=speculative, **options)
+
+
+def tokens(results) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in results]
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def test_forward_shapes_and_context_masking():
+    cfg, params = target()
+    dcfg = drafter_config()
+    dparams = block_drafter.init_params(dcfg, cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    batch = 3
+    hidden = rng.normal(size=(batch, WINDOW, len(dcfg.target_layers), cfg.hidden)).astype(np.float32)
+    ctx_tokens = rng.integers(0, cfg.vocab, (batch, WINDOW)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(1 - WINDOW, 1), (batch, WINDOW)).astype(np.int32)
+    valid = np.ones((batch, WINDOW), bool)
+    valid[0, :5] = False  # the first sequence's context starts 3 positions back
+    run = jax.jit(block_drafter.draft_logits, static_argnames=("cfg", "target"))
+    head = block_drafter.target_head(params)
+    logits = np.asarray(run(dparams, head, dcfg, cfg, hidden, ctx_tokens, positions, valid))
+    assert logits.shape == (batch, K, cfg.vocab) and np.isfinite(logits).all()
+    masked_changed = hidden.copy()
+    masked_changed[0, :5] += 10.0
+    assert np.allclose(run(dparams, head, dcfg, cfg, masked_changed, ctx_tokens, positions, valid), logits, atol=1e-5)
+    valid_changed = hidden.copy()
+    valid_changed[0, 6] += 1.0
+    changed = np.asarray(run(dparams, head, dcfg, cfg, valid_changed, ctx_tokens, positions, valid))
+    assert not np.allclose(changed[0], logits[0], atol=1e-4) and np.allclose(changed[1:], logits[1:])
+
+
+def test_checkpoint_round_trips(tmp_path):
+    cfg, _ = target()
+    dcfg = drafter_config(layers=2)
+    params = block_drafter.init_params(dcfg, cfg, jax.random.key(2))
+    folder = block_drafter.save(tmp_path / "drafter", dcfg, params)
+    loaded_cfg, loaded = block_drafter.load(folder, cfg)
+    assert loaded_cfg == dcfg
+    assert jax.tree.structure(loaded) == jax.tree.structure(params)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True))
+
+
+def test_bad_checkpoints_and_configs_raise_clear_errors(tmp_path):
+    cfg, params = target()
+    dcfg = drafter_config()
+    with pytest.raises(ValueError, match=r"BlockDrafterConfig.block = 0: expected an int >= 1"):
+        drafter_config(block=0)
+    with pytest.raises(FileNotFoundError, match="no drafter_config.json"):
+        block_drafter.load(tmp_path, cfg)
+    folder = block_drafter.save(tmp_path / "ok", dcfg, block_drafter.init_params(dcfg, cfg, jax.random.key(0)))
+    other = dataclasses.replace(cfg, hidden=cfg.hidden * 2)
+    with pytest.raises(ValueError, match=rf"hidden={cfg.hidden}, vocab={cfg.vocab}: the target has "
+                                         rf"hidden={2 * cfg.hidden}"):
+        block_drafter.load(folder, other)
+    config = json.loads((folder / block_drafter.CONFIG_FILE).read_text())
+    (folder / block_drafter.CONFIG_FILE).write_text(json.dumps(config | {"depth": 3}))
+    with pytest.raises(ValueError, match=r"unknown keys \['depth'\]"):
+        block_drafter.load(folder, cfg)
+    (folder / block_drafter.CONFIG_FILE).write_text(json.dumps(config | {"window": 2 * WINDOW}))
+    block_drafter.load_config(folder)  # a consistent config; the weights do not fit it:
+    (folder / block_drafter.CONFIG_FILE).write_text(json.dumps(config | {"layers": 2}))
+    with pytest.raises(ValueError, match=r"no tensor 'layers\.1\..*', expected shape"):
+        block_drafter.load(folder, cfg)
+    (folder / block_drafter.CONFIG_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        block_drafter.load(folder, cfg)
+    with pytest.raises(ValueError, match=r"target_layers = \(2, 1\): expected a non-empty tuple of increasing"):
+        drafter_config(target_layers=(2, 1))
+    with pytest.raises(ValueError, match=r"reads target layers \(1, 3\): the target has 2"):
+        drafter_config(target_layers=(1, 3)).check_target(cfg)
+    with pytest.raises(ValueError, match="speculative method 'medusa': expected one of"):
+        SpecConfig.from_method("medusa")
+    with pytest.raises(ValueError, match="speculative method 'block' needs a drafter checkpoint"):
+        SpecConfig.from_method("block")
+    with pytest.raises(FileNotFoundError, match="no drafter_config.json"):
+        SpecConfig.from_method("block", tmp_path)
+    moe = ModelConfig.from_hf(json.loads((HF / "qwen3_moe" / "config.json").read_text()))
+    with pytest.raises(ValueError, match="family 'qwen3_moe'.s forward has no hidden_layers"):
+        BlockDrafter(BlockDrafterConfig.for_target(moe), {}, moe, params)
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def test_one_block_proposal_per_sequence_in_one_pass():
+    cfg, params = target()
+    dcfg = drafter_config()
+    dparams = block_drafter.init_params(dcfg, cfg, jax.random.key(3))
+    drafter = BlockDrafter(dcfg, dparams, cfg, params, max_seqs=4)
+    assert isinstance(drafter, HiddenStateDrafter)
+    rng = np.random.default_rng(1)
+    lengths = {7: 12, 8: 5, 9: 20}  # seq id -> positions with hidden states (prompt + accepted tokens)
+    states = {s: rng.normal(size=(n, len(dcfg.target_layers), cfg.hidden)).astype(np.float32)
+              for s, n in lengths.items()}
+    for part in (slice(0, -3), slice(-3, None)):  # two verification passes: all but the last 3 positions, then those
+        rows = [states[s][part] for s in lengths]
+        firsts = np.cumsum([0] + [len(r) for r in rows])
+        drafter.observe(jnp.asarray(np.concatenate(rows)),
+                        [HiddenSpan(s, int(f), range(n)[part][0], len(r))
+                         for (s, n), f, r in zip(lengths.items(), firsts, rows, strict=False)])
+    seqs = {s: rng.integers(0, cfg.vocab, n + 1).tolist() for s, n in lengths.items()}  # + the newest token
+    greedy = SamplingParams(temperature=0.0)
+    requests = [DraftRequest(7, seqs[7], 3, greedy, 0, K), DraftRequest(8, seqs[8], 1, greedy, 0, 2),
+                DraftRequest(9, seqs[9], 5, greedy, 0, 0), DraftRequest(10, [1, 2, 3], 1, greedy, 0, K),
+                DraftRequest(9, seqs[9] + [4], 6, greedy, 0, K)]  # 9 + [4] and 10: hidden states not observed
+    proposal = drafter.propose(requests, K)
+    assert drafter.num_passes == 1 and proposal.probs is None
+    assert [len(d) for d in proposal.tokens] == [K, 2, 0, 0, 0]
+    for i, seq_id in enumerate((7, 8)):  # the same drafts from the model, given the last WINDOW states in order
+        n = lengths[seq_id]
+        t = np.arange(n - WINDOW, n)  # context positions; the newest token is at n
+        ctx = np.where((t >= 0)[:, None, None], states[seq_id][np.maximum(t, 0)], 0)
+        window_tokens = np.asarray(seqs[seq_id])[np.maximum(t + 1, 0)]
+        logits = block_drafter.draft_logits(dparams, block_drafter.target_head(params), dcfg, cfg, ctx[None],
+                                            window_tokens[None], (t + 1 - n)[None], (t >= 0)[None])
+        assert proposal.tokens[i] == np.asarray(jnp.argmax(logits[0], -1))[:len(proposal.tokens[i])].tolist()
+    drafter.release(7)
+    assert drafter.propose(requests[:1], K).tokens == [[]]
+
+
+def test_sampling_drafter_returns_its_distribution_per_request_row():
+    cfg, params = target()
+    dcfg = drafter_config()
+    drafter = BlockDrafter(dcfg, block_drafter.init_params(dcfg, cfg, jax.random.key(4)), cfg, params, sample=True)
+    drafter.observe(jnp.ones((8, len(dcfg.target_layers), cfg.hidden)), [HiddenSpan(0, 0, 0, 6)])
+    sampled = SamplingParams(temperature=1.0, top_k=5)
+    requests = [DraftRequest(5, [1, 2], 1, sampled, 0, K), DraftRequest(0, list(range(7)), 1, sampled, 3, K - 1)]
+    proposal = drafter.propose(requests, K)
+    assert proposal.tokens[0] == [] and len(proposal.tokens[1]) == K - 1
+    q = np.asarray(proposal.probs)
+    assert q.shape == (2, K, cfg.vocab) and np.allclose(q[1].sum(-1), 1, atol=1e-5)
+    assert ((q[1] > 0).sum(-1) <= 5).all()  # top-k 5 filtered
+    assert all(q[1, j, t] > 0 for j, t in enumerate(proposal.tokens[1]))
+
+
+def test_greedy_verification_without_the_sampling_path_is_the_same():
+    rng = np.random.default_rng(5)
+    num_seqs, vocab = 6, 32
+    logits = rng.normal(size=(num_seqs * (K + 1), vocab)).astype(np.float32)
+    argmax = logits.argmax(-1).reshape(num_seqs, K + 1)
+    drafts = np.where(rng.random((num_seqs, K)) < 0.7, argmax[:, :K], (argmax[:, :K] + 1) % vocab).astype(np.int32)
+    counts = rng.integers(0, K + 1, num_seqs).astype(np.int32)
+    b = sampling_batch([SampleRow(SamplingParams(temperature=0.0), s, j, (), ())
+                        for s in range(num_seqs) for j in range(K + 1)])
+    run = jax.jit(verify, static_argnames=("num_top", "draw"))
+    full = run(logits, b, drafts, counts, None, draw=True)
+    greedy_only = run(logits, b, drafts, counts, None, draw=False)
+    assert all(np.array_equal(x, y) for x, y in zip(full, greedy_only, strict=True))
+    assert 0 < int(np.asarray(full.num_accepted).sum()) < int(counts.sum())
+
+
+# --------------------------------------------------------------------------- training
+
+
+def test_tiny_training_lowers_the_loss_and_raises_acceptance():
+    _, curve, before, after = trained()
+    assert curve[-1]["loss"] < 0.5 * curve[0]["loss"], curve
+    assert after["loss"] < 0.5 * before["loss"]
+    assert before["acceptance_length"] < 1.5 < 2.5 < after["acceptance_length"], (before, after)
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def test_greedy_output_is_identical_to_plain_decoding_in_a_batch():
+    prompts, greedy = reference()
+    stop_at = greedy[0][9]  # a stop token that first appears mid-generation
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop_token_ids=(stop_at,)),
+              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),  # max_tokens lands mid-draft
+              SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)]
+    batch = [prompts[0], prompts[0], prompts[1], prompts[1] + prompts[0][:5]]
+    plain = tokens(engine(None).generate(batch, params))
+    assert plain[0] == greedy[0] and plain[2] == greedy[1][:7]
+    for drafter_params in (None, trained()[0]):  # random, then trained
+        eng = engine(spec(drafter_params))
+        assert tokens(eng.generate(batch, params)) == plain
+        stats_ = eng.spec_stats
+        assert stats_.num_steps > 0 and eng.drafter.num_passes < stats_.num_steps  # one pass drafts the batch
+        assert eng.drafter.slots == {} and eng.drafter.observed == {}  # finished sequences released
+    assert stats_.mean_acceptance_length > 2, stats_  # the trained drafter
+
+
+def test_seeded_sampling_keeps_the_target_distribution():
+    """Tokens 2 and 3 of many seeded samples: the same distribution with the sampling block drafter as without
+    speculation (chi-square on their contingency table), and a seed gives the same tokens alone or batched."""
+    prompt = reference()[0][0]
+    sampled = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=s) for s in range(SEEDS)]
+    options = dict(max_running=64, token_budget=1024)
+    plain = tokens(engine(None, **options).generate([prompt] * SEEDS, sampled))
+    eng = engine(spec(trained()[0], sample=True), **options)
+    fast = tokens(eng.generate([prompt] * SEEDS, sampled))
+    accepted, drafted = eng.spec_stats.num_accepted_tokens, eng.spec_stats.num_draft_tokens
+    assert 0.1 * drafted < accepted < drafted  # both paths taken: acceptances and residual draws
+    assert fast != plain  # other random streams: equal in distribution, not token for token
+    pairs = sorted({tuple(t[1:]) for t in plain + fast})
+    table = np.array([[sum(tuple(t[1:]) == p for t in run) for p in pairs] for run in (plain, fast)])
+    table = table[:, table.sum(0) >= 5]
+    assert table.shape[1] >= 4, table  # several outcomes to tell apart
+    assert stats.chi2_contingency(table).pvalue > P_VALUE, table
+    alone = tokens(engine(spec(trained()[0], sample=True)).generate([prompt], sampled[5:6]))
+    assert alone == fast[5:6]
+
+
+def test_structured_output_with_the_block_drafter(tmp_path):
+    folder = model_folder(tmp_path)
+    choice = ConstraintSpec.choice(["alpha", "beta gamma"])
+    regex = ConstraintSpec.regex("[0-9]{3}-[a-z]{2}")
+    params = [SamplingParams(temperature=0.0, max_tokens=16, constraint=choice),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=16, constraint=regex)]
+    prompts = [[{"role": "user", "content": "Pick one."}], reference()[0][0], [{"role": "user", "content": "Code?"}]]
+    plain = engine(None, folder).generate(prompts, params)
+    eng = engine(spec(), folder)
+    fast = eng.generate(prompts, params)
+    assert tokens(fast) == tokens(plain) and eng.spec_stats.num_steps > 0
+    assert fast[0].outputs[0].text in ("alpha", "beta gamma")
+    assert len(fast[2].outputs[0].text) == 6 and fast[2].outputs[0].text[3] == "-"
+
+
+def test_serve_command_line_builds_the_block_drafter(tmp_path):
+    folder = model_folder(tmp_path)
+    dcfg = drafter_config()
+    checkpoint = block_drafter.save(tmp_path / "drafter", dcfg, block_drafter.init_params(dcfg, target()[0],
+                                                                                          jax.random.key(0)))
+    options = ["serve", "--model", str(folder), "--dtype", "float32", "--num-blocks", "64"]
+    args = parser().parse_args(options + ["--speculative", "block", "--drafter", str(checkpoint)])
+    eng, _, _ = api_cli._engine(args)
+    assert isinstance(eng.drafter, BlockDrafter) and eng.speculative.k == dcfg.block
+    args = parser().parse_args(options + ["--speculative", "block", "--drafter", str(checkpoint),
+                                          "--num-speculative-tokens", "2"])
+    assert api_cli._engine(args)[0].speculative.k == 2
+    with pytest.raises(ValueError, match="--drafter and --num-speculative-tokens need --speculative"):
+        api_cli._engine(parser().parse_args(options + ["--drafter", str(checkpoint)]))
