@@ -19,7 +19,6 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +26,7 @@ import jax.numpy as jnp
 from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, check_bind
 from serving.api.server import Server, create_app, serve
 from serving.config import ModelConfig
-from serving.engine import engine as engine_module
-from serving.engine.engine import Engine
+from serving.engine.engine import Engine, LoadedModel, eos_from_folder
 from serving.models import model_module
 from serving.speculative import SPECULATIVE_METHODS, SpecConfig
 from serving.tokenizer import Tokenizer
@@ -52,13 +50,13 @@ def _config_file(model: str) -> Path:
     return config
 
 
-def _load_random(config: Path, dtype: jnp.dtype) -> tuple[ModelConfig, dict, Tokenizer | None, tuple[int, ...]]:
-    """What ``serving.engine.engine.load`` returns, for random weights of the model ``config`` describes."""
+def _load_random(config: Path, dtype: jnp.dtype) -> LoadedModel:
+    """Random weights of the model ``config`` describes, with the tokenizer beside it if any."""
     cfg = ModelConfig.from_hf(json.loads(config.read_text()))
     params = model_module(cfg.family).init_params(cfg, jax.random.key(RANDOM_WEIGHTS_SEED), dtype)
     folder = config.parent
     tokenizer = Tokenizer.from_hf_folder(folder) if (folder / "tokenizer.json").is_file() else None
-    return cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else engine_module._eos_from_folder(folder)
+    return LoadedModel(cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else eos_from_folder(folder))
 
 
 def _engine(args: argparse.Namespace) -> tuple[Engine, str, Path | None]:
@@ -72,10 +70,7 @@ def _engine(args: argparse.Namespace) -> tuple[Engine, str, Path | None]:
                    if args.speculative else None)
     if args.random_weights:
         config = _config_file(args.model)
-        loaded = _load_random(config, options["dtype"])
-        # Engine reads its weights through engine.load only; for this one construction it returns random ones.
-        with mock.patch.object(engine_module, "load", lambda model, dtype: loaded):
-            engine = Engine(config.parent, **options)
+        engine = Engine(_load_random(config, options["dtype"]), **options)
         return engine, args.name or config.parent.resolve().name, config.parent
     path = None if args.model == DEFAULT_MODEL else Path(args.model)
     if path is not None and not path.exists():

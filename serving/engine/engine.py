@@ -15,7 +15,7 @@ import itertools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +89,16 @@ def _sample_row(seq: Seq) -> SampleRow:
     return SampleRow(seq.params, seq.seed, len(seq.output_ids), seq.prompt_ids, seq.output_ids, seq.matcher)
 
 
-def _eos_from_folder(path: Path) -> tuple[int, ...]:
+class LoadedModel(NamedTuple):
+    """A model ready to serve: what :func:`load` returns, or what a caller built itself (random weights, say)."""
+
+    cfg: ModelConfig
+    params: dict
+    tokenizer: Tokenizer | None
+    eos_ids: tuple[int, ...]
+
+
+def eos_from_folder(path: Path) -> tuple[int, ...]:
     """eos ids of a HF folder without a tokenizer: generation_config.json, else config.json."""
     for name in ("generation_config.json", "config.json"):
         if (path / name).is_file():
@@ -99,17 +108,17 @@ def _eos_from_folder(path: Path) -> tuple[int, ...]:
     return ()
 
 
-def load(model: str | Path | None, dtype: jnp.dtype) -> tuple[ModelConfig, dict, Tokenizer | None, tuple[int, ...]]:
-    """(config, params, tokenizer or None, eos ids) of a GGUF file, a HF folder, or (None) the default model."""
+def load(model: str | Path | None, dtype: jnp.dtype) -> LoadedModel:
+    """The model of a GGUF file, a HF folder, or (None) the default model."""
     path = Path(model) if model is not None else weights.default_model_gguf()
     if path.is_file():
         checkpoint = load_gguf(path)
         cfg = ModelConfig.from_hf(checkpoint.config)
         params = model_module(cfg.family).params_from_hf(cfg, checkpoint.tensors, dtype)
-        return cfg, params, checkpoint.tokenizer, checkpoint.tokenizer.eos_token_ids
+        return LoadedModel(cfg, params, checkpoint.tokenizer, checkpoint.tokenizer.eos_token_ids)
     cfg, params = load_model(path, dtype)
     tokenizer = Tokenizer.from_hf_folder(path) if (path / "tokenizer.json").is_file() else None
-    return cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else _eos_from_folder(path)
+    return LoadedModel(cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else eos_from_folder(path))
 
 
 def create_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> Any:
@@ -121,7 +130,8 @@ class Engine:
     """A continuous-batching engine over one model.
 
     Args:
-      model: a GGUF file, a HF checkpoint folder, or None for the embedded SmolLM2-135M-Instruct.
+      model: a GGUF file, a HF checkpoint folder, None for the embedded SmolLM2-135M-Instruct, or a
+        ``LoadedModel`` built by the caller.
       dtype: params and cache dtype.
       num_blocks, block_size: the paged cache (num_blocks * block_size tokens in all).
       max_running: the most sequences in one step; token_budget: the most new tokens in one step.
@@ -134,8 +144,8 @@ class Engine:
         Plain bf16/fp32 weights on one device; not with ``speculative``.
     """
 
-    def __init__(self, model: str | Path | None = None, dtype: jnp.dtype = jnp.float32, num_blocks: int = 256,
-                 block_size: int = 16, max_running: int = 32, token_budget: int = 256,
+    def __init__(self, model: str | Path | LoadedModel | None = None, dtype: jnp.dtype = jnp.float32,
+                 num_blocks: int = 256, block_size: int = 16, max_running: int = 32, token_budget: int = 256,
                  max_model_len: int | None = None, max_queue: int | None = None,
                  speculative: SpecConfig | None = None, batch_invariant: bool = False):
         if max_queue is not None and max_queue < 0:
@@ -143,7 +153,8 @@ class Engine:
         if batch_invariant and speculative is not None:
             raise ValueError("Engine: batch_invariant=True with speculative decoding: expected one of the two "
                              "(speculative verification steps do not run in batch-invariant mode)")
-        self.cfg, params, self.tokenizer, self.eos_ids = load(model, dtype)
+        loaded = model if isinstance(model, LoadedModel) else load(model, dtype)
+        self.cfg, params, self.tokenizer, self.eos_ids = loaded
         self.max_model_len = min(self.cfg.max_position, max_model_len or self.cfg.max_position)
         self.max_queue, self.dtype = max_queue, dtype
         self.allocator = BlockAllocator(num_blocks, block_size)
