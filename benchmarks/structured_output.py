@@ -44,13 +44,12 @@ import os
 import re
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import jsonschema
 import numpy as np
-from outlines_core import Guide, Index, Vocabulary
-from outlines_core.json_schema import build_regex_from_schema
 
 from benchmarks.harness import format_table, write_results
 from serving import structured, weights
@@ -60,6 +59,9 @@ from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import PagedKV, SeqChunk, make_batch
 from serving.loaders.gguf import load_gguf
 from serving.models import llama
+
+if TYPE_CHECKING:  # imported where used: the --batch-overhead-only run needs no outlines-core
+    import outlines_core
 from serving.structured import ConstraintSpec
 from serving.tokenizer import Tokenizer
 
@@ -131,19 +133,23 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
 
-def outlines_vocabulary(tokenizer: Tokenizer) -> Vocabulary:
+def outlines_vocabulary(tokenizer: Tokenizer) -> "outlines_core.Vocabulary":
     """outlines-core's token map: each non-special token's bytes -> its ids; the eos id is passed apart."""
+    import outlines_core
+
     decoder = _byte_decoder()
     special = {i for i, t in tokenizer.hf.get_added_tokens_decoder().items() if t.special}
     tokens: dict[bytes, list[int]] = {}
     for i in range(tokenizer.vocab_size):
         if i not in special:
             tokens.setdefault(bytes(decoder[c] for c in tokenizer.hf.id_to_token(i)), []).append(i)
-    return Vocabulary(tokenizer.eos_token_ids[0], tokens)
+    return outlines_core.Vocabulary(tokenizer.eos_token_ids[0], tokens)
 
 
 def outlines_regex(spec: ConstraintSpec) -> str:
     if spec.kind == "json_schema":
+        from outlines_core.json_schema import build_regex_from_schema
+
         return build_regex_from_schema(spec.value)
     if spec.kind == "choice":
         return "|".join(re.escape(c) for c in spec.value)
@@ -197,9 +203,11 @@ def replay_llguidance(spec: ConstraintSpec, tokenizer: Tokenizer, vocab: int, id
     return times
 
 
-def replay_outlines(index: Index, eos_id: int, ids: list[int], vocab: int) -> tuple[list[float], int]:
+def replay_outlines(index: "outlines_core.Index", eos_id: int, ids: list[int], vocab: int) -> tuple[list[float], int]:
     """Per-step mask times (ms) of outlines-core along `ids`, and how many tokens its mask disallowed."""
-    guide = Guide(index)
+    import outlines_core
+
+    guide = outlines_core.Guide(index)
     words = np.zeros(math.ceil(vocab / 32), np.int32)
     times, disagreements = [], 0
     for token in ids:
@@ -321,6 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.batch_overhead_only:
         write_results(f"structured_output_overhead_{jax.devices()[0].platform}", overhead)
         return
+    import outlines_core
+
     checkpoint = load_gguf(weights.default_model_gguf())
     cfg = ModelConfig.from_hf(checkpoint.config)
     params = llama.params_from_hf(cfg, checkpoint.tensors, jnp.float32)
@@ -341,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         structured.compile_constraint.cache_clear()
         _, ll_compile = _timed(lambda: structured.compile_constraint(spec, tok, cfg.vocab))  # noqa: B023
         regex, regex_ms = _timed(lambda: outlines_regex(spec))  # noqa: B023
-        index, index_ms = _timed(lambda: Index(regex, outlines_vocab))  # noqa: B023
+        index, index_ms = _timed(lambda: outlines_core.Index(regex, outlines_vocab))  # noqa: B023
         ll_times = replay_llguidance(spec, tok, cfg.vocab, ids)
         oc_times, disagreements = replay_outlines(index, eos, ids, cfg.vocab)
         ll, oc = _stats(ll_times), _stats(oc_times)
