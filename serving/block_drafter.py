@@ -111,8 +111,9 @@ def init_params(cfg: BlockDrafterConfig, target: ModelConfig, key: jax.Array, dt
 
 
 def target_head(target_params: dict) -> dict:
-    """The frozen pieces of the target the drafter uses: ``embed`` (and ``lm_head`` when untied)."""
-    return {name: target_params[name] for name in ("embed", "lm_head") if name in target_params}
+    """The frozen pieces of the target: ``embed``, ``norm`` (the target's final one, for its own logits in
+    training) and ``lm_head`` when untied."""
+    return {name: target_params[name] for name in ("embed", "norm", "lm_head") if name in target_params}
 
 
 def _attention(p: dict, cfg: ModelConfig, z: jax.Array, ctx: jax.Array, keys_valid: jax.Array,

@@ -11,7 +11,7 @@ import itertools
 import random
 
 LISTS_PER_POOL = 16  # random item lists drawn per (list template, item pool)
-PAIRS = 600  # random topic pairs to compare
+PAIRS = 2000  # random topic pairs to compare
 
 TOPICS = (
     "black holes", "photosynthesis", "the French Revolution", "machine learning", "volcanoes", "honey bees",
@@ -30,6 +30,28 @@ TOPICS = (
     "elephants", "lightning", "fossils", "bridges", "the telephone", "trees", "snow", "the Vikings",
     "cooking pasta", "renewable energy", "the Milky Way", "owls", "the Eiffel Tower", "sharks", "atoms",
     "writing a resume", "learning a language", "first aid", "the seasons", "pizza", "kindness", "maps",
+    "the human eye", "earthworms", "the Titanic", "submarines", "hurricanes", "the piano", "ancient Rome",
+    "the rain cycle", "quantum computing", "social media", "the Beatles", "Shakespeare", "the Great Barrier Reef",
+    "the Internet of Things", "nuclear energy", "the human skeleton", "wind turbines", "antibiotics", "honey",
+    "cheese making", "rice farming", "the Nile", "Mount Everest", "the Arctic", "the Pacific Ocean", "kangaroos",
+    "octopuses", "dolphins", "bees and flowers", "spiders", "ants", "the human skin", "blood", "the lungs",
+    "muscles", "exercise", "running", "swimming", "basketball", "tennis", "the guitar", "drums", "opera",
+    "painting", "sculpture", "architecture", "skyscrapers", "trains", "rockets", "satellites", "the telescope",
+    "microscopes", "the wheel", "fire", "the calendar", "clocks", "writing systems", "libraries", "newspapers",
+    "radio", "television", "cinema", "animation", "comic books", "fairy tales", "mythology", "Greek gods",
+    "the Silk Road", "the Aztecs", "the Maya", "the Inca", "samurai", "knights", "castles", "pirates",
+    "the United Nations", "elections", "taxes", "banks", "inflation", "supply and demand", "startups",
+    "marketing", "teamwork", "leadership", "negotiation", "budgeting", "saving money", "cooking rice",
+    "baking cookies", "making coffee", "vegetarian food", "spices", "salt", "sugar", "water", "oxygen", "carbon",
+    "plastic", "glass", "steel", "wood", "paper", "cotton", "silk", "batteries", "lasers", "semiconductors",
+    "computer memory", "operating systems", "programming", "databases", "encryption", "passwords",
+    "artificial intelligence", "neural networks", "search engines", "email", "video calls", "online shopping",
+    "remote work", "cities", "villages", "farms", "forests", "wetlands", "caves", "islands", "beaches", "storms",
+    "fog", "clouds", "the sun", "comets", "asteroids", "Jupiter", "Saturn's rings", "the Big Bang", "time",
+    "memory", "dreams", "emotions", "happiness", "stress", "habits", "motivation", "creativity", "curiosity",
+    "patience", "honesty", "courage", "gratitude", "forgiveness", "family", "childhood", "old age", "pets",
+    "cats", "dogs", "horses", "birds", "fish", "frogs", "turtles", "whales", "bats", "insects", "flowers",
+    "mushrooms", "cactuses", "seeds", "soil", "volcanic islands", "tsunamis", "droughts", "floods",
 )
 AUDIENCES = ("a five-year-old", "a high school student", "a software engineer", "my grandmother", "a tourist",
              "a busy manager")
@@ -56,6 +78,14 @@ TOPIC_TEMPLATES = (
     "Write a title and a short introduction for an article about {}.",
     "Tell me a fun fact about {}.",
     "What are common misconceptions about {}?",
+    "Write a short blog post about {}.",
+    "What are three ways {} affects everyday life?",
+    "Give me a quick overview of {}.",
+    "What should everyone know about {}?",
+    "Write a short quiz with answers about {}.",
+    "Tell me something surprising about {}.",
+    "How has {} changed over time?",
+    "What are the most important facts about {}?",
 )
 ITEM_POOLS = (
     ("apple", "banana", "cherry", "grape", "lemon", "mango", "orange", "peach", "pear", "plum", "kiwi", "melon"),

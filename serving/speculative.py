@@ -307,9 +307,12 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
         end += c.chunk.count
         rows[s] = end - 1 - d + np.minimum(np.arange(k + 1), d)
         draft_tokens[s, :d], draft_counts[s], draft_rows[s] = c.drafts, d, c.proposal_row
-        history = list(c.row.output_ids) + list(c.drafts)
-        out = len(c.row.output_ids)
-        sample_rows += [c.row._replace(step=c.row.step + j, output_ids=history[:out + min(j, d)]) for j in range(k + 1)]
+        if c.row.params.uses_penalties:  # the only reader of output_ids (copying histories costs at batch 16)
+            history, out = list(c.row.output_ids) + list(c.drafts), len(c.row.output_ids)
+            sample_rows += [c.row._replace(step=c.row.step + j, output_ids=history[:out + min(j, d)])
+                            for j in range(k + 1)]
+        else:
+            sample_rows += [c.row._replace(step=c.row.step + j) for j in range(k + 1)]
         if c.row.matcher is not None and d:
             raise ValueError(f"verify_step: chunk {s} is constrained (structured output) and must have no drafts")
     # A constrained sequence is never drafted, so its one scored position (j = 0) takes its matcher's mask.
@@ -323,9 +326,9 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
         draft_tokens, draft_counts, draft_probs, draft_rows, forward=runner.forward, cfg=runner.cfg, num_top=num_top,
         hidden_layers=observer.hidden_layers if observer else (),
         draw=any(c.row.params.temperature > 0 for c in chunks))
-    runner.expert_load += np.asarray(counts)
-    n = len(chunks)
-    result = VerifyResult(*(np.asarray(a)[:n] for a in result))
+    *fields, counts = jax.device_get((*result, counts))  # one wait for every transfer
+    runner.expert_load += counts
+    result = VerifyResult(*(a[:len(chunks)] for a in fields))
     if observer is not None:
         starts = np.cumsum([0] + [c.chunk.count for c in chunks])
         observer.observe(hidden, [HiddenSpan(c.seq_id, int(row), c.chunk.start, c.chunk.count - len(c.drafts) + int(a))
@@ -535,8 +538,9 @@ class BlockDrafter:
     Per sequence it keeps the target's hidden states of its last W positions in a device ring buffer (slot
     ``[W, F, D]``, row ``position % W``), filled by ``observe`` from each verification pass; it drafts for a
     sequence whose hidden state before its newest token is there (after its prompt's pass, always). ``sample``:
-    as ``DraftModelDrafter``. ``max_seqs`` slots (keep it >= the engine's ``max_running``); when all are taken
-    the least recently observed sequence's is reused.
+    as ``DraftModelDrafter``. ``max_seqs``: the slots to start with; when all are taken, the least recently
+    observed sequence's is reused (the engine does not release aborted sequences), or if that sequence is in the
+    pass being observed, the slots double. A prompt prefix from the prefix cache leaves its positions empty.
     """
 
     def __init__(self, cfg: block_drafter.BlockDrafterConfig, params: dict, target_cfg: ModelConfig,
@@ -569,36 +573,48 @@ class BlockDrafter:
         if slot is not None:
             self.free.append(slot)
 
-    def _slot(self, seq_id: int, reset: list[int]) -> int:
-        """``seq_id``'s slot, moved to the most recently observed end; a new one is appended to ``reset``."""
+    def _slot(self, seq_id: int, reset: list[int], observing: set[int]) -> int:
+        """``seq_id``'s slot, moved to the most recently observed end. A new one (appended to ``reset``) is a free
+        slot, else the least recently observed sequence's unless it is in this pass (``observing``), else one of
+        twice as many slots."""
         slot = self.slots.pop(seq_id, None)
         if slot is None:
             if not self.free:
-                self.release(next(iter(self.slots)))
+                oldest = next(iter(self.slots), None)
+                if oldest is None or oldest in observing:
+                    self._grow()
+                else:
+                    self.release(oldest)
             slot = self.free.pop()
             reset.append(slot)
         self.slots[seq_id] = slot
         return slot
 
+    def _grow(self) -> None:
+        """Twice as many slots (the new ones free)."""
+        num_slots = self.features.shape[0]
+        self.features = jnp.concatenate([self.features, jnp.zeros_like(self.features)])
+        self.positions = jnp.concatenate([self.positions, jnp.full_like(self.positions, NO_DRAFT)])
+        self.free += range(2 * num_slots - 1, num_slots - 1, -1)
+
     def observe(self, hidden: jax.Array, spans: Sequence[HiddenSpan]) -> None:
         """Store the last W rows of every span (``HiddenStateDrafter``)."""
-        width, num_slots = self.cfg.window, self.features.shape[0]
-        if len(spans) > num_slots:
-            raise ValueError(f"BlockDrafter: {len(spans)} sequences in one pass, expected at most max_seqs="
-                             f"{num_slots}")
+        width = self.cfg.window
         rows, slots, positions, reset = [], [], [], []
+        observing = {span.seq_id for span in spans}
         for span in spans:
-            slot, keep = self._slot(span.seq_id, reset), min(span.count, width)
+            slot, keep = self._slot(span.seq_id, reset, observing), min(span.count, width)
             rows += range(span.row + span.count - keep, span.row + span.count)
             positions += range(span.position + span.count - keep, span.position + span.count)
             slots += [slot] * keep
             self.observed[span.seq_id] = span.position + span.count
+
         def pad(values: list[int], fill: int) -> np.ndarray:
             return np.array(values + [fill] * (bucket(len(values), MIN_OBSERVED_BUCKET) - len(values)), np.int32)
 
-        slots = pad(slots, num_slots)
-        self.features, self.positions = _observe(self.features, self.positions, hidden, pad(rows, 0), slots,
-                                                 pad(positions, 0)[:len(slots)], pad(reset, num_slots))
+        num_slots = self.features.shape[0]  # out of range: padding, skipped
+        self.features, self.positions = _observe(self.features, self.positions, hidden, pad(rows, 0),
+                                                 pad(slots, num_slots), pad(positions, 0), pad(reset, num_slots))
 
     def propose(self, requests: Sequence[DraftRequest], k: int) -> Proposal:
         """``min(k, block, max_draft)`` tokens for each request whose hidden states are observed, in one pass."""

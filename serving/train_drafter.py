@@ -10,7 +10,10 @@
 2. training: B anchors ``a`` drawn from the answer tokens per step; the drafter sees the states at
    ``a - W .. a - 1`` and the tokens after them and predicts ``x_{a+1} .. x_{a+k}``; loss
    ``sum_j w_j CE_j / sum_j w_j`` with ``w_j = decay^(j-1)`` (a draft position counts only if every one before
-   it is accepted, so the early ones matter most). A share ``truncate_prob`` of contexts is cut short at random:
+   it is accepted, so the early ones matter most). ``CE_j`` is against the target's whole distribution at that
+   position (self-distillation: ``softmax`` of the target's logits, recomputed from its stored final-layer
+   states at ``a .. a + k - 1``; far more signal per example than its greedy token) or, with
+   ``soft_labels=False``, against the greedy token. A share ``truncate_prob`` of contexts is cut short at random:
    after a prompt prefix came from the prefix cache, ``BlockDrafter`` has no states for it. ``apexw`` (bf16
    moments) after global-norm clipping; the learning rate is warmed up, then cosine-decayed over the run's
    progress ``max(step / steps, elapsed / train_seconds)``: a slow machine ends the same schedule early instead
@@ -48,7 +51,7 @@ from serving.engine.engine import Engine, Prompt
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import PagedKV, SeqChunk
-from serving.models import model_module
+from serving.models import llama, model_module
 from serving.speculative import BlockDrafter, SpecConfig
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -66,7 +69,7 @@ class TrainConfig:
     max_prompts: int = 100_000  # training prompts at most (all of serving.drafter_prompts' but the held-out ones)
     num_eval_prompts: int = 64  # held-out prompts
     max_tokens: int = 192  # answer length
-    gen_seconds: float = 150.0  # training prompts are admitted to the generating engine for this long
+    gen_seconds: float = 120.0  # training prompts are admitted to the generating engine for this long
     block: int = 8  # k: tokens drafted per pass
     window: int = 64  # W: positions whose target hidden states the drafter reads
     layers: int = 2
@@ -77,12 +80,13 @@ class TrainConfig:
     weight_decay: float = 0.01
     decay: float = 0.8  # loss weight of draft position j: decay^(j-1)
     truncate_prob: float = 0.2  # share of training contexts cut short (module docstring)
+    soft_labels: bool = True  # distill the target's distribution (module docstring); False: its greedy tokens
     dtype: str = "float32"  # the target's dtype (generation, hidden states)
     compute_dtype: str = "bfloat16"  # the drafter's training compute and the stored hidden states
     max_running: int = 256  # generation batch
     tokens_per_pass: int = 16384  # teacher-forced pass: tokens per forward
     eval_concurrency: int = 16  # the engine's max_running in the online evaluation
-    time_budget: float = 420.0  # seconds for the whole run; training gets what data and evaluation leave
+    time_budget: float = 400.0  # seconds for the whole run; training gets what data and evaluation leave
     eval_seconds: float = 90.0  # what training leaves for the evaluation (an engine's compiles, its decoding)
     seed: int = 0
 
@@ -101,7 +105,7 @@ class TrainConfig:
 
 
 CPU_CONFIG = TrainConfig(max_prompts=24, num_eval_prompts=4, max_tokens=32, block=4, window=16, layers=1, steps=60,
-                         batch=32, lr=2e-3, warmup=10, compute_dtype="float32", max_running=24, tokens_per_pass=1024,
+                         batch=16, lr=2e-3, warmup=10, compute_dtype="float32", max_running=24, tokens_per_pass=1024,
                          eval_concurrency=4, time_budget=240.0, eval_seconds=60.0)
 
 
@@ -192,6 +196,7 @@ class Batch(NamedTuple):
     ctx_valid: jax.Array  # [B, W]
     labels: jax.Array  # [B, k] x_{a+1} .. x_{a+k}
     label_valid: jax.Array  # [B, k] within the sequence
+    label_hidden: jax.Array  # [B, k, D] the target's final-layer states that predict the labels (at a .. a+k-1)
 
 
 def gather(data: TargetData, anchors: jax.Array, cfg: BlockDrafterConfig) -> Batch:
@@ -201,7 +206,7 @@ def gather(data: TargetData, anchors: jax.Array, cfg: BlockDrafterConfig) -> Bat
     targets = anchors[:, None] + 1 + jnp.arange(cfg.block)[None]  # [B, k]
     return Batch(data.hidden[jnp.maximum(t, 0)], data.tokens[jnp.maximum(t + 1, 0)], t + 1 - anchors[:, None],
                  t >= data.starts[anchors][:, None], data.tokens[jnp.minimum(targets, last)],
-                 targets < data.ends[anchors][:, None])
+                 targets < data.ends[anchors][:, None], data.hidden[jnp.minimum(targets - 1, last), -1])
 
 
 def truncate_context(batch: Batch, key: jax.Array, prob: float) -> Batch:
@@ -223,12 +228,16 @@ def position_weights(cfg: BlockDrafterConfig, decay: float) -> jax.Array:
 
 
 def loss_and_metrics(params: dict, head: dict, cfg: BlockDrafterConfig, target: ModelConfig, batch: Batch,
-                     weights: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Weighted cross-entropy over the k positions; metrics: ``accepted [B]`` (drafts matching the labels before
-    the first miss) and ``correct [k]`` (accuracy per position)."""
+                     weights: jax.Array, soft_labels: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Weighted cross-entropy over the k positions (module docstring); metrics: ``accepted [B]`` (drafts matching
+    the labels before the first miss) and ``correct [k]`` (accuracy per position)."""
     logits = block_drafter.draft_logits(params, head, cfg, target, batch.ctx_hidden, batch.ctx_tokens,
                                         batch.ctx_positions, batch.ctx_valid)
-    ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, batch.labels[..., None], axis=-1)[..., 0]
+    if soft_labels:
+        p = jax.nn.softmax(jax.lax.stop_gradient(llama.logits(head, target, batch.label_hidden)), axis=-1)
+        ce = -(p * jax.nn.log_softmax(logits, axis=-1)).sum(-1)
+    else:
+        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, batch.labels[..., None], -1)[..., 0]
     w = weights[None] * batch.label_valid
     loss = (ce * w).sum() / w.sum()
     correct = (jnp.argmax(logits, axis=-1) == batch.labels) & batch.label_valid
@@ -251,18 +260,18 @@ def lr_at(tc: TrainConfig, step: int, progress: float) -> float:
     return tc.lr * min(1.0, (step + 1) / tc.warmup) * cosine
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "target", "tx", "batch_size", "truncate_prob"),
+@functools.partial(jax.jit, static_argnames=("cfg", "target", "tx", "batch_size", "truncate_prob", "soft_labels"),
                    donate_argnames=("params", "state"))
 def train_step(params: dict, state: Any, head: dict, data: TargetData, key: jax.Array, lr: jax.Array,
                weights: jax.Array, *, cfg: BlockDrafterConfig, target: ModelConfig, tx: optax.GradientTransformation,
-               batch_size: int, truncate_prob: float) -> tuple[dict, Any, jax.Array, dict]:
+               batch_size: int, truncate_prob: float, soft_labels: bool) -> tuple[dict, Any, jax.Array, dict]:
     """One step on ``batch_size`` anchors drawn uniformly with ``key`` (contexts truncated as
     ``truncate_context``)."""
     anchor_key, truncate_key = jax.random.split(key)
     anchors = data.anchors[jax.random.randint(anchor_key, (batch_size,), 0, data.anchors.shape[0])]
     batch = truncate_context(gather(data, anchors, cfg), truncate_key, truncate_prob)
     (loss, metrics), grads = jax.value_and_grad(loss_and_metrics, has_aux=True)(params, head, cfg, target, batch,
-                                                                                 weights)
+                                                                                 weights, soft_labels)
     state[1].hyperparams["learning_rate"] = lr  # state: (clip state, inject_hyperparams state of apexw)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss, metrics
@@ -271,6 +280,9 @@ def train_step(params: dict, state: Any, head: dict, data: TargetData, key: jax.
 def train(tc: TrainConfig, cfg: BlockDrafterConfig, target: ModelConfig, head: dict, data: TargetData,
           seconds: float, log: Callable[[str], None] = print) -> tuple[dict, list[dict]]:
     """Train a fresh drafter for ``tc.steps`` steps or ``seconds``, whichever ends first; (params, log rows)."""
+    if tc.soft_labels and cfg.target_layers[-1] != target.layers:
+        raise ValueError(f"soft_labels needs the target's last layer ({target.layers}) among the drafter's "
+                         f"target_layers {cfg.target_layers}")
     params = block_drafter.init_params(cfg, target, jax.random.key(tc.seed))
     tx = optimizer(tc)
     state = tx.init(params)
@@ -281,7 +293,7 @@ def train(tc: TrainConfig, cfg: BlockDrafterConfig, target: ModelConfig, head: d
         params, state, loss, metrics = train_step(params, state, head, data, jax.random.fold_in(key, step),
                                                   jnp.float32(lr_at(tc, step, progress)), weights, cfg=cfg,
                                                   target=target, tx=tx, batch_size=tc.batch,
-                                                  truncate_prob=tc.truncate_prob)
+                                                  truncate_prob=tc.truncate_prob, soft_labels=tc.soft_labels)
         step += 1
         if step % LOG_EVERY == 0 or step == 1:
             rows.append({"step": step, "seconds": round(time.perf_counter() - start, 1),
@@ -300,13 +312,13 @@ def train(tc: TrainConfig, cfg: BlockDrafterConfig, target: ModelConfig, head: d
 @functools.partial(jax.jit, static_argnames=("cfg", "target"))
 def _eval_batch(params: dict, head: dict, data: TargetData, anchors: jax.Array, weights: jax.Array, *,
                 cfg: BlockDrafterConfig, target: ModelConfig) -> tuple[jax.Array, dict]:
-    return loss_and_metrics(params, head, cfg, target, gather(data, anchors, cfg), weights)
+    return loss_and_metrics(params, head, cfg, target, gather(data, anchors, cfg), weights, soft_labels=False)
 
 
 def evaluate_offline(params: dict, head: dict, cfg: BlockDrafterConfig, target: ModelConfig, data: TargetData,
                      decay: float, batch: int) -> dict:
-    """Teacher-forced over every anchor of ``data``: acceptance length against the greedy target, loss, accuracy
-    per draft position."""
+    """Teacher-forced over every anchor of ``data``: acceptance length against the greedy target, loss (on the
+    greedy tokens), accuracy per draft position."""
     anchors = np.asarray(data.anchors)
     weights = position_weights(cfg, decay)
     accepted, correct, losses = [], [], []

@@ -198,6 +198,22 @@ def test_one_block_proposal_per_sequence_in_one_pass():
     assert drafter.propose(requests[:1], K).tokens == [[]]
 
 
+def test_slots_reuse_the_least_recently_observed_and_grow_for_a_larger_pass():
+    cfg, params = target()
+    dcfg = drafter_config()
+    drafter = BlockDrafter(dcfg, block_drafter.init_params(dcfg, cfg, jax.random.key(6)), cfg, params, max_seqs=2)
+    hidden = jnp.ones((4, len(dcfg.target_layers), cfg.hidden))
+    drafter.observe(hidden, [HiddenSpan(s, s, 0, 1) for s in range(3)])  # 3 sequences in one pass, 2 slots
+    assert drafter.features.shape[0] == 4 and list(drafter.slots) == [0, 1, 2]
+    drafter.observe(hidden, [HiddenSpan(3, 0, 0, 1)])  # the fourth slot
+    drafter.observe(hidden, [HiddenSpan(4, 0, 0, 1)])  # none free: sequence 0's is reused
+    assert list(drafter.slots) == [1, 2, 3, 4] and 0 not in drafter.observed
+    assert drafter.slots[4] not in [drafter.slots[s] for s in (1, 2, 3)]
+    greedy = SamplingParams(temperature=0.0)
+    proposal = drafter.propose([DraftRequest(4, [5, 6], 1, greedy, 0, K), DraftRequest(0, [5, 6], 1, greedy, 0, K)], K)
+    assert [len(d) for d in proposal.tokens] == [K, 0]
+
+
 def test_sampling_drafter_returns_its_distribution_per_request_row():
     cfg, params = target()
     dcfg = drafter_config()
@@ -234,8 +250,8 @@ def test_greedy_verification_without_the_sampling_path_is_the_same():
 
 def test_tiny_training_lowers_the_loss_and_raises_acceptance():
     _, curve, before, after = trained()
-    assert curve[-1]["loss"] < 0.5 * curve[0]["loss"], curve
-    assert after["loss"] < 0.5 * before["loss"]
+    assert curve[-1]["loss"] < curve[0]["loss"] - 0.3, curve  # soft labels: the floor is the target's entropy
+    assert after["loss"] < before["loss"] - 1, (before, after)  # cross-entropy on the greedy tokens
     assert before["acceptance_length"] < 1.5 < 2.5 < after["acceptance_length"], (before, after)
 
 
