@@ -53,7 +53,6 @@ ACCEPT_STREAM, RESIDUAL_STREAM, DRAFT_STREAM = 1, 2, 3
 NO_DRAFT = -1  # padding in draft token arrays
 DEFAULT_NGRAM = 3  # longest n-gram prompt lookup tries to match (then shorter, down to min_n)
 SPECULATIVE_METHODS = ("ngram", "block")  # SpecConfig.from_method (the command line's --speculative)
-MIN_OBSERVED_BUCKET = 8  # BlockDrafter.observe pads its row lists to powers of two from here (few compiles)
 
 
 # --------------------------------------------------------------------------- drafter interface
@@ -501,32 +500,40 @@ class DraftModelDrafter:
 # --------------------------------------------------------------------------- block drafter
 
 
-@functools.partial(jax.jit, donate_argnames=("features", "positions"))
-def _observe(features: jax.Array, positions: jax.Array, hidden: jax.Array, rows: jax.Array, slots: jax.Array,
-             token_positions: jax.Array, reset: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Forget the slots ``reset``, then store ``hidden[rows]`` at ``(slots, token_positions % W)`` of the ring
-    buffers ``features [slots, W, F, D]`` / ``positions [slots, W]`` (out-of-range slots: padding, skipped)."""
-    positions = positions.at[reset].set(NO_DRAFT, mode="drop")
-    ring = token_positions % features.shape[1]
-    features = features.at[slots, ring].set(hidden[rows].astype(features.dtype), mode="drop")
-    return features, positions.at[slots, ring].set(token_positions, mode="drop")
+class RingBuffers(NamedTuple):
+    """``BlockDrafter``'s device state: per slot, the hidden states of the last W positions of the sequence it
+    holds, the one at position p in row ``p % W``, with the position and the sequence it belongs to."""
+
+    features: jax.Array  # [slots, W, F, D]
+    positions: jax.Array  # [slots, W] int32 (NO_DRAFT: empty)
+    owners: jax.Array  # [slots, W] int32 sequence id
+
+
+@functools.partial(jax.jit, donate_argnames="ring")
+def _observe(ring: RingBuffers, hidden: jax.Array, rows: jax.Array, slots: jax.Array, token_positions: jax.Array,
+             owners: jax.Array) -> RingBuffers:
+    """Store ``hidden[rows]`` (positions ``token_positions`` of sequences ``owners``) in ``slots`` (out of range:
+    padding, skipped)."""
+    at = slots, token_positions % ring.features.shape[1]
+    return RingBuffers(ring.features.at[at].set(hidden[rows].astype(ring.features.dtype), mode="drop"),
+                       ring.positions.at[at].set(token_positions, mode="drop"), ring.owners.at[at].set(owners,
+                                                                                                     mode="drop"))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "target", "sample"))
-def _propose_block(params: dict, head: dict, features: jax.Array, positions: jax.Array, slots: jax.Array,
+def _propose_block(params: dict, head: dict, ring: RingBuffers, slots: jax.Array, seq_ids: jax.Array,
                    anchors: jax.Array, window_tokens: jax.Array, sampling: SamplingBatch | None, *,
                    cfg: block_drafter.BlockDrafterConfig, target: ModelConfig,
                    sample: bool) -> tuple[jax.Array, jax.Array | None]:
     """Drafts ``[S, k]`` (and q ``[S, k, V]``) for S sequences, each newest token at position ``anchors[s]``:
-    the context is its hidden states at ``a - W .. a - 1`` from the ring buffers (valid where the buffer holds
-    that very position) and ``window_tokens [S, W]``, the tokens ``x_{a-W+1} .. x_a`` after them."""
-    width = features.shape[1]
+    the context is its hidden states at ``a - W .. a - 1`` from its slot (valid where the slot holds that very
+    position of that very sequence) and ``window_tokens [S, W]``, the tokens ``x_{a-W+1} .. x_a`` after them."""
+    width = ring.features.shape[1]
     t = anchors[:, None] - width + jnp.arange(width)[None]  # [S, W] context positions, in order
-    ring = t % width
-    ctx = features[slots[:, None], ring]
-    valid = (positions[slots[:, None], ring] == t) & (t >= 0)
-    logits = block_drafter.draft_logits(params, head, cfg, target, ctx, window_tokens, t + 1 - anchors[:, None],
-                                        valid)
+    at = slots[:, None], t % width
+    valid = (ring.positions[at] == t) & (ring.owners[at] == seq_ids[:, None]) & (t >= 0)
+    logits = block_drafter.draft_logits(params, head, cfg, target, ring.features[at], window_tokens,
+                                        t + 1 - anchors[:, None], valid)
     num_seqs, k, vocab = logits.shape
     tokens, q = _draw_drafts(logits.reshape(-1, vocab), sampling, sample)
     return tokens.reshape(num_seqs, k), None if q is None else q.reshape(num_seqs, k, vocab)
@@ -535,8 +542,8 @@ def _propose_block(params: dict, head: dict, features: jax.Array, positions: jax
 class BlockDrafter:
     """Serves a ``serving.block_drafter`` model: one forward pass drafts k tokens for every decoding sequence.
 
-    Per sequence it keeps the target's hidden states of its last W positions in a device ring buffer (slot
-    ``[W, F, D]``, row ``position % W``), filled by ``observe`` from each verification pass; it drafts for a
+    Per sequence it keeps the target's hidden states of its last W positions in a slot of ``RingBuffers``
+    (``[W, F, D]``, row ``position % W``), filled by ``observe`` from each verification pass; it drafts for a
     sequence whose hidden state before its newest token is there (after its prompt's pass, always). ``sample``:
     as ``DraftModelDrafter``. ``max_seqs``: the slots to start with; when all are taken, the least recently
     observed sequence's is reused (the engine does not release aborted sequences), or if that sequence is in the
@@ -554,8 +561,8 @@ class BlockDrafter:
         self.cfg, self.target_cfg, self.sample, self.vocab = cfg, target_cfg, sample, target_cfg.vocab
         self.hidden_layers = cfg.target_layers
         self.params = jax.tree.map(lambda w: jnp.asarray(w, dtype), params)
-        self.features = jnp.zeros((max_seqs, cfg.window, len(cfg.target_layers), cfg.hidden), dtype)
-        self.positions = jnp.full((max_seqs, cfg.window), NO_DRAFT, jnp.int32)
+        self.ring = RingBuffers(jnp.zeros((max_seqs, cfg.window, len(cfg.target_layers), cfg.hidden), dtype),
+                                *(jnp.full((max_seqs, cfg.window), NO_DRAFT, jnp.int32) for _ in range(2)))
         self.slots: dict[int, int] = {}  # seq_id -> slot, least recently observed first
         self.free = list(range(max_seqs - 1, -1, -1))
         self.observed: dict[int, int] = {}  # seq_id -> 1 + the last position observed
@@ -573,10 +580,9 @@ class BlockDrafter:
         if slot is not None:
             self.free.append(slot)
 
-    def _slot(self, seq_id: int, reset: list[int], observing: set[int]) -> int:
-        """``seq_id``'s slot, moved to the most recently observed end. A new one (appended to ``reset``) is a free
-        slot, else the least recently observed sequence's unless it is in this pass (``observing``), else one of
-        twice as many slots."""
+    def _slot(self, seq_id: int, observing: set[int]) -> int:
+        """``seq_id``'s slot, moved to the most recently observed end. A new one is a free slot, else the least
+        recently observed sequence's unless it is in this pass (``observing``), else one of twice as many."""
         slot = self.slots.pop(seq_id, None)
         if slot is None:
             if not self.free:
@@ -586,35 +592,32 @@ class BlockDrafter:
                 else:
                     self.release(oldest)
             slot = self.free.pop()
-            reset.append(slot)
         self.slots[seq_id] = slot
         return slot
 
     def _grow(self) -> None:
-        """Twice as many slots (the new ones free)."""
-        num_slots = self.features.shape[0]
-        self.features = jnp.concatenate([self.features, jnp.zeros_like(self.features)])
-        self.positions = jnp.concatenate([self.positions, jnp.full_like(self.positions, NO_DRAFT)])
+        """Twice as many slots (the new ones free and empty)."""
+        features, positions, owners = self.ring
+        num_slots = features.shape[0]
+        self.ring = RingBuffers(jnp.concatenate([features, jnp.zeros_like(features)]),
+                                *(jnp.concatenate([a, jnp.full_like(a, NO_DRAFT)]) for a in (positions, owners)))
         self.free += range(2 * num_slots - 1, num_slots - 1, -1)
 
     def observe(self, hidden: jax.Array, spans: Sequence[HiddenSpan]) -> None:
         """Store the last W rows of every span (``HiddenStateDrafter``)."""
-        width = self.cfg.window
-        rows, slots, positions, reset = [], [], [], []
+        rows, slots, positions, owners = [], [], [], []
         observing = {span.seq_id for span in spans}
         for span in spans:
-            slot, keep = self._slot(span.seq_id, reset, observing), min(span.count, width)
+            slot, keep = self._slot(span.seq_id, observing), min(span.count, self.cfg.window)
             rows += range(span.row + span.count - keep, span.row + span.count)
             positions += range(span.position + span.count - keep, span.position + span.count)
             slots += [slot] * keep
+            owners += [span.seq_id] * keep
             self.observed[span.seq_id] = span.position + span.count
-
-        def pad(values: list[int], fill: int) -> np.ndarray:
-            return np.array(values + [fill] * (bucket(len(values), MIN_OBSERVED_BUCKET) - len(values)), np.int32)
-
-        num_slots = self.features.shape[0]  # out of range: padding, skipped
-        self.features, self.positions = _observe(self.features, self.positions, hidden, pad(rows, 0),
-                                                 pad(slots, num_slots), pad(positions, 0), pad(reset, num_slots))
+        padding = hidden.shape[0] - len(rows)  # at most one row per row of the pass: one compile per pass size
+        num_slots = self.ring.features.shape[0]  # out of range: padding, skipped
+        self.ring = _observe(self.ring, hidden, *(np.array(a + [fill] * padding, np.int32) for a, fill in
+                                                  ((rows, 0), (slots, num_slots), (positions, 0), (owners, 0))))
 
     def propose(self, requests: Sequence[DraftRequest], k: int) -> Proposal:
         """``min(k, block, max_draft)`` tokens for each request whose hidden states are observed, in one pass."""
@@ -638,8 +641,10 @@ class BlockDrafter:
             sampling = sampling_batch([SampleRow(requests[i].params, requests[i].seed, requests[i].num_output + j, (),
                                                  ()) for i in live for j in range(self.cfg.block)],
                                       num_seqs * self.cfg.block)
-        tokens, q = _propose_block(self.params, self.head, self.features, self.positions, slots, anchors,
-                                   window_tokens, sampling, cfg=self.cfg, target=self.target_cfg, sample=self.sample)
+        seq_ids = np.full(num_seqs, NO_DRAFT, np.int32)
+        seq_ids[:len(live)] = [requests[i].seq_id for i in live]
+        tokens, q = _propose_block(self.params, self.head, self.ring, slots, seq_ids, anchors, window_tokens, sampling,
+                                   cfg=self.cfg, target=self.target_cfg, sample=self.sample)
         self.num_passes += 1
         tokens = np.asarray(tokens)
         for s, i in enumerate(live):

@@ -58,6 +58,7 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 BLOCK_SIZE = 16  # KV cache block of the engines and the teacher-forced pass
 CLIP_NORM = 1.0  # global gradient norm clip
 LOG_EVERY = 500  # steps between progress lines
+MAX_SEQS_PER_PASS = 256  # sequences packed into one teacher-forced pass at most
 MIN_TRAIN_SHARE = 0.1  # of the time budget, for training however long the data took
 FINAL_LR_SHARE = 0.1  # the cosine schedule ends at this share of the peak learning rate
 
@@ -150,7 +151,7 @@ def hidden_states(cfg: ModelConfig, params: dict, sequences: Sequence[Sequence[i
     teacher-forced: sequences are packed into prefill passes of about ``tokens_per_pass`` tokens over a scratch
     paged cache."""
     longest = max(len(s) for s in sequences)
-    blocks = -(-max(tokens_per_pass, longest) // BLOCK_SIZE) + len(sequences)
+    blocks = -(-max(tokens_per_pass, longest) // BLOCK_SIZE) + MAX_SEQS_PER_PASS  # + each one's last block's rest
     runner = ModelRunner(cfg, params, model_module(cfg.family).forward,
                          PagedKV.create(cfg, blocks, BLOCK_SIZE, params["embed"].dtype), BLOCK_SIZE)
     out, group = [], []
@@ -167,7 +168,7 @@ def hidden_states(cfg: ModelConfig, params: dict, sequences: Sequence[Sequence[i
         out.append(hidden[:sum(len(s) for s in group)].astype(dtype))
 
     for s in sequences:
-        if group and sum(map(len, group)) + len(s) > tokens_per_pass:
+        if group and (sum(map(len, group)) + len(s) > tokens_per_pass or len(group) == MAX_SEQS_PER_PASS):
             run(group)
             group = []
         group.append(s)

@@ -204,7 +204,7 @@ def test_slots_reuse_the_least_recently_observed_and_grow_for_a_larger_pass():
     drafter = BlockDrafter(dcfg, block_drafter.init_params(dcfg, cfg, jax.random.key(6)), cfg, params, max_seqs=2)
     hidden = jnp.ones((4, len(dcfg.target_layers), cfg.hidden))
     drafter.observe(hidden, [HiddenSpan(s, s, 0, 1) for s in range(3)])  # 3 sequences in one pass, 2 slots
-    assert drafter.features.shape[0] == 4 and list(drafter.slots) == [0, 1, 2]
+    assert drafter.ring.features.shape[0] == 4 and list(drafter.slots) == [0, 1, 2]
     drafter.observe(hidden, [HiddenSpan(3, 0, 0, 1)])  # the fourth slot
     drafter.observe(hidden, [HiddenSpan(4, 0, 0, 1)])  # none free: sequence 0's is reused
     assert list(drafter.slots) == [1, 2, 3, 4] and 0 not in drafter.observed
@@ -277,6 +277,7 @@ def test_greedy_output_is_identical_to_plain_decoding_in_a_batch():
     assert stats_.mean_acceptance_length > 2, stats_  # the trained drafter
 
 
+@pytest.mark.slow  # ~20 s on 2 cores: 2 x 400 sampled requests
 def test_seeded_sampling_keeps_the_target_distribution():
     """Tokens 2 and 3 of many seeded samples: the same distribution with the sampling block drafter as without
     speculation (chi-square on their contingency table), and a seed gives the same tokens alone or batched."""
