@@ -58,6 +58,9 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 BLOCK_SIZE = 16  # KV cache block of the engines and the teacher-forced pass
 CLIP_NORM = 1.0  # global gradient norm clip
 LOG_EVERY = 500  # steps between progress lines
+# Tokens per generation step: the decodes of max_running sequences plus a few new prompts' prefill. Small, so
+# that steps fall into few padded shapes (each one compiles the whole model once).
+GENERATION_TOKEN_BUDGET = 1024
 MAX_SEQS_PER_PASS = 256  # sequences packed into one teacher-forced pass at most
 MIN_TRAIN_SHARE = 0.1  # of the time budget, for training however long the data took
 FINAL_LR_SHARE = 0.1  # the cosine schedule ends at this share of the peak learning rate
@@ -70,7 +73,7 @@ class TrainConfig:
     max_prompts: int = 100_000  # training prompts at most (all of serving.drafter_prompts' but the held-out ones)
     num_eval_prompts: int = 64  # held-out prompts
     max_tokens: int = 192  # answer length
-    gen_seconds: float = 120.0  # training prompts are admitted to the generating engine for this long
+    gen_seconds: float = 100.0  # training prompts are admitted to the generating engine for this long
     block: int = 8  # k: tokens drafted per pass
     window: int = 64  # W: positions whose target hidden states the drafter reads
     layers: int = 2
@@ -87,8 +90,8 @@ class TrainConfig:
     max_running: int = 256  # generation batch
     tokens_per_pass: int = 16384  # teacher-forced pass: tokens per forward
     eval_concurrency: int = 16  # the engine's max_running in the online evaluation
-    time_budget: float = 400.0  # seconds for the whole run; training gets what data and evaluation leave
-    eval_seconds: float = 90.0  # what training leaves for the evaluation (an engine's compiles, its decoding)
+    time_budget: float = 420.0  # seconds for the whole run; training gets what data and evaluation leave
+    eval_seconds: float = 120.0  # what training leaves for the evaluation (an engine's compiles, its decoding)
     seed: int = 0
 
     def __post_init__(self):
@@ -99,6 +102,9 @@ class TrainConfig:
                      "tokens_per_pass", "eval_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} = {getattr(self, name)!r}: expected >= 1")
+        if self.num_eval_prompts > self.max_running:  # all admitted in the first generation step
+            raise ValueError(f"TrainConfig.num_eval_prompts = {self.num_eval_prompts}: expected <= max_running = "
+                             f"{self.max_running}")
         if not 0 < self.decay <= 1:
             raise ValueError(f"TrainConfig.decay = {self.decay!r}: expected in (0, 1]")
         if not 0 <= self.truncate_prob <= 1:
@@ -343,7 +349,8 @@ def evaluate_online(model: str | Path | None, tc: TrainConfig, cfg: BlockDrafter
     spec = SpecConfig(lambda target, target_params: BlockDrafter(cfg, params, target, target_params,
                                                                  max_seqs=tc.eval_concurrency), k=cfg.block)
     engine = Engine(model, dtype=DTYPES[tc.dtype], num_blocks=tc.eval_concurrency * (tc.max_tokens // BLOCK_SIZE + 32),
-                    block_size=BLOCK_SIZE, max_running=tc.eval_concurrency, token_budget=4096, speculative=spec)
+                    block_size=BLOCK_SIZE, max_running=tc.eval_concurrency, token_budget=GENERATION_TOKEN_BUDGET,
+                    speculative=spec)
     outputs = [answer for _, answer in generate(engine, prompts, tc.max_tokens)]
     stats = engine.spec_stats
     return {"prompts": len(prompts), "concurrency": tc.eval_concurrency, "k": cfg.block,
@@ -368,12 +375,13 @@ def run(tc: TrainConfig, out: str | Path, model: str | Path | None = None,
     train_prompts, eval_prompts = prompts or chat_prompts(tc.num_eval_prompts, tc.seed)
     train_prompts = train_prompts[:tc.max_prompts]
     engine = Engine(model, dtype=DTYPES[tc.dtype], num_blocks=tc.max_running * (tc.max_tokens // BLOCK_SIZE + 32),
-                    block_size=BLOCK_SIZE, max_running=tc.max_running, token_budget=8192)
+                    block_size=BLOCK_SIZE, max_running=tc.max_running, token_budget=GENERATION_TOKEN_BUDGET)
     target, target_params = engine.cfg, engine.runner.params
-    log(f"[{elapsed()}s] greedy answers ({tc.max_tokens} tokens at most) to {len(eval_prompts)} held-out prompts, "
-        f"then to up to {len(train_prompts)} training prompts for {tc.gen_seconds:.0f}s")
-    eval_pairs = generate(engine, eval_prompts, tc.max_tokens)
-    train_pairs = generate(engine, train_prompts, tc.max_tokens, tc.gen_seconds)
+    log(f"[{elapsed()}s] greedy answers ({tc.max_tokens} tokens at most) to {len(eval_prompts)} held-out and up to "
+        f"{len(train_prompts)} training prompts (admitted for {tc.gen_seconds:.0f}s)")
+    # One run for both, every batch shape compiling once; the held-out ones come first, all admitted at once.
+    pairs = generate(engine, list(eval_prompts) + list(train_prompts), tc.max_tokens, tc.gen_seconds)
+    eval_pairs, train_pairs = pairs[:len(eval_prompts)], pairs[len(eval_prompts):]
     del engine
     cfg = BlockDrafterConfig.for_target(target, block=tc.block, window=tc.window, layers=tc.layers)
     log(f"[{elapsed()}s] {len(train_pairs)} training answers; teacher-forced hidden states after layers "
