@@ -134,7 +134,8 @@ class SpecConfig:
     @classmethod
     def from_method(cls, method: str, drafter: str | Path | None = None, k: int | None = None) -> "SpecConfig":
         """The config a command line names: ``"ngram"`` (prompt lookup, k = 4 unless given) or ``"block"`` (the
-        ``BlockDrafter`` checkpoint folder ``drafter``, k = its trained block unless given)."""
+        ``BlockDrafter`` checkpoint folder ``drafter``, k = its trained block unless given; sampled requests get
+        drafts sampled from the drafter's distribution, which it was trained to match to the target's)."""
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method {method!r}: expected one of {SPECULATIVE_METHODS}")
         if method == "ngram":
@@ -145,7 +146,7 @@ class SpecConfig:
             raise ValueError("speculative method 'block' needs a drafter checkpoint folder (python -m "
                              "serving.train_drafter --out DIR)")
         trained = block_drafter.load_config(drafter)  # a bad folder fails here, before the target loads
-        return cls(functools.partial(BlockDrafter.load, drafter), k=k or trained.block)
+        return cls(functools.partial(BlockDrafter.load, drafter, sample=True), k=k or trained.block)
 
     def build(self, cfg: ModelConfig, params: dict) -> Drafter:
         drafter = self.drafter if isinstance(self.drafter, Drafter) else self.drafter(cfg, params)
@@ -636,15 +637,16 @@ class BlockDrafter:
             slots[s], anchors[s] = self.slots[r.seq_id], len(r.token_ids) - 1
             tail = r.token_ids[-width:]
             window_tokens[s, width - len(tail):] = tail
+        sample = self.sample and any(requests[i].params.temperature > 0 for i in live)  # else argmax drafts suffice
         sampling = None  # position j of a request's block samples as its output token num_output + j
-        if self.sample:
+        if sample:
             sampling = sampling_batch([SampleRow(requests[i].params, requests[i].seed, requests[i].num_output + j, (),
                                                  ()) for i in live for j in range(self.cfg.block)],
                                       num_seqs * self.cfg.block)
         seq_ids = np.full(num_seqs, NO_DRAFT, np.int32)
         seq_ids[:len(live)] = [requests[i].seq_id for i in live]
         tokens, q = _propose_block(self.params, self.head, self.ring, slots, seq_ids, anchors, window_tokens, sampling,
-                                   cfg=self.cfg, target=self.target_cfg, sample=self.sample)
+                                   cfg=self.cfg, target=self.target_cfg, sample=sample)
         self.num_passes += 1
         tokens = np.asarray(tokens)
         for s, i in enumerate(live):
