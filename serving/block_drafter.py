@@ -10,7 +10,8 @@ them, the last being its final RMSNorm's input) are known for ``t < a``. The dra
              (each of the F states normalized on its own, then all F + 1 vectors concatenated)
     block    z_j = m_j (learned slot vectors)          j = 1 .. k,         at position a + j     [k, D]
     L layers z += attention(z over [c ; z]) ; z += swiglu(z)    (pre-norm; every slot sees every valid
-             context entry and every slot: no causal mask inside the block)
+             context entry and every slot: no causal mask inside the block; c is the same in every layer,
+             which projects it to its own keys and values: DFlash's injection of target features)
     logits_j = rms_norm(z_j) @ head                                                               [k, V]
 
 ``E`` and ``head`` are the target's embedding and output head (frozen, shared); context entries before the

@@ -516,9 +516,8 @@ def _observe(ring: RingBuffers, hidden: jax.Array, rows: jax.Array, slots: jax.A
     """Store ``hidden[rows]`` (positions ``token_positions`` of sequences ``owners``) in ``slots`` (out of range:
     padding, skipped)."""
     at = slots, token_positions % ring.features.shape[1]
-    return RingBuffers(ring.features.at[at].set(hidden[rows].astype(ring.features.dtype), mode="drop"),
-                       ring.positions.at[at].set(token_positions, mode="drop"), ring.owners.at[at].set(owners,
-                                                                                                     mode="drop"))
+    values = hidden[rows].astype(ring.features.dtype), token_positions, owners
+    return RingBuffers(*(a.at[at].set(v, mode="drop") for a, v in zip(ring, values, strict=True)))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "target", "sample"))
@@ -655,5 +654,6 @@ class BlockDrafter:
             return Proposal(drafts)
         row_of = {i: s for s, i in enumerate(live)}
         q = q[np.array([row_of.get(i, 0) for i in range(bucket(len(requests)))])]  # [R, block, V] by request
-        return Proposal(drafts, q[:, :k] if k <= self.cfg.block else jnp.pad(q, ((0, 0), (0, k - self.cfg.block),
-                                                                                 (0, 0))))
+        if k != self.cfg.block:  # verification reads [R, k, V]
+            q = q[:, :k] if k < self.cfg.block else jnp.pad(q, ((0, 0), (0, k - self.cfg.block), (0, 0)))
+        return Proposal(drafts, q)

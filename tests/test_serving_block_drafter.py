@@ -227,6 +227,7 @@ def test_sampling_drafter_returns_its_distribution_per_request_row():
     assert q.shape == (2, K, cfg.vocab) and np.allclose(q[1].sum(-1), 1, atol=1e-5)
     assert ((q[1] > 0).sum(-1) <= 5).all()  # top-k 5 filtered
     assert all(q[1, j, t] > 0 for j, t in enumerate(proposal.tokens[1]))
+    assert np.asarray(drafter.propose(requests, K + 2).probs).shape == (2, K + 2, cfg.vocab)  # k > block: padded
     greedy = drafter.propose([DraftRequest(0, list(range(7)), 1, SamplingParams(temperature=0.0), 3, K)], K)
     assert greedy.probs is None and len(greedy.tokens[0]) == K  # all greedy: argmax drafts, no distribution
 
