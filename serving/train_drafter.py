@@ -58,6 +58,7 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 BLOCK_SIZE = 16  # KV cache block of the engines and the teacher-forced pass
 CLIP_NORM = 1.0  # global gradient norm clip
 LOG_EVERY = 500  # steps between progress lines
+SYNC_EVERY = 10  # steps the host may dispatch ahead of the device
 # Tokens per generation step: the decodes of max_running sequences plus a few new prompts' prefill. Small, so
 # that steps fall into few padded shapes (each one compiles the whole model once).
 GENERATION_TOKEN_BUDGET = 1024
@@ -302,6 +303,8 @@ def train(tc: TrainConfig, cfg: BlockDrafterConfig, target: ModelConfig, head: d
                                                   target=target, tx=tx, batch_size=tc.batch,
                                                   truncate_prob=tc.truncate_prob, soft_labels=tc.soft_labels)
         step += 1
+        if step % SYNC_EVERY == 0:  # the host would run ahead of the device, past the time budget
+            loss.block_until_ready()
         if step % LOG_EVERY == 0 or step == 1:
             rows.append({"step": step, "seconds": round(time.perf_counter() - start, 1),
                          "loss": round(float(loss), 4),
