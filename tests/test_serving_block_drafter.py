@@ -18,13 +18,14 @@ from serving.__main__ import parser
 from serving.api import cli as api_cli
 from serving.block_drafter import BlockDrafterConfig
 from serving.config import ModelConfig
+from serving.drafter_prompts import chat_prompts
 from serving.engine.engine import Engine
 from serving.engine.sampler import SampleRow, sampling_batch
 from serving.engine.sampling_params import SamplingParams
 from serving.loaders import load_model
 from serving.speculative import BlockDrafter, DraftRequest, HiddenSpan, HiddenStateDrafter, SpecConfig, verify
 from serving.structured import ConstraintSpec
-from serving.train_drafter import TrainConfig, evaluate_offline, target_data, train
+from serving.train_drafter import FINAL_LR_SHARE, TrainConfig, evaluate_offline, lr_at, target_data, train
 from tests.test_serving_api_fixture import model_folder
 
 HF = Path(__file__).parent / "fixtures" / "hf"
@@ -249,6 +250,22 @@ def test_greedy_verification_without_the_sampling_path_is_the_same():
 
 
 # --------------------------------------------------------------------------- training
+
+
+def test_training_prompts_schedule_and_config_checks():
+    train_prompts, held_out = chat_prompts(64)
+    texts = [p[0]["content"] for p in train_prompts]
+    assert len(held_out) == 64 and len(texts) > 10_000 and len(set(texts)) == len(texts)
+    assert not {p[0]["content"] for p in held_out} & set(texts)
+    tc = TrainConfig(lr=1.0, warmup=10)
+    assert lr_at(tc, 0, 0.0) == pytest.approx(0.1) and lr_at(tc, 9, 0.0) == pytest.approx(1.0)
+    assert lr_at(tc, 100, 0.5) == pytest.approx(0.55) and lr_at(tc, 100, 1.0) == pytest.approx(FINAL_LR_SHARE)
+    with pytest.raises(ValueError, match=r"TrainConfig.decay = 0: expected in \(0, 1\]"):
+        TrainConfig(decay=0)
+    with pytest.raises(ValueError, match="num_eval_prompts = 64: expected <= max_running = 32"):
+        TrainConfig(max_running=32)
+    with pytest.raises(ValueError, match="num_held_out=0: expected 0 < num_held_out"):
+        chat_prompts(0)
 
 
 def test_tiny_training_lowers_the_loss_and_raises_acceptance():
