@@ -2,24 +2,26 @@
 hidden states.
 
 A decoding sequence is ``x_0 .. x_a``: ``x_a`` is its newest token (the target's last output) and the target's
-hidden states ``h_t [F, D]`` after F of its layers (``target_layers``: by default a third, two thirds and all of
-them, the last being its final RMSNorm's input) are known for ``t < a``. The drafter predicts
-``x_{a+1} .. x_{a+k}`` at once, from the last W of them:
+hidden states are known for the positions ``t < a``. The drafter is the target's top L layers (copied, then
+fine-tuned) run on k new "slots" at positions ``a .. a + k - 1``, slot j standing for the unknown token at
+``a + j - 1`` so that its output predicts ``x_{a+j}`` (the target's own convention):
 
-    context  c_t = fc([rms_norm(h_t) ; E[x_{t+1}]])    t = a - W .. a - 1, at position t + 1     [W, D]
-             (each of the F states normalized on its own, then all F + 1 vectors concatenated)
-    block    z_j = m_j (learned slot vectors)          j = 1 .. k,         at position a + j     [k, D]
-    L layers z += attention(z over [c ; z]) ; z += swiglu(z)    (pre-norm; every slot sees every valid
-             context entry and every slot: no causal mask inside the block; c is the same in every layer,
-             which projects it to its own keys and values: DFlash's injection of target features)
-    logits_j = rms_norm(z_j) @ head                                                               [k, V]
+    slots    z_j = h^{T-L}_{a-1} + fc([rms_norm(h^{T-L}_{a-1}) ; ... ; rms_norm(h^T_{a-1}) ; E[x_a]]) + m_j  [k, D]
+    layer l  z += attention(z over [h^{T-L+l-1}_{a-W} .. h^{T-L+l-1}_{a-1} ; z]) ; z += swiglu(z)     l = 1 .. L
+    logits_j = rms_norm(z_j) @ head                                                                    [k, V]
 
-``E`` and ``head`` are the target's embedding and output head (frozen, shared); context entries before the
-sequence start are masked. Each slot's attention has the target's geometry (heads, kv heads, head dim, RoPE
-over positions relative to ``a``) and its MLP the target's width, so a drafter layer costs what a target layer
-costs, for k + W tokens. ``draft_logits`` is the whole forward; ``serving.speculative.BlockDrafter`` serves it
-and ``serving.train_drafter`` trains it. A checkpoint is a folder: ``drafter.safetensors`` (the drafter's own
-weights) and ``drafter_config.json`` (``BlockDrafterConfig`` and the target's hidden size and vocabulary).
+``h^i_t`` is the target's hidden state at position t after its layer i (``T``: its last; the final norm's
+input). Drafter layer l starts as a copy of target layer ``T - L + l`` and its context is that layer's own input,
+``h^{T-L+l-1}``, at the W positions before ``a``: at initialization its keys and values there are exactly the
+target's (DFlash injects target features into every drafter layer's keys and values; here each layer gets the
+target state it was trained on). Attention is pre-norm with RoPE, every slot sees every valid context entry and
+every slot (no causal mask inside the block); context entries before the sequence start are masked. The slots
+start from the last position's state at the depth the first copied layer reads, plus a learned mix of its
+states and the newest token's embedding ``E``, plus a learned vector ``m_j`` per slot. ``E``, the head and (for
+training) the target's final norm are the target's, frozen and shared. The drafter reads ``target_layers =
+(T - L, .., T)``; ``draft_logits`` is the whole forward, ``serving.speculative.BlockDrafter`` serves it and
+``serving.train_drafter`` trains it. A checkpoint is a folder: ``drafter.safetensors`` (the drafter's own
+weights) and ``drafter_config.json``.
 """
 
 import dataclasses
@@ -42,52 +44,46 @@ CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "drafter.safetensors"
 KIND = "block_drafter"  # the config's "kind": refuses other JSON files named like ours
 MASKED = -1e30  # attention score of an invalid context entry (finite: a row never becomes NaN)
-# Default target_layers: the outputs of these fractions of the target's layers (low, middle and top features
-# carry different information: what the tokens were, and what comes next; DFlash and EAGLE-3 fuse several).
-TARGET_LAYER_FRACTIONS = (1 / 3, 2 / 3, 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockDrafterConfig:
-    """A block drafter for a target of hidden size ``hidden`` and vocabulary ``vocab``.
+    """A block drafter for a target of hidden size ``hidden``, vocabulary ``vocab`` and ``target_depth`` layers.
 
-    target_layers: the target layers (1-based, increasing) whose output hidden states it reads, F of them.
-    block: k, the tokens proposed per pass. window: W, the positions whose hidden states it reads. layers: L.
+    block: k, the tokens proposed per pass. window: W, the positions whose hidden states it reads. layers: L,
+    copies of the target's top L layers.
     """
 
     hidden: int
     vocab: int
-    target_layers: tuple[int, ...]
+    target_depth: int
     block: int = 8
     window: int = 64
     layers: int = 2
 
     def __post_init__(self):
-        for name in ("hidden", "vocab", "block", "window", "layers"):
+        for name in ("hidden", "vocab", "target_depth", "block", "window", "layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"BlockDrafterConfig.{name} = {value!r}: expected an int >= 1")
-        layers = self.target_layers
-        if (not isinstance(layers, tuple) or not layers or not all(isinstance(l, int) and l >= 1 for l in layers)
-                or list(layers) != sorted(set(layers))):
-            raise ValueError(f"BlockDrafterConfig.target_layers = {layers!r}: expected a non-empty tuple of "
-                             "increasing layer numbers >= 1")
+        if self.layers >= self.target_depth:
+            raise ValueError(f"BlockDrafterConfig.layers = {self.layers}: expected fewer than the target's "
+                             f"{self.target_depth}")
 
     @classmethod
     def for_target(cls, target: ModelConfig, **kwargs: Any) -> "BlockDrafterConfig":
-        """A config for ``target`` (target_layers by ``TARGET_LAYER_FRACTIONS`` unless given)."""
-        layers = tuple(sorted({max(1, round(f * target.layers)) for f in TARGET_LAYER_FRACTIONS}))
-        return cls(**{"hidden": target.hidden, "vocab": target.vocab, "target_layers": layers, **kwargs})
+        return cls(hidden=target.hidden, vocab=target.vocab, target_depth=target.layers, **kwargs)
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        """The target layers (1-based) after which the drafter reads hidden states: ``T - L .. T``, F = L + 1."""
+        return tuple(range(self.target_depth - self.layers, self.target_depth + 1))
 
     def check_target(self, target: ModelConfig) -> None:
-        """The drafter shares the target's embedding and head and reads its layers' outputs: hidden size and
-        vocabulary must match, and the target must have the layers."""
-        if (self.hidden, self.vocab) != (target.hidden, target.vocab):
-            raise ValueError(f"block drafter for hidden={self.hidden}, vocab={self.vocab}: the target has "
-                             f"hidden={target.hidden}, vocab={target.vocab}")
-        if self.target_layers[-1] > target.layers:
-            raise ValueError(f"block drafter reads target layers {self.target_layers}: the target has "
-                             f"{target.layers}")
+        """The drafter shares the target's embedding and head and reads its layers: sizes must match."""
+        mine, theirs = (self.hidden, self.vocab, self.target_depth), (target.hidden, target.vocab, target.layers)
+        if mine != theirs:
+            raise ValueError(f"block drafter for (hidden, vocab, layers) = {mine}: the target has {theirs}")
 
     def layer_config(self, target: ModelConfig) -> ModelConfig:
         """The target's config with the drafter's depth: the geometry of each drafter layer."""
@@ -106,9 +102,15 @@ def layout(cfg: BlockDrafterConfig, target: ModelConfig) -> dict:
             "ctx_norm": Weight((f, d), P(), "ones"), "norm": llama.norm(lcfg), "layers": layers}
 
 
-def init_params(cfg: BlockDrafterConfig, target: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> dict:
-    """Random drafter weights (N(0, 0.02^2), norms at 1)."""
-    return llama.init_from_layout(layout(cfg, target), key, dtype)
+def init_params(cfg: BlockDrafterConfig, target: ModelConfig, key: jax.Array, target_params: dict | None = None,
+                dtype: jnp.dtype = jnp.float32) -> dict:
+    """Drafter weights: with ``target_params``, the layers and final norm copied from the target's top ones and
+    the rest random (N(0, 0.02^2), norms at 1); without, all random (tests)."""
+    params = llama.init_from_layout(layout(cfg, target), key, dtype)
+    if target_params is not None:
+        copy = lambda tree: jax.tree.map(lambda w: jnp.array(w, dtype), tree)  # own buffers (training donates them)
+        params |= {"norm": copy(target_params["norm"]), "layers": copy(target_params["layers"][-cfg.layers:])}
+    return params
 
 
 def target_head(target_params: dict) -> dict:
@@ -143,30 +145,32 @@ def _attention(p: dict, cfg: ModelConfig, z: jax.Array, ctx: jax.Array, keys_val
 
 
 def draft_logits(params: dict, head: dict, cfg: BlockDrafterConfig, target: ModelConfig, ctx_hidden: jax.Array,
-                 ctx_tokens: jax.Array, ctx_positions: jax.Array, ctx_valid: jax.Array) -> jax.Array:
+                 newest: jax.Array, ctx_positions: jax.Array, ctx_valid: jax.Array) -> jax.Array:
     """The drafter's logits for the k tokens after each of B anchors (module docstring).
 
     Args:
       params: the drafter's weights (``init_params``); head: ``target_head(target params)``, whose dtype is the
         compute dtype.
-      ctx_hidden: ``[B, W, F, D]`` target hidden states h_t; ctx_tokens: ``[B, W]`` int32 the token after each,
-        x_{t+1}; ctx_positions: ``[B, W]`` int32 ``t + 1 - a`` (in ``[1 - W, 0]``; any order); ctx_valid:
-        ``[B, W]`` bool (False: no such state, e.g. before the sequence start).
+      ctx_hidden: ``[B, W, F, D]`` the target's states after ``cfg.target_layers`` at W positions t < a, the last
+        one at ``a - 1``; newest: ``[B]`` int32 ``x_a``; ctx_positions: ``[B, W]`` int32 ``t - a`` (in
+        ``[-W, -1]``); ctx_valid: ``[B, W]`` bool (False: no such state, e.g. before the sequence start).
     Returns:
       ``[B, k, V]`` float32: row j predicts ``x_{a+1+j}``.
     """
     lcfg = cfg.layer_config(target)
     dtype = head["embed"].dtype
     params = jax.tree.map(lambda w: w.astype(dtype), params)
-    b, w = ctx_tokens.shape
-    features = rms_norm(ctx_hidden.astype(dtype), params["ctx_norm"], lcfg.rms_eps).reshape(b, w, -1)
-    ctx = jnp.concatenate([features, head["embed"][ctx_tokens]], axis=-1) @ params["fc"]  # [B, W, D]
-    z = jnp.broadcast_to(params["slots"], (b, cfg.block, lcfg.hidden))
-    positions = jnp.concatenate([ctx_positions, jnp.broadcast_to(jnp.arange(1, cfg.block + 1), (b, cfg.block))], 1)
-    keys_valid = jnp.concatenate([ctx_valid, jnp.ones((b, cfg.block), bool)], axis=1)
-    for lp in params["layers"]:
+    ctx_hidden = ctx_hidden.astype(dtype)
+    b, k = newest.shape[0], cfg.block
+    last = ctx_hidden[:, -1]  # [B, F, D] at a - 1
+    mixed = jnp.concatenate([rms_norm(last, params["ctx_norm"], lcfg.rms_eps).reshape(b, -1), head["embed"][newest]],
+                            axis=-1) @ params["fc"]
+    z = (last[:, 0] + mixed)[:, None] + params["slots"][None]  # [B, k, D]
+    positions = jnp.concatenate([ctx_positions, jnp.broadcast_to(jnp.arange(k), (b, k))], axis=1)
+    keys_valid = jnp.concatenate([ctx_valid, jnp.ones((b, k), bool)], axis=1)
+    for l, lp in enumerate(params["layers"]):
         z = z + _attention(lp["attn"], lcfg, rms_norm(z, lp["attn_norm"], lcfg.rms_eps),
-                           rms_norm(ctx, lp["attn_norm"], lcfg.rms_eps), keys_valid, positions)
+                           rms_norm(ctx_hidden[:, :, l], lp["attn_norm"], lcfg.rms_eps), keys_valid, positions)
         z = z + swiglu(rms_norm(z, lp["mlp_norm"], lcfg.rms_eps), **lp["mlp"])
     return llama.logits({**head, "norm": params["norm"]}, lcfg, z)
 
@@ -207,8 +211,6 @@ def load_config(path: str | Path) -> BlockDrafterConfig:
     unknown = sorted(set(raw) - fields)
     if unknown:
         raise ValueError(f"{config_file}: unknown keys {unknown}; expected keys among {sorted(fields)}")
-    if isinstance(raw.get("target_layers"), list):
-        raw["target_layers"] = tuple(raw["target_layers"])
     try:
         return BlockDrafterConfig(**raw)
     except TypeError as e:

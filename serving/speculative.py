@@ -522,18 +522,18 @@ def _observe(ring: RingBuffers, hidden: jax.Array, rows: jax.Array, slots: jax.A
 
 @functools.partial(jax.jit, static_argnames=("cfg", "target", "sample"))
 def _propose_block(params: dict, head: dict, ring: RingBuffers, slots: jax.Array, seq_ids: jax.Array,
-                   anchors: jax.Array, window_tokens: jax.Array, sampling: SamplingBatch | None, *,
+                   anchors: jax.Array, newest: jax.Array, sampling: SamplingBatch | None, *,
                    cfg: block_drafter.BlockDrafterConfig, target: ModelConfig,
                    sample: bool) -> tuple[jax.Array, jax.Array | None]:
-    """Drafts ``[S, k]`` (and q ``[S, k, V]``) for S sequences, each newest token at position ``anchors[s]``:
-    the context is its hidden states at ``a - W .. a - 1`` from its slot (valid where the slot holds that very
-    position of that very sequence) and ``window_tokens [S, W]``, the tokens ``x_{a-W+1} .. x_a`` after them."""
+    """Drafts ``[S, k]`` (and q ``[S, k, V]``) for S sequences, each newest token ``newest[s]`` at position
+    ``anchors[s]``: the context is its hidden states at ``a - W .. a - 1`` from its slot (valid where the slot
+    holds that very position of that very sequence)."""
     width = ring.features.shape[1]
     t = anchors[:, None] - width + jnp.arange(width)[None]  # [S, W] context positions, in order
     at = slots[:, None], t % width
     valid = (ring.positions[at] == t) & (ring.owners[at] == seq_ids[:, None]) & (t >= 0)
-    logits = block_drafter.draft_logits(params, head, cfg, target, ring.features[at], window_tokens,
-                                        t + 1 - anchors[:, None], valid)
+    logits = block_drafter.draft_logits(params, head, cfg, target, ring.features[at], newest, t - anchors[:, None],
+                                        valid)
     num_seqs, k, vocab = logits.shape
     tokens, q = _draw_drafts(logits.reshape(-1, vocab), sampling, sample)
     return tokens.reshape(num_seqs, k), None if q is None else q.reshape(num_seqs, k, vocab)
@@ -621,30 +621,24 @@ class BlockDrafter:
 
     def propose(self, requests: Sequence[DraftRequest], k: int) -> Proposal:
         """``min(k, block, max_draft)`` tokens for each request whose hidden states are observed, in one pass."""
-        width = self.cfg.window
         live = [i for i, r in enumerate(requests)
                 if r.max_draft > 0 and self.observed.get(r.seq_id) == len(r.token_ids) - 1]
         drafts: list[list[int]] = [[] for _ in requests]
         if not live:
             return Proposal(drafts)
         num_seqs = bucket(len(live))
-        slots = np.zeros(num_seqs, np.int32)
-        anchors = np.zeros(num_seqs, np.int32)
-        window_tokens = np.zeros((num_seqs, width), np.int32)
+        slots, anchors, newest, seq_ids = (np.zeros(num_seqs, np.int32) for _ in range(4))
         for s, i in enumerate(live):
             r = requests[i]
-            slots[s], anchors[s] = self.slots[r.seq_id], len(r.token_ids) - 1
-            tail = r.token_ids[-width:]
-            window_tokens[s, width - len(tail):] = tail
+            slots[s], seq_ids[s] = self.slots[r.seq_id], r.seq_id
+            anchors[s], newest[s] = len(r.token_ids) - 1, r.token_ids[-1]  # padding rows: no context (t < 0)
         sample = self.sample and any(requests[i].params.temperature > 0 for i in live)  # else argmax drafts suffice
         sampling = None  # position j of a request's block samples as its output token num_output + j
         if sample:
             sampling = sampling_batch([SampleRow(requests[i].params, requests[i].seed, requests[i].num_output + j, (),
                                                  ()) for i in live for j in range(self.cfg.block)],
                                       num_seqs * self.cfg.block)
-        seq_ids = np.full(num_seqs, NO_DRAFT, np.int32)
-        seq_ids[:len(live)] = [requests[i].seq_id for i in live]
-        tokens, q = _propose_block(self.params, self.head, self.ring, slots, seq_ids, anchors, window_tokens, sampling,
+        tokens, q = _propose_block(self.params, self.head, self.ring, slots, seq_ids, anchors, newest, sampling,
                                    cfg=self.cfg, target=self.target_cfg, sample=sample)
         self.num_passes += 1
         tokens = np.asarray(tokens)

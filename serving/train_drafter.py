@@ -7,9 +7,9 @@
    (batched; prompts are admitted for ``gen_seconds``, so a faster machine collects more), then ONE
    teacher-forced pass of the target over each prompt + answer for its hidden states after the drafter's
    ``target_layers`` (``[T, F, D]``, as a verification pass hands them to ``BlockDrafter``).
-2. training: B anchors ``a`` drawn from the answer tokens per step; the drafter sees the states at
-   ``a - W .. a - 1`` and the tokens after them and predicts ``x_{a+1} .. x_{a+k}``; loss
-   ``sum_j w_j CE_j / sum_j w_j`` with ``w_j = decay^(j-1)`` (a draft position counts only if every one before
+2. training: B anchors ``a`` drawn from the answer tokens per step; the drafter (its layers start as copies of
+   the target's top ones) sees the states at ``a - W .. a - 1`` and ``x_a`` and predicts ``x_{a+1} .. x_{a+k}``;
+   loss ``sum_j w_j CE_j / sum_j w_j`` with ``w_j = decay^(j-1)`` (a draft position counts only if every one before
    it is accepted, so the early ones matter most). ``CE_j`` is against the target's whole distribution at that
    position (self-distillation: ``softmax`` of the target's logits, recomputed from its stored final-layer
    states at ``a .. a + k - 1``; far more signal per example than its greedy token) or, with
@@ -198,9 +198,9 @@ def target_data(cfg: ModelConfig, params: dict, pairs: Sequence[tuple[list[int],
 
 
 class Batch(NamedTuple):
-    ctx_hidden: jax.Array  # [B, W, F, D]
-    ctx_tokens: jax.Array  # [B, W]
-    ctx_positions: jax.Array  # [B, W]
+    ctx_hidden: jax.Array  # [B, W, F, D] the target's states at a - W .. a - 1
+    newest: jax.Array  # [B] x_a
+    ctx_positions: jax.Array  # [B, W] t - a
     ctx_valid: jax.Array  # [B, W]
     labels: jax.Array  # [B, k] x_{a+1} .. x_{a+k}
     label_valid: jax.Array  # [B, k] within the sequence
@@ -212,7 +212,7 @@ def gather(data: TargetData, anchors: jax.Array, cfg: BlockDrafterConfig) -> Bat
     last = data.tokens.shape[0] - 1
     t = anchors[:, None] - cfg.window + jnp.arange(cfg.window)[None]  # [B, W] context positions
     targets = anchors[:, None] + 1 + jnp.arange(cfg.block)[None]  # [B, k]
-    return Batch(data.hidden[jnp.maximum(t, 0)], data.tokens[jnp.maximum(t + 1, 0)], t + 1 - anchors[:, None],
+    return Batch(data.hidden[jnp.maximum(t, 0)], data.tokens[anchors], t - anchors[:, None],
                  t >= data.starts[anchors][:, None], data.tokens[jnp.minimum(targets, last)],
                  targets < data.ends[anchors][:, None], data.hidden[jnp.minimum(targets - 1, last), -1])
 
@@ -222,7 +222,7 @@ def truncate_context(batch: Batch, key: jax.Array, prob: float) -> Batch:
     always stays)."""
     drop_key, cut_key = jax.random.split(key)
     b, w = batch.ctx_positions.shape
-    cut = jax.random.randint(cut_key, (b, 1), 1 - w, 1)  # earliest relative position kept
+    cut = jax.random.randint(cut_key, (b, 1), -w, 0)  # earliest relative position kept
     dropped = jax.random.bernoulli(drop_key, prob, (b, 1))
     return batch._replace(ctx_valid=batch.ctx_valid & (~dropped | (batch.ctx_positions >= cut)))
 
@@ -239,7 +239,7 @@ def loss_and_metrics(params: dict, head: dict, cfg: BlockDrafterConfig, target: 
                      weights: jax.Array, soft_labels: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Weighted cross-entropy over the k positions (module docstring); metrics: ``accepted [B]`` (drafts matching
     the labels before the first miss) and ``correct [k]`` (accuracy per position)."""
-    logits = block_drafter.draft_logits(params, head, cfg, target, batch.ctx_hidden, batch.ctx_tokens,
+    logits = block_drafter.draft_logits(params, head, cfg, target, batch.ctx_hidden, batch.newest,
                                         batch.ctx_positions, batch.ctx_valid)
     if soft_labels:
         p = jax.nn.softmax(jax.lax.stop_gradient(llama.logits(head, target, batch.label_hidden)), axis=-1)
@@ -285,13 +285,10 @@ def train_step(params: dict, state: Any, head: dict, data: TargetData, key: jax.
     return optax.apply_updates(params, updates), state, loss, metrics
 
 
-def train(tc: TrainConfig, cfg: BlockDrafterConfig, target: ModelConfig, head: dict, data: TargetData,
-          seconds: float, log: Callable[[str], None] = print) -> tuple[dict, list[dict]]:
-    """Train a fresh drafter for ``tc.steps`` steps or ``seconds``, whichever ends first; (params, log rows)."""
-    if tc.soft_labels and cfg.target_layers[-1] != target.layers:
-        raise ValueError(f"soft_labels needs the target's last layer ({target.layers}) among the drafter's "
-                         f"target_layers {cfg.target_layers}")
-    params = block_drafter.init_params(cfg, target, jax.random.key(tc.seed))
+def train(tc: TrainConfig, cfg: BlockDrafterConfig, target: ModelConfig, head: dict, params: dict,
+          data: TargetData, seconds: float, log: Callable[[str], None] = print) -> tuple[dict, list[dict]]:
+    """Train the drafter ``params`` (``block_drafter.init_params``; donated) for ``tc.steps`` steps or
+    ``seconds``, whichever ends first; (params, log rows)."""
     tx = optimizer(tc)
     state = tx.init(params)
     weights = position_weights(cfg, tc.decay)
@@ -397,7 +394,8 @@ def run(tc: TrainConfig, out: str | Path, model: str | Path | None = None,
     train_seconds = max(tc.time_budget - tc.eval_seconds - data_seconds, MIN_TRAIN_SHARE * tc.time_budget)
     log(f"[{elapsed()}s] training on {train_data.anchors.shape[0]} anchors ({train_data.tokens.shape[0]} tokens) "
         f"for {tc.steps} steps or {train_seconds:.0f}s")
-    params, curve = train(tc, cfg, target, head, train_data, train_seconds, log)
+    initial = block_drafter.init_params(cfg, target, jax.random.key(tc.seed), target_params)
+    params, curve = train(tc, cfg, target, head, initial, train_data, train_seconds, log)
     folder = block_drafter.save(out, cfg, params)
     log(f"[{elapsed()}s] saved {folder} after {curve[-1]['step']} steps; evaluating on {len(eval_prompts)} "
         "held-out prompts")

@@ -5,6 +5,7 @@ the target's, structured output), and a tiny training run (tiny Llama fixture)."
 import dataclasses
 import functools
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -60,9 +61,9 @@ def trained() -> tuple[dict, list[dict], dict, dict]:
     prompts, greedy = reference()
     dcfg, head = drafter_config(), block_drafter.target_head(params)
     data = target_data(cfg, params, list(zip(prompts, greedy, strict=True)), dcfg.target_layers, 64, jnp.float32)
-    untrained = block_drafter.init_params(dcfg, cfg, jax.random.key(TRAIN.seed))
-    before = evaluate_offline(untrained, head, dcfg, cfg, data, TRAIN.decay, TRAIN.batch)
-    drafter_params, curve = train(TRAIN, dcfg, cfg, head, data, seconds=600, log=lambda *_: None)
+    initial = block_drafter.init_params(dcfg, cfg, jax.random.key(TRAIN.seed), params)  # the target's top layer
+    before = evaluate_offline(initial, head, dcfg, cfg, data, TRAIN.decay, TRAIN.batch)
+    drafter_params, curve = train(TRAIN, dcfg, cfg, head, initial, data, seconds=600, log=lambda *_: None)
     after = evaluate_offline(drafter_params, head, dcfg, cfg, data, TRAIN.decay, TRAIN.batch)
     return drafter_params, curve, before, after
 
@@ -93,26 +94,26 @@ def test_forward_shapes_and_context_masking():
     rng = np.random.default_rng(0)
     batch = 3
     hidden = rng.normal(size=(batch, WINDOW, len(dcfg.target_layers), cfg.hidden)).astype(np.float32)
-    ctx_tokens = rng.integers(0, cfg.vocab, (batch, WINDOW)).astype(np.int32)
-    positions = np.broadcast_to(np.arange(1 - WINDOW, 1), (batch, WINDOW)).astype(np.int32)
+    newest = rng.integers(0, cfg.vocab, batch).astype(np.int32)
+    positions = np.broadcast_to(np.arange(-WINDOW, 0), (batch, WINDOW)).astype(np.int32)
     valid = np.ones((batch, WINDOW), bool)
     valid[0, :5] = False  # the first sequence's context starts 3 positions back
     run = jax.jit(block_drafter.draft_logits, static_argnames=("cfg", "target"))
     head = block_drafter.target_head(params)
-    logits = np.asarray(run(dparams, head, dcfg, cfg, hidden, ctx_tokens, positions, valid))
+    logits = np.asarray(run(dparams, head, dcfg, cfg, hidden, newest, positions, valid))
     assert logits.shape == (batch, K, cfg.vocab) and np.isfinite(logits).all()
     masked_changed = hidden.copy()
     masked_changed[0, :5] += 10.0
-    assert np.allclose(run(dparams, head, dcfg, cfg, masked_changed, ctx_tokens, positions, valid), logits, atol=1e-5)
+    assert np.allclose(run(dparams, head, dcfg, cfg, masked_changed, newest, positions, valid), logits, atol=1e-5)
     valid_changed = hidden.copy()
     valid_changed[0, 6] += 1.0
-    changed = np.asarray(run(dparams, head, dcfg, cfg, valid_changed, ctx_tokens, positions, valid))
+    changed = np.asarray(run(dparams, head, dcfg, cfg, valid_changed, newest, positions, valid))
     assert not np.allclose(changed[0], logits[0], atol=1e-4) and np.allclose(changed[1:], logits[1:])
 
 
 def test_checkpoint_round_trips(tmp_path):
     cfg, _ = target()
-    dcfg = drafter_config(layers=2)
+    dcfg = drafter_config(block=6)
     params = block_drafter.init_params(dcfg, cfg, jax.random.key(2))
     folder = block_drafter.save(tmp_path / "drafter", dcfg, params)
     loaded_cfg, loaded = block_drafter.load(folder, cfg)
@@ -130,8 +131,8 @@ def test_bad_checkpoints_and_configs_raise_clear_errors(tmp_path):
         block_drafter.load(tmp_path, cfg)
     folder = block_drafter.save(tmp_path / "ok", dcfg, block_drafter.init_params(dcfg, cfg, jax.random.key(0)))
     other = dataclasses.replace(cfg, hidden=cfg.hidden * 2)
-    with pytest.raises(ValueError, match=rf"hidden={cfg.hidden}, vocab={cfg.vocab}: the target has "
-                                         rf"hidden={2 * cfg.hidden}"):
+    with pytest.raises(ValueError, match=re.escape(f"(hidden, vocab, layers) = ({cfg.hidden}, {cfg.vocab}, "
+                                                   f"{cfg.layers}): the target has ({2 * cfg.hidden}, ")):
         block_drafter.load(folder, other)
     config = json.loads((folder / block_drafter.CONFIG_FILE).read_text())
     (folder / block_drafter.CONFIG_FILE).write_text(json.dumps(config | {"depth": 3}))
@@ -139,16 +140,14 @@ def test_bad_checkpoints_and_configs_raise_clear_errors(tmp_path):
         block_drafter.load(folder, cfg)
     (folder / block_drafter.CONFIG_FILE).write_text(json.dumps(config | {"window": 2 * WINDOW}))
     block_drafter.load_config(folder)  # a consistent config; the weights do not fit it:
-    (folder / block_drafter.CONFIG_FILE).write_text(json.dumps(config | {"layers": 2}))
-    with pytest.raises(ValueError, match=r"no tensor 'layers\.1\..*', expected shape"):
+    (folder / block_drafter.CONFIG_FILE).write_text(json.dumps(config | {"block": K + 2}))
+    with pytest.raises(ValueError, match=rf"shape \[{K}, {cfg.hidden}\] 'slots', expected shape \[{K + 2}, "):
         block_drafter.load(folder, cfg)
     (folder / block_drafter.CONFIG_FILE).write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         block_drafter.load(folder, cfg)
-    with pytest.raises(ValueError, match=r"target_layers = \(2, 1\): expected a non-empty tuple of increasing"):
-        drafter_config(target_layers=(2, 1))
-    with pytest.raises(ValueError, match=r"reads target layers \(1, 3\): the target has 2"):
-        drafter_config(target_layers=(1, 3)).check_target(cfg)
+    with pytest.raises(ValueError, match=r"BlockDrafterConfig.layers = 2: expected fewer than the target's 2"):
+        drafter_config(layers=2)
     with pytest.raises(ValueError, match="speculative method 'medusa': expected one of"):
         SpecConfig.from_method("medusa")
     with pytest.raises(ValueError, match="speculative method 'block' needs a drafter checkpoint"):
@@ -157,7 +156,7 @@ def test_bad_checkpoints_and_configs_raise_clear_errors(tmp_path):
         SpecConfig.from_method("block", tmp_path)
     moe = ModelConfig.from_hf(json.loads((HF / "qwen3_moe" / "config.json").read_text()))
     with pytest.raises(ValueError, match="family 'qwen3_moe'.s forward has no hidden_layers"):
-        BlockDrafter(BlockDrafterConfig.for_target(moe), {}, moe, params)
+        BlockDrafter(BlockDrafterConfig.for_target(moe, layers=1), {}, moe, params)
 
 
 # --------------------------------------------------------------------------- serving
@@ -191,9 +190,8 @@ def test_one_block_proposal_per_sequence_in_one_pass():
         n = lengths[seq_id]
         t = np.arange(n - WINDOW, n)  # context positions; the newest token is at n
         ctx = np.where((t >= 0)[:, None, None], states[seq_id][np.maximum(t, 0)], 0)
-        window_tokens = np.asarray(seqs[seq_id])[np.maximum(t + 1, 0)]
         logits = block_drafter.draft_logits(dparams, block_drafter.target_head(params), dcfg, cfg, ctx[None],
-                                            window_tokens[None], (t + 1 - n)[None], (t >= 0)[None])
+                                            np.array([seqs[seq_id][n]]), (t - n)[None], (t >= 0)[None])
         assert proposal.tokens[i] == np.asarray(jnp.argmax(logits[0], -1))[:len(proposal.tokens[i])].tolist()
     drafter.release(7)
     assert drafter.propose(requests[:1], K).tokens == [[]]
@@ -270,9 +268,10 @@ def test_training_prompts_schedule_and_config_checks():
 
 def test_tiny_training_lowers_the_loss_and_raises_acceptance():
     _, curve, before, after = trained()
-    assert curve[-1]["loss"] < curve[0]["loss"] - 0.3, curve  # soft labels: the floor is the target's entropy
-    assert after["loss"] < before["loss"] - 1, (before, after)  # cross-entropy on the greedy tokens
-    assert before["acceptance_length"] < 1.5 < 2.5 < after["acceptance_length"], (before, after)
+    assert curve[-1]["loss"] < curve[0]["loss"], curve  # soft labels: the floor is the target's entropy
+    assert after["loss"] < before["loss"] - 0.5, (before, after)  # cross-entropy on the greedy tokens
+    # The copied top layer starts at 2.1 on the fixture's repetitive greedy outputs; training nearly doubles it.
+    assert after["acceptance_length"] > before["acceptance_length"] + 1.5 and after["accuracy_per_position"][0] > 0.8
 
 
 # --------------------------------------------------------------------------- the engine
