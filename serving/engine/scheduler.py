@@ -72,16 +72,20 @@ class Scheduler:
         """This step's chunks (allocating their blocks); see the module docstring for the order."""
         chunks: list[ScheduledChunk] = []
         budget = self.token_budget
+        preemptions = self.num_preemptions
         for decoding in (True, False):
             for seq in list(self.running):
                 left = seq.num_tokens - seq.num_computed
-                if budget == 0 or seq not in self.running or (left == 1) != decoding:
+                if budget == 0 or (left == 1) != decoding or (self.num_preemptions > preemptions
+                                                                 and seq not in self.running):
                     continue
                 count = min(budget, left + (len(seq.draft_ids) if decoding else 0))
                 del seq.draft_ids[max(count - left, 0):]  # drafts past the budget (or stale ones) are dropped
                 if self._reserve(seq, count, chunks):
                     chunks.append(_chunk(seq, count))
-                budget = self.token_budget - sum(c.count for c in chunks)  # preempted chunks give theirs back
+                    budget -= count
+                if self.num_preemptions > preemptions:  # preempted chunks give theirs back
+                    budget = self.token_budget - sum(c.count for c in chunks)
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             self._take_cached_prefix(seq)
