@@ -1,17 +1,19 @@
 """Speculative decoding on SmolLM2-135M-Instruct: tokens/s with and without drafting, and acceptance length.
 
-Chat prompts (half of them ask to repeat or extend repetitive text, where prompt lookup shines) run greedily
-through the engine at concurrency 1 and 16, for each drafter: none (the baseline), ``NgramDrafter`` (prompt
-lookup), ``DraftModelDrafter.from_target`` (self-speculative: the target's first layers) and, given
-``--drafter DIR`` (a checkpoint of ``python -m serving.train_drafter``), ``BlockDrafter`` (a whole block of
-tokens in one pass from the target's hidden states; k = its trained block unless ``--block-k``). Each
-configuration runs once untimed (compiles) and once timed; the speculative outputs are checked to equal the
-baseline's tokens. Reported: output tokens/s, speed-up over the baseline, mean acceptance length (tokens
-emitted per drafted sequence-step) and acceptance rate.
+Chat prompts: the 8 below (half of them ask to repeat or extend repetitive text, where prompt lookup shines)
+and ``--held-out`` of ``serving.drafter_prompts``' held-out chats (the ones ``serving.train_drafter`` never
+trains on, same seed). At each concurrency c the engine (``max_running=c``) answers all of them greedily, for
+each drafter: none (the baseline), ``NgramDrafter`` (prompt lookup), ``DraftModelDrafter.from_target``
+(self-speculative: the target's first layers) and, given ``--drafter DIR`` (a checkpoint of
+``python -m serving.train_drafter``), ``BlockDrafter`` (a whole block of tokens in one pass from the target's
+hidden states; k = its trained block unless ``--block-k``). Each configuration runs once untimed (compiles) and
+once timed; the speculative outputs are checked to equal the baseline's tokens. Reported: output tokens/s,
+speed-up over the baseline, mean acceptance length (tokens emitted per drafted sequence-step) and acceptance
+rate.
 
 Run: ``python -m benchmarks.serving_speculative`` (CPU: writes ``results/serving_speculative_cpu.json``; on a
-GPU pass ``--name serving_speculative`` and larger ``--max-tokens``). ``--drafters none,block --drafter DIR``
-runs only those rows.
+GPU pass ``--name serving_speculative`` and larger ``--max-tokens`` and ``--held-out``). ``--drafters
+none,block --drafter DIR`` runs only those rows.
 """
 
 import argparse
@@ -22,7 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import format_table, write_results
-from serving.engine.engine import Engine
+from serving import train_drafter
+from serving.drafter_prompts import chat_prompts
+from serving.engine.engine import Engine, Prompt
 from serving.engine.sampling_params import SamplingParams
 from serving.speculative import DraftModelDrafter, NgramDrafter, SpecConfig
 
@@ -54,10 +58,15 @@ def drafters(k: int, draft_layers: int, drafter: str | None = None,
     return configs
 
 
-def run(spec: SpecConfig | None, concurrency: int, max_tokens: int) -> dict:
+def benchmark_prompts(held_out: int) -> list[Prompt]:
+    """The fixed PROMPTS, then the last ``held_out`` held-out chats of ``serving.drafter_prompts``."""
+    chats = chat_prompts(train_drafter.TrainConfig().num_eval_prompts)[1][-held_out:] if held_out else []
+    return [[{"role": "user", "content": p}] for p in PROMPTS] + chats
+
+
+def run(spec: SpecConfig | None, concurrency: int, prompts: list[Prompt], max_tokens: int) -> dict:
     engine = Engine.from_default(dtype=jnp.float32, num_blocks=512, block_size=16, max_running=concurrency,
                                  token_budget=1024, speculative=spec)
-    prompts = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(concurrency)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engine.generate(prompts, params)  # compiles the shapes this load visits
     if engine.speculative:
@@ -75,6 +84,7 @@ def run(spec: SpecConfig | None, concurrency: int, max_tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--held-out", type=int, default=0, help="held-out drafter chats added to the 8 prompts")
     parser.add_argument("--k", type=int, default=K)
     parser.add_argument("--draft-layers", type=int, default=DRAFT_LAYERS)
     parser.add_argument("--drafter", default=None, help="a block drafter checkpoint folder (adds the block row)")
@@ -89,11 +99,15 @@ def main() -> None:
         if unknown:
             parser.error(f"--drafters: unknown {unknown}; expected names among {sorted(configs)}")
         configs = {name: spec for name, spec in configs.items() if name in wanted}
+    held_out_max = train_drafter.TrainConfig().num_eval_prompts
+    if not 0 <= args.held_out <= held_out_max:
+        parser.error(f"--held-out {args.held_out}: expected 0 .. {held_out_max} (train_drafter's held-out chats)")
+    prompts = benchmark_prompts(args.held_out)
     rows = []
     for concurrency in CONCURRENCIES:
         baseline = None
         for name, spec in configs.items():
-            result = run(spec, concurrency, args.max_tokens)
+            result = run(spec, concurrency, prompts, args.max_tokens)
             baseline = baseline or result
             rows.append({"drafter": name, "concurrency": concurrency, "tokens": result["tokens"],
                          "seconds": round(result["seconds"], 3), "tokens_per_s": round(result["tokens_per_s"], 2),
@@ -108,7 +122,8 @@ def main() -> None:
     print(format_table(rows, columns))
     write_results(args.name, {"device": jax.devices()[0].device_kind, "k": args.k, "draft_layers": args.draft_layers,
                               "drafter": args.drafter, "block_k": configs["block"].k if "block" in configs else None,
-                              "max_tokens": args.max_tokens, "prompts": PROMPTS, "rows": rows})
+                              "max_tokens": args.max_tokens, "prompts": [p[0]["content"] for p in prompts],
+                              "rows": rows})
 
 
 if __name__ == "__main__":
