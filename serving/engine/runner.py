@@ -6,7 +6,9 @@ updates it in place, and no array goes back to the host between layers. Per call
 token of every sequence (the logits at its chunk's last token), their logprobs, and the per-layer expert
 counts, which the runner sums into ``expert_load [layers, experts]``. The attention kernels' metadata
 (``kv_lens``, ``chunk_starts``) comes with the batch from ``make_batch``, on the host, once per step; the
-compiled step is keyed on ``layers.kernel_mode()`` (kernels on a GPU, or as ``layers.use_kernels`` says). A runner
+compiled step is keyed on ``layers.kernel_mode()`` (kernels on a GPU, or as ``layers.use_kernels`` says) and on
+whether the step has a first prefill chunk: a step without one (``layers.all_paged``: decode steps, chunks
+continuing a cached prefix) is traced in ``layers.paged_only()``, with no packed prefill attention. A runner
 made with ``batch_invariant=True`` runs both calls through ``serving.batch_invariant`` (kernel mode
 ``layers.BATCH_INVARIANT``): a sequence's logits, tokens and logprobs are then bitwise the same in any batch and
 any chunking.
@@ -32,6 +34,9 @@ from serving.kv_cache import AttentionBatch, SeqChunk, make_batch
 from serving.structured import fill_token_bitmask
 
 MIN_TOKENS_BUCKET = 8  # the smallest padded N: decode batches of up to 8 sequences share one compile
+# The narrowest padded block table: contexts up to 16 blocks (256 tokens at block size 16) share one compile, and
+# attention's splits of a wider real context are unchanged.
+MIN_BLOCKS_BUCKET = 16
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -47,18 +52,19 @@ class StepResult(NamedTuple):
     expert_counts: np.ndarray  # [layers, experts] tokens routed to each expert this step
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg", "kernels"), donate_argnames="kv")
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "kernels", "paged_only"), donate_argnames="kv")
 def _step(params: dict, kv: Any, tokens: jax.Array, batch: Any, last: jax.Array, *, forward: Callable,
-          cfg: ModelConfig, kernels: str) -> tuple[jax.Array, Any, jax.Array]:
-    """forward over ``tokens [N]`` (traced in kernel mode ``kernels``): the logits ``[S, V]`` at the flat indices
-    ``last [S]`` (each chunk's last token), the updated cache, and the expert counts ``[layers, experts]``."""
+          cfg: ModelConfig, kernels: str, paged_only: bool) -> tuple[jax.Array, Any, jax.Array]:
+    """forward over ``tokens [N]`` (traced in kernel mode ``kernels``, within ``layers.paged_only(paged_only)``):
+    the logits ``[S, V]`` at the flat indices ``last [S]`` (each chunk's last token), the updated cache, and the
+    expert counts ``[layers, experts]``."""
 
     def model(params, tokens, batch, kv):
         return forward(params, cfg, tokens, batch, kv)
 
     if kernels == layers.BATCH_INVARIANT:  # every matmul and sum at a fixed geometry (serving.batch_invariant)
         model = batch_invariant.invariant(model)
-    with layers.use_kernels(kernels):
+    with layers.use_kernels(kernels), layers.paged_only(paged_only):
         logits, kv, expert_counts = model(params, tokens, batch, kv)
     return logits[last], kv, expert_counts
 
@@ -88,8 +94,9 @@ class ModelRunner:
     def prepare(self, chunks: list[SeqChunk], token_ids: list[list[int]]) -> tuple[np.ndarray, AttentionBatch]:
         """Flat tokens ``[N]`` and batch metadata of ``chunks``, padded to the power-of-two buckets."""
         total = sum(c.count for c in chunks)
+        widest = max(len(c.block_table) for c in chunks)
         batch = make_batch(chunks, self.block_size, num_tokens=bucket(total, MIN_TOKENS_BUCKET),
-                           num_seqs=bucket(len(chunks)), max_blocks=bucket(max(len(c.block_table) for c in chunks)))
+                           num_seqs=bucket(len(chunks)), max_blocks=bucket(widest, MIN_BLOCKS_BUCKET))
         tokens = np.zeros(batch.positions.shape, np.int32)
         tokens[:total] = np.concatenate(token_ids)
         return tokens, batch
@@ -103,8 +110,9 @@ class ModelRunner:
         last[:len(chunks)] = np.cumsum([c.count for c in chunks]) - 1
         bitmask = None if self.overlap_masks else self._masks(rows, num_seqs)
         kernels = layers.BATCH_INVARIANT if self.batch_invariant else layers.kernel_mode()
+        paged_only = layers.all_paged(batch) and not self.batch_invariant  # batch-invariant attention: all paged
         logits, self.kv, counts = _step(self.params, self.kv, tokens, batch, last, forward=self.forward, cfg=self.cfg,
-                                        kernels=kernels)  # returns at once; the device computes
+                                        kernels=kernels, paged_only=paged_only)  # returns at once; the device computes
         if self.overlap_masks:
             bitmask = self._masks(rows, num_seqs)
         sampler = _invariant_sample if self.batch_invariant else sample
