@@ -18,6 +18,9 @@ timed run dispatches ``REPS`` calls back to back and waits once, so host dispatc
     python benchmarks/serving_kernels.py                         # GPU: results/serving_kernels.json
     python benchmarks/serving_kernels.py --kernels grouped_matmul  # a subset
     python benchmarks/serving_kernels.py --cpu                   # tiny shapes, interpret-mode kernels
+    python benchmarks/serving_kernels.py --kernels flash_attention --flash-configs 128x64x8x3,128x128x8x2
+        # flash attention at these block_q x block_k x num_warps x num_stages against cuDNN and XLA, written to
+        # results/serving_kernels_flash_sweep.json
 """
 
 import argparse
@@ -61,7 +64,7 @@ SHAPES = {
 A, P, G = attention.AttentionConfig, paged_attention.PagedConfig, grouped_matmul.GroupedMatmulConfig
 SWEEPS = {  # the first config of each list is the kernel's default
     "gpu": dict(
-        flash_attention=[A(), A(128, 128, 8, 2), A(64, 64, 4, 3), A(128, 32, 4, 3), A(64, 128, 4, 2)],
+        flash_attention=[A(), A(128, 128, 8, 2), A(64, 64, 4, 3), A(128, 64, 8, 2), A(64, 32, 4, 3)],
         paged_attention=[P(), P(block_k=128), P(block_k=32), P(num_splits=2), P(block_k=128, num_warps=8)],
         paged_mla_attention=[paged_attention.MLA_CONFIG, P(16, 32, num_warps=4), P(64, 16, num_warps=8),
                              P(32, 64, num_warps=8, num_stages=2)],
@@ -131,7 +134,23 @@ def random_normal(seed: int, shape, scale: float = 1.0) -> jax.Array:
     return jnp.asarray(values, dtype=jnp.bfloat16)
 
 
-def flash_attention_rows(mode: str, interpret: bool) -> list[dict]:
+def flash_configs(text: str) -> list[attention.AttentionConfig]:
+    """``"128x64x8x3,128x128x8x2"`` -> one AttentionConfig per item (block_q x block_k x num_warps x num_stages)."""
+    configs = []
+    for item in text.split(","):
+        fields = item.strip().split("x")
+        if len(fields) != 4 or not all(f.isdigit() for f in fields):
+            raise argparse.ArgumentTypeError(f"flash config {item!r}: expected block_q x block_k x num_warps x "
+                                             f"num_stages, e.g. 128x64x8x3")
+        try:
+            configs.append(attention.AttentionConfig(*map(int, fields)))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"flash config {item!r}: {e}") from None
+    return configs
+
+
+def flash_attention_rows(mode: str, interpret: bool, configs: list | None = None) -> list[dict]:
+    """Rows for XLA and cuDNN (GPU only), then the Pallas kernel at ``configs`` (default: the mode's sweep)."""
     batch, seq, q_heads, kv_heads, head_dim = SHAPES[mode]["flash_attention"]
     q = random_normal(0, (batch, seq, q_heads, head_dim))
     k = random_normal(1, (batch, seq, kv_heads, head_dim))
@@ -148,8 +167,8 @@ def flash_attention_rows(mode: str, interpret: bool) -> list[dict]:
 
     flop = 4 * batch * q_heads * seq * seq * head_dim / 2
     nbytes = 2 * (q.size + k.size + v.size + q.size)
-    return run_kernel("flash_attention", f"B{batch}xS{seq}", impls, SWEEPS[mode]["flash_attention"], pallas,
-                      (q, k, v), reps=REPS[mode], flop=flop, nbytes=nbytes)
+    return run_kernel("flash_attention", f"B{batch}xS{seq}", impls, configs or SWEEPS[mode]["flash_attention"],
+                      pallas, (q, k, v), reps=REPS[mode], flop=flop, nbytes=nbytes)
 
 
 def block_tables(batch: int, blocks: int) -> jax.Array:
@@ -222,17 +241,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--cpu", action="store_true", help="tiny shapes, interpret-mode kernels, on the CPU")
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated subset of {KERNELS}")
     parser.add_argument("--out-dir", help="where the JSON goes (default benchmarks/results/)")
+    parser.add_argument("--flash-configs", type=flash_configs,
+                        help="flash_attention's sweep instead of the default one, e.g. 128x64x8x3,128x128x8x2 "
+                             "(block_q x block_k x num_warps x num_stages); the JSON is then "
+                             "serving_kernels_flash_sweep")
     args = parser.parse_args(argv)
     kernels = args.kernels.split(",")
     if unknown := set(kernels) - set(KERNELS):
         parser.error(f"unknown kernels {sorted(unknown)}; expected some of {KERNELS}")
+    if args.flash_configs and "flash_attention" not in kernels:
+        parser.error("--flash-configs needs flash_attention among --kernels")
     mode = "cpu" if args.cpu else "gpu"
     if mode == "gpu" and jax.default_backend() != "gpu":
         parser.error(f"the GPU benchmark needs a GPU (backend is {jax.default_backend()}); use --cpu")
-    name = "serving_kernels_cpu" if args.cpu else "serving_kernels"
+    name = "serving_kernels" + ("_cpu" if args.cpu else "") + ("_flash_sweep" if args.flash_configs else "")
     rows = []
     for kernel in kernels:
-        for row in ROWS[kernel](mode, interpret=mode == "cpu"):
+        sweep = {"configs": args.flash_configs} if kernel == "flash_attention" else {}
+        for row in ROWS[kernel](mode, interpret=mode == "cpu", **sweep):
             if mode == "gpu" and row["status"] == "ok":
                 row["tflop_pct"] = 100 * row["tflop_s"] / PEAK_TFLOP_S
                 row["bw_pct"] = 100 * row["gb_s"] / PEAK_GB_S

@@ -17,9 +17,9 @@ Design
 The wrapper turns ``seq_starts`` into each row's key range ``[key_lo, key_hi)`` (int32 ``[tokens]``, the causal
 bound folded in), so the kernel knows nothing of sequences. One program owns ``block_q`` query rows of one q
 head (grid = q tiles x q heads) and streams its keys in ``block_k`` tiles with the online softmax of
-FlashAttention-2: running row max m and sum l in fp32, in base 2 (scores pre-multiplied by log2(e)),
+FlashAttention-2: running row max m and sum l in fp32, in base 2, with c = scale log2(e) and s_j = q . k_j,
 
-    m' = max(m, max_j s_j)      l' = 2^(m - m') l + sum_j 2^(s_j - m')      acc' = 2^(m - m') acc + P V
+    m' = max(m, c max_j s_j)    p_j = 2^(c s_j - m')    l' = 2^(m - m') l + sum_j p_j    acc' = 2^(m - m') acc + PV
 
 and out = acc / l at the end (0 where l = 0). A tile may straddle sequences; the program scans the union of
 its rows' key ranges in three loops: the masked head, the interior tiles that every row sees whole (no mask
@@ -33,18 +33,27 @@ Masked scores take a finite ``MASK_VALUE`` rather than -inf: a row whose keys ar
 m = MASK_VALUE and 2^(MASK_VALUE - m) = 1 instead of NaN; its p is zeroed explicitly, and the first real key
 rescales everything before it by 2^(MASK_VALUE - m') = 0.
 
-Expected speed (H200, bf16; estimates, to be measured): per (q tile, key tile) a program does
-2 x block_q x block_k x (head_dim + v_head_dim) FLOP on tensor cores and reads (head_dim + v_head_dim) x
-block_k x 2 bytes of K and V: 128 FLOP per byte at block_q = 128. K and V come from HBM about once per q-head
-group (the q tiles and heads sharing them run close together) and from L2 otherwise, whose ~10 TB/s feeds
-tensor cores at ~80 FLOP per byte, so the kernel should be bound by MMA issue and the softmax's exp2, at
-FlashAttention-2-like rates (several hundred TFLOP/s). B=4 x S=4096, 32/8 heads, d=128, causal:
-4 x 4 x 32 x 4096^2 x 128 / 2 = 137 GFLOP.
+Speed (H200, bf16, B=4 x S=4096, 32/8 heads, d=128, causal: 4 x 4 x 32 x 4096^2 x 128 / 2 = 137 GFLOP): 346
+TFLOP/s against cuDNN's 506 (0.69x; benchmarks/results/serving_kernels.json) before the three changes below.
+In the sm_90 SASS of the interior loop (compiled offline with Triton 3.6 and ptxas), a warp spent 499
+instructions per 128 x 64 tile: 12 wgmma, 34 MUFU.EX2 and ~400 fp32 instructions around them. Both warpgroups
+of a program meet at a barrier every tile (the cp.async pipeline), so they run their softmax at the same time
+while the tensor cores wait: those instructions are on the critical path. Now 338: every exp2 is one
+``ex2.approx.ftz.f32`` (:func:`exp2`; -102 where libdevice is built without ftz, XLA's default), the scale is
+one FMA in the exp2's argument with the max taken over unscaled scores (-32), and q.k is not summed onto a
+zero (-32). At ``block_k`` = 128 a tile costs 8.0 instructions per score instead of 10.6 (the accumulator's
+rescale is paid once per 128 keys). The GPU speed of these changes is not measured yet.
+
+Not done, and why: rescaling only when the max grows (FlashAttention-4) saves nothing here, as Pallas' dot
+takes no accumulator, so ``corr * acc + P V`` is one FFMA per element either way; packing the q heads of a
+kv head into one program leaves a program's FLOP per byte of K and V at its row count, which registers cap
+at 128 (8 warps).
 """
 
 import dataclasses
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -120,20 +129,42 @@ def dot(a: jax.Array, b: jax.Array, *, transpose_b: bool = False) -> jax.Array:
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def softmax_step(scores, valid, m, l, accs, values):
+def exp2(x: jax.Array, *, approx: bool = False) -> jax.Array:
+    """``2^x`` elementwise; ``approx``: one PTX ``ex2.approx.ftz.f32`` per fp32 element (compiled Triton only).
+
+    ``jnp.exp2`` lowers to libdevice's ``__nv_exp2f``, which is ``ex2.approx.f32`` unless the module is built
+    with flush-to-zero (XLA's ``--xla_gpu_ftz``, off by default). Without ftz, ptxas wraps every MUFU.EX2 in a
+    range test and two predicated multiplies for results below 2^-126: three more fp32 instructions per score
+    (102 of 499 in the sm_90 SASS of this kernel's loop). A softmax weight that small is 0 next to the row's
+    largest weight 1, so flushing it loses nothing; otherwise both are the same 2-ulp approximation.
+    """
+    if not approx or x.dtype != jnp.float32:
+        return jnp.exp2(x)
+    [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+    return y
+
+
+def softmax_step(scores, valid, m, l, accs, values, *, scale: float = 1.0, approx_exp2: bool = False):
     """One online-softmax step over a key tile.
 
-    scores: ``[rows, keys]`` fp32 in log2 units; valid: bool, broadcastable to scores, or None (all valid);
-    m, l: ``[rows]`` running max and sum; accs: ``[rows, span]`` fp32 accumulators, one per value column
-    span; values: the matching ``[keys, span]`` value tiles. Returns the updated ``(m, l, accs)``.
+    scores: ``[rows, keys]`` fp32, whose logits in log2 units are ``scale * scores`` (``scale > 0``); valid:
+    bool, broadcastable to scores, or None (all valid); m, l: ``[rows]`` running max (log2 units) and sum;
+    accs: ``[rows, span]`` fp32 accumulators, one per value column span; values: the matching ``[keys, span]``
+    value tiles; approx_exp2: see :func:`exp2`. Returns the updated ``(m, l, accs)``.
+
+    Without a mask the scale costs one multiply-add per score: the row max is taken over the raw scores (max
+    commutes with a positive scale) and ``2^(scale s - m')`` is one FMA feeding the exp2.
     """
-    if valid is not None:
-        scores = jnp.where(valid, scores, MASK_VALUE)
-    m_next = jnp.maximum(m, jnp.max(scores, axis=1))
-    correction = jnp.exp2(m - m_next)
-    p = jnp.exp2(scores - m_next[:, None])
-    if valid is not None:
-        p = jnp.where(valid, p, 0.0)  # a row with no valid key yet has m_next = MASK_VALUE and p = 1 otherwise
+    if valid is None:
+        m_next = jnp.maximum(m, jnp.max(scores, axis=1) * scale)
+        p = exp2(scores * scale - m_next[:, None], approx=approx_exp2)
+    else:
+        logits = jnp.where(valid, scores * scale, MASK_VALUE)
+        m_next = jnp.maximum(m, jnp.max(logits, axis=1))
+        # A row with no valid key yet has m_next = MASK_VALUE, and its masked logits would give 2^0 = 1.
+        p = jnp.where(valid, exp2(logits - m_next[:, None], approx=approx_exp2), 0.0)
+    correction = exp2(m - m_next, approx=approx_exp2)
     l_next = correction * l + jnp.sum(p, axis=1)
     accs = [correction[:, None] * acc + dot(p.astype(v.dtype), v) for acc, v in zip(accs, values, strict=True)]
     return m_next, l_next, accs
@@ -149,7 +180,7 @@ def normalize(accs, l):
 
 
 def _flash_kernel(key_lo_ref, key_hi_ref, q_ref, k_ref, v_ref, o_ref, *, block_q, block_k, group, qk_scale,
-                  k_spans, v_spans, n_q_tiles):
+                  k_spans, v_spans, n_q_tiles, approx_exp2):
     tokens = q_ref.shape[0]
     tile = n_q_tiles - 1 - pl.program_id(0)  # the last (longest, when causal) q tiles launch first
     head = pl.program_id(1)
@@ -180,9 +211,12 @@ def _flash_kernel(key_lo_ref, key_hi_ref, q_ref, k_ref, v_ref, o_ref, *, block_q
             block = ref.at[pl.ds(col0, block_k), kv_head, pl.ds(s, w)]
             return plgpu.load(block, mask=key_ok, other=0.0 if masked else None)
 
-        scores = sum(dot(q, load(k_ref, s, w), transpose_b=True) for q, (s, w) in zip(qs, k_spans, strict=True))
+        # Summed from the first span's product on: Triton keeps a `0 + dot` as one FADD per score.
+        scores = functools.reduce(operator.add, [dot(q, load(k_ref, s, w), transpose_b=True)
+                                                 for q, (s, w) in zip(qs, k_spans, strict=True)])
         valid = (cols[None, :] >= key_lo[:, None]) & (cols[None, :] < key_hi[:, None]) if masked else None
-        return softmax_step(scores * qk_scale, valid, m, l, accs, [load(v_ref, s, w) for s, w in v_spans])
+        return softmax_step(scores, valid, m, l, accs, [load(v_ref, s, w) for s, w in v_spans], scale=qk_scale,
+                            approx_exp2=approx_exp2)
 
     carry = (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
              [jnp.zeros((block_q, w), jnp.float32) for _, w in v_spans])
@@ -245,7 +279,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Ar
       v: ``[tokens, kv_heads, v_head_dim]``.
       seq_starts: int ``[S+1]``: sequence s is rows ``seq_starts[s]:seq_starts[s+1]`` (nondecreasing).
       causal: a row attends to its sequence's keys up to itself (True) or to all of them.
-      scale: score scale, default ``1/sqrt(head_dim)``.
+      scale: score scale (> 0), default ``1/sqrt(head_dim)``.
       config: launch geometry (:class:`AttentionConfig`).
 
     Returns:
@@ -254,11 +288,13 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Ar
     _check(q, k, v, seq_starts)
     tokens, q_heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if not (math.isfinite(scale) and scale > 0):  # softmax_step takes the row max of the unscaled scores
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
     key_lo, key_hi = key_ranges(seq_starts, tokens, causal)
     n_q_tiles = pl.cdiv(tokens, config.block_q)
     kernel = functools.partial(_flash_kernel, block_q=config.block_q, block_k=config.block_k,
                                group=q_heads // k.shape[1], qk_scale=scale * LOG2E, k_spans=column_spans(head_dim),
-                               v_spans=column_spans(v.shape[2]), n_q_tiles=n_q_tiles)
+                               v_spans=column_spans(v.shape[2]), n_q_tiles=n_q_tiles, approx_exp2=not interpret)
     return pl.pallas_call(
         kernel,
         grid=(n_q_tiles, q_heads),

@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from pallas_kernels import attention as K
-from pallas_kernels.testing import assert_close, interpret, lower_for_h200
+from pallas_kernels.testing import assert_close, interpret, lower_for_h200, on_gpu
 
 SMALL = K.AttentionConfig(block_q=16, block_k=16)  # many tiles per sequence at test sizes
 
@@ -92,6 +93,8 @@ class TestFlashAttention:
             K.flash_attention(q.astype(jnp.bfloat16), k, v, starts)
         with pytest.raises(ValueError, match="bfloat16 or float32, got float16"):
             K.flash_attention(q.astype(jnp.float16), k, v, starts)
+        with pytest.raises(ValueError, match="scale must be a positive finite number, got -0.5"):
+            K.flash_attention(q, k, v, starts, scale=-0.5)
         with pytest.raises(ValueError, match="seq_starts must be an integer"):
             K.flash_attention(q, k, v, starts.astype(jnp.float32))
         with pytest.raises(ValueError, match="S >= 1"):
@@ -102,6 +105,39 @@ class TestFlashAttention:
             K.AttentionConfig(block_k=8)
         with pytest.raises(ValueError, match="num_stages"):
             K.AttentionConfig(num_stages=0)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["interior", "masked"])
+def test_softmax_step_folds_the_scale_into_the_exponent(masked):
+    """Raw scores with ``scale`` (the max over unscaled scores, one FMA per score) give what pre-scaled scores
+    give, including a row with no valid key yet (masked: p = 0, m stays MASK_VALUE)."""
+    rows, keys, width, scale = 8, 16, 32, 0.3
+    ks, km, kv, ka = jax.random.split(jax.random.key(5), 4)
+    scores = 4 * jax.random.normal(ks, (rows, keys))
+    m = jnp.where(jnp.arange(rows) % 3 == 0, K.MASK_VALUE, jax.random.normal(km, (rows,)))
+    l = jnp.where(m == K.MASK_VALUE, 0.0, 2.0)
+    values, acc = jax.random.normal(kv, (keys, width)), jax.random.normal(ka, (rows, width))
+    valid = (jnp.arange(keys)[None, :] < jnp.arange(rows)[:, None]) if masked else None  # row 0: no valid key
+    folded = K.softmax_step(scores, valid, m, l, [acc], [values], scale=scale)
+    prescaled = K.softmax_step(scores * scale, valid, m, l, [acc], [values])
+    for got, want in zip(jax.tree.leaves(folded), jax.tree.leaves(prescaled), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    if masked:
+        assert folded[0][0] == np.float32(K.MASK_VALUE) and folded[1][0] == 0.0
+
+
+@pytest.mark.skipif(not on_gpu(), reason="PTX inline assembly runs only in a compiled Triton kernel")
+def test_approx_exp2_matches_exp2_and_flushes_subnormals():
+    x = jnp.linspace(-140.0, 60.0, 4096, dtype=jnp.float32)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = K.exp2(x_ref[...], approx=True)
+
+    got = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x))
+    want = np.exp2(np.asarray(x, np.float64))
+    normal = want >= np.finfo(np.float32).tiny
+    np.testing.assert_allclose(got[normal], want[normal], rtol=2.0**-21)
+    np.testing.assert_array_equal(got[~normal], 0.0)
 
 
 def test_column_spans():
@@ -128,3 +164,5 @@ def test_lowers_for_h200(shape, causal):
             abstract((tokens, kv_heads, v_head_dim)), abstract((sequences + 1,), jnp.int32))
     text = lower_for_h200(functools.partial(K.flash_attention, causal=causal), *args)
     assert "triton" in text and ("flash_attention_causal" in text) == causal
+    # Every exp2 of the compiled kernel is the flush-to-zero approximation (K.exp2), none libdevice's.
+    assert "ex2.approx.ftz.f32" in text and "__nv_exp2f" not in text

@@ -27,6 +27,24 @@ def test_cpu_mode_times_every_kernel_against_its_competitor(tmp_path):
         assert all(r["rel_err"] <= BF16_RTOL for r in pallas), pallas
 
 
+def test_flash_configs_replace_the_flash_sweep(tmp_path):
+    serving_kernels.main(["--cpu", "--kernels", "flash_attention", "--flash-configs", "32x16x4x2, 16x32x2x1",
+                          "--out-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "serving_kernels_cpu_flash_sweep.json").read_text())
+    pallas = [r for r in result["rows"] if r["impl"] == "pallas"]
+    assert [r["config"] for r in pallas] == ["block_q=32,block_k=16,num_warps=4,num_stages=2",
+                                             "block_q=16,block_k=32,num_warps=2,num_stages=1"]
+    assert all(r["status"] == "ok" and r["rel_err"] <= BF16_RTOL for r in pallas), pallas
+
+
+@pytest.mark.parametrize("argv", [["--flash-configs", "128x64x8"], ["--flash-configs", "96x64x8x3"],
+                                  ["--kernels", "paged_attention", "--flash-configs", "128x64x8x3"]])
+def test_rejects_bad_flash_configs(argv, capsys):
+    with pytest.raises(SystemExit):
+        serving_kernels.main(["--cpu", *argv])
+    assert "flash" in capsys.readouterr().err
+
+
 def test_rejects_unknown_kernels():
     with pytest.raises(SystemExit):
         serving_kernels.main(["--cpu", "--kernels", "softmax"])
