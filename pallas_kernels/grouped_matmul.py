@@ -29,6 +29,13 @@ extra tensor-core work; at block_m = 64, ~12% (with smaller tiles). The bound fo
 at the 300 TFLOP/s target. Decode (64 tokens x top-8 = 512 rows, ~4 rows per expert) is bandwidth-bound: the
 touched experts' weights are 3.1 MB each (2048 x 768 bf16), ~400 MB for all 128, ~0.09 ms at 4.27 TB/s; 16-row
 tiles (the smallest tl.dot M) keep the wasted MMA work irrelevant there.
+
+Gathered rows (``gather_matmul``): ``out[r] = x[r] @ w[ids[r]]`` for rows in any order, the same kernel with
+one visit per row (group ``ids[r]``, rows ``[r, r + 1)``), read straight from ``ids``: no sort, no plan. For a
+decode step's few (token, expert) pairs this drops the sort, the visit plan and the unsort around the grouped
+matmul, each a small XLA kernel of its own. Its grid puts the rows first, so the rows of one column tile
+run together and rows sharing an expert read that tile from HBM about once (L2 serves the others). A row
+wastes 15 of its 16-row MMA tile: irrelevant where the weights' bytes bound the time.
 """
 
 import dataclasses
@@ -65,6 +72,8 @@ class GroupedMatmulConfig:
 PREFILL_CONFIG = GroupedMatmulConfig()
 # Decode (a few rows per expert): the smallest row tile, and wide K steps to keep weight bytes in flight.
 DECODE_CONFIG = GroupedMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+# gather_matmul (one row per visit): the decode geometry, measured at batch 64 (4.2 TB/s); not tuned for few rows.
+GATHER_CONFIG = DECODE_CONFIG
 DECODE_ROWS_PER_GROUP = 32  # below this mean rows per group, row tiles would be mostly padding: DECODE_CONFIG
 
 
@@ -108,10 +117,16 @@ def _and(a, b):
     return b if a is None else a if b is None else a & b
 
 
-def _gmm_kernel(plan_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, num_groups):
+def _gmm_kernel(plan_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, num_groups, per_row):
     k_dim, n_dim = w_ref.shape[1:]
-    n_tile, visit = pl.program_id(0), pl.program_id(1)
-    group, row0, row_end = plan_ref[0, visit], plan_ref[1, visit], plan_ref[2, visit]
+    if per_row:  # gather_matmul: grid (rows, column tiles); plan_ref holds ids [m]; visit r is row r
+        visit, n_tile = pl.program_id(0), pl.program_id(1)
+        group = plan_ref[visit]
+        group = jnp.where((group >= 0) & (group < num_groups), group, jnp.int32(num_groups))  # no group: zeros
+        row0, row_end = visit, visit + 1
+    else:  # grid (column tiles, visits); plan_ref is visit_plan's [3, visits]
+        n_tile, visit = pl.program_id(0), pl.program_id(1)
+        group, row0, row_end = plan_ref[0, visit], plan_ref[1, visit], plan_ref[2, visit]
     expert = jnp.minimum(group, num_groups - 1)  # the zero rows' visits read no weights (no K steps)
     col0 = n_tile * block_n
     rows_ok = (row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < row_end
@@ -140,12 +155,15 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, num
 # --------------------------------------------------------------------------- public API
 
 
-def _check(x, w, group_sizes):
+def _check(x, w, group_sizes=None, ids=None):
     if x.ndim != 2 or w.ndim != 3 or w.shape[1] != x.shape[1]:
         raise ValueError(f"x must be [m, k] and w [groups, k, n] with the same k, got {x.shape} and {w.shape}")
-    if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    if group_sizes is not None and (group_sizes.shape != (w.shape[0],)
+                                    or not jnp.issubdtype(group_sizes.dtype, jnp.integer)):
         raise ValueError(f"group_sizes must be integer [groups={w.shape[0]}], got "
                          f"{group_sizes.dtype}{list(group_sizes.shape)}")
+    if ids is not None and (ids.shape != x.shape[:1] or not jnp.issubdtype(ids.dtype, jnp.integer)):
+        raise ValueError(f"ids must be integer [m={x.shape[0]}], got {ids.dtype}{list(ids.shape)}")
     if x.dtype != w.dtype or x.dtype not in DTYPES:
         raise ValueError(f"x and w must share one dtype, bfloat16 or float32; got {x.dtype} and {w.dtype}")
 
@@ -166,23 +184,49 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dt
       ``[m, n]``; rows past ``sum(group_sizes)`` are 0.
     """
     _check(x, w, group_sizes)
-    m, num_groups, n = x.shape[0], w.shape[0], w.shape[2]
+    m, num_groups = x.shape[0], w.shape[0]
     config = config or default_config(m, num_groups)
-    block_n = min(config.block_n, max(MIN_TILE, pl.next_power_of_2(n)))  # no all-padding tiles for small n
     if (visits := max_visits(m, num_groups, config.block_m)) > MAX_GRID_Y:
         raise ValueError(f"{m} rows in blocks of {config.block_m} over {num_groups} groups need {visits} visits, "
                          f"more than CUDA's {MAX_GRID_Y} grid rows; use a larger block_m")
     plan = visit_plan(group_sizes, m, config.block_m)
+    return _launch(plan, x, w, config, out_dtype, interpret, per_row=False)
+
+
+def _launch(plan, x, w, config, out_dtype, interpret, *, per_row):
+    """The kernel over ``plan`` (visit_plan's ``[3, visits]``, or ``per_row``: ids ``[m]``, one visit a row)."""
+    m, num_groups, n = x.shape[0], w.shape[0], w.shape[2]
+    block_n = min(config.block_n, max(MIN_TILE, pl.next_power_of_2(n)))  # no all-padding tiles for small n
     kernel = functools.partial(_gmm_kernel, block_m=config.block_m, block_n=block_n, block_k=config.block_k,
-                               num_groups=num_groups)
+                               num_groups=num_groups, per_row=per_row)
+    n_tiles = pl.cdiv(n, block_n)
     return pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(n, block_n), plan.shape[1]),
+        grid=(m, n_tiles) if per_row else (n_tiles, plan.shape[1]),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name="grouped_matmul",
+        name="gather_matmul" if per_row else "grouped_matmul",
     )(plan, x, w)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def gather_matmul(x: jax.Array, w: jax.Array, ids: jax.Array, *, out_dtype=None,
+                  config: GroupedMatmulConfig = GATHER_CONFIG, interpret: bool = False) -> jax.Array:
+    """``out[r] = x[r] @ w[ids[r]]`` for rows in any order (module docstring) in one launch.
+
+    Args:
+      x: ``[m, k]``, bfloat16 or float32.
+      w: ``[groups, k, n]``, x's dtype.
+      ids: int ``[m]``: each row's group; an id outside ``[0, groups)`` gives a row of zeros (no weights read).
+      out_dtype: output dtype (default x's); accumulation is always fp32.
+      config: launch geometry; one row of each ``block_m``-row tile is used.
+
+    Returns:
+      ``[m, n]``.
+    """
+    _check(x, w, ids=ids)
+    return _launch(ids.astype(jnp.int32), x, w, config, out_dtype, interpret, per_row=True)
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None) -> jax.Array:
@@ -191,3 +235,12 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     out = jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
     return out.astype(out_dtype or x.dtype)
+
+
+def gather_matmul_reference(x: jax.Array, w: jax.Array, ids: jax.Array, *, out_dtype=None) -> jax.Array:
+    """:func:`gather_matmul` in plain jnp: each row times its gathered matrix ``w[ids[r]]`` (fp32 accumulation)."""
+    _check(x, w, ids=ids)
+    known = (ids >= 0) & (ids < w.shape[0])
+    out = jnp.einsum("mk,mkn->mn", x, w[jnp.where(known, ids, 0)], precision=jax.lax.Precision.HIGHEST,
+                     preferred_element_type=jnp.float32)
+    return jnp.where(known[:, None], out, 0.0).astype(out_dtype or x.dtype)

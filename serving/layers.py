@@ -17,8 +17,14 @@ plain-jnp references), chosen once per op by ``jax.lax.platform_dependent`` in `
   values read back from their just-written slots. Both kernels see all N tokens; a token not theirs costs a
   program with no key to read. The documented price of this split: a chunk continuing a cached prefix reads
   its context once per token (from L2 mostly: its tokens are neighbouring programs), not once per chunk.
-* ``moe``'s three expert matmuls run as ``grouped_matmul`` (plain weights of the activations' dtype;
-  quantized weights keep ``quantize.linear``).
+  Within ``paged_only()`` every token goes through ``paged_attention`` with ``position + 1`` keys (a first
+  chunk's K/V are written before attention), and the packed kernel with its gathers is not traced: right for
+  any batch, and what a step without a first prefill chunk (``all_paged``: decode steps) should run. The
+  runner keys its compiled step on it.
+* ``moe``'s three expert matmuls run as ``grouped_matmul`` over the (token, expert) pairs sorted by expert
+  (plain weights of the activations' dtype; quantized weights keep ``quantize.linear``); up to
+  ``PAIRWISE_MAX_ROWS`` pairs (decode) as ``gather_matmul`` over the pairs unsorted, each pair a row read
+  with its expert's weights: no sort, visit plan or unsort kernels.
 
 A shape or dtype a kernel does not take (head dims not a multiple of 16, mixed dtypes) runs the reference.
 ``use_kernels("interpret")`` runs the kernels in Pallas' interpreter on any platform (tests) and
@@ -56,7 +62,7 @@ import numpy as np
 
 from pallas_kernels import attention as attention_kernels
 from pallas_kernels import paged_attention as paged_kernels
-from pallas_kernels.grouped_matmul import DECODE_CONFIG, grouped_matmul
+from pallas_kernels.grouped_matmul import DECODE_CONFIG, gather_matmul, grouped_matmul
 from serving.config import ModelConfig, RopeConfig
 from serving.kv_cache import AttentionBatch
 from serving.quantize import Weight, linear
@@ -71,8 +77,12 @@ MLA_FLASH_CONFIG = attention_kernels.AttentionConfig(block_q=32, block_k=32, num
 INVARIANT_SPLIT_TOKENS = 512
 # Batch-invariant experts: the decode geometry, at every row count (decode is most of a serving step's launches).
 INVARIANT_GROUPED_CONFIG = DECODE_CONFIG
+# Up to this many (token, expert) pairs (8 decode tokens at top-8), the expert kernels take the pairs unsorted
+# (gather_matmul); a few distinct experts per pair then, and no sort, plan or unsort kernels around them.
+PAIRWISE_MAX_ROWS = 64
 
 _kernel_mode = contextvars.ContextVar("serving_kernel_mode", default="auto")
+_paged_only = contextvars.ContextVar("serving_paged_only", default=False)
 
 
 @contextlib.contextmanager
@@ -90,6 +100,24 @@ def use_kernels(mode: str) -> Iterator[None]:
 def kernel_mode() -> str:
     """The kernel mode functions are traced with now: "auto" unless inside ``use_kernels``."""
     return _kernel_mode.get()
+
+
+@contextlib.contextmanager
+def paged_only(enabled: bool = True) -> Iterator[None]:
+    """Within the block (if ``enabled``), trace attention's kernel path with every token through the paged kernel,
+    no packed ``flash_attention`` (module docstring). Right for any batch; meant for those where ``all_paged``."""
+    token = _paged_only.set(enabled)
+    try:
+        yield
+    finally:
+        _paged_only.reset(token)
+
+
+def all_paged(batch: AttentionBatch) -> bool:
+    """True when every real token of the host-side ``batch`` reads its context from the pages (``kv_lens > 0``:
+    decode tokens, chunks continuing a cached prefix), i.e. the batch has no first prefill chunk."""
+    kv_lens, seq_ids = np.asarray(batch.kv_lens), np.asarray(batch.seq_ids)
+    return bool((kv_lens[seq_ids >= 0] > 0).all())
 
 
 def _dispatch(kernel: Callable, reference: Callable, *args: Any, supported: bool = True) -> jax.Array:
@@ -236,36 +264,67 @@ def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
     """Routed-expert SwiGLU: ``y_n = sum_j w_nj * swiglu_{e_nj}(x_n)`` over each token's top-k experts.
 
     params: ``router [D, E]``, ``gate``/``up [E, D, I]``, ``down [E, I, D]``, optionally ``router_bias [E]``
-    (choice-only bias, sigmoid router). x ``[N, D]``; ``valid [N]`` marks real tokens (default all).
-    The N*k (token, expert) pairs are sorted by expert so that each expert's rows are contiguous, the three
-    expert matmuls run over those groups (``expert_matmul``), and the rows are unsorted and combined.
+    (choice-only bias, sigmoid router). x ``[N, D]``; ``valid [N]`` marks real tokens (default all). The N*k
+    (token, expert) pairs run through ``expert_outputs``; a padding token's pairs name no expert (id E): they
+    read no weights and give 0, so padding tokens' outputs are 0.
     Returns y ``[N, D]`` and the number of valid tokens routed to each expert ``[E]`` int32.
     """
-    num_tokens, num_experts = x.shape[0], params["router"].shape[-1]
+    num_experts = params["router"].shape[-1]
     # Router logits in the activation dtype for softmax routers and fp32 for sigmoid, as in the HF models.
     logits_dtype = jnp.float32 if cfg.router == "sigmoid" else x.dtype
     logits = jnp.dot(x, params["router"], preferred_element_type=logits_dtype)
     weights, experts = route(logits, cfg, params.get("router_bias"))
-    flat = experts.reshape(-1)  # [N*k]
-    order = jnp.argsort(flat, stable=True)  # pair indices, grouped by expert
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    rows = x[order // cfg.top_k]  # [N*k, D]
-    out_sorted = expert_swiglu(rows, params, group_sizes)  # [N*k, D]
-    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, cfg.top_k, -1)
+    if valid is not None:
+        experts = jnp.where(valid[:, None], experts, num_experts)
+    out = expert_outputs(x, params, experts)  # [N, k, D]
     y = jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights).astype(x.dtype)
-    valid = jnp.ones(num_tokens, jnp.bool_) if valid is None else valid
-    counts = jnp.bincount(flat, weights=jnp.repeat(valid, cfg.top_k).astype(jnp.int32), length=num_experts)
-    return y, counts.astype(jnp.int32)
+    return y, jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)  # id E is not counted
 
 
-def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: jax.Array,
+def expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array) -> jax.Array:
+    """Each token through each of its experts: x ``[N, D]``, experts ``[N, k]`` (id E: none, that output is 0)
+    -> ``[N, k, D]``, the SwiGLU experts of ``moe``'s params.
+
+    Up to ``PAIRWISE_MAX_ROWS`` (token, expert) pairs of plain weights (decode), the GPU kernel path runs each
+    pair as its own row of ``gather_matmul``, in pair order: no sort. Otherwise the pairs are sorted by expert so
+    that each expert's rows are contiguous, run through the grouped matmuls (``expert_matmul``) and unsorted;
+    that is also the reference path, and batch-invariant mode's (one grouped geometry at every row count).
+    """
+    plain = all(isinstance(params[name], jax.Array) and params[name].dtype == x.dtype
+                for name in ("gate", "up", "down")) and x.dtype in attention_kernels.DTYPES
+    if experts.size > PAIRWISE_MAX_ROWS or not plain or kernel_mode() == BATCH_INVARIANT:
+        return _sorted_expert_outputs(x, params, experts)
+    return _dispatch(_gathered_expert_outputs, _sorted_expert_outputs, x, params, experts)
+
+
+def _sorted_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array) -> jax.Array:
+    """``expert_outputs`` through the grouped matmuls: the N*k pairs sorted by expert (id E sorts last, past every
+    group: zeros), ``expert_swiglu``, and back in pair order."""
+    num_tokens, top_k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pair indices, grouped by expert
+    group_sizes = jnp.bincount(flat, length=params["gate"].shape[0]).astype(jnp.int32)
+    out_sorted = expert_swiglu(x[order // top_k], params, group_sizes)  # [N*k, D]
+    return jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, top_k, -1)
+
+
+def _gathered_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array, *,
+                             interpret: bool) -> jax.Array:
+    """``expert_outputs`` with pair n*k + j (token n, its j-th expert) one row of ``gather_matmul`` (no sort)."""
+    num_tokens, top_k = experts.shape
+    out = expert_swiglu(jnp.repeat(x, top_k, axis=0), params, experts.reshape(-1),
+                        matmul=lambda rows, w, ids: gather_matmul(rows, w, ids, interpret=interpret))
+    return out.reshape(num_tokens, top_k, -1)
+
+
+def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], groups: jax.Array,
                   matmul: Callable[[jax.Array, Weight, jax.Array], jax.Array] | None = None) -> jax.Array:
-    """SwiGLU of rows ``[M, D]`` sorted by expert, each through its expert's ``gate``/``up [E, D, I]`` and
-    ``down [E, I, D]`` (rows past ``sum(group_sizes)`` come out 0). ``matmul(x, w, group_sizes)`` defaults to
-    :func:`expert_matmul`."""
+    """SwiGLU of rows ``[M, D]`` each through its expert's ``gate``/``up [E, D, I]`` and ``down [E, I, D]``.
+    ``matmul(x, w, groups)`` defaults to :func:`expert_matmul`, where ``groups`` are the group sizes ``[E]`` of rows
+    sorted by expert (rows past their sum come out 0)."""
     matmul = matmul or expert_matmul
-    hidden = jax.nn.silu(matmul(rows, params["gate"], group_sizes)) * matmul(rows, params["up"], group_sizes)
-    return matmul(hidden, params["down"], group_sizes)
+    hidden = jax.nn.silu(matmul(rows, params["gate"], groups)) * matmul(rows, params["up"], groups)
+    return matmul(hidden, params["down"], groups)
 
 
 def expert_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:
@@ -299,6 +358,11 @@ def _new_rows(pages: jax.Array, batch: AttentionBatch) -> jax.Array:
     return pages.reshape(-1, *pages.shape[2:])[jnp.maximum(batch.slot_mapping, 0)]
 
 
+def _causal_lengths(batch: AttentionBatch) -> jax.Array:
+    """``[N]`` keys each token sees in the cache once its chunk is written: ``position + 1`` (0 for padding)."""
+    return jnp.where(batch.seq_ids >= 0, batch.positions + 1, 0)
+
+
 def _invariant_paged(batch: AttentionBatch, page_size: int,
                      config: paged_kernels.PagedConfig) -> tuple[jax.Array, jax.Array, paged_kernels.PagedConfig]:
     """Batch-invariant mode's paged-kernel arguments (module docstring): each token's block table padded to whole
@@ -308,17 +372,19 @@ def _invariant_paged(batch: AttentionBatch, page_size: int,
     tables = _token_tables(batch)
     width = math.ceil(tables.shape[1] / split_pages) * split_pages
     tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))  # page 0: past every length, never read
-    lengths = jnp.where(batch.seq_ids >= 0, batch.positions + 1, 0)
-    return tables, lengths, dataclasses.replace(config, num_splits=width // split_pages)
+    return tables, _causal_lengths(batch), dataclasses.replace(config, num_splits=width // split_pages)
 
 
 def _paged_attention_kernels(q, k_pages, v_pages, batch, scale, *, interpret):
     """The kernel path of ``paged_attention`` (module docstring): paged rows where ``kv_lens > 0``, else packed;
-    all paged in batch-invariant mode."""
+    all paged in batch-invariant mode and within ``paged_only``."""
     if kernel_mode() == BATCH_INVARIANT:
         tables, lengths, config = _invariant_paged(batch, k_pages.shape[1], paged_kernels.PagedConfig())
         return paged_kernels.paged_attention(q, k_pages, v_pages, tables, lengths, scale=scale, config=config,
                                              interpret=interpret)
+    if _paged_only.get():
+        return paged_kernels.paged_attention(q, k_pages, v_pages, _token_tables(batch), _causal_lengths(batch),
+                                             scale=scale, interpret=interpret)
     paged = paged_kernels.paged_attention(q, k_pages, v_pages, _token_tables(batch), batch.kv_lens, scale=scale,
                                           interpret=interpret)
     packed = attention_kernels.flash_attention(q, _new_rows(k_pages, batch), _new_rows(v_pages, batch),
@@ -371,6 +437,9 @@ def _paged_mla_attention_kernels(q_latent, q_rope, latent_pages, batch, scale, *
         tables, lengths, config = _invariant_paged(batch, latent_pages.shape[1], paged_kernels.MLA_CONFIG)
         return paged_kernels.paged_mla_attention(q_latent, q_rope, latent_pages, tables, lengths, scale=scale,
                                                  config=config, interpret=interpret)
+    if _paged_only.get():
+        return paged_kernels.paged_mla_attention(q_latent, q_rope, latent_pages, _token_tables(batch),
+                                                 _causal_lengths(batch), scale=scale, interpret=interpret)
     rank = q_latent.shape[-1]
     paged = paged_kernels.paged_mla_attention(q_latent, q_rope, latent_pages, _token_tables(batch), batch.kv_lens,
                                               scale=scale, interpret=interpret)

@@ -1,5 +1,5 @@
-"""pallas_kernels.grouped_matmul: the MoE grouped matmul against jax.lax.ragged_dot, its visit plan, and the H200
-lowering."""
+"""pallas_kernels.grouped_matmul: the MoE grouped matmul against jax.lax.ragged_dot, its visit plan, gather_matmul
+(rows in any order), and the H200 lowering."""
 
 import functools
 
@@ -80,6 +80,45 @@ class TestGroupedMatmul:
             K.GroupedMatmulConfig(block_k=8)
         with pytest.raises(ValueError, match="num_stages"):
             K.GroupedMatmulConfig(num_stages=0)
+
+
+class TestGatherMatmul:
+    """gather_matmul: ``x[r] @ w[ids[r]]`` for rows in any order, an id outside the groups a zero row."""
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+    def test_matches_ragged_dot_on_the_rows_sorted(self, dtype):
+        num_groups, m = 5, 21
+        x, w, _ = inputs(3, m, 40, 48, [0] * num_groups, dtype)  # k and n not multiples of the blocks
+        ids = jnp.asarray(np.random.default_rng(0).integers(-1, num_groups + 2, m), jnp.int32)  # some out of range
+        out = K.gather_matmul(x, w, ids, config=K.GroupedMatmulConfig(16, 32, 16), interpret=interpret())
+        assert_close(out, K.gather_matmul_reference(x, w, ids))
+        known = np.flatnonzero((ids >= 0) & (ids < num_groups))
+        order = known[np.argsort(np.asarray(ids)[known], kind="stable")]
+        sizes = jnp.bincount(ids[order], length=num_groups).astype(jnp.int32)
+        assert_close(out[order], K.grouped_matmul_reference(x[order], w, sizes))
+        unknown = np.setdiff1d(np.arange(m), known)
+        assert len(unknown) and not np.asarray(out[unknown], np.float32).any()
+
+    def test_rows_of_unknown_or_unused_groups_never_read_weights(self):
+        x, w, _ = inputs(4, 6, 32, 32, [0, 0, 0, 0])
+        ids = jnp.asarray([2, 0, 4, 2, -1, 0], jnp.int32)  # groups 1 and 3 unused; 4 and -1 are not groups
+        poisoned = w.at[jnp.asarray([1, 3])].set(jnp.nan)
+        out = K.gather_matmul(x, poisoned, ids, config=K.GroupedMatmulConfig(16, 16, 16), interpret=interpret())
+        assert_close(out, K.gather_matmul_reference(x, w, ids))
+
+    def test_rejects_bad_ids(self):
+        x, w, _ = inputs(0, 8, 16, 16, [0, 0])
+        with pytest.raises(ValueError, match=r"ids must be integer \[m=8\], got float32\[8\]"):
+            K.gather_matmul(x, w, jnp.zeros(8, jnp.float32))
+        with pytest.raises(ValueError, match=r"ids must be integer \[m=8\], got int32\[7\]"):
+            K.gather_matmul_reference(x, w, jnp.zeros(7, jnp.int32))
+
+    @pytest.mark.parametrize("k, n", [(2048, 768), (768, 2048)], ids=["up", "down"])
+    def test_lowers_for_h200(self, k, n):
+        """The Qwen3-30B-A3B expert matmuls at 8 decode tokens x top-8 = 64 pairs."""
+        args = (jax.ShapeDtypeStruct((64, k), jnp.bfloat16), jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16),
+                jax.ShapeDtypeStruct((64,), jnp.int32))
+        assert 'name = "gather_matmul"' in lower_for_h200(K.gather_matmul, *args)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -5,6 +5,7 @@ models give the same logits through it, and a whole decode step lowered for an H
 
 import dataclasses
 import functools
+import re
 from pathlib import Path
 
 import jax
@@ -47,15 +48,21 @@ def normal(seed: int, shape, dtype) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), dtype)
 
 
-def in_mode(mode: str, fn, *args):
+def in_mode(mode: str, fn, *args, paged_only: bool = False):
     """``jax.jit(fn)(*args)`` traced in kernel mode ``mode`` (a fresh jit: the mode is read while tracing)."""
-    with layers.use_kernels(mode):
+    with layers.use_kernels(mode), layers.paged_only(paged_only):
         return jax.jit(fn)(*args)
 
 
+def traced_kernels(mode: str, fn, *args, paged_only: bool = False) -> set[str]:
+    """The names of the Pallas kernels ``fn(*args)`` runs, traced in kernel mode ``mode``."""
+    with layers.use_kernels(mode), layers.paged_only(paged_only):
+        jaxpr = str(jax.make_jaxpr(fn)(*args))
+    return set(re.findall(r"pallas_call\[.*?\bname=(\w+)", jaxpr, flags=re.DOTALL))
+
+
 def runs_a_pallas_kernel(mode: str, fn, *args) -> bool:
-    with layers.use_kernels(mode):
-        return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+    return bool(traced_kernels(mode, fn, *args))
 
 
 def test_make_batch_splits_tokens_between_the_paged_and_packed_kernels():
@@ -66,29 +73,44 @@ def test_make_batch_splits_tokens_between_the_paged_and_packed_kernels():
     np.testing.assert_array_equal(batch.chunk_starts, [0, 1, 7, 8, 9, 10, 11, 12] + [12] * 9)
 
 
+# Within layers.paged_only() every token attends through the paged kernel (first prefill chunks too): no packed
+# flash_attention, and the same result on any batch.
+PAGED_ONLY = pytest.mark.parametrize("paged_only", [False, True], ids=["split", "paged_only"])
+
+
+@PAGED_ONLY
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_paged_attention_kernels_equal_the_reference_on_a_mixed_batch(dtype):
+def test_paged_attention_kernels_equal_the_reference_on_a_mixed_batch(dtype, paged_only):
     heads, kv_heads, head_dim, v_dim = 8, 2, 32, 16
     q = normal(0, (NUM_TOKENS, heads, head_dim), dtype)
     k_pages = normal(1, (NUM_BLOCKS, BLOCK, kv_heads, head_dim), dtype)
     v_pages = normal(2, (NUM_BLOCKS, BLOCK, kv_heads, v_dim), dtype)
     attend = functools.partial(layers.paged_attention, scale=head_dim**-0.5)
     args = (q, k_pages, v_pages, mixed_batch())
-    assert runs_a_pallas_kernel("interpret", attend, *args)
-    kernels, reference = in_mode("interpret", attend, *args), in_mode("reference", attend, *args)
-    assert_close(kernels, reference)
+    expected_kernels = {"paged_attention"} if paged_only else {"paged_attention", "flash_attention_causal"}
+    assert traced_kernels("interpret", attend, *args, paged_only=paged_only) == expected_kernels
+    kernels = in_mode("interpret", attend, *args, paged_only=paged_only)
+    assert_close(kernels, in_mode("reference", attend, *args))
     assert float(jnp.abs(kernels[:12].astype(jnp.float32)).min(axis=(1, 2)).max()) > 0  # real tokens attend
     assert not np.asarray(kernels[12:], np.float32).any()  # padding tokens give zeros, as in the reference
 
 
+@PAGED_ONLY
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_paged_mla_attention_kernels_equal_the_reference_on_a_mixed_batch(dtype):
+def test_paged_mla_attention_kernels_equal_the_reference_on_a_mixed_batch(dtype, paged_only):
     heads, rank, rope = 4, 32, 16
     args = (normal(0, (NUM_TOKENS, heads, rank), dtype), normal(1, (NUM_TOKENS, heads, rope), dtype),
             normal(2, (NUM_BLOCKS, BLOCK, rank + rope), dtype), mixed_batch())
     attend = functools.partial(layers.paged_mla_attention, scale=(rank + rope) ** -0.5)
-    assert runs_a_pallas_kernel("interpret", attend, *args)
-    assert_close(in_mode("interpret", attend, *args), in_mode("reference", attend, *args))
+    expected_kernels = {"paged_mla_attention"} | (set() if paged_only else {"flash_attention_causal"})
+    assert traced_kernels("interpret", attend, *args, paged_only=paged_only) == expected_kernels
+    assert_close(in_mode("interpret", attend, *args, paged_only=paged_only), in_mode("reference", attend, *args))
+
+
+def test_all_paged_is_true_for_a_batch_without_a_first_prefill_chunk():
+    assert not layers.all_paged(mixed_batch())  # it has a first chunk (start 0)
+    decode_and_continue = [c for c in CHUNKS if c.start > 0]
+    assert layers.all_paged(make_batch(decode_and_continue, BLOCK, num_tokens=NUM_TOKENS, num_seqs=NUM_SEQS))
 
 
 def test_unsupported_head_dims_run_the_reference():
@@ -102,19 +124,29 @@ def moe_config() -> ModelConfig:
     return read_checkpoint(HF / "qwen3_moe")[0]
 
 
+# Up to layers.PAIRWISE_MAX_ROWS (token, expert) pairs the experts run as gather_matmul, past it grouped_matmul.
+@pytest.mark.parametrize("tokens, kernel", [(layers.PAIRWISE_MAX_ROWS // 2, "gather_matmul"),
+                                            (layers.PAIRWISE_MAX_ROWS, "grouped_matmul")])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_moe_grouped_matmul_equals_ragged_dot(dtype):
-    cfg = moe_config()
+def test_moe_expert_kernels_equal_ragged_dot(dtype, tokens, kernel):
+    cfg = moe_config()  # top-2: 32 tokens are 64 pairs, 64 tokens 128
     e, d, i = cfg.num_experts, cfg.hidden, cfg.moe_intermediate
     params = {"router": normal(0, (d, e), dtype), "gate": normal(1, (e, d, i), dtype) * d**-0.5,
               "up": normal(2, (e, d, i), dtype) * d**-0.5, "down": normal(3, (e, i, d), dtype) * i**-0.5}
-    x = normal(4, (24, d), dtype)
-    run = functools.partial(layers.moe, cfg=cfg)
-    assert runs_a_pallas_kernel("interpret", run, x, params)
-    (y, counts), (y_ref, counts_ref) = in_mode("interpret", run, x, params), in_mode("reference", run, x, params)
+    x = normal(4, (tokens, d), dtype)
+    valid = jnp.arange(tokens) < tokens - 3  # three padding tokens: their pairs read no expert
+
+    def run(x, params, valid):
+        return layers.moe(x, params, cfg, valid)
+
+    assert traced_kernels("interpret", run, x, params, valid) == {kernel}
+    (y, counts), (y_ref, counts_ref) = (in_mode("interpret", run, x, params, valid),
+                                        in_mode("reference", run, x, params, valid))
     assert_close(y, y_ref)
+    assert float(jnp.abs(y[:-3].astype(jnp.float32)).min(axis=1).max()) > 0
+    assert not np.asarray(y[-3:], np.float32).any()  # padding tokens come out 0 in both paths
     np.testing.assert_array_equal(counts, counts_ref)
-    assert int(counts.sum()) == 24 * cfg.top_k
+    assert int(counts.sum()) == (tokens - 3) * cfg.top_k
 
 
 def test_quantized_experts_keep_the_ragged_dot_path():
@@ -158,9 +190,10 @@ def mixed_steps(name: str) -> list[np.ndarray]:
     return out
 
 
+@PAGED_ONLY
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "llama", "mixtral"])
-def test_fixture_models_give_the_reference_logits_through_the_kernels(name):
-    with layers.use_kernels("interpret"):
+def test_fixture_models_give_the_reference_logits_through_the_kernels(name, paged_only):
+    with layers.use_kernels("interpret"), layers.paged_only(paged_only):
         kernels = mixed_steps(name)
     with layers.use_kernels("reference"):
         reference = mixed_steps(name)
@@ -195,20 +228,23 @@ def test_runner_keys_its_compiled_step_on_the_kernel_mode():
 # --------------------------------------------------------------------------- H200 lowering
 
 
-@pytest.mark.parametrize("name, kernels", [
-    ("qwen3_moe", {"paged_attention", "flash_attention_causal", "grouped_matmul"}),
-    ("deepseek_v3", {"paged_mla_attention", "flash_attention_causal", "grouped_matmul"}),
-])
-def test_a_whole_decode_step_lowers_to_the_triton_kernels_for_an_h200(name, kernels):
+@PAGED_ONLY
+@pytest.mark.parametrize("name, attention", [("qwen3_moe", "paged_attention"), ("deepseek_v3", "paged_mla_attention")])
+def test_a_whole_decode_step_lowers_to_the_triton_kernels_for_an_h200(name, attention, paged_only):
+    """A decode step (8 padded tokens: at most 24 expert pairs) lowers to the paged kernel and gather_matmul, with
+    no sort; within paged_only (as the runner traces it) without the packed prefill kernel."""
     cfg, params = fixture(name, jnp.bfloat16)
     batch = make_batch([SeqChunk([2, 5], 6, 1), SeqChunk([7], 1, 1)], BLOCK, num_tokens=8, num_seqs=2)
+    assert layers.all_paged(batch)
     kv = jax.eval_shape(lambda: create_cache(cfg, NUM_BLOCKS, jnp.bfloat16))
     step = functools.partial(model_module(cfg.family).forward, cfg=cfg)
-    text = lower_for_h200(lambda p, t, b, c: step(p, tokens=t, batch=b, kv=c), params,
-                          jax.ShapeDtypeStruct((8,), jnp.int32), batch, kv)
+    with layers.paged_only(paged_only):
+        text = lower_for_h200(lambda p, t, b, c: step(p, tokens=t, batch=b, kv=c), params,
+                              jax.ShapeDtypeStruct((8,), jnp.int32), batch, kv)
     assert TRITON_CALL_TARGET in text
-    for kernel in kernels:
-        assert f'name = "{kernel}"' in text, kernel
+    assert f'name = "{attention}"' in text and 'name = "gather_matmul"' in text
+    assert ('name = "flash_attention_causal"' in text) != paged_only
+    assert 'name = "grouped_matmul"' not in text and "stablehlo.sort" not in text  # no sort, no visit plan
     assert "ragged_dot" not in text  # the reference branch is not lowered for cuda
 
 
