@@ -11,15 +11,16 @@ Moment storage (the ``codec``):
   * ``fp32``: m, v in float32 (8 B/param).
   * ``bf16``: m, v in bfloat16 (4 B/param), stored with stochastic rounding so that v still decays when
     ``b2 v`` rounds back to ``v`` (b2 = 0.999 is below bf16's resolution).
-  * ``int8``: each row of 256 is a block with an fp32 absmax scale; m as signed int8 codes, v as unsigned
-    uint8 codes (2.03 B/param). The ``power`` map stores y = sign(x) |x/s|^(1/2) for m and (v/s)^(1/4)
-    for v, linearly in y, which gives small moments far more resolution than the ``linear`` map (x/s).
-    Codes are stochastically rounded. Rows below ``n_plain_rows`` (small tensors) keep fp32 moments.
+  * ``int8``: each row of 256 is a block with an fp32 scale s (its absmax, padded by a few parts in a million);
+    m as signed int8 codes, v as unsigned uint8 codes (2.03 B/param). The ``power`` map stores
+    y = sign(x) |x/s|^(1/2) for m and (v/s)^(1/4) for v, linearly in y, which gives small moments far more
+    resolution than the ``linear`` map (x/s). Codes are stochastically rounded. Rows below ``n_plain_rows``
+    (small tensors) keep fp32 moments.
     A block holding a NaN stores a NaN scale, so a NaN is never decoded as a number.
 
 Random bits come from a counter-based hash of (seed, step, stream, element index), so results do not
-depend on the launch geometry: one 32-bit hash rounds m (low half) and v (high half), another the bf16
-parameters.
+depend on the launch geometry: one 32-bit hash rounds m (low bits) and v (high bits: 16 for bf16, 15 for
+8-bit codes), another the bf16 parameters.
 """
 
 import dataclasses
@@ -90,7 +91,7 @@ def fmix32(h: jax.Array) -> jax.Array:
 
 def stream_keys(seed: jax.Array, step: jax.Array, group: int) -> jax.Array:
     """uint32[4] keys of one step of one buffer group: [0] rounds the params, [1] the moments (m with the low
-    16 bits, v with the high 16); [2:] are spare, keeping the key block a power of 2."""
+    bits, v with the high ones); [2:] are spare, keeping the key block a power of 2."""
     base = fmix32(jnp.asarray(seed).astype(jnp.uint32) ^ fmix32(jnp.asarray(step).astype(jnp.uint32)))
     streams = jnp.arange(4, dtype=jnp.uint32) + jnp.uint32(4 * group)
     return fmix32(base + streams * jnp.uint32(_GOLDEN))
@@ -101,12 +102,23 @@ def random_bits(index: jax.Array, key: jax.Array) -> jax.Array:
     return fmix32(index * jnp.uint32(_GOLDEN) + key)
 
 
-def uniform(bits: jax.Array) -> jax.Array:
-    """float32 in [0, 1) from the low 16 random bits (ample for rounding to 8-bit codes)."""
-    return (bits & jnp.uint32(0xFFFF)).astype(jnp.int32).astype(jnp.float32) * (1.0 / (1 << 16))
-
-
 TINY = 1e-30  # keeps rsqrt finite at 0 (x * rsqrt(x + TINY) = 0 there); far below any moment that matters
+# 8-bit codes cross between int and float through float bit patterns, never through an int<->float convert or a
+# floor (on an H200 those run at rsqrt's 1/8 of the FMA rate, and with 6 rsqrts were the int8 kernel's busiest unit):
+#   * decode: the float with bit pattern CODE_MAGIC_BITS + c is CODE_MAGIC + c (the ulp there is 1), so
+#     c = bitcast(CODE_MAGIC_BITS + c) - CODE_MAGIC exactly;
+#   * encode: for 0 <= t < 256, SR_BASE + t lies in [256, 512) where the ulp is 2^-15, so the float's bits 15-22
+#     hold floor(t) and bits 0-14 its next 15 fraction bits: adding 15 random bits k to the pattern and keeping
+#     bits 15-22 gives floor(t + k / 2^15), the stochastic rounding of t (t itself rounded to 2^-15 first).
+CODE_MAGIC = 1.5 * 2**23
+CODE_MAGIC_BITS = 0x4B400000
+SR_BASE = 256.0
+SR_FRACTION_BITS = 15
+# Each row's scale root sits this far above the row's max |q| (see quantize_rows), so top * |q| / root < top by far
+# more than the rounding of the reciprocal (2 ulp for the GPU's division): no code ever needs clamping.
+SCALE_PAD = 1 + 2**-20
+INF_BITS = 0x7F800000  # |x|'s bit pattern as an int32 orders like |x|; Inf is this, NaN above it
+NAN_BITS = 0x7FC00000
 
 
 def fast_sqrt(x: jax.Array) -> jax.Array:
@@ -122,30 +134,73 @@ def round_to_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
     return jnp.where(x != x, x, rounded).astype(jnp.bfloat16)
 
 
-def quantize_rows(x, bits, *, signed: bool, quant_map: str):
-    """float32 [r, 256] -> (codes int8|uint8 [r, 256], scale f32 [r]); NaN or Inf in a row -> NaN scale."""
-    scale = jnp.max(jnp.where(x != x, jnp.inf, jnp.abs(x)), axis=1)  # one reduction sees NaN and Inf
-    scale = jnp.where(scale == jnp.inf, jnp.nan, scale)
-    y = x * (1.0 / jnp.where(scale > 0, scale, 1.0))[:, None]
-    if quant_map == "power":
-        y = jnp.where(y < 0, -fast_sqrt(-y), fast_sqrt(y)) if signed else fast_sqrt(fast_sqrt(y))
-    top = INT8_MAX if signed else UINT8_MAX
-    codes = jnp.floor(y * top + uniform(bits))
-    codes = jnp.clip(codes, -top if signed else 0.0, top)
-    codes = codes.astype(jnp.int32)
-    return codes.astype(jnp.int8 if signed else jnp.uint8), scale
+def _code_max(signed: bool) -> float:
+    return INT8_MAX if signed else UINT8_MAX
+
+
+def row_absmax(q: jax.Array) -> jax.Array:
+    """max |q| over each row of ``q`` [r, 256] -> [r]; NaN where a row holds NaN or Inf.
+
+    Reduced over |q|'s bit patterns as int32, which order like the values with Inf and NaN above every
+    finite number: one integer max per element, no NaN test.
+    """
+    top = jnp.max(jax.lax.bitcast_convert_type(q, jnp.int32) & 0x7FFFFFFF, axis=1)
+    return jax.lax.bitcast_convert_type(jnp.where(top >= INF_BITS, NAN_BITS, top), jnp.float32)
+
+
+def stochastic_round_to_code(t: jax.Array, bits: jax.Array, *, signed: bool) -> jax.Array:
+    """floor(t + k / 2^15) as int8 (``signed``, |t| <= 127) or uint8 (0 <= t <= 255), k the low 15 of ``bits``.
+
+    E[code] = t up to t's rounding to 2^-15 (see SR_BASE). Signed t is moved to [0, 256) by 128; adding 128 more
+    to the integer part wraps the low byte back to the two's complement code.
+    """
+    shift = 128 if signed else 0
+    raw = jax.lax.bitcast_convert_type(t + (SR_BASE + shift), jnp.uint32)
+    raw = raw + (bits & jnp.uint32((1 << SR_FRACTION_BITS) - 1)) + jnp.uint32(shift << SR_FRACTION_BITS)
+    return (raw >> SR_FRACTION_BITS).astype(jnp.int8 if signed else jnp.uint8)  # keeps the low byte
+
+
+def quantize_rows(x, bits, *, signed: bool, quant_map: str, sqrt_x=None):
+    """float32 [r, 256] -> (codes int8|uint8 [r, 256], scale f32 [r]); NaN or Inf in a row -> NaN scale.
+
+    Codes are the stochastic rounding (:func:`stochastic_round_to_code`, 15 bits of ``bits``) of top * y,
+    top = 127 (signed) or 255, with y = x / s (``linear``) or, ``power``, y = sign(x) |x/s|^(1/2) (signed, m)
+    or (x/s)^(1/4) (unsigned, v; x >= 0), s the row's scale, just above max |x|. The root q = sign(x) |x|^(1/2)
+    or x^(1/4) is taken first and y = q / root, root = max |q| * SCALE_PAD and s = root^2 or root^4: the same
+    map, with one rsqrt per element for m, one for v given ``sqrt_x`` (sqrt(x), which the Adam step has).
+    """
+    if quant_map == "linear":
+        q = x
+    elif signed:
+        q = x * jax.lax.rsqrt(jnp.abs(x) + TINY)
+    else:
+        q = fast_sqrt(fast_sqrt(x) if sqrt_x is None else sqrt_x)
+    root = row_absmax(q) * SCALE_PAD
+    to_code = _code_max(signed) / jnp.where(root > 0, root, 1.0)
+    codes = stochastic_round_to_code(q * to_code[:, None], bits, signed=signed)
+    if quant_map == "linear":
+        return codes, root
+    root2 = root * root
+    return codes, root2 if signed else root2 * root2
 
 
 def dequantize_rows(codes, scale, *, signed: bool, quant_map: str):
-    """Inverse of :func:`quantize_rows` (up to rounding): [r, 256] codes, [r] scale -> float32."""
-    y = codes.astype(jnp.int32).astype(jnp.float32) * (1.0 / (INT8_MAX if signed else UINT8_MAX))
-    if quant_map == "power":
-        y = y * jnp.abs(y) if signed else (y * y) * (y * y)
-    return y * scale[:, None]
+    """Inverse of :func:`quantize_rows` (up to rounding): [r, 256] codes, [r] scale -> float32.
+
+    x = s c / top (``linear``), s c |c| / top^2 (signed ``power``) or s c^4 / top^4 (unsigned ``power``).
+    """
+    c = jax.lax.bitcast_convert_type(codes.astype(jnp.int32) + CODE_MAGIC_BITS, jnp.float32) - CODE_MAGIC
+    top = _code_max(signed)
+    if quant_map == "linear":
+        return c * (scale * (1 / top))[:, None]
+    if signed:
+        return (c * jnp.abs(c)) * (scale * (1 / top**2))[:, None]
+    c2 = c * c
+    return (c2 * c2) * (scale * (1 / top**4))[:, None]
 
 
 def adam_direction(p, g, m, v, hp: Hyper, decay, fast: bool):
-    """New (m, v) and the AdamW direction u (all float32), in optax's operation order.
+    """New (m, v), sqrt(v) and the AdamW direction u (all float32), in optax's operation order.
 
     The bias corrections enter as scalar reciprocals. ``fast`` (bf16 and int8 moments, whose storage error
     is ~1e-3) also takes sqrt and 1/(sqrt(v_hat) + eps) from the hardware rsqrt; fp32 keeps IEEE sqrt and
@@ -155,11 +210,13 @@ def adam_direction(p, g, m, v, hp: Hyper, decay, fast: bool):
     v = hp.one_minus_b2 * (g * g) + hp.b2 * v
     m_hat = m * (1 / hp.bias_correction1)
     if fast:
-        denom = fast_sqrt(v) * jax.lax.rsqrt(hp.bias_correction2) + hp.eps  # >= eps, so denom^2 > 0
+        sqrt_v = fast_sqrt(v)
+        denom = sqrt_v * jax.lax.rsqrt(hp.bias_correction2) + hp.eps  # >= eps, so denom^2 > 0
         u = m_hat * jax.lax.rsqrt(denom * denom)
     else:
-        u = m_hat / (jnp.sqrt(v) * (1 / jnp.sqrt(hp.bias_correction2)) + hp.eps)
-    return m, v, u + (hp.weight_decay * decay) * p
+        sqrt_v = jnp.sqrt(v)
+        u = m_hat / (sqrt_v * (1 / jnp.sqrt(hp.bias_correction2)) + hp.eps)
+    return m, v, sqrt_v, u + (hp.weight_decay * decay) * p
 
 
 def finish(p, u, hp: Hyper, out_dtype, bits, apply: bool):
@@ -191,8 +248,8 @@ def _adamw_kernel(hp_ref, key_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_
     fast = codec != "fp32"
 
     def dense(m_ref, v_ref, m_out, v_out):
-        m, v, u = adam_direction(p, g, m_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32), hp, decay,
-                                 fast)
+        m, v, _, u = adam_direction(p, g, m_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32), hp,
+                                    decay, fast)
         bits = random_bits(index, key_ref[1])  # low half rounds m, high half rounds v
         m_out[...] = store_dense(m, bits, m_out.dtype)
         v_out[...] = store_dense(v, bits >> 16, v_out.dtype)
@@ -206,11 +263,11 @@ def _adamw_kernel(hp_ref, key_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_
         mq, vq, ms, vs = state_in[:4]
         m = dequantize_rows(mq[...], ms[...], signed=True, quant_map=quant_map)
         v = dequantize_rows(vq[...], vs[...], signed=False, quant_map=quant_map)
-        m, v, u = adam_direction(p, g, m, v, hp, decay, fast)
+        m, v, sqrt_v, u = adam_direction(p, g, m, v, hp, decay, fast)
         mq_out, vq_out, ms_out, vs_out = state_out[:4]
         bits = random_bits(index, key_ref[1])
         mq_out[...], ms_out[...] = quantize_rows(m, bits, signed=True, quant_map=quant_map)
-        vq_out[...], vs_out[...] = quantize_rows(v, bits >> 16, signed=False, quant_map=quant_map)
+        vq_out[...], vs_out[...] = quantize_rows(v, bits >> 17, signed=False, quant_map=quant_map, sqrt_x=sqrt_v)
         out_ref[...] = finish(p, u, hp, out_ref.dtype, random_bits(index, key_ref[0]), apply)
 
     if n_plain_tiles == 0:
@@ -316,7 +373,7 @@ def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_
 
     if codec != "int8":
         m, v = state
-        m_new, v_new, u = adam_direction(pf, gf, m.astype(jnp.float32), v.astype(jnp.float32), hp, decay, fast)
+        m_new, v_new, _, u = adam_direction(pf, gf, m.astype(jnp.float32), v.astype(jnp.float32), hp, decay, fast)
         new_state = (store_dense(m_new, bits[1], m.dtype), store_dense(v_new, bits[2], v.dtype))
         return finish(pf, u, hp, out_dtype, bits[0], apply), new_state
 
@@ -327,8 +384,10 @@ def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_
     if n:
         m_parts.insert(0, state[4])
         v_parts.insert(0, state[5])
-    m_new, v_new, u = adam_direction(pf, gf, jnp.concatenate(m_parts), jnp.concatenate(v_parts), hp, decay, fast)
+    m_new, v_new, sqrt_v, u = adam_direction(pf, gf, jnp.concatenate(m_parts), jnp.concatenate(v_parts), hp, decay,
+                                             fast)
     mq_new, ms_new = quantize_rows(m_new[n:], bits[1][n:], signed=True, quant_map=quant_map)
-    vq_new, vs_new = quantize_rows(v_new[n:], bits[2][n:], signed=False, quant_map=quant_map)
+    vq_new, vs_new = quantize_rows(v_new[n:], bits[1][n:] >> 17, signed=False, quant_map=quant_map,
+                                   sqrt_x=sqrt_v[n:])
     new_state = (mq_new, vq_new, ms_new, vs_new) + ((m_new[:n], v_new[:n]) if n else ())
     return finish(pf, u, hp, out_dtype, bits[0], apply), new_state

@@ -115,13 +115,77 @@ def test_power_map_resolves_small_moments_better_than_linear(signed):
     assert errors["power"] < 0.5 * errors["linear"], errors
 
 
-def test_nan_in_a_block_is_never_decoded_as_a_number():
-    x = jnp.ones((2, K.ROW)).at[1, 5].set(jnp.nan)
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+@pytest.mark.parametrize("quant_map", K.QUANT_MAPS)
+def test_nan_or_inf_in_a_block_is_never_decoded_as_a_number(bad, quant_map):
+    x = jnp.ones((2, K.ROW)).at[1, 5].set(bad)
     bits = jnp.zeros(x.shape, jnp.uint32)
-    for signed in (True, False):
-        codes, scale = K.quantize_rows(x, bits, signed=signed, quant_map="power")
-        back = K.dequantize_rows(codes, scale, signed=signed, quant_map="power")
+    for signed in (True, False) if bad != -jnp.inf else (True,):
+        codes, scale = K.quantize_rows(x, bits, signed=signed, quant_map=quant_map)
+        back = K.dequantize_rows(codes, scale, signed=signed, quant_map=quant_map)
         assert bool(jnp.isfinite(back[0]).all()) and bool(jnp.isnan(back[1]).all())
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_code_rounding_is_unbiased(signed):
+    """Over all 2^15 random fractions, codes take the two integers around t with mean t (to t's 2^-15 grid)."""
+    k = jnp.arange(1 << K.SR_FRACTION_BITS, dtype=jnp.uint32)
+    targets = [-126.7, -3.25, -0.4, 0.0, 0.3, 64.125, 126.99] if signed else [0.0, 0.3, 64.125, 200.6, 254.99]
+    for t in targets:
+        codes = np.asarray(K.stochastic_round_to_code(jnp.full(k.shape, t, jnp.float32), k, signed=signed))
+        assert codes.dtype == (np.int8 if signed else np.uint8)
+        assert set(np.unique(codes).tolist()) <= {np.floor(t), np.floor(t) + 1}, (t, np.unique(codes))
+        assert abs(codes.astype(np.float64).mean() - t) <= 2.0**-K.SR_FRACTION_BITS, t
+
+
+@pytest.mark.parametrize("quant_map", K.QUANT_MAPS)
+def test_codes_never_leave_their_range(quant_map):
+    """A row whose every |x| equals its max codes to +-127 (never -128) or 255, even rounded up by the largest
+    random fraction: the scale's headroom covers the reciprocal's rounding."""
+    key = jax.random.key(3)
+    peaks = jnp.exp(jax.random.uniform(key, (64, 1), minval=-30, maxval=10))  # any magnitude
+    signs = jnp.where(jnp.arange(K.ROW) % 2 == 0, 1.0, -1.0)
+    for signed, x in ((True, peaks * signs), (False, jnp.broadcast_to(peaks, (64, K.ROW)))):
+        top = 127 if signed else 255
+        for fill in (0, 0xFFFFFFFF):  # the smallest and the largest random fraction
+            codes, _ = K.quantize_rows(x, jnp.full(x.shape, fill, jnp.uint32), signed=signed, quant_map=quant_map)
+            codes = np.asarray(codes, np.int32)
+            assert set(np.unique(np.abs(codes)).tolist()) <= {top - 1, top}, (fill, np.unique(codes))
+            assert codes.max() == (top if fill else top - 1), fill  # a peak rounds up only by the largest fraction
+
+
+def test_decoding_is_the_documented_map():
+    """The stored format (what a checkpoint means): x = s c / top, s c |c| / top^2 (m) or s c^4 / top^4 (v)."""
+    scale = jnp.array([1.0, 3e-7], jnp.float32)
+    for signed, dtype, top in ((True, jnp.int8, 127.0), (False, jnp.uint8, 255.0)):
+        c = np.arange(-127, 128) if signed else np.arange(256)
+        codes = jnp.asarray(np.stack([c, c[::-1]]), dtype)
+        c64 = np.asarray(codes, np.float64)
+        s64 = np.asarray(scale, np.float64)[:, None]
+        expected = {"linear": s64 * c64 / top,
+                    "power": s64 * c64 * np.abs(c64) / top**2 if signed else s64 * c64**4 / top**4}
+        for quant_map in K.QUANT_MAPS:
+            back = np.asarray(K.dequantize_rows(codes, scale, signed=signed, quant_map=quant_map), np.float64)
+            np.testing.assert_allclose(back, expected[quant_map], rtol=3e-7, atol=0)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_power_codes_round_the_map_without_bias(signed):
+    """Averaged over many draws, a code is top * y with y = sign(x) |x/s|^(1/2) (m) or (x/s)^(1/4) (v)."""
+    key = jax.random.key(4)
+    x = jnp.exp(jax.random.uniform(key, (4, K.ROW), minval=-12, maxval=0))
+    x = x * jnp.sign(jax.random.normal(key, x.shape)) if signed else x
+    index = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
+    draw = lambda seed: K.quantize_rows(x, K.random_bits(index, seed), signed=signed, quant_map="power")
+    codes, scales = jax.jit(jax.vmap(draw))(jnp.arange(256, dtype=jnp.uint32))
+    scale = scales[0]
+    np.testing.assert_array_equal(scales, jnp.broadcast_to(scale, scales.shape))  # independent of the bits
+    mean_code = np.asarray(codes, np.float64).mean(axis=0)
+    y = np.asarray(x / scale[:, None], np.float64)
+    y = np.sign(y) * np.sqrt(np.abs(y)) if signed else y**0.25
+    error = mean_code - (127 if signed else 255) * y
+    # 256 draws of {n, n+1}: each mean's standard error is at most 0.5 / 16, the average error's 32x less
+    assert np.abs(error).max() < 5 * 0.5 / 16 and abs(error.mean()) < 0.005, (np.abs(error).max(), error.mean())
 
 
 def test_hash_streams_differ_and_are_deterministic():
