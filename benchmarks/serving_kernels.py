@@ -64,7 +64,7 @@ SHAPES = {
 A, P, G = attention.AttentionConfig, paged_attention.PagedConfig, grouped_matmul.GroupedMatmulConfig
 SWEEPS = {  # the first config of each list is the kernel's default
     "gpu": dict(
-        flash_attention=[A(), A(128, 128, 8, 2), A(64, 64, 4, 3), A(128, 64, 8, 2), A(64, 32, 4, 3)],
+        flash_attention=[A(), A(128, 128, 8, 2), A(128, 64, 8, 4), A(128, 64, 8, 2), A(64, 64, 4, 3)],
         paged_attention=[P(), P(block_k=128), P(block_k=32), P(num_splits=2), P(block_k=128, num_warps=8)],
         paged_mla_attention=[paged_attention.MLA_CONFIG, P(16, 32, num_warps=4), P(64, 16, num_warps=8),
                              P(32, 64, num_warps=8, num_stages=2)],

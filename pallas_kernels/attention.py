@@ -47,7 +47,7 @@ rescale is paid once per 128 keys). The GPU speed of these changes is not measur
 Not done, and why: rescaling only when the max grows (FlashAttention-4) saves nothing here, as Pallas' dot
 takes no accumulator, so ``corr * acc + P V`` is one FFMA per element either way; packing the q heads of a
 kv head into one program leaves a program's FLOP per byte of K and V at its row count, which registers cap
-at 128 (8 warps).
+at 128 (8 warps); exp2 on bf16 pairs, since ptxas splits sm_90's ``ex2.approx.ftz.bf16x2`` into two MUFU ops.
 """
 
 import dataclasses
