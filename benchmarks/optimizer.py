@@ -10,9 +10,12 @@ moments read and written (16 B fp32, 8 B bf16, 2 B + scales int8), over the meas
     python benchmarks/optimizer.py                 # GPU: results/optimizer.json + optimizer.png
     python benchmarks/optimizer.py --cpu           # small CPU mode: results/optimizer_cpu.json
     python benchmarks/optimizer.py --layouts 4x32M --groups apexw-fused   # a subset, merged into the JSON
+    python benchmarks/optimizer.py --groups apexw-fused --kernel-file old_adamw.py   # another version of the
+        # kernel (git show REV:pallas_kernels/adamw.py > old_adamw.py), timed alike: results/optimizer_old_adamw.json
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -37,6 +40,17 @@ TIMEOUT_S = {"optax": 100, "apexw-transform": 120}
 DEFAULT_TIMEOUT_S = 400
 BLOCK_SWEEP = [(2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]  # (block_rows, num_warps)
 LR = 1e-3
+
+
+def use_kernel_file(path: str) -> None:
+    """Make ``path`` (a version of pallas_kernels/adamw.py) the kernel module that apex_jax imports."""
+    import pallas_kernels
+
+    spec = importlib.util.spec_from_file_location("pallas_kernels.adamw", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    pallas_kernels.adamw = module
 
 
 # ----------------------------------------------------------------------------- workers (one subprocess each)
@@ -169,9 +183,10 @@ def sweep_worker(n: int, size: int) -> list[dict]:
 # ----------------------------------------------------------------------------- parent
 
 
-def run_case(group: str, layout: str, shape: tuple[int, int], blocks: dict, timeout: float) -> list[dict]:
+def run_case(group: str, layout: str, shape: tuple[int, int], blocks: dict, timeout: float,
+             kernel_file: str | None = None) -> list[dict]:
     cmd = [sys.executable, __file__, "--worker", group, "--shape", f"{shape[0]}x{shape[1]}",
-           "--blocks", json.dumps(blocks)]
+           "--blocks", json.dumps(blocks)] + (["--kernel-file", kernel_file] if kernel_file else [])
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     start = time.perf_counter()
     try:
@@ -233,6 +248,8 @@ def main() -> None:
     parser.add_argument("--groups", help=f"comma-separated subset of {GROUPS}")
     parser.add_argument("--blocks", default="{}", help='launch geometry per kind, e.g. {"int8": [8, 4]}; '
                         "kinds not given are swept on the GPU")
+    parser.add_argument("--kernel-file", help="time ApexW with this version of pallas_kernels/adamw.py instead; "
+                        "results go to optimizer_<file stem>.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -240,6 +257,8 @@ def main() -> None:
     if args.worker:
         n, size = map(int, args.shape.split("x"))
         blocks = {k: tuple(v) for k, v in json.loads(args.blocks).items()}
+        if args.kernel_file:
+            use_kernel_file(args.kernel_file)
         if args.worker == "sweep":
             rows = sweep_worker(n, size)
         elif args.worker in ("torch", "bnb", "torchao"):
@@ -255,11 +274,14 @@ def main() -> None:
     groups = args.groups.split(",") if args.groups else [
         g for g in GROUPS if not (args.cpu and g in ("torch", "bnb", "torchao"))]
     name = "optimizer_cpu" if args.cpu else "optimizer"
+    kernel_file = str(Path(args.kernel_file).resolve()) if args.kernel_file else None
+    if kernel_file:  # another kernel's timings never mix with this tree's
+        name += "_" + Path(kernel_file).stem
 
     blocks, sweep = json.loads(args.blocks), []
     if "apexw-fused" in groups and not args.cpu and set(STATE_KINDS) - set(blocks):
         sweep_shape = GPU_LAYOUTS["4x32M"]
-        sweep = run_case("sweep", "4x32M", sweep_shape, {}, DEFAULT_TIMEOUT_S)
+        sweep = run_case("sweep", "4x32M", sweep_shape, {}, DEFAULT_TIMEOUT_S, kernel_file)
         for kind in STATE_KINDS:
             ok = [r for r in sweep if r.get("state") == kind]
             if ok:
@@ -271,7 +293,7 @@ def main() -> None:
     rows = []
     for layout, (n, size) in layouts.items():
         for group in groups:
-            case = run_case(group, layout, (n, size), blocks, TIMEOUT_S.get(group, DEFAULT_TIMEOUT_S))
+            case = run_case(group, layout, (n, size), blocks, TIMEOUT_S.get(group, DEFAULT_TIMEOUT_S), kernel_file)
             rows += finish_rows(case, layout, n, size, None if args.cpu else BANDWIDTH_TB_S)
             merged = rows
             if old:  # a partial run replaces its own rows only
