@@ -27,6 +27,14 @@ hf cases (``hf_worker``): ``AutoModelForCausalLM.from_config`` (random bf16 weig
 B prompts of ``CONTEXT`` random tokens: time to first token = ``generate(max_new_tokens=1)``; decode tokens/s
 = B * HF_NEW_TOKENS / (T(1 + HF_NEW_TOKENS tokens) - T(1 token)), greedy, default (dynamic) cache.
 
+Decode steps without a prefill chunk are traced in ``serving.layers.paged_only()``, as the engine's runner traces
+them (every token through the paged attention kernel, no packed prefill kernel).
+
+``--profile``: no timing rows; for each decode batch (``--batches``) of the serving engine, ``PROFILE_STEPS`` decode
+steps traced with ``jax.profiler`` (CUPTI on a GPU), and per step: wall time (untraced), the GPU kernels' summed
+time and count (per layer too), and the kernels grouped by name (numeric suffixes dropped: XLA's
+``loop_add_fusion_12`` counts as ``loop_add_fusion``), most time first.
+
 Each (model, engine) runs in its own subprocess under a time limit and prints a row per measurement as it
 goes, so a compile that never ends or a missing package costs the rows not yet printed; the JSON is written
 after every case, and a subset run (``--models``, ``--engines``, ``--layers``) replaces only its own rows
@@ -38,15 +46,22 @@ after every case, and a subset run (``--models``, ``--engines``, ``--layers``) r
     python benchmarks/serving_decode.py --models qwen3-30b-a3b --engines serving --layers 8
     python benchmarks/serving_decode.py --models moe-1b --engines serving --batch-invariant   # + serving-bi rows
     python benchmarks/serving_decode.py --cpu                            # tiny model, CPU, seconds
+    python benchmarks/serving_decode.py --profile --models qwen3-30b-a3b --layers 8 --batches 1,64
 """
 
 import argparse
+import collections
+import functools
+import gzip
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # This process only spawns the workers and writes results: it must not take the GPU's memory from them.
@@ -83,6 +98,8 @@ HF_NEW_TOKENS = 32  # decode tokens per HF generate call (after the first)
 HF_RUNS = 3  # generate calls per timing (median): each prefills B x CONTEXT tokens
 # per (model, engine) subprocess; the device tool allows 600 s a command
 TIMEOUT_S = {"serving": 540, INVARIANT_ENGINE: 540, "hf": 540}
+PROFILE_STEPS = 5  # decode steps traced per batch (--profile): counts and times are per step
+PROFILE_TOP = 30  # kernel names listed per batch, most time first
 
 
 # ----------------------------------------------------------------------------- serving (JAX) worker
@@ -134,44 +151,81 @@ def weight_bytes_per_step(params: dict, cfg, batch: int, expert_counts) -> tuple
     return total + experts, experts
 
 
+def serving_setup(name: str, hf_config: dict, settings: dict, layers: int | None, smollm2_gguf: str | None):
+    """(ModelConfig, params, an empty cache for the largest case, each sequence's block table)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from serving.kv_cache import PagedKV
+
+    if layers:
+        hf_config = hf_config | dict(num_hidden_layers=layers)
+    cfg, params = load_serving_model(name, hf_config, jnp.bfloat16, smollm2_gguf)
+    blocks_per_seq = settings["context"] // BLOCK_SIZE
+    max_seqs = max(max(settings["batches"]), settings["prefill_seqs"])
+    kv = PagedKV.create(cfg, max_seqs * blocks_per_seq, BLOCK_SIZE, jnp.bfloat16)
+    tables = np.arange(max_seqs * blocks_per_seq).reshape(max_seqs, blocks_per_seq).tolist()
+    return cfg, params, kv, tables
+
+
+def serving_steps(cfg, batch_invariant: bool = False) -> dict:
+    """The jitted step ``(params, kv, tokens, batch, last) -> (kv, greedy tokens [S], expert counts)`` for a batch
+    with and without a first prefill chunk (keys False and True: traced in ``layers.paged_only()``, as the runner
+    does), the cache donated; ``batch_invariant``: through ``serving.batch_invariant.invariant``."""
+    import jax
+    import jax.numpy as jnp
+
+    from serving import layers
+    from serving.batch_invariant import invariant
+    from serving.models import model_module
+
+    forward = model_module(cfg.family).forward
+
+    def step(params, kv, tokens, batch, last, *, paged_only):
+        with layers.paged_only(paged_only):
+            logits, kv, counts = forward(params, cfg, tokens, batch, kv)
+        return kv, jnp.argmax(logits[last], axis=-1), counts
+
+    def jitted(paged_only):
+        fn = functools.partial(step, paged_only=paged_only)
+        return jax.jit(invariant(fn) if batch_invariant else fn, donate_argnums=1)
+
+    return {paged_only: jitted(paged_only) for paged_only in (False, True)}
+
+
+def step_inputs(chunks, vocab: int, rng) -> tuple:
+    """(tokens [N], batch metadata, each chunk's last flat index [S]) for ``chunks`` (host arrays, unpadded)."""
+    import numpy as np
+
+    from serving.kv_cache import make_batch
+
+    batch = make_batch(chunks, BLOCK_SIZE)
+    tokens = rng.integers(0, vocab, len(batch.positions)).astype(np.int32)
+    return tokens, batch, np.cumsum([c.count for c in chunks]).astype(np.int32) - 1
+
+
 def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, smollm2_gguf: str | None,
                    batch_invariant: bool = False):
     """Print one JSON row per measurement (decode per batch, then prefill) as each finishes; ``batch_invariant``:
     the step through ``serving.batch_invariant.invariant`` (engine ``INVARIANT_ENGINE``)."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from benchmarks.harness import time_jax_steps
-    from serving.batch_invariant import invariant
-    from serving.kv_cache import PagedKV, SeqChunk, make_batch
-    from serving.models import model_module
+    from serving import layers as serving_layers
+    from serving.kv_cache import SeqChunk
 
     settings = SETTINGS[mode]
     context = settings["context"]
-    dtype = jnp.bfloat16
-    if layers:
-        hf_config = hf_config | dict(num_hidden_layers=layers)
-    cfg, params = load_serving_model(name, hf_config, dtype, smollm2_gguf)
-    forward = model_module(cfg.family).forward
-    blocks_per_seq = context // BLOCK_SIZE
-    max_seqs = max(max(settings["batches"]), settings["prefill_seqs"])
-    kv = PagedKV.create(cfg, max_seqs * blocks_per_seq, BLOCK_SIZE, dtype)
-    kv_bytes_per_token = sum(x.nbytes for x in jax.tree.leaves(kv)) // (max_seqs * blocks_per_seq * BLOCK_SIZE)
-    tables = np.arange(max_seqs * blocks_per_seq).reshape(max_seqs, blocks_per_seq).tolist()
+    cfg, params, kv, tables = serving_setup(name, hf_config, settings, layers, smollm2_gguf)
+    kv_bytes_per_token = sum(x.nbytes for x in jax.tree.leaves(kv)) // (len(tables) * context)
+    steps = serving_steps(cfg, batch_invariant)
     rng = np.random.default_rng(0)
-
-    def forward_and_argmax(params, kv, tokens, batch, last):
-        logits, kv, counts = forward(params, cfg, tokens, batch, kv)
-        return kv, jnp.argmax(logits[last], axis=-1), counts
-
-    step = jax.jit(invariant(forward_and_argmax) if batch_invariant else forward_and_argmax, donate_argnums=1)
 
     def measure(chunks, steps_per_run):
         nonlocal kv
-        batch = make_batch(chunks, BLOCK_SIZE)
-        tokens = rng.integers(0, cfg.vocab, len(batch.positions)).astype(np.int32)
-        last = np.cumsum([c.count for c in chunks]).astype(np.int32) - 1
+        tokens, batch, last = step_inputs(chunks, cfg.vocab, rng)
+        step = steps[serving_layers.all_paged(batch)]
         start = time.perf_counter()
         kv, _, counts = jax.block_until_ready(step(params, kv, tokens, batch, last))
         compile_s = time.perf_counter() - start
@@ -201,6 +255,95 @@ def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
                          p90_ms=timing.p90_ms, compile_s=compile_s, ttft_ms=timing.median_ms if seqs == 1 else None,
                          tokens_per_s=seqs * context / (timing.median_ms * 1e-3),
                          ms_per_layer=timing.median_ms / cfg.layers))
+
+
+# ----------------------------------------------------------------------------- --profile
+
+
+class KernelProfile(NamedTuple):
+    """The GPU kernels of ``steps`` traced steps, per step."""
+
+    count: float  # kernels launched
+    busy_us: float  # their summed durations
+    span_us: float  # first kernel's start to last kernel's end
+    by_name: list[tuple[str, float, float]]  # (name, count, us), most time first
+
+
+def device_kernels(trace: dict) -> list[dict]:
+    """The kernel (and memcpy) events of a ``jax.profiler`` trace (Chrome trace-event JSON): complete ("X")
+    events of the ``/device:GPU:*`` processes, on their ``Stream`` lines when the trace names any (CUPTI's)."""
+    events = trace["traceEvents"]
+
+    def names(kind: str) -> dict:
+        return {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == kind}
+
+    processes = {pid: name for (pid, _), name in names("process_name").items()}
+    threads = names("thread_name")
+    gpu = [e for e in events if e.get("ph") == "X" and processes.get(e["pid"], "").startswith("/device:GPU")]
+    streams = [e for e in gpu if threads.get((e["pid"], e.get("tid")), "").startswith("Stream")]
+    return streams or gpu
+
+
+def kernel_profile(kernels: list[dict], steps: int) -> KernelProfile:
+    """Per-step counts and times of ``kernels`` (``device_kernels``' events, ``ts``/``dur`` in us) grouped by name,
+    a numeric suffix dropped (``loop_add_fusion_12`` -> ``loop_add_fusion``)."""
+    count, time_us = collections.Counter(), collections.Counter()
+    for e in kernels:
+        name = re.sub(r"([._]\d+)+$", "", e["name"])
+        count[name] += 1
+        time_us[name] += e["dur"]
+    span = max((e["ts"] + e["dur"] for e in kernels), default=0) - min((e["ts"] for e in kernels), default=0)
+    by_name = [(name, count[name] / steps, us / steps) for name, us in time_us.most_common()]
+    return KernelProfile(len(kernels) / steps, sum(time_us.values()) / steps, span / steps, by_name)
+
+
+def format_profile(title: str, wall_ms: float, profile: KernelProfile, layers: int) -> str:
+    """The ``--profile`` report of one batch: a summary line, then the ``PROFILE_TOP`` kernels by time."""
+    lines = [f"{title}: wall {wall_ms:.3f} ms/step untraced; GPU kernels {profile.busy_us / 1e3:.3f} ms/step busy "
+             f"over a {profile.span_us / 1e3:.3f} ms span, {profile.count:.1f} kernels/step "
+             f"({profile.count / layers:.1f} per layer)"]
+    if not profile.by_name:
+        return "\n".join(lines + ["  no GPU kernels in the trace (no GPU backend?)"])
+    lines += [f"  {'per step':>8} {'us/step':>9}  kernel"]
+    lines += [f"  {n:8.1f} {us:9.1f}  {name[:100]}" for name, n, us in profile.by_name[:PROFILE_TOP]]
+    return "\n".join(lines)
+
+
+def profile_worker(name: str, hf_config: dict, mode: str, layers: int | None, smollm2_gguf: str | None,
+                   batches: list[int]) -> None:
+    """Print ``format_profile`` for each decode batch: ``PROFILE_STEPS`` steps timed, then traced."""
+    import jax
+    import numpy as np
+
+    from serving import layers as serving_layers
+    from serving.kv_cache import SeqChunk
+
+    settings = SETTINGS[mode] | dict(batches=batches)
+    cfg, params, kv, tables = serving_setup(name, hf_config, settings, layers, smollm2_gguf)
+    steps = serving_steps(cfg)
+    rng = np.random.default_rng(0)
+
+    def run(kv, inputs, n):  # n steps back to back, then wait
+        step = steps[serving_layers.all_paged(inputs[1])]
+        for _ in range(n):
+            kv = step(params, kv, *inputs)[0]
+        return jax.block_until_ready(kv)
+
+    for batch in batches:
+        inputs = step_inputs([SeqChunk(tables[s], settings["context"] - 1, 1) for s in range(batch)], cfg.vocab, rng)
+        kv = run(kv, inputs, 2)  # compile, warm up
+        start = time.perf_counter()
+        kv = run(kv, inputs, PROFILE_STEPS)
+        wall_ms = (time.perf_counter() - start) * 1e3 / PROFILE_STEPS
+        with tempfile.TemporaryDirectory() as trace_dir:
+            jax.profiler.start_trace(trace_dir)
+            kv = run(kv, inputs, PROFILE_STEPS)
+            jax.profiler.stop_trace()
+            with gzip.open(next(Path(trace_dir).rglob("*.trace.json.gz"))) as f:
+                profile = kernel_profile(device_kernels(json.load(f)), PROFILE_STEPS)
+        title = f"{name}, {cfg.layers} layers, context {settings['context']}, decode batch {batch}" + (
+            " (paged only)" if serving_layers.all_paged(inputs[1]) else "")
+        print(format_profile(title, wall_ms, profile, cfg.layers), flush=True)
 
 
 # ----------------------------------------------------------------------------- HF transformers worker
@@ -340,6 +483,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out-dir", help="where the JSON and PNG go (default benchmarks/results/)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help=f"also run the serving cases in batch-invariant mode (engine {INVARIANT_ENGINE!r})")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace decode steps of one model with jax.profiler and print its kernels per step")
+    parser.add_argument("--batches", help="--profile: comma-separated decode batches (default: the mode's)")
     parser.add_argument("--worker", choices=(*ENGINES, INVARIANT_ENGINE), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     mode = "cpu" if args.cpu else "gpu"
@@ -351,6 +497,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      f"{ENGINES}")
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers={args.layers}: expected >= 1")
+    batches = list(SETTINGS[mode]["batches"])
+    if args.batches:
+        try:
+            batches = [int(b) for b in args.batches.split(",")]
+        except ValueError:
+            batches = []
+        if not batches or min(batches) < 1:
+            parser.error(f"--batches={args.batches!r}: expected comma-separated integers >= 1")
+    if args.profile and len(names) != 1:
+        parser.error(f"--profile traces one model: got --models {','.join(names)}")
 
     if args.worker:
         if args.worker in ("serving", INVARIANT_ENGINE):
@@ -362,8 +518,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import jax
 
+    import serving  # noqa: F401  (before jax starts its GPU backend: --profile's steps take serving's XLA flags)
+
     if mode == "gpu" and jax.default_backend() != "gpu":
         parser.error(f"the GPU benchmark needs a GPU (backend is {jax.default_backend()}); use --cpu")
+    if args.profile:
+        profile_worker(names[0], models[names[0]], mode, args.layers, args.smollm2_gguf, batches)
+        return []
     if mode == "cpu":
         engines = [e for e in engines if e != "hf"]  # torch is on the GPU image only
     result_name = "serving_decode_cpu" if args.cpu else "serving_decode"
