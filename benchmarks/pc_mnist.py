@@ -11,16 +11,24 @@ are timed alone (our first epoch includes the compile, so it is reported apart).
   fewer steps.
 * GPU (``--suite deepity``): the fused kernel (``pallas_kernels.pc_settle``) against the plain-XLA settling
   loop (the same epoch, ``kernel="jnp"``), each at tf32, bf16 and fp32 matmul operands, plus a timing of one
-  batch's settling per kernel launch geometry and precision (``--fused-configs``, ``--fused-precisions``);
+  batch's settling per kernel configuration and precision (``--fused-configs``, ``--fused-precisions``);
   ``--suite settle`` runs that settle sweep alone.
+* GPU (``--suite quick``, a few minutes): the settle sweep over the configurations that matter
+  (QUICK_CONFIGS), then 3 epochs each of the fused kernel at the fastest bf16 configuration of the sweep and of
+  the plain-XLA loop at tf32 and bf16, with one short table each (results/pc_mnist_quick.json).
+
+Settle timings are in situ: SETTLE_BATCHES different batches settle back to back in one jitted scan, each from
+its input (the first layer's matmul and the kernel's argument preparation included), and the time per batch
+is the scan's divided by their count: what a training epoch pays, without a host dispatch per call.
 * ``--suite pcx``: pcx's config (784-128x3-10, T=8, batch 128). Hyperparameters (activation, lr, dt) are
   chosen by the accuracy on MNIST's 10k validation split after training on the other 50k; the chosen one is
   then trained on all 60k and tested once on the 10k test set.
 
     python benchmarks/pc_mnist.py --epochs 10           # CPU: results/pc_mnist_cpu.json + .png
     python benchmarks/pc_mnist.py --epochs 20           # GPU: results/pc_mnist.json + .png
-    python benchmarks/pc_mnist.py --suite settle --fused-configs 32x16x8 16x32x4 --fused-precisions tf32 bfloat16
+    python benchmarks/pc_mnist.py --suite settle --fused-configs 64x32x8 32x16x4-errors --fused-precisions bfloat16
                                                         # GPU: results/pc_mnist_settle.json
+    python benchmarks/pc_mnist.py --suite quick         # GPU, a few minutes: results/pc_mnist_quick.json
     python benchmarks/pc_mnist.py --suite pcx           # results/pc_pcx[_cpu].json + .png
 """
 
@@ -43,11 +51,10 @@ import optax
 from apex_jax.data import load_mnist
 from benchmarks.harness import format_table, save_plot, time_jax, write_results
 from benchmarks.pc_baselines import run_deepity, write_mnist_npz
-from pallas_kernels.pc_settle import PRECISIONS, SettleConfig, launch_grid, pc_settle
+from pallas_kernels.pc_settle import EXCHANGES, PRECISIONS, SPINS, SettleConfig, launch_grid
 from pc import PCNet, evaluate, init_params, train_epoch
 from pc.data import Dataset, load_dataset
-from pc.networks import predict
-from pc.settle import settle_from_input
+from pc.settle import KERNEL_CONFIG, settle_from_input
 
 NET = PCNet((784, 512, 512, 10), activation="sigmoid", output="cross_entropy", input_activation=False)
 BATCH = 250
@@ -57,14 +64,20 @@ OURS = {"pc euler T=20": ("euler", 20, 0.1), "pc heun T=8": ("heun", 8, 0.1)}  #
 # GPU: "pc euler T=20" with each settling implementation; name -> (kernel, matmul precision)
 GPU_VARIANTS = {"fused tf32": ("pallas", "tf32"), "fused bf16": ("pallas", "bfloat16"),
                 "plain XLA tf32": ("jnp", "tf32"), "plain XLA fp32": ("jnp", "float32")}
-# Launch geometries of the cooperative kernel timed for one batch's settling, "BLOCK_BxGROUPSxWARPS" (rows per
-# program, unit groups G, warps; --fused-configs). For 250 rows, R x G programs: 32x16 and 64x32 give 8 x 16 and
-# 4 x 32 = 128, one row tile each; 16x32 gives 4 x 32, each slot settling 4 tiles in turn; 32x8 gives 8 x 8.
-# Each compiles in seconds: its Triton module has 2 (L - 1) dots per step, none unrolled over column blocks.
-# (The previous kernel, one program per 16-row tile streaming the weights, took 2.9 ms at its best geometry and
-# about a minute to compile each.)
-FUSED_CONFIGS = ("32x16x8", "32x16x4", "32x16x16", "64x32x8", "16x32x4", "32x8x8")
+# Configurations of the cooperative kernel timed for one batch's settling, "BLOCK_BxGROUPSxWARPS[-EXCHANGE][-SPIN]"
+# (rows per program, unit groups G, warps; exchange "deltas" (default, one barrier per step) or "errors" (two);
+# spin "atomic" (default) or "load"; --fused-configs). For 250 rows, R x G programs: 64x32 gives 4 x 32 = 128,
+# one row tile each; 32x16 gives 8 x 16. Each compiles in seconds: its Triton module has a few dots per layer,
+# none unrolled over column blocks. Measured before (two-barrier scheme, bf16): 409 us at 32x16x4, 419 us at
+# 64x32x8, 963 us at 32x16x8; XLA's loop 779-814 us.
+FUSED_CONFIGS = ("64x32x8", "64x32x4", "32x16x8", "32x16x4", "64x32x8-load", "64x32x8-errors", "32x16x4-errors")
 FUSED_PRECISIONS = ("tf32", "bfloat16")
+# --suite quick: every FUSED_CONFIGS entry in bf16, two in tf32 (the deltas scheme's cost at tf32 and the old one).
+QUICK_CONFIGS = {"bfloat16": FUSED_CONFIGS, "tf32": ("64x32x8", "64x32x8-errors")}
+QUICK_EPOCHS = 3
+SETTLE_BATCHES = 48  # batches per in-situ settle timing (module docstring)
+SETTLE_RUNS = 20  # timed runs of those batches (the harness's fewest for its p10/p90)
+SETTLE_T, SETTLE_DT = 20, 0.1
 
 PCX_SIZES, PCX_T, PCX_BATCH, PCX_TARGET_ACCURACY = (784, 128, 128, 128, 10), 8, 128, 0.983
 # A first 30-epoch sweep over relu/tanh/gelu, lr 1e-3/3e-3, dt 0.1/0.3 picked gelu, lr 1e-3, dt 0.1 (98.24% test).
@@ -73,7 +86,8 @@ PCX_WEIGHT_DECAY = 1e-4
 
 
 def run_ours(name: str, epochs: int, data: Dataset, *, net: PCNet = NET, solver: str = "euler", T: int = 20,
-             dt: float = 0.1, kernel: str = "auto", seed: int = 0) -> list[dict]:
+             dt: float = 0.1, kernel: str = "auto", kernel_config: SettleConfig = KERNEL_CONFIG,
+             seed: int = 0) -> list[dict]:
     """Train the matched config for ``epochs``; one row per epoch (seconds, test accuracy)."""
     steps_per_epoch = data.train_x.shape[0] // BATCH
     schedule = optax.exponential_decay(LR, steps_per_epoch, LR_DECAY_PER_EPOCH, staircase=True)
@@ -86,7 +100,8 @@ def run_ours(name: str, epochs: int, data: Dataset, *, net: PCNet = NET, solver:
     for epoch in range(1, epochs + 1):
         start = time.perf_counter()
         params, state, _ = train_epoch(params, state, optimizer, x, y, net=net, T=T, dt=dt, batch_size=BATCH,
-                                       key=jax.random.fold_in(key, epoch), solver=solver, kernel=kernel)
+                                       key=jax.random.fold_in(key, epoch), solver=solver, kernel=kernel,
+                                       kernel_config=kernel_config)
         jax.block_until_ready(params)
         seconds = time.perf_counter() - start
         rows.append(dict(impl=name, epoch=epoch, seconds=seconds,
@@ -160,80 +175,128 @@ def deepity_cpu_suite(epochs: int, deepity_timeout: float) -> dict:
 
 
 def fused_config(spec: str) -> SettleConfig:
-    """A launch geometry from "BLOCK_BxGROUPSxWARPS", e.g. "32x16x8"."""
+    """A kernel configuration from "BLOCK_BxGROUPSxWARPS[-EXCHANGE][-SPIN]", e.g. "64x32x8" or "32x16x4-errors"."""
+    geometry, *options = spec.lower().split("-")
     try:
-        block_b, groups, warps = (int(v) for v in spec.lower().split("x"))
-        return SettleConfig(block_b=block_b, groups=groups, num_warps=warps)
+        block_b, groups, warps = (int(v) for v in geometry.split("x"))
+        unknown = [o for o in options if o not in EXCHANGES + SPINS]
+        if unknown:
+            raise ValueError(f"unknown option {unknown[0]!r}, expected one of {EXCHANGES + SPINS}")
+        exchange = next((o for o in options if o in EXCHANGES), SettleConfig.exchange)
+        spin = next((o for o in options if o in SPINS), SettleConfig.spin)
+        return SettleConfig(block_b=block_b, groups=groups, num_warps=warps, exchange=exchange, spin=spin)
     except ValueError as err:  # argparse would print only "invalid value"
-        raise argparse.ArgumentTypeError(f"fused config {spec!r}: expected BLOCK_BxGROUPSxWARPS such as 32x16x8 "
-                                         f"({err})") from None
+        raise argparse.ArgumentTypeError(f"fused config {spec!r}: expected BLOCK_BxGROUPSxWARPS[-EXCHANGE][-SPIN] "
+                                         f"such as 64x32x8 or 32x16x4-errors ({err})") from None
 
 
-def settle_timings(data: Dataset, configs: Sequence[SettleConfig] = tuple(map(fused_config, FUSED_CONFIGS)),
-                   precisions: Sequence[str] = FUSED_PRECISIONS) -> list[dict]:
-    """One batch's T=20 settling (the kernel's unit of work): every launch geometry and precision of the fused
-    kernel against the plain-XLA loop, with each result's compile time and largest deviation from the fp32
-    loop (NaN: a barrier gave up, see ``pallas_kernels.pc_settle``)."""
+def config_name(config: SettleConfig) -> str:
+    """The spec :func:`fused_config` parses back to ``config``."""
+    return f"{config.block_b}x{config.groups}x{config.num_warps}-{config.exchange}-{config.spin}"
+
+
+def settle_timings(data: Dataset, fused: dict[str, Sequence[SettleConfig]]) -> list[dict]:
+    """One batch's T=20 settling (the kernel's unit of work), timed in situ (module docstring): the plain-XLA
+    loop and every fused configuration per precision (``fused``: precision -> configurations), with each
+    result's compile time and largest deviation from the fp32 loop (NaN: a barrier gave up, see
+    ``pallas_kernels.pc_settle``)."""
     params = init_params(jax.random.key(0), NET)
-    x0 = jnp.asarray(data.train_x[:BATCH])
-    target = jax.nn.one_hot(jnp.asarray(data.train_y[:BATCH]), NET.sizes[-1])
-    exact = settle_from_input(params, x0, dataclasses.replace(NET, precision="float32"), T=20, dt=0.1, target=target,
-                              kernel="jnp").xs
+    n = SETTLE_BATCHES * BATCH
+    x = jnp.asarray(data.train_x[:n]).reshape(SETTLE_BATCHES, BATCH, -1)
+    y = jax.nn.one_hot(jnp.asarray(data.train_y[:n]), NET.sizes[-1]).reshape(SETTLE_BATCHES, BATCH, -1)
+    exact = settle_from_input(params, x[0], dataclasses.replace(NET, precision="float32"), T=SETTLE_T, dt=SETTLE_DT,
+                              target=y[0], kernel="jnp").xs
     rows = []
 
-    def record(name, precision, fn, *args, **geometry):
+    def record(name, precision, kernel, kernel_config=None, **columns):
+        net = dataclasses.replace(NET, precision=precision)
+        settle = lambda p, xb, yb: settle_from_input(p, xb, net, T=SETTLE_T, dt=SETTLE_DT, target=yb, kernel=kernel,
+                                                     kernel_config=kernel_config or KERNEL_CONFIG).xs
+
+        def many(p, xs, ys):  # each settling feeds the sum, so none is dead code
+            return jax.lax.scan(lambda acc, xy: (acc + settle(p, *xy)[-2][0, 0], None), jnp.float32(0), (xs, ys))[0]
+
         try:
             start = time.perf_counter()
-            compiled = fn.lower(*args).compile()
+            compiled = jax.jit(many).lower(params, x, y).compile()
             compile_s = time.perf_counter() - start
-            timing = time_jax(compiled, *args, iters=50)
-        except Exception as err:  # a launch geometry the compiler rejects (e.g. out of registers) is a result
-            rows.append(dict(impl=name, precision=precision, **geometry, error=f"{type(err).__name__}: {err}"[:300]))
-            print(f"  {name:<10} {precision:<9} {geometry}  failed: {rows[-1]['error']}", flush=True)
+            timing = time_jax(compiled, params, x, y, iters=SETTLE_RUNS)
+            settled = jax.jit(settle)(params, x[0], y[0])
+        except Exception as err:  # a configuration the compiler rejects (e.g. out of registers) is a result
+            rows.append(dict(impl=name, precision=precision, **columns, error=f"{type(err).__name__}: {err}"[:300]))
+            print(f"  {name:<10} {precision:<9} {columns}  failed: {rows[-1]['error']}", flush=True)
             return
-        xs = compiled(*args)
-        err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(xs[1:], exact[1:], strict=True))
-        rows.append(dict(impl=name, precision=precision, **geometry, settle_us=1e3 * timing.median_ms,
-                         compile_s=compile_s, max_rel_dev_from_fp32=err))
-        print(f"  {name:<10} {precision:<9} {geometry}  {1e3 * timing.median_ms:8.1f} us  compile {compile_s:5.1f} s"
-              f"  dev {err:.1e}", flush=True)
+        dev = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(settled[1:], exact[1:],
+                                                                                        strict=True))
+        us = 1e3 * timing.median_ms / SETTLE_BATCHES
+        rows.append(dict(impl=name, precision=precision, **columns, settle_us=us, compile_s=compile_s,
+                         max_rel_dev_from_fp32=dev))
+        print(f"  {name:<10} {precision:<9} {columns}  {us:8.1f} us  compile {compile_s:5.1f} s  dev {dev:.1e}",
+              flush=True)
 
-    for precision in precisions:
-        net = dataclasses.replace(NET, precision=precision)
-        loop = jax.jit(lambda p, net=net: settle_from_input(p, x0, net, T=20, dt=0.1, target=target,
-                                                            kernel="jnp").xs)
-        record("plain XLA", precision, loop, params)
-        mu1 = jax.jit(lambda p, net=net: predict(p[0], x0, net, 0))(params)
+    for precision, configs in fused.items():
+        record("plain XLA", precision, "jnp")
         for config in configs:
-            fused = jax.jit(lambda p, m, precision=precision, config=config: [x0] + pc_settle(
-                [q["w"] for q in p[1:]], [q["b"] for q in p[1:]], m, target, T=20, dt=0.1,
-                activation=NET.activation, output=NET.output, precision=precision, config=config))
             grid = launch_grid(BATCH, NET.sizes[1:], config)
-            record("fused", precision, fused, params, mu1, block_b=config.block_b, groups=grid.groups,
-                   num_warps=config.num_warps, programs=grid.slots * grid.groups)
+            record("fused", precision, "pallas", config, config=config_name(config), programs=grid.slots * grid.groups)
     return rows
 
 
-SETTLE_COLUMNS = ["impl", "precision", "block_b", "groups", "num_warps", "programs", "settle_us", "compile_s",
-                  "max_rel_dev_from_fp32"]
+SETTLE_COLUMNS = ["impl", "precision", "config", "programs", "settle_us", "compile_s", "max_rel_dev_from_fp32"]
 
 
-def settle_suite(configs: Sequence[SettleConfig], precisions: Sequence[str]) -> dict:
+def settle_suite(fused: dict[str, Sequence[SettleConfig]]) -> dict:
     """GPU only: the settle sweep alone (results/pc_mnist_settle.json)."""
-    print("one batch's settling (T=20, batch 250):", flush=True)
-    rows = settle_timings(load_dataset("mnist"), configs, precisions)
-    payload = dict(config=dict(_matched_config(), solver="euler", T=20, dt=0.1), settle=rows)
+    print(f"one batch's settling (T={SETTLE_T}, batch {BATCH}, in situ over {SETTLE_BATCHES} batches):", flush=True)
+    rows = settle_timings(load_dataset("mnist"), fused)
+    payload = dict(config=dict(_matched_config(), solver="euler", T=SETTLE_T, dt=SETTLE_DT), settle=rows)
     write_results("pc_mnist_settle", payload)
     print(format_table(rows, SETTLE_COLUMNS))
     return payload
 
 
-def deepity_gpu_suite(epochs: int, configs: Sequence[SettleConfig], precisions: Sequence[str]) -> dict:
+def fastest_fused(settle_rows: list[dict], precision: str) -> SettleConfig | None:
+    """The fastest fused configuration at ``precision`` whose deviation from fp32 is finite, if any."""
+    ok = [r for r in settle_rows if r["impl"] == "fused" and r["precision"] == precision and "settle_us" in r
+          and np.isfinite(r["max_rel_dev_from_fp32"])]
+    return fused_config(min(ok, key=lambda r: r["settle_us"])["config"]) if ok else None
+
+
+SUMMARY_COLUMNS = ["impl", "epochs", "s_per_epoch", "speedup_vs_plain_xla_tf32", "first_epoch_s", "final_accuracy",
+                   "best_accuracy", "epochs_to_reference", "seconds_to_reference"]
+
+
+def quick_suite() -> dict:
+    """GPU, a few minutes: the settle sweep (QUICK_CONFIGS), then QUICK_EPOCHS epochs of the fused kernel at the
+    fastest bf16 configuration against the plain-XLA loop at tf32 and bf16 (results/pc_mnist_quick.json)."""
+    data = load_dataset("mnist")
+    print(f"one batch's settling (T={SETTLE_T}, batch {BATCH}, in situ over {SETTLE_BATCHES} batches):", flush=True)
+    settle_rows = settle_timings(data, {p: tuple(map(fused_config, c)) for p, c in QUICK_CONFIGS.items()})
+    best = fastest_fused(settle_rows, "bfloat16") or KERNEL_CONFIG
+    variants = {f"fused bf16 {config_name(best)}": ("pallas", "bfloat16", best),
+                "plain XLA tf32": ("jnp", "tf32", None), "plain XLA bf16": ("jnp", "bfloat16", None)}
+    rows = []
+    for name, (kernel, precision, config) in variants.items():
+        print(f"{name}:", flush=True)
+        rows += run_ours(name, QUICK_EPOCHS, data, net=dataclasses.replace(NET, precision=precision), kernel=kernel,
+                         kernel_config=config or KERNEL_CONFIG)
+    summary = [summarize(rows, impl, DEEPITY_TARGET_ACCURACY) for impl in variants]
+    for s in summary:
+        s["speedup_vs_plain_xla_tf32"] = summary[1]["s_per_epoch"] / s["s_per_epoch"]
+    payload = dict(config=dict(_matched_config(), solver="euler", T=SETTLE_T, dt=SETTLE_DT,
+                               epoch_config=config_name(best)), summary=summary, settle=settle_rows, rows=rows)
+    write_results("pc_mnist_quick", payload)
+    print(format_table(settle_rows, SETTLE_COLUMNS))
+    print(format_table(summary, SUMMARY_COLUMNS))
+    return payload
+
+
+def deepity_gpu_suite(epochs: int, fused: dict[str, Sequence[SettleConfig]]) -> dict:
     """The matched config on the GPU: the settle sweep, then each settling implementation trains ``epochs``
     epochs, back to back."""
     data = load_dataset("mnist")
-    print("one batch's settling (T=20, batch 250):", flush=True)
-    settle_rows = settle_timings(data, configs, precisions)
+    print(f"one batch's settling (T={SETTLE_T}, batch {BATCH}, in situ over {SETTLE_BATCHES} batches):", flush=True)
+    settle_rows = settle_timings(data, fused)
     rows = []
     for name, (kernel, precision) in GPU_VARIANTS.items():
         print(f"{name}:", flush=True)
@@ -249,8 +312,7 @@ def deepity_gpu_suite(epochs: int, configs: Sequence[SettleConfig], precisions: 
     write_results("pc_mnist", payload)
     plot(rows, "pc_mnist", "Predictive coding, MNIST 784-512-512-10 sigmoid, T=20, batch 250: fused kernel vs XLA")
     print(format_table(settle_rows, SETTLE_COLUMNS))
-    print(format_table(summary, ["impl", "epochs", "s_per_epoch", "speedup_vs_plain_xla_tf32", "first_epoch_s",
-                                 "final_accuracy", "best_accuracy", "epochs_to_reference", "seconds_to_reference"]))
+    print(format_table(summary, SUMMARY_COLUMNS))
     return payload
 
 
@@ -330,25 +392,30 @@ def _plot_pcx(sweep: list[dict], final: dict, name: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("deepity", "pcx", "settle"), default="deepity",
-                        help="settle: the GPU settle sweep alone (fused geometries x precisions vs XLA)")
+    parser.add_argument("--suite", choices=("deepity", "pcx", "settle", "quick"), default="deepity",
+                        help="settle: the GPU settle sweep alone (fused configurations x precisions vs XLA); "
+                             "quick: a short GPU sweep and 3 epochs fused vs XLA")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--deepity-timeout", type=float, default=3600)
     parser.add_argument("--limit", type=int, help="pcx: train on the first N images only (quick runs)")
     parser.add_argument("--fused-configs", nargs="+", type=fused_config, default=list(map(fused_config, FUSED_CONFIGS)),
-                        metavar="BxGxW", help=f"GPU settle sweep: geometries (default {' '.join(FUSED_CONFIGS)})")
+                        metavar="BxGxW[-EXCHANGE][-SPIN]",
+                        help=f"GPU settle sweep: configurations (default {' '.join(FUSED_CONFIGS)})")
     parser.add_argument("--fused-precisions", nargs="+", choices=PRECISIONS, default=list(FUSED_PRECISIONS),
                         help="GPU settle sweep: matmul precisions")
     args = parser.parse_args(argv)
     if args.suite == "pcx":
         return pcx_suite(args.epochs, args.limit)
+    fused = {precision: args.fused_configs for precision in args.fused_precisions}
+    if args.suite in ("settle", "quick") and jax.default_backend() == "cpu":
+        parser.error(f"--suite {args.suite} times the fused kernel on a GPU")
     if args.suite == "settle":
-        if jax.default_backend() == "cpu":
-            parser.error("--suite settle times the fused kernel on a GPU")
-        return settle_suite(args.fused_configs, args.fused_precisions)
+        return settle_suite(fused)
+    if args.suite == "quick":
+        return quick_suite()
     if jax.default_backend() == "cpu":
         return deepity_cpu_suite(args.epochs, args.deepity_timeout)
-    return deepity_gpu_suite(args.epochs, args.fused_configs, args.fused_precisions)
+    return deepity_gpu_suite(args.epochs, fused)
 
 
 if __name__ == "__main__":

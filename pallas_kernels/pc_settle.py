@@ -21,76 +21,88 @@ the same state:
     x_l <- x_l - dt (e_l - f'(x_l) * (e_{l+1} @ W_l^T))      hidden l = 1..L-1
     x_L <- x_L - dt e_L                                      free output only
 
-The kernel returns the settled x_1..x_L (and, on request, their errors e_1..e_L); the caller forms the
-weight gradients dE/dW_{l-1} = -f(x_{l-1})^T e_l. The settled activities are treated as constants there, so
-the kernel has no VJP.
+The kernel returns the settled x_1..x_L and, on request, their errors e_1..e_L and the output's logits mu_L
+at the feed-forward start and at the settled state (what a training step needs: the weight gradients
+dE/dW_{l-1} = -f(x_{l-1})^T e_l, the energy and the feed-forward accuracy, with no second forward pass).
+The settled activities are constants there, so the kernel has no VJP.
 
 Layout: the wrapper pads every width to a power of 2 (at least 16, the smallest ``tl.dot`` tile; 10 -> 16)
-and the batch to whole row tiles, all with zeros, and slices the results back. Padded units stay exactly 0:
-their mu is 0 (zero weight columns and bias, zero mu_1 columns), so their error is 0, and their backward term
-e_{l+1} @ W_l^T is 0 (zero weight rows); f(0) (0.5 for sigmoid) only meets zero weights. A cross-entropy
-output's softmax masks its padded columns out (probability 0, so their error is 0 too).
+and the batch to whole row tiles (:func:`padded_rows`), all with zeros, and slices the results back; a
+caller that passes arrays already padded pays for no copies. Padded units stay exactly 0: their mu is 0
+(zero weight columns and bias, zero mu_1 columns), so their error is 0, and their backward term is 0 (zero
+weight rows); f(0) (0.5 for sigmoid) only meets zero weights. A cross-entropy output's softmax masks its
+padded columns out. Rows at and past ``valid_rows`` (a caller's own padding) come back with zero errors.
 
 Design: a cooperative grid
 --------------------------
 The grid is (R, G) (:func:`launch_grid`): R row slots, each settling row tiles of ``block_b`` rows one after
 another (a persistent loop, so any batch fits one launch), and G unit groups: every hidden layer's padded
 units are cut into G equal groups U_g of u_l = n_l / G >= 16 units. Program (r, g) owns U_g of every hidden
-layer for the tiles of slot r. Before any loop it loads, once for the whole launch, the weight slices its
-units need:
+layer for the tiles of slot r, and before any loop loads, once per launch, the weight slices its units need
+(hidden-to-hidden W_l, l = 1..L-2, and the output layer's W_{L-1}):
 
-    W_{l-1}[:, U_g]  [n_{l-1}, u_l]    its units' predictions                       (hidden l >= 2)
-    W_l[U_g, :]      [u_l, n_{l+1}]    its units' backward term (e_{l+1} @ W_l^T)[:, U_g]  (hidden l)
+    W_l[:, U_g]        [n_l, u_{l+1}]   its units' predictions
+    W_l[U_g, :]^T      [n_{l+1}, u_l]   its units' backward term (e_{l+1} @ W_l^T)[:, U_g]
+    (W_l W_l^T)[:, U_g] [n_l, u_l]      the Gram slice ("deltas" exchange only, below)
+    W_{L-1}[U_g, :]    [u_{L-1}, n_L]   its share of the output's prediction
 
-and for the last hidden layer the second slice also gives its share of the output's prediction. They are
-values live across both loops, so Triton keeps them on chip: Deepity at G = 16 keeps 2 * 512 * 32 + 32 * 16
-= 33K weights per program, 66 KB in bf16 and 132 KB in fp32 against an SM's 256 KB register file (whether
-fp32 spills at 8 warps is for the H200 sweep to show). Each Euler step is two phases, each ended by a
-barrier of the slot's G programs:
+They are values live across both loops, so Triton keeps them on chip (Deepity at G = 32: 3 * 512 * 16 +
+16 * 16 = 25K weights, 50 KB in bf16). Programs of a slot exchange activities through buffers in global
+memory, which stay in L2 (every read of them is volatile: served by L2, never by L1, which is not coherent
+across SMs), separated by grid barriers of the slot's G programs. The output layer (16 padded units) is
+replicated: each program publishes its partial prediction f(x_{L-1}[:, U_g]) @ W_{L-1}[U_g, :] and every
+program sums the G partials in the same fixed order, so all hold the same bits of mu_L and e_L.
 
-  A (errors): read f(x_{l-1}) ``[block_b, n_{l-1}]`` of every hidden l >= 2 from the activity exchange;
-      mu_l[:, U_g] = f(x_{l-1}) @ W_{l-1}[:, U_g] + b;  e_l[:, U_g] = x_l[:, U_g] - mu_l[:, U_g]  -> error
-      exchange; and the output's partial prediction f(x_{L-1}[:, U_g]) @ W_{L-1}[U_g, :]  -> partials
-      ``[G, block_b, n_L]``.
-  B (update): mu_L = b + the G partials summed in one fixed order, so every program holds the same output
-      state and error e_L (the output layer is replicated: 16 padded units); read e_{l+1} from the error
-      exchange (or use e_L); update x_l[:, U_g] (the step above); write f(x_l[:, U_g]) -> activity exchange.
+Two exchange schemes (``SettleConfig.exchange``):
 
-The phases cannot merge: A needs all of f(x) after B's update and B all of e after A. One buffer of each kind
-suffices: a phase rewrites a buffer only after the barrier that follows every read of its previous contents.
-The exchange buffers (``[R * block_b, n_l]`` per layer, in the matmul operand dtype: f(x) and e are only ever
-matmul operands, and the reference rounds them the same way) stay in L2; every read of them is volatile,
-served by L2 and never by L1, which is not coherent across SMs and would serve a line cached one step stale
-the next.
+"errors" (two barriers per step). A: mu_l[:, U_g] = f(x_{l-1}) @ W_{l-1}[:, U_g] + b from the activity
+    exchange (all of f(x_{l-1})); e_l[:, U_g] -> error exchange; partials. B: read all of e_{l+1}, update
+    x_l[:, U_g], write f(x_l[:, U_g]) -> activity exchange. A needs all of f(x) after B, B all of e after A.
+
+"deltas" (one barrier per step). The backward term of a hidden layer needs all of e_{l+1} = x_{l+1} -
+    f(x_l) W_l - b_l, i.e. all of f(x_l) and a matmul first. Expanding it,
+
+        e_{l+1} @ W_l^T = x_{l+1} @ W_l^T - f(x_l) @ (W_l W_l^T) - b_l @ W_l^T,
+
+    needs only activities of the same state. Used as written it would subtract two large products to get a
+    small one (bf16 keeps 8 bits: the difference drowns in rounding), so each program keeps e_{l+1}[:, U_g]
+    and (e_{l+1} @ W_l^T)[:, U_g] and updates them by the step's changes, which are as small as the errors:
+
+        e_{l+1}[:, U_g]          += dx_{l+1}[:, U_g] - df(x_l) @ W_l[:, U_g]
+        (e_{l+1} @ W_l^T)[:, U_g] += dx_{l+1} @ W_l[U_g, :]^T - df(x_l) @ (W_l W_l^T)[:, U_g]
+
+    where dx = x_new - x and df(x) = f(x_new) - f(x). A step is: update x[:, U_g] from the kept errors, write
+    df(x_l)[:, U_g], dx_{l+1}[:, U_g] and the output partial, barrier, read all of df(x_l) and dx_{l+1}, update
+    the kept errors (3 matmuls per hidden-to-hidden layer instead of 2). At the feed-forward start every
+    hidden error and backward term is exactly 0. The caller passes W_l W_l^T (:func:`gram_matrices`), once per
+    launch. Deviation from fp32 (Deepity, T=20, CPU emulation): bf16 2.6e-3 like the bf16 reference, tf32
+    3.2e-4 against the reference's 2.6e-4.
+
+Buffers of the "deltas" scheme are double: data written before a slot's n-th barrier goes to buffer n % 2,
+so it is rewritten only after barrier n + 1, which every program passes only after its reads following
+barrier n. The "errors" scheme's phases already separate every rewrite from the last read by a barrier.
 
 Barrier (:func:`_barrier`): an int32 arrival counter per row slot in a zeroed global buffer (input aliased to
 output). A CTA barrier orders the exchange stores of all the program's threads before one thread's
-``atomic_add`` (acq_rel, GPU scope) releases them; the program then spins on ``atomic_add(0)`` (an acquiring
-read) until the count reaches G x (barriers passed), and a second CTA barrier holds its threads until then:
-the grid-sync pattern of CUDA cooperative groups. The count only grows, so it is never reset. Since a program
-waits for the other G - 1 of its slot, all R * G programs must be resident at once: :func:`launch_grid`
-keeps R * G <= ``SettleConfig.max_programs`` (MAX_PROGRAMS = 128: one program per SM of an H200's 132). Should
-they not be, a barrier gives up after BARRIER_SPINS reads (about a second) instead of hanging the GPU, and
-the slot's results come back NaN. Interpret mode runs programs one after another, where a barrier of G > 1
-programs would never open, so it always uses G = 1 (each barrier is then passed by its own program).
+``atomic_add`` (acq_rel, GPU scope) releases them; the program then spins until the count reaches G x
+(barriers passed), and a second CTA barrier holds its threads until then: the grid-sync pattern of CUDA
+cooperative groups. ``SettleConfig.spin`` picks how it spins: "atomic" re-reads the counter with an atomic add
+of 0 (an acquiring read through L2's atomic unit, which serializes the G spinners' reads of one address),
+"load" with a volatile load followed by a ``fence.acq_rel.gpu`` (plain L2 reads; what cooperative groups do).
+The count only grows, so it is never reset. Since a program waits for the other G - 1 of its slot, all R * G
+programs must be resident at once: :func:`launch_grid` keeps R * G <= ``SettleConfig.max_programs``
+(MAX_PROGRAMS = 128: one program per SM of an H200's 132). Should they not be, a barrier gives up after
+BARRIER_SPINS reads (about a second) instead of hanging the GPU, and the slot's results come back NaN.
+Interpret mode runs programs one after another, where a barrier of G > 1 programs would never open, so it
+always uses G = 1 (each barrier is then passed by its own program).
 
 Compile time: nothing is unrolled over column blocks. Every matmul is one ``tl.dot`` over its whole
-contraction (at most the padded width, 512 for Deepity), and the T steps and the row tiles are
-``fori_loop``s (``scf.for``), so the Triton module holds 2 (L - 1) dots per step, L - 2 for the feed-forward
-start and, ``with_errors``, L - 1 for the final errors, whatever the widths (5 for Deepity: a ~900-line
-module). The previous kernel unrolled ~130 block dots per step and took about a minute per launch geometry
-to compile.
+contraction, and the T steps and the row tiles are ``fori_loop``s, so the Triton module holds a few dots per
+layer whatever the widths, and compiles in seconds.
 
-Expected speed (NOT measured yet; the lead times it with ``benchmarks/pc_mnist.py --fused-configs``):
-Deepity, T = 20, one 250-row batch at (block_b 32, G 16): 8 row slots x 16 groups = 128 programs. Per step
-and program: two barriers (an L2 atomic round trip, ~1 us each with the spin) and reads of f(x_1) and e_2,
-2 x 32 x 512 x 4 B = 128 KB in fp32 (64 KB with bf16 operands), about 1-2 us when all 128 SMs read L2 at
-once; its matmuls (2 x 32 x 512 x 32 MACs) take a fraction of a microsecond. About 4 us per step, ~0.1 ms
-per settling, against 0.66-0.77 ms for XLA's loop (about 5 small launches per step).
-
-Measured before, the previous design (one program per 16-row tile of the whole net: 16 programs on 132 SMs,
-each re-reading every weight block from L2 in every step through ~130 dependent, unpipelined loads): 2.9 ms
-per settling on the H200 at its best geometry (tf32), so ``pc.settle``'s "auto" runs XLA's loop.
+Measured (H200, Deepity, T = 20, batch 250, ``benchmarks/pc_mnist.py``), the "errors" scheme: 409 us per
+settling at (block_b 32, G 16, 4 warps) in bf16, 557 us at (64, 32, 8) in tf32, against 779-814 us for
+XLA's loop. The "deltas" scheme is not timed yet.
 """
 
 import dataclasses
@@ -113,11 +125,15 @@ MAX_PROGRAMS = 128
 # never from L1, which is not coherent across SMs. (The ".cg" cache modifier would do too, but jax 0.11.2's
 # Triton lowering cannot emit it: it looks ".cg" up among the names "cg", ... and raises KeyError.)
 exchange_load = functools.partial(plgpu.load, volatile=True)
-# A barrier gives up after BARRIER_SPINS acquiring reads (about a second; co-resident programs arrive within
+# A barrier gives up after BARRIER_SPINS reads (about a second; co-resident programs arrive within
 # microseconds) rather than hang the GPU, and adds BARRIER_BROKEN to its slot's counter: every later barrier of
 # the slot opens at once, and every program of the slot writes NaN results.
 BARRIER_SPINS = 1 << 20
 BARRIER_BROKEN = 1 << 30  # far above any count: G x (2T + L barriers per row tile at most) x tiles per slot
+# spin="load": after each volatile read of the counter, an acquire-release fence at GPU scope, so that no
+# exchange read after the barrier is served before the counter showed every arrival. (The value passes through
+# the asm, which keeps the fence inside the spin loop, before the loop's exit.)
+ACQUIRE_FENCE = "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;"
 
 
 def _sigmoid_grad(x, fx):
@@ -146,6 +162,9 @@ PRECISIONS = ("float32", "tf32", "bfloat16")
 # Energy of a clamped output: 0.5 ||x_L - mu_L||^2 or CE(softmax(mu_L), x_L). A free output is always Gaussian.
 OUTPUTS = ("gaussian", "cross_entropy")
 
+EXCHANGES = ("deltas", "errors")  # one barrier per Euler step, or two (module docstring, "Design")
+SPINS = ("atomic", "load")  # how a barrier waits (module docstring, "Barrier")
+
 
 def dot_args(precision: str):
     """(operand dtype, lax precision) of a precision name (one of :data:`PRECISIONS`)."""
@@ -156,18 +175,20 @@ def dot_args(precision: str):
 
 @dataclasses.dataclass(frozen=True)
 class SettleConfig:
-    """Launch geometry: ``block_b`` batch rows per program, and at most ``groups`` programs per row tile.
+    """Launch geometry and scheme: ``block_b`` rows per program, at most ``groups`` programs per row tile.
 
     ``groups`` (G) is an upper bound: :func:`launch_grid` uses fewer where a hidden layer has fewer than
     16 G padded units or where G > ``max_programs``, and 1 in interpret mode. ``max_programs`` caps the
     programs of a launch, which must all be resident at once, at most one per SM (lower it on a GPU with fewer
-    SMs than an H200).
+    SMs than an H200). ``exchange`` is one of :data:`EXCHANGES`, ``spin`` one of :data:`SPINS`.
     """
 
     block_b: int = 32
     groups: int = 16  # Deepity (512-wide hidden layers): 32 units per program, 8 row slots of 32 for 250 rows
     num_warps: int = 8
     max_programs: int = MAX_PROGRAMS
+    exchange: str = "deltas"
+    spin: str = "atomic"
 
     def __post_init__(self):
         for name in ("block_b", "groups", "num_warps"):
@@ -178,6 +199,10 @@ class SettleConfig:
             raise ValueError(f"SettleConfig.max_programs must be >= 1, got {self.max_programs}")
         if self.block_b < MIN_WIDTH:
             raise ValueError(f"SettleConfig.block_b must be >= {MIN_WIDTH} (a tl.dot tile), got {self.block_b}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"SettleConfig.exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if self.spin not in SPINS:
+            raise ValueError(f"SettleConfig.spin must be one of {SPINS}, got {self.spin!r}")
 
 
 def padded_width(n: int) -> int:
@@ -208,10 +233,51 @@ def launch_grid(batch: int, widths: Sequence[int], config: SettleConfig, *, inte
     return Grid(slots, groups, -(-tiles // slots))
 
 
+def padded_rows(batch: int, widths: Sequence[int], config: SettleConfig, *, interpret: bool = False) -> int:
+    """Rows the kernel settles for ``batch`` rows (whole row tiles of every slot): pad inputs to this once."""
+    grid = launch_grid(batch, widths, config, interpret=interpret)
+    return grid.slots * grid.tiles_per_slot * config.block_b
+
+
+def gram_matrices(weights: Sequence[jax.Array], precision: str) -> list[jax.Array]:
+    """W_l W_l^T ``[n_l, n_l]`` of the hidden-to-hidden weights ``weights[:-1]``, in the matmul operand dtype.
+
+    The products of the rounded operands are exact in the float32 accumulator (bf16 x bf16 and tf32 x tf32 fit),
+    so only the accumulation and the final rounding to the operand dtype round.
+    """
+    dtype, lax_precision = dot_args(precision)
+    grams = []
+    for w in weights[:-1]:
+        w = w.astype(dtype)
+        grams.append(jnp.dot(w, w.T, precision=lax_precision, preferred_element_type=jnp.float32).astype(dtype))
+    return grams
+
+
+class Settled(NamedTuple):
+    """:func:`pc_settle`'s results, float32: activities ``[x_1, ..., x_L]``, each ``[batch, n_l]``; with
+    ``with_errors`` the errors ``[e_1, ..., e_L]`` of the settled state (else None); with ``with_logits``
+    the output's mu_L ``[batch, n_L]`` at the feed-forward start and at the settled state (else None)."""
+
+    xs: list[jax.Array]
+    errors: list[jax.Array] | None
+    logits: tuple[jax.Array, jax.Array] | None
+
+
 # --------------------------------------------------------------------------- Pallas kernel
 
 
-def _barrier(counter_ref, slot, passed: jax.Array, *, groups: int, interpret: bool) -> jax.Array:
+def _spin_atomic(counter_ref, slot):
+    return plgpu.atomic_add(counter_ref, slot, np.int32(0))  # an acquiring read (acq_rel RMW of 0)
+
+
+def _spin_load(counter_ref, slot):
+    seen = exchange_load(counter_ref.at[pl.ds(slot, 1)])
+    (seen,) = plgpu.elementwise_inline_asm(ACQUIRE_FENCE, args=[seen], constraints="=r,r", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
+    return seen[0]
+
+
+def _barrier(counter_ref, slot, passed: jax.Array, *, groups: int, spin: str, interpret: bool) -> jax.Array:
     """Wait until the ``groups`` programs of row slot ``slot`` have all arrived; returns ``passed + 1``.
 
     ``passed`` is the number of barriers the slot has passed; the counter reaches ``groups * (passed + 1)``.
@@ -220,11 +286,11 @@ def _barrier(counter_ref, slot, passed: jax.Array, *, groups: int, interpret: bo
     if not interpret:
         plgpu.debug_barrier()  # a CTA barrier: every thread's exchange stores come before the release below
     seen = plgpu.atomic_add(counter_ref, slot, np.int32(1)) + 1  # one thread; acq_rel at GPU scope
-    if groups > 1:  # spin on an acquiring read (an atomic add of 0); a lone program waits for no one
+    if groups > 1:  # spin until everyone arrived; a lone program waits for no one
         target = groups * (passed + 1)
+        read = _spin_load if spin == "load" else _spin_atomic
         seen, _ = jax.lax.while_loop(lambda c: (c[0] < target) & (c[1] < BARRIER_SPINS),
-                                     lambda c: (plgpu.atomic_add(counter_ref, slot, np.int32(0)), c[1] + 1),
-                                     (seen, np.int32(0)))
+                                     lambda c: (read(counter_ref, slot), c[1] + 1), (seen, np.int32(0)))
 
         @pl.when(seen < target)
         def _give_up():  # a program of the slot never came (not resident): open the slot's barriers for good
@@ -243,18 +309,21 @@ def _softmax(logits, n_valid):
     return p / jnp.sum(p, axis=1, keepdims=True)
 
 
-def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_errors, T, activation, precision,
-                      block_b, groups, tiles_per_slot, interpret):
-    # Inputs: dt, mu_1, [target], W_1..W_{L-1}, b_1..b_{L-1}, counters. Outputs: x_1..x_L, [e_1..e_L],
-    # counters (aliased), activity exchange f(x_1)..f(x_{L-2}), error exchange e_2..e_{L-1}, output partials.
+def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_errors, with_logits, T, activation,
+                      precision, block_b, groups, tiles_per_slot, valid_rows, exchange, spin, interpret):
+    # Inputs: dt, mu_1, [target], W_1..W_{L-1}, b_1..b_{L-1}, [Gram_1..Gram_{L-2}], counters. Outputs: x_1..x_L,
+    # [e_1..e_L], [logits at the start, settled logits], counters (aliased), exchanges A_1..A_{L-2} (f(x) or
+    # its change), B_2..B_{L-1} (e or the change of x), output partials; each exchange [buffers, rows, n].
     # Below, layer k is x_{k+1}: k = 0..L-2 are the hidden layers, k = L-1 the output.
-    n_w, n_ex = n_layers - 1, n_layers - 2
+    n_w, n_ex, deltas = n_layers - 1, n_layers - 2, exchange == "deltas"
     dt_ref, mu1_ref, refs = refs[0], refs[1], refs[2:]
     target_ref, refs = (refs[0], refs[1:]) if clamped else (None, refs)
-    w_refs, b_refs, refs = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w + 1:]  # (the input counters alias)
+    w_refs, b_refs, refs = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
+    gram_refs, refs = (refs[:n_ex], refs[n_ex + 1:]) if deltas else ((), refs[1:])  # (input counters alias)
     x_out, refs = refs[:n_layers], refs[n_layers:]
     e_out, refs = (refs[:n_layers], refs[n_layers:]) if with_errors else ((), refs)
-    counter_ref, fx_ex, e_ex, partial_ex = refs[0], refs[1:1 + n_ex], refs[1 + n_ex:1 + 2 * n_ex], refs[-1]
+    logits_out, refs = (refs[:2], refs[2:]) if with_logits else ((), refs)
+    counter_ref, a_ex, b_ex, partial_ex = refs[0], refs[1:1 + n_ex], refs[1 + n_ex:1 + 2 * n_ex], refs[-1]
     f, df = ACTIVATIONS[activation]
     dtype, lax_precision = dot_args(precision)
 
@@ -265,9 +334,16 @@ def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_error
     width = [mu1_ref.shape[1]] + [w.shape[1] for w in w_refs]
     units = [pl.ds(g * (n // groups), n // groups) for n in width[:-1]]  # U_g of each hidden layer
     ex_rows = pl.ds(slot * block_b, block_b)  # this slot's rows of the exchange buffers
-    exchange = lambda ref: exchange_load(ref.at[ex_rows, :])
     dt = dt_ref[0]
-    sync = functools.partial(_barrier, counter_ref, slot, groups=groups, interpret=interpret)
+    sync = functools.partial(_barrier, counter_ref, slot, groups=groups, spin=spin, interpret=interpret)
+    # Which of an exchange's buffers the data written before barrier number `passed` goes to (docstring).
+    buffer = (lambda passed: passed % 2) if deltas else (lambda passed: jnp.int32(0))
+
+    def publish(ref, passed, k, value):  # this program's units of hidden layer k -> exchange
+        ref[buffer(passed), ex_rows, units[k]] = value.astype(ref.dtype)
+
+    def gather(ref, passed):  # all units, as written before barrier `passed`
+        return exchange_load(ref.at[buffer(passed), ex_rows, :])
 
     # The weight slices, once per launch (module docstring, "Design"): w_fwd[k - 1] = W_k[:, U_g] predicts
     # hidden layer k >= 1 and w_back[k] = W_{k+1}[U_g, :]^T carries layer k + 1's error back to hidden layer k;
@@ -275,75 +351,134 @@ def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_error
     w_fwd = [w_refs[k - 1][:, units[k]] for k in range(1, n_w)]
     b_fwd = [b_refs[k - 1][units[k]].astype(jnp.float32)[None, :] for k in range(1, n_w)]
     w_back = [w_refs[k][units[k], :].T for k in range(n_w)]
+    grams = [gram_refs[k][:, units[k]] for k in range(n_ex)] if deltas else []
     w_out = w_refs[-1][units[-1], :]
     b_out = b_refs[-1][...].astype(jnp.float32)[None, :]
 
-    def predict_hidden(k):  # mu of hidden layer k >= 1 on this program's units, from the activity exchange
-        return dot(exchange(fx_ex[k - 1]), w_fwd[k - 1]) + b_fwd[k - 1]
+    def output_partials(fx_last, passed):
+        partial_ex[buffer(passed), g, ex_rows, :] = dot(fx_last, w_out)
 
-    def phase_a(xs, fxs, mu1, passed):
-        """The errors of hidden layers on U_g -> error exchange; the output's partial prediction -> partials."""
-        es = [xs[0] - mu1]
-        for k in range(1, n_w):
-            es.append(xs[k] - predict_hidden(k))
-            e_ex[k - 1][ex_rows, units[k]] = es[k].astype(e_ex[k - 1].dtype)
-        partial_ex[g, ex_rows, :] = dot(fxs[-1], w_out)
-        return es, sync(passed)
+    def output_prediction(passed):  # every program sums the G partials in the same order: the same bits everywhere
+        return jnp.sum(exchange_load(partial_ex.at[buffer(passed), :, ex_rows, :]), axis=0) + b_out
 
     def output_error(x_last, mu_last):
         return x_last - (_softmax(mu_last, n_out) if cross_entropy else mu_last)
 
-    def output_prediction():  # every program sums the G partials in the same order: the same bits everywhere
-        return jnp.sum(exchange_load(partial_ex.at[:, ex_rows, :]), axis=0) + b_out
-
-    def settle_tile(j, passed):
-        rows = pl.ds((slot * tiles_per_slot + j) * block_b, block_b)
-        mu1 = mu1_ref[rows, units[0]].astype(jnp.float32)  # x_0 is clamped: mu_1 is constant
-        xs, fxs = [mu1], [f(mu1)]  # the feed-forward pass, one exchange per hidden layer
-        for k in range(1, n_w):
-            fx_ex[k - 1][ex_rows, units[k - 1]] = fxs[k - 1].astype(fx_ex[k - 1].dtype)
+    def feed_forward(mu1, passed):
+        """Hidden activities at the feed-forward pass, one exchange of f(x) per hidden-to-hidden layer."""
+        xs, fxs = [mu1], [f(mu1)]
+        for k in range(n_ex):
+            publish(a_ex[k], passed, k, fxs[k])
             passed = sync(passed)
-            xs.append(predict_hidden(k))
-            fxs.append(f(xs[k]))
-        # A free output starts at its prediction: the first step's phase B sets it.
-        x_last = target_ref[rows, :].astype(jnp.float32) if clamped else jnp.zeros((block_b, width[-1]), jnp.float32)
+            xs.append(dot(gather(a_ex[k], passed - 1), w_fwd[k]) + b_fwd[k])
+            fxs.append(f(xs[k + 1]))
+        return xs, fxs, passed
 
-        def step(t, carry):
-            xs, fxs, x_last, passed = carry
-            es, passed = phase_a(xs, fxs, mu1, passed)
-            mu_last = output_prediction()
-            if not clamped:
-                x_last = jnp.where(t == 0, mu_last, x_last)
+    def move(xs, fxs, es, last_back):
+        """One Euler step of the hidden layers' units from their errors and backward terms."""
+        new = [x - dt * (e - df(x, fx) * back) for x, fx, e, back in zip(xs, fxs, es, last_back, strict=True)]
+        return new, [f(x) for x in new]
+
+    def settle_deltas(mu1, x_last, passed):
+        """The "deltas" scheme: one barrier per step. Returns the settled state, errors and logits."""
+        xs, fxs, passed = feed_forward(mu1, passed)
+        output_partials(fxs[-1], passed)
+        passed = sync(passed)
+        mu_start = output_prediction(passed - 1)
+        x_last = x_last if clamped else mu_start  # a free output starts at its prediction
+        es = [jnp.zeros_like(x) for x in xs]  # every hidden error is 0 at the feed-forward pass
+        backs = [jnp.zeros_like(x) for x in xs[:n_ex]]  # (e_{k+2} @ W_{k+1}^T)[:, U_g], kept up to date
+
+        def step(_, carry):
+            xs, fxs, es, backs, x_last, mu_last, passed = carry
             e_last = output_error(x_last, mu_last)
-            new = []
-            for k in range(n_w):
-                e_next = exchange(e_ex[k]) if k + 1 < n_w else e_last
-                back = dot(e_next, w_back[k])
-                new.append(xs[k] - dt * (es[k] - df(xs[k], fxs[k]) * back))
-            fxs = [f(x) for x in new]
+            new, new_fxs = move(xs, fxs, es, [*backs, dot(e_last, w_back[-1])])
             for k in range(n_ex):
-                fx_ex[k][ex_rows, units[k]] = fxs[k].astype(fx_ex[k].dtype)
+                publish(a_ex[k], passed, k, new_fxs[k] - fxs[k])
+                publish(b_ex[k], passed, k + 1, new[k + 1] - xs[k + 1])
+            output_partials(new_fxs[-1], passed)
             if not clamped:
                 x_last = x_last - dt * e_last
-            return new, fxs, x_last, sync(passed)
+            passed = sync(passed)
+            new_es, new_backs = [new[0] - mu1], []
+            for k in range(n_ex):
+                dfx, dx = gather(a_ex[k], passed - 1), gather(b_ex[k], passed - 1)
+                new_es.append(es[k + 1] + (new[k + 1] - xs[k + 1]) - dot(dfx, w_fwd[k]))
+                new_backs.append(backs[k] + dot(dx, w_back[k]) - dot(dfx, grams[k]))
+            return new, new_fxs, new_es, new_backs, x_last, output_prediction(passed - 1), passed
 
-        xs, fxs, x_last, passed = jax.lax.fori_loop(0, T, step, (xs, fxs, x_last, passed))
-        results = [(x_out, [*xs, x_last])]
-        if with_errors:
-            es, passed = phase_a(xs, fxs, mu1, passed)
-            results.append((e_out, [*es, output_error(x_last, output_prediction())]))
-            passed = sync(passed)  # the next tile's phase A rewrites the partials
+        xs, _, es, _, x_last, mu_last, passed = jax.lax.fori_loop(
+            0, T, step, (xs, fxs, es, backs, x_last, mu_start, passed))
+        return xs, x_last, [*es, output_error(x_last, mu_last)], (mu_start, mu_last), passed
+
+    def settle_errors(mu1, x_last, passed):
+        """The "errors" scheme: two barriers per step. Returns the settled state, errors and logits."""
+        xs, fxs, passed = feed_forward(mu1, passed)
+
+        def phase_a(xs, fxs, passed):
+            """The errors of hidden layers on U_g -> error exchange; the output's partial prediction -> partials."""
+            es = [xs[0] - mu1]
+            for k in range(1, n_w):
+                es.append(xs[k] - (dot(gather(a_ex[k - 1], passed - 1), w_fwd[k - 1]) + b_fwd[k - 1]))
+                publish(b_ex[k - 1], passed, k, es[k])
+            output_partials(fxs[-1], passed)
+            return es, sync(passed)
+
+        def step(t, carry):
+            xs, fxs, x_last, mu_start, passed = carry
+            es, passed = phase_a(xs, fxs, passed)
+            mu_last = output_prediction(passed - 1)
+            mu_start = jnp.where(t == 0, mu_last, mu_start)
+            if not clamped:  # a free output starts at its prediction
+                x_last = jnp.where(t == 0, mu_last, x_last)
+            e_last = output_error(x_last, mu_last)
+            backs = [dot(gather(b_ex[k], passed - 1), w_back[k]) for k in range(n_ex)]
+            xs, fxs = move(xs, fxs, es, [*backs, dot(e_last, w_back[-1])])
+            for k in range(n_ex):
+                publish(a_ex[k], passed, k, fxs[k])
+            if not clamped:
+                x_last = x_last - dt * e_last
+            return xs, fxs, x_last, mu_start, sync(passed)
+
+        mu_start = jnp.zeros((block_b, width[-1]), jnp.float32)
+        xs, fxs, x_last, mu_start, passed = jax.lax.fori_loop(0, T, step, (xs, fxs, x_last, mu_start, passed))
+        if not (with_errors or with_logits):
+            return xs, x_last, None, None, passed
+        es, passed = phase_a(xs, fxs, passed)
+        mu_last = output_prediction(passed - 1)
+        passed = sync(passed)  # the next tile's phase A rewrites the partials
+        return xs, x_last, [*es, output_error(x_last, mu_last)], (mu_start, mu_last), passed
+
+    settle = settle_deltas if deltas else settle_errors
+
+    def settle_tile(j, passed):
+        start = (slot * tiles_per_slot + j) * block_b
+        rows = pl.ds(start, block_b)
+        mu1 = mu1_ref[rows, units[0]].astype(jnp.float32)  # x_0 is clamped: mu_1 is constant
+        # (A free output's start, its prediction, is set by the settle function.)
+        x_last = target_ref[rows, :].astype(jnp.float32) if clamped else jnp.zeros((block_b, width[-1]), jnp.float32)
+        xs, x_last, es, logits, passed = settle(mu1, x_last, passed)
         checked = lambda value: value
         if groups > 1:  # a barrier of the slot gave up (see _barrier): its results are NaN, every program's
             broken = plgpu.atomic_add(counter_ref, slot, np.int32(0)) >= BARRIER_BROKEN
             checked = lambda value: jnp.where(broken, jnp.nan, value)
-        for out_refs, values in results:
+        valid = start + jax.lax.broadcasted_iota(jnp.int32, (block_b, 1), 0) < valid_rows
+        results = [(x_out, [*xs, x_last], checked)]
+        if with_errors:  # a caller's padding rows get zero errors: they add nothing to weight gradients
+            results.append((e_out, es, lambda value: checked(jnp.where(valid, value, 0.0))))
+        for out_refs, values, check in results:
             for k in range(n_w):
-                out_refs[k][rows, units[k]] = checked(values[k])
+                out_refs[k][rows, units[k]] = check(values[k])
 
             @pl.when(g == 0)  # the output layer is replicated: one program writes it
-            def _(out_ref=out_refs[-1], value=values[-1]):
-                out_ref[rows, :] = checked(value)
+            def _(out_ref=out_refs[-1], value=values[-1], check=check):
+                out_ref[rows, :] = check(value)
+
+        if with_logits:
+            @pl.when(g == 0)
+            def _():
+                for out_ref, value in zip(logits_out, logits, strict=True):
+                    out_ref[rows, :] = checked(value)
 
         return passed
 
@@ -392,14 +527,15 @@ def _pad2(a, rows, cols):
 def pc_settle(weights: Sequence[jax.Array], biases: Sequence[jax.Array], mu1: jax.Array,
               target: jax.Array | None = None, *, T: int, dt: float | jax.Array, activation: str = "sigmoid",
               output: str = "gaussian", precision: str = "float32", with_errors: bool = False,
-              config: SettleConfig = SettleConfig(), interpret: bool = False):
+              with_logits: bool = False, valid_rows: int | None = None, config: SettleConfig = SettleConfig(),
+              interpret: bool = False) -> Settled:
     """Settle a predictive-coding MLP for T Euler steps, in one launch.
 
     Args:
       weights: W_1..W_{L-1}, L - 1 >= 1 arrays; ``weights[l]`` is W_{l+1}, ``[n_{l+1}, n_{l+2}]``.
       biases: b_1..b_{L-1}; ``biases[l]`` is ``[n_{l+2}]``.
       mu1: the clamped input's prediction f_0(x_0) @ W_0 + b_0, ``[batch, n_1]``; any batch size (padded to
-        whole row tiles of ``config.block_b``).
+        :func:`padded_rows`).
       target: ``[batch, n_L]`` to clamp the output to (e.g. one-hot labels), or None for a free output.
       T: Euler steps (>= 1).
       dt: step size (> 0): a float or a traced scalar (one compiled kernel serves every dt).
@@ -407,45 +543,58 @@ def pc_settle(weights: Sequence[jax.Array], biases: Sequence[jax.Array], mu1: ja
       output: energy of the clamped output, one of :data:`OUTPUTS`; ``"cross_entropy"`` needs a target.
       precision: matmul operands, one of :data:`PRECISIONS` (accumulation is always float32).
       with_errors: also return the errors of the settled state.
-      config: launch geometry (:class:`SettleConfig`, grid from :func:`launch_grid`).
+      with_logits: also return mu_L at the feed-forward start and at the settled state.
+      valid_rows: rows at and past this are the caller's padding: their errors come back 0 (default: none).
+      config: launch geometry and exchange scheme (:class:`SettleConfig`, grid from :func:`launch_grid`).
       interpret: run in the Pallas interpreter (with one unit group: module docstring, "Barrier").
 
     Returns:
-      The settled activities ``[x_1, ..., x_L]``, float32 ``[batch, n_l]``; with ``with_errors``, the pair
-      ``(activities, [e_1, ..., e_L])``.
+      :class:`Settled`.
     """
     _check(weights, biases, mu1, target, T, dt, activation, output, precision)  # outside jit: dt is concrete
+    batch = mu1.shape[0]
+    valid_rows = batch if valid_rows is None else valid_rows
+    if not isinstance(valid_rows, int) or not 0 <= valid_rows <= batch:
+        raise ValueError(f"valid_rows must be an int in [0, {batch}] (the batch), got {valid_rows!r}")
     return _pc_settle(weights, biases, mu1, target, dt, T=T, activation=activation, output=output,
-                      precision=precision, with_errors=with_errors, config=config, interpret=interpret)
+                      precision=precision, with_errors=with_errors, with_logits=with_logits, valid_rows=valid_rows,
+                      config=config, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("T", "activation", "output", "precision", "with_errors", "config",
-                                             "interpret"))
-def _pc_settle(weights, biases, mu1, target, dt, *, T, activation, output, precision, with_errors, config,
-               interpret):
+@functools.partial(jax.jit, static_argnames=("T", "activation", "output", "precision", "with_errors", "with_logits",
+                                             "valid_rows", "config", "interpret"))
+def _pc_settle(weights, biases, mu1, target, dt, *, T, activation, output, precision, with_errors, with_logits,
+               valid_rows, config, interpret):
     n_layers, batch, bb = len(weights) + 1, mu1.shape[0], config.block_b
     widths = [mu1.shape[1]] + [w.shape[1] for w in weights]
     pw = [padded_width(n) for n in widths]
     grid = launch_grid(batch, widths, config, interpret=interpret)
-    rows, ex_rows = grid.slots * grid.tiles_per_slot * bb, grid.slots * bb
+    rows, ex_rows = padded_rows(batch, widths, config, interpret=interpret), grid.slots * bb
+    deltas = config.exchange == "deltas"
     dtype = dot_args(precision)[0]  # weights and exchanged operands in the matmul dtype: bf16 halves their bytes
     inputs = [jnp.reshape(dt, (1,)).astype(jnp.float32), _pad2(mu1.astype(jnp.float32), rows, pw[0])]
     if target is not None:
         inputs.append(_pad2(target.astype(jnp.float32), rows, pw[-1]))
-    inputs += [_pad2(w.astype(dtype), pw[l], pw[l + 1]) for l, w in enumerate(weights)]
+    padded_weights = [_pad2(w.astype(dtype), pw[l], pw[l + 1]) for l, w in enumerate(weights)]
+    inputs += padded_weights
     inputs += [jnp.pad(b.astype(jnp.float32), (0, pw[l + 1] - b.shape[0])) for l, b in enumerate(biases)]
+    if deltas:
+        inputs += gram_matrices(padded_weights, precision)
     inputs.append(jnp.zeros((grid.slots,), jnp.int32))  # barrier arrival counters, one per row slot
     out_shape = [jax.ShapeDtypeStruct((rows, n), jnp.float32) for n in pw] * (2 if with_errors else 1)
+    out_shape += [jax.ShapeDtypeStruct((rows, pw[-1]), jnp.float32)] * (2 if with_logits else 0)
     n_results = len(out_shape)
     out_shape.append(jax.ShapeDtypeStruct((grid.slots,), jnp.int32))
-    out_shape += [jax.ShapeDtypeStruct((ex_rows, n), dtype) for n in pw[:n_layers - 2]]  # f(x_1)..f(x_{L-2})
-    out_shape += [jax.ShapeDtypeStruct((ex_rows, n), dtype) for n in pw[1:n_layers - 1]]  # e_2..e_{L-1}
-    out_shape.append(jax.ShapeDtypeStruct((grid.groups, ex_rows, pw[-1]), jnp.float32))  # output partials
+    buffers = 2 if deltas else 1
+    out_shape += [jax.ShapeDtypeStruct((buffers, ex_rows, n), dtype) for n in pw[:n_layers - 2]]  # f(x_1).. or d
+    out_shape += [jax.ShapeDtypeStruct((buffers, ex_rows, n), dtype) for n in pw[1:n_layers - 1]]  # e_2.. or dx
+    out_shape.append(jax.ShapeDtypeStruct((buffers, grid.groups, ex_rows, pw[-1]), jnp.float32))  # partials
     whole = lambda shape: pl.BlockSpec(shape, lambda r, g: (0,) * len(shape))  # programs index by hand
     kernel = functools.partial(_pc_settle_kernel, n_layers=n_layers, n_out=widths[-1], clamped=target is not None,
-                               cross_entropy=output == "cross_entropy", with_errors=with_errors, T=T,
-                               activation=activation, precision=precision, block_b=bb, groups=grid.groups,
-                               tiles_per_slot=grid.tiles_per_slot, interpret=interpret)
+                               cross_entropy=output == "cross_entropy", with_errors=with_errors,
+                               with_logits=with_logits, T=T, activation=activation, precision=precision, block_b=bb,
+                               groups=grid.groups, tiles_per_slot=grid.tiles_per_slot, valid_rows=valid_rows,
+                               exchange=config.exchange, spin=config.spin, interpret=interpret)
     out = pl.pallas_call(
         kernel,
         grid=(grid.slots, grid.groups),
@@ -457,14 +606,17 @@ def _pc_settle(weights, biases, mu1, target, dt, *, T, activation, output, preci
         interpret=interpret,
         name=f"pc_settle_{n_layers}layers",
     )(*inputs)
-    out = [o[:batch, :n] for o, n in zip(out[:n_results], widths * (n_results // n_layers), strict=True)]
-    return (out[:n_layers], out[n_layers:]) if with_errors else out
+    result_widths = widths * (2 if with_errors else 1) + [widths[-1]] * (2 if with_logits else 0)
+    results = [o[:batch, :n] for o, n in zip(out[:n_results], result_widths, strict=True)]
+    xs, results = results[:n_layers], results[n_layers:]
+    errors, results = (results[:n_layers], results[n_layers:]) if with_errors else (None, results)
+    return Settled(xs, errors, tuple(results) if with_logits else None)
 
 
 def pc_settle_reference(weights: Sequence[jax.Array], biases: Sequence[jax.Array], mu1: jax.Array,
                         target: jax.Array | None = None, *, T: int, dt: float | jax.Array,
                         activation: str = "sigmoid", output: str = "gaussian", precision: str = "float32",
-                        with_errors: bool = False):
+                        with_errors: bool = False, with_logits: bool = False) -> Settled:
     """Plain-jnp :func:`pc_settle` (same arguments and results, no padding, no tiling)."""
     _check(weights, biases, mu1, target, T, dt, activation, output, precision)
     f, df = ACTIVATIONS[activation]
@@ -493,9 +645,9 @@ def pc_settle_reference(weights: Sequence[jax.Array], biases: Sequence[jax.Array
     xs = [mu1]
     for w, b in zip(ws, bs, strict=True):
         xs.append(dot(f(xs[-1]), w) + b)
+    mu_start = xs[-1]
     if target is not None:
         xs[-1] = target.astype(jnp.float32)
     xs = jax.lax.fori_loop(0, T, step, xs)
-    if not with_errors:
-        return xs
-    return xs, errors(xs, predictions(xs)[1])
+    mus = predictions(xs)[1]
+    return Settled(xs, errors(xs, mus) if with_errors else None, (mu_start, mus[-1]) if with_logits else None)

@@ -17,10 +17,10 @@ Euler settling of a plain net with a fixed T, no trace and a clamped input (the 
 clamped or free) is also one fused GPU kernel, ``pallas_kernels.pc_settle``: ``kernel="pallas"`` runs it
 (on an NVIDIA GPU through ``lax.platform_dependent``, interpreted elsewhere: slow, for tests) and raises where
 it does not apply (:func:`fused_kernel_unsupported`); "jnp" always runs the loop. "auto" picks the faster
-path, which today is the jnp loop on every platform: on an H200 the kernel's first Triton form measured
-2.9 ms per T=20 settling of a 250-row Deepity batch against 0.66-0.77 ms for XLA's loop
-(``benchmarks/pc_mnist.py``'s settle timings, H200 runs of 2026-11-29); its cooperative redesign (the
-kernel's docstring) is not timed yet. ``kernel_config`` sets the kernel's launch geometry.
+path, which today is the jnp loop on every platform: on an H200 the kernel's two-barrier scheme measured
+409-557 us per T=20 settling of a 250-row Deepity batch against 779-814 us for XLA's loop, but a whole
+training epoch was not faster (``benchmarks/pc_mnist.py``); its one-barrier "deltas" scheme (the kernel's
+docstring), now the default, is not timed yet. ``kernel_config`` sets the kernel's launch geometry and scheme.
 """
 
 from collections.abc import Callable
@@ -37,10 +37,11 @@ from pc.networks import Params, PCNet, check_params, forward, predict
 
 SOLVERS = ("euler", "heun")
 KERNELS = ("auto", "jnp", "pallas")  # see the module docstring
-# The fused kernel's default launch geometry: 64-row tiles x 32 unit groups, the best of the H200 sweep for tf32
-# and bf16 alike (Deepity, T=20, batch 250: 557 / 419 us per settle against XLA's 779 / 814 us;
-# benchmarks/results/pc_mnist.json).
-KERNEL_CONFIG = SettleConfig(block_b=64, groups=32)
+# The fused kernel's default launch geometry: 64-row tiles x 32 unit groups, the best of the H200 sweep of the
+# two-barrier scheme for tf32 and bf16 alike (Deepity, T=20, batch 250: 557 / 419 us per settle against XLA's
+# 779 / 814 us; benchmarks/results/pc_mnist.json), and 16 units per program leave room for the "deltas"
+# scheme's third weight slice.
+KERNEL_CONFIG = SettleConfig(block_b=64, groups=32, exchange="deltas")
 
 Activities = tuple[jax.Array, ...]
 
@@ -258,7 +259,7 @@ def settle_from_input(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: 
         mu1 = predict(params[0], x0, net, 0)  # constant while settling: x_0 is clamped
         xs = pc_settle([p["w"] for p in params[1:]], [p["b"] for p in params[1:]], mu1, target, T=T, dt=dt,
                        activation=net.activation, output=net.output if target is not None else "gaussian",
-                       precision=net.precision, config=kernel_config, interpret=interpret)
+                       precision=net.precision, config=kernel_config, interpret=interpret).xs
         return [x0, *xs]
 
     xs = jax.lax.platform_dependent(cuda=lambda: fused(interpret=False), default=lambda: fused(interpret=True))

@@ -12,9 +12,20 @@ residual block). Variants:
     from the same state as the activity step (Salvatori et al., "A Stable, Fast, and Fully Automatic
     Learning Algorithm for Predictive Coding Networks", ICLR 2024).
 
-The epoch shuffles with ``key`` and runs a ``lax.scan`` over ``len(images) // batch_size`` minibatches (the
-remainder is dropped), gathering each minibatch from the arrays on the device: pass ``jax.device_put``
-arrays to keep the data resident across epochs.
+The epoch shuffles with ``key``, gathers the shuffled minibatches in one go (``[batches, batch_size, n]``, a
+copy of the data on the device) and runs a ``lax.scan`` over the ``len(images) // batch_size`` of them (the
+remainder is dropped): pass ``jax.device_put`` arrays to keep the data resident across epochs.
+
+Supervised training with the fused kernel (``kernel="pallas"``) pads the minibatches once per epoch to the
+kernel's row tiles (``pallas_kernels.pc_settle.padded_rows``; padding rows get label -1, a zero target) and
+takes from the kernel, besides the settled activities, their errors and the output's logits at the start and
+the settled state. The weight step then needs no second pass through the net: the gradient of the batch-mean
+energy at fixed activities is local,
+
+    dE/dW_l = -f_l(x_l)^T e_{l+1} / batch,    dE/db_l = -sum_rows e_{l+1} / batch,
+
+(the kernel returns zero errors for padding rows), the energy comes from the errors and logits, and the
+accuracy from the logits at the feed-forward start.
 """
 
 import functools
@@ -24,9 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pallas_kernels.pc_settle import SettleConfig, padded_rows, pc_settle
 from pc.energy import energy, energy_and_grads, errors
-from pc.networks import Params, PCNet, check_params, forward
+from pc.networks import Params, PCNet, check_params, forward, predict
 from pc.settle import (
+    KERNEL_CONFIG,
     check_kernel,
     check_settle_args,
     free_layers,
@@ -69,6 +82,33 @@ def _supervised(params, opt_state, x, y, dt, *, optimizer, net, T, solver, kerne
     return params, opt_state, {"energy": mean_energy, "accuracy": accuracy}
 
 
+def _supervised_fused(params, opt_state, x, y, dt, *, optimizer, net, T, config, n):
+    """A minibatch through the fused kernel: x ``[rows, n_0]``, labels y ``[rows]``; the first ``n`` rows are
+    real, the rest padding (label -1)."""
+    target = jax.nn.one_hot(y, net.sizes[-1], dtype=jnp.float32)  # padding rows (-1): all zero
+
+    def fused(interpret: bool):
+        return pc_settle([p["w"] for p in params[1:]], [p["b"] for p in params[1:]], predict(params[0], x, net, 0),
+                         target, T=T, dt=dt, activation=net.activation, output=net.output, precision=net.precision,
+                         with_errors=True, with_logits=True, valid_rows=n, config=config,
+                         interpret=interpret)
+
+    settled = jax.lax.platform_dependent(cuda=lambda: fused(interpret=False), default=lambda: fused(interpret=True))
+    xs, es = [x, *settled.xs], settled.errors
+    start_logits, logits = settled.logits
+    accuracy = jnp.sum(jnp.argmax(start_logits, axis=-1) == y) / n  # before this batch's update
+    grads = [{"w": -net.matmul(net.f(l)(xs[l]).T, es[l]) / n, "b": -jnp.sum(es[l], axis=0) / n}
+             for l in range(net.depth)]
+    row_energy = 0.5 * sum(jnp.sum(e * e, axis=-1) for e in es[:-1])
+    if net.output == "cross_entropy":
+        row_energy += -jnp.sum(target * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+    else:
+        row_energy += 0.5 * jnp.sum(es[-1] * es[-1], axis=-1)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    metrics = {"energy": jnp.sum(row_energy) / n, "accuracy": accuracy}
+    return optax.apply_updates(params, updates), opt_state, metrics
+
+
 def _generative(params, opt_state, x, y, dt, *, optimizer, net, T, solver, kernel):
     del y, kernel  # the fused kernel keeps x_0 clamped: no generative settling
     xs = forward(params, jnp.zeros((x.shape[0], net.sizes[0]), x.dtype), net)
@@ -106,27 +146,35 @@ def _incremental(params, opt_state, x, y, dt, *, optimizer, net, T, solver, kern
 _STEPS = {"supervised": _supervised, "generative": _generative, "incremental": _incremental}
 
 
-@functools.partial(jax.jit, static_argnames=("optimizer", "net", "T", "batch_size", "solver", "variant", "kernel"))
+@functools.partial(jax.jit, static_argnames=("optimizer", "net", "T", "batch_size", "solver", "variant", "kernel",
+                                             "kernel_config"))
 def _train_epoch(params, opt_state, images, labels, key, dt, *, optimizer, net, T, batch_size, solver, variant,
-                 kernel):
+                 kernel, kernel_config):
     n_batches = images.shape[0] // batch_size
     order = jax.random.permutation(key, images.shape[0])[: n_batches * batch_size].reshape(n_batches, batch_size)
-    step = functools.partial(_STEPS[variant], optimizer=optimizer, net=net, T=T, solver=solver, kernel=kernel)
+    batches = (images[order], None if labels is None else labels[order])  # one gather for the whole epoch
+    if kernel == "pallas" and variant == "supervised":
+        rows = padded_rows(batch_size, net.sizes[1:], kernel_config) - batch_size  # the kernel's row tiles
+        batches = (jnp.pad(batches[0], ((0, 0), (0, rows), (0, 0))),
+                   jnp.pad(batches[1], ((0, 0), (0, rows)), constant_values=-1))
+        step = functools.partial(_supervised_fused, optimizer=optimizer, net=net, T=T, config=kernel_config,
+                                 n=batch_size)
+    else:
+        step = functools.partial(_STEPS[variant], optimizer=optimizer, net=net, T=T, solver=solver, kernel=kernel)
 
-    def batch(carry, idx):
+    def batch(carry, xy):
         p, state = carry
-        y = None if labels is None else labels[idx]
-        p, state, metrics = step(p, state, images[idx], y, dt)
+        p, state, metrics = step(p, state, *xy, dt)
         return (p, state), metrics
 
-    (params, opt_state), metrics = jax.lax.scan(batch, (params, opt_state), order)
+    (params, opt_state), metrics = jax.lax.scan(batch, (params, opt_state), batches)
     return params, opt_state, jax.tree.map(jnp.mean, metrics)
 
 
 def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.GradientTransformation,
                 images: jax.Array, labels: jax.Array | None, *, net: PCNet, T: int, dt: float, batch_size: int,
                 key: jax.Array, solver: str | optax.GradientTransformation = "euler",
-                variant: str = "supervised", kernel: str = "auto"
+                variant: str = "supervised", kernel: str = "auto", kernel_config: SettleConfig = KERNEL_CONFIG
                 ) -> tuple[Params, optax.OptState, dict[str, jax.Array]]:
     """One epoch of PC training as a single jitted call.
 
@@ -140,8 +188,10 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
       batch_size: minibatch rows; the last ``n % batch_size`` shuffled rows are dropped.
       key: PRNG key of this epoch's shuffle.
       variant: one of :data:`VARIANTS`.
-      kernel: settling of the "supervised" variant, "auto", "jnp" or "pallas" (see ``pc.settle``); the
-        other variants always run the jnp loop.
+      kernel: settling of the "supervised" variant, "auto", "jnp" or "pallas" (see ``pc.settle``; "pallas"
+        also takes the weight step from the kernel's errors, module docstring); the other variants always run
+        the jnp loop.
+      kernel_config: the fused kernel's launch geometry and scheme (``pallas_kernels.pc_settle.SettleConfig``).
 
     Returns:
       ``(params, opt_state, metrics)``; metrics are epoch means: "energy" (batch-mean settled energy; for
@@ -173,7 +223,8 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
     else:
         labels = _check_labels(labels, images.shape[0], net)
     return _train_epoch(params, opt_state, images, labels, key, jnp.float32(dt), optimizer=optimizer, net=net,
-                        T=T, batch_size=batch_size, solver=solver, variant=variant, kernel=kernel)
+                        T=T, batch_size=batch_size, solver=solver, variant=variant, kernel=kernel,
+                        kernel_config=kernel_config)
 
 
 def _check_labels(labels, n: int, net: PCNet) -> jax.Array:

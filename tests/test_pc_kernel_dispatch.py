@@ -48,18 +48,22 @@ def test_pallas_settles_as_the_jnp_loop(output, input_activation, clamped):
         assert float(jnp.max(jnp.abs(loop.xs[1] - pc.forward(params, x0, net)[1]))) > 100 * ATOL
 
 
-def test_train_epoch_with_the_kernel_gives_the_jnp_params():
+@pytest.mark.parametrize("exchange", ["deltas", pytest.param("errors", marks=pytest.mark.slow)])
+def test_train_epoch_with_the_kernel_gives_the_jnp_params(exchange):
     """Four minibatches of 25 MNIST images through the fused (interpreted) settling and through the loop.
 
-    SGD keeps the weight step linear in the gradients, so the paths' fp32 reorderings stay that small.
+    The fused path pads each minibatch to the kernel's 64-row tile and takes the weight step from the kernel's
+    errors (pc.train's docstring); the loop's takes it by autodiff of the energy. SGD keeps the weight step
+    linear in the gradients, so the paths' fp32 reorderings stay that small.
     """
     m = load_mnist()
     images, labels = jnp.asarray(m.train_x[:100]), jnp.asarray(m.train_y[:100])
     net = pc.PCNet((784, 24, 16, 10), activation="sigmoid", output="cross_entropy", input_activation=False)
     params = pc.init_params(jax.random.key(0), net)
     tx = optax.sgd(0.5)
+    config = SettleConfig(block_b=64, groups=32, exchange=exchange)
     run = lambda kernel: pc.train_epoch(params, tx.init(params), tx, images, labels, net=net, T=5, dt=0.1,
-                                        batch_size=25, key=jax.random.key(1), kernel=kernel)
+                                        batch_size=25, key=jax.random.key(1), kernel=kernel, kernel_config=config)
     (fused, _, fused_metrics), (loop, _, loop_metrics) = run("pallas"), run("jnp")
     for l, (a, b, p0) in enumerate(zip(fused, loop, params, strict=True)):
         for name in ("w", "b"):  # the change each path made, to 1e-4 relative (Frobenius)
@@ -121,16 +125,21 @@ def test_kernel_config_sets_the_launch_grid():
     assert grid(kernel_config=SettleConfig(block_b=16, groups=2)) == (4, 2)
 
 
-def test_train_epoch_lowers_with_the_fused_kernel_for_h200():
+@pytest.mark.parametrize("config,grid", [(None, (4, 32)), (SettleConfig(block_b=32, groups=16), (8, 16))],
+                         ids=["default", "32x16"])
+def test_train_epoch_lowers_with_the_fused_kernel_for_h200(config, grid):
     """One whole Deepity epoch (784-512-512-10 sigmoid, CE output, linear input, T = 20, batch 250) on an
-    abstract H200: kernel="pallas" settles with the Triton kernel."""
+    abstract H200: kernel="pallas" settles with the Triton kernel, on the grid of its kernel_config (default
+    pc.settle.KERNEL_CONFIG: 4 slots of 64 rows x 32 unit groups)."""
     net = pc.PCNet(pc.parse_arch("784-512-512-10"), activation="sigmoid", output="cross_entropy",
                    input_activation=False)
     tx = optax.adamw(1e-3)
     params = jax.eval_shape(lambda: pc.init_params(jax.random.key(0), net))
     abstract = (params, jax.eval_shape(tx.init, params), jax.ShapeDtypeStruct((1000, 784), jnp.float32),
                 jax.ShapeDtypeStruct((1000,), jnp.int32), jax.eval_shape(lambda: jax.random.key(0)))
+    kwargs = {} if config is None else dict(kernel_config=config)
     epoch = lambda p, s, x, y, key: pc.train_epoch(p, s, tx, x, y, net=net, T=20, dt=0.1, batch_size=250, key=key,
-                                                   kernel="pallas")
+                                                   kernel="pallas", **kwargs)
     text = lower_for_h200(epoch, *abstract)
     assert "triton" in text and "pc_settle_3layers" in text
+    assert lower_grid(text) == grid

@@ -1,5 +1,6 @@
-"""pallas_kernels.pc_settle: the cooperative settling kernel against its jnp reference, its launch grid, padding,
-and the H200 lowering (G > 1 unit groups: what interpret mode, one program at a time, cannot run)."""
+"""pallas_kernels.pc_settle: the cooperative settling kernel (both exchange schemes) against its jnp reference,
+its launch grid, padding, and the H200 lowering (G > 1 unit groups: what interpret mode, one program at a time,
+cannot run)."""
 
 import functools
 import re
@@ -20,8 +21,10 @@ PCX = (784, 128, 128, 128, 10)
 SMALL = (20, 40, 24, 36, 10)  # 3 hidden layers, no width a power of 2: every width is padded
 DT = 0.1
 # 16-row tiles: a 32-row batch spreads over two row slots, so every test runs several programs. (Interpret
-# mode always runs one unit group; the GPU and test_lowers_for_h200 run G > 1.)
+# mode always runs one unit group; the GPU and test_lowers_for_h200 run G > 1.) TILES uses the default
+# "deltas" exchange (one barrier per step), ERRORS_TILES the two-barrier "errors" exchange.
 TILES = K.SettleConfig(block_b=16)
+ERRORS_TILES = K.SettleConfig(block_b=16, exchange="errors")
 # Relative Frobenius error per matmul precision. float32 reorders sums by block; bfloat16 operands round
 # at 2^-8 and a value near a rounding edge may round either way in kernel and reference.
 RTOL = {"float32": 1e-5, "tf32": 1e-3, "bfloat16": 2 * 2.0**-8}
@@ -63,15 +66,18 @@ def feed_forward(weights, biases, mu1, activation="sigmoid"):
 def assert_matches_reference(widths, batch, *, clamped, seed, config: K.SettleConfig, **static):
     weights, biases, mu1, target = network(widths, batch, seed)
     target = target if clamped else None
-    xs, es = K.pc_settle(weights, biases, mu1, target, dt=DT, with_errors=True, config=config,
-                         interpret=interpret(), **static)
-    ref_xs, ref_es = K.pc_settle_reference(weights, biases, mu1, target, dt=DT, with_errors=True, **static)
+    xs, es, logits = K.pc_settle(weights, biases, mu1, target, dt=DT, with_errors=True, with_logits=True,
+                                 config=config, interpret=interpret(), **static)
+    ref_xs, ref_es, ref_logits = K.pc_settle_reference(weights, biases, mu1, target, dt=DT, with_errors=True,
+                                                       with_logits=True, **static)
     rtol = RTOL[static.get("precision", "float32")]
     for l, (x, e, rx, rex) in enumerate(zip(xs, es, ref_xs, ref_es, strict=True), start=1):
         assert_close(x, rx, rtol=rtol, name=f"x_{l}")
         # An error is a difference of nearby activities: bound it relative to the activities' size.
         e_rtol = rtol * float(jnp.linalg.norm(rx)) / max(float(jnp.linalg.norm(rex)), 1e-30)
         assert_close(e, rex, rtol=max(rtol, e_rtol), name=f"e_{l}")
+    for name, a, r in zip(("start logits", "settled logits"), logits, ref_logits, strict=True):
+        assert_close(a, r, rtol=rtol, name=name)
     start = feed_forward(weights, biases, mu1, static.get("activation", "sigmoid"))
     if clamped:  # the last hidden layer moved far beyond fp32 noise: a kernel that skipped the loop fails
         moved = float(jnp.linalg.norm(ref_xs[-2] - start[-2]) / jnp.linalg.norm(start[-2]))
@@ -88,6 +94,11 @@ class TestPCSettle:
         assert_matches_reference(DEEPITY, 32, clamped=clamped, seed=T + clamped, T=T, activation=activation,
                                  output=output, config=TILES)
 
+    @pytest.mark.parametrize("activation,clamped,output", cases(("sigmoid", "cross_entropy"), ["sigmoid", "relu"]))
+    def test_deepity_errors_exchange_matches_reference(self, activation, clamped, output):
+        assert_matches_reference(DEEPITY, 32, clamped=clamped, seed=5 + clamped, T=3, activation=activation,
+                                 output=output, config=ERRORS_TILES)
+
     @pytest.mark.slow
     def test_deepity_bf16_operands_match_reference(self):
         assert_matches_reference(DEEPITY, 32, clamped=True, seed=7, T=4, precision="bfloat16", config=TILES)
@@ -96,6 +107,11 @@ class TestPCSettle:
     def test_three_hidden_layers_match_reference(self, activation, clamped, output):
         assert_matches_reference(SMALL, 32, clamped=clamped, seed=11, T=5, activation=activation, output=output,
                                  config=TILES)
+
+    @pytest.mark.parametrize("activation,clamped,output", cases(fast=("tanh", "gaussian"), activations=["tanh"]))
+    def test_three_hidden_layers_errors_exchange_matches_reference(self, activation, clamped, output):
+        assert_matches_reference(SMALL, 32, clamped=clamped, seed=14, T=5, activation=activation, output=output,
+                                 config=ERRORS_TILES)
 
     def test_three_hidden_layers_bf16_operands_match_reference(self):
         assert_matches_reference(SMALL, 32, clamped=True, seed=12, T=5, activation="tanh", precision="bfloat16",
@@ -113,11 +129,14 @@ class TestPCSettle:
     def test_batch_not_divisible_by_block_b(self):
         assert_matches_reference(SMALL, 37, clamped=True, seed=3, T=4, output="cross_entropy", config=TILES)
 
+    @pytest.mark.parametrize("exchange", [e if e == "deltas" else pytest.param(e, marks=pytest.mark.slow)
+                                          for e in K.EXCHANGES])
     @pytest.mark.parametrize("activation,clamped,output", cases(("sigmoid", "cross_entropy"), ["sigmoid"]))
-    def test_a_slot_settles_its_row_tiles_in_turn(self, activation, clamped, output):
+    def test_a_slot_settles_its_row_tiles_in_turn(self, activation, clamped, output, exchange):
         """Two row slots for five 16-row tiles: each slot settles three tiles (the sixth all padding), reusing
-        its exchange rows and counting on through their barriers."""
-        config = K.SettleConfig(block_b=16, max_programs=2)
+        its exchange rows and counting on through their barriers (T = 3: the deltas scheme's buffer parity
+        changes from one tile to the next)."""
+        config = K.SettleConfig(block_b=16, max_programs=2, exchange=exchange)
         assert K.launch_grid(73, SMALL[1:], config, interpret=interpret()) == K.Grid(2, 1, 3)
         assert_matches_reference(SMALL, 73, clamped=clamped, seed=13, T=3, activation=activation, output=output,
                                  config=config)
@@ -126,8 +145,8 @@ class TestPCSettle:
     def test_result_does_not_depend_on_launch_geometry(self):
         weights, biases, mu1, target = network(SMALL, 64, 5)
         run = functools.partial(K.pc_settle, weights, biases, mu1, target, T=4, dt=DT, interpret=interpret())
-        one_slot = run(config=K.SettleConfig(block_b=16, num_warps=4, max_programs=1))  # 4 tiles in turn
-        two_tiles = run(config=K.SettleConfig(block_b=32))
+        one_slot = run(config=K.SettleConfig(block_b=16, num_warps=4, max_programs=1)).xs  # 4 tiles in turn
+        two_tiles = run(config=K.SettleConfig(block_b=32)).xs
         for l, (a, b) in enumerate(zip(one_slot, two_tiles, strict=True), start=1):
             assert_close(a, b, name=f"x_{l}")
 
@@ -135,7 +154,7 @@ class TestPCSettle:
         """dt is an operand of the launch, not a compile-time constant: a jit over dt gives the same result."""
         weights, biases, mu1, target = network(SMALL, 16, 6)
         run = lambda dt: K.pc_settle(weights, biases, mu1, target, T=4, dt=dt, output="cross_entropy",
-                                     interpret=interpret())
+                                     interpret=interpret()).xs
         for l, (a, b) in enumerate(zip(jax.jit(run)(jnp.float32(0.3)), run(0.3), strict=True), start=1):
             assert_close(a, b, name=f"x_{l}")
 
@@ -152,7 +171,7 @@ class TestPCSettle:
         pad_mu1 = jnp.pad(mu1, ((0, 0), (0, padded[0] - widths[0])))
         pad_target = jnp.pad(target, ((0, 0), (0, padded[-1] - widths[-1])))
         run = functools.partial(K.pc_settle, T=6, dt=0.2, activation=activation, interpret=interpret())
-        xs, pad_xs = run(weights, biases, mu1, target), run(pad_w, pad_b, pad_mu1, pad_target)
+        xs, pad_xs = run(weights, biases, mu1, target).xs, run(pad_w, pad_b, pad_mu1, pad_target).xs
         for l, (x, pad_x) in enumerate(zip(xs, pad_xs, strict=True)):
             np.testing.assert_array_equal(np.asarray(pad_x[:, widths[l]:]), 0.0, err_msg=f"x_{l + 1} padding")
             assert_close(pad_x[:, :widths[l]], x, name=f"x_{l + 1}")
@@ -160,8 +179,8 @@ class TestPCSettle:
     @pytest.mark.parametrize("output", ["cross_entropy", pytest.param("gaussian", marks=pytest.mark.slow)])
     def test_settling_lowers_the_energy(self, output):
         weights, biases, mu1, target = network(SMALL, 32, 9)
-        _, es = K.pc_settle(weights, biases, mu1, target, T=20, dt=DT, output=output, with_errors=True,
-                            interpret=interpret())
+        es = K.pc_settle(weights, biases, mu1, target, T=20, dt=DT, output=output, with_errors=True,
+                         interpret=interpret()).errors
         logits = feed_forward(weights, biases, mu1)[-1]
         if output == "gaussian":
             energy = sum(0.5 * jnp.sum(e * e, axis=1) for e in es)
@@ -207,6 +226,56 @@ class TestPCSettle:
             K.SettleConfig(block_b=8)
         with pytest.raises(ValueError, match="max_programs must be >= 1"):
             K.SettleConfig(max_programs=0)
+        with pytest.raises(ValueError, match="exchange must be one of .* got 'partials'"):
+            K.SettleConfig(exchange="partials")
+        with pytest.raises(ValueError, match="spin must be one of .* got 'sleep'"):
+            K.SettleConfig(spin="sleep")
+        for valid_rows in (-1, 9, 2.0):
+            with pytest.raises(ValueError, match=rf"valid_rows must be an int in \[0, 8\].*got {valid_rows}"):
+                run(valid_rows=valid_rows)
+
+    def test_valid_rows_zero_the_errors_of_padding_rows(self):
+        """Rows past valid_rows (a caller's padding) come back with zero errors and are otherwise settled as usual."""
+        weights, biases, mu1, target = network(SMALL, 20, 10)
+        run = functools.partial(K.pc_settle, weights, biases, mu1, target, T=3, dt=DT, with_errors=True,
+                                config=TILES, interpret=interpret())
+        full, cut = run(), run(valid_rows=13)
+        for l, (a, b, e, e_cut) in enumerate(zip(full.xs, cut.xs, full.errors, cut.errors, strict=True), start=1):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"x_{l}")
+            np.testing.assert_array_equal(np.asarray(e_cut[:13]), np.asarray(e[:13]), err_msg=f"e_{l} kept rows")
+            np.testing.assert_array_equal(np.asarray(e_cut[13:]), 0.0, err_msg=f"e_{l} padding rows")
+            assert float(jnp.max(jnp.abs(e[13:]))) > 0, f"e_{l}: the test needs non-zero errors to cut"
+
+    def test_gram_matrices(self):
+        weights = network(SMALL, 4, 1)[0]
+        grams = K.gram_matrices(weights, "float32")
+        assert len(grams) == len(weights) - 1  # the hidden-to-hidden layers only
+        for w, gram in zip(weights, grams, strict=False):
+            assert_close(gram, jnp.dot(w, w.T, precision="highest"), name="W W^T")
+        bf16 = K.gram_matrices(weights, "bfloat16")[0]
+        w = weights[0].astype(jnp.bfloat16).astype(jnp.float32)
+        assert bf16.dtype == jnp.bfloat16
+        assert_close(bf16, jnp.dot(w, w.T, precision="highest").astype(jnp.bfloat16), name="bf16 W W^T")
+
+
+# Deltas vs the reference in bf16 / tf32-like rounding, T = 20 on 128-wide layers: how far each lands from exact
+# fp32. The deltas scheme rounds different quantities (the step's changes and W W^T, not the errors), so it is
+# bounded by the reference's own deviation times this factor (measured ~1.0-1.3 on Deepity).
+DELTAS_DEVIATION_FACTOR = 2.0
+
+
+def test_deltas_bf16_deviates_from_fp32_like_the_reference():
+    weights, biases, mu1, target = network((64, 128, 128, 10), 32, 21)
+    exact = K.pc_settle_reference(weights, biases, mu1, target, T=20, dt=DT, output="cross_entropy").xs
+    ref = K.pc_settle_reference(weights, biases, mu1, target, T=20, dt=DT, output="cross_entropy",
+                                precision="bfloat16").xs
+    fused = K.pc_settle(weights, biases, mu1, target, T=20, dt=DT, output="cross_entropy", precision="bfloat16",
+                        config=TILES, interpret=interpret()).xs
+    for l, (x, r, e) in enumerate(zip(fused[:-1], ref[:-1], exact[:-1], strict=True), start=1):
+        ref_dev = float(jnp.linalg.norm(r - e) / jnp.linalg.norm(e))
+        dev = float(jnp.linalg.norm(x - e) / jnp.linalg.norm(e))
+        assert ref_dev > 0, f"x_{l}: bf16 must round"
+        assert dev <= DELTAS_DEVIATION_FACTOR * ref_dev, (l, dev, ref_dev)
 
 
 GRIDS = {  # id -> (batch, net widths n_0..n_L, config, interpret, expected grid)
@@ -253,8 +322,14 @@ def test_lowers_for_h200(widths, clamped, output):
     assert "pc_settle_" in text
 
 
-@pytest.mark.parametrize("static", [dict(precision="bfloat16", activation="tanh", with_errors=True),
-                                    dict(precision="tf32", activation="relu", output="cross_entropy")])
+@pytest.mark.parametrize("static", [
+    dict(precision="bfloat16", activation="tanh", with_errors=True),
+    dict(precision="tf32", activation="relu", output="cross_entropy"),
+    dict(precision="bfloat16", output="cross_entropy", with_errors=True, with_logits=True, valid_rows=1000),
+    dict(precision="bfloat16", output="cross_entropy", with_errors=True, with_logits=True,
+         config=K.SettleConfig(exchange="errors")),
+    dict(precision="bfloat16", config=K.SettleConfig(exchange="errors", spin="load")),
+], ids=["bf16_tanh_errors", "tf32_relu_ce", "training_outputs", "errors_exchange", "errors_exchange_load_spin"])
 def test_deepity_variants_lower_for_h200(static):
     text = lower_for_h200(functools.partial(K.pc_settle, T=20, dt=DT, **static), *abstract_args(DEEPITY))
     assert lower_grid(text) == (8, 16)  # 1024 rows: 32 tiles of 32 in 8 slots, 4 tiles each
@@ -319,24 +394,36 @@ def kernel_argument(pointer: ir.Value) -> int | None:
     return pointer.arg_number if pointer.owner.owner.name == "tt.func" else None
 
 
-@pytest.mark.parametrize("widths", [DEEPITY, PCX], ids=["deepity", "pcx"])
-def test_weight_slices_load_once_before_every_loop(widths):
-    """In the Triton module: every weight slice is loaded outside the row-tile and T loops (once per launch),
-    every exchange read is volatile (never served from a stale L1 line), and each step's matmuls are single
-    ``tl.dot``s: 2 (L - 1) per step plus L - 2 in the feed-forward start, whatever the widths."""
+def lower_triton(widths, config: K.SettleConfig) -> ir.Operation:
+    """The ``tt.func`` of the benchmark's settling (250 rows, T = 20, CE output, bf16) for ``config``, with the
+    module that owns it (keep both alive)."""
     weights, biases, mu1, target = abstract_args(widths, batch=250)
     mesh = jax.sharding.AbstractMesh((), (), abstract_device=H200)
-    run = functools.partial(K.pc_settle, T=20, dt=DT, output="cross_entropy", precision="bfloat16")
+    run = functools.partial(K.pc_settle, T=20, dt=DT, output="cross_entropy", precision="bfloat16", config=config)
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(run).trace(weights, biases, mu1, target).lower(lowering_platforms=("cuda",))
-    module = triton_module(lowered.compiler_ir("stablehlo"))  # (owns the ops below: keep it alive)
+    module = triton_module(lowered.compiler_ir("stablehlo"))
     (func,) = [op.operation for op in module.body.operations if op.operation.name == "tt.func"]
-    n_layers = len(widths) - 1
-    n_inputs = 3 + 2 * len(weights) + 1  # dt, mu_1, target, W.., b.., counters
+    return func, module
+
+
+@pytest.mark.parametrize("exchange", K.EXCHANGES)
+@pytest.mark.parametrize("widths", [DEEPITY, PCX], ids=["deepity", "pcx"])
+def test_weight_slices_load_once_before_every_loop(widths, exchange):
+    """In the Triton module: every weight slice (and Gram slice) is loaded outside the row-tile and T loops
+    (once per launch), every exchange read is volatile (never served from a stale L1 line), and each step's
+    matmuls are single ``tl.dot``s, whatever the widths: "errors" has 2 (L - 1) per step plus L - 2 in the
+    feed-forward start; "deltas" 3 per hidden-to-hidden layer and 2 for the output per step, plus the L - 2
+    feed-forward ones and the output's start."""
+    func, _module = lower_triton(widths, K.SettleConfig(exchange=exchange))
+    n_layers, n_hidden_to_hidden = len(widths) - 1, len(widths) - 3
+    n_weights = n_layers - 1
+    grams = n_hidden_to_hidden if exchange == "deltas" else 0
+    n_inputs = 3 + 2 * n_weights + grams + 1  # dt, mu_1, target, W.., b.., [W W^T..], counters
     n_args = len(func.regions[0].blocks[0].arguments)
-    weight_args = set(range(3, 3 + len(weights)))
-    exchange_args = set(range(n_args - (2 * (n_layers - 2) + 1), n_args))  # f(x) and e exchanges, partials
-    assert n_args == n_inputs + n_layers + 1 + 2 * (n_layers - 2) + 1
+    weight_args = set(range(3, 3 + n_weights)) | set(range(3 + 2 * n_weights, 3 + 2 * n_weights + grams))
+    exchange_args = set(range(n_args - (2 * n_hidden_to_hidden + 1), n_args))  # two exchanges per layer, partials
+    assert n_args == n_inputs + n_layers + 1 + 2 * n_hidden_to_hidden + 1
     loads = {}
     for load in ops_named(func, "tt.load"):
         if list(load.result.uses):  # (Pallas lowers a store as a swap: a load whose result is dead, then a store)
@@ -346,4 +433,25 @@ def test_weight_slices_load_once_before_every_loop(widths):
     exchange_loads = [load for arg in exchange_args for load in loads[arg]]
     assert any(in_loop(load) for load in exchange_loads)
     assert all(ir.BoolAttr(load.attributes["isVolatile"]).value for load in exchange_loads)
-    assert len(ops_named(func, "tt.dot")) == 2 * (n_layers - 1) + n_layers - 2
+    if exchange == "deltas":
+        dots = 3 * n_hidden_to_hidden + 2 + n_hidden_to_hidden + 1
+    else:
+        dots = 2 * (n_layers - 1) + n_layers - 2
+    assert len(ops_named(func, "tt.dot")) == dots
+
+
+@pytest.mark.parametrize("spin", K.SPINS)
+def test_barrier_spin_lowering(spin):
+    """spin="atomic" re-reads the arrival counter with atomic adds only; spin="load" with volatile loads, each
+    followed by the acquire fence, and keeps the atomic add for arriving (and the give-up check)."""
+    func, _module = lower_triton(DEEPITY, K.SettleConfig(block_b=64, groups=32, spin=spin))
+    fences = [op for op in ops_named(func, "tt.elementwise_inline_asm") if "fence.acq_rel.gpu" in
+              ir.StringAttr(op.attributes["asm_string"]).value]
+    spins = [op for op in ops_named(func, "scf.while")]
+    assert spins  # every barrier of G = 32 programs spins
+    atomic_in_spin = [op for op in ops_named(func, "tt.atomic_rmw") if op.parent.name == "scf.while"
+                      or op.parent.parent.name == "scf.while"]
+    if spin == "load":
+        assert len(fences) == len(spins) and not atomic_in_spin
+    else:
+        assert not fences and atomic_in_spin

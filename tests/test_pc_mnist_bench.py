@@ -1,0 +1,70 @@
+"""benchmarks/pc_mnist.py: the kernel configuration specs of its GPU sweeps, the choice of the epoch's
+configuration, and (slow) its quick GPU suite run end to end on a CPU with a tiny net, the kernel interpreted."""
+
+import argparse
+import dataclasses
+
+import numpy as np
+import pytest
+
+from benchmarks import pc_mnist
+from pallas_kernels.pc_settle import SettleConfig
+from pc.data import Dataset
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("64x32x8", SettleConfig(64, 32, 8)),
+    ("32x16x4-errors", SettleConfig(32, 16, 4, exchange="errors")),
+    ("64x32x8-load", SettleConfig(64, 32, 8, spin="load")),
+    ("16x8x4-load-errors", SettleConfig(16, 8, 4, exchange="errors", spin="load")),
+])
+def test_fused_config_specs(spec, expected):
+    config = pc_mnist.fused_config(spec)
+    assert config == expected
+    assert pc_mnist.fused_config(pc_mnist.config_name(config)) == config
+
+
+@pytest.mark.parametrize("spec,message", [("64x32", "BLOCK_BxGROUPSxWARPS"), ("64x32x8-fast", "unknown option 'fast'"),
+                                          ("64x12x8", "groups must be a positive power of 2")])
+def test_bad_fused_config_specs(spec, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        pc_mnist.fused_config(spec)
+
+
+def test_fastest_fused_skips_failed_and_nan_rows():
+    rows = [dict(impl="plain XLA", precision="bfloat16", settle_us=50.0, max_rel_dev_from_fp32=0.0),
+            dict(impl="fused", precision="bfloat16", config="64x32x8-deltas-load", settle_us=90.0,
+                 max_rel_dev_from_fp32=float("nan")),
+            dict(impl="fused", precision="bfloat16", config="32x16x4-errors-atomic", error="out of registers"),
+            dict(impl="fused", precision="tf32", config="16x16x4-deltas-atomic", settle_us=80.0,
+                 max_rel_dev_from_fp32=1e-4),
+            dict(impl="fused", precision="bfloat16", config="64x32x4-deltas-atomic", settle_us=120.0,
+                 max_rel_dev_from_fp32=3e-3)]
+    assert pc_mnist.fastest_fused(rows, "bfloat16") == SettleConfig(64, 32, 4)
+    assert pc_mnist.fastest_fused(rows, "float32") is None
+
+
+@pytest.mark.slow
+def test_quick_suite_runs_on_a_tiny_net(monkeypatch):
+    """The quick suite's whole path (settle sweep, fastest configuration, epochs, tables) on 400 MNIST images, a
+    784-32-32-10 net and T = 3, the kernel interpreted; ~1 minute on 2 cores."""
+    data = pc_mnist.load_dataset("mnist")
+    small = Dataset(data.train_x[:400], data.train_y[:400], data.test_x[:200], data.test_y[:200])
+    written = {}
+    monkeypatch.setattr(pc_mnist, "load_dataset", lambda name: small)
+    monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.setdefault(name, payload))
+    monkeypatch.setattr(pc_mnist, "NET", dataclasses.replace(pc_mnist.NET, sizes=(784, 32, 32, 10)))
+    for name, value in dict(BATCH=50, SETTLE_BATCHES=2, SETTLE_T=3, QUICK_EPOCHS=2,
+                            QUICK_CONFIGS={"bfloat16": ("16x2x4", "16x2x4-errors")}).items():
+        monkeypatch.setattr(pc_mnist, name, value)
+    payload = pc_mnist.quick_suite()
+    assert written == {"pc_mnist_quick": payload}
+    settle = payload["settle"]
+    assert [(r["impl"], r.get("config")) for r in settle] == [("plain XLA", None), ("fused", "16x2x4-deltas-atomic"),
+                                                             ("fused", "16x2x4-errors-atomic")]
+    assert all(r["settle_us"] > 0 and r["max_rel_dev_from_fp32"] < 1e-2 for r in settle)
+    fastest = min(settle[1:], key=lambda r: r["settle_us"])["config"]
+    assert payload["config"]["epoch_config"] == fastest
+    assert [s["impl"] for s in payload["summary"]] == [f"fused bf16 {fastest}", "plain XLA tf32", "plain XLA bf16"]
+    assert all(s["epochs"] == 2 and np.isfinite(s["s_per_epoch"]) for s in payload["summary"])
+    assert payload["summary"][1]["speedup_vs_plain_xla_tf32"] == 1.0
