@@ -35,7 +35,9 @@ one visit per row (group ``ids[r]``, rows ``[r, r + 1)``), read straight from ``
 decode step's few (token, expert) pairs this drops the sort, the visit plan and the unsort around the grouped
 matmul, each a small XLA kernel of its own. Its grid puts the rows first, so the rows of one column tile
 run together and rows sharing an expert read that tile from HBM about once (L2 serves the others). A row
-wastes 15 of its 16-row MMA tile: irrelevant where the weights' bytes bound the time.
+wastes 15 of its 16-row MMA tile: irrelevant where the weights' bytes bound the time. Given the up weights
+too, a program accumulates both of SwiGLU's products of its tile and stores ``silu(gate) * up``: one launch
+for the expert's hidden instead of two matmuls and an elementwise kernel.
 """
 
 import dataclasses
@@ -117,7 +119,8 @@ def _and(a, b):
     return b if a is None else a if b is None else a & b
 
 
-def _gmm_kernel(plan_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, num_groups, per_row):
+def _gmm_kernel(plan_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, num_groups, per_row):
+    up_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])  # up: gather_matmul's SwiGLU hidden
     k_dim, n_dim = w_ref.shape[1:]
     if per_row:  # gather_matmul: grid (rows, column tiles); plan_ref holds ids [m]; visit r is row r
         visit, n_tile = pl.program_id(0), pl.program_id(1)
@@ -132,7 +135,9 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, num
     rows_ok = (row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < row_end
     cols_ok = (col0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)) < n_dim if n_dim % block_n else None
 
-    def step(i, acc):
+    weight_refs = (w_ref,) if up_ref is None else (w_ref, up_ref)
+
+    def step(i, accs):
         k0 = i * block_k
         k_ok = None
         if k_dim % block_k:
@@ -140,24 +145,27 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, num
         x = plgpu.load(x_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)],
                        mask=_and(rows_ok, None if k_ok is None else k_ok[None, :]), other=0.0)
         w_mask = _and(cols_ok, None if k_ok is None else k_ok[:, None])
-        w = plgpu.load(w_ref.at[expert, pl.ds(k0, block_k), pl.ds(col0, block_n)], mask=w_mask,
-                       other=None if w_mask is None else 0.0)
-        return acc + dot(x, w)
+        ws = [plgpu.load(ref.at[expert, pl.ds(k0, block_k), pl.ds(col0, block_n)], mask=w_mask,
+                         other=None if w_mask is None else 0.0) for ref in weight_refs]
+        return tuple(acc + dot(x, w) for acc, w in zip(accs, ws, strict=True))
 
     # int32 branches, not Python ints: Pallas' Triton lowering gives a weak-typed literal operand of select_n the
     # predicate's type, i1, so the K-step count became an i1 `false` and scf.for's bounds mismatched (i32 vs i1).
     steps = jnp.where(group < num_groups, jnp.int32(pl.cdiv(k_dim, block_k)), jnp.int32(0))
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-    plgpu.store(o_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc.astype(o_ref.dtype),
+    accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in weight_refs))
+    out = accs[0] if up_ref is None else jax.nn.silu(accs[0]) * accs[1]
+    plgpu.store(o_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], out.astype(o_ref.dtype),
                 mask=_and(rows_ok, cols_ok))
 
 
 # --------------------------------------------------------------------------- public API
 
 
-def _check(x, w, group_sizes=None, ids=None):
+def _check(x, w, group_sizes=None, ids=None, up=None):
     if x.ndim != 2 or w.ndim != 3 or w.shape[1] != x.shape[1]:
         raise ValueError(f"x must be [m, k] and w [groups, k, n] with the same k, got {x.shape} and {w.shape}")
+    if up is not None and (up.shape != w.shape or up.dtype != w.dtype):
+        raise ValueError(f"up must be w's shape and dtype {w.dtype}{list(w.shape)}, got {up.dtype}{list(up.shape)}")
     if group_sizes is not None and (group_sizes.shape != (w.shape[0],)
                                     or not jnp.issubdtype(group_sizes.dtype, jnp.integer)):
         raise ValueError(f"group_sizes must be integer [groups={w.shape[0]}], got "
@@ -190,12 +198,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dt
         raise ValueError(f"{m} rows in blocks of {config.block_m} over {num_groups} groups need {visits} visits, "
                          f"more than CUDA's {MAX_GRID_Y} grid rows; use a larger block_m")
     plan = visit_plan(group_sizes, m, config.block_m)
-    return _launch(plan, x, w, config, out_dtype, interpret, per_row=False)
+    return _launch(plan, x, (w,), config, out_dtype, interpret, per_row=False)
 
 
-def _launch(plan, x, w, config, out_dtype, interpret, *, per_row):
-    """The kernel over ``plan`` (visit_plan's ``[3, visits]``, or ``per_row``: ids ``[m]``, one visit a row)."""
-    m, num_groups, n = x.shape[0], w.shape[0], w.shape[2]
+def _launch(plan, x, weights, config, out_dtype, interpret, *, per_row):
+    """The kernel over ``plan`` (visit_plan's ``[3, visits]``, or ``per_row``: ids ``[m]``, one visit a row) and
+    ``weights``: ``(w,)``, or ``(gate, up)`` for the SwiGLU hidden."""
+    m, (num_groups, _, n) = x.shape[0], weights[0].shape
     block_n = min(config.block_n, max(MIN_TILE, pl.next_power_of_2(n)))  # no all-padding tiles for small n
     kernel = functools.partial(_gmm_kernel, block_m=config.block_m, block_n=block_n, block_k=config.block_k,
                                num_groups=num_groups, per_row=per_row)
@@ -207,26 +216,29 @@ def _launch(plan, x, w, config, out_dtype, interpret, *, per_row):
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="gather_matmul" if per_row else "grouped_matmul",
-    )(plan, x, w)
+    )(plan, x, *weights)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def gather_matmul(x: jax.Array, w: jax.Array, ids: jax.Array, *, out_dtype=None,
+def gather_matmul(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.Array | None = None, *, out_dtype=None,
                   config: GroupedMatmulConfig = GATHER_CONFIG, interpret: bool = False) -> jax.Array:
-    """``out[r] = x[r] @ w[ids[r]]`` for rows in any order (module docstring) in one launch.
+    """``out[r] = x[r] @ w[ids[r]]`` for rows in any order (module docstring) in one launch; with ``up``, SwiGLU's
+    hidden ``silu(x[r] @ w[ids[r]]) * (x[r] @ up[ids[r]])`` (w the gate), both products of a tile in one program.
 
     Args:
       x: ``[m, k]``, bfloat16 or float32.
       w: ``[groups, k, n]``, x's dtype.
       ids: int ``[m]``: each row's group; an id outside ``[0, groups)`` gives a row of zeros (no weights read).
-      out_dtype: output dtype (default x's); accumulation is always fp32.
+      up: optional ``[groups, k, n]``, w's dtype.
+      out_dtype: output dtype (default x's); accumulation (and the SwiGLU product) is always fp32.
       config: launch geometry; one row of each ``block_m``-row tile is used.
 
     Returns:
       ``[m, n]``.
     """
-    _check(x, w, ids=ids)
-    return _launch(ids.astype(jnp.int32), x, w, config, out_dtype, interpret, per_row=True)
+    _check(x, w, ids=ids, up=up)
+    return _launch(ids.astype(jnp.int32), x, (w,) if up is None else (w, up), config, out_dtype, interpret,
+                   per_row=True)
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None) -> jax.Array:
@@ -237,10 +249,16 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     return out.astype(out_dtype or x.dtype)
 
 
-def gather_matmul_reference(x: jax.Array, w: jax.Array, ids: jax.Array, *, out_dtype=None) -> jax.Array:
-    """:func:`gather_matmul` in plain jnp: each row times its gathered matrix ``w[ids[r]]`` (fp32 accumulation)."""
-    _check(x, w, ids=ids)
+def gather_matmul_reference(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.Array | None = None, *,
+                            out_dtype=None) -> jax.Array:
+    """:func:`gather_matmul` in plain jnp: each row times its gathered matrices ``w[ids[r]]`` (and ``up[ids[r]]``)
+    with fp32 accumulation."""
+    _check(x, w, ids=ids, up=up)
     known = (ids >= 0) & (ids < w.shape[0])
-    out = jnp.einsum("mk,mkn->mn", x, w[jnp.where(known, ids, 0)], precision=jax.lax.Precision.HIGHEST,
-                     preferred_element_type=jnp.float32)
+
+    def product(w):
+        return jnp.einsum("mk,mkn->mn", x, w[jnp.where(known, ids, 0)], precision=jax.lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
+
+    out = product(w) if up is None else jax.nn.silu(product(w)) * product(up)
     return jnp.where(known[:, None], out, 0.0).astype(out_dtype or x.dtype)

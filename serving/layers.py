@@ -23,8 +23,9 @@ plain-jnp references), chosen once per op by ``jax.lax.platform_dependent`` in `
   runner keys its compiled step on it.
 * ``moe``'s three expert matmuls run as ``grouped_matmul`` over the (token, expert) pairs sorted by expert
   (plain weights of the activations' dtype; quantized weights keep ``quantize.linear``); up to
-  ``PAIRWISE_MAX_ROWS`` pairs (decode) as ``gather_matmul`` over the pairs unsorted, each pair a row read
-  with its expert's weights: no sort, visit plan or unsort kernels.
+  ``PAIRWISE_MAX_ROWS`` pairs (decode) as two ``gather_matmul`` launches over the pairs unsorted (the SwiGLU
+  hidden with gate and up together, then down), each pair a row read with its expert's weights: no sort,
+  visit plan or unsort kernels.
 
 A shape or dtype a kernel does not take (head dims not a multiple of 16, mixed dtypes) runs the reference.
 ``use_kernels("interpret")`` runs the kernels in Pallas' interpreter on any platform (tests) and
@@ -286,9 +287,10 @@ def expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Arra
     -> ``[N, k, D]``, the SwiGLU experts of ``moe``'s params.
 
     Up to ``PAIRWISE_MAX_ROWS`` (token, expert) pairs of plain weights (decode), the GPU kernel path runs each
-    pair as its own row of ``gather_matmul``, in pair order: no sort. Otherwise the pairs are sorted by expert so
-    that each expert's rows are contiguous, run through the grouped matmuls (``expert_matmul``) and unsorted;
-    that is also the reference path, and batch-invariant mode's (one grouped geometry at every row count).
+    pair as its own row of ``gather_matmul`` (two launches), in pair order: no sort. Otherwise the pairs are
+    sorted by expert so that each expert's rows are contiguous, run through the grouped matmuls
+    (``expert_matmul``) and unsorted; that is also the reference path, and batch-invariant mode's (one grouped
+    geometry at every row count).
     """
     plain = all(isinstance(params[name], jax.Array) and params[name].dtype == x.dtype
                 for name in ("gate", "up", "down")) and x.dtype in attention_kernels.DTYPES
@@ -310,21 +312,22 @@ def _sorted_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: 
 
 def _gathered_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array, *,
                              interpret: bool) -> jax.Array:
-    """``expert_outputs`` with pair n*k + j (token n, its j-th expert) one row of ``gather_matmul`` (no sort)."""
+    """``expert_outputs`` with pair n*k + j (token n, its j-th expert) one row of ``gather_matmul`` (no sort): the
+    SwiGLU hidden in one launch (gate and up together), then down."""
     num_tokens, top_k = experts.shape
-    out = expert_swiglu(jnp.repeat(x, top_k, axis=0), params, experts.reshape(-1),
-                        matmul=lambda rows, w, ids: gather_matmul(rows, w, ids, interpret=interpret))
-    return out.reshape(num_tokens, top_k, -1)
+    ids = experts.reshape(-1)
+    hidden = gather_matmul(jnp.repeat(x, top_k, axis=0), params["gate"], ids, params["up"], interpret=interpret)
+    return gather_matmul(hidden, params["down"], ids, interpret=interpret).reshape(num_tokens, top_k, -1)
 
 
-def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], groups: jax.Array,
+def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: jax.Array,
                   matmul: Callable[[jax.Array, Weight, jax.Array], jax.Array] | None = None) -> jax.Array:
-    """SwiGLU of rows ``[M, D]`` each through its expert's ``gate``/``up [E, D, I]`` and ``down [E, I, D]``.
-    ``matmul(x, w, groups)`` defaults to :func:`expert_matmul`, where ``groups`` are the group sizes ``[E]`` of rows
-    sorted by expert (rows past their sum come out 0)."""
+    """SwiGLU of rows ``[M, D]`` sorted by expert, each through its expert's ``gate``/``up [E, D, I]`` and
+    ``down [E, I, D]`` (rows past ``sum(group_sizes)`` come out 0). ``matmul(x, w, group_sizes)`` defaults to
+    :func:`expert_matmul`."""
     matmul = matmul or expert_matmul
-    hidden = jax.nn.silu(matmul(rows, params["gate"], groups)) * matmul(rows, params["up"], groups)
-    return matmul(hidden, params["down"], groups)
+    hidden = jax.nn.silu(matmul(rows, params["gate"], group_sizes)) * matmul(rows, params["up"], group_sizes)
+    return matmul(hidden, params["down"], group_sizes)
 
 
 def expert_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:

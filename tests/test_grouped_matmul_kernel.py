@@ -99,6 +99,19 @@ class TestGatherMatmul:
         unknown = np.setdiff1d(np.arange(m), known)
         assert len(unknown) and not np.asarray(out[unknown], np.float32).any()
 
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+    def test_with_up_weights_gives_the_swiglu_hidden(self, dtype):
+        num_groups, m = 4, 13
+        x, gate, _ = inputs(5, m, 48, 40, [0] * num_groups, dtype)
+        up = inputs(6, m, 48, 40, [0] * num_groups, dtype)[1]
+        ids = jnp.asarray(np.random.default_rng(1).integers(0, num_groups + 1, m), jnp.int32)  # id 4: zero rows
+        out = K.gather_matmul(x, gate, ids, up, config=K.GroupedMatmulConfig(16, 16, 32), interpret=interpret())
+        hidden = (jax.nn.silu(K.gather_matmul_reference(x, gate, ids, out_dtype=jnp.float32))
+                  * K.gather_matmul_reference(x, up, ids, out_dtype=jnp.float32))
+        assert_close(out, hidden.astype(dtype))
+        assert_close(out, K.gather_matmul_reference(x, gate, ids, up))
+        assert not np.asarray(out[np.asarray(ids) == num_groups], np.float32).any()
+
     def test_rows_of_unknown_or_unused_groups_never_read_weights(self):
         x, w, _ = inputs(4, 6, 32, 32, [0, 0, 0, 0])
         ids = jnp.asarray([2, 0, 4, 2, -1, 0], jnp.int32)  # groups 1 and 3 unused; 4 and -1 are not groups
@@ -112,13 +125,16 @@ class TestGatherMatmul:
             K.gather_matmul(x, w, jnp.zeros(8, jnp.float32))
         with pytest.raises(ValueError, match=r"ids must be integer \[m=8\], got int32\[7\]"):
             K.gather_matmul_reference(x, w, jnp.zeros(7, jnp.int32))
+        with pytest.raises(ValueError, match=r"up must be w's shape and dtype float32\[2, 16, 16\], got "
+                                             r"float32\[2, 16, 8\]"):
+            K.gather_matmul(x, w, jnp.zeros(8, jnp.int32), w[..., :8])
 
-    @pytest.mark.parametrize("k, n", [(2048, 768), (768, 2048)], ids=["up", "down"])
-    def test_lowers_for_h200(self, k, n):
+    @pytest.mark.parametrize("k, n, gated", [(2048, 768, True), (768, 2048, False)], ids=["gate_up", "down"])
+    def test_lowers_for_h200(self, k, n, gated):
         """The Qwen3-30B-A3B expert matmuls at 8 decode tokens x top-8 = 64 pairs."""
-        args = (jax.ShapeDtypeStruct((64, k), jnp.bfloat16), jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16),
-                jax.ShapeDtypeStruct((64,), jnp.int32))
-        assert 'name = "gather_matmul"' in lower_for_h200(K.gather_matmul, *args)
+        w = jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16)
+        args = (jax.ShapeDtypeStruct((64, k), jnp.bfloat16), w, jax.ShapeDtypeStruct((64,), jnp.int32))
+        assert 'name = "gather_matmul"' in lower_for_h200(K.gather_matmul, *args, *([w] if gated else []))
 
 
 @pytest.mark.parametrize("seed", range(4))
