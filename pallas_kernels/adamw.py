@@ -104,7 +104,8 @@ def random_bits(index: jax.Array, key: jax.Array) -> jax.Array:
 
 TINY = 1e-30  # keeps rsqrt finite at 0 (x * rsqrt(x + TINY) = 0 there); far below any moment that matters
 # 8-bit codes cross between int and float through float bit patterns, never through an int<->float convert or a
-# floor (on an H200 those run at rsqrt's 1/8 of the FMA rate, and with 6 rsqrts were the int8 kernel's busiest unit):
+# floor (on an H200 those, like rsqrt, issue at 16 per clock per SM against 128 FMAs; with 6 rsqrts per element they
+# made that unit the int8 kernel's busiest):
 #   * decode: the float with bit pattern CODE_MAGIC_BITS + c is CODE_MAGIC + c (the ulp there is 1), so
 #     c = bitcast(CODE_MAGIC_BITS + c) - CODE_MAGIC exactly;
 #   * encode: for 0 <= t < 256, SR_BASE + t lies in [256, 512) where the ulp is 2^-15, so the float's bits 15-22
