@@ -78,6 +78,9 @@ QUICK_EPOCHS = 3
 SETTLE_BATCHES = 48  # batches per in-situ settle timing (module docstring)
 SETTLE_RUNS = 20  # timed runs of those batches (the harness's fewest for its p10/p90)
 SETTLE_T, SETTLE_DT = 20, 0.1
+# The epoch runs the fastest fused configuration among those within this factor of XLA's deviation from fp32 at
+# the same precision: the schemes round differently (~1-1.3x measured on a CPU); a race shows as far more.
+DEVIATION_MARGIN = 3.0
 
 PCX_SIZES, PCX_T, PCX_BATCH, PCX_TARGET_ACCURACY = (784, 128, 128, 128, 10), 8, 128, 0.983
 # A first 30-epoch sweep over relu/tanh/gelu, lr 1e-3/3e-3, dt 0.1/0.3 picked gelu, lr 1e-3, dt 0.1 (98.24% test).
@@ -217,17 +220,19 @@ def settle_timings(data: Dataset, fused: dict[str, Sequence[SettleConfig]]) -> l
             return jax.lax.scan(lambda acc, xy: (acc + settle(p, *xy)[-2][0, 0], None), jnp.float32(0), (xs, ys))[0]
 
         try:
+            settled = jax.jit(settle)(params, x[0], y[0])  # first: a kernel whose barriers give up stalls ~1 s
+            dev = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))  # per launch, so it is not timed
+                      for a, b in zip(settled[1:], exact[1:], strict=True))
+            if not np.isfinite(dev):
+                raise FloatingPointError("NaN results: a barrier gave up (programs not all resident?)")
             start = time.perf_counter()
             compiled = jax.jit(many).lower(params, x, y).compile()
             compile_s = time.perf_counter() - start
             timing = time_jax(compiled, params, x, y, iters=SETTLE_RUNS)
-            settled = jax.jit(settle)(params, x[0], y[0])
         except Exception as err:  # a configuration the compiler rejects (e.g. out of registers) is a result
             rows.append(dict(impl=name, precision=precision, **columns, error=f"{type(err).__name__}: {err}"[:300]))
             print(f"  {name:<10} {precision:<9} {columns}  failed: {rows[-1]['error']}", flush=True)
             return
-        dev = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(settled[1:], exact[1:],
-                                                                                        strict=True))
         us = 1e3 * timing.median_ms / SETTLE_BATCHES
         rows.append(dict(impl=name, precision=precision, **columns, settle_us=us, compile_s=compile_s,
                          max_rel_dev_from_fp32=dev))
@@ -256,9 +261,13 @@ def settle_suite(fused: dict[str, Sequence[SettleConfig]]) -> dict:
 
 
 def fastest_fused(settle_rows: list[dict], precision: str) -> SettleConfig | None:
-    """The fastest fused configuration at ``precision`` whose deviation from fp32 is finite, if any."""
+    """The fastest fused configuration at ``precision`` that ran and deviates from fp32 at most
+    DEVIATION_MARGIN times as much as XLA's loop at that precision, if any."""
+    xla = [r["max_rel_dev_from_fp32"] for r in settle_rows if r["impl"] == "plain XLA" and r["precision"] == precision
+           and "settle_us" in r]
+    bound = DEVIATION_MARGIN * xla[0] if xla else np.inf
     ok = [r for r in settle_rows if r["impl"] == "fused" and r["precision"] == precision and "settle_us" in r
-          and np.isfinite(r["max_rel_dev_from_fp32"])]
+          and r["max_rel_dev_from_fp32"] <= bound]
     return fused_config(min(ok, key=lambda r: r["settle_us"])["config"]) if ok else None
 
 

@@ -346,8 +346,9 @@ def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_error
         return exchange_load(ref.at[buffer(passed), ex_rows, :])
 
     # The weight slices, once per launch (module docstring, "Design"): w_fwd[k - 1] = W_k[:, U_g] predicts
-    # hidden layer k >= 1 and w_back[k] = W_{k+1}[U_g, :]^T carries layer k + 1's error back to hidden layer k;
-    # w_out = W_{L-1}[U_g, :] gives this program's share of the output's prediction.
+    # hidden layer k >= 1, w_back[k] = W_{k+1}[U_g, :]^T carries layer k + 1's error back to hidden layer k and
+    # ("deltas") grams[k] = (W_{k+1} W_{k+1}^T)[:, U_g] its f(x)'s change; w_out = W_{L-1}[U_g, :] gives this
+    # program's share of the output's prediction.
     w_fwd = [w_refs[k - 1][:, units[k]] for k in range(1, n_w)]
     b_fwd = [b_refs[k - 1][units[k]].astype(jnp.float32)[None, :] for k in range(1, n_w)]
     w_back = [w_refs[k][units[k], :].T for k in range(n_w)]
