@@ -3,8 +3,11 @@
     python -m serving.train_drafter --out DIR          # SmolLM2-135M-Instruct, GPU defaults (one H200, ~7 min)
     python -m serving.train_drafter --out DIR --cpu    # a tiny CPU run that proves the pipeline (~1-2 min)
 
-1. data: chat prompts (``serving.drafter_prompts``), the target's greedy answers through the ``Engine``
-   (batched; prompts are admitted for ``gen_seconds``, so a faster machine collects more), then ONE
+1. data: chat prompts (``serving.drafter_prompts``), the target's greedy answers (held-out prompts through the
+   ``Engine``; training prompts ``gen_batch`` at a time in one fixed-shape device loop each, ``answers``, for
+   ``gen_seconds``: a greedy round over all of them, then rounds sampled at ``gen_temperature`` for more
+   contexts like the target's own (the labels stay the target's distribution), so a faster machine collects
+   more), then ONE
    teacher-forced pass of the target over each prompt + answer for its hidden states after the drafter's
    ``target_layers`` (``[T, F, D]``, as a verification pass hands them to ``BlockDrafter``).
 2. training: B anchors ``a`` drawn from the answer tokens per step; the drafter (its layers start as copies of
@@ -49,8 +52,9 @@ from serving.config import ModelConfig
 from serving.drafter_prompts import chat_prompts
 from serving.engine.engine import Engine, Prompt
 from serving.engine.runner import ModelRunner
+from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import SamplingParams
-from serving.kv_cache import PagedKV, SeqChunk
+from serving.kv_cache import AttentionBatch, PagedKV, SeqChunk
 from serving.models import llama, model_module
 from serving.speculative import BlockDrafter, SpecConfig
 
@@ -74,7 +78,7 @@ class TrainConfig:
     max_prompts: int = 100_000  # training prompts at most (all of serving.drafter_prompts' but the held-out ones)
     num_eval_prompts: int = 64  # held-out prompts
     max_tokens: int = 192  # answer length
-    gen_seconds: float = 100.0  # training prompts are admitted to the generating engine for this long
+    gen_seconds: float = 100.0  # training prompts are answered for this long
     block: int = 8  # k: tokens drafted per pass
     window: int = 64  # W: positions whose target hidden states the drafter reads
     layers: int = 2
@@ -88,7 +92,9 @@ class TrainConfig:
     soft_labels: bool = True  # distill the target's distribution (module docstring); False: its greedy tokens
     dtype: str = "float32"  # the target's dtype (generation, hidden states)
     compute_dtype: str = "bfloat16"  # the drafter's training compute and the stored hidden states
-    max_running: int = 256  # generation batch
+    gen_batch: int = 512  # training prompts answered together (``answers``)
+    gen_temperature: float = 0.8  # answers after the first (greedy) round over the prompts are sampled (0: none)
+    max_train_tokens: int = 6_000_000  # no further round once the data holds this many (its states: ~3.5 KB each)
     tokens_per_pass: int = 16384  # teacher-forced pass: tokens per forward
     eval_concurrency: int = 16  # the engine's max_running in the online evaluation
     time_budget: float = 420.0  # seconds for the whole run; training gets what data and evaluation leave
@@ -99,22 +105,21 @@ class TrainConfig:
         for name in ("dtype", "compute_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"TrainConfig.{name} = {getattr(self, name)!r}: expected one of {list(DTYPES)}")
-        for name in ("max_prompts", "num_eval_prompts", "max_tokens", "steps", "batch", "max_running",
-                     "tokens_per_pass", "eval_concurrency"):
+        for name in ("max_prompts", "num_eval_prompts", "max_tokens", "steps", "batch", "gen_batch",
+                     "max_train_tokens", "tokens_per_pass", "eval_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} = {getattr(self, name)!r}: expected >= 1")
-        if self.num_eval_prompts > self.max_running:  # all admitted in the first generation step
-            raise ValueError(f"TrainConfig.num_eval_prompts = {self.num_eval_prompts}: expected <= max_running = "
-                             f"{self.max_running}")
         if not 0 < self.decay <= 1:
             raise ValueError(f"TrainConfig.decay = {self.decay!r}: expected in (0, 1]")
+        if self.gen_temperature < 0:
+            raise ValueError(f"TrainConfig.gen_temperature = {self.gen_temperature!r}: expected >= 0")
         if not 0 <= self.truncate_prob <= 1:
             raise ValueError(f"TrainConfig.truncate_prob = {self.truncate_prob!r}: expected in [0, 1]")
 
 
 CPU_CONFIG = TrainConfig(max_prompts=24, num_eval_prompts=4, max_tokens=32, block=4, window=16, layers=1, steps=60,
-                         batch=16, lr=2e-3, warmup=10, compute_dtype="float32", max_running=24, tokens_per_pass=1024,
-                         eval_concurrency=4, time_budget=240.0, eval_seconds=60.0)
+                         batch=16, lr=2e-3, warmup=10, compute_dtype="float32", gen_batch=8, tokens_per_pass=1024,
+                         eval_concurrency=4, time_budget=240.0, eval_seconds=60.0, gen_temperature=0.0)
 
 
 # --------------------------------------------------------------------------- data
@@ -130,19 +135,67 @@ class TargetData(NamedTuple):
     anchors: jax.Array  # [A] int32 flat indices of answer tokens with a token after them
 
 
-def generate(engine: Engine, prompts: Sequence[Prompt], max_tokens: int,
-             seconds: float = math.inf) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, greedy answer ids) of the prompts admitted within ``seconds`` (in order; those in flight then
-    finish), keeping up to ``max_running`` more queued than running."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    start, pending, ids = time.perf_counter(), list(prompts)[::-1], []
-    while pending or engine.has_unfinished():
+def generate(engine: Engine, prompts: Sequence[Prompt], max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy answer ids) of every prompt through ``engine``."""
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return [(r.prompt_ids, r.outputs[0].token_ids) for r in results]
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "steps", "temperature"), donate_argnames="kv")
+def _decode_loop(params: dict, kv: Any, first: jax.Array, positions: jax.Array, tables: jax.Array, key: jax.Array, *,
+                 forward: Callable, cfg: ModelConfig, steps: int, temperature: float) -> tuple[jax.Array, Any]:
+    """``steps`` decode steps of B sequences in one device loop: ``first [B]`` is each one's newest token, at
+    ``positions [B]``, its cache blocks ``tables [B, blocks]``; returns the tokens after it ``[B, steps]``, the
+    argmax (``temperature`` 0) or drawn from ``softmax(logits / temperature)`` with ``key``."""
+    rows = jnp.arange(first.shape[0], dtype=jnp.int32)
+    block_size = kv.k[0].shape[1]
+
+    def step(i, carry):
+        kv, token, out = carry
+        pos = positions + i
+        slots = tables[rows, pos // block_size] * block_size + pos % block_size
+        # every token a sequence of its own that reads its keys from the pages (kv_lens = context = pos + 1)
+        batch = AttentionBatch(pos, rows, slots, tables, pos + 1, pos + 1, jnp.arange(rows.size + 1, dtype=jnp.int32))
+        logits, kv, _ = forward(params, cfg, token, batch, kv)
+        token = (jnp.argmax(logits, axis=-1) if temperature == 0 else
+                 jax.random.categorical(jax.random.fold_in(key, i), logits / temperature)).astype(jnp.int32)
+        return kv, token, out.at[:, i].set(token)
+
+    out = jnp.zeros((first.shape[0], steps), jnp.int32)
+    kv, _, out = jax.lax.fori_loop(0, steps, step, (kv, first, out))
+    return out, kv
+
+
+def answers(cfg: ModelConfig, params: dict, prompts: Sequence[list[int]], max_tokens: int, eos_ids: Sequence[int],
+            wave: int, seconds: float = math.inf, temperature: float = 0.0,
+            seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """(prompt, answer) of the prompts, ``wave`` at a time, until ``seconds`` have passed: every wave is one
+    packed prefill and ``max_tokens - 1`` decode steps in one device loop (fixed shapes: two compiles, no host
+    work per token), each answer cut after its first eos (kept, as the engine keeps it). Greedy (``temperature``
+    0) answers are the engine's up to floating-point ties (a different batch shape rounds differently)."""
+    forward = model_module(cfg.family).forward
+    longest = max(map(len, prompts))
+    blocks = -(-(longest + max_tokens) // BLOCK_SIZE)
+    runner = ModelRunner(cfg, params, forward, PagedKV.create(cfg, wave * blocks, BLOCK_SIZE, params["embed"].dtype),
+                         BLOCK_SIZE)
+    tables = np.arange(wave * blocks, dtype=np.int32).reshape(wave, blocks)
+    sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    eos, start, pairs = np.asarray(list(eos_ids)), time.perf_counter(), []
+    for w in range(0, len(prompts), wave):
         if time.perf_counter() - start > seconds:
-            pending = []
-        while pending and len(engine.scheduler.waiting) < engine.scheduler.max_running:
-            ids.append(engine.add_request(pending.pop(), params))
-        engine.step()
-    return [(r.prompt_ids, r.outputs[0].token_ids) for r in map(engine.release, ids)]
+            break
+        group = [list(p) for p in prompts[w:w + wave]]
+        group += [group[0]] * (wave - len(group))  # a short last wave repeats a prompt (one shape)
+        chunks = [SeqChunk(list(t), 0, len(p)) for t, p in zip(tables, group, strict=True)]
+        first = runner.run(chunks, group, [SampleRow(sampling, seed + w + i, 0, (), ()) for i in range(wave)]).tokens
+        lengths = np.array([len(p) for p in group], np.int32)
+        rest, runner.kv = _decode_loop(params, runner.kv, first, lengths, tables, jax.random.key(seed + w),
+                                       forward=forward, cfg=cfg, steps=max_tokens - 1, temperature=temperature)
+        for prompt, answer in zip(prompts[w:w + wave], np.concatenate([first[:, None], np.asarray(rest)], 1),
+                                  strict=False):
+            stops = np.flatnonzero(np.isin(answer, eos))
+            pairs.append((list(prompt), answer[:stops[0] + 1 if stops.size else max_tokens].tolist()))
+    return pairs
 
 
 @functools.partial(jax.jit, static_argnames=("forward", "cfg", "layers"), donate_argnames="kv")
@@ -374,18 +427,24 @@ def run(tc: TrainConfig, out: str | Path, model: str | Path | None = None,
     elapsed = lambda: round(time.perf_counter() - start, 1)
     train_prompts, eval_prompts = prompts or chat_prompts(tc.num_eval_prompts, tc.seed)
     train_prompts = train_prompts[:tc.max_prompts]
-    engine = Engine(model, dtype=DTYPES[tc.dtype], num_blocks=tc.max_running * (tc.max_tokens // BLOCK_SIZE + 32),
-                    block_size=BLOCK_SIZE, max_running=tc.max_running, token_budget=GENERATION_TOKEN_BUDGET)
+    engine = Engine(model, dtype=DTYPES[tc.dtype], num_blocks=len(eval_prompts) * (tc.max_tokens // BLOCK_SIZE + 32),
+                    block_size=BLOCK_SIZE, max_running=len(eval_prompts), token_budget=GENERATION_TOKEN_BUDGET)
     target, target_params = engine.cfg, engine.runner.params
-    log(f"[{elapsed()}s] greedy answers ({tc.max_tokens} tokens at most) to {len(eval_prompts)} held-out and up to "
-        f"{len(train_prompts)} training prompts (admitted for {tc.gen_seconds:.0f}s)")
-    # One run for both, every batch shape compiling once; the held-out ones come first, all admitted at once.
-    pairs = generate(engine, list(eval_prompts) + list(train_prompts), tc.max_tokens, tc.gen_seconds)
-    eval_pairs, train_pairs = pairs[:len(eval_prompts)], pairs[len(eval_prompts):]
+    log(f"[{elapsed()}s] greedy answers ({tc.max_tokens} tokens at most) to {len(eval_prompts)} held-out prompts "
+        f"(the engine), then to up to {len(train_prompts)} training prompts, {tc.gen_batch} at a time for "
+        f"{tc.gen_seconds:.0f}s")
+    eval_pairs = generate(engine, eval_prompts, tc.max_tokens)
+    prompt_ids = [engine.encode(p) for p in train_prompts]
+    train_pairs, gen_start, round_ = [], time.perf_counter(), 0
+    while ((left := tc.gen_seconds - (time.perf_counter() - gen_start)) > 0 and (round_ == 0 or tc.gen_temperature)
+           and sum(len(p) + len(a) for p, a in train_pairs) < tc.max_train_tokens):
+        train_pairs += answers(target, target_params, prompt_ids, tc.max_tokens, engine.eos_ids, tc.gen_batch, left,
+                               0.0 if round_ == 0 else tc.gen_temperature, seed=round_ * len(prompt_ids))
+        round_ += 1
     del engine
     cfg = BlockDrafterConfig.for_target(target, block=tc.block, window=tc.window, layers=tc.layers)
-    log(f"[{elapsed()}s] {len(train_pairs)} training answers; teacher-forced hidden states after layers "
-        f"{cfg.target_layers}")
+    log(f"[{elapsed()}s] {len(train_pairs)} training answers in {round_} rounds; teacher-forced hidden states "
+        f"after layers {cfg.target_layers}")
     dtype = DTYPES[tc.compute_dtype]
     train_data = target_data(target, target_params, train_pairs, cfg.target_layers, tc.tokens_per_pass, dtype)
     eval_data = target_data(target, target_params, eval_pairs, cfg.target_layers, tc.tokens_per_pass, dtype)

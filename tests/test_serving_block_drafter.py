@@ -26,7 +26,15 @@ from serving.engine.sampling_params import SamplingParams
 from serving.loaders import load_model
 from serving.speculative import BlockDrafter, DraftRequest, HiddenSpan, HiddenStateDrafter, SpecConfig, verify
 from serving.structured import ConstraintSpec
-from serving.train_drafter import FINAL_LR_SHARE, TrainConfig, evaluate_offline, lr_at, target_data, train
+from serving.train_drafter import (
+    FINAL_LR_SHARE,
+    TrainConfig,
+    answers,
+    evaluate_offline,
+    lr_at,
+    target_data,
+    train,
+)
 from tests.test_serving_api_fixture import model_folder
 
 HF = Path(__file__).parent / "fixtures" / "hf"
@@ -260,10 +268,26 @@ def test_training_prompts_schedule_and_config_checks():
     assert lr_at(tc, 100, 0.5) == pytest.approx(0.55) and lr_at(tc, 100, 1.0) == pytest.approx(FINAL_LR_SHARE)
     with pytest.raises(ValueError, match=r"TrainConfig.decay = 0: expected in \(0, 1\]"):
         TrainConfig(decay=0)
-    with pytest.raises(ValueError, match="num_eval_prompts = 64: expected <= max_running = 32"):
-        TrainConfig(max_running=32)
+    with pytest.raises(ValueError, match="TrainConfig.gen_batch = 0: expected >= 1"):
+        TrainConfig(gen_batch=0)
+    with pytest.raises(ValueError, match="TrainConfig.gen_temperature = -1: expected >= 0"):
+        TrainConfig(gen_temperature=-1)
     with pytest.raises(ValueError, match="num_held_out=0: expected 0 < num_held_out"):
         chat_prompts(0)
+
+
+def test_batched_greedy_answers_equal_the_engines():
+    """The fixed-shape device loop answers like the engine: waves of 3 over 4 prompts (the last wave padded),
+    each answer cut after its first eos."""
+    cfg, params = target()
+    prompts = reference()[0] + [reference()[0][0][:5]]
+    eng = engine(None)
+    want = tokens(eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12)))
+    assert answers(cfg, params, prompts, 12, eng.eos_ids, wave=3) == list(zip(prompts, want, strict=True))
+    assert len(want[0]) > 5
+    stop = want[0][5]  # as if it were an eos: the answer ends at its first occurrence
+    cut = answers(cfg, params, prompts[:1], 12, (stop,), wave=3)
+    assert cut == [(prompts[0], want[0][:want[0].index(stop) + 1])]
 
 
 def test_tiny_training_lowers_the_loss_and_raises_acceptance():
