@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from pallas_kernels.pc_settle import ACTIVATIONS as KERNEL_ACTIVATIONS
-from pallas_kernels.pc_settle import SettleConfig, pc_settle
+from pallas_kernels.pc_settle import SettleConfig, Settled, pc_settle
 from pc.energy import energy, energy_and_grads
 from pc.networks import Params, PCNet, check_params, forward, predict
 
@@ -255,16 +255,23 @@ def settle_from_input(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: 
         return _settle_loop(params, x0, net, T=T, dt=dt, solver=solver, target=target, trace=trace, tol=tol,
                             infer_input=infer_input)
 
-    def fused(interpret: bool) -> list[jax.Array]:
-        mu1 = predict(params[0], x0, net, 0)  # constant while settling: x_0 is clamped
-        xs = pc_settle([p["w"] for p in params[1:]], [p["b"] for p in params[1:]], mu1, target, T=T, dt=dt,
-                       activation=net.activation, output=net.output if target is not None else "gaussian",
-                       precision=net.precision, config=kernel_config, interpret=interpret).xs
-        return [x0, *xs]
-
-    xs = jax.lax.platform_dependent(cuda=lambda: fused(interpret=False), default=lambda: fused(interpret=True))
+    xs = [x0, *settle_fused(params, x0, net, target, T=T, dt=dt, config=kernel_config).xs]
     final = energy(params, xs, net, output_clamped=target is not None)
     return SettleResult(xs, jnp.mean(final), jnp.asarray(T, jnp.int32), None)
+
+
+def settle_fused(params: Params, x0: jax.Array, net: PCNet, target: jax.Array | None, *, T: int,
+                 dt: float | jax.Array, config: SettleConfig, **outputs) -> Settled:
+    """Euler settling of a plain net from its input ``x0`` ``[batch, n_0]`` by the fused kernel (no validation;
+    call inside jit): compiled on an NVIDIA GPU, interpreted elsewhere. ``outputs``: ``pc_settle``'s
+    ``with_errors``, ``with_logits``, ``valid_rows``. Returns ``pallas_kernels.pc_settle.Settled`` (x_1..x_L)."""
+    def fused(interpret: bool) -> Settled:
+        mu1 = predict(params[0], x0, net, 0)  # constant while settling: x_0 is clamped
+        return pc_settle([p["w"] for p in params[1:]], [p["b"] for p in params[1:]], mu1, target, T=T, dt=dt,
+                         activation=net.activation, output=net.output if target is not None else "gaussian",
+                         precision=net.precision, config=config, interpret=interpret, **outputs)
+
+    return jax.lax.platform_dependent(cuda=lambda: fused(interpret=False), default=lambda: fused(interpret=True))
 
 
 def _settle_loop(params, x0, net, *, T, dt, solver, target, trace=False, tol=None, infer_input=False):

@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pallas_kernels.pc_settle import SettleConfig, padded_rows, pc_settle
+from pallas_kernels.pc_settle import SettleConfig, padded_rows
 from pc.energy import energy, energy_and_grads, errors
-from pc.networks import Params, PCNet, check_params, forward, predict
+from pc.networks import Params, PCNet, check_params, forward
 from pc.settle import (
     KERNEL_CONFIG,
     check_kernel,
@@ -47,6 +47,7 @@ from pc.settle import (
     make_solver,
     settle_activities,
     settle_from_input,
+    settle_fused,
 )
 
 VARIANTS = ("supervised", "generative", "incremental")
@@ -86,14 +87,8 @@ def _supervised_fused(params, opt_state, x, y, dt, *, optimizer, net, T, config,
     """A minibatch through the fused kernel: x ``[rows, n_0]``, labels y ``[rows]``; the first ``n`` rows are
     real, the rest padding (label -1)."""
     target = jax.nn.one_hot(y, net.sizes[-1], dtype=jnp.float32)  # padding rows (-1): all zero
-
-    def fused(interpret: bool):
-        return pc_settle([p["w"] for p in params[1:]], [p["b"] for p in params[1:]], predict(params[0], x, net, 0),
-                         target, T=T, dt=dt, activation=net.activation, output=net.output, precision=net.precision,
-                         with_errors=True, with_logits=True, valid_rows=n, config=config,
-                         interpret=interpret)
-
-    settled = jax.lax.platform_dependent(cuda=lambda: fused(interpret=False), default=lambda: fused(interpret=True))
+    settled = settle_fused(params, x, net, target, T=T, dt=dt, config=config, with_errors=True, with_logits=True,
+                           valid_rows=n)
     xs, es = [x, *settled.xs], settled.errors
     start_logits, logits = settled.logits
     accuracy = jnp.sum(jnp.argmax(start_logits, axis=-1) == y) / n  # before this batch's update
