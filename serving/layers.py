@@ -78,8 +78,8 @@ MLA_FLASH_CONFIG = attention_kernels.AttentionConfig(block_q=32, block_k=32, num
 INVARIANT_SPLIT_TOKENS = 512
 # Batch-invariant experts: the decode geometry, at every row count (decode is most of a serving step's launches).
 INVARIANT_GROUPED_CONFIG = DECODE_CONFIG
-# Up to this many (token, expert) pairs (8 decode tokens at top-8), the expert kernels take the pairs unsorted
-# (gather_matmul); a few distinct experts per pair then, and no sort, plan or unsort kernels around them.
+# Up to this many (token, expert) pairs (8 decode tokens at top-8) the expert kernels take the pairs unsorted, a row
+# each (gather_matmul): no sort, visit plan or unsort kernels; pairs sharing an expert read it from L2 mostly.
 PAIRWISE_MAX_ROWS = 64
 
 _kernel_mode = contextvars.ContextVar("serving_kernel_mode", default="auto")
