@@ -72,7 +72,7 @@ class AttentionConfig:
     """Launch geometry: a program owns ``block_q`` query rows of one head and streams ``block_k`` keys a step."""
 
     block_q: int = 128
-    block_k: int = 64  # 64 keys x d=128 keeps q, K, V and the fp32 accumulator in registers at 8 warps
+    block_k: int = 128  # fastest of the H200 sweep (results/h200_logs/flash_sweep_2026-11-30.log): 388 TFLOP/s
     num_warps: int = 8
     num_stages: int = 3  # K/V tiles in flight (Triton software pipelining; cp.async on Hopper)
 

@@ -37,11 +37,10 @@ from pc.networks import Params, PCNet, check_params, forward, predict
 
 SOLVERS = ("euler", "heun")
 KERNELS = ("auto", "jnp", "pallas")  # see the module docstring
-# The fused kernel's default launch geometry: 64-row tiles x 32 unit groups, the best of the H200 sweep of the
-# two-barrier scheme for tf32 and bf16 alike (Deepity, T=20, batch 250: 557 / 419 us per settle against XLA's
-# 779 / 814 us; benchmarks/results/pc_mnist.json), and 16 units per program leave room for the "deltas"
-# scheme's third weight slice.
-KERNEL_CONFIG = SettleConfig(block_b=64, groups=32, exchange="deltas")
+# The fused kernel's default launch geometry: 64-row tiles x 32 unit groups, one barrier per Euler step
+# ("deltas"), the barrier polled with plain loads: the fastest of the H200 sweep (Deepity, T=20, batch 250, bf16,
+# in situ: 201 us per settle against XLA's 520-544 us; benchmarks/results/pc_mnist_quick.json).
+KERNEL_CONFIG = SettleConfig(block_b=64, groups=32, exchange="deltas", spin="load")
 
 Activities = tuple[jax.Array, ...]
 
