@@ -8,8 +8,9 @@ each drafter: none (the baseline), ``NgramDrafter`` (prompt lookup), ``DraftMode
 ``python -m serving.train_drafter``), ``BlockDrafter`` (a whole block of tokens in one pass from the target's
 hidden states; k = its trained block unless ``--block-k``). Each configuration runs twice untimed (compiles;
 the second time with the prompts' prefixes cached, as in the timed run) and once timed; the speculative outputs
-are checked to equal the baseline's tokens. Reported: output tokens/s, speed-up over the baseline, mean
-acceptance length (tokens emitted per drafted sequence-step) and acceptance rate.
+are checked to equal the baseline's tokens (in true fp32 matmuls by default: ``--matmul-precision``).
+Reported: output tokens/s, speed-up over the baseline, mean acceptance length (tokens emitted per drafted
+sequence-step) and acceptance rate.
 
 Run: ``python -m benchmarks.serving_speculative`` (CPU: writes ``results/serving_speculative_cpu.json``; on a
 GPU pass ``--name serving_speculative`` and larger ``--max-tokens`` and ``--held-out``). ``--drafters
@@ -92,7 +93,11 @@ def main() -> None:
     parser.add_argument("--block-k", type=int, default=None, help="block drafter's k (default: its trained block)")
     parser.add_argument("--drafters", default=None, help="comma-separated rows to run (default: all; none always)")
     parser.add_argument("--name", default="serving_speculative_cpu")
+    parser.add_argument("--matmul-precision", default="highest", choices=("default", "high", "highest"),
+                        help="float32 matmuls: 'highest' is true fp32; the GPU default (TF32) rounds each batch shape "
+                             "differently, so greedy outputs can part at near-ties")
     args = parser.parse_args()
+    jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     configs = drafters(args.k, args.draft_layers, args.drafter, args.block_k)
     if args.drafters:
         wanted = {"none", *args.drafters.split(",")}
@@ -116,13 +121,16 @@ def main() -> None:
                          "mean_acceptance_length": round(result["mean_acceptance_length"], 3),
                          "acceptance_rate": None if result["acceptance_rate"] is None else
                          round(result["acceptance_rate"], 3),
-                         "same_tokens_as_baseline": result["outputs"] == baseline["outputs"]})
+                         "same_tokens_as_baseline": result["outputs"] == baseline["outputs"],
+                         "identical_outputs": sum(o == b for o, b in zip(result["outputs"], baseline["outputs"],
+                                                                          strict=True))})
             print(format_table(rows[-1:], list(rows[-1])), flush=True)
     columns = ["drafter", "concurrency", "tokens", "tokens_per_s", "speedup", "mean_acceptance_length",
-               "acceptance_rate", "same_tokens_as_baseline"]
+               "acceptance_rate", "identical_outputs"]
     print(format_table(rows, columns))
     write_results(args.name, {"device": jax.devices()[0].device_kind, "k": args.k, "draft_layers": args.draft_layers,
-                              "drafter": args.drafter, "block_k": configs["block"].k if "block" in configs else None,
+                              "drafter": args.drafter, "matmul_precision": args.matmul_precision,
+                              "block_k": configs["block"].k if "block" in configs else None,
                               "max_tokens": args.max_tokens, "prompts": [p[0]["content"] for p in prompts],
                               "rows": rows})
 

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving import block_drafter
+from serving import block_drafter, layers
 from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
 from serving.engine.runner import ModelRunner, bucket
@@ -258,16 +258,19 @@ def verify(logits: jax.Array, b: SamplingBatch, draft_tokens: jax.Array, draft_c
     return VerifyResult(tokens, num_accepted, chosen, top_ids.astype(jnp.int32), top_logprobs)
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg", "num_top", "hidden_layers", "draw"),
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "num_top", "hidden_layers", "draw", "paged_only"),
                    donate_argnames="kv")
 def _verify_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, rows: jax.Array, sampling: SamplingBatch,
                  draft_tokens: jax.Array, draft_counts: jax.Array, draft_probs: jax.Array | None,
                  draft_rows: jax.Array, *, forward: Callable, cfg: ModelConfig, num_top: int,
-                 hidden_layers: tuple[int, ...], draw: bool) -> tuple[VerifyResult, Any, jax.Array, jax.Array | None]:
-    """The target's forward over ``tokens [N]``, then ``verify`` at the flat indices ``rows [S * (k + 1)]``; when
-    ``hidden_layers`` names any, also the hidden states after them ``[N, len(hidden_layers), D]``."""
-    logits, kv, expert_counts, *hidden = forward(params, cfg, tokens, batch, kv,
-                                                 **({"hidden_layers": hidden_layers} if hidden_layers else {}))
+                 hidden_layers: tuple[int, ...], draw: bool,
+                 paged_only: bool) -> tuple[VerifyResult, Any, jax.Array, jax.Array | None]:
+    """The target's forward over ``tokens [N]`` (within ``layers.paged_only(paged_only)``), then ``verify`` at the
+    flat indices ``rows [S * (k + 1)]``; when ``hidden_layers`` names any, also the hidden states after them
+    ``[N, len(hidden_layers), D]``."""
+    with layers.paged_only(paged_only):
+        logits, kv, expert_counts, *hidden = forward(params, cfg, tokens, batch, kv,
+                                                     **({"hidden_layers": hidden_layers} if hidden_layers else {}))
     probs = None if draft_probs is None else draft_probs[draft_rows]
     result = verify(logits[rows], sampling, draft_tokens, draft_counts, probs, num_top, draw)
     return result, kv, expert_counts, hidden[0] if hidden_layers else None
@@ -325,7 +328,7 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
         sampling_batch(sample_rows, num_seqs * (k + 1), token_bitmask=bitmask),
         draft_tokens, draft_counts, draft_probs, draft_rows, forward=runner.forward, cfg=runner.cfg, num_top=num_top,
         hidden_layers=observer.hidden_layers if observer else (),
-        draw=any(c.row.params.temperature > 0 for c in chunks))
+        draw=any(c.row.params.temperature > 0 for c in chunks), paged_only=layers.all_paged(batch))
     *fields, counts = jax.device_get((*result, counts))  # one wait for every transfer
     runner.expert_load += counts
     result = VerifyResult(*(a[:len(chunks)] for a in fields))
@@ -372,11 +375,14 @@ class NgramDrafter:
 # --------------------------------------------------------------------------- draft-model drafter
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg", "sample"), donate_argnames="kv")
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "sample", "paged_only"), donate_argnames="kv")
 def _draft_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, last: jax.Array, sampling: SamplingBatch, *,
-                forward: Callable, cfg: ModelConfig, sample: bool) -> tuple[jax.Array, jax.Array | None, Any]:
-    """Draft model forward, then one draft token per sequence ``[S]`` (and its distribution q ``[S, V]``)."""
-    logits, kv, _ = forward(params, cfg, tokens, batch, kv)
+                forward: Callable, cfg: ModelConfig, sample: bool,
+                paged_only: bool) -> tuple[jax.Array, jax.Array | None, Any]:
+    """Draft model forward (within ``layers.paged_only(paged_only)``), then one draft token per sequence ``[S]``
+    (and its distribution q ``[S, V]``)."""
+    with layers.paged_only(paged_only):
+        logits, kv, _ = forward(params, cfg, tokens, batch, kv)
     return *_draw_drafts(logits[last], sampling, sample), kv
 
 
@@ -494,7 +500,8 @@ class DraftModelDrafter:
         last[:len(chunks)] = np.cumsum([len(ids) for _, ids in chunks]) - 1
         drafted, q, self.runner.kv = _draft_step(self.runner.params, self.runner.kv, tokens, batch, last,
                                                  sampling_batch(rows, num_seqs), forward=self.runner.forward,
-                                                 cfg=self.runner.cfg, sample=self.sample)
+                                                 cfg=self.runner.cfg, sample=self.sample,
+                                                 paged_only=layers.all_paged(batch))
         return np.asarray(drafted)[:len(chunks)].tolist(), q
 
 

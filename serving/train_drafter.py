@@ -46,7 +46,7 @@ import numpy as np
 import optax
 
 from apex_jax import apexw
-from serving import block_drafter
+from serving import block_drafter, layers
 from serving.block_drafter import BlockDrafterConfig
 from serving.config import ModelConfig
 from serving.drafter_prompts import chat_prompts
@@ -156,7 +156,8 @@ def _decode_loop(params: dict, kv: Any, first: jax.Array, positions: jax.Array, 
         slots = tables[rows, pos // block_size] * block_size + pos % block_size
         # every token a sequence of its own that reads its keys from the pages (kv_lens = context = pos + 1)
         batch = AttentionBatch(pos, rows, slots, tables, pos + 1, pos + 1, jnp.arange(rows.size + 1, dtype=jnp.int32))
-        logits, kv, _ = forward(params, cfg, token, batch, kv)
+        with layers.paged_only():  # decode tokens only: no packed flash attention
+            logits, kv, _ = forward(params, cfg, token, batch, kv)
         token = (jnp.argmax(logits, axis=-1) if temperature == 0 else
                  jax.random.categorical(jax.random.fold_in(key, i), logits / temperature)).astype(jnp.int32)
         return kv, token, out.at[:, i].set(token)
