@@ -15,7 +15,9 @@ are timed alone (our first epoch includes the compile, so it is reported apart).
   ``--suite settle`` runs that settle sweep alone.
 * GPU (``--suite quick``, a few minutes): the settle sweep over the configurations that matter
   (QUICK_CONFIGS), then 3 epochs each of the fused kernel at the fastest bf16 configuration of the sweep and of
-  the plain-XLA loop at tf32 and bf16, with one short table each (results/pc_mnist_quick.json).
+  the plain-XLA loop at tf32 and bf16, with one short table each (results/pc_mnist_quick.json). The epochs run
+  once per XLA_FLAG_SETS entry (XLA's own kernels launched one by one, or recorded into CUDA graphs), each
+  variant in its own subprocess (``--suite epochs``): XLA reads its flags once, when the backend starts.
 
 Settle timings are in situ: SETTLE_BATCHES different batches settle back to back in one jitted scan, each from
 its input (the first layer's matmul and the kernel's argument preparation included), and the time per batch
@@ -29,12 +31,16 @@ is the scan's divided by their count: what a training epoch pays, without a host
     python benchmarks/pc_mnist.py --suite settle --fused-configs 64x32x8 32x16x4-errors --fused-precisions bfloat16
                                                         # GPU: results/pc_mnist_settle.json
     python benchmarks/pc_mnist.py --suite quick         # GPU, a few minutes: results/pc_mnist_quick.json
+    python benchmarks/pc_mnist.py --suite quick --xla-flag-sets default graphs   # only these epoch flag sets
     python benchmarks/pc_mnist.py --suite pcx           # results/pc_pcx[_cpu].json + .png
 """
 
 import argparse
 import dataclasses
 import itertools
+import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +57,7 @@ import optax
 from apex_jax.data import load_mnist
 from benchmarks.harness import format_table, save_plot, time_jax, write_results
 from benchmarks.pc_baselines import run_deepity, write_mnist_npz
-from pallas_kernels.pc_settle import EXCHANGES, PRECISIONS, SPINS, SettleConfig, launch_grid
+from pallas_kernels.pc_settle import EXCHANGES, OUTPUT_SUMS, PRECISIONS, SPINS, SettleConfig, launch_grid
 from pc import PCNet, evaluate, init_params, train_epoch
 from pc.data import Dataset, load_dataset
 from pc.settle import KERNEL_CONFIG, settle_from_input
@@ -64,17 +70,38 @@ OURS = {"pc euler T=20": ("euler", 20, 0.1), "pc heun T=8": ("heun", 8, 0.1)}  #
 # GPU: "pc euler T=20" with each settling implementation; name -> (kernel, matmul precision)
 GPU_VARIANTS = {"fused tf32": ("pallas", "tf32"), "fused bf16": ("pallas", "bfloat16"),
                 "plain XLA tf32": ("jnp", "tf32"), "plain XLA fp32": ("jnp", "float32")}
-# Configurations of the cooperative kernel timed for one batch's settling, "BLOCK_BxGROUPSxWARPS[-EXCHANGE][-SPIN]"
-# (rows per program, unit groups G, warps; exchange "deltas" (default, one barrier per step) or "errors" (two);
-# spin "atomic" (default) or "load"; --fused-configs). For 250 rows, R x G programs: 64x32 gives 4 x 32 = 128,
-# one row tile each; 32x16 gives 8 x 16. Each compiles in seconds: its Triton module has a few dots per layer,
-# none unrolled over column blocks. Measured before (two-barrier scheme, bf16): 409 us at 32x16x4, 419 us at
-# 64x32x8, 963 us at 32x16x8; XLA's loop 779-814 us.
+# Configurations of the cooperative kernel timed for one batch's settling,
+# "BLOCK_BxGROUPSxWARPS[-EXCHANGE][-SPIN][-OUTPUT_SUM]" (rows per program, unit groups G, warps; exchange "deltas"
+# (default, one barrier per step) or "errors" (two); spin "atomic" (default) or "load"; output_sum "partials"
+# (default) or "kept" (pallas_kernels.pc_settle's docstring); --fused-configs). For 250 rows, R x G programs:
+# 64x32 gives 4 x 32 = 128, one row tile each; 32x16 gives 8 x 16. Each compiles in seconds: its Triton module has
+# a few dots per layer, none unrolled over column blocks. Measured before (two-barrier scheme, bf16): 409 us at
+# 32x16x4, 419 us at 64x32x8, 963 us at 32x16x8; XLA's loop 779-814 us.
 FUSED_CONFIGS = ("64x32x8", "64x32x4", "32x16x8", "32x16x4", "64x32x8-load", "64x32x8-errors", "32x16x4-errors")
 FUSED_PRECISIONS = ("tf32", "bfloat16")
-# --suite quick: every FUSED_CONFIGS entry in bf16, two in tf32 (the deltas scheme's cost at tf32 and the old one).
-QUICK_CONFIGS = {"bfloat16": FUSED_CONFIGS, "tf32": ("64x32x8", "64x32x8-errors")}
+# --suite quick: every FUSED_CONFIGS entry in bf16 and the untimed ones that may beat 64x32x8-load (201 us on the
+# H200): the output's prediction kept (half a step's L2 reads at G = 32), G = 16 (half the output partials and
+# programs), 16 warps for 64x16 tiles, 128-row tiles (64 programs); two in tf32 (the deltas scheme's cost at tf32,
+# 1320 us: spilling?, and the old scheme).
+QUICK_CONFIGS = {"bfloat16": FUSED_CONFIGS + ("64x32x8-load-kept", "64x32x4-load-kept", "64x32x16-load",
+                                              "64x32x16-load-kept", "64x16x8-load", "64x16x8-load-kept",
+                                              "128x32x8-load-kept"),
+                 "tf32": ("64x32x8", "64x32x8-errors")}
 QUICK_EPOCHS = 3
+# XLA_FLAGS of the quick suite's epochs (module docstring), by name. "graphs": XLA records the kernels of the
+# epoch's scan body (the Pallas kernel included) into CUDA graphs, as serving does (serving/__init__.py: a decode
+# step's ~80 small kernels per layer went from 3.66 to 1.95 ms); "graphs+while": the scan's while loop too (a
+# graph with a conditional node replays all 240 batches, no host loop).
+COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+XLA_FLAG_SETS = {
+    "default": "",
+    "graphs": f"--xla_gpu_enable_command_buffer={COMMAND_BUFFERS} --xla_gpu_graph_min_graph_size=1",
+    "graphs+while": f"--xla_gpu_enable_command_buffer={COMMAND_BUFFERS},WHILE,CONDITIONAL "
+                    "--xla_gpu_graph_min_graph_size=1",
+}
+# GPU memory for an epoch subprocess: the parent's JAX already holds its default 75% (the epoch needs < 1 GB).
+EPOCH_MEMORY_FRACTION = "0.1"
+EPOCH_TIMEOUT_S = 150  # one subprocess: a variant's start, compile and QUICK_EPOCHS epochs take ~10 s on the H200
 SETTLE_BATCHES = 48  # batches per in-situ settle timing (module docstring)
 SETTLE_RUNS = 20  # timed runs of those batches (the harness's fewest for its p10/p90)
 SETTLE_T, SETTLE_DT = 20, 0.1
@@ -178,24 +205,29 @@ def deepity_cpu_suite(epochs: int, deepity_timeout: float) -> dict:
 
 
 def fused_config(spec: str) -> SettleConfig:
-    """A kernel configuration from "BLOCK_BxGROUPSxWARPS[-EXCHANGE][-SPIN]", e.g. "64x32x8" or "32x16x4-errors"."""
+    """A kernel configuration from "BLOCK_BxGROUPSxWARPS[-EXCHANGE][-SPIN][-OUTPUT_SUM]", e.g. "64x32x8",
+    "32x16x4-errors" or "64x32x8-load-kept"."""
     geometry, *options = spec.lower().split("-")
+    known = EXCHANGES + SPINS + OUTPUT_SUMS
     try:
         block_b, groups, warps = (int(v) for v in geometry.split("x"))
-        unknown = [o for o in options if o not in EXCHANGES + SPINS]
+        unknown = [o for o in options if o not in known]
         if unknown:
-            raise ValueError(f"unknown option {unknown[0]!r}, expected one of {EXCHANGES + SPINS}")
+            raise ValueError(f"unknown option {unknown[0]!r}, expected one of {known}")
         exchange = next((o for o in options if o in EXCHANGES), SettleConfig.exchange)
         spin = next((o for o in options if o in SPINS), SettleConfig.spin)
-        return SettleConfig(block_b=block_b, groups=groups, num_warps=warps, exchange=exchange, spin=spin)
+        output_sum = next((o for o in options if o in OUTPUT_SUMS), SettleConfig.output_sum)
+        return SettleConfig(block_b=block_b, groups=groups, num_warps=warps, exchange=exchange, spin=spin,
+                            output_sum=output_sum)
     except ValueError as err:  # argparse would print only "invalid value"
-        raise argparse.ArgumentTypeError(f"fused config {spec!r}: expected BLOCK_BxGROUPSxWARPS[-EXCHANGE][-SPIN] "
-                                         f"such as 64x32x8 or 32x16x4-errors ({err})") from None
+        raise argparse.ArgumentTypeError(f"fused config {spec!r}: expected BLOCK_BxGROUPSxWARPS[-EXCHANGE][-SPIN]"
+                                         f"[-OUTPUT_SUM] such as 64x32x8 or 32x16x4-errors ({err})") from None
 
 
 def config_name(config: SettleConfig) -> str:
-    """The spec :func:`fused_config` parses back to ``config``."""
-    return f"{config.block_b}x{config.groups}x{config.num_warps}-{config.exchange}-{config.spin}"
+    """The spec :func:`fused_config` parses back to ``config`` (the output sum named only when not the default)."""
+    name = f"{config.block_b}x{config.groups}x{config.num_warps}-{config.exchange}-{config.spin}"
+    return name if config.output_sum == SettleConfig.output_sum else f"{name}-{config.output_sum}"
 
 
 def settle_timings(data: Dataset, fused: dict[str, Sequence[SettleConfig]]) -> list[dict]:
@@ -275,28 +307,85 @@ SUMMARY_COLUMNS = ["impl", "epochs", "s_per_epoch", "speedup_vs_plain_xla_tf32",
                    "best_accuracy", "epochs_to_reference", "seconds_to_reference"]
 
 
-def quick_suite() -> dict:
+QUICK_SUMMARY_COLUMNS = ["impl", "epochs", "s_per_epoch", "speedup_vs_xla_tf32_same_flags",
+                         "speedup_vs_best_xla_tf32", "first_epoch_s", "final_accuracy", "error"]
+
+
+def variant_rows(name: str, kernel: str, precision: str, config: SettleConfig | None, epochs: int,
+                 data: Dataset) -> list[dict]:
+    """One quick-suite variant: ``epochs`` epochs of NET at ``precision`` settled by ``kernel`` (run_ours' rows)."""
+    return run_ours(name, epochs, data, net=dataclasses.replace(NET, precision=precision), kernel=kernel,
+                    kernel_config=config or KERNEL_CONFIG)
+
+
+def run_variant(name: str, kernel: str, precision: str, config: SettleConfig | None, flags: str, epochs: int,
+                limit: int | None = None) -> list[dict]:
+    """:func:`variant_rows` in a subprocess (``--suite epochs``) whose XLA_FLAGS add ``XLA_FLAG_SETS[flags]``
+    (``limit``: train on the first N images only); its rows, or one row naming the error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--suite", "epochs", "--impl", name, "--kernel",
+                   kernel, "--precision", precision, "--epochs", str(epochs), "--rows-out", str(out)]
+        if config is not None:
+            command += ["--epoch-config", config_name(config)]
+        if limit:
+            command += ["--limit", str(limit)]
+        env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=EPOCH_MEMORY_FRACTION,
+                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAG_SETS[flags]}".strip())
+        try:
+            returncode = subprocess.run(command, env=env, timeout=EPOCH_TIMEOUT_S, check=False).returncode
+            error = None if returncode == 0 else f"exit status {returncode}"
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {EPOCH_TIMEOUT_S} s"
+        if error is None:
+            return json.loads(out.read_text())
+    print(f"  {name}: failed ({error})", flush=True)
+    return [dict(impl=name, error=error)]
+
+
+def epochs_suite(name: str, kernel: str, precision: str, config: SettleConfig | None, epochs: int,
+                 rows_out: Path, limit: int | None = None) -> list[dict]:
+    """One quick-suite variant in this process (the quick suite's subprocess): its rows -> ``rows_out`` (JSON)."""
+    data = load_dataset("mnist")
+    if limit:
+        data = Dataset(data.train_x[:limit], data.train_y[:limit], data.test_x, data.test_y)
+    rows = variant_rows(name, kernel, precision, config, epochs, data)
+    rows_out.write_text(json.dumps(rows))
+    return rows
+
+
+def quick_suite(flag_sets: Sequence[str] = tuple(XLA_FLAG_SETS)) -> dict:
     """GPU, a few minutes: the settle sweep (QUICK_CONFIGS), then QUICK_EPOCHS epochs of the fused kernel at the
-    fastest bf16 configuration against the plain-XLA loop at tf32 and bf16 (results/pc_mnist_quick.json)."""
+    fastest bf16 configuration against the plain-XLA loop at tf32 and bf16, each under every XLA flag set in
+    ``flag_sets`` (XLA_FLAG_SETS names; each variant in its own subprocess) (results/pc_mnist_quick.json)."""
     data = load_dataset("mnist")
     print(f"one batch's settling (T={SETTLE_T}, batch {BATCH}, in situ over {SETTLE_BATCHES} batches):", flush=True)
     settle_rows = settle_timings(data, {p: tuple(map(fused_config, c)) for p, c in QUICK_CONFIGS.items()})
     best = fastest_fused(settle_rows, "bfloat16") or KERNEL_CONFIG
     variants = {f"fused bf16 {config_name(best)}": ("pallas", "bfloat16", best),
                 "plain XLA tf32": ("jnp", "tf32", None), "plain XLA bf16": ("jnp", "bfloat16", None)}
-    rows = []
-    for name, (kernel, precision, config) in variants.items():
-        print(f"{name}:", flush=True)
-        rows += run_ours(name, QUICK_EPOCHS, data, net=dataclasses.replace(NET, precision=precision), kernel=kernel,
-                         kernel_config=config or KERNEL_CONFIG)
-    summary = [summarize(rows, impl, DEEPITY_TARGET_ACCURACY) for impl in variants]
+    rows, summary = [], []
+    for flags in flag_sets:
+        for name, (kernel, precision, config) in variants.items():
+            impl = f"{name} [{flags}]"
+            print(f"{impl}:", flush=True)
+            mine = [dict(row, xla_flags=flags) for row in run_variant(impl, kernel, precision, config, flags,
+                                                                      QUICK_EPOCHS)]
+            rows += mine
+            failed = "error" in mine[0]
+            summary.append(mine[0] if failed else dict(summarize(mine, impl, DEEPITY_TARGET_ACCURACY), xla_flags=flags))
+    xla = {s["xla_flags"]: s["s_per_epoch"] for s in summary if s["impl"].startswith("plain XLA tf32")
+           and "s_per_epoch" in s}
     for s in summary:
-        s["speedup_vs_plain_xla_tf32"] = summary[1]["s_per_epoch"] / s["s_per_epoch"]
+        if "s_per_epoch" in s:
+            s["speedup_vs_xla_tf32_same_flags"] = xla.get(s["xla_flags"], np.nan) / s["s_per_epoch"]
+            s["speedup_vs_best_xla_tf32"] = min(xla.values(), default=np.nan) / s["s_per_epoch"]
     payload = dict(config=dict(_matched_config(), solver="euler", T=SETTLE_T, dt=SETTLE_DT,
-                               epoch_config=config_name(best)), summary=summary, settle=settle_rows, rows=rows)
+                               epoch_config=config_name(best), xla_flag_sets={f: XLA_FLAG_SETS[f] for f in flag_sets}),
+                   summary=summary, settle=settle_rows, rows=rows)
     write_results("pc_mnist_quick", payload)
     print(format_table(settle_rows, SETTLE_COLUMNS))
-    print(format_table(summary, SUMMARY_COLUMNS))
+    print(format_table(summary, QUICK_SUMMARY_COLUMNS))
     return payload
 
 
@@ -401,27 +490,41 @@ def _plot_pcx(sweep: list[dict], final: dict, name: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("deepity", "pcx", "settle", "quick"), default="deepity",
+    parser.add_argument("--suite", choices=("deepity", "pcx", "settle", "quick", "epochs"), default="deepity",
                         help="settle: the GPU settle sweep alone (fused configurations x precisions vs XLA); "
-                             "quick: a short GPU sweep and 3 epochs fused vs XLA")
+                             "quick: a short GPU sweep and 3 epochs fused vs XLA; epochs: one variant's epochs "
+                             "(--impl, --kernel, --precision, --epoch-config, --rows-out), what quick runs in a "
+                             "subprocess per XLA flag set")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--deepity-timeout", type=float, default=3600)
-    parser.add_argument("--limit", type=int, help="pcx: train on the first N images only (quick runs)")
+    parser.add_argument("--limit", type=int, help="pcx, epochs: train on the first N images only (quick runs)")
     parser.add_argument("--fused-configs", nargs="+", type=fused_config, default=list(map(fused_config, FUSED_CONFIGS)),
                         metavar="BxGxW[-EXCHANGE][-SPIN]",
                         help=f"GPU settle sweep: configurations (default {' '.join(FUSED_CONFIGS)})")
     parser.add_argument("--fused-precisions", nargs="+", choices=PRECISIONS, default=list(FUSED_PRECISIONS),
                         help="GPU settle sweep: matmul precisions")
+    parser.add_argument("--xla-flag-sets", nargs="+", choices=tuple(XLA_FLAG_SETS), default=list(XLA_FLAG_SETS),
+                        help="quick: the XLA_FLAGS sets its epochs run under (XLA_FLAG_SETS)")
+    parser.add_argument("--impl", default="variant", help="epochs: the rows' impl name")
+    parser.add_argument("--kernel", choices=("jnp", "pallas"), default="pallas", help="epochs: settling")
+    parser.add_argument("--precision", choices=PRECISIONS, default="bfloat16", help="epochs: matmul precision")
+    parser.add_argument("--epoch-config", type=fused_config, help="epochs: the fused kernel's configuration")
+    parser.add_argument("--rows-out", type=Path, help="epochs: write the rows here (JSON)")
     args = parser.parse_args(argv)
     if args.suite == "pcx":
         return pcx_suite(args.epochs, args.limit)
+    if args.suite == "epochs":
+        if args.rows_out is None:
+            parser.error("--suite epochs needs --rows-out")
+        return epochs_suite(args.impl, args.kernel, args.precision, args.epoch_config, args.epochs, args.rows_out,
+                            args.limit)
     fused = {precision: args.fused_configs for precision in args.fused_precisions}
     if args.suite in ("settle", "quick") and jax.default_backend() == "cpu":
         parser.error(f"--suite {args.suite} times the fused kernel on a GPU")
     if args.suite == "settle":
         return settle_suite(fused)
     if args.suite == "quick":
-        return quick_suite()
+        return quick_suite(args.xla_flag_sets)
     if jax.default_backend() == "cpu":
         return deepity_cpu_suite(args.epochs, args.deepity_timeout)
     return deepity_gpu_suite(args.epochs, fused)

@@ -50,8 +50,7 @@ They are values live across both loops, so Triton keeps them on chip (Deepity at
 16 * 16 = 25K weights, 50 KB in bf16). Programs of a slot exchange activities through buffers in global
 memory, which stay in L2 (every read of them is volatile: served by L2, never by L1, which is not coherent
 across SMs), separated by grid barriers of the slot's G programs. The output layer (16 padded units) is
-replicated: each program publishes its partial prediction f(x_{L-1}[:, U_g]) @ W_{L-1}[U_g, :] and every
-program sums the G partials in the same fixed order, so all hold the same bits of mu_L and e_L.
+replicated: every program holds the same bits of mu_L and e_L (below, "The output's prediction").
 
 Two exchange schemes (``SettleConfig.exchange``):
 
@@ -78,6 +77,17 @@ Two exchange schemes (``SettleConfig.exchange``):
     launch. Deviation from fp32 (Deepity, T=20, CPU emulation): bf16 2.6e-3 like the bf16 reference, tf32
     3.2e-4 against the reference's 2.6e-4.
 
+The output's prediction (``SettleConfig.output_sum``)
+---------------------------------------------------
+"partials": each program publishes its partial prediction f(x_{L-1}[:, U_g]) @ W_{L-1}[U_g, :] (float32) and
+    every program sums the G partials in the same fixed order. Each program reads G x block_b x n_L floats per
+    step: at Deepity's G = 32, block_b = 64 that is 128 KB, more than both hidden exchanges together (2 x 64 KB).
+"kept" ("deltas" exchange only): each program holds all of W_{L-1} (``[n_{L-1}, n_L]``, 16 KB in bf16 for
+    Deepity) and keeps mu_L, updated like the kept errors by the step's change of f(x_{L-1}), which goes through
+    one more activity exchange: mu_L += df(x_{L-1}) @ W_{L-1} (the feed-forward start publishes f(x_{L-1})
+    itself). A program then reads block_b x n_{L-1} operands per step (64 KB in bf16 for Deepity) and
+    computes the same bits of mu_L as every other program from the same data.
+
 Buffers of the "deltas" scheme are double: data written before a slot's n-th barrier goes to buffer n % 2,
 so it is rewritten only after barrier n + 1, which every program passes only after its reads following
 barrier n. The "errors" scheme's phases already separate every rewrite from the last read by a barrier.
@@ -100,9 +110,11 @@ Compile time: nothing is unrolled over column blocks. Every matmul is one ``tl.d
 contraction, and the T steps and the row tiles are ``fori_loop``s, so the Triton module holds a few dots per
 layer whatever the widths, and compiles in seconds.
 
-Measured (H200, Deepity, T = 20, batch 250, ``benchmarks/pc_mnist.py``), the "errors" scheme: 409 us per
-settling at (block_b 32, G 16, 4 warps) in bf16, 557 us at (64, 32, 8) in tf32, against 779-814 us for
-XLA's loop. The "deltas" scheme is not timed yet.
+Measured (H200, Deepity, T = 20, batch 250, in situ, ``benchmarks/pc_mnist.py --suite quick``,
+results/pc_mnist_quick.json): in bf16 "deltas" 201 us per settling at (block_b 64, G 32, 8 warps, spin "load"),
+206 us with spin "atomic", "errors" 206 us at (64, 32, 8); in tf32 "deltas" 1320 us at (64, 32, 8) (likely
+spilling: its weight slices take twice the registers) and "errors" 376 us; XLA's loop 520-544 us. The output sum
+"kept" is not timed yet.
 """
 
 import dataclasses
@@ -164,6 +176,7 @@ OUTPUTS = ("gaussian", "cross_entropy")
 
 EXCHANGES = ("deltas", "errors")  # one barrier per Euler step, or two (module docstring, "Design")
 SPINS = ("atomic", "load")  # how a barrier waits (module docstring, "Barrier")
+OUTPUT_SUMS = ("partials", "kept")  # how every program gets mu_L (module docstring, "The output's prediction")
 
 
 def dot_args(precision: str):
@@ -180,7 +193,8 @@ class SettleConfig:
     ``groups`` (G) is an upper bound: :func:`launch_grid` uses fewer where a hidden layer has fewer than
     16 G padded units or where G > ``max_programs``, and 1 in interpret mode. ``max_programs`` caps the
     programs of a launch, which must all be resident at once, at most one per SM (lower it on a GPU with fewer
-    SMs than an H200). ``exchange`` is one of :data:`EXCHANGES`, ``spin`` one of :data:`SPINS`.
+    SMs than an H200). ``exchange`` is one of :data:`EXCHANGES`, ``spin`` one of :data:`SPINS`, ``output_sum``
+    one of :data:`OUTPUT_SUMS` ("kept" needs the "deltas" exchange).
     """
 
     block_b: int = 32
@@ -189,6 +203,7 @@ class SettleConfig:
     max_programs: int = MAX_PROGRAMS
     exchange: str = "deltas"
     spin: str = "atomic"
+    output_sum: str = "partials"
 
     def __post_init__(self):
         for name in ("block_b", "groups", "num_warps"):
@@ -203,6 +218,11 @@ class SettleConfig:
             raise ValueError(f"SettleConfig.exchange must be one of {EXCHANGES}, got {self.exchange!r}")
         if self.spin not in SPINS:
             raise ValueError(f"SettleConfig.spin must be one of {SPINS}, got {self.spin!r}")
+        if self.output_sum not in OUTPUT_SUMS:
+            raise ValueError(f"SettleConfig.output_sum must be one of {OUTPUT_SUMS}, got {self.output_sum!r}")
+        if self.output_sum == "kept" and self.exchange != "deltas":
+            raise ValueError(f"SettleConfig.output_sum='kept' updates mu_L by the exchanged changes of f(x): it needs "
+                             f"exchange='deltas', got {self.exchange!r}")
 
 
 def padded_width(n: int) -> int:
@@ -310,12 +330,13 @@ def _softmax(logits, n_valid):
 
 
 def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_errors, with_logits, T, activation,
-                      precision, block_b, groups, tiles_per_slot, valid_rows, exchange, spin, interpret):
+                      precision, block_b, groups, tiles_per_slot, valid_rows, exchange, spin, output_sum, interpret):
     # Inputs: dt, mu_1, [target], W_1..W_{L-1}, b_1..b_{L-1}, [Gram_1..Gram_{L-2}], counters. Outputs: x_1..x_L,
     # [e_1..e_L], [logits at the start, settled logits], counters (aliased), exchanges A_1..A_{L-2} (f(x) or
-    # its change), B_2..B_{L-1} (e or the change of x), output partials; each exchange [buffers, rows, n].
+    # its change; output_sum "kept": A_{L-1} too), B_2..B_{L-1} (e or the change of x), each [buffers, rows, n],
+    # and (output_sum "partials") the output partials [buffers, G, rows, n_L].
     # Below, layer k is x_{k+1}: k = 0..L-2 are the hidden layers, k = L-1 the output.
-    n_w, n_ex, deltas = n_layers - 1, n_layers - 2, exchange == "deltas"
+    n_w, n_ex, deltas, kept = n_layers - 1, n_layers - 2, exchange == "deltas", output_sum == "kept"
     dt_ref, mu1_ref, refs = refs[0], refs[1], refs[2:]
     target_ref, refs = (refs[0], refs[1:]) if clamped else (None, refs)
     w_refs, b_refs, refs = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
@@ -323,7 +344,9 @@ def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_error
     x_out, refs = refs[:n_layers], refs[n_layers:]
     e_out, refs = (refs[:n_layers], refs[n_layers:]) if with_errors else ((), refs)
     logits_out, refs = (refs[:2], refs[2:]) if with_logits else ((), refs)
-    counter_ref, a_ex, b_ex, partial_ex = refs[0], refs[1:1 + n_ex], refs[1 + n_ex:1 + 2 * n_ex], refs[-1]
+    counter_ref, refs = refs[0], refs[1:]
+    a_ex, refs = refs[:n_ex + kept], refs[n_ex + kept:]
+    b_ex, partial_ex = refs[:n_ex], (None if kept else refs[n_ex])
     f, df = ACTIVATIONS[activation]
     dtype, lax_precision = dot_args(precision)
 
@@ -348,19 +371,31 @@ def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_error
     # The weight slices, once per launch (module docstring, "Design"): w_fwd[k - 1] = W_k[:, U_g] predicts
     # hidden layer k >= 1, w_back[k] = W_{k+1}[U_g, :]^T carries layer k + 1's error back to hidden layer k and
     # ("deltas") grams[k] = (W_{k+1} W_{k+1}^T)[:, U_g] its f(x)'s change; w_out = W_{L-1}[U_g, :] gives this
-    # program's share of the output's prediction.
+    # program's share of the output's prediction (output_sum "kept": all of W_{L-1}, the whole prediction).
     w_fwd = [w_refs[k - 1][:, units[k]] for k in range(1, n_w)]
     b_fwd = [b_refs[k - 1][units[k]].astype(jnp.float32)[None, :] for k in range(1, n_w)]
     w_back = [w_refs[k][units[k], :].T for k in range(n_w)]
     grams = [gram_refs[k][:, units[k]] for k in range(n_ex)] if deltas else []
-    w_out = w_refs[-1][units[-1], :]
+    w_out = w_refs[-1][...] if kept else w_refs[-1][units[-1], :]
     b_out = b_refs[-1][...].astype(jnp.float32)[None, :]
 
-    def output_partials(fx_last, passed):
-        partial_ex[buffer(passed), g, ex_rows, :] = dot(fx_last, w_out)
+    # The output's prediction (module docstring, "The output's prediction"): publish_output(v) before a barrier,
+    # then output_product() = (all of v) @ W_{L-1}, which every program computes in the same order (the same bits).
+    if kept:
+        def publish_output(fx_last, passed):  # f(x_{L-1})[:, U_g] (or its change) -> exchange
+            publish(a_ex[-1], passed, n_ex, fx_last)
 
-    def output_prediction(passed):  # every program sums the G partials in the same order: the same bits everywhere
-        return jnp.sum(exchange_load(partial_ex.at[buffer(passed), :, ex_rows, :]), axis=0) + b_out
+        def output_product(passed):
+            return dot(gather(a_ex[-1], passed), w_out)
+    else:
+        def publish_output(fx_last, passed):  # this program's partial product -> partials
+            partial_ex[buffer(passed), g, ex_rows, :] = dot(fx_last, w_out)
+
+        def output_product(passed):  # the sum of the G partials
+            return jnp.sum(exchange_load(partial_ex.at[buffer(passed), :, ex_rows, :]), axis=0)
+
+    def output_prediction(passed):
+        return output_product(passed) + b_out
 
     def output_error(x_last, mu_last):
         return x_last - (_softmax(mu_last, n_out) if cross_entropy else mu_last)
@@ -383,7 +418,7 @@ def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_error
     def settle_deltas(mu1, x_last, passed):
         """The "deltas" scheme: one barrier per step. Returns the settled state, errors and logits."""
         xs, fxs, passed = feed_forward(mu1, passed)
-        output_partials(fxs[-1], passed)
+        publish_output(fxs[-1], passed)
         passed = sync(passed)
         mu_start = output_prediction(passed - 1)
         x_last = x_last if clamped else mu_start  # a free output starts at its prediction
@@ -397,7 +432,7 @@ def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_error
             for k in range(n_ex):
                 publish(a_ex[k], passed, k, new_fxs[k] - fxs[k])
                 publish(b_ex[k], passed, k + 1, new[k + 1] - xs[k + 1])
-            output_partials(new_fxs[-1], passed)
+            publish_output(new_fxs[-1] - fxs[-1] if kept else new_fxs[-1], passed)
             if not clamped:
                 x_last = x_last - dt * e_last
             passed = sync(passed)
@@ -406,7 +441,8 @@ def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_error
                 dfx, dx = gather(a_ex[k], passed - 1), gather(b_ex[k], passed - 1)
                 new_es.append(es[k + 1] + (new[k + 1] - xs[k + 1]) - dot(dfx, w_fwd[k]))
                 new_backs.append(backs[k] + dot(dx, w_back[k]) - dot(dfx, grams[k]))
-            return new, new_fxs, new_es, new_backs, x_last, output_prediction(passed - 1), passed
+            mu_last = (mu_last + output_product(passed - 1)) if kept else output_prediction(passed - 1)
+            return new, new_fxs, new_es, new_backs, x_last, mu_last, passed
 
         xs, _, es, _, x_last, mu_last, passed = jax.lax.fori_loop(
             0, T, step, (xs, fxs, es, backs, x_last, mu_start, passed))
@@ -422,7 +458,7 @@ def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_error
             for k in range(1, n_w):
                 es.append(xs[k] - (dot(gather(a_ex[k - 1], passed - 1), w_fwd[k - 1]) + b_fwd[k - 1]))
                 publish(b_ex[k - 1], passed, k, es[k])
-            output_partials(fxs[-1], passed)
+            publish_output(fxs[-1], passed)
             return es, sync(passed)
 
         def step(t, carry):
@@ -587,15 +623,18 @@ def _pc_settle(weights, biases, mu1, target, dt, *, T, activation, output, preci
     n_results = len(out_shape)
     out_shape.append(jax.ShapeDtypeStruct((grid.slots,), jnp.int32))
     buffers = 2 if deltas else 1
-    out_shape += [jax.ShapeDtypeStruct((buffers, ex_rows, n), dtype) for n in pw[:n_layers - 2]]  # f(x_1).. or d
+    kept = config.output_sum == "kept"
+    out_shape += [jax.ShapeDtypeStruct((buffers, ex_rows, n), dtype) for n in pw[:n_layers - 2 + kept]]  # f(x).. or d
     out_shape += [jax.ShapeDtypeStruct((buffers, ex_rows, n), dtype) for n in pw[1:n_layers - 1]]  # e_2.. or dx
-    out_shape.append(jax.ShapeDtypeStruct((buffers, grid.groups, ex_rows, pw[-1]), jnp.float32))  # partials
+    if not kept:
+        out_shape.append(jax.ShapeDtypeStruct((buffers, grid.groups, ex_rows, pw[-1]), jnp.float32))  # partials
     whole = lambda shape: pl.BlockSpec(shape, lambda r, g: (0,) * len(shape))  # programs index by hand
     kernel = functools.partial(_pc_settle_kernel, n_layers=n_layers, n_out=widths[-1], clamped=target is not None,
                                cross_entropy=output == "cross_entropy", with_errors=with_errors,
                                with_logits=with_logits, T=T, activation=activation, precision=precision, block_b=bb,
                                groups=grid.groups, tiles_per_slot=grid.tiles_per_slot, valid_rows=valid_rows,
-                               exchange=config.exchange, spin=config.spin, interpret=interpret)
+                               exchange=config.exchange, spin=config.spin, output_sum=config.output_sum,
+                               interpret=interpret)
     out = pl.pallas_call(
         kernel,
         grid=(grid.slots, grid.groups),

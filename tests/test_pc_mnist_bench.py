@@ -17,6 +17,8 @@ from pc.data import Dataset
     ("32x16x4-errors", SettleConfig(32, 16, 4, exchange="errors")),
     ("64x32x8-load", SettleConfig(64, 32, 8, spin="load")),
     ("16x8x4-load-errors", SettleConfig(16, 8, 4, exchange="errors", spin="load")),
+    ("64x32x8-load-kept", SettleConfig(64, 32, 8, spin="load", output_sum="kept")),
+    ("128x32x16-partials", SettleConfig(128, 32, 16)),
 ])
 def test_fused_config_specs(spec, expected):
     config = pc_mnist.fused_config(spec)
@@ -25,7 +27,8 @@ def test_fused_config_specs(spec, expected):
 
 
 @pytest.mark.parametrize("spec,message", [("64x32", "BLOCK_BxGROUPSxWARPS"), ("64x32x8-fast", "unknown option 'fast'"),
-                                          ("64x12x8", "groups must be a positive power of 2")])
+                                          ("64x12x8", "groups must be a positive power of 2"),
+                                          ("64x32x8-errors-kept", "output_sum='kept' .* needs exchange='deltas'")])
 def test_bad_fused_config_specs(spec, message):
     with pytest.raises(argparse.ArgumentTypeError, match=message):
         pc_mnist.fused_config(spec)
@@ -49,8 +52,9 @@ def test_fastest_fused_skips_failed_nan_and_deviating_rows():
 
 @pytest.mark.slow
 def test_quick_suite_runs_on_a_tiny_net(monkeypatch):
-    """The quick suite's whole path (settle sweep, fastest configuration, epochs, tables) on 400 MNIST images, a
-    784-32-32-10 net and T = 3, the kernel interpreted; ~1 minute on 2 cores."""
+    """The quick suite's whole path (settle sweep, fastest configuration, epochs under two XLA flag sets, tables) on
+    400 MNIST images, a 784-32-32-10 net and T = 3, the kernel interpreted, the epochs in this process (the
+    subprocess would not see the patches); ~1 minute on 2 cores."""
     data = pc_mnist.load_dataset("mnist")
     small = Dataset(data.train_x[:400], data.train_y[:400], data.test_x[:200], data.test_y[:200])
     written = {}
@@ -60,7 +64,14 @@ def test_quick_suite_runs_on_a_tiny_net(monkeypatch):
     for name, value in dict(BATCH=50, SETTLE_BATCHES=2, SETTLE_T=3, QUICK_EPOCHS=2,
                             QUICK_CONFIGS={"bfloat16": ("16x2x4", "16x2x4-errors")}).items():
         monkeypatch.setattr(pc_mnist, name, value)
-    payload = pc_mnist.quick_suite()
+    ran = []
+
+    def in_process(name, kernel, precision, config, flags, epochs):
+        ran.append((name, flags))
+        return pc_mnist.variant_rows(name, kernel, precision, config, epochs, small)
+
+    monkeypatch.setattr(pc_mnist, "run_variant", in_process)
+    payload = pc_mnist.quick_suite(("default", "graphs"))
     assert written == {"pc_mnist_quick": payload}
     settle = payload["settle"]
     assert [(r["impl"], r.get("config")) for r in settle] == [("plain XLA", None), ("fused", "16x2x4-deltas-atomic"),
@@ -68,6 +79,29 @@ def test_quick_suite_runs_on_a_tiny_net(monkeypatch):
     assert all(r["settle_us"] > 0 and r["max_rel_dev_from_fp32"] < 1e-2 for r in settle)
     fastest = min(settle[1:], key=lambda r: r["settle_us"])["config"]
     assert payload["config"]["epoch_config"] == fastest
-    assert [s["impl"] for s in payload["summary"]] == [f"fused bf16 {fastest}", "plain XLA tf32", "plain XLA bf16"]
-    assert all(s["epochs"] == 2 and np.isfinite(s["s_per_epoch"]) for s in payload["summary"])
-    assert payload["summary"][1]["speedup_vs_plain_xla_tf32"] == 1.0
+    names = [f"fused bf16 {fastest}", "plain XLA tf32", "plain XLA bf16"]
+    impls = [f"{name} [{flags}]" for flags in ("default", "graphs") for name in names]
+    assert ran == [(impl, impl[impl.index("[") + 1:-1]) for impl in impls]
+    summary = payload["summary"]
+    assert [s["impl"] for s in summary] == impls
+    assert [s["xla_flags"] for s in summary] == ["default"] * 3 + ["graphs"] * 3
+    assert all(s["epochs"] == 2 and np.isfinite(s["s_per_epoch"]) for s in summary)
+    assert summary[1]["speedup_vs_xla_tf32_same_flags"] == summary[4]["speedup_vs_xla_tf32_same_flags"] == 1.0
+    assert max(summary[1]["speedup_vs_best_xla_tf32"], summary[4]["speedup_vs_best_xla_tf32"]) == 1.0
+    assert payload["config"]["xla_flag_sets"] == {f: pc_mnist.XLA_FLAG_SETS[f] for f in ("default", "graphs")}
+
+
+@pytest.mark.slow
+def test_run_variant_trains_in_a_subprocess_under_its_xla_flags():
+    """The quick suite's epochs subprocess on the CPU (the plain-XLA loop, 500 images, one epoch) under the
+    "graphs+while" flag set: XLA accepts the flags (it aborts on an unknown name or command type) and the rows come
+    back; a failing subprocess (an unknown flag) becomes an error row."""
+    rows = pc_mnist.run_variant("xla [graphs+while]", "jnp", "float32", None, "graphs+while", 1, limit=500)
+    assert [(r["impl"], r["epoch"]) for r in rows] == [("xla [graphs+while]", 1)]
+    assert rows[0]["seconds"] > 0 and 0 < rows[0]["test_accuracy"] <= 1
+
+
+def test_run_variant_reports_a_failed_subprocess(monkeypatch):
+    monkeypatch.setitem(pc_mnist.XLA_FLAG_SETS, "bad", "--xla_no_such_flag=1")
+    rows = pc_mnist.run_variant("xla [bad]", "jnp", "float32", None, "bad", 1, limit=500)
+    assert rows == [dict(impl="xla [bad]", error=rows[0]["error"])] and rows[0]["error"].startswith("exit status")

@@ -22,9 +22,11 @@ SMALL = (20, 40, 24, 36, 10)  # 3 hidden layers, no width a power of 2: every wi
 DT = 0.1
 # 16-row tiles: a 32-row batch spreads over two row slots, so every test runs several programs. (Interpret
 # mode always runs one unit group; the GPU and test_lowers_for_h200 run G > 1.) TILES uses the default
-# "deltas" exchange (one barrier per step), ERRORS_TILES the two-barrier "errors" exchange.
+# "deltas" exchange (one barrier per step), ERRORS_TILES the two-barrier "errors" exchange, KEPT_TILES the deltas
+# exchange with the output's prediction kept and updated by exchanged changes (output_sum="kept").
 TILES = K.SettleConfig(block_b=16)
 ERRORS_TILES = K.SettleConfig(block_b=16, exchange="errors")
+KEPT_TILES = K.SettleConfig(block_b=16, output_sum="kept")
 # Relative Frobenius error per matmul precision. float32 reorders sums by block; bfloat16 operands round
 # at 2^-8 and a value near a rounding edge may round either way in kernel and reference.
 RTOL = {"float32": 1e-5, "tf32": 1e-3, "bfloat16": 2 * 2.0**-8}
@@ -100,6 +102,18 @@ class TestPCSettle:
                                  output=output, config=ERRORS_TILES)
 
     @pytest.mark.slow
+    @pytest.mark.parametrize("activation,clamped,output", cases(("sigmoid", "cross_entropy"), ["sigmoid", "tanh"]))
+    def test_deepity_kept_output_matches_reference(self, activation, clamped, output):
+        assert_matches_reference(DEEPITY, 32, clamped=clamped, seed=9 + clamped, T=4, activation=activation,
+                                 output=output, config=KEPT_TILES)
+
+    @pytest.mark.parametrize("widths", [SMALL, (20, 40, 10)], ids=["three_hidden", "one_hidden"])
+    def test_kept_output_matches_reference(self, widths):
+        """Three hidden layers (two hidden-to-hidden exchanges besides the output's), and L = 2 (the output's
+        the only exchange), both with a free output: it starts at the kept prediction."""
+        assert_matches_reference(widths, 32, clamped=False, seed=15, T=5, activation="tanh", config=KEPT_TILES)
+
+    @pytest.mark.slow
     def test_deepity_bf16_operands_match_reference(self):
         assert_matches_reference(DEEPITY, 32, clamped=True, seed=7, T=4, precision="bfloat16", config=TILES)
 
@@ -129,14 +143,15 @@ class TestPCSettle:
     def test_batch_not_divisible_by_block_b(self):
         assert_matches_reference(SMALL, 37, clamped=True, seed=3, T=4, output="cross_entropy", config=TILES)
 
-    @pytest.mark.parametrize("exchange", [e if e == "deltas" else pytest.param(e, marks=pytest.mark.slow)
-                                          for e in K.EXCHANGES])
+    @pytest.mark.parametrize("exchange,output_sum", [
+        ("deltas", "partials"), pytest.param("errors", "partials", marks=pytest.mark.slow),
+        pytest.param("deltas", "kept", marks=pytest.mark.slow)], ids=["deltas", "errors", "deltas_kept"])
     @pytest.mark.parametrize("activation,clamped,output", cases(("sigmoid", "cross_entropy"), ["sigmoid"]))
-    def test_a_slot_settles_its_row_tiles_in_turn(self, activation, clamped, output, exchange):
+    def test_a_slot_settles_its_row_tiles_in_turn(self, activation, clamped, output, exchange, output_sum):
         """Two row slots for five 16-row tiles: each slot settles three tiles (the sixth all padding), reusing
         its exchange rows and counting on through their barriers (T = 3: the deltas scheme's buffer parity
         changes from one tile to the next)."""
-        config = K.SettleConfig(block_b=16, max_programs=2, exchange=exchange)
+        config = K.SettleConfig(block_b=16, max_programs=2, exchange=exchange, output_sum=output_sum)
         assert K.launch_grid(73, SMALL[1:], config, interpret=interpret()) == K.Grid(2, 1, 3)
         assert_matches_reference(SMALL, 73, clamped=clamped, seed=13, T=3, activation=activation, output=output,
                                  config=config)
@@ -230,6 +245,10 @@ class TestPCSettle:
             K.SettleConfig(exchange="partials")
         with pytest.raises(ValueError, match="spin must be one of .* got 'sleep'"):
             K.SettleConfig(spin="sleep")
+        with pytest.raises(ValueError, match="output_sum must be one of .* got 'deltas'"):
+            K.SettleConfig(output_sum="deltas")
+        with pytest.raises(ValueError, match="output_sum='kept' .* needs exchange='deltas', got 'errors'"):
+            K.SettleConfig(exchange="errors", output_sum="kept")
         for valid_rows in (-1, 9, 2.0):
             with pytest.raises(ValueError, match=rf"valid_rows must be an int in \[0, 8\].*got {valid_rows}"):
                 run(valid_rows=valid_rows)
@@ -264,13 +283,16 @@ class TestPCSettle:
 DELTAS_DEVIATION_FACTOR = 2.0
 
 
-def test_deltas_bf16_deviates_from_fp32_like_the_reference():
+@pytest.mark.parametrize("config", [TILES, pytest.param(KEPT_TILES, marks=pytest.mark.slow)], ids=["partials", "kept"])
+def test_deltas_bf16_deviates_from_fp32_like_the_reference(config):
+    """Also with the output's prediction kept: it accumulates T rounded changes of f(x_{L-1}) (not rounded
+    values of f(x_{L-1}) itself)."""
     weights, biases, mu1, target = network((64, 128, 128, 10), 32, 21)
     exact = K.pc_settle_reference(weights, biases, mu1, target, T=20, dt=DT, output="cross_entropy").xs
     ref = K.pc_settle_reference(weights, biases, mu1, target, T=20, dt=DT, output="cross_entropy",
                                 precision="bfloat16").xs
     fused = K.pc_settle(weights, biases, mu1, target, T=20, dt=DT, output="cross_entropy", precision="bfloat16",
-                        config=TILES, interpret=interpret()).xs
+                        config=config, interpret=interpret()).xs
     for l, (x, r, e) in enumerate(zip(fused[:-1], ref[:-1], exact[:-1], strict=True), start=1):
         ref_dev = float(jnp.linalg.norm(r - e) / jnp.linalg.norm(e))
         dev = float(jnp.linalg.norm(x - e) / jnp.linalg.norm(e))
@@ -329,7 +351,10 @@ def test_lowers_for_h200(widths, clamped, output):
     dict(precision="bfloat16", output="cross_entropy", with_errors=True, with_logits=True,
          config=K.SettleConfig(exchange="errors")),
     dict(precision="bfloat16", config=K.SettleConfig(exchange="errors", spin="load")),
-], ids=["bf16_tanh_errors", "tf32_relu_ce", "training_outputs", "errors_exchange", "errors_exchange_load_spin"])
+    dict(precision="bfloat16", output="cross_entropy", with_errors=True, with_logits=True,
+         config=K.SettleConfig(spin="load", output_sum="kept")),
+], ids=["bf16_tanh_errors", "tf32_relu_ce", "training_outputs", "errors_exchange", "errors_exchange_load_spin",
+        "kept_output"])
 def test_deepity_variants_lower_for_h200(static):
     text = lower_for_h200(functools.partial(K.pc_settle, T=20, dt=DT, **static), *abstract_args(DEEPITY))
     assert lower_grid(text) == (8, 16)  # 1024 rows: 32 tiles of 32 in 8 slots, 4 tiles each
@@ -407,15 +432,17 @@ def lower_triton(widths, config: K.SettleConfig) -> ir.Operation:
     return func, module
 
 
-@pytest.mark.parametrize("exchange", K.EXCHANGES)
+@pytest.mark.parametrize("exchange,output_sum", [("deltas", "partials"), ("errors", "partials"), ("deltas", "kept")],
+                         ids=["deltas", "errors", "deltas_kept"])
 @pytest.mark.parametrize("widths", [DEEPITY, PCX], ids=["deepity", "pcx"])
-def test_weight_slices_load_once_before_every_loop(widths, exchange):
+def test_weight_slices_load_once_before_every_loop(widths, exchange, output_sum):
     """In the Triton module: every weight slice (and Gram slice) is loaded outside the row-tile and T loops
     (once per launch), every exchange read is volatile (never served from a stale L1 line), and each step's
     matmuls are single ``tl.dot``s, whatever the widths: "errors" has 2 (L - 1) per step plus L - 2 in the
     feed-forward start; "deltas" 3 per hidden-to-hidden layer and 2 for the output per step, plus the L - 2
-    feed-forward ones and the output's start."""
-    func, _module = lower_triton(widths, K.SettleConfig(exchange=exchange))
+    feed-forward ones and the output's start. output_sum "kept" trades the partials buffer for one more
+    activity exchange: the same number of exchange arguments and dots."""
+    func, _module = lower_triton(widths, K.SettleConfig(exchange=exchange, output_sum=output_sum))
     n_layers, n_hidden_to_hidden = len(widths) - 1, len(widths) - 3
     n_weights = n_layers - 1
     grams = n_hidden_to_hidden if exchange == "deltas" else 0
