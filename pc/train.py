@@ -25,7 +25,12 @@ energy at fixed activities is local,
     dE/dW_l = -f_l(x_l)^T e_{l+1} / batch,    dE/db_l = -sum_rows e_{l+1} / batch,
 
 (the kernel returns zero errors for padding rows), the energy comes from the errors and logits, and the
-accuracy from the logits at the feed-forward start.
+accuracy from the logits at the feed-forward start. With a linear input (no f_0) the input x_0 meets only those
+matmuls (x_0 W_0 and x_0^T e_1), which round it to the matmul operand dtype: the epoch rounds its minibatches
+once, in the gather (bf16: half the bytes written, no convert per minibatch), which changes no result. Likewise
+the weights, which the settling reads only as matmul operands: each step rounds the updated weights right after
+the optimizer's update (where XLA can fuse the rounding into the update's kernel) and carries the rounded copy
+to the next minibatch's settling, instead of converting them there.
 """
 
 import functools
@@ -35,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pallas_kernels.pc_settle import SettleConfig, padded_rows
+from pallas_kernels.pc_settle import SettleConfig, dot_args, padded_rows
 from pc.energy import energy, energy_and_grads, errors
 from pc.networks import Params, PCNet, check_params, forward
 from pc.settle import (
@@ -83,12 +88,19 @@ def _supervised(params, opt_state, x, y, dt, *, optimizer, net, T, solver, kerne
     return params, opt_state, {"energy": mean_energy, "accuracy": accuracy}
 
 
-def _supervised_fused(params, opt_state, x, y, dt, *, optimizer, net, T, config, n):
+def _operand_weights(params: Params, net: PCNet) -> Params:
+    """``params`` with every weight rounded to the net's matmul operand dtype (biases as they are)."""
+    dtype = dot_args(net.precision)[0]
+    return [dict(layer, w=layer["w"].astype(dtype)) for layer in params]
+
+
+def _supervised_fused(params, opt_state, operands, x, y, dt, *, optimizer, net, T, config, n):
     """A minibatch through the fused kernel: x ``[rows, n_0]``, labels y ``[rows]``; the first ``n`` rows are
-    real, the rest padding (label -1)."""
+    real, the rest padding (label -1). ``operands``: ``_operand_weights(params)``, what the settling reads, or ()
+    where the operand dtype is float32 (then params)."""
     target = jax.nn.one_hot(y, net.sizes[-1], dtype=jnp.float32)  # padding rows (-1): all zero
-    settled = settle_fused(params, x, net, target, T=T, dt=dt, config=config, with_errors=True, with_logits=True,
-                           valid_rows=n)
+    settled = settle_fused(operands or params, x, net, target, T=T, dt=dt, config=config, with_errors=True,
+                           with_logits=True, valid_rows=n)
     xs, es = [x, *settled.xs], settled.errors
     start_logits, logits = settled.logits
     accuracy = jnp.sum(jnp.argmax(start_logits, axis=-1) == y) / n  # before this batch's update
@@ -147,22 +159,29 @@ def _train_epoch(params, opt_state, images, labels, key, dt, *, optimizer, net, 
                  kernel, kernel_config):
     n_batches = images.shape[0] // batch_size
     order = jax.random.permutation(key, images.shape[0])[: n_batches * batch_size].reshape(n_batches, batch_size)
+    fused = kernel == "pallas" and variant == "supervised"
     batches = (images[order], None if labels is None else labels[order])  # one gather for the whole epoch
-    if kernel == "pallas" and variant == "supervised":
+    if fused and not net.input_activation:  # x_0 only meets matmuls: round it once (module docstring)
+        batches = (batches[0].astype(dot_args(net.precision)[0]), batches[1])
+    if fused:
         rows = padded_rows(batch_size, net.sizes[1:], kernel_config) - batch_size  # the kernel's row tiles
         batches = (jnp.pad(batches[0], ((0, 0), (0, rows), (0, 0))),
                    jnp.pad(batches[1], ((0, 0), (0, rows)), constant_values=-1))
         step = functools.partial(_supervised_fused, optimizer=optimizer, net=net, T=T, config=kernel_config,
                                  n=batch_size)
+        rounds = dot_args(net.precision)[0] != jnp.float32  # the weights as the next settling reads them:
+        prepare = functools.partial(_operand_weights, net=net) if rounds else (lambda p: ())
     else:
-        step = functools.partial(_STEPS[variant], optimizer=optimizer, net=net, T=T, solver=solver, kernel=kernel)
+        plain = functools.partial(_STEPS[variant], optimizer=optimizer, net=net, T=T, solver=solver, kernel=kernel)
+        step = lambda p, state, prepared, x, y, dt: plain(p, state, x, y, dt)
+        prepare = lambda p: ()
 
     def batch(carry, xy):
-        p, state = carry
-        p, state, metrics = step(p, state, *xy, dt)
-        return (p, state), metrics
+        p, state, prepared = carry
+        p, state, metrics = step(p, state, prepared, *xy, dt)
+        return (p, state, prepare(p)), metrics
 
-    (params, opt_state), metrics = jax.lax.scan(batch, (params, opt_state), batches)
+    (params, opt_state, _), metrics = jax.lax.scan(batch, (params, opt_state, prepare(params)), batches)
     return params, opt_state, jax.tree.map(jnp.mean, metrics)
 
 

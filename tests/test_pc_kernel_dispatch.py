@@ -125,21 +125,41 @@ def test_kernel_config_sets_the_launch_grid():
     assert grid(kernel_config=SettleConfig(block_b=16, groups=2)) == (4, 2)
 
 
-@pytest.mark.parametrize("config,grid", [(None, (4, 32)), (SettleConfig(block_b=32, groups=16), (8, 16))],
-                         ids=["default", "32x16"])
-def test_train_epoch_lowers_with_the_fused_kernel_for_h200(config, grid):
-    """One whole Deepity epoch (784-512-512-10 sigmoid, CE output, linear input, T = 20, batch 250) on an
-    abstract H200: kernel="pallas" settles with the Triton kernel, on the grid of its kernel_config (default
-    pc.settle.KERNEL_CONFIG: 4 slots of 64 rows x 32 unit groups)."""
+def lower_deepity_epoch(precision: str = "float32", **kwargs) -> str:
+    """One whole Deepity epoch (784-512-512-10 sigmoid, CE output, linear input, T = 20, batch 250, 1000 images)
+    with kernel="pallas", lowered for an abstract H200: the module's text."""
     net = pc.PCNet(pc.parse_arch("784-512-512-10"), activation="sigmoid", output="cross_entropy",
-                   input_activation=False)
+                   input_activation=False, precision=precision)
     tx = optax.adamw(1e-3)
     params = jax.eval_shape(lambda: pc.init_params(jax.random.key(0), net))
     abstract = (params, jax.eval_shape(tx.init, params), jax.ShapeDtypeStruct((1000, 784), jnp.float32),
                 jax.ShapeDtypeStruct((1000,), jnp.int32), jax.eval_shape(lambda: jax.random.key(0)))
-    kwargs = {} if config is None else dict(kernel_config=config)
     epoch = lambda p, s, x, y, key: pc.train_epoch(p, s, tx, x, y, net=net, T=20, dt=0.1, batch_size=250, key=key,
                                                    kernel="pallas", **kwargs)
-    text = lower_for_h200(epoch, *abstract)
+    return lower_for_h200(epoch, *abstract)
+
+
+@pytest.mark.parametrize("config,grid", [(None, (4, 32)), (SettleConfig(block_b=32, groups=16), (8, 16))],
+                         ids=["default", "32x16"])
+def test_train_epoch_lowers_with_the_fused_kernel_for_h200(config, grid):
+    """kernel="pallas" settles the Deepity epoch with the Triton kernel, on the grid of its kernel_config (default
+    pc.settle.KERNEL_CONFIG: 4 slots of 64 rows x 32 unit groups)."""
+    text = lower_deepity_epoch(**({} if config is None else dict(kernel_config=config)))
     assert "triton" in text and "pc_settle_3layers" in text
     assert lower_grid(text) == grid
+
+
+@pytest.mark.parametrize("precision,dtype", [("bfloat16", "bf16"), ("tf32", "f32")])
+def test_fused_epoch_rounds_matmul_operands_once(precision, dtype):
+    """A linear input meets only matmuls, so the fused epoch rounds the images to the matmul operand dtype once,
+    in the gather: its 4 minibatches, padded to 256 rows, are scanned over in that dtype, and no minibatch is
+    converted inside the scan. The scan carries the weights rounded the same way (made after each update; no
+    copy where the operands are float32)."""
+    text = lower_deepity_epoch(precision)
+    assert f"tensor<4x256x784x{dtype}>" in text
+    other = "f32" if dtype == "bf16" else "bf16"
+    assert f"tensor<4x256x784x{other}>" not in text and f"tensor<256x784x{other}>" not in text
+    (scan,) = [line for line in text.splitlines() if "stablehlo.while" in line and "tensor<4x256x784x" in line]
+    carried = scan[scan.rindex(" : ") + 3:]
+    for shape in ("784x512", "512x512", "512x10"):
+        assert carried.count(f"tensor<{shape}x{dtype}>") == (3 if dtype == "f32" else 1), shape  # w, mu, nu
