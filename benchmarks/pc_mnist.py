@@ -72,20 +72,20 @@ GPU_VARIANTS = {"fused tf32": ("pallas", "tf32"), "fused bf16": ("pallas", "bflo
                 "plain XLA tf32": ("jnp", "tf32"), "plain XLA fp32": ("jnp", "float32")}
 # Configurations of the cooperative kernel timed for one batch's settling,
 # "BLOCK_BxGROUPSxWARPS[-EXCHANGE][-SPIN][-OUTPUT_SUM]" (rows per program, unit groups G, warps; exchange "deltas"
-# (default, one barrier per step) or "errors" (two); spin "atomic" (default) or "load"; output_sum "partials"
-# (default) or "kept" (pallas_kernels.pc_settle's docstring); --fused-configs). For 250 rows, R x G programs:
-# 64x32 gives 4 x 32 = 128, one row tile each; 32x16 gives 8 x 16. Each compiles in seconds: its Triton module has
-# a few dots per layer, none unrolled over column blocks. Measured before (two-barrier scheme, bf16): 409 us at
-# 32x16x4, 419 us at 64x32x8, 963 us at 32x16x8; XLA's loop 779-814 us.
+# (default, one barrier per step) or "errors" (two); spin "atomic" (default), "load" or "relaxed"; output_sum
+# "partials" (default) or "kept"; pallas_kernels.pc_settle's docstring; --fused-configs). For 250 rows, R x G
+# programs: 64x32 gives 4 x 32 = 128, one row tile each; 32x16 gives 8 x 16. Each compiles in seconds: its Triton
+# module has a few dots per layer, none unrolled over column blocks. Measured before (two-barrier scheme, bf16):
+# 409 us at 32x16x4, 419 us at 64x32x8, 963 us at 32x16x8; XLA's loop 779-814 us.
 FUSED_CONFIGS = ("64x32x8", "64x32x4", "32x16x8", "32x16x4", "64x32x8-load", "64x32x8-errors", "32x16x4-errors")
 FUSED_PRECISIONS = ("tf32", "bfloat16")
 # --suite quick: every FUSED_CONFIGS entry in bf16 and the untimed ones that may beat 64x32x8-load (201 us on the
-# H200): the output's prediction kept (half a step's L2 reads at G = 32), G = 16 (half the output partials and
-# programs), 16 warps for 64x16 tiles, 128-row tiles (64 programs); two in tf32 (the deltas scheme's cost at tf32,
-# 1320 us: spilling?, and the old scheme).
-QUICK_CONFIGS = {"bfloat16": FUSED_CONFIGS + ("64x32x8-load-kept", "64x32x4-load-kept", "64x32x16-load",
-                                              "64x32x16-load-kept", "64x16x8-load", "64x16x8-load-kept",
-                                              "128x32x8-load-kept"),
+# H200): one fence per barrier instead of one per spin read ("relaxed"), the output's prediction kept (half a
+# step's L2 reads at G = 32), 16 warps for 64x16 tiles, G = 16 (half the output partials and programs), 128-row
+# tiles (64 programs); two in tf32 (the deltas scheme's cost at tf32, 1320 us: spilling?, and the old scheme).
+QUICK_CONFIGS = {"bfloat16": FUSED_CONFIGS + ("64x32x8-relaxed", "64x32x8-load-kept", "64x32x8-relaxed-kept",
+                                              "64x32x4-relaxed-kept", "64x32x16-relaxed", "64x32x16-relaxed-kept",
+                                              "64x16x8-relaxed", "64x16x8-relaxed-kept", "128x32x8-relaxed-kept"),
                  "tf32": ("64x32x8", "64x32x8-errors")}
 QUICK_EPOCHS = 3
 # XLA_FLAGS of the quick suite's epochs (module docstring), by name. "graphs": XLA records the kernels of the

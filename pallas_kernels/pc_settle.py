@@ -98,7 +98,10 @@ output). A CTA barrier orders the exchange stores of all the program's threads b
 (barriers passed), and a second CTA barrier holds its threads until then: the grid-sync pattern of CUDA
 cooperative groups. ``SettleConfig.spin`` picks how it spins: "atomic" re-reads the counter with an atomic add
 of 0 (an acquiring read through L2's atomic unit, which serializes the G spinners' reads of one address),
-"load" with a volatile load followed by a ``fence.acq_rel.gpu`` (plain L2 reads; what cooperative groups do).
+"load" with a volatile load followed by a ``fence.acq_rel.gpu`` (plain L2 reads), "relaxed" with volatile loads
+alone and one ``fence.acq_rel.gpu`` after the count showed every arrival (what cooperative groups' grid sync
+does: a strong read that sees the releasing atomics, then an acquire fence, synchronizes with them in PTX's
+memory model; no fence per read).
 The count only grows, so it is never reset. Since a program waits for the other G - 1 of its slot, all R * G
 programs must be resident at once: :func:`launch_grid` keeps R * G <= ``SettleConfig.max_programs``
 (MAX_PROGRAMS = 128: one program per SM of an H200's 132). Should they not be, a barrier gives up after
@@ -143,8 +146,8 @@ exchange_load = functools.partial(plgpu.load, volatile=True)
 BARRIER_SPINS = 1 << 20
 BARRIER_BROKEN = 1 << 30  # far above any count: G x (2T + L barriers per row tile at most) x tiles per slot
 # spin="load": after each volatile read of the counter, an acquire-release fence at GPU scope, so that no
-# exchange read after the barrier is served before the counter showed every arrival. (The value passes through
-# the asm, which keeps the fence inside the spin loop, before the loop's exit.)
+# exchange read after the barrier is served before the counter showed every arrival (spin="relaxed": once, after
+# the read that showed it). The value passes through the asm, which keeps the fence after that read.
 ACQUIRE_FENCE = "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;"
 
 
@@ -175,7 +178,7 @@ PRECISIONS = ("float32", "tf32", "bfloat16")
 OUTPUTS = ("gaussian", "cross_entropy")
 
 EXCHANGES = ("deltas", "errors")  # one barrier per Euler step, or two (module docstring, "Design")
-SPINS = ("atomic", "load")  # how a barrier waits (module docstring, "Barrier")
+SPINS = ("atomic", "load", "relaxed")  # how a barrier waits (module docstring, "Barrier")
 OUTPUT_SUMS = ("partials", "kept")  # how every program gets mu_L (module docstring, "The output's prediction")
 
 
@@ -290,11 +293,22 @@ def _spin_atomic(counter_ref, slot):
     return plgpu.atomic_add(counter_ref, slot, np.int32(0))  # an acquiring read (acq_rel RMW of 0)
 
 
-def _spin_load(counter_ref, slot):
-    seen = exchange_load(counter_ref.at[pl.ds(slot, 1)])
+def _acquire(seen):
+    """The counter value ``seen`` (int32 ``[1]``) passed through ACQUIRE_FENCE: the fence follows its read."""
     (seen,) = plgpu.elementwise_inline_asm(ACQUIRE_FENCE, args=[seen], constraints="=r,r", pack=1,
                                            result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
-    return seen[0]
+    return seen
+
+
+def _spin_relaxed(counter_ref, slot):
+    return exchange_load(counter_ref.at[pl.ds(slot, 1)])[0]
+
+
+def _spin_load(counter_ref, slot):
+    return _acquire(exchange_load(counter_ref.at[pl.ds(slot, 1)]))[0]
+
+
+_SPIN_READS = {"atomic": _spin_atomic, "load": _spin_load, "relaxed": _spin_relaxed}
 
 
 def _barrier(counter_ref, slot, passed: jax.Array, *, groups: int, spin: str, interpret: bool) -> jax.Array:
@@ -308,9 +322,11 @@ def _barrier(counter_ref, slot, passed: jax.Array, *, groups: int, spin: str, in
     seen = plgpu.atomic_add(counter_ref, slot, np.int32(1)) + 1  # one thread; acq_rel at GPU scope
     if groups > 1:  # spin until everyone arrived; a lone program waits for no one
         target = groups * (passed + 1)
-        read = _spin_load if spin == "load" else _spin_atomic
+        read = _SPIN_READS[spin]
         seen, _ = jax.lax.while_loop(lambda c: (c[0] < target) & (c[1] < BARRIER_SPINS),
                                      lambda c: (read(counter_ref, slot), c[1] + 1), (seen, np.int32(0)))
+        if spin == "relaxed":  # the acquire, once the count showed every arrival
+            seen = _acquire(jnp.broadcast_to(seen, (1,)))[0]
 
         @pl.when(seen < target)
         def _give_up():  # a program of the slot never came (not resident): open the slot's barriers for good

@@ -18,6 +18,7 @@ from pc.data import Dataset
     ("64x32x8-load", SettleConfig(64, 32, 8, spin="load")),
     ("16x8x4-load-errors", SettleConfig(16, 8, 4, exchange="errors", spin="load")),
     ("64x32x8-load-kept", SettleConfig(64, 32, 8, spin="load", output_sum="kept")),
+    ("64x16x16-kept-relaxed", SettleConfig(64, 16, 16, spin="relaxed", output_sum="kept")),
     ("128x32x16-partials", SettleConfig(128, 32, 16)),
 ])
 def test_fused_config_specs(spec, expected):
