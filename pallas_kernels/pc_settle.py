@@ -78,7 +78,7 @@ Two exchange schemes (``SettleConfig.exchange``):
     3.2e-4 against the reference's 2.6e-4.
 
 The output's prediction (``SettleConfig.output_sum``)
----------------------------------------------------
+-----------------------------------------------------
 "partials": each program publishes its partial prediction f(x_{L-1}[:, U_g]) @ W_{L-1}[U_g, :] (float32) and
     every program sums the G partials in the same fixed order. Each program reads G x block_b x n_L floats per
     step: at Deepity's G = 32, block_b = 64 that is 128 KB, more than both hidden exchanges together (2 x 64 KB).
