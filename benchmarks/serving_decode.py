@@ -33,7 +33,10 @@ them (every token through the paged attention kernel, no packed prefill kernel).
 ``--profile``: no timing rows; for each decode batch (``--batches``) of the serving engine, ``PROFILE_STEPS`` decode
 steps traced with ``jax.profiler`` (CUPTI on a GPU), and per step: wall time (untraced), the GPU kernels' summed
 time and count (per layer too), and the kernels grouped by name (numeric suffixes dropped: XLA's
-``loop_add_fusion_12`` counts as ``loop_add_fusion``), most time first.
+``loop_add_fusion_12`` counts as ``loop_add_fusion``), most time first: the top ``PROFILE_TOP`` printed, all of them
+in ``serving_decode_profile.json`` (under ``--out-dir``). ``--gather-configs sweep`` repeats it for each decode
+experts' ``gather_matmul`` geometry of ``GATHER_SWEEP`` (printing only their ``gather_matmul`` lines after the
+first): pick the geometry with the least wall time.
 
 Each (model, engine) runs in its own subprocess under a time limit and prints a row per measurement as it
 goes, so a compile that never ends or a missing package costs the rows not yet printed; the JSON is written
@@ -47,6 +50,7 @@ after every case, and a subset run (``--models``, ``--engines``, ``--layers``) r
     python benchmarks/serving_decode.py --models moe-1b --engines serving --batch-invariant   # + serving-bi rows
     python benchmarks/serving_decode.py --cpu                            # tiny model, CPU, seconds
     python benchmarks/serving_decode.py --profile --models qwen3-30b-a3b --layers 8 --batches 1,64
+    python benchmarks/serving_decode.py --profile --models qwen3-30b-a3b --layers 8 --batches 1,8 --gather-configs sweep
 """
 
 import argparse
@@ -99,7 +103,11 @@ HF_RUNS = 3  # generate calls per timing (median): each prefills B x CONTEXT tok
 # per (model, engine) subprocess; the device tool allows 600 s a command
 TIMEOUT_S = {"serving": 540, INVARIANT_ENGINE: 540, "hf": 540}
 PROFILE_STEPS = 5  # decode steps traced per batch (--profile): counts and times are per step
-PROFILE_TOP = 30  # kernel names listed per batch, most time first
+PROFILE_TOP = 20  # kernel names printed per batch, most time first (the JSON has them all)
+# --profile --gather-configs sweep: the decode experts' gather_matmul geometries, block_n x block_k x num_warps x
+# num_stages (block_m 16: the smallest tl.dot tile). At batch 1 the 8 pairs' gate/up launch has 8 x 768 / block_n
+# programs (96 at block_n 64, fewer than the H200's 132 SMs), so narrower column tiles and deeper K steps compete.
+GATHER_SWEEP = ("64x128x4x4", "32x128x4x4", "32x256x4x3", "16x256x4x3", "64x256x4x3", "32x128x2x4", "128x64x4x4")
 
 
 # ----------------------------------------------------------------------------- serving (JAX) worker
@@ -168,40 +176,62 @@ def serving_setup(name: str, hf_config: dict, settings: dict, layers: int | None
     return cfg, params, kv, tables
 
 
-def serving_steps(cfg, batch_invariant: bool = False) -> dict:
-    """The jitted step ``(params, kv, tokens, batch, last) -> (kv, greedy tokens [S], expert counts)`` for a batch
-    with and without a first prefill chunk (keys False and True: traced in ``layers.paged_only()``, as the runner
-    does), the cache donated; ``batch_invariant``: through ``serving.batch_invariant.invariant``."""
+def serving_steps(cfg, batch_invariant: bool = False, gather_config=None) -> dict:
+    """The jitted step ``(params, kv, packed, *, sizes) -> (kv, greedy tokens [S], expert counts)`` for a batch with
+    and without a first prefill chunk (keys False and True: traced in ``layers.paged_only()``, as the runner does),
+    the cache donated; ``packed`` is ``kv_cache.pack_step``'s one buffer (one host-to-device copy a step, as the
+    runner's) for the static ``sizes = (N, S, max_blocks)``; ``batch_invariant``: through
+    ``serving.batch_invariant.invariant``; ``gather_config``: the decode experts' ``gather_matmul`` geometry
+    (``layers.use_gather_config``; default ``grouped_matmul.GATHER_CONFIG``)."""
+    import contextlib
+
     import jax
     import jax.numpy as jnp
 
     from serving import layers
     from serving.batch_invariant import invariant
+    from serving.kv_cache import unpack_step
     from serving.models import model_module
 
     forward = model_module(cfg.family).forward
 
-    def step(params, kv, tokens, batch, last, *, paged_only):
-        with layers.paged_only(paged_only):
+    def step(params, kv, packed, *, sizes, paged_only):
+        tokens, batch, last = unpack_step(packed, *sizes)
+        geometry = layers.use_gather_config(gather_config) if gather_config else contextlib.nullcontext()
+        with layers.paged_only(paged_only), geometry:
             logits, kv, counts = forward(params, cfg, tokens, batch, kv)
         return kv, jnp.argmax(logits[last], axis=-1), counts
 
     def jitted(paged_only):
-        fn = functools.partial(step, paged_only=paged_only)
-        return jax.jit(invariant(fn) if batch_invariant else fn, donate_argnums=1)
+        def fn(params, kv, packed, sizes):
+            traced = functools.partial(step, sizes=sizes, paged_only=paged_only)
+            return (invariant(traced) if batch_invariant else traced)(params, kv, packed)
+
+        return jax.jit(fn, donate_argnums=1, static_argnums=3)
 
     return {paged_only: jitted(paged_only) for paged_only in (False, True)}
 
 
-def step_inputs(chunks, vocab: int, rng) -> tuple:
-    """(tokens [N], batch metadata, each chunk's last flat index [S]) for ``chunks`` (host arrays, unpadded)."""
+class StepInputs(NamedTuple):
+    """One step's host inputs: ``pack_step``'s buffer, its static sizes and whether the step is all paged."""
+
+    packed: object  # np.ndarray int32: tokens [N], the batch's fields, last [S]
+    sizes: tuple[int, int, int]  # (N, S, max_blocks)
+    all_paged: bool  # layers.all_paged of the batch: which of serving_steps' steps runs it
+
+
+def step_inputs(chunks, vocab: int, rng) -> StepInputs:
+    """The packed inputs (random tokens, batch metadata, each chunk's last flat index) of ``chunks`` (unpadded)."""
     import numpy as np
 
-    from serving.kv_cache import make_batch
+    from serving import layers
+    from serving.kv_cache import make_batch, pack_step
 
     batch = make_batch(chunks, BLOCK_SIZE)
     tokens = rng.integers(0, vocab, len(batch.positions)).astype(np.int32)
-    return tokens, batch, np.cumsum([c.count for c in chunks]).astype(np.int32) - 1
+    last = np.cumsum([c.count for c in chunks]).astype(np.int32) - 1
+    return StepInputs(pack_step(tokens, batch, last), (len(tokens), len(chunks), batch.block_tables.shape[1]),
+                      layers.all_paged(batch))
 
 
 def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, smollm2_gguf: str | None,
@@ -212,7 +242,6 @@ def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
     import numpy as np
 
     from benchmarks.harness import time_jax_steps
-    from serving import layers as serving_layers
     from serving.kv_cache import SeqChunk
 
     settings = SETTINGS[mode]
@@ -224,12 +253,12 @@ def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
 
     def measure(chunks, steps_per_run):
         nonlocal kv
-        tokens, batch, last = step_inputs(chunks, cfg.vocab, rng)
-        step = steps[serving_layers.all_paged(batch)]
+        inputs = step_inputs(chunks, cfg.vocab, rng)
+        step = steps[inputs.all_paged]
         start = time.perf_counter()
-        kv, _, counts = jax.block_until_ready(step(params, kv, tokens, batch, last))
+        kv, _, counts = jax.block_until_ready(step(params, kv, inputs.packed, inputs.sizes))
         compile_s = time.perf_counter() - start
-        timing, (kv,) = time_jax_steps(lambda kv: step(params, kv, tokens, batch, last)[:1], (kv,),
+        timing, (kv,) = time_jax_steps(lambda kv: step(params, kv, inputs.packed, inputs.sizes)[:1], (kv,),
                                        steps_per_run=steps_per_run, warmup=2, iters=settings["iters"])
         return timing, compile_s, np.asarray(counts)
 
@@ -297,53 +326,86 @@ def kernel_profile(kernels: list[dict], steps: int) -> KernelProfile:
     return KernelProfile(len(kernels) / steps, sum(time_us.values()) / steps, span / steps, by_name)
 
 
-def format_profile(title: str, wall_ms: float, profile: KernelProfile, layers: int) -> str:
-    """The ``--profile`` report of one batch: a summary line, then the ``PROFILE_TOP`` kernels by time."""
+def format_profile(title: str, wall_ms: float, profile: KernelProfile, layers: int, top: int = PROFILE_TOP,
+                   only: str | None = None) -> str:
+    """The ``--profile`` report of one batch: a summary line, then the ``top`` kernels by time (those whose name
+    contains ``only``, if given)."""
     lines = [f"{title}: wall {wall_ms:.3f} ms/step untraced; GPU kernels {profile.busy_us / 1e3:.3f} ms/step busy "
              f"over a {profile.span_us / 1e3:.3f} ms span, {profile.count:.1f} kernels/step "
              f"({profile.count / layers:.1f} per layer)"]
     if not profile.by_name:
         return "\n".join(lines + ["  no GPU kernels in the trace (no GPU backend?)"])
-    lines += [f"  {'per step':>8} {'us/step':>9}  kernel"]
-    lines += [f"  {n:8.1f} {us:9.1f}  {name[:100]}" for name, n, us in profile.by_name[:PROFILE_TOP]]
+    listed = [k for k in profile.by_name if only is None or only in k[0]][:top]
+    rest = profile.by_name[len(listed):] if only is None else []
+    lines += [f"  {'per step':>8} {'us/step':>9}  kernel"] if listed else []
+    lines += [f"  {n:8.1f} {us:9.1f}  {name[:100]}" for name, n, us in listed]
+    if rest:
+        lines.append(f"  {sum(n for _, n, _ in rest):8.1f} {sum(us for *_, us in rest):9.1f}  "
+                     f"({len(rest)} other kernel names: the JSON lists them)")
     return "\n".join(lines)
 
 
+def gather_config(spec: str):
+    """``GATHER_SWEEP``'s ``"block_n x block_k x num_warps x num_stages"`` -> a ``GroupedMatmulConfig`` (block_m:
+    the decode geometry's)."""
+    from pallas_kernels.grouped_matmul import GATHER_CONFIG, GroupedMatmulConfig
+
+    try:
+        block_n, block_k, num_warps, num_stages = (int(v) for v in spec.split("x"))
+        return GroupedMatmulConfig(GATHER_CONFIG.block_m, block_n, block_k, num_warps, num_stages)
+    except ValueError as e:
+        raise ValueError(f"gather config {spec!r}: expected block_n x block_k x num_warps x num_stages, powers of "
+                         f"two >= 16 for the blocks (e.g. 32x128x4x4): {e}") from None
+
+
 def profile_worker(name: str, hf_config: dict, mode: str, layers: int | None, smollm2_gguf: str | None,
-                   batches: list[int]) -> None:
-    """Print ``format_profile`` for each decode batch: ``PROFILE_STEPS`` steps timed, then traced."""
+                   batches: list[int], gather_specs: list[str], out_dir: Path | None) -> list[dict]:
+    """For each ``gather_matmul`` geometry (``gather_specs``; none: the default) and decode batch, ``PROFILE_STEPS``
+    steps timed, then traced. Prints ``format_profile`` (the first geometry's kernels, then only the others'
+    ``gather_matmul`` lines) and writes every kernel name of every run to ``serving_decode_profile[_cpu].json``
+    after each (output truncation loses nothing). Returns the rows."""
     import jax
     import numpy as np
 
-    from serving import layers as serving_layers
     from serving.kv_cache import SeqChunk
 
     settings = SETTINGS[mode] | dict(batches=batches)
     cfg, params, kv, tables = serving_setup(name, hf_config, settings, layers, smollm2_gguf)
-    steps = serving_steps(cfg)
     rng = np.random.default_rng(0)
+    rows = []
 
-    def run(kv, inputs, n):  # n steps back to back, then wait
-        step = steps[serving_layers.all_paged(inputs[1])]
+    def run(kv, step, inputs, n):  # n steps back to back, then wait
         for _ in range(n):
-            kv = step(params, kv, *inputs)[0]
+            kv = step(params, kv, inputs.packed, inputs.sizes)[0]
         return jax.block_until_ready(kv)
 
-    for batch in batches:
-        inputs = step_inputs([SeqChunk(tables[s], settings["context"] - 1, 1) for s in range(batch)], cfg.vocab, rng)
-        kv = run(kv, inputs, 2)  # compile, warm up
-        start = time.perf_counter()
-        kv = run(kv, inputs, PROFILE_STEPS)
-        wall_ms = (time.perf_counter() - start) * 1e3 / PROFILE_STEPS
-        with tempfile.TemporaryDirectory() as trace_dir:
-            jax.profiler.start_trace(trace_dir)
-            kv = run(kv, inputs, PROFILE_STEPS)
-            jax.profiler.stop_trace()
-            with gzip.open(next(Path(trace_dir).rglob("*.trace.json.gz"))) as f:
-                profile = kernel_profile(device_kernels(json.load(f)), PROFILE_STEPS)
-        title = f"{name}, {cfg.layers} layers, context {settings['context']}, decode batch {batch}" + (
-            " (paged only)" if serving_layers.all_paged(inputs[1]) else "")
-        print(format_profile(title, wall_ms, profile, cfg.layers), flush=True)
+    for i, spec in enumerate(gather_specs or [None]):
+        steps = serving_steps(cfg, gather_config=gather_config(spec) if spec else None)
+        for batch in batches:
+            chunks = [SeqChunk(tables[s], settings["context"] - 1, 1) for s in range(batch)]
+            inputs = step_inputs(chunks, cfg.vocab, rng)
+            step = steps[inputs.all_paged]
+            kv = run(kv, step, inputs, 2)  # compile, warm up
+            start = time.perf_counter()
+            kv = run(kv, step, inputs, PROFILE_STEPS)
+            wall_ms = (time.perf_counter() - start) * 1e3 / PROFILE_STEPS
+            with tempfile.TemporaryDirectory() as trace_dir:
+                jax.profiler.start_trace(trace_dir)
+                kv = run(kv, step, inputs, PROFILE_STEPS)
+                jax.profiler.stop_trace()
+                with gzip.open(next(Path(trace_dir).rglob("*.trace.json.gz"))) as f:
+                    profile = kernel_profile(device_kernels(json.load(f)), PROFILE_STEPS)
+            title = (f"{name}, {cfg.layers} layers, context {settings['context']}, decode batch {batch}"
+                     + (" (paged only)" if inputs.all_paged else "") + (f", gather {spec}" if spec else ""))
+            print(format_profile(title, wall_ms, profile, cfg.layers, only=None if i == 0 else "gather_matmul"),
+                  flush=True)
+            rows.append(dict(model=name, layers=cfg.layers, context=settings["context"], batch=batch,
+                             paged_only=inputs.all_paged, gather_config=spec or "default", wall_ms=wall_ms,
+                             kernels_per_step=profile.count, busy_us=profile.busy_us, span_us=profile.span_us,
+                             kernels=[dict(name=k, per_step=n, us_per_step=us) for k, n, us in profile.by_name]))
+            write_results(f"serving_decode_profile{'_cpu' if mode == 'cpu' else ''}",
+                          dict(mode=mode, profile_steps=PROFILE_STEPS, rows=rows), out_dir=out_dir)
+    return rows
 
 
 # ----------------------------------------------------------------------------- HF transformers worker
@@ -486,6 +548,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--profile", action="store_true",
                         help="trace decode steps of one model with jax.profiler and print its kernels per step")
     parser.add_argument("--batches", help="--profile: comma-separated decode batches (default: the mode's)")
+    parser.add_argument("--gather-configs", help="--profile: comma-separated gather_matmul geometries "
+                        "block_n x block_k x num_warps x num_stages, or 'sweep' for GATHER_SWEEP (default: the "
+                        "built-in one)")
     parser.add_argument("--worker", choices=(*ENGINES, INVARIANT_ENGINE), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     mode = "cpu" if args.cpu else "gpu"
@@ -507,6 +572,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             parser.error(f"--batches={args.batches!r}: expected comma-separated integers >= 1")
     if args.profile and len(names) != 1:
         parser.error(f"--profile traces one model: got --models {','.join(names)}")
+    gather_specs = []
+    if args.gather_configs:
+        gather_specs = list(GATHER_SWEEP) if args.gather_configs == "sweep" else args.gather_configs.split(",")
+        for spec in gather_specs:
+            try:
+                gather_config(spec)
+            except ValueError as e:
+                parser.error(f"--gather-configs: {e}")
 
     if args.worker:
         if args.worker in ("serving", INVARIANT_ENGINE):
@@ -523,7 +596,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if mode == "gpu" and jax.default_backend() != "gpu":
         parser.error(f"the GPU benchmark needs a GPU (backend is {jax.default_backend()}); use --cpu")
     if args.profile:
-        profile_worker(names[0], models[names[0]], mode, args.layers, args.smollm2_gguf, batches)
+        profile_worker(names[0], models[names[0]], mode, args.layers, args.smollm2_gguf, batches, gather_specs,
+                       Path(args.out_dir) if args.out_dir else None)
         return []
     if mode == "cpu":
         engines = [e for e in engines if e != "hf"]  # torch is on the GPU image only

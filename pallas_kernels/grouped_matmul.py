@@ -30,8 +30,9 @@ at the 300 TFLOP/s target. Decode (64 tokens x top-8 = 512 rows, ~4 rows per exp
 touched experts' weights are 3.1 MB each (2048 x 768 bf16), ~400 MB for all 128, ~0.09 ms at 4.27 TB/s; 16-row
 tiles (the smallest tl.dot M) keep the wasted MMA work irrelevant there.
 
-Gathered rows (``gather_matmul``): ``out[r] = x[r] @ w[ids[r]]`` for rows in any order, the same kernel with
-one visit per row (group ``ids[r]``, rows ``[r, r + 1)``), read straight from ``ids``: no sort, no plan. For a
+Gathered rows (``gather_matmul``): ``out[r] = x[r // repeat] @ w[ids[r]]`` for rows in any order, the same kernel
+with one visit per row (group ``ids[r]``, rows ``[r, r + 1)``), read straight from ``ids``: no sort, no plan
+(``repeat``: a token's k pairs read its row of x k times, with no repeated copy of x made first). For a
 decode step's few (token, expert) pairs this drops the sort, the visit plan and the unsort around the grouped
 matmul, each a small XLA kernel of its own. Its grid puts the rows first, so the rows of one column tile
 run together and rows sharing an expert read that tile from HBM about once (L2 serves the others). A row
@@ -74,7 +75,8 @@ class GroupedMatmulConfig:
 PREFILL_CONFIG = GroupedMatmulConfig()
 # Decode (a few rows per expert): the smallest row tile, and wide K steps to keep weight bytes in flight.
 DECODE_CONFIG = GroupedMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-# gather_matmul (one row per visit): the decode geometry, measured at batch 64 (4.2 TB/s); not tuned for few rows.
+# gather_matmul (one row per visit): the decode geometry, measured at batch 64 (4.2 TB/s); not tuned for few rows
+# (benchmarks/serving_decode.py --profile --gather-configs sweep times the candidates in the whole decode step).
 GATHER_CONFIG = DECODE_CONFIG
 DECODE_ROWS_PER_GROUP = 32  # below this mean rows per group, row tiles would be mostly padding: DECODE_CONFIG
 
@@ -119,7 +121,7 @@ def _and(a, b):
     return b if a is None else a if b is None else a & b
 
 
-def _gmm_kernel(plan_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, num_groups, per_row):
+def _gmm_kernel(plan_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, num_groups, per_row, repeat):
     up_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])  # up: gather_matmul's SwiGLU hidden
     k_dim, n_dim = w_ref.shape[1:]
     if per_row:  # gather_matmul: grid (rows, column tiles); plan_ref holds ids [m]; visit r is row r
@@ -127,9 +129,11 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, num_gr
         group = plan_ref[visit]
         group = jnp.where((group >= 0) & (group < num_groups), group, jnp.int32(num_groups))  # no group: zeros
         row0, row_end = visit, visit + 1
+        x_row0 = visit // repeat  # x's row of output row r is r // repeat
     else:  # grid (column tiles, visits); plan_ref is visit_plan's [3, visits]
         n_tile, visit = pl.program_id(0), pl.program_id(1)
         group, row0, row_end = plan_ref[0, visit], plan_ref[1, visit], plan_ref[2, visit]
+        x_row0 = row0
     expert = jnp.minimum(group, num_groups - 1)  # the zero rows' visits read no weights (no K steps)
     col0 = n_tile * block_n
     rows_ok = (row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < row_end
@@ -142,7 +146,7 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, num_gr
         k_ok = None
         if k_dim % block_k:
             k_ok = k0 + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0) < k_dim
-        x = plgpu.load(x_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)],
+        x = plgpu.load(x_ref.at[pl.ds(x_row0, block_m), pl.ds(k0, block_k)],
                        mask=_and(rows_ok, None if k_ok is None else k_ok[None, :]), other=0.0)
         w_mask = _and(cols_ok, None if k_ok is None else k_ok[:, None])
         ws = [plgpu.load(ref.at[expert, pl.ds(k0, block_k), pl.ds(col0, block_n)], mask=w_mask,
@@ -161,7 +165,7 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, num_gr
 # --------------------------------------------------------------------------- public API
 
 
-def _check(x, w, group_sizes=None, ids=None, up=None):
+def _check(x, w, group_sizes=None, ids=None, up=None, repeat=1):
     if x.ndim != 2 or w.ndim != 3 or w.shape[1] != x.shape[1]:
         raise ValueError(f"x must be [m, k] and w [groups, k, n] with the same k, got {x.shape} and {w.shape}")
     if up is not None and (up.shape != w.shape or up.dtype != w.dtype):
@@ -170,8 +174,11 @@ def _check(x, w, group_sizes=None, ids=None, up=None):
                                     or not jnp.issubdtype(group_sizes.dtype, jnp.integer)):
         raise ValueError(f"group_sizes must be integer [groups={w.shape[0]}], got "
                          f"{group_sizes.dtype}{list(group_sizes.shape)}")
-    if ids is not None and (ids.shape != x.shape[:1] or not jnp.issubdtype(ids.dtype, jnp.integer)):
-        raise ValueError(f"ids must be integer [m={x.shape[0]}], got {ids.dtype}{list(ids.shape)}")
+    if not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be an int >= 1 (output rows per row of x), got {repeat!r}")
+    if ids is not None and (ids.shape != (x.shape[0] * repeat,) or not jnp.issubdtype(ids.dtype, jnp.integer)):
+        raise ValueError(f"ids must be integer [m={x.shape[0] * repeat}] (x's {x.shape[0]} rows x repeat={repeat}), "
+                         f"got {ids.dtype}{list(ids.shape)}")
     if x.dtype != w.dtype or x.dtype not in DTYPES:
         raise ValueError(f"x and w must share one dtype, bfloat16 or float32; got {x.dtype} and {w.dtype}")
 
@@ -201,13 +208,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dt
     return _launch(plan, x, (w,), config, out_dtype, interpret, per_row=False)
 
 
-def _launch(plan, x, weights, config, out_dtype, interpret, *, per_row):
-    """The kernel over ``plan`` (visit_plan's ``[3, visits]``, or ``per_row``: ids ``[m]``, one visit a row) and
-    ``weights``: ``(w,)``, or ``(gate, up)`` for the SwiGLU hidden."""
-    m, (num_groups, _, n) = x.shape[0], weights[0].shape
+def _launch(plan, x, weights, config, out_dtype, interpret, *, per_row, repeat=1):
+    """The kernel over ``plan`` (visit_plan's ``[3, visits]``, or ``per_row``: ids ``[m]``, one visit a row, x's
+    row ``r // repeat``) and ``weights``: ``(w,)``, or ``(gate, up)`` for the SwiGLU hidden."""
+    m, (num_groups, _, n) = x.shape[0] * repeat, weights[0].shape
     block_n = min(config.block_n, max(MIN_TILE, pl.next_power_of_2(n)))  # no all-padding tiles for small n
     kernel = functools.partial(_gmm_kernel, block_m=config.block_m, block_n=block_n, block_k=config.block_k,
-                               num_groups=num_groups, per_row=per_row)
+                               num_groups=num_groups, per_row=per_row, repeat=repeat)
     n_tiles = pl.cdiv(n, block_n)
     return pl.pallas_call(
         kernel,
@@ -219,26 +226,28 @@ def _launch(plan, x, weights, config, out_dtype, interpret, *, per_row):
     )(plan, x, *weights)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def gather_matmul(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.Array | None = None, *, out_dtype=None,
-                  config: GroupedMatmulConfig = GATHER_CONFIG, interpret: bool = False) -> jax.Array:
-    """``out[r] = x[r] @ w[ids[r]]`` for rows in any order (module docstring) in one launch; with ``up``, SwiGLU's
-    hidden ``silu(x[r] @ w[ids[r]]) * (x[r] @ up[ids[r]])`` (w the gate), both products of a tile in one program.
+@functools.partial(jax.jit, static_argnames=("repeat", "out_dtype", "config", "interpret"))
+def gather_matmul(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.Array | None = None, *, repeat: int = 1,
+                  out_dtype=None, config: GroupedMatmulConfig = GATHER_CONFIG, interpret: bool = False) -> jax.Array:
+    """``out[r] = x[r // repeat] @ w[ids[r]]`` for rows in any order (module docstring) in one launch; with ``up``,
+    SwiGLU's hidden ``silu(x[r // repeat] @ w[ids[r]]) * (x[r // repeat] @ up[ids[r]])`` (w the gate), both
+    products of a tile in one program.
 
     Args:
-      x: ``[m, k]``, bfloat16 or float32.
+      x: ``[m / repeat, k]``, bfloat16 or float32.
       w: ``[groups, k, n]``, x's dtype.
       ids: int ``[m]``: each row's group; an id outside ``[0, groups)`` gives a row of zeros (no weights read).
       up: optional ``[groups, k, n]``, w's dtype.
+      repeat: output rows per row of x (a token's top-k pairs read its row ``repeat = k`` times: no repeated copy).
       out_dtype: output dtype (default x's); accumulation (and the SwiGLU product) is always fp32.
       config: launch geometry; one row of each ``block_m``-row tile is used.
 
     Returns:
       ``[m, n]``.
     """
-    _check(x, w, ids=ids, up=up)
+    _check(x, w, ids=ids, up=up, repeat=repeat)
     return _launch(ids.astype(jnp.int32), x, (w,) if up is None else (w, up), config, out_dtype, interpret,
-                   per_row=True)
+                   per_row=True, repeat=repeat)
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None) -> jax.Array:
@@ -250,10 +259,11 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
 
 
 def gather_matmul_reference(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.Array | None = None, *,
-                            out_dtype=None) -> jax.Array:
-    """:func:`gather_matmul` in plain jnp: each row times its gathered matrices ``w[ids[r]]`` (and ``up[ids[r]]``)
-    with fp32 accumulation."""
-    _check(x, w, ids=ids, up=up)
+                            repeat: int = 1, out_dtype=None) -> jax.Array:
+    """:func:`gather_matmul` in plain jnp: each row ``x[r // repeat]`` times its gathered matrices ``w[ids[r]]``
+    (and ``up[ids[r]]``) with fp32 accumulation."""
+    _check(x, w, ids=ids, up=up, repeat=repeat)
+    x = jnp.repeat(x, repeat, axis=0)
     known = (ids >= 0) & (ids < w.shape[0])
 
     def product(w):

@@ -15,8 +15,13 @@ slot ``PAD``: nothing is written for them and their outputs are meaningless.
 The batch also carries what the GPU attention kernels read (``layers.paged_attention``), derived once per
 step on the host: each token's paged context length ``kv_lens`` and the packed-sequence boundaries
 ``chunk_starts`` of the first prefill chunks, which attend only to their own new tokens.
+
+A step's int32 inputs (its tokens, the batch and each chunk's last flat index) travel to the device as one
+buffer (``pack_step``, one host-to-device copy instead of one per array), cut back apart inside the jitted step
+at offsets fixed by the padded sizes (``unpack_step``).
 """
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -44,6 +49,38 @@ class AttentionBatch(NamedTuple):
     # other real token a sequence of its own (its result is taken from the paged path); the tail is padded with
     # the number of real tokens, so padding tokens lie past the last boundary.
     chunk_starts: jax.Array
+
+
+def step_shapes(num_tokens: int, num_seqs: int, max_blocks: int) -> list[tuple[int, ...]]:
+    """The shapes ``pack_step`` lays out, in order: tokens ``[N]``, the ``AttentionBatch`` fields, last ``[S]``."""
+    n, s = num_tokens, num_seqs
+    return [(n,), *AttentionBatch((n,), (n,), (n,), (s, max_blocks), (s,), (n,), (n + 1,)), (s,)]
+
+
+def pack_step(tokens: np.ndarray, batch: AttentionBatch, last: np.ndarray) -> np.ndarray:
+    """One int32 buffer holding tokens ``[N]``, every field of the host-side ``batch`` and last ``[S]``, flattened
+    in ``step_shapes`` order (the step's one host-to-device transfer)."""
+    arrays = [np.asarray(a) for a in (tokens, *batch, last)]
+    num_tokens, (num_seqs, max_blocks) = len(arrays[0]), arrays[4].shape
+    expected = step_shapes(num_tokens, num_seqs, max_blocks)
+    if [a.shape for a in arrays] != expected:
+        raise ValueError(f"pack_step: shapes {[a.shape for a in arrays]}: expected {expected} (tokens, the batch's "
+                         "fields, last)")
+    return np.concatenate([a.ravel() for a in arrays]).astype(np.int32)
+
+
+def unpack_step(packed: jax.Array, num_tokens: int, num_seqs: int,
+                max_blocks: int) -> tuple[jax.Array, AttentionBatch, jax.Array]:
+    """``pack_step``'s buffer back to (tokens ``[N]``, ``AttentionBatch``, last ``[S]``): static slices."""
+    shapes = step_shapes(num_tokens, num_seqs, max_blocks)
+    sizes = [math.prod(shape) for shape in shapes]
+    if packed.shape != (sum(sizes),):
+        raise ValueError(f"unpack_step: packed buffer {packed.shape}: expected ({sum(sizes)},) for N={num_tokens}, "
+                         f"S={num_seqs}, max_blocks={max_blocks}")
+    offsets = np.cumsum([0, *sizes])
+    tokens, *fields, last = [packed[o:o + size].reshape(shape)
+                             for o, size, shape in zip(offsets[:-1], sizes, shapes, strict=True)]
+    return tokens, AttentionBatch(*fields), last
 
 
 class PagedKV(NamedTuple):
@@ -105,10 +142,12 @@ class PagedLatentKV(NamedTuple):
 
 def _write(pages: tuple[jax.Array, ...], layer: int, new: jax.Array, slot_mapping: jax.Array) -> tuple[jax.Array, ...]:
     """``pages`` with ``new [N, ...]`` stored in layer ``layer``'s ``[num_blocks, block_size, ...]`` at the flat
-    slots ``slot_mapping [N]`` (PAD maps out of range, so the ``mode="drop"`` write skips it)."""
-    num_blocks, block_size = pages[layer].shape[:2]
-    slot = jnp.where(slot_mapping >= 0, slot_mapping, num_blocks * block_size)
-    updated = pages[layer].at[slot // block_size, slot % block_size].set(new.astype(pages[layer].dtype), mode="drop")
+    slots ``slot_mapping [N]`` (PAD maps out of range, so the ``mode="drop"`` write skips it). The write goes to the
+    pages viewed as ``[num_blocks * block_size, ...]`` rows (a free reshape): one index per token, no div/mod."""
+    shape = pages[layer].shape
+    rows = pages[layer].reshape(shape[0] * shape[1], *shape[2:])
+    slot = jnp.where(slot_mapping >= 0, slot_mapping, rows.shape[0])
+    updated = rows.at[slot].set(new.astype(rows.dtype), mode="drop").reshape(shape)
     return pages[:layer] + (updated,) + pages[layer + 1:]
 
 

@@ -25,7 +25,8 @@ plain-jnp references), chosen once per op by ``jax.lax.platform_dependent`` in `
   (plain weights of the activations' dtype; quantized weights keep ``quantize.linear``); up to
   ``PAIRWISE_MAX_ROWS`` pairs (decode) as two ``gather_matmul`` launches over the pairs unsorted (the SwiGLU
   hidden with gate and up together, then down), each pair a row read with its expert's weights: no sort,
-  visit plan or unsort kernels.
+  visit plan or unsort kernels, and no copy of x per pair (``repeat=k``). ``use_gather_config`` picks their
+  geometry (sweeps).
 
 A shape or dtype a kernel does not take (head dims not a multiple of 16, mixed dtypes) runs the reference.
 ``use_kernels("interpret")`` runs the kernels in Pallas' interpreter on any platform (tests) and
@@ -63,7 +64,13 @@ import numpy as np
 
 from pallas_kernels import attention as attention_kernels
 from pallas_kernels import paged_attention as paged_kernels
-from pallas_kernels.grouped_matmul import DECODE_CONFIG, gather_matmul, grouped_matmul
+from pallas_kernels.grouped_matmul import (
+    DECODE_CONFIG,
+    GATHER_CONFIG,
+    GroupedMatmulConfig,
+    gather_matmul,
+    grouped_matmul,
+)
 from serving.config import ModelConfig, RopeConfig
 from serving.kv_cache import AttentionBatch
 from serving.quantize import Weight, linear
@@ -84,6 +91,7 @@ PAIRWISE_MAX_ROWS = 64
 
 _kernel_mode = contextvars.ContextVar("serving_kernel_mode", default="auto")
 _paged_only = contextvars.ContextVar("serving_paged_only", default=False)
+_gather_config = contextvars.ContextVar("serving_gather_config", default=GATHER_CONFIG)
 
 
 @contextlib.contextmanager
@@ -112,6 +120,19 @@ def paged_only(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _paged_only.reset(token)
+
+
+@contextlib.contextmanager
+def use_gather_config(config: GroupedMatmulConfig) -> Iterator[None]:
+    """Within the block, trace the decode experts' ``gather_matmul`` launches with geometry ``config`` (default
+    ``grouped_matmul.GATHER_CONFIG``; for sweeps: a jitted caller keys its cache on it, as ``kernel_mode``)."""
+    if not isinstance(config, GroupedMatmulConfig):
+        raise TypeError(f"use_gather_config: config={config!r}: expected a GroupedMatmulConfig")
+    token = _gather_config.set(config)
+    try:
+        yield
+    finally:
+        _gather_config.reset(token)
 
 
 def all_paged(batch: AttentionBatch) -> bool:
@@ -235,24 +256,28 @@ def swiglu(x: jax.Array, gate: Weight, up: Weight, down: Weight) -> jax.Array:
 def route(logits: jax.Array, cfg: ModelConfig, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Pick ``cfg.top_k`` experts per token: (gate weights ``[N, k]`` fp32, expert ids ``[N, k]`` int32).
 
-    softmax: ``p = softmax(logits)``; the k largest p, weights p (divided by their sum if norm_topk_prob).
+    softmax: ``p = softmax(logits)``; the k largest p, weights p (divided by their sum if norm_topk_prob, which is
+    the softmax over the k chosen logits: computed so, one top-k and a k-wide softmax per token).
     sigmoid (DeepSeek-V3): ``p = sigmoid(logits)``, chosen by ``p + bias``: experts form n_group groups, a
     group scores the sum of its 2 best, only experts of the topk_group best groups compete for the k places;
     weights are p (divided by their sum if norm_topk_prob), times routed_scaling_factor.
     """
     logits = logits.astype(jnp.float32)
-    if cfg.router == "softmax":
-        probs = jax.nn.softmax(logits, axis=-1)
-        choice = probs
-    else:
-        probs = jax.nn.sigmoid(logits)
-        choice = probs if bias is None else probs + bias.astype(jnp.float32)
-        if cfg.n_group > 1:
-            grouped = choice.reshape(choice.shape[0], cfg.n_group, -1)  # [N, groups, experts per group]
-            group_score = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0].sum(-1)  # [N, groups]
-            best_groups = jax.lax.top_k(group_score, cfg.topk_group)[1]  # [N, topk_group]
-            keep = jax.nn.one_hot(best_groups, cfg.n_group, dtype=jnp.bool_).any(axis=1)  # [N, groups]
-            choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(choice.shape)
+    if cfg.router == "softmax":  # softmax is monotone: the k largest logits are the k largest p
+        top_logits, experts = jax.lax.top_k(logits, cfg.top_k)
+        if cfg.norm_topk_prob:  # p_j / sum_topk p = softmax over the k chosen logits: no [N, E] softmax
+            weights = jax.nn.softmax(top_logits, axis=-1)
+        else:
+            weights = jnp.exp(top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+        return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+    probs = jax.nn.sigmoid(logits)
+    choice = probs if bias is None else probs + bias.astype(jnp.float32)
+    if cfg.n_group > 1:
+        grouped = choice.reshape(choice.shape[0], cfg.n_group, -1)  # [N, groups, experts per group]
+        group_score = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0].sum(-1)  # [N, groups]
+        best_groups = jax.lax.top_k(group_score, cfg.topk_group)[1]  # [N, topk_group]
+        keep = jax.nn.one_hot(best_groups, cfg.n_group, dtype=jnp.bool_).any(axis=1)  # [N, groups]
+        choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(choice.shape)
     experts = jax.lax.top_k(choice, cfg.top_k)[1]
     weights = jnp.take_along_axis(probs, experts, axis=-1)
     if cfg.norm_topk_prob:
@@ -278,8 +303,16 @@ def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
     if valid is not None:
         experts = jnp.where(valid[:, None], experts, num_experts)
     out = expert_outputs(x, params, experts)  # [N, k, D]
-    y = jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights).astype(x.dtype)
-    return y, jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)  # id E is not counted
+    # The weighted sum as one elementwise-and-reduce fusion (an einsum is a batched dot: a matmul launch of its own).
+    y = jnp.sum(out.astype(jnp.float32) * weights[:, :, None], axis=1).astype(x.dtype)
+    return y, expert_counts(experts, num_experts)
+
+
+def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
+    """Pairs routed to each expert: experts ``[N, k]`` -> ``[E]`` int32 (id E, padding, is not counted). A compare
+    and a sum (one reduce fusion), not bincount's scatter into a zeroed buffer (two launches)."""
+    one_hot = experts.reshape(-1, 1) == jnp.arange(num_experts, dtype=experts.dtype)  # [N * k, E]
+    return one_hot.sum(axis=0, dtype=jnp.int32)
 
 
 def expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array) -> jax.Array:
@@ -305,7 +338,7 @@ def _sorted_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: 
     num_tokens, top_k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair indices, grouped by expert
-    group_sizes = jnp.bincount(flat, length=params["gate"].shape[0]).astype(jnp.int32)
+    group_sizes = expert_counts(experts, params["gate"].shape[0])
     out_sorted = expert_swiglu(x[order // top_k], params, group_sizes)  # [N*k, D]
     return jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, top_k, -1)
 
@@ -315,9 +348,10 @@ def _gathered_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts
     """``expert_outputs`` with pair n*k + j (token n, its j-th expert) one row of ``gather_matmul`` (no sort): the
     SwiGLU hidden in one launch (gate and up together), then down."""
     num_tokens, top_k = experts.shape
-    ids = experts.reshape(-1)
-    hidden = gather_matmul(jnp.repeat(x, top_k, axis=0), params["gate"], ids, params["up"], interpret=interpret)
-    return gather_matmul(hidden, params["down"], ids, interpret=interpret).reshape(num_tokens, top_k, -1)
+    ids, config = experts.reshape(-1), _gather_config.get()
+    hidden = gather_matmul(x, params["gate"], ids, params["up"], repeat=top_k, config=config, interpret=interpret)
+    return gather_matmul(hidden, params["down"], ids, config=config,
+                         interpret=interpret).reshape(num_tokens, top_k, -1)
 
 
 def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: jax.Array,

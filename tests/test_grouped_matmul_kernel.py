@@ -112,6 +112,19 @@ class TestGatherMatmul:
         assert_close(out, K.gather_matmul_reference(x, gate, ids, up))
         assert not np.asarray(out[np.asarray(ids) == num_groups], np.float32).any()
 
+    @pytest.mark.parametrize("gated", [False, True], ids=["plain", "swiglu"])
+    def test_repeat_reads_each_row_of_x_for_its_pairs(self, gated):
+        """``repeat=k``: output row r is x[r // k]'s, as if x had been repeated k times (a token's top-k pairs)."""
+        num_groups, tokens, top_k = 6, 3, 4
+        x, gate, _ = inputs(7, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)
+        up = inputs(8, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)[1] if gated else None
+        ids = jnp.asarray(np.random.default_rng(2).integers(0, num_groups + 1, tokens * top_k), jnp.int32)
+        out = K.gather_matmul(x, gate, ids, up, repeat=top_k, config=K.GroupedMatmulConfig(16, 32, 16),
+                              interpret=interpret())
+        repeated = jnp.repeat(x, top_k, axis=0)
+        assert_close(out, K.gather_matmul_reference(repeated, gate, ids, up))
+        assert_close(out, K.gather_matmul_reference(x, gate, ids, up, repeat=top_k))
+
     def test_rows_of_unknown_or_unused_groups_never_read_weights(self):
         x, w, _ = inputs(4, 6, 32, 32, [0, 0, 0, 0])
         ids = jnp.asarray([2, 0, 4, 2, -1, 0], jnp.int32)  # groups 1 and 3 unused; 4 and -1 are not groups
@@ -121,20 +134,27 @@ class TestGatherMatmul:
 
     def test_rejects_bad_ids(self):
         x, w, _ = inputs(0, 8, 16, 16, [0, 0])
-        with pytest.raises(ValueError, match=r"ids must be integer \[m=8\], got float32\[8\]"):
+        with pytest.raises(ValueError, match=r"ids must be integer \[m=8\] .*, got float32\[8\]"):
             K.gather_matmul(x, w, jnp.zeros(8, jnp.float32))
-        with pytest.raises(ValueError, match=r"ids must be integer \[m=8\], got int32\[7\]"):
+        with pytest.raises(ValueError, match=r"ids must be integer \[m=8\] .*, got int32\[7\]"):
             K.gather_matmul_reference(x, w, jnp.zeros(7, jnp.int32))
+        with pytest.raises(ValueError, match=r"ids must be integer \[m=24\] \(x's 8 rows x repeat=3\)"):
+            K.gather_matmul(x, w, jnp.zeros(8, jnp.int32), repeat=3)
+        with pytest.raises(ValueError, match=r"repeat must be an int >= 1 .*, got 0"):
+            K.gather_matmul(x, w, jnp.zeros(8, jnp.int32), repeat=0)
         with pytest.raises(ValueError, match=r"up must be w's shape and dtype float32\[2, 16, 16\], got "
                                              r"float32\[2, 16, 8\]"):
             K.gather_matmul(x, w, jnp.zeros(8, jnp.int32), w[..., :8])
 
     @pytest.mark.parametrize("k, n, gated", [(2048, 768, True), (768, 2048, False)], ids=["gate_up", "down"])
     def test_lowers_for_h200(self, k, n, gated):
-        """The Qwen3-30B-A3B expert matmuls at 8 decode tokens x top-8 = 64 pairs."""
+        """The Qwen3-30B-A3B expert matmuls at 8 decode tokens x top-8 = 64 pairs (gate/up: the 8 tokens' rows
+        read 8 times each)."""
         w = jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16)
-        args = (jax.ShapeDtypeStruct((64, k), jnp.bfloat16), w, jax.ShapeDtypeStruct((64,), jnp.int32))
-        assert 'name = "gather_matmul"' in lower_for_h200(K.gather_matmul, *args, *([w] if gated else []))
+        x = jax.ShapeDtypeStruct((8 if gated else 64, k), jnp.bfloat16)
+        args = (x, w, jax.ShapeDtypeStruct((64,), jnp.int32), *([w] if gated else []))
+        text = lower_for_h200(functools.partial(K.gather_matmul, repeat=8 if gated else 1), *args)
+        assert 'name = "gather_matmul"' in text
 
 
 @pytest.mark.parametrize("seed", range(4))

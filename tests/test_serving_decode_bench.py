@@ -1,7 +1,9 @@
 """benchmarks/serving_decode.py: the tiny CPU mode runs every serving case through a worker subprocess and
 writes them; the roofline's byte count follows the config and the routed experts actually touched."""
 
+import collections
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 from benchmarks import serving_decode
+from pallas_kernels.grouped_matmul import GATHER_CONFIG, GroupedMatmulConfig
 from pallas_kernels.testing import lower_for_h200, on_gpu
 from serving import layers
 from serving.config import ModelConfig
@@ -82,16 +85,40 @@ def test_profile_counts_the_gpu_stream_kernels_per_step_by_name():
     assert report.splitlines()[2].split() == ["1.0", "10.0", "gather_matmul"]
 
 
-def test_cpu_profile_mode_traces_each_decode_batch(tmp_path, capsys):
-    assert serving_decode.main(["--cpu", "--profile", "--batches", "2,1", "--out-dir", str(tmp_path)]) == []
+def test_profile_report_lists_the_top_kernels_and_sums_the_rest():
+    kernels = [trace_event(2, 7, f"kernel_{c}", 10 * i, 10 - i) for i, c in enumerate("abcd")]
+    profile = serving_decode.kernel_profile(kernels, steps=1)
+    lines = serving_decode.format_profile("m", 0.5, profile, layers=1, top=2).splitlines()
+    assert [line.split()[-1] for line in lines[2:4]] == ["kernel_a", "kernel_b"]
+    assert lines[4].split()[:2] == ["2.0", "15.0"] and "2 other kernel names" in lines[4]
+    only = serving_decode.format_profile("m", 0.5, profile, layers=1, only="kernel_c").splitlines()
+    assert [line.split()[-1] for line in only[2:]] == ["kernel_c"]
+
+
+def test_cpu_profile_mode_traces_each_decode_batch_and_gather_geometry(tmp_path, capsys):
+    argv = ["--cpu", "--profile", "--batches", "2,1", "--gather-configs", "32x64x4x2,16x32x2x1"]
+    assert serving_decode.main([*argv, "--out-dir", str(tmp_path)]) == []
     out = capsys.readouterr().out
     titles = [line.split(":")[0] for line in out.splitlines() if "ms/step untraced" in line]
-    assert titles == [f"tiny-moe, 2 layers, context 64, decode batch {b} (paged only)" for b in (2, 1)]
-    assert not list(tmp_path.iterdir())  # no result rows
+    assert titles == [f"tiny-moe, 2 layers, context 64, decode batch {b} (paged only), gather {g}"
+                      for g in ("32x64x4x2", "16x32x2x1") for b in (2, 1)]
+    rows = json.loads((tmp_path / "serving_decode_profile_cpu.json").read_text())["rows"]
+    assert [(r["gather_config"], r["batch"]) for r in rows] == [("32x64x4x2", 2), ("32x64x4x2", 1),
+                                                                ("16x32x2x1", 2), ("16x32x2x1", 1)]
+    assert all(r["wall_ms"] > 0 and r["paged_only"] for r in rows)
+
+
+def test_gather_configs_parse_and_the_sweep_is_valid():
+    assert serving_decode.gather_config("32x256x4x3") == GroupedMatmulConfig(16, 32, 256, 4, 3)
+    assert len({serving_decode.gather_config(spec) for spec in serving_decode.GATHER_SWEEP}) == len(
+        serving_decode.GATHER_SWEEP)
+    assert serving_decode.gather_config(serving_decode.GATHER_SWEEP[0]) == GATHER_CONFIG  # the default runs first
+    with pytest.raises(ValueError, match=r"gather config '32x100x4x3': expected block_n x block_k"):
+        serving_decode.gather_config("32x100x4x3")
 
 
 @pytest.mark.parametrize("argv", [["--profile", "--models", "tiny-moe,tiny-moe"], ["--batches", "1,0"],
-                                  ["--batches", "one"]])
+                                  ["--batches", "one"], ["--profile", "--gather-configs", "32x128x4"]])
 def test_rejects_bad_profile_arguments(argv):
     with pytest.raises(SystemExit):
         serving_decode.main(["--cpu", *argv])
@@ -136,3 +163,35 @@ def test_the_benchmark_models_lower_to_the_triton_kernels_for_an_h200(name, case
     expected = {"paged_attention"} | ({"flash_attention_causal"} if case == "prefill" else set()) | (
         {"grouped_matmul"} if cfg.num_experts else set())
     assert {k for k in kernels if f'name = "{k}"' in text} == expected
+
+
+def decode_layer_ops(num_layers: int) -> collections.Counter:
+    """StableHLO op counts of Qwen3-30B-A3B's shape with ``num_layers`` layers, one decode token at 2k context (paged
+    only), lowered for an H200."""
+    cfg = ModelConfig.from_hf(serving_decode.MODELS["qwen3-30b-a3b"] | dict(num_hidden_layers=num_layers))
+    module = model_module(cfg.family)
+    blocks = 2048 // serving_decode.BLOCK_SIZE
+    params = jax.eval_shape(lambda: module.init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    kv = jax.eval_shape(lambda: PagedKV.create(cfg, blocks, serving_decode.BLOCK_SIZE, jnp.bfloat16))
+    batch = make_batch([SeqChunk(list(range(blocks)), 2047, 1)], serving_decode.BLOCK_SIZE)
+    with layers.paged_only():
+        text = lower_for_h200(lambda p, t, b, c: module.forward(p, cfg, t, b, c), params,
+                              jax.ShapeDtypeStruct((1,), jnp.int32), batch, kv)
+    ops = collections.Counter(re.findall(r"= \"?((?:stablehlo|chlo)\.[a-z_]+)", text))
+    kernels = re.findall(r"call @(paged_attention|gather_matmul)\w*\(", text)  # kernel functions, shared by layers
+    return ops + collections.Counter(f"kernel {name}" for name in kernels)
+
+
+def test_a_batch_1_decode_layer_lowers_to_few_ops():
+    """What one more layer adds at batch 1: q/k/v/o and router projections, the two cache writes, one top-k, the
+    attention kernel and the two gather_matmul launches; no sort, no [E]-wide softmax's divide, no bincount scatter,
+    no gather but the layer's block-table rows. The total bounds the small XLA kernels around them (StableHLO ops:
+    278 per layer at 9929046, 244 after the routing, expert-count, combine and cache-write rewrites)."""
+    one, two = decode_layer_ops(1), decode_layer_ops(2)
+    per_layer = two - one
+    assert per_layer["stablehlo.dot_general"] == 5  # q, k, v, o, router
+    assert per_layer["kernel paged_attention"] == 1 and per_layer["kernel gather_matmul"] == 2
+    assert per_layer["stablehlo.scatter"] == 2  # k and v pages
+    assert per_layer["chlo.top_k"] == 1
+    assert per_layer["stablehlo.gather"] <= 1 and per_layer["stablehlo.sort"] == 0
+    assert sum(per_layer.values()) <= 250, per_layer

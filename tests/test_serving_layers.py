@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from serving.config import ModelConfig, RopeConfig
-from serving.kv_cache import PAD, PagedKV, SeqChunk, make_batch
+from serving.kv_cache import PAD, PagedKV, SeqChunk, make_batch, pack_step, unpack_step
 from serving.layers import apply_rope, moe, paged_attention, rms_norm, rope_frequencies, route, swiglu, yarn_mscale
 
 RTOL = 1e-5  # fp32 results of reordered sums
@@ -260,6 +260,35 @@ def test_make_batch_slots_and_padding():
         make_batch([SeqChunk([1], 2, 3)], BLOCK)
     with pytest.raises(ValueError, match="num_tokens=4"):
         make_batch([SeqChunk([1, 2], 0, 5)], BLOCK, num_tokens=4)
+
+
+def test_pack_step_round_trips_through_one_buffer_under_jit():
+    batch = make_batch([SeqChunk([7, 2], 3, 3), SeqChunk([5], 0, 2)], BLOCK, num_tokens=8, num_seqs=2, max_blocks=3)
+    tokens, last = np.arange(100, 108, dtype=np.int32), np.asarray([2, 4], np.int32)
+    packed = pack_step(tokens, batch, last)
+    assert packed.dtype == np.int32 and packed.shape == (8 * 6 + 1 + 2 * 3 + 2 * 2,)
+    got_tokens, got_batch, got_last = jax.jit(unpack_step, static_argnums=(1, 2, 3))(packed, 8, 2, 3)
+    np.testing.assert_array_equal(got_tokens, tokens)
+    np.testing.assert_array_equal(got_last, last)
+    for name, want, got in zip(batch._fields, batch, got_batch, strict=True):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    with pytest.raises(ValueError, match=r"unpack_step: packed buffer \(57,\): expected \(59,\) for N=8, S=2"):
+        unpack_step(jnp.asarray(packed[:-2]), 8, 2, 3)
+    with pytest.raises(ValueError, match=r"pack_step: shapes .*: expected"):
+        pack_step(tokens[:7], batch, last)
+
+
+def test_kv_write_stores_rows_at_their_slots_and_skips_padding():
+    cfg = moe_config(layers=2)
+    kv = PagedKV.create(cfg, 3, BLOCK, jnp.float32)
+    k = jnp.arange(3 * cfg.kv_heads * cfg.head_dim, dtype=jnp.float32).reshape(3, cfg.kv_heads, cfg.head_dim) + 1
+    kv = kv.write(0, k, -k, jnp.asarray([5, PAD, 2 * BLOCK], jnp.int32))
+    pages = np.asarray(kv.k[0]).reshape(3 * BLOCK, cfg.kv_heads, cfg.head_dim)
+    np.testing.assert_array_equal(pages[5], k[0])
+    np.testing.assert_array_equal(pages[2 * BLOCK], k[2])
+    assert np.count_nonzero(pages.any(axis=(1, 2))) == 2  # the padding row wrote nothing
+    np.testing.assert_array_equal(np.asarray(kv.v[0]).reshape(pages.shape)[5], -k[0])
+    assert not np.asarray(kv.k[1]).any()  # other layers untouched
 
 
 STEP_TOKENS, STEP_SEQS = 32, 4  # every step is padded to these, so the jitted step compiles once

@@ -5,7 +5,8 @@ width, so the number of compiles stays bounded (log2 of each range). The cache i
 updates it in place, and no array goes back to the host between layers. Per call the host gets the sampled
 token of every sequence (the logits at its chunk's last token), their logprobs, and the per-layer expert
 counts, which the runner sums into ``expert_load [layers, experts]``. The attention kernels' metadata
-(``kv_lens``, ``chunk_starts``) comes with the batch from ``make_batch``, on the host, once per step; the
+(``kv_lens``, ``chunk_starts``) comes with the batch from ``make_batch``, on the host, once per step, and goes to
+the device with the tokens and last indices as one buffer (``kv_cache.pack_step``: one copy per step); the
 compiled step is keyed on ``layers.kernel_mode()`` (kernels on a GPU, or as ``layers.use_kernels`` says) and on
 whether the step has a first prefill chunk: a step without one (``layers.all_paged``: decode steps, chunks
 continuing a cached prefix) is traced in ``layers.paged_only()``, with no packed prefill attention. A runner
@@ -30,7 +31,7 @@ import numpy as np
 from serving import batch_invariant, layers
 from serving.config import ModelConfig
 from serving.engine.sampler import SampleResult, SampleRow, SamplingBatch, sample, sampling_batch
-from serving.kv_cache import AttentionBatch, SeqChunk, make_batch
+from serving.kv_cache import AttentionBatch, SeqChunk, make_batch, pack_step, unpack_step
 from serving.structured import fill_token_bitmask
 
 MIN_TOKENS_BUCKET = 8  # the smallest padded N: decode batches of up to 8 sequences share one compile
@@ -52,12 +53,14 @@ class StepResult(NamedTuple):
     expert_counts: np.ndarray  # [layers, experts] tokens routed to each expert this step
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg", "kernels", "paged_only"), donate_argnames="kv")
-def _step(params: dict, kv: Any, tokens: jax.Array, batch: Any, last: jax.Array, *, forward: Callable,
+@functools.partial(jax.jit, static_argnames=("sizes", "forward", "cfg", "kernels", "paged_only"), donate_argnames="kv")
+def _step(params: dict, kv: Any, packed: jax.Array, *, sizes: tuple[int, int, int], forward: Callable,
           cfg: ModelConfig, kernels: str, paged_only: bool) -> tuple[jax.Array, Any, jax.Array]:
-    """forward over ``tokens [N]`` (traced in kernel mode ``kernels``, within ``layers.paged_only(paged_only)``):
-    the logits ``[S, V]`` at the flat indices ``last [S]`` (each chunk's last token), the updated cache, and the
-    expert counts ``[layers, experts]``."""
+    """forward over the step's tokens ``[N]`` (traced in kernel mode ``kernels``, within
+    ``layers.paged_only(paged_only)``): the logits ``[S, V]`` at each chunk's last flat index, the updated cache,
+    and the expert counts ``[layers, experts]``. ``packed``: ``kv_cache.pack_step``'s buffer of the tokens, batch and
+    last indices for ``sizes = (N, S, max_blocks)``."""
+    tokens, batch, last = unpack_step(packed, *sizes)
 
     def model(params, tokens, batch, kv):
         return forward(params, cfg, tokens, batch, kv)
@@ -111,8 +114,10 @@ class ModelRunner:
         bitmask = None if self.overlap_masks else self._masks(rows, num_seqs)
         kernels = layers.BATCH_INVARIANT if self.batch_invariant else layers.kernel_mode()
         paged_only = layers.all_paged(batch) and not self.batch_invariant  # batch-invariant attention: all paged
-        logits, self.kv, counts = _step(self.params, self.kv, tokens, batch, last, forward=self.forward, cfg=self.cfg,
-                                        kernels=kernels, paged_only=paged_only)  # returns at once; the device computes
+        sizes = (len(tokens), num_seqs, batch.block_tables.shape[1])
+        logits, self.kv, counts = _step(self.params, self.kv, pack_step(tokens, batch, last), sizes=sizes,
+                                        forward=self.forward, cfg=self.cfg, kernels=kernels,
+                                        paged_only=paged_only)  # returns at once; the device computes
         if self.overlap_masks:
             bitmask = self._masks(rows, num_seqs)
         sampler = _invariant_sample if self.batch_invariant else sample
