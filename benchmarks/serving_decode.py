@@ -405,6 +405,11 @@ def profile_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
                              kernels=[dict(name=k, per_step=n, us_per_step=us) for k, n, us in profile.by_name]))
             write_results(f"serving_decode_profile{'_cpu' if mode == 'cpu' else ''}",
                           dict(mode=mode, profile_steps=PROFILE_STEPS, rows=rows), out_dir=out_dir)
+    if len(gather_specs) > 1:
+        for batch in batches:
+            ranked = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["wall_ms"])
+            print(f"gather sweep, decode batch {batch}, fastest first: "
+                  + ", ".join(f"{r['gather_config']} {r['wall_ms']:.3f} ms" for r in ranked), flush=True)
     return rows
 
 

@@ -106,6 +106,9 @@ def test_cpu_profile_mode_traces_each_decode_batch_and_gather_geometry(tmp_path,
     assert [(r["gather_config"], r["batch"]) for r in rows] == [("32x64x4x2", 2), ("32x64x4x2", 1),
                                                                 ("16x32x2x1", 2), ("16x32x2x1", 1)]
     assert all(r["wall_ms"] > 0 and r["paged_only"] for r in rows)
+    ranking = [line for line in out.splitlines() if line.startswith("gather sweep")]
+    assert [line.split(",")[1] for line in ranking] == [" decode batch 2", " decode batch 1"]
+    assert all("32x64x4x2" in line and "16x32x2x1" in line for line in ranking)
 
 
 def test_gather_configs_parse_and_the_sweep_is_valid():
