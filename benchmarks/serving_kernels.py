@@ -21,6 +21,8 @@ timed run dispatches ``REPS`` calls back to back and waits once, so host dispatc
     python benchmarks/serving_kernels.py --kernels flash_attention --flash-configs 128x64x8x3,128x128x8x2
         # flash attention at these block_q x block_k x num_warps x num_stages against cuDNN and XLA, written to
         # results/serving_kernels_flash_sweep.json
+    python benchmarks/serving_kernels.py --kernels flash_attention --flash-configs 128x128x8x3,mosaic:128x2,mosaic:64x3
+        # the Triton kernel (impl pallas) next to the Mosaic GPU one (pallas_mosaic, block_k x stages)
 """
 
 import argparse
@@ -37,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import format_table, time_jax, write_results  # noqa: E402
-from pallas_kernels import attention, grouped_matmul, paged_attention  # noqa: E402
+from pallas_kernels import attention, attention_mgpu, grouped_matmul, paged_attention  # noqa: E402
 
 PEAK_TFLOP_S = 790.0  # H200 dense bf16 tensor cores
 PEAK_GB_S = 4270.0  # H200 HBM3e
@@ -62,9 +64,11 @@ SHAPES = {
     ),
 }
 A, P, G = attention.AttentionConfig, paged_attention.PagedConfig, grouped_matmul.GroupedMatmulConfig
+M = attention_mgpu.MosaicAttentionConfig
 SWEEPS = {  # the first config of each list is the kernel's default
     "gpu": dict(
-        flash_attention=[A(), A(128, 128, 8, 2), A(128, 64, 8, 4), A(128, 64, 8, 2), A(64, 64, 4, 3)],
+        flash_attention=[A(), A(128, 128, 8, 2), A(128, 64, 8, 4), A(128, 64, 8, 2), A(64, 64, 4, 3), M(128, 2),
+                         M(64, 2), M(64, 3)],
         paged_attention=[P(), P(block_k=128), P(block_k=32), P(num_splits=2), P(block_k=128, num_warps=8)],
         paged_mla_attention=[paged_attention.MLA_CONFIG, P(16, 32, num_warps=4), P(64, 16, num_warps=8),
                              P(32, 64, num_warps=8, num_stages=2)],
@@ -107,6 +111,11 @@ def config_name(config) -> str:
     return ",".join(f"{k}={v}" for k, v in vars(config).items())
 
 
+def impl_name(config) -> str:
+    """The row's impl: "pallas" (Triton lowering), "pallas_mosaic" for a Mosaic GPU kernel's config."""
+    return "pallas_mosaic" if isinstance(config, attention_mgpu.MosaicAttentionConfig) else "pallas"
+
+
 def run_kernel(kernel: str, shape: str, impls: list[tuple[str, Callable]], configs: list, pallas: Callable,
                args: tuple, *, reps: int, flop: float, nbytes: float) -> list[dict]:
     """Rows for the competitors ``impls`` (the first is the accuracy baseline), then ``pallas(config)`` per config."""
@@ -117,8 +126,8 @@ def run_kernel(kernel: str, shape: str, impls: list[tuple[str, Callable]], confi
         rows.append(dict(kernel=kernel, shape=shape, impl=impl, config=None) | row)
     for config in configs:
         row, _ = measure(pallas(config), args, reps=reps, expected=expected, flop=flop, nbytes=nbytes)
-        rows.append(dict(kernel=kernel, shape=shape, impl="pallas", config=config_name(config)) | row)
-    timed = [r for r in rows if r["impl"] == "pallas" and r["status"] == "ok"]
+        rows.append(dict(kernel=kernel, shape=shape, impl=impl_name(config), config=config_name(config)) | row)
+    timed = [r for r in rows if r["impl"].startswith("pallas") and r["status"] == "ok"]
     best = min(timed, key=lambda r: r["median_ms"], default=None)
     for r in timed:
         r["best"] = r is best
@@ -134,16 +143,20 @@ def random_normal(seed: int, shape, scale: float = 1.0) -> jax.Array:
     return jnp.asarray(values, dtype=jnp.bfloat16)
 
 
-def flash_configs(text: str) -> list[attention.AttentionConfig]:
-    """``"128x64x8x3,128x128x8x2"`` -> one AttentionConfig per item (block_q x block_k x num_warps x num_stages)."""
+def flash_configs(text: str) -> list[attention.AttentionConfig | attention_mgpu.MosaicAttentionConfig]:
+    """``"128x64x8x3,mosaic:128x2"`` -> one config per item: an AttentionConfig (block_q x block_k x num_warps x
+    num_stages) or, after ``mosaic:``, a MosaicAttentionConfig (block_k x stages)."""
     configs = []
     for item in text.split(","):
-        fields = item.strip().split("x")
-        if len(fields) != 4 or not all(f.isdigit() for f in fields):
+        mosaic = item.strip().startswith("mosaic:")
+        fields = item.strip().removeprefix("mosaic:").split("x")
+        if len(fields) != (2 if mosaic else 4) or not all(f.isdigit() for f in fields):
             raise argparse.ArgumentTypeError(f"flash config {item!r}: expected block_q x block_k x num_warps x "
-                                             f"num_stages, e.g. 128x64x8x3")
+                                             f"num_stages (e.g. 128x64x8x3) or mosaic:block_k x stages "
+                                             f"(e.g. mosaic:128x2)")
         try:
-            configs.append(attention.AttentionConfig(*map(int, fields)))
+            config_type = attention_mgpu.MosaicAttentionConfig if mosaic else attention.AttentionConfig
+            configs.append(config_type(*map(int, fields)))
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"flash config {item!r}: {e}") from None
     return configs
@@ -162,7 +175,9 @@ def flash_attention_rows(mode: str, interpret: bool, configs: list | None = None
     impls = [("xla", dense("xla"))] + ([("cudnn", dense("cudnn"))] if mode == "gpu" else [])
 
     def pallas(config):
-        run = functools.partial(attention.flash_attention, config=config, interpret=interpret)
+        kernel = (attention_mgpu.flash_attention_mgpu if isinstance(config, attention_mgpu.MosaicAttentionConfig)
+                  else attention.flash_attention)
+        run = functools.partial(kernel, config=config, interpret=interpret)
         return jax.jit(lambda q, k, v: run(packed(q), packed(k), packed(v), starts).reshape(q.shape))
 
     flop = 4 * batch * q_heads * seq * seq * head_dim / 2
@@ -242,8 +257,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated subset of {KERNELS}")
     parser.add_argument("--out-dir", help="where the JSON goes (default benchmarks/results/)")
     parser.add_argument("--flash-configs", type=flash_configs,
-                        help="flash_attention's sweep instead of the default one, e.g. 128x64x8x3,128x128x8x2 "
-                             "(block_q x block_k x num_warps x num_stages); the JSON is then "
+                        help="flash_attention's sweep instead of the default one, e.g. 128x64x8x3,mosaic:128x2 "
+                             "(Triton: block_q x block_k x num_warps x num_stages; Mosaic GPU: mosaic:block_k x "
+                             "stages); the JSON is then "
                              "serving_kernels_flash_sweep")
     args = parser.parse_args(argv)
     kernels = args.kernels.split(",")

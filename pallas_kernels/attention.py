@@ -231,7 +231,8 @@ def _flash_kernel(key_lo_ref, key_hi_ref, q_ref, k_ref, v_ref, o_ref, *, block_q
 # --------------------------------------------------------------------------- public API
 
 
-def _check(q, k, v, seq_starts):
+def check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Array) -> None:
+    """Raise ValueError unless q, k, v and seq_starts are what :func:`flash_attention` takes."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {x.shape}")
@@ -285,7 +286,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Ar
     Returns:
       ``[tokens, q_heads, v_head_dim]`` in q's dtype; zeros for rows outside every sequence.
     """
-    _check(q, k, v, seq_starts)
+    check_inputs(q, k, v, seq_starts)
     tokens, q_heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not (math.isfinite(scale) and scale > 0):  # softmax_step takes the row max of the unscaled scores
@@ -308,7 +309,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Ar
 def flash_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Array, *,
                               causal: bool = True, scale: float | None = None) -> jax.Array:
     """Plain-jnp :func:`flash_attention`: a dense ``[heads, tokens, tokens]`` masked softmax in fp32."""
-    _check(q, k, v, seq_starts)
+    check_inputs(q, k, v, seq_starts)
     tokens, q_heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     rows = jnp.arange(tokens)
