@@ -16,11 +16,12 @@
    it is accepted, so the early ones matter most). ``CE_j`` is against the target's whole distribution at that
    position (self-distillation: ``softmax`` of the target's logits, recomputed from its stored final-layer
    states at ``a .. a + k - 1``; far more signal per example than its greedy token) or, with
-   ``soft_labels=False``, against the greedy token. A share ``truncate_prob`` of contexts is cut short at random:
-   after a prompt prefix came from the prefix cache, ``BlockDrafter`` has no states for it. ``apexw`` (bf16
-   moments) after global-norm clipping; the learning rate is warmed up, then cosine-decayed over the run's
-   progress ``max(step / steps, elapsed / train_seconds)``: a slow machine ends the same schedule early instead
-   of overrunning ``time_budget``.
+   ``soft_labels=False``, against the greedy token. A share ``truncate_prob`` of contexts lose the states of their
+   prompt's full cache blocks: a prompt met again comes from the prefix cache (all its full blocks; a chat
+   template's shared system prompt, for every prompt), and ``BlockDrafter`` has no states for what it did not run.
+   ``apexw`` (bf16 moments) after global-norm clipping; the learning rate is warmed up, then cosine-decayed over the
+   run's progress ``max(step / steps, elapsed / train_seconds)``: a slow machine ends the same schedule early
+   instead of overrunning ``time_budget``.
 3. evaluation on held-out prompts (never trained on): the acceptance length teacher-forced
    (``1 + E[drafts equal to the target's greedy tokens before the first miss]``) and through the engine with
    speculation (``SpecStats.mean_acceptance_length``), whose outputs are compared with the plain greedy answers.
@@ -88,7 +89,7 @@ class TrainConfig:
     warmup: int = 300  # steps
     weight_decay: float = 0.01
     decay: float = 0.8  # loss weight of draft position j: decay^(j-1)
-    truncate_prob: float = 0.2  # share of training contexts cut short (module docstring)
+    truncate_prob: float = 0.5  # share of training contexts whose prompt came from the prefix cache (docstring)
     soft_labels: bool = True  # distill the target's distribution (module docstring); False: its greedy tokens
     dtype: str = "float32"  # the target's dtype (generation, hidden states)
     compute_dtype: str = "bfloat16"  # the drafter's training compute and the stored hidden states
@@ -132,6 +133,7 @@ class TargetData(NamedTuple):
     hidden: jax.Array  # [T, F, D] the target's hidden states after the drafter's target_layers
     starts: jax.Array  # [T] int32 flat index where each token's sequence starts
     ends: jax.Array  # [T] int32 flat index where it ends (exclusive)
+    computed: jax.Array  # [T] int32 flat index of its first state when its prompt's full blocks come from a cache
     anchors: jax.Array  # [A] int32 flat indices of answer tokens with a token after them
 
 
@@ -245,10 +247,12 @@ def target_data(cfg: ModelConfig, params: dict, pairs: Sequence[tuple[list[int],
     ends = np.cumsum(lengths)
     starts = ends - lengths
     anchors = np.concatenate([np.arange(s + len(p), e - 1) for (p, _), s, e in zip(pairs, starts, ends, strict=True)])
+    cached = np.array([(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p, _ in pairs])  # the scheduler keeps >= 1 token
     return TargetData(jnp.asarray(np.concatenate(sequences), jnp.int32),
                       hidden_states(cfg, params, sequences, layers, tokens_per_pass, dtype),
                       jnp.asarray(np.repeat(starts, lengths), jnp.int32),
-                      jnp.asarray(np.repeat(ends, lengths), jnp.int32), jnp.asarray(anchors, jnp.int32))
+                      jnp.asarray(np.repeat(ends, lengths), jnp.int32),
+                      jnp.asarray(np.repeat(starts + cached, lengths), jnp.int32), jnp.asarray(anchors, jnp.int32))
 
 
 class Batch(NamedTuple):
@@ -256,6 +260,7 @@ class Batch(NamedTuple):
     newest: jax.Array  # [B] x_a
     ctx_positions: jax.Array  # [B, W] t - a
     ctx_valid: jax.Array  # [B, W]
+    computed_from: jax.Array  # [B] t - a of the first state left when the prompt's full blocks are cached
     labels: jax.Array  # [B, k] x_{a+1} .. x_{a+k}
     label_valid: jax.Array  # [B, k] within the sequence
     label_hidden: jax.Array  # [B, k, D] the target's final-layer states that predict the labels (at a .. a+k-1)
@@ -267,18 +272,17 @@ def gather(data: TargetData, anchors: jax.Array, cfg: BlockDrafterConfig) -> Bat
     t = anchors[:, None] - cfg.window + jnp.arange(cfg.window)[None]  # [B, W] context positions
     targets = anchors[:, None] + 1 + jnp.arange(cfg.block)[None]  # [B, k]
     return Batch(data.hidden[jnp.maximum(t, 0)], data.tokens[anchors], t - anchors[:, None],
-                 t >= data.starts[anchors][:, None], data.tokens[jnp.minimum(targets, last)],
+                 t >= data.starts[anchors][:, None], data.computed[anchors] - anchors,
+                 data.tokens[jnp.minimum(targets, last)],
                  targets < data.ends[anchors][:, None], data.hidden[jnp.minimum(targets - 1, last), -1])
 
 
 def truncate_context(batch: Batch, key: jax.Array, prob: float) -> Batch:
-    """With probability ``prob`` per anchor, hide the context before a uniformly drawn position (``h_{a-1}``
-    always stays)."""
-    drop_key, cut_key = jax.random.split(key)
-    b, w = batch.ctx_positions.shape
-    cut = jax.random.randint(cut_key, (b, 1), -w, 0)  # earliest relative position kept
-    dropped = jax.random.bernoulli(drop_key, prob, (b, 1))
-    return batch._replace(ctx_valid=batch.ctx_valid & (~dropped | (batch.ctx_positions >= cut)))
+    """With probability ``prob`` per anchor, hide the states of the prompt's full blocks, as a prefix-cache hit
+    leaves the context (module docstring)."""
+    cached = jax.random.bernoulli(key, prob, (batch.newest.shape[0], 1))
+    kept = batch.ctx_positions >= batch.computed_from[:, None]
+    return batch._replace(ctx_valid=batch.ctx_valid & (~cached | kept))
 
 
 # --------------------------------------------------------------------------- training

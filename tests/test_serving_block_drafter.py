@@ -31,9 +31,11 @@ from serving.train_drafter import (
     TrainConfig,
     answers,
     evaluate_offline,
+    gather,
     lr_at,
     target_data,
     train,
+    truncate_context,
 )
 from tests.test_serving_api_fixture import model_folder
 
@@ -288,6 +290,25 @@ def test_batched_greedy_answers_equal_the_engines():
     stop = want[0][5]  # as if it were an eos: the answer ends at its first occurrence
     cut = answers(cfg, params, prompts[:1], 12, (stop,), wave=3)
     assert cut == [(prompts[0], want[0][:want[0].index(stop) + 1])]
+
+
+def test_truncated_contexts_lose_the_prompts_cached_blocks():
+    """A truncated context keeps only the states a prefix-cache hit leaves: from the prompt's last partial block
+    on (train_drafter.BLOCK_SIZE = 16: a 20-token prompt loses 16 states, a 16-token one 0, as the scheduler
+    recomputes a whole prompt's last token)."""
+    cfg, params = target()
+    dcfg = drafter_config(window=24)
+    pairs = [(list(range(1, 21)), [5] * 10), (list(range(1, 17)), [6] * 10)]
+    data = target_data(cfg, params, pairs, dcfg.target_layers, 64, jnp.float32)
+    anchors = jnp.array([22, 30 + 18])  # answer tokens: flat index 22 of the first sequence, 18 of the second
+    batch = gather(data, anchors, dcfg)
+    assert np.array_equal(batch.computed_from, [16 - 22, 0 - 18])
+    kept = truncate_context(batch, jax.random.key(0), prob=1.0).ctx_valid
+    positions = np.asarray(anchors)[:, None] + np.asarray(batch.ctx_positions)  # flat indices of the context
+    assert np.array_equal(kept[0], positions[0] >= 16) and np.array_equal(kept[1], positions[1] >= 30)
+    assert np.array_equal(kept, batch.ctx_valid & (positions >= np.array([[16], [30]])))
+    unchanged = truncate_context(batch, jax.random.key(0), prob=0.0).ctx_valid
+    assert np.array_equal(unchanged, batch.ctx_valid)
 
 
 def test_tiny_training_lowers_the_loss_and_raises_acceptance():
