@@ -177,31 +177,33 @@ def make_batch(chunks: Sequence[SeqChunk], block_size: int, *, num_tokens: int |
                              ("max_blocks", max_blocks, widest)):
         if size < need:
             raise ValueError(f"make_batch: {name}={size} but the chunks need {need}")
+    starts = np.array([c.start for c in chunks], np.int64)
+    counts = np.array([c.count for c in chunks], np.int64)
+    ends = starts + counts
+    bad = np.flatnonzero((starts < 0) | (counts < 1) | (ends > [len(c.block_table) * block_size for c in chunks]))
+    if bad.size:
+        s, (table, start, count) = int(bad[0]), chunks[bad[0]]
+        raise ValueError(f"make_batch: chunk {s} (start={start}, count={count}) does not fit its "
+                         f"{len(table)} blocks of {block_size} tokens")
+    tables = np.zeros((num_seqs, max_blocks), np.int32)
+    for s, c in enumerate(chunks):
+        tables[s, :len(c.block_table)] = c.block_table
+    seq = np.repeat(np.arange(len(chunks)), counts)  # [total] each new token's chunk
+    first = np.cumsum(counts) - counts  # flat index of each chunk's first token
+    pos = starts[seq] + np.arange(total) - first[seq]
+    continues = starts[seq] > 0  # continues a cached prefix: reads its context through the pages
     positions = np.zeros(num_tokens, np.int32)
     seq_ids = np.full(num_tokens, PAD, np.int32)
     slots = np.full(num_tokens, PAD, np.int32)
-    tables = np.zeros((num_seqs, max_blocks), np.int32)
-    context_lens = np.zeros(num_seqs, np.int32)
     kv_lens = np.zeros(num_tokens, np.int32)
-    boundaries = [0]
-    n = 0
-    for s, (table, start, count) in enumerate(chunks):
-        end = start + count
-        if start < 0 or count < 1 or end > len(table) * block_size:
-            raise ValueError(f"make_batch: chunk {s} (start={start}, count={count}) does not fit its "
-                             f"{len(table)} blocks of {block_size} tokens")
-        pos = np.arange(start, end)
-        positions[n:n + count] = pos
-        seq_ids[n:n + count] = s
-        slots[n:n + count] = np.asarray(table, np.int64)[pos // block_size] * block_size + pos % block_size
-        tables[s, :len(table)] = table
-        context_lens[s] = end
-        if start:  # continues a cached prefix: every token reads its context through the pages
-            kv_lens[n:n + count] = pos + 1
-            boundaries += range(n + 1, n + count + 1)
-        else:  # a first chunk: one packed sequence of its own tokens
-            boundaries.append(n + count)
-        n += count
+    context_lens = np.zeros(num_seqs, np.int32)
+    positions[:total], seq_ids[:total] = pos, seq
+    slots[:total] = tables[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    kv_lens[:total] = np.where(continues, pos + 1, 0)
+    context_lens[:len(chunks)] = ends
+    # A continuing chunk's every token is a packed sequence of its own; a first chunk is one packed sequence.
+    closes = continues | (np.arange(total) == (first + counts - 1)[seq])
     chunk_starts = np.full(num_tokens + 1, total, np.int32)
-    chunk_starts[:len(boundaries)] = boundaries
+    boundaries = np.concatenate([[0], np.flatnonzero(closes) + 1])
+    chunk_starts[:boundaries.size] = boundaries
     return AttentionBatch(positions, seq_ids, slots, tables, context_lens, kv_lens, chunk_starts)
