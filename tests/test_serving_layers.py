@@ -256,6 +256,9 @@ def test_make_batch_slots_and_padding():
     np.testing.assert_array_equal(batch.slot_mapping, [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 20, 21, PAD, PAD])
     np.testing.assert_array_equal(batch.block_tables, [[7, 2, 0], [5, 0, 0], [0, 0, 0]])
     np.testing.assert_array_equal(batch.context_lens, [6, 2, 0])
+    np.testing.assert_array_equal(batch.kv_lens, [4, 5, 6, 0, 0, 0, 0])  # the continuing chunk reads the pages
+    # each continuing token a packed sequence of its own, the first chunk one; padded with the 5 real tokens
+    np.testing.assert_array_equal(batch.chunk_starts, [0, 1, 2, 3, 5, 5, 5, 5])
     with pytest.raises(ValueError, match="does not fit"):
         make_batch([SeqChunk([1], 2, 3)], BLOCK)
     with pytest.raises(ValueError, match="num_tokens=4"):
