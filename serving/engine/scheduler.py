@@ -72,20 +72,22 @@ class Scheduler:
         """This step's chunks (allocating their blocks); see the module docstring for the order."""
         chunks: list[ScheduledChunk] = []
         budget = self.token_budget
-        preemptions = self.num_preemptions
+        step_preemptions = self.num_preemptions
         for decoding in (True, False):
             for seq in list(self.running):
                 left = seq.num_tokens - seq.num_computed
-                if budget == 0 or (left == 1) != decoding or (self.num_preemptions > preemptions
+                if budget == 0 or (left == 1) != decoding or (self.num_preemptions > step_preemptions
                                                                  and seq not in self.running):
                     continue
                 count = min(budget, left + (len(seq.draft_ids) if decoding else 0))
                 del seq.draft_ids[max(count - left, 0):]  # drafts past the budget (or stale ones) are dropped
+                preemptions = self.num_preemptions
                 if self._reserve(seq, count, chunks):
                     chunks.append(_chunk(seq, count))
-                    budget -= count
-                if self.num_preemptions > preemptions:  # preempted chunks give theirs back
+                if self.num_preemptions > preemptions:  # preempted chunks (this one's too) give theirs back
                     budget = self.token_budget - sum(c.count for c in chunks)
+                else:
+                    budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             self._take_cached_prefix(seq)
