@@ -95,15 +95,22 @@ _gather_config = contextvars.ContextVar("serving_gather_config", default=GATHER_
 
 
 @contextlib.contextmanager
+def _scoped(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    """``var`` set to ``value`` within the block, restored after it."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+@contextlib.contextmanager
 def use_kernels(mode: str) -> Iterator[None]:
     """Within the block, trace ``moe`` and the attention functions with kernel mode ``mode`` (module docstring)."""
     if mode not in KERNEL_MODES:
         raise ValueError(f"use_kernels: mode={mode!r}: expected one of {KERNEL_MODES}")
-    token = _kernel_mode.set(mode)
-    try:
+    with _scoped(_kernel_mode, mode):
         yield
-    finally:
-        _kernel_mode.reset(token)
 
 
 def kernel_mode() -> str:
@@ -115,11 +122,8 @@ def kernel_mode() -> str:
 def paged_only(enabled: bool = True) -> Iterator[None]:
     """Within the block (if ``enabled``), trace attention's kernel path with every token through the paged kernel,
     no packed ``flash_attention`` (module docstring). Right for any batch; meant for those where ``all_paged``."""
-    token = _paged_only.set(enabled)
-    try:
+    with _scoped(_paged_only, enabled):
         yield
-    finally:
-        _paged_only.reset(token)
 
 
 @contextlib.contextmanager
@@ -128,11 +132,8 @@ def use_gather_config(config: GroupedMatmulConfig) -> Iterator[None]:
     ``grouped_matmul.GATHER_CONFIG``; for sweeps: a jitted caller keys its cache on it, as ``kernel_mode``)."""
     if not isinstance(config, GroupedMatmulConfig):
         raise TypeError(f"use_gather_config: config={config!r}: expected a GroupedMatmulConfig")
-    token = _gather_config.set(config)
-    try:
+    with _scoped(_gather_config, config):
         yield
-    finally:
-        _gather_config.reset(token)
 
 
 def all_paged(batch: AttentionBatch) -> bool:
