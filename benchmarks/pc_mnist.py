@@ -110,9 +110,13 @@ SETTLE_T, SETTLE_DT = 20, 0.1
 DEVIATION_MARGIN = 3.0
 
 PCX_SIZES, PCX_T, PCX_BATCH, PCX_TARGET_ACCURACY = (784, 128, 128, 128, 10), 8, 128, 0.983
-# A first 30-epoch sweep over relu/tanh/gelu, lr 1e-3/3e-3, dt 0.1/0.3 picked gelu, lr 1e-3, dt 0.1 (98.24% test).
-PCX_GRID = dict(activation=("gelu", "tanh", "relu"), lr=(5e-4, 1e-3), dt=(0.05, 0.1))
-PCX_WEIGHT_DECAY = 1e-4
+# Earlier sweeps on the validation split: 2026-11-29 (H200, 60 epochs; results/pc_pcx.json) gelu beat tanh and relu
+# by 0.3-0.5% and lr 1e-3 beat 5e-4; 2026-12-01 (CPU, 30 epochs, one seed each) inputs in [-1, 1], activity
+# momentum 0.35, weight decay 1e-4 to 1e-1 and lr 2e-3 each moved the validation accuracy by <= 0.1%, label
+# smoothing 0.2 by +0.13% (+0.15-0.3% over three seeds). This grid is what is left to choose.
+PCX_ACTIVATION, PCX_LR, PCX_WEIGHT_DECAY = "gelu", 1e-3, 3e-2
+PCX_GRID = dict(label_smoothing=(0.0, 0.1, 0.2, 0.3), dt=(0.05, 0.1))
+PCX_SEEDS = (0, 1, 2)  # the chosen setting is trained on 60k from each seed; the figure is their mean test accuracy
 
 
 def run_ours(name: str, epochs: int, data: Dataset, *, net: PCNet = NET, solver: str = "euler", T: int = 20,
@@ -415,58 +419,70 @@ def deepity_gpu_suite(epochs: int, fused: dict[str, Sequence[SettleConfig]]) -> 
 
 
 # One optimizer object for every pcx run: it is a static argument of the jitted epoch, so the sweep compiles
-# once per activation; the learning rate lives in its state.
+# once; the learning rate lives in its state.
 PCX_OPTIMIZER = optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, weight_decay=PCX_WEIGHT_DECAY)
 
 
-def train_pcx(train_x, train_y, eval_x, eval_y, *, activation: str, lr: float, dt: float, epochs: int,
+def train_pcx(train_x, train_y, eval_x, eval_y, *, label_smoothing: float, dt: float, epochs: int,
               seed: int = 0) -> list[float]:
     """pcx's config with AdamW, lr_e = lr (1 + cos(pi (e - 1) / epochs)) / 2 in epoch e; eval accuracy per epoch."""
-    net = PCNet(PCX_SIZES, activation=activation, output="cross_entropy", input_activation=False)
+    net = PCNet(PCX_SIZES, activation=PCX_ACTIVATION, output="cross_entropy", input_activation=False)
     key = jax.random.key(seed)
     params = init_params(jax.random.fold_in(key, 0), net)
     state = PCX_OPTIMIZER.init(params)
     accuracy = []
     for epoch in range(1, epochs + 1):
-        state.hyperparams["learning_rate"] = jnp.float32(lr * (1 + np.cos(np.pi * (epoch - 1) / epochs)) / 2)
+        state.hyperparams["learning_rate"] = jnp.float32(PCX_LR * (1 + np.cos(np.pi * (epoch - 1) / epochs)) / 2)
         params, state, _ = train_epoch(params, state, PCX_OPTIMIZER, train_x, train_y, net=net, T=PCX_T, dt=dt,
-                                       batch_size=PCX_BATCH, key=jax.random.fold_in(key, epoch))
+                                       batch_size=PCX_BATCH, key=jax.random.fold_in(key, epoch),
+                                       label_smoothing=label_smoothing)
         accuracy.append(evaluate(params, eval_x, eval_y, net))
     return accuracy
 
 
-def pcx_suite(epochs: int, limit: int | None) -> dict:
-    """Choose (activation, lr, dt) on the validation split, then train the choice on 60k and test it once."""
+def pcx_suite(epochs: int, limit: int | None, seeds: Sequence[int] = PCX_SEEDS) -> dict:
+    """Choose (label smoothing, dt) on the validation split, then train the choice on 60k from each seed and test
+    each once; the figure is the mean test accuracy over the seeds."""
     m = load_mnist()
     n = limit or m.train_x.shape[0]
     train_x, train_y = jax.device_put(m.train_x[:n]), jax.device_put(m.train_y[:n])
     sweep = []
-    for activation, lr, dt in itertools.product(*PCX_GRID.values()):
+    for label_smoothing, dt in itertools.product(*PCX_GRID.values()):
         start = time.perf_counter()
-        curve = train_pcx(train_x, train_y, m.valid_x, m.valid_y, activation=activation, lr=lr, dt=dt, epochs=epochs)
-        sweep.append(dict(activation=activation, lr=lr, dt=dt, valid_accuracy=curve[-1], valid_curve=curve,
+        curve = train_pcx(train_x, train_y, m.valid_x, m.valid_y, label_smoothing=label_smoothing, dt=dt,
+                          epochs=epochs)
+        sweep.append(dict(label_smoothing=label_smoothing, dt=dt, valid_accuracy=curve[-1], valid_curve=curve,
                           seconds=time.perf_counter() - start))
-        print(f"  {activation:<5} lr {lr:g} dt {dt:g}: valid {curve[-1]:.4f}  ({sweep[-1]['seconds']:.1f} s)",
-              flush=True)
+        print(f"  label smoothing {label_smoothing:g} dt {dt:g}: valid {curve[-1]:.4f}  "
+              f"({sweep[-1]['seconds']:.1f} s)", flush=True)
     best = max(sweep, key=lambda r: r["valid_accuracy"])
     full_x = jax.device_put(np.concatenate([m.train_x[:n], m.valid_x]))
     full_y = jax.device_put(np.concatenate([m.train_y[:n], m.valid_y]))
-    start = time.perf_counter()
-    test_curve = train_pcx(full_x, full_y, m.test_x, m.test_y, activation=best["activation"], lr=best["lr"],
-                           dt=best["dt"], epochs=epochs)
-    final = dict(activation=best["activation"], lr=best["lr"], dt=best["dt"], epochs=epochs,
-                 test_accuracy=test_curve[-1], test_curve=test_curve, seconds=time.perf_counter() - start,
-                 target_accuracy=PCX_TARGET_ACCURACY, reached_target=test_curve[-1] >= PCX_TARGET_ACCURACY)
+    runs = []
+    for seed in seeds:
+        start = time.perf_counter()
+        curve = train_pcx(full_x, full_y, m.test_x, m.test_y, label_smoothing=best["label_smoothing"], dt=best["dt"],
+                          epochs=epochs, seed=seed)
+        runs.append(dict(seed=seed, test_accuracy=curve[-1], test_curve=curve, seconds=time.perf_counter() - start))
+        print(f"  seed {seed}: test {curve[-1]:.4f}", flush=True)
+    accuracies = np.array([r["test_accuracy"] for r in runs])
+    final = dict(label_smoothing=best["label_smoothing"], dt=best["dt"], epochs=epochs, runs=runs,
+                 test_accuracy_mean=float(accuracies.mean()), test_accuracy_std=float(accuracies.std(ddof=1))
+                 if len(runs) > 1 else 0.0, test_accuracy_min=float(accuracies.min()),
+                 target_accuracy=PCX_TARGET_ACCURACY, reached_target=bool(accuracies.mean() >= PCX_TARGET_ACCURACY))
     name = "pc_pcx_cpu" if jax.default_backend() == "cpu" else "pc_pcx"
     payload = dict(config=dict(arch=list(PCX_SIZES), T=PCX_T, batch=PCX_BATCH, solver="euler",
-                               output="cross_entropy", optimizer="adamw, cosine lr decay per epoch",
-                               weight_decay=PCX_WEIGHT_DECAY, grid=PCX_GRID, train_images=n,
-                               selection="final validation accuracy (10k split), then 60k train / 10k test"),
+                               output="cross_entropy", activation=PCX_ACTIVATION,
+                               optimizer="adamw, cosine lr decay per epoch", lr=PCX_LR,
+                               weight_decay=PCX_WEIGHT_DECAY, grid=PCX_GRID, train_images=n, seeds=list(seeds),
+                               selection="final validation accuracy (10k split, seed 0), then 60k train / 10k test "
+                                         "from each seed"),
                    sweep=sweep, final=final)
     write_results(name, payload)
     _plot_pcx(sweep, final, name)
-    print(format_table(sweep, ["activation", "lr", "dt", "valid_accuracy", "seconds"]))
-    print(format_table([final], ["activation", "lr", "dt", "epochs", "test_accuracy", "reached_target", "seconds"]))
+    print(format_table(sweep, ["label_smoothing", "dt", "valid_accuracy", "seconds"]))
+    print(format_table([final], ["label_smoothing", "dt", "epochs", "test_accuracy_mean", "test_accuracy_std",
+                                 "test_accuracy_min", "reached_target"]))
     return payload
 
 
@@ -476,9 +492,10 @@ def _plot_pcx(sweep: list[dict], final: dict, name: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in sweep:
         ax.plot(range(1, len(r["valid_curve"]) + 1), [100 * a for a in r["valid_curve"]], alpha=0.4, lw=1,
-                label=f"{r['activation']} lr {r['lr']:g} dt {r['dt']:g} (valid)")
-    ax.plot(range(1, final["epochs"] + 1), [100 * a for a in final["test_curve"]], color="k", lw=2,
-            label="chosen, 60k train (test)")
+                label=f"label smoothing {r['label_smoothing']:g}, dt {r['dt']:g} (valid)")
+    for run in final["runs"]:
+        ax.plot(range(1, final["epochs"] + 1), [100 * a for a in run["test_curve"]], color="k", lw=1.5,
+                label=f"chosen, 60k train, seed {run['seed']} (test)")
     ax.axhline(100 * PCX_TARGET_ACCURACY, color="r", ls="--", lw=1, label="target")
     ax.set(xlabel="epoch", ylabel="accuracy (%)", ylim=(96, 99),
            title="pcx config: 784-128x3-10, T=8, batch 128")

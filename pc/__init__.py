@@ -7,7 +7,7 @@ from pc.energy import energy, energy_and_grads, errors
 from pc.generative import reconstruct, sample
 from pc.networks import ACTIVATIONS, OUTPUTS, PCNet, forward, init_params, parse_arch
 from pc.settle import KERNELS, SOLVERS, SettleResult, settle, settle_activities
-from pc.train import VARIANTS, evaluate, train_epoch
+from pc.train import VARIANTS, evaluate, label_targets, train_epoch
 
 __all__ = [
     "ACTIVATIONS",
@@ -23,6 +23,7 @@ __all__ = [
     "evaluate",
     "forward",
     "init_params",
+    "label_targets",
     "parse_arch",
     "reconstruct",
     "sample",

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="weight optimizer")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--weight-decay", type=float, default=1e-4)
+    t.add_argument("--label-smoothing", type=float, default=0.0,
+                   help="eps of the clamped targets (1 - eps) one_hot(y) + eps / classes, in [0, 1)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--limit", type=int, help="train on the first N images only (quick runs)")
     t.add_argument("--out", default="runs/pc", help="folder for log.jsonl and checkpoints/")
@@ -74,6 +76,8 @@ def train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dic
                      "outputs")
     if args.epochs < 1:
         parser.error(f"--epochs must be >= 1, got {args.epochs}")
+    if not 0 <= args.label_smoothing < 1:
+        parser.error(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
     train_x, train_y = data.train_x[: args.limit], data.train_y[: args.limit]
     train_x, train_y, test_x, test_y = map(jnp.asarray, (train_x, train_y, data.test_x, data.test_y))
 
@@ -100,7 +104,8 @@ def train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dic
                 start = time.perf_counter()
                 params, opt_state, metrics = train_epoch(
                     params, opt_state, optimizer, train_x, train_y, net=net, T=args.T, dt=args.dt,
-                    batch_size=args.batch, key=jax.random.fold_in(key, epoch), solver=args.solver)
+                    batch_size=args.batch, key=jax.random.fold_in(key, epoch), solver=args.solver,
+                    label_smoothing=args.label_smoothing)
                 jax.block_until_ready(params)
                 seconds = time.perf_counter() - start
                 record = {"epoch": epoch, "seconds": seconds, "test_accuracy": evaluate(params, test_x, test_y, net),

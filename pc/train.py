@@ -5,7 +5,9 @@ Per minibatch: activities start at the feed-forward pass, the clamped layers are
 settled activities (held constant), which is local: dE/dW_l = -f(x_l)^T e_{l+1} / batch (times s in a
 residual block). Variants:
 
-  * "supervised": x_0 = image and x_L = label (one-hot) clamped; hidden layers inferred.
+  * "supervised": x_0 = image and x_L = label clamped; hidden layers inferred. The clamped target is the
+    one-hot label, or with ``label_smoothing`` eps the soft target (1 - eps) one_hot(y) + eps / n_L (Szegedy
+    et al. 2016), which a cross-entropy output fits as it fits any probabilities.
   * "generative": the image is clamped at the output side (x_L, Gaussian), the latent x_0 (prior N(0, I),
     starting at 0) and the hidden layers are inferred; see ``pc.generative`` for reconstructions and samples.
   * "incremental": iPC, supervised clamping, but the weights take an optax step at every settling step,
@@ -72,17 +74,25 @@ def _hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return jnp.mean(jnp.argmax(logits, axis=-1) == labels)
 
 
-def _clamp_label(params, x, y, net):
-    """Feed-forward activities with x_L clamped to one-hot y, and the accuracy of the free-output prediction."""
+def label_targets(labels: jax.Array, n_classes: int, smoothing: float | jax.Array = 0.0) -> jax.Array:
+    """Clamped output targets ``[..., n_classes]``: (1 - eps) one_hot(y) + eps / n_classes, eps = ``smoothing``.
+
+    A label of -1 (a padding row) gives an all-zero row, which adds nothing to a weight step."""
+    one_hot = jax.nn.one_hot(labels, n_classes, dtype=jnp.float32)
+    return (1 - smoothing) * one_hot + (smoothing / n_classes) * (labels >= 0)[..., None]
+
+
+def _clamp_label(params, x, y, smoothing, net):
+    """Feed-forward activities with x_L clamped to y's target, and the accuracy of the free-output prediction."""
     xs = forward(params, x, net)
     accuracy = _hits(xs[-1], y)  # before this batch's update
-    xs[-1] = jax.nn.one_hot(y, net.sizes[-1], dtype=jnp.float32)
+    xs[-1] = label_targets(y, net.sizes[-1], smoothing)
     return xs, accuracy
 
 
-def _supervised(params, opt_state, x, y, dt, *, optimizer, net, T, solver, kernel):
+def _supervised(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, solver, kernel):
     accuracy = _hits(forward(params, x, net)[-1], y)  # before this batch's update
-    target = jax.nn.one_hot(y, net.sizes[-1], dtype=jnp.float32)
+    target = label_targets(y, net.sizes[-1], smoothing)
     settled = settle_from_input(params, x, net, T=T, dt=dt, solver=solver, target=target, kernel=kernel).xs
     params, opt_state, mean_energy = _weight_step(optimizer, params, opt_state, settled, net)
     return params, opt_state, {"energy": mean_energy, "accuracy": accuracy}
@@ -94,11 +104,11 @@ def _operand_weights(params: Params, net: PCNet) -> Params:
     return [dict(layer, w=layer["w"].astype(dtype)) for layer in params]
 
 
-def _supervised_fused(params, opt_state, operands, x, y, dt, *, optimizer, net, T, config, n):
+def _supervised_fused(params, opt_state, operands, x, y, dt, smoothing, *, optimizer, net, T, config, n):
     """A minibatch through the fused kernel: x ``[rows, n_0]``, labels y ``[rows]``; the first ``n`` rows are
     real, the rest padding (label -1). ``operands``: ``_operand_weights(params)``, what the settling reads, or ()
     where the operand dtype is float32 (then params)."""
-    target = jax.nn.one_hot(y, net.sizes[-1], dtype=jnp.float32)  # padding rows (-1): all zero
+    target = label_targets(y, net.sizes[-1], smoothing)  # padding rows (-1): all zero
     settled = settle_fused(operands or params, x, net, target, T=T, dt=dt, config=config, with_errors=True,
                            with_logits=True, valid_rows=n)
     xs, es = [x, *settled.xs], settled.errors
@@ -116,8 +126,8 @@ def _supervised_fused(params, opt_state, operands, x, y, dt, *, optimizer, net, 
     return optax.apply_updates(params, updates), opt_state, metrics
 
 
-def _generative(params, opt_state, x, y, dt, *, optimizer, net, T, solver, kernel):
-    del y, kernel  # the fused kernel keeps x_0 clamped: no generative settling
+def _generative(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, solver, kernel):
+    del y, smoothing, kernel  # no labels; the fused kernel keeps x_0 clamped: no generative settling
     xs = forward(params, jnp.zeros((x.shape[0], net.sizes[0]), x.dtype), net)
     xs[-1] = x
     settled = settle_activities(params, xs, net, T=T, dt=dt, solver=solver, output_clamped=True,
@@ -127,9 +137,9 @@ def _generative(params, opt_state, x, y, dt, *, optimizer, net, T, solver, kerne
     return params, opt_state, {"energy": mean_energy, "mse": mse}
 
 
-def _incremental(params, opt_state, x, y, dt, *, optimizer, net, T, solver, kernel):
+def _incremental(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, solver, kernel):
     del kernel  # the fused kernel settles with fixed weights
-    xs, accuracy = _clamp_label(params, x, y, net)
+    xs, accuracy = _clamp_label(params, x, y, smoothing, net)
     free = free_layers(net, output_clamped=True)
     activity_opt = make_solver(solver)
 
@@ -155,8 +165,8 @@ _STEPS = {"supervised": _supervised, "generative": _generative, "incremental": _
 
 @functools.partial(jax.jit, static_argnames=("optimizer", "net", "T", "batch_size", "solver", "variant", "kernel",
                                              "kernel_config"))
-def _train_epoch(params, opt_state, images, labels, key, dt, *, optimizer, net, T, batch_size, solver, variant,
-                 kernel, kernel_config):
+def _train_epoch(params, opt_state, images, labels, key, dt, smoothing, *, optimizer, net, T, batch_size, solver,
+                 variant, kernel, kernel_config):
     n_batches = images.shape[0] // batch_size
     order = jax.random.permutation(key, images.shape[0])[: n_batches * batch_size].reshape(n_batches, batch_size)
     fused = kernel == "pallas" and variant == "supervised"
@@ -173,12 +183,12 @@ def _train_epoch(params, opt_state, images, labels, key, dt, *, optimizer, net, 
         prepare = functools.partial(_operand_weights, net=net) if rounds else (lambda p: ())
     else:
         plain = functools.partial(_STEPS[variant], optimizer=optimizer, net=net, T=T, solver=solver, kernel=kernel)
-        step = lambda p, state, prepared, x, y, dt: plain(p, state, x, y, dt)
+        step = lambda p, state, prepared, *batch_args: plain(p, state, *batch_args)
         prepare = lambda p: ()
 
     def batch(carry, xy):
         p, state, prepared = carry
-        p, state, metrics = step(p, state, prepared, *xy, dt)
+        p, state, metrics = step(p, state, prepared, *xy, dt, smoothing)
         return (p, state, prepare(p)), metrics
 
     (params, opt_state, _), metrics = jax.lax.scan(batch, (params, opt_state, prepare(params)), batches)
@@ -188,8 +198,8 @@ def _train_epoch(params, opt_state, images, labels, key, dt, *, optimizer, net, 
 def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.GradientTransformation,
                 images: jax.Array, labels: jax.Array | None, *, net: PCNet, T: int, dt: float, batch_size: int,
                 key: jax.Array, solver: str | optax.GradientTransformation = "euler",
-                variant: str = "supervised", kernel: str = "auto", kernel_config: SettleConfig = KERNEL_CONFIG
-                ) -> tuple[Params, optax.OptState, dict[str, jax.Array]]:
+                variant: str = "supervised", kernel: str = "auto", kernel_config: SettleConfig = KERNEL_CONFIG,
+                label_smoothing: float = 0.0) -> tuple[Params, optax.OptState, dict[str, jax.Array]]:
     """One epoch of PC training as a single jitted call.
 
     Args:
@@ -206,6 +216,8 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
         also takes the weight step from the kernel's errors, module docstring); the other variants always run
         the jnp loop.
       kernel_config: the fused kernel's launch geometry and scheme (``pallas_kernels.pc_settle.SettleConfig``).
+      label_smoothing: eps in [0, 1) of the clamped targets (:func:`label_targets`); "supervised" and
+        "incremental" only. A traced value: changing it does not recompile.
 
     Returns:
       ``(params, opt_state, metrics)``; metrics are epoch means: "energy" (batch-mean settled energy; for
@@ -229,16 +241,20 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
     if not isinstance(batch_size, int) or not 1 <= batch_size <= images.shape[0]:
         raise ValueError(f"batch_size must be an int in [1, {images.shape[0]}] (the number of images), "
                          f"got {batch_size!r}")
+    if not 0 <= label_smoothing < 1:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
     if variant == "generative":
+        if label_smoothing:
+            raise ValueError("label_smoothing applies to labels; the generative variant has none")
         if net.output != "gaussian":
             raise ValueError(f"the generative variant clamps images with a Gaussian energy: net.output must be "
                              f"'gaussian', got {net.output!r}")
         labels = None
     else:
         labels = _check_labels(labels, images.shape[0], net)
-    return _train_epoch(params, opt_state, images, labels, key, jnp.float32(dt), optimizer=optimizer, net=net,
-                        T=T, batch_size=batch_size, solver=solver, variant=variant, kernel=kernel,
-                        kernel_config=kernel_config)
+    return _train_epoch(params, opt_state, images, labels, key, jnp.float32(dt), jnp.float32(label_smoothing),
+                        optimizer=optimizer, net=net, T=T, batch_size=batch_size, solver=solver, variant=variant,
+                        kernel=kernel, kernel_config=kernel_config)
 
 
 def _check_labels(labels, n: int, net: PCNet) -> jax.Array:

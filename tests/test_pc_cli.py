@@ -51,6 +51,7 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     (["--solver", "rk4"], "invalid choice"),
     (["--arch", "784-x-10"], "784-x-10"),
     (["--epochs", "0"], "--epochs"),
+    (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1), got 1.0"),
 ])
 def test_bad_arguments_exit_with_a_clear_message(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:

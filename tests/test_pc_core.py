@@ -136,6 +136,33 @@ def test_train_epoch_learns_mnist_subset(mnist_subset, optimizer):
     assert accuracy > 0.8, accuracy
 
 
+def test_label_targets_smooth_real_rows_and_zero_padding_rows():
+    targets = pc.label_targets(jnp.array([2, 0, -1]), 4, 0.2)
+    np.testing.assert_allclose(targets, [[0.05, 0.05, 0.85, 0.05], [0.85, 0.05, 0.05, 0.05], [0, 0, 0, 0]],
+                               rtol=1e-6)
+    assert np.asarray(pc.label_targets(jnp.array([1]), 3)).tolist() == [[0, 1, 0]]  # exact one-hot at 0
+
+
+def test_label_smoothing_clamps_the_output_to_the_soft_target(mnist_subset):
+    """One full-batch SGD step of train_epoch equals settling to the smoothed target, then the energy's gradient."""
+    train_x, train_y = (a[:64] for a in mnist_subset[:2])
+    net = pc.PCNet((784, 32, 10), activation="tanh", output="cross_entropy", input_activation=False)
+    params, tx, eps = pc.init_params(jax.random.key(0), net), optax.sgd(0.5), 0.3
+    key = jax.random.key(1)
+    trained, _, _ = pc.train_epoch(params, tx.init(params), tx, train_x, train_y, net=net, T=6, dt=0.1,
+                                   batch_size=64, key=key, label_smoothing=eps)
+    order = jax.random.permutation(key, 64)  # the epoch's shuffle of its one minibatch
+    target = (1 - eps) * jax.nn.one_hot(train_y[order], 10) + eps / 10
+    settled = pc.settle(params, train_x[order], net, T=6, dt=0.1, target=target).xs
+    grads = jax.grad(lambda p: jnp.mean(pc.energy(p, settled, net, output_clamped=True)))(params)
+    expected = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    unsmoothed = pc.train_epoch(params, tx.init(params), tx, train_x, train_y, net=net, T=6, dt=0.1, batch_size=64,
+                                key=key)[0]
+    assert float(jnp.max(jnp.abs(unsmoothed[-1]["b"] - trained[-1]["b"]))) > 1e-3  # eps changed the step
+
+
 def test_parse_arch_and_net_checks():
     assert pc.parse_arch("784-512-512-10") == (784, 512, 512, 10)
     assert pc.parse_arch("784-128*3-10") == (784, 128, 128, 128, 10)
@@ -188,6 +215,12 @@ _TX = optax.sgd(0.1)
                             net=_NET, T=5, dt=0.1, batch_size=4, key=jax.random.key(0), variant="incremental",
                             kernel="pallas"), "kernel='pallas' fuses supervised settling only"),
     (lambda: pc.evaluate(_PARAMS, jnp.zeros((8, 5)), jnp.zeros(8, jnp.int32), _NET), r"images must be .*\(8, 5\)"),
+    (lambda: pc.train_epoch(_PARAMS, _TX.init(_PARAMS), _TX, jnp.zeros((8, 4)), jnp.zeros(8, jnp.int32),
+                            net=_NET, T=5, dt=0.1, batch_size=4, key=jax.random.key(0), label_smoothing=1.0),
+     r"label_smoothing must be in \[0, 1\), got 1.0"),
+    (lambda: pc.train_epoch(_PARAMS, _TX.init(_PARAMS), _TX, jnp.zeros((8, 3)), None, net=_NET, T=5, dt=0.1,
+                            batch_size=4, key=jax.random.key(0), variant="generative", label_smoothing=0.1),
+     "generative variant has none"),
 ])
 def test_bad_inputs_raise_clear_errors(call, match):
     with pytest.raises(ValueError, match=match):

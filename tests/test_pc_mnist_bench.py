@@ -106,3 +106,23 @@ def test_run_variant_reports_a_failed_subprocess(monkeypatch):
     monkeypatch.setitem(pc_mnist.XLA_FLAG_SETS, "bad", "--xla_no_such_flag=1")
     rows = pc_mnist.run_variant("xla [bad]", "jnp", "float32", None, "bad", 1, limit=500)
     assert rows == [dict(impl="xla [bad]", error=rows[0]["error"])] and rows[0]["error"].startswith("exit status")
+
+
+def test_pcx_suite_chooses_on_validation_and_reports_the_seed_mean(monkeypatch):
+    """The pcx suite on 1024 images for one epoch: every grid point swept, the best validation point trained from
+    each seed, the mean of their test accuracies the figure."""
+    written, plotted = {}, []
+    monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.setdefault(name, payload))
+    monkeypatch.setattr(pc_mnist, "_plot_pcx", lambda sweep, final, name: plotted.append(name))
+    monkeypatch.setattr(pc_mnist, "PCX_GRID", dict(label_smoothing=(0.0, 0.2), dt=(0.05,)))
+    payload = pc_mnist.pcx_suite(epochs=1, limit=1024, seeds=(0, 1))
+    assert written == {"pc_pcx_cpu": payload} and plotted == ["pc_pcx_cpu"]
+    sweep, final = payload["sweep"], payload["final"]
+    assert [(r["label_smoothing"], r["dt"]) for r in sweep] == [(0.0, 0.05), (0.2, 0.05)]
+    best = max(sweep, key=lambda r: r["valid_accuracy"])
+    assert (final["label_smoothing"], final["dt"]) == (best["label_smoothing"], best["dt"])
+    accuracies = [r["test_accuracy"] for r in final["runs"]]
+    assert [r["seed"] for r in final["runs"]] == [0, 1] and accuracies[0] != accuracies[1]  # seeds differ
+    assert final["test_accuracy_mean"] == pytest.approx(np.mean(accuracies))
+    assert 0.5 < final["test_accuracy_min"] <= final["test_accuracy_mean"]
+    assert final["reached_target"] == (final["test_accuracy_mean"] >= pc_mnist.PCX_TARGET_ACCURACY)
