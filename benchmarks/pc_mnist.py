@@ -60,7 +60,7 @@ from benchmarks.pc_baselines import run_deepity, write_mnist_npz
 from pallas_kernels.pc_settle import EXCHANGES, OUTPUT_SUMS, PRECISIONS, SPINS, SettleConfig, launch_grid
 from pc import PCNet, evaluate, init_params, train_epoch
 from pc.data import Dataset, load_dataset
-from pc.settle import KERNEL_CONFIG, settle_from_input
+from pc.settle import KERNEL_CONFIGS, settle_from_input
 
 NET = PCNet((784, 512, 512, 10), activation="sigmoid", output="cross_entropy", input_activation=False)
 BATCH = 250
@@ -120,7 +120,7 @@ PCX_SEEDS = (0, 1, 2)  # the chosen setting is trained on 60k from each seed; th
 
 
 def run_ours(name: str, epochs: int, data: Dataset, *, net: PCNet = NET, solver: str = "euler", T: int = 20,
-             dt: float = 0.1, kernel: str = "auto", kernel_config: SettleConfig = KERNEL_CONFIG,
+             dt: float = 0.1, kernel: str = "auto", kernel_config: SettleConfig | None = None,
              seed: int = 0) -> list[dict]:
     """Train the matched config for ``epochs``; one row per epoch (seconds, test accuracy)."""
     steps_per_epoch = data.train_x.shape[0] // BATCH
@@ -250,7 +250,7 @@ def settle_timings(data: Dataset, fused: dict[str, Sequence[SettleConfig]]) -> l
     def record(name, precision, kernel, kernel_config=None, **columns):
         net = dataclasses.replace(NET, precision=precision)
         settle = lambda p, xb, yb: settle_from_input(p, xb, net, T=SETTLE_T, dt=SETTLE_DT, target=yb, kernel=kernel,
-                                                     kernel_config=kernel_config or KERNEL_CONFIG).xs
+                                                     kernel_config=kernel_config).xs
 
         def many(p, xs, ys):  # each settling feeds the sum, so none is dead code
             return jax.lax.scan(lambda acc, xy: (acc + settle(p, *xy)[-2][0, 0], None), jnp.float32(0), (xs, ys))[0]
@@ -319,7 +319,7 @@ def variant_rows(name: str, kernel: str, precision: str, config: SettleConfig | 
                  data: Dataset) -> list[dict]:
     """One quick-suite variant: ``epochs`` epochs of NET at ``precision`` settled by ``kernel`` (run_ours' rows)."""
     return run_ours(name, epochs, data, net=dataclasses.replace(NET, precision=precision), kernel=kernel,
-                    kernel_config=config or KERNEL_CONFIG)
+                    kernel_config=config)
 
 
 def run_variant(name: str, kernel: str, precision: str, config: SettleConfig | None, flags: str, epochs: int,
@@ -365,7 +365,7 @@ def quick_suite(flag_sets: Sequence[str] = tuple(XLA_FLAG_SETS)) -> dict:
     data = load_dataset("mnist")
     print(f"one batch's settling (T={SETTLE_T}, batch {BATCH}, in situ over {SETTLE_BATCHES} batches):", flush=True)
     settle_rows = settle_timings(data, {p: tuple(map(fused_config, c)) for p, c in QUICK_CONFIGS.items()})
-    best = fastest_fused(settle_rows, "bfloat16") or KERNEL_CONFIG
+    best = fastest_fused(settle_rows, "bfloat16") or KERNEL_CONFIGS["bfloat16"]
     variants = {f"fused bf16 {config_name(best)}": ("pallas", "bfloat16", best),
                 "plain XLA tf32": ("jnp", "tf32", None), "plain XLA bf16": ("jnp", "bfloat16", None)}
     rows, summary = [], []

@@ -20,7 +20,8 @@ it does not apply (:func:`fused_kernel_unsupported`); "jnp" always runs the loop
 every platform (for now): on an H200 the kernel's one-barrier "deltas" scheme (the kernel's docstring) settles a
 250-row Deepity batch (T=20, bf16) in 201 us against 520-544 us for XLA's loop, and a training epoch with the
 kernel takes 0.058 s against 0.137 s (``benchmarks/results/pc_mnist_quick.json``), but "auto" does not pick the
-kernel yet. ``kernel_config`` sets the kernel's launch geometry and scheme.
+kernel yet. ``kernel_config`` sets the kernel's launch geometry and scheme (by default the fastest measured for
+the net's matmul precision, :data:`KERNEL_CONFIGS`).
 """
 
 from collections.abc import Callable
@@ -37,10 +38,14 @@ from pc.networks import Params, PCNet, check_params, forward, predict
 
 SOLVERS = ("euler", "heun")
 KERNELS = ("auto", "jnp", "pallas")  # see the module docstring
-# The fused kernel's default launch geometry: 64-row tiles x 32 unit groups, one barrier per Euler step
-# ("deltas"), the barrier polled with plain loads: the fastest of the H200 sweep (Deepity, T=20, batch 250, bf16,
-# in situ: 201 us per settle against XLA's 520-544 us; benchmarks/results/pc_mnist_quick.json).
-KERNEL_CONFIG = SettleConfig(block_b=64, groups=32, exchange="deltas", spin="load")
+# The fused kernel's default launch geometry and scheme per matmul precision, the fastest of the H200 sweep
+# (Deepity, T=20, batch 250, in situ; benchmarks/results/pc_mnist_quick.json), all 64-row tiles x 32 unit groups:
+#   bfloat16: one barrier per Euler step ("deltas"), polled with plain loads: 201 us against XLA's 544 us;
+#   tf32: two barriers ("errors"): 376 us against XLA's 520 us, where "deltas" takes 1320 us (its float32 W W^T
+#     slices); float32 (not timed) likewise.
+KERNEL_CONFIGS = {"bfloat16": SettleConfig(block_b=64, groups=32, exchange="deltas", spin="load"),
+                  "tf32": SettleConfig(block_b=64, groups=32, exchange="errors"),
+                  "float32": SettleConfig(block_b=64, groups=32, exchange="errors")}
 
 Activities = tuple[jax.Array, ...]
 
@@ -130,6 +135,11 @@ def fused_kernel_unsupported(net: PCNet, solver: str | optax.GradientTransformat
     return None
 
 
+def kernel_config_for(net: PCNet, config: SettleConfig | None) -> SettleConfig:
+    """``config``, or the measured default for the net's matmul precision (:data:`KERNEL_CONFIGS`)."""
+    return KERNEL_CONFIGS[net.precision] if config is None else config
+
+
 def check_kernel(kernel: str, net: PCNet, solver: str | optax.GradientTransformation, *, trace: bool = False,
                  tol: float | jax.Array | None = None, infer_input: bool = False) -> None:
     """Raise ValueError for an unknown kernel, or for "pallas" where the fused kernel does not apply."""
@@ -206,7 +216,7 @@ def as_target(target: jax.Array, net: PCNet, batch: int) -> jax.Array:
 def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
            solver: str | optax.GradientTransformation = "euler", target: jax.Array | None = None,
            trace: bool = False, tol: float | None = None, infer_input: bool = False,
-           kernel: str = "auto", kernel_config: SettleConfig = KERNEL_CONFIG) -> SettleResult:
+           kernel: str = "auto", kernel_config: SettleConfig | None = None) -> SettleResult:
     """Feed-forward initialisation, then T steps of energy descent in the free activities, in one jit.
 
     Args:
@@ -221,7 +231,8 @@ def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
       infer_input: x_0 is free too (with a 0.5 ||x_0||^2 prior): generative inference of a latent.
       kernel: "auto" (today the jnp loop, module docstring), "jnp" or "pallas" (the fused kernel,
         interpreted off the GPU); see the module docstring.
-      kernel_config: the fused kernel's launch geometry (``pallas_kernels.pc_settle.SettleConfig``).
+      kernel_config: the fused kernel's launch geometry (``pallas_kernels.pc_settle.SettleConfig``); None
+        picks the measured default for ``net.precision`` (:data:`KERNEL_CONFIGS`).
 
     Returns:
       :class:`SettleResult`.
@@ -236,13 +247,13 @@ def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
     if target is not None:
         target = as_target(target, net, x0.shape[0])
     return _settle_jit(params, x0, net, T=T, dt=dt, solver=solver, target=target, trace=trace, tol=tol,
-                       infer_input=infer_input, kernel=kernel, kernel_config=kernel_config)
+                       infer_input=infer_input, kernel=kernel, kernel_config=kernel_config_for(net, kernel_config))
 
 
 def settle_from_input(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float | jax.Array,
                       solver: str | optax.GradientTransformation = "euler", target: jax.Array | None = None,
                       trace: bool = False, tol: float | jax.Array | None = None, infer_input: bool = False,
-                      kernel: str = "auto", kernel_config: SettleConfig = KERNEL_CONFIG) -> SettleResult:
+                      kernel: str = "auto", kernel_config: SettleConfig | None = None) -> SettleResult:
     """:func:`settle` without validation (call inside jit; ``target`` is ``[batch, n_L]`` float or None).
 
     The dispatch point between the fused kernel and the jnp loop (module docstring). Both start from the
@@ -254,7 +265,8 @@ def settle_from_input(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: 
         return _settle_loop(params, x0, net, T=T, dt=dt, solver=solver, target=target, trace=trace, tol=tol,
                             infer_input=infer_input)
 
-    xs = [x0, *settle_fused(params, x0, net, target, T=T, dt=dt, config=kernel_config).xs]
+    config = kernel_config_for(net, kernel_config)
+    xs = [x0, *settle_fused(params, x0, net, target, T=T, dt=dt, config=config).xs]
     final = energy(params, xs, net, output_clamped=target is not None)
     return SettleResult(xs, jnp.mean(final), jnp.asarray(T, jnp.int32), None)
 

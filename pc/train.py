@@ -46,11 +46,11 @@ from pallas_kernels.pc_settle import SettleConfig, dot_args, padded_rows
 from pc.energy import energy, energy_and_grads, errors
 from pc.networks import Params, PCNet, check_params, forward
 from pc.settle import (
-    KERNEL_CONFIG,
     check_kernel,
     check_settle_args,
     free_layers,
     join_free,
+    kernel_config_for,
     make_solver,
     settle_activities,
     settle_from_input,
@@ -198,7 +198,7 @@ def _train_epoch(params, opt_state, images, labels, key, dt, smoothing, *, optim
 def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.GradientTransformation,
                 images: jax.Array, labels: jax.Array | None, *, net: PCNet, T: int, dt: float, batch_size: int,
                 key: jax.Array, solver: str | optax.GradientTransformation = "euler",
-                variant: str = "supervised", kernel: str = "auto", kernel_config: SettleConfig = KERNEL_CONFIG,
+                variant: str = "supervised", kernel: str = "auto", kernel_config: SettleConfig | None = None,
                 label_smoothing: float = 0.0) -> tuple[Params, optax.OptState, dict[str, jax.Array]]:
     """One epoch of PC training as a single jitted call.
 
@@ -215,7 +215,8 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
       kernel: settling of the "supervised" variant, "auto", "jnp" or "pallas" (see ``pc.settle``; "pallas"
         also takes the weight step from the kernel's errors, module docstring); the other variants always run
         the jnp loop.
-      kernel_config: the fused kernel's launch geometry and scheme (``pallas_kernels.pc_settle.SettleConfig``).
+      kernel_config: the fused kernel's launch geometry and scheme (``pallas_kernels.pc_settle.SettleConfig``);
+        None picks the measured default for ``net.precision`` (``pc.settle.KERNEL_CONFIGS``).
       label_smoothing: eps in [0, 1) of the clamped targets (:func:`label_targets`); "supervised" and
         "incremental" only. A traced value: changing it does not recompile.
 
@@ -254,7 +255,7 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
         labels = _check_labels(labels, images.shape[0], net)
     return _train_epoch(params, opt_state, images, labels, key, jnp.float32(dt), jnp.float32(label_smoothing),
                         optimizer=optimizer, net=net, T=T, batch_size=batch_size, solver=solver, variant=variant,
-                        kernel=kernel, kernel_config=kernel_config)
+                        kernel=kernel, kernel_config=kernel_config_for(net, kernel_config))
 
 
 def _check_labels(labels, n: int, net: PCNet) -> jax.Array:

@@ -13,8 +13,9 @@ from test_pc_settle_kernel import lower_grid
 
 import pc
 from apex_jax.data import load_mnist
-from pallas_kernels.pc_settle import SettleConfig
+from pallas_kernels.pc_settle import PRECISIONS, SettleConfig
 from pallas_kernels.testing import assert_close, lower_for_h200
+from pc.settle import KERNEL_CONFIGS, kernel_config_for
 
 SMALL = (12, 20, 18, 5)
 # Kernel and loop sum their matmuls in different orders (blocks of the padded widths vs XLA's dot): fp32
@@ -112,9 +113,10 @@ def test_pallas_runs_the_kernel_on_h200_exactly_where_it_applies_and_auto_never(
             lower("pallas")
 
 
-def test_kernel_config_sets_the_launch_grid():
+def test_kernel_config_sets_the_launch_grid(monkeypatch):
     """settle's kernel_config reaches the kernel: 64 rows of a 64-wide net as (R, G) = (1, 4) by default (one
-    64-row tile, 64 units in groups of 16), (4, 2) with 16-row tiles and at most 2 unit groups."""
+    64-row tile, 64 units in groups of 16), (4, 2) with 16-row tiles and at most 2 unit groups; without one, the
+    default is the net precision's entry of pc.settle.KERNEL_CONFIGS."""
     net = pc.PCNet(**NET)
     params = jax.eval_shape(lambda: pc.init_params(jax.random.key(0), net))
     x0, labels = jax.ShapeDtypeStruct((64, 784), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.int32)
@@ -125,6 +127,17 @@ def test_kernel_config_sets_the_launch_grid():
 
     assert grid() == (1, 4)
     assert grid(kernel_config=SettleConfig(block_b=16, groups=2)) == (4, 2)
+    monkeypatch.setitem(KERNEL_CONFIGS, net.precision, SettleConfig(block_b=32, groups=2))
+    assert grid() == (2, 2)
+
+
+def test_default_kernel_configs_are_the_measured_fastest_per_precision():
+    """bf16: one barrier per step ("deltas"); tf32 and float32: two ("errors"), 3.5x faster than "deltas" at tf32
+    on the H200 (pc.settle's comment)."""
+    configs = {p: kernel_config_for(pc.PCNet(**NET, precision=p), None) for p in PRECISIONS}
+    assert {p: c.exchange for p, c in configs.items()} == {"bfloat16": "deltas", "tf32": "errors", "float32": "errors"}
+    mine = SettleConfig(block_b=16)
+    assert kernel_config_for(pc.PCNet(**NET), mine) is mine
 
 
 def lower_deepity_epoch(precision: str = "float32", **kwargs) -> str:
@@ -145,7 +158,7 @@ def lower_deepity_epoch(precision: str = "float32", **kwargs) -> str:
                          ids=["default", "32x16"])
 def test_train_epoch_lowers_with_the_fused_kernel_for_h200(config, grid):
     """kernel="pallas" settles the Deepity epoch with the Triton kernel, on the grid of its kernel_config (default
-    pc.settle.KERNEL_CONFIG: 4 slots of 64 rows x 32 unit groups)."""
+    pc.settle.KERNEL_CONFIGS: 4 slots of 64 rows x 32 unit groups)."""
     text = lower_deepity_epoch(**({} if config is None else dict(kernel_config=config)))
     assert "triton" in text and "pc_settle_3layers" in text
     assert lower_grid(text) == grid
