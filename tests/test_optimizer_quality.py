@@ -33,8 +33,12 @@ def test_quick_run_writes_the_notebook_schema(quick_run):
             assert len(run["loss"]) == len(run["steps"])
             assert isinstance(run["final_loss"], float) and isinstance(run["rel_diff_vs_optax"], float)
             assert set(run["eval"]) == {EVAL_KEY[task["task"]]}
+            seeds = [0, 1] if task["task"] == "mnist_mlp" else [oq.SEED]
+            assert run["seeds"] == seeds and len(run["final_loss_seeds"]) == len(run["rel_diff_seeds"]) == len(seeds)
+            assert run["final_loss"] == pytest.approx(np.mean(run["final_loss_seeds"]), nan_ok=True)
         reference = task["runs"][0]
         assert reference["variant"] == oq.REFERENCE and reference["rel_diff_vs_optax"] == 0.0
+        assert reference["rel_diff_seeds"] == [0.0] * len(reference["seeds"])
     assert (quick_run / f"{oq.NAME}.png").stat().st_size > 0
 
 
