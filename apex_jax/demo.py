@@ -12,6 +12,7 @@ The tour is a list of steps (:data:`STEPS`), each a function of the shared :clas
 
 5. ``serving_chat``: the real SmolLM2-135M-Instruct served on 127.0.0.1 by ``serving``'s OpenAI-compatible
    server, one chat request through the official ``openai`` client, the reply and tokens/s.
+6. ``summary``: one table of what each part showed and how long it took, against the tour's 5-minute budget.
 """
 
 import dataclasses
@@ -38,6 +39,8 @@ from pc import PCNet, evaluate, init_params, train_epoch
 HIDDEN = (256, 256)  # MLP 784-256-256-10: 269k params, a few ms a step on 2 CPU cores
 LOSS_WINDOW = 20  # the reported train loss is the mean of the last this many steps (one batch is noisy)
 FUSED = "ApexW.step int8 (flat)"  # the variant whose model the checkpoint step saves
+REFERENCE = "optax.adamw fp32"  # what the summary compares the fused variant with
+BUDGET_S = 300  # the whole tour on 2 CPU cores, downloads of MNIST and SmolLM2 aside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +88,7 @@ class Tour:
     mnist: Mnist | None = None
     optimizer_rows: list[OptimizerRow] = dataclasses.field(default_factory=list)
     results: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. variant name -> (params, state)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # step function name -> wall time
 
 
 class DemoStep(NamedTuple):
@@ -236,6 +240,7 @@ def checkpoint_round_trip(tour: Tour) -> None:
                            f"same bits: {same_bits})")
     nbytes = sum(leaf.nbytes for leaf in leaves)
     tour.results["checkpoint"] = restored
+    tour.results["checkpoint_bytes"] = nbytes
     tour.console.print(f"checkpoint: FlatParams + ApexWState (int8) at step {step} saved and restored "
                        f"bit-exactly ({len(leaves)} arrays, {nbytes:,} bytes)")
 
@@ -286,12 +291,41 @@ def serving_chat(tour: Tour) -> None:
                        f"{result['tokens_per_s']:.1f} tokens/s, batch 1 on this CPU, after a warm-up request)")
 
 
+def summary(tour: Tour) -> None:
+    """One table: a line per part that ran, what it showed and its wall time; then the total against BUDGET_S."""
+    table = Table(title="apex-jax tour")
+    for column in ("part", "result", "s"):
+        table.add_column(column, justify="right" if column == "s" else "left")
+    seconds = lambda *names: f"{sum(tour.seconds.get(n, 0.0) for n in names):.1f}"
+    rows = {row.variant: row for row in tour.optimizer_rows}
+    if FUSED in rows and REFERENCE in rows:
+        fused, reference = rows[FUSED], rows[REFERENCE]
+        table.add_row("apex_jax", f"{FUSED}: {fused.bytes_per_param:.2f} B/param of state vs "
+                      f"{reference.bytes_per_param:.2f}, test acc {fused.test_accuracy:.2%} vs "
+                      f"{reference.test_accuracy:.2%}", seconds("train_optimizers", "optimizer_table"))
+    if "checkpoint_bytes" in tour.results:
+        table.add_row("checkpoint", f"{tour.results['checkpoint_bytes']:,} bytes restored bit-exactly",
+                      seconds("checkpoint_round_trip"))
+    if "pc_test_accuracy" in tour.results:
+        table.add_row("pc", f"one epoch, test acc {tour.results['pc_test_accuracy']:.2%}",
+                      seconds("predictive_coding_epoch"))
+    if "serving" in tour.results:
+        served = tour.results["serving"]
+        table.add_row("serving", f"SmolLM2 {served['tokens_per_s']:.1f} tokens/s: {served['reply'][:40]!r}",
+                      seconds("serving_chat"))
+    tour.console.print(table)
+    total = sum(tour.seconds.values())
+    verdict = "within" if total <= BUDGET_S else "OVER"
+    tour.console.print(f"total {total:.0f} s, {verdict} the {BUDGET_S} s budget")
+
+
 STEPS: list[DemoStep] = [
     DemoStep("train MNIST with every optimizer variant", train_optimizers),
     DemoStep("checkpoint round trip", checkpoint_round_trip),
     DemoStep("optimizer table", optimizer_table),
     DemoStep("predictive coding: one epoch", predictive_coding_epoch),
     DemoStep("serving: SmolLM2 behind the OpenAI-compatible API", serving_chat),
+    DemoStep("summary", summary),
 ]
 
 
@@ -310,7 +344,8 @@ def run(steps: int | None = None, batch_size: int = 128, console: Console | None
         tour.console.rule(step.name)
         start = time.perf_counter()
         step.run(tour)
-        tour.console.print(f"[dim]{step.name}: {time.perf_counter() - start:.1f} s[/dim]")
+        tour.seconds[step.run.__name__] = time.perf_counter() - start
+        tour.console.print(f"[dim]{step.name}: {tour.seconds[step.run.__name__]:.1f} s[/dim]")
     return tour
 
 
