@@ -17,7 +17,7 @@ dispatches STEPS_PER_RUN steps back to back and waits once. expert_load: max ove
 busiest expert / mean tokens per expert) in the last checked step, from the models' per-layer expert counts.
 A setup that fails (out of memory, a compile error) costs its row, not the run.
 
-    python benchmarks/serving_ep.py                   # 2 GPUs: results/serving_ep.json
+    python benchmarks/serving_ep.py                   # 2 GPUs: results/serving_ep.json + png
     python benchmarks/serving_ep.py --setups 1dev,expert2
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/serving_ep.py --cpu   # tiny, 8 host devices
 """
@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import format_table, time_jax_steps, write_results  # noqa: E402
+from benchmarks.harness import format_table, save_plot, time_jax_steps, write_results  # noqa: E402
 from serving import sharding  # noqa: E402
 from serving.config import ModelConfig  # noqa: E402
 from serving.kv_cache import PagedKV, SeqChunk, make_batch  # noqa: E402
@@ -134,12 +134,38 @@ def run_setup(mode: str, mesh_axes, devices: list, cfg: ModelConfig, master: tup
     return row, logits
 
 
+def plot(rows: list[dict], name: str, out_dir: str | Path | None = None, *, batch: int, context: int) -> None:
+    """Tokens/s of each setup (annotated with its speed-up over one device) and its step time (p10-p90)."""
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return
+    labels = [f"{r['setup']}\n{r['devices']} device{'s' if r['devices'] > 1 else ''}" for r in ok]
+    colors = [f"C{i}" for i in range(len(ok))]
+    fig, (throughput, step) = plt.subplots(1, 2, figsize=(10, 4))
+    bars = throughput.bar(labels, [r["tokens_s"] for r in ok], color=colors)
+    speedups = [f" (x{r['speedup']:.2f})" if r.get("speedup") else "" for r in ok]
+    throughput.bar_label(bars, [f"{r['tokens_s']:.0f}{x}" for r, x in zip(ok, speedups, strict=True)], fontsize=9)
+    throughput.set(ylabel="decode tokens/s", title="throughput (higher is better)")
+    median = np.array([r["median_ms"] for r in ok])
+    spread = [median - [r["p10_ms"] for r in ok], np.array([r["p90_ms"] for r in ok]) - median]
+    step.bar(labels, median, yerr=spread, capsize=5, color=colors)
+    step.set(ylabel="ms per decode step (median, p10-p90)", title="step time (lower is better)")
+    for ax in (throughput, step):
+        ax.margins(y=0.15)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"Expert-parallel MoE decode: {batch} sequences at context {context}")
+    fig.tight_layout()
+    save_plot(fig, name, out_dir)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="tiny model on 8 host devices")
     parser.add_argument("--setups", help="comma-separated subset of the mode's setups (default: all; the first, "
                                          "1dev, is always run: it is the reference)")
-    parser.add_argument("--out-dir", help="where the JSON goes (default benchmarks/results/)")
+    parser.add_argument("--out-dir", help="where the JSON and PNG go (default benchmarks/results/)")
     args = parser.parse_args(argv)
     mode = "cpu" if args.cpu else "gpu"
     setups = SETUPS[mode]
@@ -179,6 +205,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     write_results(name, dict(mode=mode, model=dataclasses.asdict(cfg), params=params_total,
                              batch=batch_size, context=context, block=block, dtype=jnp.dtype(DTYPE[mode]).name,
                              steps_per_run=STEPS_PER_RUN[mode], rows=rows), out_dir=args.out_dir)
+    plot(rows, name, args.out_dir, batch=batch_size, context=context)
     print(format_table(rows, ["setup", "devices", "median_ms", "tokens_s", "speedup", "rel_err", "argmax_match",
                               "same_outputs", "expert_load", "status"]))
     return rows

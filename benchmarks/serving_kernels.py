@@ -15,7 +15,7 @@ Every row carries rel_err, the relative Frobenius error against the competitor's
 A failing implementation or config (a Triton compile error, cudnn missing) costs its row, not the run. Each
 timed run dispatches ``REPS`` calls back to back and waits once, so host dispatch overlaps the device.
 
-    python benchmarks/serving_kernels.py                         # GPU: results/serving_kernels.json
+    python benchmarks/serving_kernels.py                         # GPU: results/serving_kernels.json + png
     python benchmarks/serving_kernels.py --kernels grouped_matmul  # a subset
     python benchmarks/serving_kernels.py --cpu                   # tiny shapes, interpret-mode kernels
     python benchmarks/serving_kernels.py --kernels flash_attention --flash-configs 128x64x8x3,128x128x8x2
@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import format_table, time_jax, write_results  # noqa: E402
+from benchmarks.harness import format_table, save_plot, time_jax, write_results  # noqa: E402
 from pallas_kernels import attention, attention_mgpu, grouped_matmul, paged_attention  # noqa: E402
 
 PEAK_TFLOP_S = 790.0  # H200 dense bf16 tensor cores
@@ -251,11 +251,70 @@ ROWS = {"flash_attention": flash_attention_rows, "paged_attention": paged_attent
         "paged_mla_attention": paged_mla_attention_rows, "grouped_matmul": grouped_matmul_rows}
 
 
+def plot(rows: list[dict], name: str, out_dir: str | Path | None = None, *, peaks: bool = True) -> None:
+    """Per (kernel, shape): each competitor and the fastest config of each Pallas lowering, as grouped bars.
+
+    A case is drawn in the unit of the resource the roofline says bounds it: TFLOP/s when its FLOP per byte
+    (the same for every row of the case) is at least the H200's ridge point PEAK_TFLOP_S / PEAK_GB_S, else
+    GB/s. Each Pallas bar is annotated with its speed-up over the fastest competitor; ``peaks`` draws the
+    H200 peaks (leave it off for the CPU mode).
+    """
+    import matplotlib.pyplot as plt
+
+    ridge = PEAK_TFLOP_S * 1e3 / PEAK_GB_S  # FLOP per byte
+    cases: dict[str, dict[tuple[str, str], list[dict]]] = {"tflop_s": {}, "gb_s": {}}
+    for r in rows:
+        if r["status"] == "ok":
+            intensity = r["tflop_s"] * 1e3 / r["gb_s"]
+            cases["tflop_s" if intensity >= ridge else "gb_s"].setdefault((r["kernel"], r["shape"]), []).append(r)
+    panels = {unit: mine for unit, mine in cases.items() if mine}
+    if not panels:
+        return
+    units = {"tflop_s": ("TFLOP/s", PEAK_TFLOP_S, "compute-bound"), "gb_s": ("GB/s", PEAK_GB_S, "memory-bound")}
+    colors = {impl: f"C{i}" for i, impl in enumerate(dict.fromkeys(r["impl"] for r in rows if r["status"] == "ok"))}
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for ax, (unit, by_case) in zip(axes[0], panels.items(), strict=True):
+        label, peak, bound = units[unit]
+        for x, ((kernel, shape), mine) in enumerate(by_case.items()):
+            competitors = [r for r in mine if not r["impl"].startswith("pallas")]
+            lowerings = dict.fromkeys(r["impl"] for r in mine if r["impl"].startswith("pallas"))
+            fastest = [min((r for r in mine if r["impl"] == impl), key=lambda r: r["median_ms"]) for impl in lowerings]
+            bars = competitors + fastest
+            rival = min(competitors, key=lambda r: r["median_ms"], default=None)
+            width = 0.8 / len(bars)
+            for i, r in enumerate(bars):
+                offset = x + (i - (len(bars) - 1) / 2) * width
+                ax.bar(offset, r[unit], width, color=colors[r["impl"]], label=r["impl"])
+                if rival is not None and r["impl"].startswith("pallas"):
+                    ax.annotate(f"x{rival['median_ms'] / r['median_ms']:.2f}\nvs {rival['impl']}", (offset, r[unit]),
+                                textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+            intensity = mine[0]["tflop_s"] * 1e3 / mine[0]["gb_s"]
+            ax.text(x, -0.02, f"{kernel}\n{shape}\n{intensity:.0f} FLOP/B", transform=ax.get_xaxis_transform(),
+                    ha="center", va="top", fontsize=8)
+        if peaks:
+            ax.axhline(peak, color="k", ls="--", lw=1)
+            ax.annotate(f"H200 peak {peak:g} {label}", (1, peak), xycoords=("axes fraction", "data"),
+                        textcoords="offset points", xytext=(-3, 3), ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{label} (log)")
+        ax.set_xticks([])
+        ax.margins(y=0.3)
+        ax.set_title(f"{bound} cases (FLOP/B {'>=' if unit == 'tflop_s' else '<'} {ridge:.0f}, the ridge point)")
+    handles = {}
+    for ax in axes[0]:
+        handles |= dict(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=9,
+               bbox_to_anchor=(0.5, -0.06))
+    fig.suptitle("Pallas kernels (fastest config of the sweep) vs their competitors (higher is better)")
+    fig.tight_layout()
+    save_plot(fig, name, out_dir)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="tiny shapes, interpret-mode kernels, on the CPU")
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated subset of {KERNELS}")
-    parser.add_argument("--out-dir", help="where the JSON goes (default benchmarks/results/)")
+    parser.add_argument("--out-dir", help="where the JSON and PNG go (default benchmarks/results/)")
     parser.add_argument("--flash-configs", type=flash_configs,
                         help="flash_attention's sweep instead of the default one, e.g. 128x64x8x3,mosaic:128x2 "
                              "(Triton: block_q x block_k x num_warps x num_stages; Mosaic GPU: mosaic:block_k x "
@@ -282,6 +341,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # Written after every kernel: a cut-short run keeps its rows.
         write_results(name, dict(mode=mode, reps_per_run=REPS[mode], peak_tflop_s=PEAK_TFLOP_S, peak_gb_s=PEAK_GB_S,
                                  shapes=SHAPES[mode], rows=rows), out_dir=args.out_dir)
+    plot(rows, name, args.out_dir, peaks=mode == "gpu")
     columns = ["kernel", "shape", "impl", "config", "median_ms", "tflop_s", "gb_s", "tflop_pct", "bw_pct", "rel_err",
                "best", "status"]
     print(format_table(rows, columns))

@@ -12,7 +12,7 @@ tokens/s, speed-up over the baseline, mean acceptance length (tokens emitted per
 acceptance rate, and ``identical_outputs``: the prompts whose speculative output equals the baseline's tokens
 (true fp32 matmuls by default: ``--matmul-precision``).
 
-Run: ``python -m benchmarks.serving_speculative`` (CPU: writes ``results/serving_speculative_cpu.json``; on a
+Run: ``python -m benchmarks.serving_speculative`` (CPU: writes ``results/serving_speculative_cpu.json`` and .png; on a
 GPU pass ``--name serving_speculative`` and larger ``--max-tokens`` and ``--held-out``). ``--drafters
 none,block --drafter DIR`` runs only those rows.
 """
@@ -20,11 +20,12 @@ none,block --drafter DIR`` runs only those rows.
 import argparse
 import functools
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.harness import format_table, write_results
+from benchmarks.harness import format_table, save_plot, write_results
 from serving import train_drafter
 from serving.drafter_prompts import chat_prompts
 from serving.engine.engine import Engine, Prompt
@@ -84,6 +85,41 @@ def run(spec: SpecConfig | None, concurrency: int, prompts: list[Prompt], max_to
             "acceptance_rate": stats.acceptance_rate if spec else None, "outputs": outputs}
 
 
+def plot(rows: list[dict], name: str, out_dir: str | Path | None = None, *, k: int) -> None:
+    """Per drafter, one bar per concurrency: speed-up over no drafting (labelled with tokens/s) and mean
+    acceptance length (at most ``k + 1``: every draft token accepted, plus the target's own)."""
+    import matplotlib.pyplot as plt
+
+    drafted = [r for r in rows if r["drafter"] != "none"]
+    if not drafted:
+        return
+    names = list(dict.fromkeys(r["drafter"] for r in drafted))
+    levels = sorted({r["concurrency"] for r in drafted})
+    width = 0.8 / len(levels)
+    fig, (speed, accept) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for i, level in enumerate(levels):
+        mine = {r["drafter"]: r for r in drafted if r["concurrency"] == level}
+        x = [j + (i - (len(levels) - 1) / 2) * width for j, n in enumerate(names) if n in mine]
+        present = [mine[n] for n in names if n in mine]
+        bars = speed.bar(x, [r["speedup"] for r in present], width, color=f"C{i}", label=f"concurrency {level}")
+        speed.bar_label(bars, [f"x{r['speedup']:.2f}\n{r['tokens_per_s']:.0f} tok/s" for r in present], fontsize=8)
+        bars = accept.bar(x, [r["mean_acceptance_length"] for r in present], width, color=f"C{i}",
+                          label=f"concurrency {level}")
+        accept.bar_label(bars, [f"{r['mean_acceptance_length']:.2f}" for r in present], fontsize=8)
+    speed.axhline(1, color="k", ls="--", lw=1, label="no drafting")
+    speed.set(ylabel="output tokens/s over no drafting", title="speed-up (higher is better)")
+    accept.axhline(k + 1, color="k", ls=":", lw=1, label=f"every draft accepted (k={k})")
+    accept.set(ylabel="tokens per drafted sequence-step", title="mean acceptance length")
+    for ax in (speed, accept):
+        ax.set_xticks(range(len(names)), names)
+        ax.margins(y=0.2)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Speculative decoding, greedy")
+    fig.tight_layout()
+    save_plot(fig, name, out_dir)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -132,6 +168,7 @@ def main() -> None:
                               "block_k": configs["block"].k if "block" in configs else None,
                               "max_tokens": args.max_tokens, "prompts": [p[0]["content"] for p in prompts],
                               "rows": rows})
+    plot(rows, args.name, k=args.k)
 
 
 if __name__ == "__main__":

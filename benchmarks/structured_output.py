@@ -31,9 +31,9 @@ output does not win back. llguidance also supports recursive schemas and any-JSO
 back tokens for speculative decoding. Greedy SmolLM2 under `"type": "number"` writes fraction digits until
 the token limit (case 4): numbers have no length bound in either grammar.
 
-Run: ``python -m benchmarks.structured_output`` (writes ``results/structured_output_cpu.json``);
+Run: ``python -m benchmarks.structured_output`` (writes ``results/structured_output_cpu.json`` and .png);
 ``--batch-overhead-only`` runs just the engine overhead case, on any platform (writes
-``results/structured_output_overhead_{platform}.json``).
+``results/structured_output_overhead_{platform}.json`` and .png).
 """
 
 import argparse
@@ -44,6 +44,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
@@ -51,7 +52,7 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 
-from benchmarks.harness import format_table, write_results
+from benchmarks.harness import format_table, save_plot, write_results
 from serving import structured, weights
 from serving.config import ModelConfig
 from serving.engine.engine import Engine
@@ -313,6 +314,65 @@ def report_overhead(result: dict) -> None:
           f"{result['repeats']} runs each (target: overhead_pct <= {result['target_pct']}%)")
 
 
+def _draw_overhead(ax, result: dict) -> None:
+    """Mean decode step time of each engine configuration (batch_overhead's result), its host mask time
+    inside, its overhead over unconstrained, and the target."""
+    rows, batch = result["rows"], result["batch"]
+    names = [r["config"].replace("_", "\n") for r in rows]
+    step_ms = [batch * 1e3 / r["tokens_per_s"] for r in rows]  # the mean of the steps overhead_pct sums
+    bars = ax.bar(names, step_ms, color=[f"C{i}" for i in range(len(rows))])
+    ax.bar_label(bars, [f"{ms:.2f} ms\n({r['overhead_pct']:+.1f}%)" for ms, r in zip(step_ms, rows, strict=True)],
+                 label_type="center", color="white", fontsize=9)
+    ax.bar(names, [r["mask_ms_per_step"] for r in rows], 0.35, color="none", edgecolor="k", hatch="//",
+           label="of which host mask time")
+    base = step_ms[[r["config"] for r in rows].index("unconstrained")]
+    ax.axhline(base * (1 + result["target_pct"] / 100), color="k", ls="--", lw=1,
+               label=f"target: +{result['target_pct']:g}% over unconstrained")
+    ax.set(ylabel="ms per decode step (one token of each sequence)",
+           title=f"engine overhead at batch {batch} (lower is better)")
+    ax.margins(y=0.2)
+    ax.legend(fontsize=8, loc="upper left")
+
+
+def plot_overhead(result: dict, name: str, out_dir: str | Path | None = None) -> None:
+    """Time per decode step (one token of each of the batch's sequences), constrained vs not."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    _draw_overhead(ax, result)
+    fig.tight_layout()
+    save_plot(fig, name, out_dir)
+
+
+def plot_libraries(cases: list[dict], overhead: dict | None, name: str, out_dir: str | Path | None = None) -> None:
+    """Per case: compile time and median mask time (p99 as a tick) of llguidance and outlines-core; then, given
+    batch_overhead's result, the engine overhead of the chosen one."""
+    import matplotlib.pyplot as plt
+
+    widths = (2, 2, 1.4) if overhead else (1, 1)
+    fig, axes = plt.subplots(1, len(widths), figsize=(16 if overhead else 13, 5), width_ratios=widths)
+    compile_ax, mask_ax = axes[:2]
+    x = np.arange(len(cases))
+    for i, (prefix, label) in enumerate((("llg", "llguidance"), ("oc", "outlines-core"))):
+        offset = x + (i - 0.5) * 0.4
+        compile_ax.bar(offset, [c[f"{prefix}_compile_ms"] for c in cases], 0.4, color=f"C{i}", label=label)
+        mask_ax.bar(offset, [c[f"{prefix}_mask_med_us"] for c in cases], 0.4, color=f"C{i}", label=f"{label} median")
+        mask_ax.plot(offset, [c[f"{prefix}_mask_p99_us"] for c in cases], "_", color=f"C{i}", markersize=12,
+                     markeredgewidth=2, label=f"{label} p99")
+    for ax, title in ((compile_ax, "compile time (ms, log)"), (mask_ax, "per-token mask time (us, log)")):
+        ax.set_xticks(x, [c["case"] for c in cases], rotation=45, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylim(top=ax.get_ylim()[1] * 10)  # room for the legend
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper center", ncol=2)
+    if overhead:
+        _draw_overhead(axes[2], overhead)
+    fig.suptitle("Structured output on SmolLM2's vocabulary: llguidance vs outlines-core (CPU)")
+    fig.tight_layout()
+    save_plot(fig, name, out_dir)
+
+
 def _stats(times: list[float]) -> dict[str, float]:
     return {"median": float(np.median(times)), "p99": float(np.percentile(times, 99))}
 
@@ -327,7 +387,9 @@ def main(argv: list[str] | None = None) -> None:
     overhead = batch_overhead(args.max_new_tokens, args.repeats)
     report_overhead(overhead)
     if args.batch_overhead_only:
-        write_results(f"structured_output_overhead_{jax.devices()[0].platform}", overhead)
+        name = f"structured_output_overhead_{jax.devices()[0].platform}"
+        write_results(name, overhead)
+        plot_overhead(overhead, name)
         return
     import outlines_core
 
@@ -377,6 +439,7 @@ def main(argv: list[str] | None = None) -> None:
                  "outlines-core": importlib.metadata.version("outlines-core")},
         "chosen": "llguidance", "cases": rows, "outlines_vocabulary_ms": vocab_ms,
         f"batch{BATCH}_fill_ms": batch, f"engine_overhead_batch{BATCH}": overhead})
+    plot_libraries(rows, overhead, "structured_output_cpu")
 
 
 if __name__ == "__main__":

@@ -37,3 +37,18 @@ def test_rejects_unknown_setups():
 def test_gpu_mode_refuses_to_run_without_a_gpu():
     with pytest.raises(SystemExit):
         serving_ep.main([])
+
+
+def test_plot_labels_tokens_per_s_with_the_speedup_and_skips_failed_setups(tmp_path):
+    import matplotlib.pyplot as plt
+
+    rows = [dict(setup="1dev", devices=1, status="ok", median_ms=2.0, p10_ms=1.9, p90_ms=2.2, tokens_s=32000.0,
+                 speedup=1.0),
+            dict(setup="expert2", devices=2, status="ok", median_ms=1.6, p10_ms=1.5, p90_ms=1.7, tokens_s=40000.0,
+                 speedup=1.25),
+            dict(setup="data2", status="error: RESOURCE_EXHAUSTED")]
+    serving_ep.plot(rows, "ep", tmp_path, batch=64, context=512)
+    assert (tmp_path / "ep.png").stat().st_size > 0
+    throughput, step = plt.gcf().axes
+    assert [t.get_text() for t in throughput.texts] == ["32000 (x1.00)", "40000 (x1.25)"]
+    assert [t.get_text() for t in step.get_xticklabels()] == ["1dev\n1 device", "expert2\n2 devices"]

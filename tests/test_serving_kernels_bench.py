@@ -54,3 +54,32 @@ def test_rejects_unknown_kernels():
 def test_gpu_mode_refuses_to_run_without_a_gpu():
     with pytest.raises(SystemExit):
         serving_kernels.main([])
+
+
+def _timed_row(kernel: str, shape: str, impl: str, ms: float, flop: float, nbytes: float, config=None) -> dict:
+    return dict(kernel=kernel, shape=shape, impl=impl, config=config, status="ok", median_ms=ms,
+                tflop_s=flop / (ms * 1e9), gb_s=nbytes / (ms * 1e6))
+
+
+def test_plot_puts_each_case_in_its_roofline_unit_with_the_speedup_of_the_fastest_config(tmp_path):
+    import matplotlib.pyplot as plt
+
+    rows = [_timed_row("flash_attention", "B1", "cudnn", 1.0, 1e12, 1e9),  # 1000 FLOP/B: compute-bound
+            _timed_row("flash_attention", "B1", "pallas", 2.0, 1e12, 1e9, "slow"),
+            _timed_row("flash_attention", "B1", "pallas", 1.25, 1e12, 1e9, "fast"),
+            _timed_row("paged_attention", "B1", "jnp reference", 1.0, 1e9, 1e9),  # 1 FLOP/B: memory-bound
+            _timed_row("paged_attention", "B1", "pallas", 0.25, 1e9, 1e9, "default"),
+            dict(kernel="paged_attention", shape="B1", impl="pallas", config="broken", status="error: compile")]
+    serving_kernels.plot(rows, "kernels", tmp_path)
+    assert (tmp_path / "kernels.png").stat().st_size > 0
+    compute, memory = plt.gcf().axes
+    assert compute.get_title().startswith("compute-bound") and memory.get_title().startswith("memory-bound")
+    assert [t.get_text() for t in compute.texts if t.get_text().startswith("x")] == ["x0.80\nvs cudnn"]
+    assert [t.get_text() for t in memory.texts if t.get_text().startswith("x")] == ["x4.00\nvs jnp reference"]
+    assert len(compute.patches) == 2 and len(memory.patches) == 2  # the competitor and the fastest config
+
+
+def test_plot_without_timed_rows_writes_nothing(tmp_path):
+    serving_kernels.plot([dict(kernel="flash_attention", shape="B1", impl="xla", config=None, status="error")],
+                         "kernels", tmp_path)
+    assert not (tmp_path / "kernels.png").exists()
