@@ -12,6 +12,8 @@ Layout on disk (one process writes the directory; local filesystem)::
 Orbax writes a step into the tmp dir and renames it on finalize, so a killed save leaves earlier steps
 intact. The manifest is written (tmp file + fsync + ``os.replace``) only after the step is finalized and
 every file is fsynced; a step without a valid manifest is skipped by ``latest_step``/``restore``.
+Retention runs only after that: it keeps the new step and the newest ``max_to_keep - 1`` other steps that
+verify and deletes the rest, so a save killed at any point, or a corrupt step, never costs the last good one.
 
 Example::
 
@@ -109,7 +111,8 @@ class Checkpointer:
 
     Args:
       directory: root folder (created if missing).
-      max_to_keep: newest steps kept on disk; None keeps all.
+      max_to_keep: verified steps kept on disk (the newest; others and unverified steps are deleted after
+        each save, which re-hashes up to ``max_to_keep - 1`` older steps); None keeps every step.
       save_interval_steps: ``save`` writes when ``step % save_interval_steps == 0``.
       handle_sigterm: install a SIGTERM handler so the next ``save`` writes regardless of interval.
     """
@@ -122,8 +125,9 @@ class Checkpointer:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         self.directory = pathlib.Path(directory).absolute()
         self.save_interval_steps = save_interval_steps
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=False, cleanup_tmp_directories=True)
+        self.max_to_keep = max_to_keep
+        # No orbax retention: it deletes old steps on finalize, before this step's manifest exists.
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(
             self.directory, item_handlers=ocp.StandardCheckpointHandler(), options=options)
         self._sigterm = False
@@ -197,7 +201,23 @@ class Checkpointer:
         self._manager.save(step, args=ocp.args.StandardSave(tree), force=True)
         self._manager.wait_until_finished()
         self._write_manifest(step, tree)
+        self._apply_retention(step)
         return True
+
+    def _apply_retention(self, saved: int) -> None:
+        """Keeps step saved (manifest durable) and the newest max_to_keep - 1 other verified steps; deletes the rest."""
+        if self.max_to_keep is None:
+            return
+        kept = 1
+        for step in reversed(self.all_steps()):
+            if step == saved:
+                continue
+            if kept < self.max_to_keep:
+                if (error := self._manifest_error(step)) is None:
+                    kept += 1
+                    continue
+                logger.warning("deleting unverified checkpoint step %d: %s", step, error)
+            self._manager.delete(step)
 
     def _check_matches(self, step: int, target: Any) -> None:
         """Raises ValueError listing every leaf whose path, shape or dtype differs from the saved one."""

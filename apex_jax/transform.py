@@ -4,8 +4,8 @@ Two ways to use the same optimizer (same state, same checkpoints):
 
 * ``apexw(...)``: an optax ``GradientTransformationExtraArgs`` for ``optax.chain``, ``inject_hyperparams``
   and ``optax.apply_updates``. It accepts any params pytree: the leaves are concatenated into flat
-  buffers, updated by one kernel launch per dtype and split back, so compile time does not grow with the
-  leaf count.
+  buffers, updated by one kernel launch per dtype and split back, so the update does not grow with the leaf
+  count (the concatenate and split around it take a few ops per leaf).
 * ``ApexW(...).step(params, grads, state) -> (params, state)``: the fused step for :class:`FlatParams`.
   Under ``jax.jit(..., donate_argnums=(0, 2))`` it updates params and moments in place in one pass, with
   no ``updates`` array; bf16 params are stochastically rounded.
@@ -72,7 +72,8 @@ class ApexW:
       state_dtype: "fp32" (8 B/param), "bf16" (4 B/param, stochastically rounded) or "int8"
         (int8 m + uint8 v + fp32 scale per 256, about 2.03 B/param; leaves under 4096 elements stay fp32).
       quant_map: "power" (default) or "linear" code map for int8 moments (see ``pallas_kernels.adamw``).
-      skip_nonfinite: if any gradient is NaN/Inf, leave params and moments untouched and count the skip.
+      skip_nonfinite: if any gradient is NaN/Inf, leave params and moments bit-identical and count the skip
+        (the optax path returns updates of -0.0, which ``optax.apply_updates`` adds without changing a bit).
       seed: seed of the stochastic-rounding hash (with the step and the element index).
       kernel: "auto" (Pallas on GPU, jnp elsewhere), "pallas", "interpret" or "reference".
       block: launch geometry of the Pallas kernel (default: tuned per state kind on an H200).
@@ -161,7 +162,8 @@ class ApexW:
 
         if self.skip_nonfinite:
             finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in g_flat.buffers]))
-            unchanged = p_flat.buffers if apply else tuple(jnp.zeros_like(g) for g in g_flat.buffers)
+            # updates of -0.0: p + -0.0 is p bit for bit, signaling NaNs aside (+0.0 would turn -0.0 into +0.0)
+            unchanged = p_flat.buffers if apply else tuple(jnp.full_like(g, -0.0) for g in g_flat.buffers)
             outs, moments = jax.lax.cond(finite, update_all, lambda _: (unchanged, state.moments), None)
             new_state = ApexWState(jnp.where(finite, t, count), state.skipped + (~finite).astype(jnp.int32),
                                    moments)

@@ -8,6 +8,7 @@ import pytest
 
 import apex_jax
 from apex_jax import ApexW, apexw, flatten
+from pallas_kernels.testing import inspect_lowered, lower_for_h200
 
 KINDS = ("fp32", "bf16", "int8")
 # The reference path everywhere, and the Pallas kernel (interpreted on CPU) once per kind.
@@ -85,31 +86,39 @@ def test_pallas_kernel_and_reference_agree_through_the_transform(state_dtype):
     assert rel_max(ref[-1][0], pallas[-1][0]) < (1e-4 if state_dtype == "int8" else 1e-5)
 
 
+# Exactly representable in fp32 (1 - b and b^t too), so the injected (traced) and the constant value agree.
+NEW_HYPERPARAMS = {"learning_rate": 2.0**-9, "weight_decay": 0.5, "b1": 0.5, "b2": 0.75, "eps": 2.0**-10}
+
+
 @pytest.mark.parametrize("state_dtype", KINDS)
 def test_in_optax_chain_with_clipping_and_inject_hyperparams(state_dtype):
-    tx = optax.chain(optax.clip_by_global_norm(0.5),
-                     optax.inject_hyperparams(apexw, static_args=("state_dtype",))(
-                         learning_rate=1e-2, weight_decay=0.01, state_dtype=state_dtype, kernel="reference"))
+    """Changing each injected hyperparameter takes effect without a recompile."""
+    chain = lambda transform, **hp: optax.chain(optax.clip_by_global_norm(0.5), transform(
+        **(dict(learning_rate=1e-2, weight_decay=0.01) | hp), state_dtype=state_dtype, kernel="reference"))
+    tx = chain(optax.inject_hyperparams(apexw, static_args=("state_dtype",)))
     params = make_params()
     state = tx.init(params)
-    traces = 0
 
     @jax.jit
     def step(params, state, grads):
-        nonlocal traces
-        traces += 1
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
     for t in range(2):  # init's weak-typed scalars may cost one retrace
         params, state = step(params, state, grads_at(params, t))
-    traced = traces
-    lr = state[1].hyperparams["learning_rate"]
-    state[1].hyperparams["learning_rate"] = jnp.zeros_like(lr)  # lr 0 freezes params, without a recompile
-    frozen, state = step(params, state, grads_at(params, 2))
-    assert traces == traced
-    np.testing.assert_array_equal(frozen["dense"]["w"], params["dense"]["w"])
-    assert int(state[1].inner_state.count) == 3
+    compiled = step._cache_size()
+    grads = grads_at(params, 2)
+    with_hyperparams = lambda **hp: (state[0], state[1]._replace(hyperparams=state[1].hyperparams | {
+        name: jnp.asarray(value, state[1].hyperparams[name].dtype) for name, value in hp.items()}))
+    baseline = step(params, state, grads)[0]
+    for name, value in NEW_HYPERPARAMS.items():
+        assert rel_max(baseline, step(params, with_hyperparams(**{name: value}), grads)[0]) > 1e-4, name
+    new_params, new_state = step(params, with_hyperparams(**NEW_HYPERPARAMS), grads)
+    assert step._cache_size() == compiled
+    built_in = chain(apexw, **NEW_HYPERPARAMS)  # the same step with the new values as constants
+    updates, _ = jax.jit(built_in.update)(grads, (state[0], state[1].inner_state), params)
+    assert rel_max(optax.apply_updates(params, updates), new_params) < 1e-6
+    assert int(new_state[1].inner_state.count) == 3
 
 
 @pytest.mark.parametrize("state_dtype", KINDS)
@@ -143,6 +152,33 @@ def test_fused_flat_step_matches_transform(state_dtype, params_dtype):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     tol = 1e-6 if params_dtype == jnp.float32 else 2e-2
     assert rel_max(tree, flat.tree()) < tol
+
+
+def abstract_flat_model(n_leaves: int) -> apex_jax.FlatParams:
+    """FlatParams of ShapeDtypeStructs: large ([64, 64], int8 codes) and small leaves, float32 and bfloat16."""
+    tree = {f"leaf{i}": jax.ShapeDtypeStruct((64, 64) if i % 3 == 0 else (8, 40), (jnp.float32, jnp.bfloat16)[i % 2])
+            for i in range(n_leaves)}
+    layout = apex_jax.FlatLayout.of(tree)
+    return apex_jax.FlatParams(tuple(jax.ShapeDtypeStruct((g.size,), g.dtype) for g in layout.groups), layout)
+
+
+@pytest.mark.parametrize("state_dtype", KINDS)
+def test_fused_step_lowers_to_one_kernel_per_dtype_whatever_the_leaf_count(state_dtype):
+    """On an H200 the fused step is one in-place apexw Triton call per dtype group, for 10 leaves as for 300."""
+    opt = ApexW(1e-3, state_dtype=state_dtype)  # kernel="auto": the Pallas branch on a GPU
+    modules = {}
+    for n_leaves in (10, 300):
+        flat = abstract_flat_model(n_leaves)
+        state = jax.eval_shape(opt.init, flat)
+        module = inspect_lowered(lower_for_h200(opt.step, flat, flat, state, donate_argnums=(0, 2)))
+        n_state = len(jax.tree.leaves(state.moments[0]))
+        assert module.triton_calls == [(f"apexw_{state_dtype}", 1 + n_state)] * len(flat.layout.groups)
+        # the params buffers and, after the grads buffers, every state leaf each alias their own result
+        n_params, n_state_leaves = len(flat.buffers), len(jax.tree.leaves(state))
+        assert module.donated == dict(zip([*range(n_params), *range(2 * n_params, 2 * n_params + n_state_leaves)],
+                                          range(n_params + n_state_leaves), strict=True))
+        modules[n_leaves] = module
+    assert modules[10].op_counts == modules[300].op_counts
 
 
 @pytest.mark.parametrize("state_dtype", KINDS)
@@ -179,18 +215,36 @@ def test_gradients_arrive_flat():
         np.testing.assert_array_equal(a, b)
 
 
+def raw_bits(tree) -> list[bytes]:
+    """Every leaf's bytes: unlike ==, tells -0.0 from +0.0 (and NaN payloads apart)."""
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("form", ["fused", "optax"])
 @pytest.mark.parametrize("state_dtype", KINDS)
-def test_skip_nonfinite_leaves_everything_bit_identical(state_dtype):
-    opt = ApexW(1e-2, state_dtype=state_dtype, skip_nonfinite=True, kernel="reference")
-    flat = flatten(make_params())
-    state = opt.init(flat)
-    flat, state = opt.step(flat, flatten(grads_at(make_params(), 0)), state)
-    bad = grads_at(make_params(), 1)
+def test_skip_nonfinite_leaves_everything_bit_identical(state_dtype, form):
+    args = dict(learning_rate=1e-2, state_dtype=state_dtype, skip_nonfinite=True, kernel="reference")
+    if form == "fused":
+        opt, wrap, unwrap = ApexW(**args), flatten, lambda flat: flat.tree()
+        step = jax.jit(opt.step)
+    else:
+        opt, wrap, unwrap = apexw(**args), lambda tree: tree, lambda tree: tree
+
+        @jax.jit
+        def step(params, grads, state):
+            updates, state = opt.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+    params = make_params()
+    params, state = step(wrap(params), wrap(grads_at(params, 0)), opt.init(wrap(params)))
+    tree = unwrap(params)
+    tree["scale"] = tree["scale"].at[0].set(-0.0)  # p + 0.0 would make these +0.0
+    params = wrap(tree)
+    bad = grads_at(tree, 1)
     bad["embed"] = bad["embed"].at[3, 7].set(jnp.nan)
-    new_flat, new_state = jax.jit(opt.step)(flat, flatten(bad), state)
-    for a, b in zip(jax.tree.leaves((flat, state.moments, state.count)),
-                    jax.tree.leaves((new_flat, new_state.moments, new_state.count)), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    new_params, new_state = step(params, wrap(bad), state)
+    assert raw_bits(new_params) == raw_bits(params)
+    assert raw_bits((new_state.moments, new_state.count)) == raw_bits((state.moments, state.count))
     assert int(new_state.skipped) == 1 and int(new_state.count) == 1
 
 

@@ -141,6 +141,24 @@ def test_damaged_latest_step_falls_back_to_previous(tmp_path, caplog, damage):
         assert_bit_identical(ckpt.restore(make_state()), make_state(2))
 
 
+@pytest.mark.parametrize("damage", ["flip_byte", "delete_manifest"])
+def test_retention_keeps_max_to_keep_verified_steps(tmp_path, caplog, damage):
+    with Checkpointer(tmp_path, max_to_keep=2, handle_sigterm=False) as ckpt:
+        ckpt.save(1, make_state(1))
+        ckpt.save(2, make_state(2))
+        if damage == "flip_byte":
+            _flip_byte_in_largest_data_file(tmp_path / "2")
+        else:
+            (tmp_path / "2" / MANIFEST).unlink()
+        with caplog.at_level(logging.WARNING, logger="apex_jax.checkpoint"):
+            assert ckpt.save(3, make_state(3))
+        assert "deleting unverified checkpoint step 2" in caplog.text
+        assert ckpt.all_steps() == [1, 3]  # step 1, not the damaged step 2, is the fallback kept
+        assert_bit_identical(ckpt.restore(make_state(), step=1), make_state(1))
+        ckpt.save(4, make_state(4))
+        assert ckpt.all_steps() == [3, 4]
+
+
 def test_restore_without_checkpoint_raises(tmp_path):
     with Checkpointer(tmp_path, handle_sigterm=False) as ckpt:
         with pytest.raises(FileNotFoundError, match="no verified checkpoint"):
@@ -168,15 +186,20 @@ def _wait_for_line(child: subprocess.Popen, prefix: str) -> str:
 CRASH_SCRIPT = """
     import os, signal, sys, time
     import numpy as np
-    from apex_jax.checkpoint import Checkpointer
+    from apex_jax.checkpoint import MANIFEST, Checkpointer
 
-    directory, mode = sys.argv[1], sys.argv[2]
-    ckpt = Checkpointer(directory, handle_sigterm=False)
+    directory, mode, max_to_keep = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ckpt = Checkpointer(directory, max_to_keep=max_to_keep, handle_sigterm=False)
     ckpt.save(1, {"x": np.arange(1000, dtype=np.float32), "n": np.int32(1)})
+    new_step = 2
+    if mode == "corrupt_latest":  # step 2 saved, then its manifest lost: step 1 is the only good one
+        ckpt.save(2, {"x": np.ones(3, np.float32)})
+        os.remove(os.path.join(directory, "2", MANIFEST))
+        new_step = 3
     print("saved 1", flush=True)
     real_rename = os.rename
     def held_rename(src, dst, *args, **kwargs):  # hold orbax's finalize rename: the kill lands before it
-        if os.path.basename(os.fspath(dst)) == "2":
+        if os.path.basename(os.fspath(dst)) == str(new_step):
             time.sleep(600)
         return real_rename(src, dst, *args, **kwargs)
     if mode == "mid_write":
@@ -185,15 +208,21 @@ CRASH_SCRIPT = """
         Checkpointer._write_manifest = lambda self, step, tree: os.kill(os.getpid(), signal.SIGKILL)
     rng = np.random.default_rng(0)  # random: incompressible, so 32 MiB of chunks really hit the disk
     big = {f"leaf{i}": rng.standard_normal(1 << 20, np.float32) for i in range(8)}
-    ckpt.save(2, big)
+    ckpt.save(new_step, big)
     print("finished", flush=True)
 """
 
 
-@pytest.mark.parametrize("mode", ["mid_write", "before_manifest"])
-def test_killed_save_leaves_previous_step_restorable(tmp_path, mode):
+@pytest.mark.parametrize("mode, max_to_keep, steps_after_kill", [
+    ("mid_write", 3, [1]),
+    ("mid_write", 1, [1]),
+    ("before_manifest", 3, [1, 2]),
+    ("before_manifest", 1, [1, 2]),  # orbax's own retention deleted step 1 here, before the manifest
+    ("corrupt_latest", 2, [1, 2, 3]),  # and here, counting the unverified step 2 as one to keep
+], ids=["mid_write", "mid_write_keep1", "before_manifest", "before_manifest_keep1", "corrupt_latest_keep2"])
+def test_killed_save_leaves_previous_step_restorable(tmp_path, mode, max_to_keep, steps_after_kill):
     directory = tmp_path / "ckpt"
-    child = _run_child(tmp_path, CRASH_SCRIPT, str(directory), mode)
+    child = _run_child(tmp_path, CRASH_SCRIPT, str(directory), mode, str(max_to_keep))
     try:
         _wait_for_line(child, "saved 1")
         if mode == "mid_write":
@@ -209,14 +238,15 @@ def test_killed_save_leaves_previous_step_restorable(tmp_path, mode):
             child.kill()
             child.wait()
 
-    with Checkpointer(directory, handle_sigterm=False) as ckpt:
-        assert ckpt.all_steps() == ([1] if mode == "mid_write" else [1, 2])
+    with Checkpointer(directory, max_to_keep=max_to_keep, handle_sigterm=False) as ckpt:
+        assert ckpt.all_steps() == steps_after_kill
         assert ckpt.latest_step() == 1
         restored = ckpt.restore({"x": np.zeros(1000, np.float32), "n": np.int32(0)})
         assert_bit_identical(restored, {"x": np.arange(1000, dtype=np.float32), "n": np.int32(1)})
         assert ckpt.save(2, {"x": np.ones(3, np.float32)})  # the step can be written again after the crash
         assert ckpt.latest_step() == 2
-    assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]  # no tmp dir left behind
+    # no tmp dir left behind; the unverified step 3 is deleted, step 1 kept while max_to_keep allows
+    assert sorted(p.name for p in directory.iterdir()) == (["1", "2"] if max_to_keep > 1 else ["2"])
 
 
 SIGTERM_LOOP_SCRIPT = """
