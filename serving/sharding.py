@@ -29,6 +29,15 @@ one place, around the jitted call::
     with jax.set_mesh(mesh):
         logits, kv, expert_counts = jax.jit(module.forward, static_argnums=1)(params, cfg, tokens, batch, kv)
 
+Serving on a mesh (``Engine(mesh=...)``, ``python -m serving serve --tensor-parallel 2 --expert-parallel 4``):
+``check_mesh`` checks the mesh against the model, ``shard_params`` places the weights by the model's
+``param_specs``, and ``cache_spec`` splits the paged cache as the attention weights that write it (k/v heads over
+``"tensor"``; MLA's latent rows, shared by every head, replicated). The runner's steps run under
+``jax.set_mesh``, the step's host buffer replicated: the MoE layers go expert-parallel and XLA partitions the
+rest from the weights' shardings. The cache is not split over ``"data"`` or ``"expert"``: every device holds
+every block (of its ``"tensor"`` slice of heads) and attends for the whole batch; those axes split the MoE
+layers' tokens, not attention's.
+
 Multi-host: call ``jax.distributed.initialize()`` first in every process (coordinator address, process count
 and id from its arguments or, on SLURM / Open MPI / Cloud TPU, from the environment). ``jax.devices()`` then
 lists every process's devices, and ``make_mesh(...)`` over them builds the same global mesh in each process;
@@ -43,7 +52,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from serving import layers
@@ -72,6 +81,46 @@ def make_mesh(data: int = 1, tensor: int = 1, expert: int = 1, devices: Sequence
         raise ValueError(f"make_mesh: data={data} x tensor={tensor} x expert={expert} = {math.prod(sizes)} devices: "
                          f"expected the number of devices given, {len(devices)}")
     return jax.make_mesh(sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def check_mesh(mesh: Mesh, cfg: ModelConfig) -> None:
+    """ValueError unless ``mesh`` has ``make_mesh``'s axes and ``cfg``'s routed experts split evenly over its
+    ``"expert"`` axis (size 1 for a dense model: it has no experts to split)."""
+    if set(mesh.axis_names) != set(AXES):
+        raise ValueError(f"mesh axes {mesh.axis_names}: expected {AXES} (use make_mesh)")
+    ep = mesh.shape[EXPERT]
+    if cfg.num_experts == 0 and ep > 1:
+        raise ValueError(f"expert={ep} for family {cfg.family!r}, a dense model (no routed experts): expected "
+                         "expert=1")
+    if cfg.num_experts % ep:
+        raise ValueError(f"{cfg.num_experts} experts over an expert axis of size {ep}: expected the number of "
+                         "experts to be a multiple of it")
+
+
+def shard_params(params: dict, specs: dict, mesh: Mesh) -> dict:
+    """``params`` (possibly quantized) placed on ``mesh`` by ``specs``, the unquantized weights' ``PartitionSpec``s
+    (a model's ``param_specs``). A split dimension that is not a multiple of its mesh axes' size -> ValueError
+    naming the weight."""
+    specs = quantized_specs(specs, params)
+
+    def check(path, leaf: jax.Array, spec: P) -> None:
+        for dim, (size, axes) in enumerate(zip(leaf.shape, spec, strict=False)):  # trailing dims: replicated
+            devices = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+            if size % devices:
+                name = jax.tree_util.keystr(path, simple=True, separator=".")
+                raise ValueError(f"shard_params: {name} {list(leaf.shape)}: dimension {dim} of size {size} split "
+                                 f"over mesh axes {axes!r} of {devices} devices: expected a multiple of {devices}")
+
+    jax.tree.map_with_path(check, params, specs)
+    return jax.device_put(params, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
+
+
+def cache_spec(cfg: ModelConfig) -> P:
+    """The ``PartitionSpec`` of every page array of ``cfg``'s paged cache (``kv_cache.py``): ``PagedKV``'s
+    ``[num_blocks, block_size, kv_heads, head_dim]`` with the kv heads over ``"tensor"``, as the k/v projections
+    that write them; ``PagedLatentKV``'s ``[num_blocks, block_size, R + P]`` replicated (one row serves every
+    head)."""
+    return P() if cfg.is_mla else P(None, None, TENSOR, None)
 
 
 def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,

@@ -13,7 +13,11 @@ sampling step is ``len(output) + j``). Verification keeps a prefix and adds one 
   whatever the draft distribution ``q``. A deterministic drafter (n-gram, greedy draft model) has one-hot q.
 
 ``p_j`` is the sampler's distribution (``sampler.filtered_logits`` after penalties and the structured-output
-mask). The randomness of position j is ``fold_in(key(seed), step_j)`` as in ``sampler.py``, split into streams
+mask). A constrained sequence (structured output) is drafted too: its drafts end at the first token the grammar
+rejects (``grammar_drafts``), and position j is masked by the grammar after ``x_1..x_{j-1}``
+(``structured.fill_draft_bitmask``, computed on the host while the device runs the target's forward pass), so
+``p_j`` is the masked, renormalised distribution that constrained sampling without speculation draws from. The
+randomness of position j is ``fold_in(key(seed), step_j)`` as in ``sampler.py``, split into streams
 for acceptance, residual and draft sampling: a seeded request gives the same tokens alone or in any batch, and
 a request whose draft is empty samples exactly as without speculation.
 
@@ -28,7 +32,7 @@ target of its own.
 import dataclasses
 import functools
 import inspect
-import itertools
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -45,7 +49,7 @@ from serving.engine.sampler import SampleRow, SamplingBatch, apply_penalties, fi
 from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.models import model_module
-from serving.structured import apply_token_bitmask, fill_token_bitmask
+from serving.structured import ConstraintMatcher, apply_token_bitmask, fill_draft_bitmask
 
 # Random streams folded into a position's key fold_in(key(seed), step): the plain draw uses the key itself (as
 # sampler.py does), so positions without a draft sample exactly as without speculation.
@@ -258,22 +262,25 @@ def verify(logits: jax.Array, b: SamplingBatch, draft_tokens: jax.Array, draft_c
     return VerifyResult(tokens, num_accepted, chosen, top_ids.astype(jnp.int32), top_logprobs)
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg", "num_top", "hidden_layers", "draw", "paged_only"),
-                   donate_argnames="kv")
-def _verify_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, rows: jax.Array, sampling: SamplingBatch,
-                 draft_tokens: jax.Array, draft_counts: jax.Array, draft_probs: jax.Array | None,
-                 draft_rows: jax.Array, *, forward: Callable, cfg: ModelConfig, num_top: int,
-                 hidden_layers: tuple[int, ...], draw: bool,
-                 paged_only: bool) -> tuple[VerifyResult, Any, jax.Array, jax.Array | None]:
-    """The target's forward over ``tokens [N]`` (within ``layers.paged_only(paged_only)``), then ``verify`` at the
-    flat indices ``rows [S * (k + 1)]``; when ``hidden_layers`` names any, also the hidden states after them
-    ``[N, len(hidden_layers), D]``."""
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "hidden_layers", "paged_only"), donate_argnames="kv")
+def _score_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, rows: jax.Array, *, forward: Callable,
+                cfg: ModelConfig, hidden_layers: tuple[int, ...],
+                paged_only: bool) -> tuple[jax.Array, Any, jax.Array, jax.Array | None]:
+    """The target's forward over ``tokens [N]`` (within ``layers.paged_only(paged_only)``): its logits at the flat
+    indices ``rows`` ``[S * (k + 1), V]``, the cache, the expert counts and, when ``hidden_layers`` names any, the
+    hidden states after them ``[N, len(hidden_layers), D]``."""
     with layers.paged_only(paged_only):
         logits, kv, expert_counts, *hidden = forward(params, cfg, tokens, batch, kv,
                                                      **({"hidden_layers": hidden_layers} if hidden_layers else {}))
+    return logits[rows], kv, expert_counts, hidden[0] if hidden_layers else None
+
+
+@functools.partial(jax.jit, static_argnames=("num_top", "draw"))
+def _verify_rows(logits: jax.Array, sampling: SamplingBatch, draft_tokens: jax.Array, draft_counts: jax.Array,
+                 draft_probs: jax.Array | None, draft_rows: jax.Array, *, num_top: int, draw: bool) -> VerifyResult:
+    """``verify`` with each sequence's q at row ``draft_rows[s]`` of the proposal's ``draft_probs``."""
     probs = None if draft_probs is None else draft_probs[draft_rows]
-    result = verify(logits[rows], sampling, draft_tokens, draft_counts, probs, num_top, draw)
-    return result, kv, expert_counts, hidden[0] if hidden_layers else None
+    return verify(logits, sampling, draft_tokens, draft_counts, probs, num_top, draw)
 
 
 class VerifyChunk(NamedTuple):
@@ -292,9 +299,11 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
     """Score every chunk's drafts in one forward of ``runner``'s model and verify them (host arrays back).
 
     Each chunk's last ``1 + len(drafts)`` tokens are scored: position j samples as output token
-    ``row.step + j`` with the drafts before it appended to the history. A ``HiddenStateDrafter`` ``drafter``
-    observes the hidden states of every chunk's accepted tokens (its tokens before the drafts, and the drafts
-    kept).
+    ``row.step + j`` with the drafts before it appended to the history and, for a constrained chunk, the mask of
+    its grammar after them (computed while the forward pass runs, unless ``runner.overlap_masks`` is False; the
+    matchers are left as they were: appending the accepted tokens advances them). A ``HiddenStateDrafter``
+    ``drafter`` observes the hidden states of every chunk's accepted tokens (its tokens before the drafts, and the
+    drafts kept).
     """
     tokens, batch = runner.prepare([c.chunk for c in chunks], [c.token_ids for c in chunks])
     num_seqs = batch.context_lens.shape[0]
@@ -316,19 +325,17 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
                             for j in range(k + 1)]
         else:
             sample_rows += [c.row._replace(step=c.row.step + j) for j in range(k + 1)]
-        if c.row.matcher is not None and d:
-            raise ValueError(f"verify_step: chunk {s} is constrained (structured output) and must have no drafts")
-    # A constrained sequence is never drafted, so its one scored position (j = 0) takes its matcher's mask.
-    matchers = [r.matcher if j == 0 else None for r, j in zip(sample_rows, itertools.cycle(range(k + 1)))]
-    bitmask = (fill_token_bitmask(matchers, runner.cfg.vocab, num_seqs * (k + 1))
-               if any(m is not None for m in matchers) else None)
     observer = drafter if isinstance(drafter, HiddenStateDrafter) else None
-    result, runner.kv, counts, hidden = _verify_step(
-        runner.params, runner.kv, tokens, batch, rows.reshape(-1),
-        sampling_batch(sample_rows, num_seqs * (k + 1), token_bitmask=bitmask),
-        draft_tokens, draft_counts, draft_probs, draft_rows, forward=runner.forward, cfg=runner.cfg, num_top=num_top,
+    bitmask = None if runner.overlap_masks else _draft_masks(runner, chunks, k, num_seqs)
+    logits, runner.kv, counts, hidden = _score_step(
+        runner.params, runner.kv, tokens, batch, rows.reshape(-1), forward=runner.forward, cfg=runner.cfg,
         hidden_layers=observer.hidden_layers if observer else (),
-        draw=any(c.row.params.temperature > 0 for c in chunks), paged_only=layers.all_paged(batch))
+        paged_only=layers.all_paged(batch))  # returns at once; the device computes
+    if runner.overlap_masks:
+        bitmask = _draft_masks(runner, chunks, k, num_seqs)
+    result = _verify_rows(logits, sampling_batch(sample_rows, num_seqs * (k + 1), token_bitmask=bitmask),
+                          draft_tokens, draft_counts, draft_probs, draft_rows, num_top=num_top,
+                          draw=any(c.row.params.temperature > 0 for c in chunks))
     *fields, counts = jax.device_get((*result, counts))  # one wait for every transfer
     runner.expert_load += counts
     result = VerifyResult(*(a[:len(chunks)] for a in fields))
@@ -337,6 +344,29 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
         observer.observe(hidden, [HiddenSpan(c.seq_id, int(row), c.chunk.start, c.chunk.count - len(c.drafts) + int(a))
                                   for c, row, a in zip(chunks, starts[:-1], result.num_accepted, strict=True)])
     return result
+
+
+def _draft_masks(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, num_seqs: int) -> np.ndarray | None:
+    """``[num_seqs * (k + 1), ceil(V / 32)]`` int32: row ``s * (k + 1) + j`` the tokens chunk s's grammar allows
+    after its first j drafts, or None when no chunk is constrained (host time added to ``runner.mask_seconds``)."""
+    matchers = [c.row.matcher for c in chunks]
+    if all(m is None for m in matchers):
+        return None
+    start = time.perf_counter()
+    bitmask = fill_draft_bitmask(matchers, [c.drafts for c in chunks], runner.cfg.vocab, k + 1, num_seqs)
+    runner.mask_seconds += time.perf_counter() - start
+    return bitmask
+
+
+def grammar_drafts(drafts: Sequence[int], matcher: ConstraintMatcher, one_hot: bool) -> list[int]:
+    """A constrained sequence's ``drafts`` cut after the first token its grammar rejects, or at that token when
+    q is one-hot (``one_hot``: a deterministic draft, or a greedy row).
+
+    Verification rejects that token (its masked ``p_j`` is 0) and draws from ``norm(max(0, p_j - q_j))``, which a
+    sampled q needs to stay lossless; for one-hot q that is ``p_j`` itself, the draw without the token.
+    """
+    valid = matcher.num_valid(drafts)
+    return list(drafts[:valid if one_hot else valid + 1])
 
 
 # --------------------------------------------------------------------------- n-gram drafter

@@ -22,6 +22,11 @@ generated token. xgrammar was not measured: it needs torch and transformers, too
 Vocabulary: the model's logits may have more rows than the tokenizer has ids (embedding padding); those ids
 are never allowed. The eos ids are allowed exactly when the grammar accepts the text so far; once the grammar
 admits no further text, eos is the only allowed token (`is_finished`).
+
+Speculative decoding (`serving.speculative`): a constrained sequence's drafts ``d_1..d_k`` end at the first one
+its grammar rejects (`ConstraintMatcher.num_valid`), and verification position j gets the mask after ``d_1..d_j``
+(`fill_draft_bitmask`: llguidance advances a matcher over the drafts and rolls it back), so the target's tokens
+are checked against exactly the masks sampling without speculation would use.
 """
 
 import dataclasses
@@ -196,6 +201,22 @@ class ConstraintMatcher:
         self._ended = self._ended and not n
         self.num_tokens -= n
 
+    def num_valid(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` `advance` would take one after another from here (eos where the
+        output before it is complete, and nothing after eos); the state is unchanged."""
+        if self._ended:
+            return 0
+        ids = [int(t) for t in token_ids]
+        end = next((i for i, t in enumerate(ids) if t in self.eos_token_ids), len(ids))
+        n = self._matcher.validate_tokens(ids[:end])
+        if n < end or end == len(ids):
+            return n
+        for token in ids[:n]:  # an eos follows n valid tokens: is the output complete after them?
+            self.advance(token)
+        accepting = self.is_accepting()
+        self.rollback(n)
+        return n + accepting
+
     def is_accepting(self) -> bool:
         """The output so far is complete under the grammar (eos may be sampled)."""
         return self._matcher.is_accepting()
@@ -252,16 +273,51 @@ def fill_token_bitmask(matchers: Sequence[ConstraintMatcher | None], vocab_size:
     ``len(matchers)``), allow every token.
     """
     num_rows = len(matchers) if num_rows is None else num_rows
-    if num_rows < len(matchers):
-        raise ValueError(f"fill_token_bitmask: num_rows={num_rows} < {len(matchers)} matchers")
+    _check_matchers("fill_token_bitmask", matchers, vocab_size, num_rows)
     bitmask = np.full((num_rows, -(-vocab_size // BITS_PER_WORD)), ALL_ALLOWED, np.int32)
     rows = [(m._matcher, i) for i, m in enumerate(matchers) if m is not None]
-    for m in matchers:
-        if m is not None and m.vocab_size != vocab_size:
-            raise ValueError(f"fill_token_bitmask: a matcher has vocab_size={m.vocab_size}, expected {vocab_size}")
     if rows:
         llguidance.numpy.fill_next_token_bitmask_par(_executor(), rows, bitmask)
     return bitmask
+
+
+def fill_draft_bitmask(matchers: Sequence[ConstraintMatcher | None], drafts: Sequence[Sequence[int]], vocab_size: int,
+                       positions: int, num_rows: int | None = None) -> np.ndarray:
+    """``[num_rows * positions, ceil(vocab_size / 32)]`` int32 packed masks of speculative verification, computed in
+    parallel: row ``i * positions + j`` allows the tokens that may follow ``matchers[i]``'s output and then
+    ``drafts[i][:j]`` (fewer than `positions` drafts per row).
+
+    A row's masks stop at its first draft the grammar rejects (the last mask is the one rejecting it) or at an
+    eos: verification goes no further, so the rows after allow every token, as do the rows of a matcher that is
+    None and of the padding up to `num_rows` (default ``len(matchers)``) sequences. The matchers are unchanged.
+    """
+    num_rows = len(matchers) if num_rows is None else num_rows
+    _check_matchers("fill_draft_bitmask", matchers, vocab_size, num_rows)
+    if len(drafts) != len(matchers):
+        raise ValueError(f"fill_draft_bitmask: {len(drafts)} draft lists for {len(matchers)} matchers")
+    for i, d in enumerate(drafts):
+        if len(d) >= positions:
+            raise ValueError(f"fill_draft_bitmask: row {i} has {len(d)} drafts, expected at most positions - 1 = "
+                             f"{positions - 1}")
+    bitmask = np.full((num_rows * positions, -(-vocab_size // BITS_PER_WORD)), ALL_ALLOWED, np.int32)
+    rows = [(m._matcher, i * positions, [int(t) for t in d])
+            for i, (m, d) in enumerate(zip(matchers, drafts, strict=True)) if m is not None]
+    drafted = [row for row in rows if row[2]]
+    undrafted = [(m, first) for m, first, d in rows if not d]  # (llguidance's draft variant takes no empty list)
+    if drafted:  # llguidance advances each matcher over its drafts, one mask per position, then rolls them back
+        llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(_executor(), drafted, bitmask)
+    if undrafted:
+        llguidance.numpy.fill_next_token_bitmask_par(_executor(), undrafted, bitmask)
+    return bitmask
+
+
+def _check_matchers(caller: str, matchers: Sequence[ConstraintMatcher | None], vocab_size: int,
+                    num_rows: int) -> None:
+    if num_rows < len(matchers):
+        raise ValueError(f"{caller}: num_rows={num_rows} < {len(matchers)} matchers")
+    for m in matchers:
+        if m is not None and m.vocab_size != vocab_size:
+            raise ValueError(f"{caller}: a matcher has vocab_size={m.vocab_size}, expected {vocab_size}")
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:

@@ -2,18 +2,28 @@
 unmodified ``openai`` and ``anthropic`` clients (streaming included) and raw httpx for the wire format."""
 
 import json
+import re
+import types
 
 import anthropic
 import httpx
+import jsonschema
 import numpy as np
 import openai
 import pytest
+from prometheus_client import generate_latest
 from test_serving_api_fixture import LLAMA, MODEL_NAME, make_engine, model_folder, running_server
 
-from serving.api.tools import add_tool_instructions, parse_tool_calls, tool_call_text
+from serving.api.metrics import Metrics
+from serving.speculative import NgramDrafter, SpecConfig, SpecStats
 
 GREEDY_TOKENS = 12
 TIMEOUT_S = 120
+GUIDED_TOKENS = 20  # the longest guided answer below, {"ok":false}, is 12 byte-level tokens
+GUIDED_REGEX = r"[a-z]{3}-[0-9]{2}"
+GUIDED_CHOICES = ["yes", "no", "maybe"]
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
@@ -119,37 +129,6 @@ def test_raw_sse_format_ends_with_done(server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_tools_are_offered_and_the_answer_is_content_or_calls(oai):
-    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
-    response = oai.chat.completions.create(model=MODEL_NAME, messages=chat("weather?"), tools=tools, max_tokens=6,
-                                           temperature=0.0, extra_body={"ignore_eos": True})
-    message = response.choices[0].message
-    # the random fixture model does not follow instructions: its answer comes back as content
-    assert message.tool_calls is None and message.content and response.choices[0].finish_reason == "length"
-    with pytest.raises(openai.BadRequestError, match="tool_choice names 'nope'"):
-        oai.chat.completions.create(model=MODEL_NAME, messages=chat(), tools=tools, max_tokens=2,
-                                    tool_choice={"type": "function", "function": {"name": "nope"}})
-
-
-def test_tool_call_convention():
-    allowed = {"weather", "time"}
-    text = tool_call_text("weather", '{"city": "Paris"}')
-    content, calls = parse_tool_calls(f"Let me check. {text}", allowed)
-    assert content == "Let me check."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-        [("weather", {"city": "Paris"})]
-    content, calls = parse_tool_calls('[{"name": "time", "arguments": {}}, {"name": "weather", "arguments": '
-                                      '"{\\"city\\": \\"Oslo\\"}"}]', allowed)
-    assert content is None and [c["function"]["name"] for c in calls] == ["time", "weather"]
-    for not_a_call in ('{"name": "shell", "arguments": {}}', "<tool_call>{oops</tool_call>", "plain text",
-                       '{"name": "time", "arguments": [1]}'):
-        assert parse_tool_calls(not_a_call, allowed) == (not_a_call, [])
-    messages = add_tool_instructions([{"role": "system", "content": "Be brief."}, *chat()],
-                                     [{"name": "time"}])
-    assert messages[0]["content"].startswith("Be brief.\n\nYou can call") and '{"name": "time"}' in \
-        messages[0]["content"] and messages[1:] == chat()
-
-
 def test_response_format(oai):
     with pytest.raises(openai.BadRequestError, match="response_format.*(not valid|invalid)"):
         oai.chat.completions.create(model=MODEL_NAME, messages=chat(), max_tokens=2, response_format={
@@ -162,6 +141,49 @@ def test_response_format(oai):
                                                          "json_schema": {"name": "ok", "schema": schema}})
     assert reply.choices[0].finish_reason == "stop"
     assert set(json.loads(reply.choices[0].message.content)) == {"ok"}
+
+
+def guided(oai: openai.OpenAI, route: str, stream: bool, **fields) -> list[str]:
+    """The texts of two samples of a request to ``route`` ("chat" or "completions") with extra body ``fields``."""
+    options = dict(model=MODEL_NAME, max_tokens=GUIDED_TOKENS, temperature=1.0, seed=5, n=2, stream=stream,
+                   extra_body=fields)
+    if route == "chat":
+        reply = oai.chat.completions.create(messages=chat(), **options)
+    else:
+        reply = oai.completions.create(prompt="abc", **options)
+    texts = ["", ""]
+    for response in reply if stream else [reply]:
+        for c in response.choices:
+            text = c.text if route == "completions" else c.delta.content if stream else c.message.content
+            texts[c.index] += text or ""
+    return texts
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_guided_fields_constrain_the_output(oai, route, stream):
+    # vLLM's extra fields: even the random fixture model can only answer what they allow
+    assert all(re.fullmatch(GUIDED_REGEX, t) for t in guided(oai, route, stream, guided_regex=GUIDED_REGEX))
+    assert set(guided(oai, route, stream, guided_choice=GUIDED_CHOICES)) <= set(GUIDED_CHOICES)
+    for text in guided(oai, route, stream, guided_json=json.dumps(OK_SCHEMA)):
+        jsonschema.validate(json.loads(text), OK_SCHEMA)
+    response_format = {"type": "json_schema", "json_schema": {"name": "ok", "schema": OK_SCHEMA}}
+    for text in guided(oai, route, stream, response_format=response_format):
+        jsonschema.validate(json.loads(text), OK_SCHEMA)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_bad_constraints_are_openai_shaped_400s(server, route):
+    body = {"model": MODEL_NAME, "max_tokens": 2, **({"messages": chat()} if "chat" in route else {"prompt": "a"})}
+    cases = [({"guided_regex": "([a-z"}, "guided_regex"), ({"guided_choice": []}, "guided_choice"),
+             ({"guided_json": {"type": "no-such-type"}}, "guided_json"), ({"guided_json": "{oops"}, "guided_json"),
+             ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+             ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex")]
+    for fields, param in cases:
+        response = httpx.post(f"{server.url}{route}", json={**body, **fields}, timeout=TIMEOUT_S)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["type"] == "invalid_request_error", (fields, error)
+        assert error["param"] == param and error["message"].startswith(param), (fields, error)
 
 
 def test_anthropic_messages(claude):
@@ -195,14 +217,25 @@ def test_anthropic_event_sequence(server):
     assert [p["type"] for p in payloads] == events
 
 
+def metric_samples(text: str) -> dict[str, float]:
+    """Prometheus text format as {name with labels: value}."""
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
 def test_metrics(server, oai):
     oai.chat.completions.create(model=MODEL_NAME, messages=chat(), max_tokens=3)
-    text = httpx.get(f"{server.url}/metrics").text
-    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line and not line.startswith("#")}
+    samples = metric_samples(httpx.get(f"{server.url}/metrics").text)
     assert samples['serving_requests_total{route="/v1/chat/completions",status="200"}'] >= 1
     assert samples["serving_prompt_tokens_total"] > 0 and samples["serving_generated_tokens_total"] >= 3
     assert samples["serving_time_to_first_token_seconds_count"] >= 1
     assert samples["serving_time_per_output_token_seconds_count"] >= 2
     assert samples["serving_queue_depth"] == 0 and samples["serving_running"] == 0
     assert 0 <= samples["serving_kv_blocks_used_ratio"] <= 1
+    assert not any(name.startswith("serving_spec_") for name in samples)  # this engine does not speculate
+    engine = server.server.config.app.state.frontend.engine
+    speculating = types.SimpleNamespace(scheduler=engine.scheduler, speculative=SpecConfig(NgramDrafter()),
+                                        spec_stats=SpecStats(num_steps=2, num_draft_tokens=6, num_accepted_tokens=4))
+    spec = metric_samples(generate_latest(Metrics(speculating).registry).decode())
+    assert (spec["serving_spec_drafts_total"], spec["serving_spec_draft_tokens_total"],
+            spec["serving_spec_accepted_tokens_total"]) == (2, 6, 4)

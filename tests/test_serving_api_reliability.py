@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from test_serving_api_fixture import MODEL_NAME, make_engine, model_folder, running_server
+from test_serving_api_fixture import BLOCK, MODEL_NAME, make_engine, model_folder, running_server
 
 from serving.api.security import MAX_BODY_BYTES
 
@@ -133,6 +133,7 @@ BAD_OPENAI = {
     "max_tokens a float": (CHAT, chat(max_tokens=2.5)),
     "stop empty string": (CHAT, chat(stop=[""])),
     "stop a number": (CHAT, chat(stop=7)),
+    "cache_salt empty": (CHAT, chat(cache_salt="")),
     "invalid schema": (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"schema": "nope"}})),
     "bad response_format type": (CHAT, chat(response_format={"type": "xml"})),
     "tools not a list": (CHAT, chat(tools={"type": "function"})),
@@ -205,6 +206,36 @@ def test_a_body_over_the_limit_gets_413_before_parsing(url):
 
     response = httpx.post(f"{url}/v1/messages", content=chunked(), timeout=TIMEOUT_S)
     assert response.status_code == 413 and response.json()["error"]["type"] == "request_too_large"
+
+
+def test_the_context_is_what_the_cache_holds_and_a_longer_request_is_capped_or_refused(url, served):
+    capacity = NUM_BLOCKS * BLOCK  # less than the engine's max_model_len=1024
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == capacity
+    body = {"model": MODEL_NAME, "prompt": [5] * (capacity - 4), "ignore_eos": True}
+    response = post(url, "/v1/completions", body)  # max_tokens defaults to what fits: 4
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4 and response.json()["choices"][0]["finish_reason"] == \
+        "length"
+    error = post(url, "/v1/completions", {**body, "max_tokens": 5}).json()["error"]
+    assert error["param"] == "max_tokens" and f"context length {capacity}" in error["message"]
+    assert post(url, CHAT, chat(max_tokens=capacity)).status_code == 400
+    wait_until_idle(served[1], FREED_WITHIN_S)
+
+
+def test_cache_salt_is_passed_to_the_engine(url, served, monkeypatch):
+    _, engine = served
+    add_request, salts = engine.add_request, []
+
+    def recording_add_request(prompt, params, request_id, cache_salt=None):
+        salts.append(cache_salt)
+        return add_request(prompt, params, request_id, cache_salt)
+
+    monkeypatch.setattr(engine, "add_request", recording_add_request)
+    assert post(url, CHAT, chat(cache_salt="tenant-a")).status_code == 200
+    completion = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "cache_salt": "tenant-b"}
+    assert post(url, "/v1/completions", completion).status_code == 200
+    assert post(url, CHAT, chat()).status_code == 200
+    assert salts == ["tenant-a", "tenant-b", None]
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -1,6 +1,7 @@
 """The engine end to end on the tiny HF fixtures (fp32): greedy equals HF's greedy, and neither batching,
 chunked prefill, late arrivals, preemption nor the prefix cache changes any token."""
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -112,3 +113,34 @@ def test_bad_requests_raise_clear_errors():
         eng.add_request("hello")
     with pytest.raises(ValueError, match=r"prompt ids must be .* \[0, 320\)"):
         eng.add_request([999])
+
+
+def test_a_request_that_outgrows_the_cache_ends_with_length_and_does_not_block_the_queue():
+    eng = engine(num_blocks=4, max_running=1)  # 16 tokens of cache (less than the context); one at a time
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    long = eng.add_request(list(range(3, 8)), params)
+    short = eng.add_request([3, 4], dataclasses.replace(params, max_tokens=2))
+    for _ in range(40):  # ample: the cache holds 11 tokens past the long prompt
+        if eng.has_unfinished():
+            eng.step()
+    assert not eng.has_unfinished() and eng.max_model_len == 16
+    long_out, short_out = eng.release(long).outputs[0], eng.release(short).outputs[0]
+    assert (len(long_out.token_ids), long_out.finish_reason) == (11, "length")
+    assert (len(short_out.token_ids), short_out.finish_reason) == (2, "length")
+    assert eng.allocator.num_free == 4 and eng.scheduler.num_preemptions == 0
+
+
+def test_cache_salt_keeps_equal_prompts_from_sharing_cached_blocks():
+    prompts, _ = reference("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    eng = engine()
+
+    def cached_tokens(salt: str | None) -> int:
+        request_id = eng.add_request(prompts[0], params, cache_salt=salt)
+        while eng.has_unfinished():
+            eng.step()
+        return eng.release(request_id).num_cached_tokens
+
+    full = (len(prompts[0]) - 1) // BLOCK * BLOCK  # the full blocks before the prompt's last token
+    assert [cached_tokens(None), cached_tokens(None)] == [0, full]
+    assert [cached_tokens("tenant-a"), cached_tokens("tenant-b"), cached_tokens("tenant-a")] == [0, 0, full]

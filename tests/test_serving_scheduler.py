@@ -118,3 +118,18 @@ def test_stop_strings_are_cut_and_never_emitted():
     deltas = [seq.append(t) for t in (0, 1, 10, 0, 10, 11, 2)]  # "ab" "X" "a" "X" "Y": stops at "XY"
     assert seq.finish_reason == STOP and seq.text == "abXa" and "".join(deltas) == "abXa"
     assert deltas[2] == ""  # "X" is held back until it is known not to start "XY"
+
+
+def test_a_lone_sequence_that_outgrows_the_cache_ends_with_length_and_does_not_block_the_queue():
+    sched = Scheduler(BlockAllocator(4, BLOCK), max_running=1, token_budget=100)  # 16 tokens of cache
+    long, short = make_seq(0, 5, max_tokens=20), make_seq(1, 2, max_tokens=2)  # max_len 1000 > the cache
+    sched.add(long)
+    sched.add(short)
+    for _ in range(40):  # ample: 12 steps for the long one, 2 for the short one
+        if sched.has_work():
+            run_step(sched)
+            check_blocks(sched)
+    assert not sched.has_work() and sched.num_preemptions == 0
+    assert (long.num_tokens, long.finish_reason) == (16, LENGTH)  # every token the cache can hold
+    assert (short.output_ids, short.finish_reason) == ([5, 5], LENGTH)
+    assert sched.allocator.num_free == 4

@@ -25,6 +25,7 @@ from serving.structured import (
     InvalidConstraintError,
     apply_token_bitmask,
     compile_constraint,
+    fill_draft_bitmask,
     fill_token_bitmask,
 )
 from serving.tokenizer import Tokenizer
@@ -169,6 +170,24 @@ def test_rollback_restores_the_matcher_state(tok):
         matcher.rollback(99)
 
 
+def test_num_valid_counts_the_drafts_advance_would_take_and_keeps_the_state(tok):
+    eos = tok.eos_token_ids[0]
+    matcher = compile_constraint(ConstraintSpec.regex(PHONE), tok).matcher()
+    ids, letter = _ids(tok, "555-123-4567"), _ids(tok, "a")[0]
+    mask = matcher.allowed_tokens()
+    assert matcher.num_valid(ids) == len(ids) and matcher.num_valid([]) == 0
+    assert matcher.num_valid(ids[:2] + [letter] + ids[2:]) == 2  # cut at the first token the grammar rejects
+    assert matcher.num_valid(ids[:3] + [eos]) == 3  # eos before the number is complete
+    assert matcher.num_valid(ids + [eos, ids[0]]) == len(ids) + 1  # eos once it is, and nothing after eos
+    np.testing.assert_array_equal(matcher.allowed_tokens(), mask)
+    assert matcher.num_tokens == 0
+    for token in ids:
+        matcher.advance(token)
+    assert matcher.is_finished() and matcher.num_valid([eos, eos]) == 1 and matcher.num_valid([ids[0]]) == 0
+    matcher.advance(eos)
+    assert matcher.num_valid([eos]) == 0
+
+
 def test_choice_and_regex_masks(tok):
     choice = compile_constraint(ConstraintSpec.choice(CHOICES), tok).matcher()
     first = {tok.decode([t]) for t in np.flatnonzero(choice.allowed_tokens())}
@@ -217,6 +236,52 @@ def test_fill_token_bitmask_rows(tok):
         fill_token_bitmask(matchers, 49152)
 
 
+def _unpack(words: np.ndarray, vocab: int) -> np.ndarray:
+    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
+def test_fill_draft_bitmask_masks_each_verification_position(tok):
+    """Row i * positions + j is the mask after matcher i's output and its first j drafts; the rows past a draft
+    the grammar rejects, past eos, past the drafts, of unconstrained rows and of padding allow everything."""
+    eos, letter, positions = tok.eos_token_ids[0], _ids(tok, "a")[0], 4
+
+    def matcher(spec: ConstraintSpec, output: list[int]):
+        m = compile_constraint(spec, tok, PADDED_VOCAB).matcher()
+        for token in output:
+            m.advance(token)
+        return m
+
+    person, phone = ConstraintSpec.json_schema(SCHEMAS["person"]), ConstraintSpec.regex(PHONE)
+    digit, choice = ConstraintSpec.regex("[0-9]"), ConstraintSpec.choice(CHOICES)
+    rows = [  # (spec, output so far, drafts, positions with a mask) of each row; None: unconstrained
+        (person, [], _ids(tok, '{"name":"')[:3], 4),  # every draft valid
+        (phone, _ids(tok, "5"), _ids(tok, "5") + [letter, letter], 2),  # up to the rejected letter
+        (None, [], [], 0),
+        (digit, _ids(tok, "7"), [eos, letter], 1),  # eos, nothing after it
+        (choice, [], [], 1),  # no drafts: the current mask only
+    ]
+    matchers = [spec and matcher(spec, output) for spec, output, _, _ in rows]
+    before = [m and m.allowed_tokens() for m in matchers]
+    bitmask = fill_draft_bitmask(matchers, [drafts for *_, drafts, _ in rows], PADDED_VOCAB, positions, num_rows=8)
+    assert bitmask.shape == (8 * positions, math.ceil(PADDED_VOCAB / 32)) and bitmask.dtype == np.int32
+    for i, (spec, output, drafts, num_masked) in enumerate(rows):
+        for j in range(positions):
+            mask = _unpack(bitmask[i * positions + j], PADDED_VOCAB)
+            if j < num_masked:
+                expected = matcher(spec, output + drafts[:j]).allowed_tokens()
+                np.testing.assert_array_equal(mask, expected, err_msg=f"row {i} position {j}")
+            else:
+                assert mask.all(), f"row {i} position {j}"
+    for m, mask in zip(matchers, before, strict=True):  # the call left every matcher as it was
+        if m is not None:
+            np.testing.assert_array_equal(m.allowed_tokens(), mask)
+    assert (bitmask[len(rows) * positions:] == ALL_ALLOWED).all()
+    with pytest.raises(ValueError, match="row 0 has 4 drafts, expected at most positions - 1 = 3"):
+        fill_draft_bitmask(matchers[:1], [_ids(tok, "5") * 4], PADDED_VOCAB, positions)
+    with pytest.raises(ValueError, match="1 draft lists for 2 matchers"):
+        fill_draft_bitmask(matchers[:2], [[]], PADDED_VOCAB, positions)
+
+
 def test_sampler_samples_only_allowed_tokens():
     """Greedy and sampled rows pick allowed tokens; an all-ones row samples exactly as without a mask."""
     rng = np.random.default_rng(1)
@@ -243,7 +308,8 @@ def test_sampler_samples_only_allowed_tokens():
 
 @pytest.fixture(scope="module")
 def smollm2_engine():
-    """The engine over SmolLM2 with n-gram speculation: constrained rows are never drafted, free rows are."""
+    """The engine over SmolLM2 with n-gram speculation: constrained rows are drafted too, their drafts verified
+    under the grammar's mask at every position."""
     return Engine.from_default(num_blocks=512, max_running=64, token_budget=1024,
                                speculative=SpecConfig(NgramDrafter(), k=4))
 
@@ -284,6 +350,23 @@ def test_smollm2_constrained_outputs_parse_and_validate(smollm2_engine):
     sampled = [tuple(ids) for r, ids in zip(rows, outputs, strict=True)
                if r[3].temperature > 0 and r[2] == "person"]
     assert len(set(sampled)) > 1, sampled  # seeds make different outputs
+
+
+@pytest.mark.slow
+def test_smollm2_constrained_greedy_is_identical_with_ngram_speculation(smollm2_engine):
+    """Greedy rows under the 8 JSON schemas and a regex: drafted (some drafts accepted) with the same tokens as
+    the engine without speculation."""
+    specs = [ConstraintSpec.json_schema(schema) for schema in SCHEMAS.values()] + [ConstraintSpec.regex(PHONE)]
+    prompts = [[{"role": "user", "content": f"Describe an example {name.replace('_', ' ')} as JSON."}]
+               for name in SCHEMAS] + [[{"role": "user", "content": "Give a US phone number."}]]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, constraint=spec) for spec in specs]
+    before = dataclasses.replace(smollm2_engine.spec_stats)
+    fast = smollm2_engine.generate(prompts, params)
+    plain = Engine.from_default(num_blocks=512, max_running=64, token_budget=1024).generate(prompts, params)
+    assert [r.outputs[0].token_ids for r in fast] == [r.outputs[0].token_ids for r in plain]
+    stats = smollm2_engine.spec_stats
+    accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+    assert 0 < accepted < stats.num_draft_tokens - before.num_draft_tokens, (before, stats)
 
 
 def test_engine_rejects_an_invalid_constraint_before_queueing(smollm2_engine):

@@ -1,27 +1,38 @@
-"""Anthropic-compatible ``POST /v1/messages``: system prompt, text messages, stop_sequences, max_tokens,
-temperature, top_p, top_k; non-streaming, or SSE events message_start, content_block_start,
-content_block_delta..., content_block_stop, message_delta, message_stop. Errors use Anthropic's shape
-(``serving.api.errors``).
+"""Anthropic-compatible ``POST /v1/messages``: system prompt, messages, stop_sequences, max_tokens, temperature,
+top_p, top_k, tool use; non-streaming, or SSE events message_start, content_block_start,
+content_block_delta..., content_block_stop (per content block), message_delta, message_stop. Errors use
+Anthropic's shape (``serving.api.errors``).
+
+Tool use follows ``serving.api.tools`` as the OpenAI routes do: ``tools`` (name, description, input_schema) are
+listed in the system prompt, assistant ``tool_use`` blocks are rendered as calls and user ``tool_result`` blocks
+as ``tool`` messages; an output that parses into calls comes back as ``tool_use`` blocks (after a text block
+for any text around them) with stop_reason "tool_use". ``tool_choice`` "any" or "tool" constrains the output to
+calls (one when ``disable_parallel_tool_use``), "none" offers no tools. With tools offered, a streamed answer
+is sent once it is whole (a text block, then per call a tool_use block with its input as one input_json_delta).
 
 Stop reasons: "end_turn" (eos), "max_tokens" (max_tokens or the context), "stop_sequence" (with the
-sequence that matched).
+sequence that matched), "tool_use".
 """
 
 import json
+import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from serving.api import tools as tool_calls
 from serving.api.async_engine import RequestStream
 from serving.api.errors import APIError
 from serving.api.frontend import Frontend, StrictModel
 from serving.engine.engine import Completion
+from serving.structured import ConstraintSpec, InvalidConstraintError, compile_constraint
 
 MAX_STOP_SEQUENCES = 16
+TOOL_ERROR_PREFIX = "Error: "  # how a tool_result with is_error reads in the prompt
 
 
 class TextBlock(StrictModel):
@@ -29,9 +40,41 @@ class TextBlock(StrictModel):
     text: str
 
 
+class ToolUseBlock(StrictModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(StrictModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, pydantic.Field(discriminator="type")]
+
+
 class Message(StrictModel):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[Block]
+
+
+class Tool(StrictModel):
+    """A tool; ``model_dump`` gives the ``{"name", "description", "parameters"}`` that ``serving.api.tools``
+    offers."""
+
+    name: str = pydantic.Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] = pydantic.Field(alias="input_schema")
+
+
+class ToolChoice(StrictModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
 
 
 class MessagesRequest(StrictModel):
@@ -44,10 +87,43 @@ class MessagesRequest(StrictModel):
     top_p: float | None = None
     top_k: int | None = pydantic.Field(None, ge=0)
     stream: bool = False
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
 
 
 def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "".join(block.text for block in content)
+
+
+def chat_messages(body: MessagesRequest) -> list[dict[str, str]]:
+    """The conversation as chat-template messages: the system prompt first, ``tool_use`` blocks written into
+    the assistant's text as calls, each ``tool_result`` block a ``tool`` message of its own."""
+    messages = [] if body.system is None else [{"role": "system", "content": _text(body.system)}]
+    for i, m in enumerate(body.messages):
+        blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        text = None  # the message's text since its last tool result
+        for j, block in enumerate(blocks):
+            expected = {"tool_use": "assistant", "tool_result": "user"}.get(block.type, m.role)
+            if m.role != expected:
+                raise APIError(400, f"messages.{i}.content.{j}: {block.type} blocks go in {expected} messages, "
+                               f"got one in a {m.role} message", f"messages.{i}.content.{j}")
+            if isinstance(block, ToolResultBlock):
+                if text is not None:
+                    messages.append({"role": m.role, "content": text})
+                    text = None
+                result = _text(block.content)
+                messages.append({"role": "tool", "content": TOOL_ERROR_PREFIX + result if block.is_error else result})
+            elif isinstance(block, ToolUseBlock):
+                text = (text or "") + tool_calls.tool_call_text(block.name, block.input)
+            else:
+                text = (text or "") + block.text
+        if text is not None or not blocks:
+            messages.append({"role": m.role, "content": text or ""})
+    return messages
+
+
+def _tool_use(call: tool_calls.Call) -> dict[str, Any]:
+    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name, "input": call.arguments}
 
 
 class AnthropicRoutes:
@@ -59,7 +135,7 @@ class AnthropicRoutes:
         self.router.add_api_route("/v1/messages", self.messages, methods=["POST"])
 
     def _stop(self, completion: Completion, stop_sequences: list[str]) -> tuple[str, str | None]:
-        """(stop_reason, stop_sequence) of a finished sample."""
+        """(stop_reason, stop_sequence) of a finished sample that calls no tools."""
         if completion.finish_reason == "length":
             return "max_tokens", None
         if completion.token_ids and completion.token_ids[-1] in self.engine.eos_ids:
@@ -68,6 +144,27 @@ class AnthropicRoutes:
         matched = [s for s in stop_sequences if s in tail]
         return ("stop_sequence", min(matched, key=tail.index)) if matched else ("end_turn", None)
 
+    def _answer(self, completion: Completion, stops: list[str],
+                allowed: set[str] | None) -> tuple[list[dict[str, Any]], str, str | None]:
+        """(content blocks, stop_reason, stop_sequence) of a finished sample."""
+        if allowed is not None:
+            text, calls = tool_calls.parse_tool_calls(completion.text, allowed)
+            if calls:
+                uses = [_tool_use(c) for c in calls]
+                return ([{"type": "text", "text": text}, *uses] if text else uses), "tool_use", None
+        return [{"type": "text", "text": completion.text}], *self._stop(completion, stops)
+
+    def _constraint(self, forced: list[dict[str, Any]] | None, parallel: bool) -> ConstraintSpec | None:
+        """The constraint to calls of ``forced`` (None: not forced), compiled once, so a bad schema is a 400."""
+        if forced is None:
+            return None
+        try:
+            spec = ConstraintSpec.json_schema(tool_calls.call_schema(forced, parallel))
+            compile_constraint(spec, self.engine.tokenizer, self.engine.cfg.vocab)
+        except InvalidConstraintError as e:
+            raise APIError(400, f"tools: {e}", "tools") from None
+        return spec
+
     async def messages(self, request: Request) -> Response:
         f = self.frontend
         f.check_room()
@@ -75,40 +172,63 @@ class AnthropicRoutes:
         f.check_model(body.model)
         if self.engine.tokenizer is None or self.engine.tokenizer.chat_template is None:
             raise APIError(400, "this model has no chat template")
-        messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-        if body.system is not None:
-            messages.insert(0, {"role": "system", "content": _text(body.system)})
+        choice = body.tool_choice or ToolChoice(type="auto")
+        if choice.type == "tool" and choice.name is None:
+            raise APIError(400, "tool_choice of type 'tool' needs the tool's name", "tool_choice.name")
+        mode = {"auto": "auto", "none": "none", "any": "required", "tool": "required"}[choice.type]
+        offered = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        messages, allowed, forced = tool_calls.offer_tools(chat_messages(body), offered, mode,
+                                                           choice.name if choice.type == "tool" else None)
         prompt_ids = f.encode(messages)
         params = f.sampling_params(prompt_ids, body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                   top_k=body.top_k, stop=body.stop_sequences)
+                                   top_k=body.top_k, stop=body.stop_sequences,
+                                   constraint=self._constraint(forced, not choice.disable_parallel_tool_use))
         stream = f.submit(prompt_ids, params, "msg_")
         stops = body.stop_sequences or []
         if body.stream:
-            return f.sse(request, stream, self._events(stream, body.model, len(prompt_ids), stops))
+            return f.sse(request, stream, self._events(stream, body.model, len(prompt_ids), stops, allowed))
         result = await f.collect(stream, request)
         completion = result.outputs[0]
-        stop_reason, stop_sequence = self._stop(completion, stops)
+        content, stop_reason, stop_sequence = self._answer(completion, stops, allowed)
         return JSONResponse({"id": stream.request_id, "type": "message", "role": "assistant", "model": body.model,
-                             "content": [{"type": "text", "text": completion.text}], "stop_reason": stop_reason,
-                             "stop_sequence": stop_sequence,
+                             "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                              "usage": {"input_tokens": len(prompt_ids), "output_tokens": len(completion.token_ids)}})
 
-    async def _events(self, stream: RequestStream, model: str, input_tokens: int,
-                      stops: list[str]) -> AsyncIterator[str]:
+    async def _events(self, stream: RequestStream, model: str, input_tokens: int, stops: list[str],
+                      allowed: set[str] | None) -> AsyncIterator[str]:
         def event(kind: str, data: dict[str, Any]) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+        def text_start(index: int) -> str:
+            return event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+
+        def text_delta(index: int, text: str) -> str:
+            return event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": text}})
 
         message = {"id": stream.request_id, "type": "message", "role": "assistant", "model": model, "content": [],
                    "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
         yield event("message_start", {"message": message})
-        yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        if allowed is None:
+            yield text_start(0)
         async for out in stream:
-            if out.text:
-                yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": out.text}})
+            if allowed is None and out.text:
+                yield text_delta(0, out.text)
         completion = stream.result.outputs[0]
-        stop_reason, stop_sequence = self._stop(completion, stops)
-        yield event("content_block_stop", {"index": 0})
+        content, stop_reason, stop_sequence = self._answer(completion, stops, allowed)
+        if allowed is None:
+            yield event("content_block_stop", {"index": 0})
+        else:
+            for index, block in enumerate(content):
+                if block["type"] == "text":
+                    yield text_start(index)
+                    if block["text"]:
+                        yield text_delta(index, block["text"])
+                else:
+                    yield event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+                    yield event("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+                yield event("content_block_stop", {"index": index})
         yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                       "usage": {"output_tokens": len(completion.token_ids)}})
         yield event("message_stop", {})

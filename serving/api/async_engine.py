@@ -73,6 +73,7 @@ class _Submit:
     prompt_ids: list[int]
     params: SamplingParams
     stream: RequestStream
+    cache_salt: str | None
 
 
 class AsyncEngine:
@@ -113,15 +114,17 @@ class AsyncEngine:
             self._commands.put(None)
             self._thread.join(STOP_TIMEOUT_S)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str = "req-") -> RequestStream:
-        """Queue a request (call on the event loop); ``EngineFullError`` at once when there is no room."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str = "req-",
+               cache_salt: str | None = None) -> RequestStream:
+        """Queue a request (call on the event loop); ``EngineFullError`` at once when there is no room.
+        ``cache_salt``: the prefix cache shares blocks only among requests with the same salt."""
         with self._lock:
             if self.capacity is not None and self._in_flight + params.n > self.capacity:
                 raise EngineFullError(f"server is at capacity ({self._in_flight} sequences in flight, limit "
                                       f"{self.capacity}): retry later")
             self._in_flight += params.n
         stream = RequestStream(f"{prefix}{uuid.uuid4().hex}", params.n, asyncio.get_running_loop())
-        self._commands.put(_Submit(prompt_ids, params, stream))
+        self._commands.put(_Submit(prompt_ids, params, stream, cache_salt))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -143,7 +146,7 @@ class AsyncEngine:
             return
         stream = command.stream
         try:
-            self.engine.add_request(command.prompt_ids, command.params, stream.request_id)
+            self.engine.add_request(command.prompt_ids, command.params, stream.request_id, command.cache_salt)
         except Exception as e:  # refused (ValueError, EngineFullError) or worse: only this request fails
             with self._lock:
                 self._in_flight -= stream.n

@@ -4,6 +4,14 @@
     python -m serving serve --model path/to/config.json --random-weights   # a HF config, random weights
     python -m serving serve --speculative block --drafter DIR   # speculative decoding (or --speculative ngram)
     python -m serving chat [--url http://127.0.0.1:8000/v1 --api-key KEY]   # without --url: serves --model itself
+    python -m serving serve --model DIR --tensor-parallel 2 --expert-parallel 4   # on 8 devices
+
+``--data-parallel``, ``--tensor-parallel`` and ``--expert-parallel`` (default 1 each: one device) run the engine
+on a ``data x tensor x expert`` mesh (``serving.sharding``) of every device this process sees, so their product
+must equal that number (``CUDA_VISIBLE_DEVICES`` picks the GPUs): experts split over ``expert``, attention heads
+and hidden dims over ``tensor``, the MoE layers' tokens over ``data x expert`` (attention is not split over
+them). One host: ``serve`` drives the engine from one process; a mesh across hosts (``jax.distributed``, see
+``serving.sharding``) would need every process to run the same steps, which it does not do.
 
 ``--random-weights`` serves a model that exists only as a HF ``config.json`` (load tests and benchmarks of a
 shape, not of answers): ``--model`` names the config file or the folder holding it; the weights are the model
@@ -16,13 +24,16 @@ never printed or logged.
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
+from serving import sharding
 from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, check_bind
 from serving.api.server import Server, create_app, serve
 from serving.config import ModelConfig
@@ -59,13 +70,30 @@ def _load_random(config: Path, dtype: jnp.dtype) -> LoadedModel:
     return LoadedModel(cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else eos_from_folder(folder))
 
 
+def _mesh(args: argparse.Namespace) -> Mesh | None:
+    """The ``data x tensor x expert`` mesh of ``--data-parallel``, ``--tensor-parallel`` and ``--expert-parallel``
+    over every device, or None (one device) when all three are 1."""
+    sizes = {"--data-parallel": args.data_parallel, "--tensor-parallel": args.tensor_parallel,
+             "--expert-parallel": args.expert_parallel}
+    named = " x ".join(f"{flag} {n}" for flag, n in sizes.items())
+    if min(sizes.values()) < 1:
+        raise ValueError(f"{named}: expected sizes >= 1")
+    devices = math.prod(sizes.values())
+    if devices == 1:
+        return None
+    if devices != jax.device_count():
+        raise ValueError(f"{named} = {devices} devices: expected their product to be the {jax.device_count()} "
+                         f"{jax.default_backend()} devices this process sees (CUDA_VISIBLE_DEVICES picks the GPUs)")
+    return sharding.make_mesh(*sizes.values())
+
+
 def _engine(args: argparse.Namespace) -> tuple[Engine, str, Path | None]:
     """(engine, served model name, model path or None) for ``--model`` (and ``--random-weights``)."""
     if args.speculative is None and (args.drafter or args.num_speculative_tokens):
         raise ValueError("--drafter and --num-speculative-tokens need --speculative (ngram or block)")
     options = dict(dtype=DTYPES[args.dtype], num_blocks=args.num_blocks, block_size=args.block_size,
                    max_running=args.max_running, token_budget=args.token_budget, max_model_len=args.max_model_len,
-                   max_queue=args.max_queue, batch_invariant=args.batch_invariant,
+                   max_queue=args.max_queue, batch_invariant=args.batch_invariant, mesh=_mesh(args),
                    speculative=SpecConfig.from_method(args.speculative, args.drafter, args.num_speculative_tokens)
                    if args.speculative else None)
     if args.random_weights:
@@ -163,6 +191,16 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=None, help="block drafter checkpoint (python -m serving.train_drafter)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="draft tokens per step (default: 4 for ngram, the drafter's trained block for block)")
+    parallel = parser.add_argument_group(
+        "parallelism", "a data x tensor x expert mesh over every device of this host: the product of the three must "
+        "equal their number (all 1: one device). One host only (serving.sharding; a multi-host mesh, through "
+        "jax.distributed, would need every process to run the engine's steps)")
+    parallel.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                          help="splits the MoE layers' tokens (with --expert-parallel); attention is replicated")
+    parallel.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                          help="splits attention heads, the MLP and expert hidden dims, the vocabulary, the KV cache")
+    parallel.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                          help="splits the routed experts (tokens sent to them by all-to-all)")
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:

@@ -92,16 +92,17 @@ class Frontend:
 
     def sampling_params(self, prompt_ids: list[int], max_tokens: int | None, **fields: Any) -> SamplingParams:
         """``SamplingParams`` for a prompt: ``max_tokens`` defaults to the rest of the context, and prompt +
-        max_tokens must fit the context and the cache; 400 naming the field otherwise."""
+        max_tokens must fit it; 400 naming the field otherwise. The context is the engine's ``max_model_len``:
+        the model's context or what the KV cache holds, whichever is less."""
         context = self.engine.max_model_len
-        limit = min(self.engine.scheduler.capacity, context - 1)
-        if len(prompt_ids) > limit:
-            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens: expected at most {limit} (context "
-                           f"{context}, cache {self.engine.scheduler.capacity} tokens)", "messages")
+        where = f"context length {context} (model context or KV cache capacity, whichever is less)"
+        if len(prompt_ids) >= context:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens: expected at most {context - 1} for the "
+                           f"{where}", "messages")
         room = context - len(prompt_ids)
         if max_tokens is not None and max_tokens > room:
-            raise APIError(400, f"max_tokens={max_tokens} with a {len(prompt_ids)}-token prompt exceeds the "
-                           f"context length {context}: expected at most {room}", "max_tokens")
+            raise APIError(400, f"max_tokens={max_tokens} with a {len(prompt_ids)}-token prompt exceeds the {where}: "
+                           f"expected at most {room}", "max_tokens")
         capacity = self.async_engine.capacity
         if capacity is not None and fields.get("n", 1) > capacity:
             raise APIError(400, f"n={fields['n']} exceeds what this server runs at once ({capacity})", "n")
@@ -111,9 +112,10 @@ class Frontend:
         except ValueError as e:
             raise APIError(400, str(e).removeprefix("SamplingParams."), str(e).split(" ")[0].split(".")[-1]) from None
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> RequestStream:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str,
+               cache_salt: str | None = None) -> RequestStream:
         try:
-            stream = self.async_engine.submit(prompt_ids, params, prefix)
+            stream = self.async_engine.submit(prompt_ids, params, prefix, cache_salt)
         except EngineFullError as e:
             raise overloaded(str(e)) from None
         if self.metrics is not None:

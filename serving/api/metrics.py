@@ -1,13 +1,17 @@
 """Prometheus metrics (served at ``/metrics``), one registry per app so several servers can share a process.
 
-Counters: requests by route and HTTP status, prompt and generated tokens. Gauges, read when scraped: waiting
-and running sequences, the fraction of KV cache blocks in use. Histograms: time to first token (from the
-request's arrival) and the time between a request's successive tokens.
+Counters: requests by route and HTTP status, prompt and generated tokens; with speculative decoding, its drafts
+(sequence-steps verified with draft tokens), draft tokens and accepted tokens, read when scraped (acceptance
+rate: ``rate(serving_spec_accepted_tokens_total[5m]) / rate(serving_spec_draft_tokens_total[5m])``). Gauges,
+read when scraped: waiting and running sequences, the fraction of KV cache blocks in use. Histograms: time to
+first token (from the request's arrival) and the time between a request's successive tokens.
 """
 
 import time
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from serving.api.async_engine import RequestStream
 from serving.engine.engine import Engine, StepOutput
@@ -15,6 +19,21 @@ from serving.engine.engine import Engine, StepOutput
 # Bucket edges in seconds: first tokens wait for a prefill (and maybe a queue), later ones for one decode step.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class SpecCollector:
+    """The engine's speculative decoding counters (``Engine.spec_stats``) as Prometheus counters."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.engine.spec_stats
+        yield CounterMetricFamily("serving_spec_drafts", "sequence-steps verified with draft tokens",
+                                  value=stats.num_steps)
+        yield CounterMetricFamily("serving_spec_draft_tokens", "draft tokens verified", value=stats.num_draft_tokens)
+        yield CounterMetricFamily("serving_spec_accepted_tokens", "draft tokens accepted",
+                                  value=stats.num_accepted_tokens)
 
 
 class Metrics:
@@ -35,6 +54,8 @@ class Metrics:
                               registry=r)
         self.token_latency = Histogram("serving_time_per_output_token_seconds", "time between successive tokens "
                                        "of a request", buckets=TOKEN_BUCKETS, registry=r)
+        if engine.speculative is not None:
+            r.register(SpecCollector(engine))
 
     def on_step(self, engine: Engine, outputs: list[StepOutput], streams: dict[str, RequestStream]) -> None:
         """Record a step's tokens and latencies (``AsyncEngine``'s callback, on the engine thread)."""

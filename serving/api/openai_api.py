@@ -7,13 +7,18 @@ with the usage. Logprobs: ``logprobs`` + ``top_logprobs`` (chat), ``logprobs`` =
 
 With ``tools`` (and ``tool_choice`` other than "none") the prompt and the output follow ``serving.api.tools``;
 a streamed answer is then sent whole in its last chunk, once it is known to be a call or plain content.
-``response_format`` json_object / json_schema constrains the output through ``serving.structured`` (token masks
-in the batched sampler); a bad schema is a 400.
+``tool_choice`` "required" or a named function constrains the output to calls (``tools.call_schema``; one call
+when ``parallel_tool_calls`` is false).
+
+Constraints (``serving.structured``: token masks in the batched sampler), on both endpoints: ``response_format``
+json_object / json_schema, and vLLM's extra fields ``guided_json`` (a JSON schema), ``guided_regex`` and
+``guided_choice``; at most one per request, and a bad schema, regex or choice list is a 400.
 """
 
-import dataclasses
+import functools
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -68,9 +73,13 @@ class Tool(StrictModel):
     function: Function
 
 
+class NamedFunction(StrictModel):
+    name: str
+
+
 class NamedToolChoice(StrictModel):
     type: Literal["function"]
-    function: dict[str, str]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(StrictModel):
@@ -89,7 +98,7 @@ class StreamOptions(StrictModel):
 
 
 class SamplingFields(StrictModel):
-    """The sampling fields both endpoints take."""
+    """The sampling and output-constraint fields both endpoints take."""
 
     model: str
     n: int = pydantic.Field(1, ge=1, le=MAX_N)
@@ -106,6 +115,11 @@ class SamplingFields(StrictModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    cache_salt: str | None = pydantic.Field(None, min_length=1)  # vLLM's: cached blocks are shared within one salt
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ChatRequest(SamplingFields):
@@ -113,9 +127,9 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = pydantic.Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = pydantic.Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(SamplingFields):
@@ -127,13 +141,19 @@ class CompletionRequest(SamplingFields):
 
 
 def _sampling(frontend: Frontend, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
-              logprobs: int | None):
+              logprobs: int | None, constraint: ConstraintSpec | None):
     return frontend.sampling_params(
         prompt_ids, max_tokens, n=body.n, temperature=body.temperature, top_p=body.top_p,
         top_k=None if body.top_k is None else max(body.top_k, 0), min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, seed=body.seed, logprobs=logprobs,
-        stop=[body.stop] if isinstance(body.stop, str) else body.stop, ignore_eos=body.ignore_eos)
+        stop=[body.stop] if isinstance(body.stop, str) else body.stop, ignore_eos=body.ignore_eos,
+        constraint=constraint)
+
+
+def _tool_call(call: tool_calls.Call) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
 
 
 def _usage(result: RequestResult) -> dict[str, int]:
@@ -182,8 +202,9 @@ class OpenAIRoutes:
 
     # --- chat -------------------------------------------------------------------------------------------------
 
-    def _chat_prompt(self, body: ChatRequest) -> tuple[list[int], set[str] | None]:
-        """Prompt ids, and the tool names a call may use (None: no tool calling)."""
+    def _chat_prompt(self, body: ChatRequest) -> tuple[list[int], set[str] | None, list[dict[str, Any]] | None]:
+        """Prompt ids, the tool names a call may use (None: no tool calling), and the tools a forced
+        ``tool_choice`` makes the output call (None: not forced)."""
         if self.engine.tokenizer is None or self.engine.tokenizer.chat_template is None:
             raise APIError(400, "this model has no chat template: use /v1/completions")
         messages = []
@@ -196,34 +217,46 @@ class OpenAIRoutes:
                 raise APIError(400, f"messages[{i}] has neither content nor tool_calls", f"messages.{i}.content")
             messages.append({"role": "system" if m.role == "developer" else m.role,
                              "content": (content or "") + calls})
-        allowed = None
-        choice = body.tool_choice
-        if body.tools and choice != "none":
-            allowed = {t.function.name for t in body.tools}
-            if isinstance(choice, NamedToolChoice):
-                name = choice.function.get("name")
-                if name not in allowed:
-                    raise APIError(400, f"tool_choice names {name!r}: expected one of {sorted(allowed)}",
-                                   "tool_choice")
-                allowed = {name}
-            offered = [t.function.model_dump(exclude_none=True) for t in body.tools if t.function.name in allowed]
-            messages = tool_calls.add_tool_instructions(messages, offered)
-        return self.frontend.encode(messages), allowed
+        choice, name = body.tool_choice or "auto", None
+        if isinstance(choice, NamedToolChoice):
+            choice, name = "required", choice.function.name
+        offered = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
+        messages, allowed, forced = tool_calls.offer_tools(messages, offered, choice, name)
+        return self.frontend.encode(messages), allowed, forced
 
-    def _constraint(self, response_format: ResponseFormat | None) -> ConstraintSpec | None:
-        """The output constraint ``response_format`` asks for (compiled once, so a bad schema is a 400)."""
-        if response_format is None or response_format.type == "text":
-            return None
-        try:
-            if response_format.type == "json_object":
-                spec = ConstraintSpec.json_object()
-            elif response_format.json_schema is None or response_format.json_schema.schema_ is None:
+    def _constraint(self, body: SamplingFields, forced: list[dict[str, Any]] | None = None,
+                    parallel: bool = True) -> ConstraintSpec | None:
+        """The output constraint the request asks for: by ``response_format``, a ``guided_*`` field, or the tools
+        a forced tool choice calls (``parallel``: maybe more than one call). Compiled once, so a bad one is a
+        400 naming its field."""
+        asked = {}  # field -> a function making its constraint (which may raise InvalidConstraintError)
+        response_format = body.response_format
+        if response_format is not None and response_format.type == "json_object":
+            asked["response_format"] = ConstraintSpec.json_object
+        elif response_format is not None and response_format.type == "json_schema":
+            if response_format.json_schema is None or response_format.json_schema.schema_ is None:
                 raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
-            else:
-                spec = ConstraintSpec.json_schema(response_format.json_schema.schema_)
+            asked["response_format"] = functools.partial(ConstraintSpec.json_schema,
+                                                          response_format.json_schema.schema_)
+        if body.guided_json is not None:
+            asked["guided_json"] = functools.partial(ConstraintSpec.json_schema, body.guided_json)
+        if body.guided_regex is not None:
+            asked["guided_regex"] = functools.partial(ConstraintSpec.regex, body.guided_regex)
+        if body.guided_choice is not None:
+            asked["guided_choice"] = functools.partial(ConstraintSpec.choice, body.guided_choice)
+        if forced is not None:
+            asked["tool_choice"] = lambda: ConstraintSpec.json_schema(tool_calls.call_schema(forced, parallel))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise APIError(400, f"{' and '.join(asked)} each constrain the output: expected at most one of them",
+                           next(iter(asked)))
+        [(field, make)] = asked.items()
+        try:
+            spec = make()
             compile_constraint(spec, self.engine.tokenizer, self.engine.cfg.vocab)
         except InvalidConstraintError as e:
-            raise APIError(400, f"response_format: {e}", "response_format") from None
+            raise APIError(400, f"{field}: {e}", field) from None
         return spec
 
     def _message(self, completion: Completion, allowed: set[str] | None) -> tuple[dict[str, Any], str]:
@@ -231,7 +264,8 @@ class OpenAIRoutes:
         if allowed is not None:
             content, calls = tool_calls.parse_tool_calls(completion.text, allowed)
             if calls:
-                return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+                return {"role": "assistant", "content": content, "tool_calls": [_tool_call(c) for c in calls]}, \
+                    "tool_calls"
         return {"role": "assistant", "content": completion.text}, completion.finish_reason
 
     async def chat(self, request: Request) -> Response:
@@ -239,12 +273,11 @@ class OpenAIRoutes:
         f.check_room()
         body = await f.parse(request, ChatRequest)
         f.check_model(body.model)
-        constraint = self._constraint(body.response_format)
-        prompt_ids, allowed = self._chat_prompt(body)
+        prompt_ids, allowed, forced = self._chat_prompt(body)
+        constraint = self._constraint(body, forced, body.parallel_tool_calls)
         top = body.top_logprobs or 0 if body.logprobs else None
-        params = dataclasses.replace(_sampling(f, body, prompt_ids, body.max_completion_tokens or body.max_tokens, top),
-                                     constraint=constraint)
-        stream = f.submit(prompt_ids, params, "chatcmpl-")
+        params = _sampling(f, body, prompt_ids, body.max_completion_tokens or body.max_tokens, top, constraint)
+        stream = f.submit(prompt_ids, params, "chatcmpl-", body.cache_salt)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return f.sse(request, stream, self._chat_events(stream, body, allowed, usage))
@@ -311,8 +344,8 @@ class OpenAIRoutes:
             raise APIError(400, f"best_of={body.best_of} is not supported: expected it unset or equal to n",
                            "best_of")
         prompt_ids = self._completion_prompt(body)
-        params = _sampling(f, body, prompt_ids, body.max_tokens, body.logprobs)
-        stream = f.submit(prompt_ids, params, "cmpl-")
+        params = _sampling(f, body, prompt_ids, body.max_tokens, body.logprobs, self._constraint(body))
+        stream = f.submit(prompt_ids, params, "cmpl-", body.cache_salt)
         echo = self._decode(prompt_ids) if body.echo else ""
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage

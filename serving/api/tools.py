@@ -1,26 +1,42 @@
-"""Tool calling by convention, for chat templates without tool markup (SmolLM2's has none).
+"""Tool calling by convention, for chat templates without tool markup (SmolLM2's has none), shared by the
+OpenAI and Anthropic routes.
 
-Prompt side: when a request has ``tools``, a system message lists them as JSON and asks the model to answer a
-call with ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (one block per call); it is merged into
-the request's own system message when there is one. Earlier assistant calls are rendered the same way and a
-``tool`` message keeps its role, with its result as the content.
+Prompt side: when a request has ``tools``, a system message lists them as JSON (``{"name", "description",
+"parameters"}``) and asks the model to answer a call with ``<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>`` (one block per call); it is merged into the request's own system message when there is one.
+Earlier assistant calls are rendered the same way and a tool result is a ``tool`` message, with the result as
+its content.
 
-Output side (``parse_tool_calls``): every ``<tool_call>{json}</tool_call>`` block becomes an OpenAI
-``tool_calls`` entry; without blocks, an output that is one JSON object ``{"name", "arguments"}`` (or a list of
-them) counts as calls too. A call must name one of the offered tools (the one ``tool_choice`` forces, if any)
-and its arguments must be a JSON object (or JSON text of one); anything else stays plain content.
+Output side (``parse_tool_calls``): every ``<tool_call>{json}</tool_call>`` block is a call; without blocks, an
+output that is one JSON object ``{"name", "arguments"}`` (or a list of them) counts as calls too. A call must
+name one of the offered tools (the one ``tool_choice`` forces, if any) and its arguments must be a JSON object
+(or JSON text of one); anything else stays plain content.
+
+Forced tool choice (OpenAI "required" or a named function, Anthropic "any" or "tool"): ``call_schema`` is the
+JSON schema of a bare call object (or a non-empty list of them), which constrains the output
+(``serving.structured``), so it always parses into calls whose arguments follow the tool's schema.
 """
 
 import json
 import re
-import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, NamedTuple
+
+from serving.api.errors import APIError
+from serving.structured import InvalidConstraintError
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 INSTRUCTIONS = ("You can call these tools (JSON schemas):\n{tools}\nTo call a tool, answer with "
                 '<tool_call>{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}</tool_call> '
                 "(one block per call) and nothing else.")
+DEFS_KEYS = ("$defs", "definitions")  # where a schema keeps the subschemas its "$ref"s name
+
+
+class Call(NamedTuple):
+    """A tool call parsed from a model's output."""
+
+    name: str
+    arguments: dict[str, Any]
 
 
 def tool_call_text(name: str, arguments: str | Mapping[str, Any]) -> str:
@@ -30,7 +46,8 @@ def tool_call_text(name: str, arguments: str | Mapping[str, Any]) -> str:
 
 
 def add_tool_instructions(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with the tool list in the system message (``tools``: OpenAI ``function`` objects)."""
+    """``messages`` with the tool list in the system message (``tools``: ``{"name", "description",
+    "parameters"}`` objects, as OpenAI's ``function``)."""
     listing = "\n".join(json.dumps(dict(tool)) for tool in tools)
     text = INSTRUCTIONS.format(tools=listing)
     if messages and messages[0]["role"] == "system":
@@ -38,7 +55,50 @@ def add_tool_instructions(messages: list[dict[str, Any]], tools: Sequence[Mappin
     return [{"role": "system", "content": text}, *messages]
 
 
-def _as_call(value: Any, allowed: set[str]) -> dict[str, Any] | None:
+def offer_tools(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+                choice: Literal["auto", "none", "required"], name: str | None = None
+                ) -> tuple[list[dict[str, Any]], set[str] | None, list[dict[str, Any]] | None]:
+    """(``messages`` with the tools offered, the tool names a call may use or None, the tools the output must
+    call or None) of a request's ``tools`` and tool choice: "required" forces a call (``name``'s, when given).
+    400 (param "tool_choice") for a forced call without tools or a ``name`` that is not one of them."""
+    if choice == "required" and not tools:
+        raise APIError(400, "tool_choice forces a tool call but the request has no tools", "tool_choice")
+    if not tools or choice == "none":
+        return messages, None, None
+    allowed = {tool["name"] for tool in tools}
+    if name is not None:
+        if name not in allowed:
+            raise APIError(400, f"tool_choice names {name!r}: expected one of {sorted(allowed)}", "tool_choice")
+        allowed = {name}
+    offered = [tool for tool in tools if tool["name"] in allowed]
+    return add_tool_instructions(messages, offered), allowed, offered if choice == "required" else None
+
+
+def call_schema(tools: Sequence[Mapping[str, Any]], parallel: bool) -> dict[str, Any]:
+    """The JSON schema of an output that is one call of one of ``tools`` (``{"name", "parameters"}`` objects),
+    or with ``parallel`` a non-empty list of calls.
+
+    Each tool's ``$defs`` / ``definitions`` move to the root, where its ``$ref``s point. InvalidConstraintError
+    for parameters that are not an object schema, or two tools defining one subschema name differently.
+    """
+    calls, defs = [], {key: {} for key in DEFS_KEYS}
+    for tool in tools:
+        parameters = dict(tool.get("parameters") or {"type": "object"})
+        if parameters.get("type", "object") != "object":
+            raise InvalidConstraintError(f"tool {tool['name']!r} has parameters of type {parameters['type']!r}: "
+                                         f"expected an object schema")
+        for key in DEFS_KEYS:
+            for name, subschema in parameters.pop(key, {}).items():
+                if defs[key].setdefault(name, subschema) != subschema:
+                    raise InvalidConstraintError(f"tools define {key} {name!r} differently: expected one meaning")
+        calls.append({"type": "object", "properties": {"name": {"const": tool["name"]}, "arguments": parameters},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {"type": "array", "items": call, "minItems": 1} if parallel else call
+    return schema | {key: value for key, value in defs.items() if value}
+
+
+def _as_call(value: Any, allowed: set[str]) -> Call | None:
     if not isinstance(value, dict) or value.get("name") not in allowed:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -47,10 +107,7 @@ def _as_call(value: Any, allowed: set[str]) -> dict[str, Any] | None:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             return None
-    if not isinstance(arguments, dict):
-        return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": value["name"], "arguments": json.dumps(arguments)}}
+    return Call(value["name"], arguments) if isinstance(arguments, dict) else None
 
 
 def _json(text: str) -> Any:
@@ -60,8 +117,8 @@ def _json(text: str) -> Any:
         return None
 
 
-def parse_tool_calls(text: str, allowed: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content left over or None, OpenAI ``tool_calls``) of a model output; no calls: (text, [])."""
+def parse_tool_calls(text: str, allowed: set[str]) -> tuple[str | None, list[Call]]:
+    """(content left over or None, calls) of a model output; no calls: (text, [])."""
     blocks = TOOL_CALL.findall(text)
     if blocks:
         calls = [_as_call(_json(block), allowed) for block in blocks]

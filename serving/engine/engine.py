@@ -20,8 +20,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
-from serving import weights
+from serving import sharding, weights
 from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
 from serving.engine.request import Sequence as Seq
@@ -33,7 +34,7 @@ from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.loaders import load_model
 from serving.loaders.gguf import load_gguf
 from serving.models import model_module
-from serving.speculative import DraftRequest, Proposal, SpecConfig, SpecStats, VerifyChunk, verify_step
+from serving.speculative import DraftRequest, Proposal, SpecConfig, SpecStats, VerifyChunk, grammar_drafts, verify_step
 from serving.structured import compile_constraint
 from serving.tokenizer import Tokenizer
 
@@ -121,9 +122,15 @@ def load(model: str | Path | None, dtype: jnp.dtype) -> LoadedModel:
     return LoadedModel(cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else eos_from_folder(path))
 
 
-def create_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> Any:
-    """The model's paged cache: latent pages for MLA (DeepSeek), separate k/v pages otherwise."""
-    return (PagedLatentKV if cfg.is_mla else PagedKV).create(cfg, num_blocks, block_size, dtype)
+def create_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype,
+                 mesh: Mesh | None = None) -> Any:
+    """The model's paged cache: latent pages for MLA (DeepSeek), separate k/v pages otherwise; on ``mesh`` split
+    by ``sharding.cache_spec``, each device's part made in place (the whole cache never sits on one device)."""
+    kind = PagedLatentKV if cfg.is_mla else PagedKV
+    if mesh is None:
+        return kind.create(cfg, num_blocks, block_size, dtype)
+    return jax.jit(lambda: kind.create(cfg, num_blocks, block_size, dtype),
+                   out_shardings=NamedSharding(mesh, sharding.cache_spec(cfg)))()
 
 
 class Engine:
@@ -135,33 +142,45 @@ class Engine:
       dtype: params and cache dtype.
       num_blocks, block_size: the paged cache (num_blocks * block_size tokens in all).
       max_running: the most sequences in one step; token_budget: the most new tokens in one step.
-      max_model_len: context length (default: the model's max_position).
+      max_model_len: context length (default: the model's max_position), at most the cache's
+        num_blocks * block_size tokens: a sequence the cache cannot hold whole could never finish.
       max_queue: the most sequences waiting beyond ``max_running`` (None: no limit).
       speculative: draft tokens and verify them in each decode step (``serving.speculative``); acceptance
         counters in ``spec_stats``. Outputs are unchanged (greedy: identical; sampled: the same distribution).
       batch_invariant: every step through ``serving.batch_invariant`` (fixed-geometry Pallas kernels, in Pallas'
         interpreter off a GPU): a sequence's logits are bitwise the same alone or in any batch and chunking.
         Plain bf16/fp32 weights on one device; not with ``speculative``.
+      mesh: a ``sharding.make_mesh`` mesh to run on (None: one device): params split by the model's
+        ``param_specs``, the cache by ``sharding.cache_spec``, steps under ``jax.set_mesh`` (the MoE layers
+        expert-parallel). The same tokens as on one device; not with ``speculative`` or ``batch_invariant``.
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, dtype: jnp.dtype = jnp.float32,
                  num_blocks: int = 256, block_size: int = 16, max_running: int = 32, token_budget: int = 256,
                  max_model_len: int | None = None, max_queue: int | None = None,
-                 speculative: SpecConfig | None = None, batch_invariant: bool = False):
+                 speculative: SpecConfig | None = None, batch_invariant: bool = False, mesh: Mesh | None = None):
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"Engine: max_queue={max_queue}: expected None (no limit) or >= 0")
         if batch_invariant and speculative is not None:
             raise ValueError("Engine: batch_invariant=True with speculative decoding: expected one of the two "
                              "(speculative verification steps do not run in batch-invariant mode)")
+        if mesh is not None and (speculative is not None or batch_invariant):
+            raise ValueError(f"Engine: a mesh {dict(mesh.shape)} with "
+                             f"{'speculative decoding' if speculative else 'batch_invariant=True'}: expected one "
+                             "device (mesh=None) for it")
         loaded = model if isinstance(model, LoadedModel) else load(model, dtype)
         self.cfg, params, self.tokenizer, self.eos_ids = loaded
-        self.max_model_len = min(self.cfg.max_position, max_model_len or self.cfg.max_position)
+        if mesh is not None:
+            sharding.check_mesh(mesh, self.cfg)
+            params = sharding.shard_params(params, model_module(self.cfg.family).param_specs(self.cfg), mesh)
         self.max_queue, self.dtype = max_queue, dtype
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.scheduler = Scheduler(self.allocator, max_running, token_budget)
-        kv = create_cache(self.cfg, num_blocks, block_size, dtype)
+        self.max_model_len = min(self.cfg.max_position, max_model_len or self.cfg.max_position,
+                                 self.scheduler.capacity)
+        kv = create_cache(self.cfg, num_blocks, block_size, dtype, mesh)
         self.runner = ModelRunner(self.cfg, params, model_module(self.cfg.family).forward, kv, block_size,
-                                  batch_invariant=batch_invariant)
+                                  batch_invariant=batch_invariant, mesh=mesh)
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
         self._requests: dict[str, tuple[list[int], list[Seq]]] = {}
@@ -189,7 +208,8 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     cache_salt: str | None = None) -> str:
-        """Queue a request; returns its id. A prompt longer than the cache or the context -> ValueError."""
+        """Queue a request; returns its id. Its samples end with "length" at ``max_model_len`` tokens if
+        max_tokens does not stop them first; a prompt of ``max_model_len`` tokens or more -> ValueError."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
@@ -275,7 +295,8 @@ class Engine:
             seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
             self.scheduler.waiting.insert(0, seq)
         self.allocator = self.scheduler.allocator = BlockAllocator(self.allocator.num_blocks, self.allocator.block_size)
-        self.runner.kv = create_cache(self.cfg, self.allocator.num_blocks, self.allocator.block_size, self.dtype)
+        self.runner.kv = create_cache(self.cfg, self.allocator.num_blocks, self.allocator.block_size, self.dtype,
+                                      self.runner.mesh)
 
     def _run(self, chunks: list) -> list[StepOutput]:
         seqs = [c.seq for c in chunks]
@@ -301,16 +322,18 @@ class Engine:
 
     def _propose(self) -> tuple[list[Seq], Proposal]:
         """Drafts for every running sequence that is decoding (``draft_ids``), at most k and never past its
-        max_tokens or the context length."""
+        max_tokens or the context length; a constrained sequence's end where its grammar rejects one
+        (``grammar_drafts``)."""
         decoding = [s for s in self.scheduler.running if s.num_tokens - s.num_computed == 1]
         k = self.speculative.k
-        # A constrained sequence (structured output) is not drafted: its matcher masks only the scored position.
-        limits = [0 if s.matcher is not None else
-                  min(k, s.params.max_tokens - len(s.output_ids) - 1, s.max_len - s.num_tokens - 1) for s in decoding]
+        limits = [min(k, s.params.max_tokens - len(s.output_ids) - 1, s.max_len - s.num_tokens - 1) for s in decoding]
         proposal = self.drafter.propose([DraftRequest(s.seq_id, s.tokens, len(s.output_ids), s.params, s.seed, n)
                                          for s, n in zip(decoding, limits, strict=True)], k)
         for seq, drafts, n in zip(decoding, proposal.tokens, limits, strict=True):
             seq.draft_ids = list(drafts[:max(n, 0)])
+            if seq.matcher is not None:
+                one_hot = proposal.probs is None or seq.params.temperature == 0
+                seq.draft_ids = grammar_drafts(seq.draft_ids, seq.matcher, one_hot)
         return decoding, proposal
 
     def _run_speculative(self, chunks: list, drafted: list[Seq], proposal: Proposal) -> list[StepOutput]:

@@ -12,7 +12,8 @@ whether the step has a first prefill chunk: a step without one (``layers.all_pag
 continuing a cached prefix) is traced in ``layers.paged_only()``, with no packed prefill attention. A runner
 made with ``batch_invariant=True`` runs both calls through ``serving.batch_invariant`` (kernel mode
 ``layers.BATCH_INVARIANT``): a sequence's logits, tokens and logprobs are then bitwise the same in any batch and
-any chunking.
+any chunking. A runner made with a ``mesh`` (its params and cache already placed on it, ``serving.sharding``) runs
+both calls under ``jax.set_mesh(mesh)``, so the MoE layers go expert-parallel, with the packed buffer replicated.
 
 Structured output costs no device time of its own: the forward pass is dispatched asynchronously, and while the
 device runs it the host packs the constrained rows' allowed tokens (``fill_token_bitmask``, llguidance's thread
@@ -20,6 +21,7 @@ pool) and the sampling parameters; the sampler, dispatched next, applies the pac
 mask. A step without constrained rows does no mask work and sends no mask.
 """
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -27,6 +29,8 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from serving import batch_invariant, layers
 from serving.config import ModelConfig
@@ -83,13 +87,14 @@ class ModelRunner:
 
     ``overlap_masks`` (default True) computes structured-output masks while the forward pass runs; False computes
     them before it is dispatched (the same tokens; for comparison). ``mask_seconds`` sums the host time spent
-    computing masks.
+    computing masks. ``mesh``: the mesh params and kv are placed on (None: one device).
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, forward: Callable, kv: Any, block_size: int,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, mesh: Mesh | None = None):
         self.cfg, self.params, self.forward, self.kv, self.block_size = cfg, params, forward, kv, block_size
         self.batch_invariant = batch_invariant  # every step in kernel mode layers.BATCH_INVARIANT (module docstring)
+        self.mesh = mesh
         self.expert_load = np.zeros((cfg.layers, cfg.num_experts), np.int64)
         self.overlap_masks = True
         self.mask_seconds = 0.0
@@ -104,6 +109,11 @@ class ModelRunner:
         tokens[:total] = np.concatenate(token_ids)
         return tokens, batch
 
+    def on_mesh(self) -> contextlib.AbstractContextManager:
+        """The context device calls on the runner's params and cache run in: ``jax.set_mesh(mesh)``, or nothing
+        without a mesh."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
     def run(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
             num_top: int = 0) -> StepResult:
         """Run ``chunks`` (with their new ``token_ids``) and sample one token per chunk from ``rows``."""
@@ -115,14 +125,18 @@ class ModelRunner:
         kernels = layers.BATCH_INVARIANT if self.batch_invariant else layers.kernel_mode()
         paged_only = layers.all_paged(batch) and not self.batch_invariant  # batch-invariant attention: all paged
         sizes = (len(tokens), num_seqs, batch.block_tables.shape[1])
-        logits, self.kv, counts = _step(self.params, self.kv, pack_step(tokens, batch, last), sizes=sizes,
-                                        forward=self.forward, cfg=self.cfg, kernels=kernels,
-                                        paged_only=paged_only)  # returns at once; the device computes
-        if self.overlap_masks:
-            bitmask = self._masks(rows, num_seqs)
-        sampler = _invariant_sample if self.batch_invariant else sample
-        result = sampler(logits, sampling_batch(rows, num_seqs, token_bitmask=bitmask), num_top=num_top,
-                         draw=any(r.params.temperature > 0 for r in rows))
+        packed = pack_step(tokens, batch, last)
+        if self.mesh is not None:
+            packed = jax.device_put(packed, NamedSharding(self.mesh, P()))  # every device reads the whole batch
+        with self.on_mesh():
+            logits, self.kv, counts = _step(self.params, self.kv, packed, sizes=sizes, forward=self.forward,
+                                            cfg=self.cfg, kernels=kernels,
+                                            paged_only=paged_only)  # returns at once; the device computes
+            if self.overlap_masks:
+                bitmask = self._masks(rows, num_seqs)
+            sampler = _invariant_sample if self.batch_invariant else sample
+            result = sampler(logits, sampling_batch(rows, num_seqs, token_bitmask=bitmask), num_top=num_top,
+                             draw=any(r.params.temperature > 0 for r in rows))
         *sampled, counts = jax.device_get((*result, counts))  # one wait for all five transfers
         self.expert_load += counts
         return StepResult(*(a[:len(chunks)] for a in sampled), counts)

@@ -8,8 +8,10 @@ the longest cached prefix of its full blocks from the allocator.
 
 When a sequence needs a block and none is free, the newest running sequence is preempted: its blocks are
 freed (they stay in the prefix cache) and it goes back to the front of the queue, to be recomputed later.
-The cache never runs out; a prompt that cannot fit the whole cache is refused up front (``add``). ``abort``
-takes a sequence out wherever it is and frees its blocks at once.
+The cache never runs out: ``add`` caps a sequence's length at what the whole cache holds (it ends there with
+"length"), so a sequence running alone always fits and the queue's head is always admitted once the running
+ones finish; a prompt that leaves no room to generate is refused up front. ``abort`` takes a sequence out
+wherever it is and frees its blocks at once.
 """
 
 from typing import NamedTuple
@@ -49,10 +51,13 @@ class Scheduler:
         return self.allocator.num_blocks * self.block_size
 
     def add(self, seq: Sequence) -> None:
-        if seq.num_tokens > min(self.capacity, seq.max_len - 1):
+        """Queue ``seq`` with its ``max_len`` capped at ``capacity``; ValueError if its prompt reaches that length."""
+        max_len = min(self.capacity, seq.max_len)
+        if seq.num_tokens >= max_len:
             raise ValueError(f"request {seq.request_id!r}: its {seq.num_tokens}-token prompt does not fit: the cache "
                              f"holds {self.capacity} tokens ({self.allocator.num_blocks} blocks of {self.block_size})"
-                             f" and the context is {seq.max_len} tokens (at most max_len - 1 for the prompt)")
+                             f" and the context is {seq.max_len} tokens (at most {max_len - 1} for the prompt)")
+        seq.max_len = max_len
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
