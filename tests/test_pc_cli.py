@@ -1,6 +1,8 @@
-"""python -m pc train: logs, checkpoints, bit-identical --resume, and clear errors; pc.data readers."""
+"""python -m pc train: logs, checkpoints, bit-identical --resume, the stored run config, and clear errors (bad
+options, damaged data files); pc.data readers."""
 
 import gzip
+import io
 import json
 
 import jax
@@ -45,25 +47,54 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     assert logged == [1, 2]
 
 
+def usage_error(argv, capsys) -> str:
+    """stderr of ``main(argv)``, which must exit with status 2 (a usage error)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,message", [
     (["--arch", "100-10"], "does not fit mnist"),
+    (["--arch", "784-64-12"], "10 classes, the arch 784 inputs and 12 outputs"),
+    (["--residual"], "residual=True needs two consecutive hidden layers of equal width"),
     (["--T", "0"], "--T"),
     (["--solver", "rk4"], "invalid choice"),
     (["--arch", "784-x-10"], "784-x-10"),
     (["--epochs", "0"], "--epochs"),
     (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1), got 1.0"),
+    (["--dt", "0"], "--dt must be > 0, got 0.0"),
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--lr", "nan"], "--lr must be > 0, got nan"),
+    (["--limit", "50"], "--batch 100 is more than the 50 training images"),
+    (["--out", __file__], "is a file; expected a folder"),
 ])
 def test_bad_arguments_exit_with_a_clear_message(tmp_path, capsys, args, message):
-    with pytest.raises(SystemExit) as exit_info:
-        main([*QUICK, "--out", str(tmp_path), *args])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in usage_error([*QUICK, "--out", str(tmp_path), *args], capsys)
 
 
 def test_resume_without_checkpoint_is_an_error(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main([*QUICK, "--out", str(tmp_path), "--resume"])
-    assert "no checkpoint" in capsys.readouterr().err
+    assert "no checkpoint" in usage_error([*QUICK, "--out", str(tmp_path), "--resume"], capsys)
+
+
+def test_resume_refuses_changed_options_and_a_fresh_start_over_a_run(tmp_path, capsys):
+    main([*QUICK, "--epochs", "1", "--out", str(tmp_path)])
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["arch"] == "784-64-10" and config["T"] == 4 and config["lr"] == 3e-3 and config["limit"] == 2000
+    assert not {"epochs", "resume", "out", "command"} & set(config)
+    for changed, named in [(["--arch", "784-32-10"], "--arch '784-64-10' -> '784-32-10'"),
+                           (["--optimizer", "apexw"], "--optimizer 'adamw' -> 'apexw'"),
+                           (["--seed", "1", "--lr", "1e-3"], "--lr 0.003 -> 0.001, --seed 0 -> 1"),
+                           (["--batch", "50", "--T", "5"], "--T 4 -> 5, --batch 100 -> 50")]:
+        err = usage_error([*QUICK, "--epochs", "2", "--out", str(tmp_path), "--resume", *changed], capsys)
+        assert named in err and "differ from the run stored in" in err
+    assert "already holds a run (checkpoints up to epoch 1): pass --resume" in usage_error(
+        [*QUICK, "--epochs", "2", "--out", str(tmp_path)], capsys)
+    (tmp_path / "config.json").unlink()  # a run from before configs were stored: the checkpoint's shapes decide
+    err = usage_error([*QUICK, "--epochs", "2", "--out", str(tmp_path), "--resume", "--arch", "784-32-10"], capsys)
+    assert "cannot be checked" in err and "does not match --arch 784-32-10" in err
+    assert saved_state(tmp_path)[0] == 1 and not (tmp_path / "config.json").exists()  # nothing trained or stored
 
 
 def write_idx(path, array):
@@ -71,15 +102,67 @@ def write_idx(path, array):
     path.write_bytes(gzip.compress(header + array.astype(np.uint8).tobytes()))
 
 
-def test_fashion_mnist_from_idx_files(tmp_path):
+def write_fashion(folder, n_train=12, n_test=5):
+    """The four gzipped IDX files of a tiny Fashion-MNIST in ``folder``."""
     rng = np.random.default_rng(0)
-    for stem, shape in [("train-images-idx3-ubyte", (12, 28, 28)), ("t10k-images-idx3-ubyte", (5, 28, 28))]:
-        write_idx(tmp_path / f"{stem}.gz", rng.integers(0, 256, shape))
-    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", rng.integers(0, 10, 12))
-    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", rng.integers(0, 10, 5))
+    for stem, shape in [("train-images-idx3-ubyte", (n_train, 28, 28)), ("t10k-images-idx3-ubyte", (n_test, 28, 28)),
+                        ("train-labels-idx1-ubyte", (n_train,)), ("t10k-labels-idx1-ubyte", (n_test,))]:
+        write_idx(folder / f"{stem}.gz", rng.integers(0, 256 if len(shape) == 3 else 10, shape))
+
+
+def test_fashion_mnist_from_idx_files(tmp_path):
+    write_fashion(tmp_path)
     data = load_dataset("fashion-mnist", tmp_path)
     assert data.train_x.shape == (12, 784) and data.train_x.dtype == np.float32 and data.train_x.max() <= 1
     assert data.test_y.shape == (5,) and data.test_y.dtype == np.int32
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def save_npy(path):
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros(3))
+    path.write_bytes(buffer.getvalue())
+
+
+NPZ_ARRAYS = dict(train_x=np.zeros((4, 784), np.float32), train_y=np.arange(4), test_x=np.zeros((2, 784), np.float32),
+                  test_y=np.arange(2))
+# (dataset, file damaged, damage, message): each through the CLI
+DAMAGED = [
+    ("fashion-mnist", "train-images-idx3-ubyte.gz", truncate, "is truncated or not gzip"),
+    ("fashion-mnist", "t10k-labels-idx1-ubyte.gz", lambda p: p.write_bytes(b"not gzip"), "truncated or not gzip"),
+    ("fashion-mnist", "train-labels-idx1-ubyte.gz", lambda p: write_idx(p, np.zeros(11)),
+     "[12, 28, 28] and {folder}/train-labels-idx1-ubyte.gz [11]: expected images [n, rows, cols] and labels [n]"),
+    ("fashion-mnist", "t10k-labels-idx1-ubyte.gz", lambda p: write_idx(p, np.zeros((5, 2))), "labels [n] of one n"),
+    ("fashion-mnist", "t10k-images-idx3-ubyte.gz",
+     lambda p: p.write_bytes(gzip.compress(gzip.decompress(p.read_bytes())[:-7])), "truncated or corrupt: header"),
+    ("npz", "data.npz", truncate, "is not a readable .npz file (BadZipFile"),
+    ("npz", "data.npz", lambda p: p.write_bytes(b"\x93NUMPY junk"), "is not a readable .npz file"),
+    ("npz", "data.npz", lambda p: p.write_bytes(b""), "is not a readable .npz file (EOFError"),
+    ("npz", "data.npz", lambda p: p.write_bytes(p.read_bytes().replace(b"train_y.npy", b"train_q.npy", 1)),
+     "is not a readable .npz file (BadZipFile"),  # a member header that disagrees with the directory
+    ("npz", "data.npz", save_npy, "holds one ndarray, not an archive"),
+    ("npz", "data.npz", lambda p: np.savez(p, train_x=np.zeros((2, 784), np.float32)), "lacks the arrays ['train_y'"),
+    ("npz", "data.npz", lambda p: np.savez(p, **dict(NPZ_ARRAYS, test_x=np.zeros((0, 784), np.float32))),
+     "test images must be float32 [n >= 1, d >= 1]"),
+]
+
+
+@pytest.mark.parametrize("dataset,name,damage,message", DAMAGED)
+def test_damaged_data_files_give_a_clear_cli_error(tmp_path, capsys, dataset, name, damage, message):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    if dataset == "npz":
+        np.savez(folder / name, **NPZ_ARRAYS)
+    else:
+        write_fashion(folder)
+    damage(folder / name)
+    path = folder / name if dataset == "npz" else folder
+    argv = ["train", "--dataset", dataset, "--data-path", str(path), "--arch", "784-10", "--out", str(tmp_path)]
+    err = usage_error(argv, capsys)
+    assert message.format(folder=folder) in err and str(folder / name) in err
 
 
 def test_corrupt_and_missing_data_give_clear_errors(tmp_path):

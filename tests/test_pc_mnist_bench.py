@@ -126,3 +126,27 @@ def test_pcx_suite_chooses_on_validation_and_reports_the_seed_mean(monkeypatch):
     assert final["test_accuracy_mean"] == pytest.approx(np.mean(accuracies))
     assert 0.5 < final["test_accuracy_min"] <= final["test_accuracy_mean"]
     assert final["reached_target"] == (final["test_accuracy_mean"] >= pc_mnist.PCX_TARGET_ACCURACY)
+
+
+def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
+    """The mupc suite's path on 512 images, 3 hidden layers of 16 and T = 3: each variant's epochs, summary and
+    config, the residual variant muPC's (2 blocks, branch scale 1/sqrt(2))."""
+    data = pc_mnist.load_dataset("mnist")
+    small = Dataset(data.train_x[:1024], data.train_y[:1024], data.test_x[:500], data.test_y[:500])
+    written, plotted = {}, []
+    monkeypatch.setattr(pc_mnist, "load_dataset", lambda name: small)
+    monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.setdefault(name, payload))
+    monkeypatch.setattr(pc_mnist, "plot", lambda rows, name, title: plotted.append(name))
+    monkeypatch.setattr(pc_mnist, "MUPC_SIZES", (784, 16, 16, 16, 10))
+    monkeypatch.setattr(pc_mnist, "MUPC_T", 3)
+    payload = pc_mnist.mupc_suite(epochs=2, limit=512)
+    assert written == {"pc_mupc_cpu": payload} and plotted == ["pc_mupc_cpu"]
+    config = payload["config"]
+    assert config["train_images"] == 512 and config["hidden_layers"] == 3 and config["residual_blocks"] == 2
+    assert config["branch_scale"] == pytest.approx(2 ** -0.5)
+    assert [(r["impl"], r["epoch"]) for r in payload["rows"]] == [
+        (impl, epoch) for impl in pc_mnist.MUPC_VARIANTS for epoch in (1, 2)]
+    assert all(r["seconds"] > 0 and np.isfinite(r["energy"]) for r in payload["rows"])
+    summary = {s["impl"]: s for s in payload["summary"]}
+    assert set(summary) == set(pc_mnist.MUPC_VARIANTS) and all(s["epochs"] == 2 for s in summary.values())
+    assert summary["muPC residual"]["final_accuracy"] > 0.5  # chance is 0.1
