@@ -121,15 +121,19 @@ def _flip_byte_in_largest_data_file(step_dir: pathlib.Path) -> None:
     data.write_bytes(raw)
 
 
+def _save_two_and_damage_the_second(ckpt: Checkpointer, damage: str) -> None:
+    ckpt.save(1, make_state(1))
+    ckpt.save(2, make_state(2))
+    if damage == "flip_byte":
+        _flip_byte_in_largest_data_file(ckpt.directory / "2")
+    else:
+        (ckpt.directory / "2" / MANIFEST).unlink()
+
+
 @pytest.mark.parametrize("damage", ["flip_byte", "delete_manifest"])
 def test_damaged_latest_step_falls_back_to_previous(tmp_path, caplog, damage):
     with Checkpointer(tmp_path, handle_sigterm=False) as ckpt:
-        ckpt.save(1, make_state(1))
-        ckpt.save(2, make_state(2))
-        if damage == "flip_byte":
-            _flip_byte_in_largest_data_file(tmp_path / "2")
-        else:
-            (tmp_path / "2" / MANIFEST).unlink()
+        _save_two_and_damage_the_second(ckpt, damage)
         with caplog.at_level(logging.WARNING, logger="apex_jax.checkpoint"):
             assert ckpt.latest_step() == 1
             assert_bit_identical(ckpt.restore(make_state()), make_state(1))
@@ -144,12 +148,7 @@ def test_damaged_latest_step_falls_back_to_previous(tmp_path, caplog, damage):
 @pytest.mark.parametrize("damage", ["flip_byte", "delete_manifest"])
 def test_retention_keeps_max_to_keep_verified_steps(tmp_path, caplog, damage):
     with Checkpointer(tmp_path, max_to_keep=2, handle_sigterm=False) as ckpt:
-        ckpt.save(1, make_state(1))
-        ckpt.save(2, make_state(2))
-        if damage == "flip_byte":
-            _flip_byte_in_largest_data_file(tmp_path / "2")
-        else:
-            (tmp_path / "2" / MANIFEST).unlink()
+        _save_two_and_damage_the_second(ckpt, damage)
         with caplog.at_level(logging.WARNING, logger="apex_jax.checkpoint"):
             assert ckpt.save(3, make_state(3))
         assert "deleting unverified checkpoint step 2" in caplog.text
