@@ -18,7 +18,8 @@ step on the host: each token's paged context length ``kv_lens`` and the packed-s
 
 A step's int32 inputs (its tokens, the batch and each chunk's last flat index) travel to the device as one
 buffer (``pack_step``, one host-to-device copy instead of one per array), cut back apart inside the jitted step
-at offsets fixed by the padded sizes (``unpack_step``).
+at offsets fixed by the padded sizes (``unpack_step``). A multi-step decode advances a decode batch by one
+position per step on the device (``next_decode_batch``), without going back to the host.
 """
 
 import math
@@ -81,6 +82,21 @@ def unpack_step(packed: jax.Array, num_tokens: int, num_seqs: int,
     tokens, *fields, last = [packed[o:o + size].reshape(shape)
                              for o, size, shape in zip(offsets[:-1], sizes, shapes, strict=True)]
     return tokens, AttentionBatch(*fields), last
+
+
+def next_decode_batch(batch: AttentionBatch, block_size: int) -> AttentionBatch:
+    """The batch of the following decode step (on the device, inside a multi-step decode): every real token one
+    position on, ``p -> p + 1``, its slot ``table[p // block_size] * block_size + p % block_size`` in its sequence's
+    block table (the blocks must be there already), ``kv_lens = p + 1`` and each real row's ``context_lens + 1``.
+    Only for batches where every real token reads its context from the pages (``layers.all_paged``) and each
+    sequence has one token: then ``chunk_starts`` and the rest stay as they are."""
+    real = batch.seq_ids >= 0
+    positions = jnp.where(real, batch.positions + 1, 0)
+    blocks = batch.block_tables[jnp.maximum(batch.seq_ids, 0), positions // block_size]
+    return batch._replace(positions=positions,
+                          slot_mapping=jnp.where(real, blocks * block_size + positions % block_size, PAD),
+                          kv_lens=jnp.where(real, positions + 1, 0),
+                          context_lens=jnp.where(batch.context_lens > 0, batch.context_lens + 1, 0))
 
 
 class PagedKV(NamedTuple):

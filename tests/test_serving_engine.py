@@ -144,3 +144,15 @@ def test_cache_salt_keeps_equal_prompts_from_sharing_cached_blocks():
     full = (len(prompts[0]) - 1) // BLOCK * BLOCK  # the full blocks before the prompt's last token
     assert [cached_tokens(None), cached_tokens(None)] == [0, full]
     assert [cached_tokens("tenant-a"), cached_tokens("tenant-b"), cached_tokens("tenant-a")] == [0, 0, full]
+
+
+@pytest.mark.parametrize("name", [FAMILIES[0], *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES[1:])])
+def test_multi_step_decode_matches_hf_greedy_and_sums_the_expert_counts(name):
+    """decode_steps=4: 31 tokens after the prefill's, in 4-token device calls ending at max_tokens (7 of 4, one of 3):
+    HF's greedy tokens, and every computed token routed once per MoE layer, as in single steps."""
+    prompts, greedy = reference(name)
+    eng = engine(name, decode_steps=4)
+    assert tokens(eng.generate(prompts, GREEDY)) == greedy.tolist()
+    cfg = eng.cfg
+    moe_layers = sum(cfg.is_moe_layer(l) for l in range(cfg.layers))
+    assert eng.runner.expert_load.sum() == sum(len(p) + 31 for p in prompts) * cfg.top_k * moe_layers

@@ -3,6 +3,7 @@
     python -m serving serve --model smollm2 --port 8000 [--host 0.0.0.0 --api-key KEY] [--max-running 32 ...]
     python -m serving serve --model path/to/config.json --random-weights   # a HF config, random weights
     python -m serving serve --speculative block --drafter DIR   # speculative decoding (or --speculative ngram)
+    python -m serving serve --decode-steps 4   # up to 4 decode steps per device call (Engine(decode_steps=))
     python -m serving chat [--url http://127.0.0.1:8000/v1 --api-key KEY]   # without --url: serves --model itself
     python -m serving serve --model DIR --tensor-parallel 2 --expert-parallel 4   # on 8 devices
 
@@ -94,6 +95,7 @@ def _engine(args: argparse.Namespace) -> tuple[Engine, str, Path | None]:
     options = dict(dtype=DTYPES[args.dtype], num_blocks=args.num_blocks, block_size=args.block_size,
                    max_running=args.max_running, token_budget=args.token_budget, max_model_len=args.max_model_len,
                    max_queue=args.max_queue, batch_invariant=args.batch_invariant, mesh=_mesh(args),
+                   decode_steps=args.decode_steps,
                    speculative=SpecConfig.from_method(args.speculative, args.drafter, args.num_speculative_tokens)
                    if args.speculative else None)
     if args.random_weights:
@@ -186,6 +188,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                         help="--model is a HF config.json (or its folder): serve that shape with random weights")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's output is bitwise the same in any batch (serving.batch_invariant; slower)")
+    parser.add_argument("--decode-steps", type=int, default=1, metavar="N",
+                        help="decode steps per device call when every running sequence decodes (the same tokens; "
+                             "a step with a prefill, a constrained row or logprobs runs one)")
     parser.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),
                         help="speculative decoding: n-gram prompt lookup, or a block drafter (--drafter)")
     parser.add_argument("--drafter", default=None, help="block drafter checkpoint (python -m serving.train_drafter)")

@@ -4,6 +4,12 @@ Each ``step`` is one scheduler decision and one device call (``runner.py``); out
 token, its text delta (stop strings cut), and, when the sequence is done, why. A request with
 ``SamplingParams.n = k`` runs as k sequences (sample i seeded with seed + i).
 
+With ``decode_steps = n > 1``, a step where every sequence decodes (no prefill chunk, no constrained row, no
+logprobs asked for; not with speculative decoding or in batch-invariant mode) samples up to n tokens per sequence
+in its one device call (``Scheduler.reserve_ahead``, ``ModelRunner.decode``). They are appended one by one, as n
+single steps would append them (stop conditions, streaming, block hashing), one output each; those a sequence
+sampled after it finished are dropped.
+
 Bookkeeping stays bounded: ``release`` hands back a finished request's result and forgets it (``generate`` does
 so), ``abort`` drops an unfinished one and frees its cache blocks at once, and ``max_queue`` caps the
 sequences that may wait beyond the ``max_running`` that run (``add_request`` raises ``EngineFullError``). A
@@ -13,7 +19,7 @@ step that raises fails only the requests it ran: they are aborted and ``StepErro
 import dataclasses
 import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -153,14 +159,20 @@ class Engine:
       mesh: a ``sharding.make_mesh`` mesh to run on (None: one device): params split by the model's
         ``param_specs``, the cache by ``sharding.cache_spec``, steps under ``jax.set_mesh`` (the MoE layers
         expert-parallel). The same tokens as on one device; not with ``speculative`` or ``batch_invariant``.
+      decode_steps: the most tokens a decode-only step samples per sequence in one device call (module
+        docstring; 1: one per step). The same tokens as single steps; other steps, and every step with
+        ``speculative`` or ``batch_invariant``, sample one.
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, dtype: jnp.dtype = jnp.float32,
                  num_blocks: int = 256, block_size: int = 16, max_running: int = 32, token_budget: int = 256,
                  max_model_len: int | None = None, max_queue: int | None = None,
-                 speculative: SpecConfig | None = None, batch_invariant: bool = False, mesh: Mesh | None = None):
+                 speculative: SpecConfig | None = None, batch_invariant: bool = False, mesh: Mesh | None = None,
+                 decode_steps: int = 1):
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"Engine: max_queue={max_queue}: expected None (no limit) or >= 0")
+        if decode_steps < 1:
+            raise ValueError(f"Engine: decode_steps={decode_steps}: expected >= 1 (1: one token per step)")
         if batch_invariant and speculative is not None:
             raise ValueError("Engine: batch_invariant=True with speculative decoding: expected one of the two "
                              "(speculative verification steps do not run in batch-invariant mode)")
@@ -173,7 +185,7 @@ class Engine:
         if mesh is not None:
             sharding.check_mesh(mesh, self.cfg)
             params = sharding.shard_params(params, model_module(self.cfg.family).param_specs(self.cfg), mesh)
-        self.max_queue, self.dtype = max_queue, dtype
+        self.max_queue, self.dtype, self.decode_steps = max_queue, dtype, decode_steps
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.scheduler = Scheduler(self.allocator, max_running, token_budget)
         self.max_model_len = min(self.cfg.max_position, max_model_len or self.cfg.max_position,
@@ -278,7 +290,10 @@ class Engine:
         if not chunks:
             return []
         try:
-            return self._run(chunks) if drafted is None else self._run_speculative(chunks, *drafted)
+            if drafted is not None:
+                return self._run_speculative(chunks, *drafted)
+            multi = self._multi_step(chunks)
+            return self._run(chunks) if multi is None else self._run_multi_step(multi)
         except Exception as e:
             request_ids = list(dict.fromkeys(c.seq.request_id for c in chunks))
             for request_id in request_ids:
@@ -305,19 +320,51 @@ class Engine:
         result = self.runner.run([SeqChunk(s.block_table, c.start, c.count) for s, c in zip(seqs, chunks, strict=True)],
                                  [s.tokens[c.start:c.start + c.count] for s, c in zip(seqs, chunks, strict=True)],
                                  rows, MAX_LOGPROBS if wants_top else 0)
-        logprobs = {}
-        for i, seq in enumerate(seqs):
-            n = seq.params.logprobs
-            if n is not None:
-                top = list(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(), strict=True))
-                logprobs[seq.seq_id] = {"logprob": float(result.logprobs[i]), "top": top}
+
+        def logprobs(i: int, _: int) -> dict:
+            n = chunks[i].seq.params.logprobs
+            top = list(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(), strict=True))
+            return {"logprob": float(result.logprobs[i]), "top": top}
+
+        return self._outputs(chunks, [[token] for token in result.tokens.tolist()], logprobs)
+
+    def _multi_step(self, chunks: list) -> list | None:
+        """``chunks`` as the n-token chunks of a multi-step decode (``Scheduler.reserve_ahead``), or None where this
+        step samples one token per sequence: ``decode_steps`` 1, batch-invariant mode, a chunk that is not one token
+        after a cached context, a constrained row, a row asking for logprobs, or no room for n > 1."""
+        if self.decode_steps == 1 or self.runner.batch_invariant or not all(
+                c.count == 1 and c.samples and c.start > 0 and c.seq.matcher is None and c.seq.params.logprobs is None
+                for c in chunks):
+            return None
+        chunks = self.scheduler.reserve_ahead(chunks, self.decode_steps)
+        return chunks if chunks[0].count > 1 else None
+
+    def _run_multi_step(self, chunks: list) -> list[StepOutput]:
+        """One device call samples ``count`` tokens per chunk (``ModelRunner.decode``); one output per token kept."""
+        seqs = [c.seq for c in chunks]
+        result = self.runner.decode([SeqChunk(s.block_table, c.start, 1) for s, c in zip(seqs, chunks, strict=True)],
+                                    [s.tokens[c.start:c.start + 1] for s, c in zip(seqs, chunks, strict=True)],
+                                    [_sample_row(s) for s in seqs], chunks[0].count)
+        return self._outputs(chunks, result.tokens.tolist())
+
+    def _outputs(self, chunks: list, tokens: list[list[int]],
+                 logprobs: Callable[[int, int], dict] | None = None) -> list[StepOutput]:
+        """``scheduler.update(chunks, tokens)`` (chunk i's tokens in order, those past a stop dropped): one output per
+        appended token, the last of a finished sequence carrying its finish reason; ``logprobs(i, j)``: the entry of
+        chunk i's token j, for the sequences that ask for logprobs."""
+        chunk_of = {c.seq.seq_id: i for i, c in enumerate(chunks)}
         outputs = []
-        for seq, text in self.scheduler.update(chunks, result.tokens.tolist()):
-            entry = logprobs.get(seq.seq_id)
-            if entry is not None:
-                seq.logprobs.append(entry)
-            outputs.append(StepOutput(seq.request_id, seq.index, seq.output_ids[-1], text, seq.finished,
-                                      seq.finish_reason, entry))
+        for seq, group in itertools.groupby(self.scheduler.update(chunks, tokens), key=lambda update: update[0]):
+            i, texts = chunk_of[seq.seq_id], [text for _, text in group]
+            first = len(seq.output_ids) - len(texts)
+            for j, text in enumerate(texts):
+                entry = None
+                if logprobs is not None and seq.params.logprobs is not None:
+                    entry = logprobs(i, j)
+                    seq.logprobs.append(entry)
+                last = j == len(texts) - 1
+                outputs.append(StepOutput(seq.request_id, seq.index, seq.output_ids[first + j], text,
+                                          seq.finished and last, seq.finish_reason if last else None, entry))
         return outputs
 
     def _propose(self) -> tuple[list[Seq], Proposal]:
@@ -359,24 +406,16 @@ class Engine:
                 self.spec_stats.num_steps += 1
                 self.spec_stats.num_draft_tokens += len(v.drafts)
                 self.spec_stats.num_accepted_tokens += n
-        chunk_of = {c.seq.seq_id: i for i, c in enumerate(chunks)}
-        outputs = []
-        for seq, group in itertools.groupby(self.scheduler.update(chunks, accepted), key=lambda update: update[0]):
-            i, texts = chunk_of[seq.seq_id], [text for _, text in group]
-            first = len(seq.output_ids) - len(texts)
-            for j, text in enumerate(texts):
-                entry = None
-                if seq.params.logprobs is not None:
-                    n = seq.params.logprobs
-                    top = list(zip(result.top_ids[i, j, :n].tolist(), result.top_logprobs[i, j, :n].tolist(),
-                                   strict=True))
-                    entry = {"logprob": float(result.logprobs[i, j]), "top": top}
-                    seq.logprobs.append(entry)
-                last = j == len(texts) - 1
-                outputs.append(StepOutput(seq.request_id, seq.index, seq.output_ids[first + j], text,
-                                          seq.finished and last, seq.finish_reason if last else None, entry))
-            if seq.finished:
-                self.drafter.release(seq.seq_id)
+
+        def logprobs(i: int, j: int) -> dict:
+            n = chunks[i].seq.params.logprobs
+            top = list(zip(result.top_ids[i, j, :n].tolist(), result.top_logprobs[i, j, :n].tolist(), strict=True))
+            return {"logprob": float(result.logprobs[i, j]), "top": top}
+
+        outputs = self._outputs(chunks, accepted, logprobs)
+        for c in chunks:
+            if c.seq.finished:
+                self.drafter.release(c.seq.seq_id)
         return outputs
 
     def result(self, request_id: str) -> RequestResult:

@@ -15,6 +15,13 @@ made with ``batch_invariant=True`` runs both calls through ``serving.batch_invar
 any chunking. A runner made with a ``mesh`` (its params and cache already placed on it, ``serving.sharding``) runs
 both calls under ``jax.set_mesh(mesh)``, so the MoE layers go expert-parallel, with the packed buffer replicated.
 
+A multi-step decode (``ModelRunner.decode``) runs ``steps`` forward + sample iterations in one jitted call
+(``lax.scan``): a batch where every sequence decodes one token, its blocks for all ``steps`` tokens already in its
+block table; each iteration's sampled tokens are the next one's inputs, the batch moves one position on
+(``kv_cache.next_decode_batch``) and so does the sampling state (``sampler.advance``: the positions randomness is
+folded with, the penalized histories). The host gets the ``[S, steps]`` tokens and the summed expert counts in one
+transfer. Its tokens are those of ``steps`` single steps of the same batch.
+
 Structured output costs no device time of its own: the forward pass is dispatched asynchronously, and while the
 device runs it the host packs the constrained rows' allowed tokens (``fill_token_bitmask``, llguidance's thread
 pool) and the sampling parameters; the sampler, dispatched next, applies the packed ``[S, ceil(V / 32)]`` int32
@@ -28,14 +35,15 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from serving import batch_invariant, layers
 from serving.config import ModelConfig
-from serving.engine.sampler import SampleResult, SampleRow, SamplingBatch, sample, sampling_batch
-from serving.kv_cache import AttentionBatch, SeqChunk, make_batch, pack_step, unpack_step
+from serving.engine.sampler import SampleResult, SampleRow, SamplingBatch, advance, sample, sampling_batch, with_room
+from serving.kv_cache import AttentionBatch, SeqChunk, make_batch, next_decode_batch, pack_step, unpack_step
 from serving.structured import fill_token_bitmask
 
 MIN_TOKENS_BUCKET = 8  # the smallest padded N: decode batches of up to 8 sequences share one compile
@@ -74,6 +82,37 @@ def _step(params: dict, kv: Any, packed: jax.Array, *, sizes: tuple[int, int, in
     with layers.use_kernels(kernels), layers.paged_only(paged_only):
         logits, kv, expert_counts = model(params, tokens, batch, kv)
     return logits[last], kv, expert_counts
+
+
+class DecodeResult(NamedTuple):
+    tokens: np.ndarray  # [S, steps] each sequence's sampled tokens, in order
+    expert_counts: np.ndarray  # [layers, experts] tokens routed to each expert over the steps
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "steps", "block_size", "forward", "cfg", "kernels", "draw"),
+                   donate_argnames="kv")
+def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBatch, *, sizes: tuple[int, int, int],
+                  steps: int, block_size: int, forward: Callable, cfg: ModelConfig, kernels: str,
+                  draw: bool) -> tuple[jax.Array, Any, jax.Array]:
+    """``steps`` decode iterations of forward (kernel mode ``kernels``, ``layers.paged_only``) + ``sample``: the
+    tokens ``[steps, S]``, the updated cache and the expert counts ``[layers, experts]`` summed over the steps.
+    ``packed``: ``pack_step``'s buffer of a batch with one paged token per sequence, ``sizes = (N, S, max_blocks)``."""
+    tokens, batch, last = unpack_step(packed, *sizes)
+    real = batch.seq_ids >= 0
+
+    def one_step(carry, _):
+        kv, tokens, batch, sampling, counts = carry
+        with layers.use_kernels(kernels), layers.paged_only():
+            logits, kv, step_counts = forward(params, cfg, tokens, batch, kv)
+        sampled = sample(logits[last], sampling, draw=draw).tokens
+        tokens = jnp.where(real, sampled[jnp.maximum(batch.seq_ids, 0)], 0)
+        carry = kv, tokens, next_decode_batch(batch, block_size), advance(sampling, sampled), counts + step_counts
+        return carry, sampled
+
+    counts = jnp.zeros((cfg.layers, cfg.num_experts), jnp.int32)
+    (kv, *_, counts), sampled = jax.lax.scan(one_step, (kv, tokens, batch, with_room(sampling, steps), counts),
+                                             length=steps)
+    return sampled, kv, counts
 
 
 @functools.partial(jax.jit, static_argnames=("num_top", "draw"))
@@ -140,6 +179,36 @@ class ModelRunner:
         *sampled, counts = jax.device_get((*result, counts))  # one wait for all five transfers
         self.expert_load += counts
         return StepResult(*(a[:len(chunks)] for a in sampled), counts)
+
+    def decode(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
+               steps: int) -> DecodeResult:
+        """``steps`` tokens per sequence in one device call (module docstring): ``chunks`` are one token each
+        (``count = 1``, ``start > 0``) with blocks for ``steps`` tokens; ``rows`` unconstrained. Not in batch-invariant
+        mode."""
+        room = [len(c.block_table) * self.block_size - c.start for c in chunks]
+        bad = [i for i, c in enumerate(chunks) if c.count != 1 or c.start < 1 or room[i] < steps]
+        if bad:
+            c = chunks[bad[0]]
+            raise ValueError(f"decode: chunk {bad[0]} (start={c.start}, count={c.count}, room for {room[bad[0]]} "
+                             f"tokens): expected one token after a cached context, with blocks for steps={steps}")
+        if self.batch_invariant or any(r.matcher is not None for r in rows):
+            raise ValueError("decode: a constrained row or a batch-invariant runner: expected neither (use run)")
+        tokens, batch = self.prepare(chunks, token_ids)
+        num_seqs = batch.context_lens.shape[0]
+        last = np.zeros(num_seqs, np.int32)
+        last[:len(chunks)] = np.arange(len(chunks))
+        packed = pack_step(tokens, batch, last)
+        if self.mesh is not None:
+            packed = jax.device_put(packed, NamedSharding(self.mesh, P()))
+        with self.on_mesh():
+            sampled, self.kv, counts = _decode_steps(
+                self.params, self.kv, packed, sampling_batch(rows, num_seqs),
+                sizes=(len(tokens), num_seqs, batch.block_tables.shape[1]), steps=steps, block_size=self.block_size,
+                forward=self.forward, cfg=self.cfg, kernels=layers.kernel_mode(),
+                draw=any(r.params.temperature > 0 for r in rows))
+        sampled, counts = jax.device_get((sampled, counts))
+        self.expert_load += counts
+        return DecodeResult(sampled[:, :len(chunks)].T, counts)
 
     def _masks(self, rows: list[SampleRow], num_seqs: int) -> np.ndarray | None:
         """``[num_seqs, ceil(V / 32)]`` int32 allowed tokens of ``rows``, or None when no row is constrained (that

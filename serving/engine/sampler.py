@@ -13,6 +13,10 @@ Every parameter is a ``[B]`` array, so one compile serves any mix of greedy and 
 3. randomness is ``jax.random.fold_in(jax.random.key(seed), step)`` with ``step`` the index of the token in the
    request's output, so a seeded request samples the same tokens alone or in any batch;
 4. logprobs come from ``log_softmax`` of the raw logits: the chosen token's and the top ``num_top``.
+
+A multi-step decode samples several tokens per row on the device: ``advance`` turns the batch into the next
+token's (step + 1, the sampled token appended to a penalized row's history), so each token is sampled exactly as a
+fresh ``sampling_batch`` for it would sample it.
 """
 
 import functools
@@ -108,6 +112,26 @@ def sampling_batch(rows: Sequence[SampleRow], num_rows: int | None = None,
         prompt_ids=_pad_ids(prompts, num_rows, _bucket(max((len(r.prompt_ids) for r in penalized), default=0))),
         output_ids=_pad_ids(outputs, num_rows, _bucket(max((len(r.output_ids) for r in penalized), default=0))),
         token_bitmask=token_bitmask)
+
+
+def with_room(b: SamplingBatch, steps: int) -> SamplingBatch:
+    """``b`` with ``steps`` more NO_TOKEN columns in ``output_ids`` (when histories are sent), for ``advance``."""
+    if b.output_ids.shape[1] == 0:
+        return b
+    return b._replace(output_ids=jnp.pad(b.output_ids, ((0, 0), (0, steps)), constant_values=NO_TOKEN))
+
+
+def advance(b: SamplingBatch, tokens: jax.Array) -> SamplingBatch:
+    """``b`` for each row's next token after it sampled ``tokens [B]``: ``step + 1``, and where histories are sent,
+    a penalized row's token written to its first NO_TOKEN column of ``output_ids`` (``with_room`` leaves one
+    per step; a row without penalties keeps an empty history, as ``sampling_batch`` sends it)."""
+    b = b._replace(step=b.step + 1)
+    if b.output_ids.shape[1] == 0:
+        return b
+    penalized = (b.repetition_penalty != 1) | (b.presence_penalty != 0) | (b.frequency_penalty != 0)
+    free = jnp.argmax(b.output_ids == NO_TOKEN, axis=-1)
+    rows = jnp.arange(tokens.shape[0])
+    return b._replace(output_ids=b.output_ids.at[rows, free].set(jnp.where(penalized, tokens, NO_TOKEN)))
 
 
 def _token_counts(ids: jax.Array, vocab: int) -> jax.Array:

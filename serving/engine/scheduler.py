@@ -12,6 +12,10 @@ The cache never runs out: ``add`` caps a sequence's length at what the whole cac
 "length"), so a sequence running alone always fits and the queue's head is always admitted once the running
 ones finish; a prompt that leaves no room to generate is refused up front. ``abort`` takes a sequence out
 wherever it is and frees its blocks at once.
+
+A multi-step decode (``reserve_ahead``) runs n tokens of every decoding sequence in one step: n stops short of
+every sequence's max_tokens and max_len, and its blocks come from free ones only (fewer steps when they are
+short; never a preemption).
 """
 
 from typing import NamedTuple
@@ -23,7 +27,8 @@ from serving.engine.request import Sequence
 class ScheduledChunk(NamedTuple):
     """``count`` tokens of ``seq`` starting at ``start`` (= its ``num_computed``) run this step; ``samples``: the
     chunk reaches the sequence's last token, whose logits give its next token. A decoding chunk may carry the
-    sequence's speculative ``draft_ids`` after its last token (``count = 1 + drafts``)."""
+    sequence's speculative ``draft_ids`` after its last token (``count = 1 + drafts``), or in a multi-step decode
+    the n - 1 tokens it samples on the device (``count = n``)."""
 
     seq: Sequence
     start: int
@@ -107,11 +112,29 @@ class Scheduler:
             budget -= count
         return chunks
 
+    def reserve_ahead(self, chunks: list[ScheduledChunk], steps: int) -> list[ScheduledChunk]:
+        """``chunks``, each one decoding token, as the n-token chunks of a multi-step decode with the blocks of
+        their n tokens allocated: n <= ``steps`` is the most that passes no sequence's max_tokens or max_len and
+        whose blocks are free now (nothing is preempted); n = 1 (the chunks as they were) when none more fits."""
+        if any(c.count != 1 or not c.samples for c in chunks):
+            raise ValueError(f"reserve_ahead: chunk counts {[c.count for c in chunks]}: expected decoding chunks "
+                             "(one token each, sampling)")
+        seqs = [c.seq for c in chunks]
+        n = min([steps] + [min(s.params.max_tokens - len(s.output_ids), s.max_len - s.num_tokens) for s in seqs])
+        while n > 1 and sum(self._blocks_needed(s, n) for s in seqs) > self.allocator.num_free:
+            n -= 1
+        if n <= 1:
+            return chunks
+        for seq in seqs:
+            seq.block_table += [self.allocator.allocate() for _ in range(self._blocks_needed(seq, n))]
+        return [c._replace(count=n) for c in chunks]
+
     def update(self, chunks: list[ScheduledChunk], tokens: list[int | list[int]]) -> list[tuple[Sequence, str]]:
         """Record a step: ``tokens[i]`` is chunk i's sampled token, or its accepted tokens in order (speculative
-        decoding), ignored unless the chunk samples. Tokens after a stop condition are dropped; the cache keeps
-        only the positions of accepted tokens (rejected drafts' slots are overwritten later) and the blocks that
-        no longer hold any token are freed.
+        decoding) or its n tokens (a multi-step decode), ignored unless the chunk samples. Tokens after a stop
+        condition are dropped; the cache keeps only the positions of accepted tokens (rejected drafts' and a
+        finished sequence's later slots are overwritten later) and the blocks that no longer hold any token are
+        freed.
 
         Returns (sequence, new text) for every appended token, in order; finished sequences leave the running set.
         """
