@@ -14,7 +14,7 @@ linear code map. A whole training run is one jitted `lax.scan` over steps. `fina
 loss of the last 200 steps (the mean over the seeds; `final_loss_seeds` each); `rel_diff_vs_optax` its relative
 difference from `optax.adamw`'s.
 
-    python benchmarks/optimizer_quality.py           # results/optimizer_quality.json + .png (~30 min, 2 CPU cores)
+    python benchmarks/optimizer_quality.py           # results/optimizer_quality.json + .png (~45 min, 2 CPU cores)
     python benchmarks/optimizer_quality.py --quick   # tiny models, a few dozen steps (tests)
 """
 
@@ -190,8 +190,8 @@ class LmConfig:
     heads: int = 4
     context: int = 128
     batch: int = 32
-    # ~125 ms a step on 2 CPU cores: 1600 steps x 5 variants keeps the whole script near 22 minutes.
-    steps: int = 1600
+    # ~125-165 ms a step on 2 CPU cores: 2500 steps x 5 variants take ~30 minutes.
+    steps: int = 2500
     lr: float = 3e-3
     warmup: int = 100
     weight_decay: float = 0.1  # the usual transformer-LM value (GPT-2/nanoGPT); masked off 1-D params
