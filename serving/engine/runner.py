@@ -153,6 +153,11 @@ class ModelRunner:
         without a mesh."""
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
+    def _packed(self, tokens: np.ndarray, batch: AttentionBatch, last: np.ndarray) -> Any:
+        """``pack_step``'s one buffer of a step's inputs; on a mesh, replicated (every device reads the whole batch)."""
+        packed = pack_step(tokens, batch, last)
+        return packed if self.mesh is None else jax.device_put(packed, NamedSharding(self.mesh, P()))
+
     def run(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
             num_top: int = 0) -> StepResult:
         """Run ``chunks`` (with their new ``token_ids``) and sample one token per chunk from ``rows``."""
@@ -164,9 +169,7 @@ class ModelRunner:
         kernels = layers.BATCH_INVARIANT if self.batch_invariant else layers.kernel_mode()
         paged_only = layers.all_paged(batch) and not self.batch_invariant  # batch-invariant attention: all paged
         sizes = (len(tokens), num_seqs, batch.block_tables.shape[1])
-        packed = pack_step(tokens, batch, last)
-        if self.mesh is not None:
-            packed = jax.device_put(packed, NamedSharding(self.mesh, P()))  # every device reads the whole batch
+        packed = self._packed(tokens, batch, last)
         with self.on_mesh():
             logits, self.kv, counts = _step(self.params, self.kv, packed, sizes=sizes, forward=self.forward,
                                             cfg=self.cfg, kernels=kernels,
@@ -197,9 +200,7 @@ class ModelRunner:
         num_seqs = batch.context_lens.shape[0]
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.arange(len(chunks))
-        packed = pack_step(tokens, batch, last)
-        if self.mesh is not None:
-            packed = jax.device_put(packed, NamedSharding(self.mesh, P()))
+        packed = self._packed(tokens, batch, last)
         with self.on_mesh():
             sampled, self.kv, counts = _decode_steps(
                 self.params, self.kv, packed, sampling_batch(rows, num_seqs),
