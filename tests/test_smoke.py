@@ -11,14 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_serving_api_fixture import make_engine, model_folder, running_server
+from test_serving_engine import HF, reference
 
 import pc
 from apex_jax import ApexW, flatten
 from pallas_kernels.testing import on_gpu
 from serving.engine.engine import Engine
 from serving.engine.sampling_params import SamplingParams
-from test_serving_api_fixture import make_engine, model_folder, running_server
-from test_serving_engine import HF, reference
 
 # An odd-shaped pytree: leaves not multiples of any tile, one below the int8 kind's fp32 threshold (4096).
 SHAPES = {"bias": (3,), "proj": (17, 5), "embed": (1000, 33), "conv": (2, 3, 7), "table": (4100,)}
@@ -64,11 +64,18 @@ def test_fused_adamw_step_matches_float64_adamw(state_dtype):
     assert worst <= ADAMW_BOUND[state_dtype], f"{state_dtype}: {worst:.3g}"
 
 
-def test_fused_pc_epoch_matches_the_xla_loop():
+# Relative difference of the weight updates, fused kernel vs XLA's loop: both sum their matmuls in different
+# orders, and T settling steps carry the differences on. tf32 rounds the operands to 10 mantissa bits (~5e-4
+# relative a product), which kernel and loop apply to different partial results.
+PC_UPDATE_BOUND = {"float32": 1e-3, "tf32": 1e-2}
+
+
+@pytest.mark.parametrize("precision", list(PC_UPDATE_BOUND))
+def test_fused_pc_epoch_matches_the_xla_loop(precision):
     """One epoch of supervised PC training through the fused settle kernel and through XLA's loop: the same
-    weight updates (fp32 reorderings only), accuracy and energy. The GPU runs a Deepity-sized net."""
+    weight updates (up to summation order), accuracy and energy. The GPU runs a Deepity-sized net."""
     sizes, rows, batch, T = ((784, 512, 512, 10), 1000, 250, 20) if on_gpu() else ((784, 24, 16, 10), 100, 25, 5)
-    net = pc.PCNet(sizes, activation="sigmoid", output="cross_entropy", input_activation=False)
+    net = pc.PCNet(sizes, activation="sigmoid", output="cross_entropy", input_activation=False, precision=precision)
     images = jax.random.uniform(jax.random.key(1), (rows, sizes[0]))
     labels = jax.random.randint(jax.random.key(2), (rows,), 0, sizes[-1])
     params = pc.init_params(jax.random.key(0), net)
@@ -81,7 +88,7 @@ def test_fused_pc_epoch_matches_the_xla_loop():
             step = np.asarray(b[name] - p0[name])
             assert np.linalg.norm(step) > 1e-6, f"params[{l}][{name!r}] did not train"
             err = np.linalg.norm(np.asarray(a[name] - p0[name]) - step) / np.linalg.norm(step)
-            assert err < 1e-3, f"params[{l}][{name!r}] update differs by {err:.3g}"
+            assert err < PC_UPDATE_BOUND[precision], f"params[{l}][{name!r}] update differs by {err:.3g}"
     for name in ("energy", "accuracy"):
         np.testing.assert_allclose(fused_metrics[name], loop_metrics[name], rtol=1e-4, err_msg=name)
 

@@ -94,8 +94,8 @@ def jobs(env: dict[str, str]) -> list[tuple[str, list[str]]]:
     return out + [("smoke: " + i.split("::", 1)[1], [i]) for i in ids]
 
 
-def run_job(name: str, args: list[str], logs: Path, env: dict[str, str]) -> dict:
-    report = logs / (name.replace(" ", "").replace(":", "_").replace("/", "_") + ".xml")
+def run_job(name: str, args: list[str], reports: Path, env: dict[str, str]) -> dict:
+    report = reports / (name.replace(" ", "").replace(":", "_").replace("/", "_") + ".xml")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                f"--timeout={TEST_TIMEOUT_S}", f"--junitxml={report}", "-rfE", *args]
     start = time.perf_counter()
@@ -135,8 +135,11 @@ def versions() -> dict:
 
 
 def commit() -> str:
+    """``$GIT_COMMIT`` (a device call's copy of the tree may carry another clone's .git), else git's HEAD."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return head.stdout.strip() if head.returncode == 0 else os.environ.get("GIT_COMMIT", "unknown")
+    return head.stdout.strip() if head.returncode == 0 else "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     logs = out if out else Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    reports = Path(tempfile.mkdtemp(prefix="gpu-check-junit-"))
     start = time.perf_counter()
     env = install_wheels(Path(tempfile.mkdtemp(prefix="gpu-check-site-")))
     missing = missing_modules()
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     todo = [j for j in jobs(env) if args.only is None or args.only in j[0]]
     with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
-        results = list(pool.map(lambda j: run_job(*j, logs, env), todo))
+        results = list(pool.map(lambda j: run_job(*j, reports, env), todo))
     total_s = time.perf_counter() - start
     summary = {"device": device.device_kind, "cores": getattr(device, "core_count", None), "versions": versions(),
                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit(),
