@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m apex_jax.demo
+	$(PY) -m examples.tour
 
 # The dashboard's browser test drives Debian's chromium: installed here when apt-get can (as root); otherwise that
 # test skips and says how to install it.

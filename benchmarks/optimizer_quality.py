@@ -34,8 +34,8 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from apex_data import load_mnist, python_source_corpus, split_corpus
 from apex_jax import apexw
-from apex_jax.data import load_mnist, python_source_corpus, split_corpus
 from benchmarks.harness import RESULTS_DIR, format_table, save_plot, write_results
 
 NAME = "optimizer_quality"

@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apex_jax.data import default_cache_dir, load_mnist
+from apex_data import default_cache_dir, load_mnist
 
 DEEPITY_SPEC = "pydeepity==0.1.0a3"
 # CPythons with a pydeepity 0.1.0a3 wheel (cp311-cp313, manylinux_2_28 x86_64), in order of preference.
@@ -101,7 +101,7 @@ def deepity_venv(cache_dir: str | Path | None = None) -> Path:
     """The venv with Deepity, created on first use (see `find_deepity_python` for its interpreter).
 
     Args:
-      cache_dir: where the venv lives (as `deepity-venv/`); defaults to `apex_jax.data.default_cache_dir()`.
+      cache_dir: where the venv lives (as `deepity-venv/`); defaults to `apex_data.default_cache_dir()`.
 
     Returns:
       The venv's folder; its interpreter is `bin/python`.

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from apex_jax.data import load_mnist
+from apex_data import load_mnist
 from benchmarks.harness import format_table, save_plot, time_jax, write_results
 from benchmarks.pc_baselines import run_deepity, write_mnist_npz
 from pallas_kernels.pc_settle import EXCHANGES, OUTPUT_SUMS, PRECISIONS, SPINS, SettleConfig, launch_grid

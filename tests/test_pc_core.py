@@ -8,7 +8,7 @@ import pytest
 
 import apex_jax
 import pc
-from apex_jax.data import load_mnist
+from apex_data import load_mnist
 
 SMALL = (6, 9, 7, 4)  # a net small enough for long reference runs
 

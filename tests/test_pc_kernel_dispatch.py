@@ -12,7 +12,7 @@ import pytest
 from test_pc_settle_kernel import lower_grid
 
 import pc
-from apex_jax.data import load_mnist
+from apex_data import load_mnist
 from pallas_kernels.pc_settle import PRECISIONS, SettleConfig
 from pallas_kernels.testing import assert_close, lower_for_h200
 from pc.settle import KERNEL_CONFIGS, kernel_config_for
