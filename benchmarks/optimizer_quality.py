@@ -45,10 +45,10 @@ FINAL_WINDOW = 200  # steps averaged into final_loss: one minibatch's loss is to
 REFERENCE = "optax.adamw fp32"
 # The variant name -> (state_dtype, quant_map) of apexw; REFERENCE is optax.adamw itself.
 APEXW_VARIANTS = {
-    "apexw fp32": ("fp32", "power"),
-    "apexw bf16": ("bf16", "power"),
-    "apexw int8": ("int8", "power"),
-    "apexw int8 linear-map": ("int8", "linear"),
+    "apexw fp32": (jnp.float32, "power"),
+    "apexw bf16": (jnp.bfloat16, "power"),
+    "apexw int8": (jnp.int8, "power"),
+    "apexw int8 linear-map": (jnp.int8, "linear"),
 }
 # Control: optax.adamw with the learning rate scaled by (1 + 1e-6). How far such a perturbation moves the
 # final loss is the noise floor against which every rel_diff_vs_optax should be read.
@@ -82,8 +82,7 @@ def make_optimizer(variant: str, schedule: optax.Schedule, weight_decay: float) 
         state_dtype, quant_map = APEXW_VARIANTS[variant]
     except KeyError:
         raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}") from None
-    return apexw(schedule, weight_decay=weight_decay, mask=decay_mask, state_dtype=state_dtype,
-                 quant_map=quant_map, kernel="auto")
+    return apexw(schedule, weight_decay=weight_decay, mask=decay_mask, state_dtype=state_dtype, quant_map=quant_map)
 
 
 def warmup_cosine(lr: float, warmup: int, steps: int) -> optax.Schedule:

@@ -166,9 +166,9 @@ def make_variants(config: DemoConfig) -> list[Variant]:
     lr, wd = config.learning_rate, config.weight_decay
     return [
         optax_variant("optax.adamw fp32", optax.adamw(lr, weight_decay=wd)),
-        optax_variant("apexw bf16 (optax)", apexw(lr, weight_decay=wd, state_dtype="bf16")),
-        optax_variant("apexw int8 (optax)", apexw(lr, weight_decay=wd, state_dtype="int8")),
-        fused_variant(FUSED, ApexW(lr, weight_decay=wd, state_dtype="int8")),
+        optax_variant("apexw bf16 (optax)", apexw(lr, weight_decay=wd, state_dtype=jnp.bfloat16)),
+        optax_variant("apexw int8 (optax)", apexw(lr, weight_decay=wd, state_dtype=jnp.int8)),
+        fused_variant(FUSED, ApexW(lr, weight_decay=wd, state_dtype=jnp.int8)),
     ]
 
 
