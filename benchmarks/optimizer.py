@@ -34,8 +34,8 @@ CPU_LAYOUTS = {"4x256K": (4, 256 << 10), "128x8K": (128, 8 << 10)}
 FLOOR_BYTES_PER_PARAM = {"fp32": 28.0, "bf16": 20.0, "int8": 16.0 + 16 / 256}
 STATE_KINDS = ("fp32", "bf16", "int8")  # result labels: the keys of apex_jax.STATE_DTYPES (jax loads in workers)
 GROUPS = ("torch", "bnb", "torchao", "optax", "apexw-transform", "apexw-transform-flat", "apexw-fused")
-# Per-leaf XLA paths compile for minutes at 8192 leaves: the issue saw optax not compile within 100 s, and
-# the per-leaf apexw transform (split + apply_updates per leaf) was still compiling after 230 s.
+# Per-leaf XLA paths (optax, and the apexw transform's split + apply_updates per leaf) compile for minutes at 8192
+# leaves: a bound of their own turns such a layout into a timeout row instead of holding up the run.
 TIMEOUT_S = {"optax": 100, "apexw-transform": 120}
 DEFAULT_TIMEOUT_S = 400
 BLOCK_SWEEP = [(2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]  # (block_rows, num_warps)

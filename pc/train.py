@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pallas_kernels.pc_settle import SettleConfig, dot_args, padded_rows
+from pallas_kernels.pc_settle import SettleConfig, padded_rows
 from pc.energy import energy, energy_and_grads, errors
 from pc.networks import Params, PCNet, check_params, forward
 from pc.settle import (
@@ -102,8 +102,7 @@ def _supervised(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, so
 
 def _operand_weights(params: Params, net: PCNet) -> Params:
     """``params`` with every weight rounded to the net's matmul operand dtype (biases as they are)."""
-    dtype = dot_args(net.precision)[0]
-    return [dict(layer, w=layer["w"].astype(dtype)) for layer in params]
+    return [dict(layer, w=layer["w"].astype(net.operand_dtype)) for layer in params]
 
 
 def _supervised_fused(params, opt_state, operands, x, y, dt, smoothing, *, optimizer, net, T, config, interpret,
@@ -175,14 +174,14 @@ def _train_epoch(params, opt_state, images, labels, key, dt, smoothing, *, optim
     fused = uses_fused_kernel(implementation) and variant == "supervised"
     batches = (images[order], None if labels is None else labels[order])  # one gather for the whole epoch
     if fused and not net.input_activation:  # x_0 only meets matmuls: round it once (module docstring)
-        batches = (batches[0].astype(dot_args(net.precision)[0]), batches[1])
+        batches = (batches[0].astype(net.operand_dtype), batches[1])
     if fused:
         rows = padded_rows(batch_size, net.sizes[1:], kernel_config) - batch_size  # the kernel's row tiles
         batches = (jnp.pad(batches[0], ((0, 0), (0, rows), (0, 0))),
                    jnp.pad(batches[1], ((0, 0), (0, rows)), constant_values=-1))
         step = functools.partial(_supervised_fused, optimizer=optimizer, net=net, T=T, config=kernel_config,
                                  interpret=implementation == "pallas_interpret", n=batch_size)
-        rounds = dot_args(net.precision)[0] != jnp.float32  # the weights as the next settling reads them:
+        rounds = net.operand_dtype != jnp.float32  # the weights as the next settling reads them:
         prepare = functools.partial(_operand_weights, net=net) if rounds else (lambda p: ())
     else:
         plain = functools.partial(_STEPS[variant], optimizer=optimizer, net=net, T=T, solver=solver,
