@@ -271,8 +271,9 @@ def _state_dtype(value: jax.typing.DTypeLike) -> np.dtype:
     expected = "jnp.float32, jnp.bfloat16 or jnp.int8 (or a name or dtype jnp.dtype() reads as one of them)"
     try:
         dtype = jnp.dtype(value)
-    except TypeError:
-        short = f" (the short name {value!r} means apex_jax.STATE_DTYPES[{value!r}])" if value in STATE_DTYPES else ""
+    except (TypeError, ValueError):  # not a dtype at all (numpy raises either)
+        short = (f" (the short name {value!r} means apex_jax.STATE_DTYPES[{value!r}])"
+                 if isinstance(value, str) and value in STATE_DTYPES else "")
         raise ValueError(f"state_dtype {value!r} is not a dtype{short}; expected {expected}") from None
     if dtype not in _CODECS:
         raise ValueError(f"state_dtype {value!r} is {dtype.name}; expected {expected}")
