@@ -30,7 +30,7 @@ from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import PagedKV, SeqChunk, make_batch
 from serving.models import model_module
 from serving.quantize import quantize_params
-from serving.speculative import SpecConfig
+from serving.spec_decode import SpecConfig
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ("llama", "qwen3_moe", "mixtral", "deepseek_v3")

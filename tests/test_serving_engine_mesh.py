@@ -16,7 +16,7 @@ from serving.api import cli
 from serving.engine.engine import Engine, load
 from serving.engine.sampling_params import SamplingParams
 from serving.models import model_module
-from serving.speculative import NgramDrafter, SpecConfig
+from serving.spec_decode import NgramDrafter, SpecConfig
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8,
                                 reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")

@@ -36,11 +36,12 @@ from serving.engine.runner import ModelRunner
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.engine.scheduler import Scheduler
+from serving.engine.spec_step import VerifyChunk, verify_step
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.loaders import load_model
 from serving.loaders.gguf import load_gguf
 from serving.models import model_module
-from serving.speculative import DraftRequest, Proposal, SpecConfig, SpecStats, VerifyChunk, grammar_drafts, verify_step
+from serving.spec_decode import DraftRequest, Proposal, SpecConfig, SpecStats, grammar_drafts
 from serving.structured import compile_constraint
 from serving.tokenizer import Tokenizer
 
@@ -151,7 +152,7 @@ class Engine:
       max_model_len: context length (default: the model's max_position), at most the cache's
         num_blocks * block_size tokens: a sequence the cache cannot hold whole could never finish.
       max_queue: the most sequences waiting beyond ``max_running`` (None: no limit).
-      speculative: draft tokens and verify them in each decode step (``serving.speculative``); acceptance
+      speculative: draft tokens and verify them in each decode step (``serving.spec_decode``); acceptance
         counters in ``spec_stats``. Outputs are unchanged (greedy: identical; sampled: the same distribution).
       batch_invariant: every step through ``serving.batch_invariant`` (fixed-geometry Pallas kernels, in Pallas'
         interpreter off a GPU): a sequence's logits are bitwise the same alone or in any batch and chunking.

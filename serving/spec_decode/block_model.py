@@ -19,8 +19,8 @@ every slot (no causal mask inside the block); context entries before the sequenc
 start from the last position's state at the depth the first copied layer reads, plus a learned mix of its
 states and the newest token's embedding ``E``, plus a learned vector ``m_j`` per slot. ``E``, the head and (for
 training) the target's final norm are the target's, frozen and shared. The drafter reads ``target_layers =
-(T - L, .., T)``; ``draft_logits`` is the whole forward, ``serving.speculative.BlockDrafter`` serves it and
-``serving.train_drafter`` trains it. A checkpoint is a folder: ``drafter.safetensors`` (the drafter's own
+(T - L, .., T)``; ``draft_logits`` is the whole forward, ``spec_decode.block_drafter.BlockDrafter`` serves it and
+``examples.train_drafter`` trains it. A checkpoint is a folder: ``drafter.safetensors`` (the drafter's own
 weights) and ``drafter_config.json``.
 """
 
@@ -200,7 +200,7 @@ def load_config(path: str | Path) -> BlockDrafterConfig:
     config_file = Path(path) / CONFIG_FILE
     if not config_file.is_file():
         raise FileNotFoundError(f"block drafter checkpoint {str(path)!r}: no {CONFIG_FILE} (expected a folder "
-                                "written by serving.train_drafter)")
+                                "written by examples.train_drafter)")
     try:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
