@@ -22,7 +22,7 @@ plain-jnp references), chosen once per op by ``jax.lax.platform_dependent`` in `
   any batch, and what a step without a first prefill chunk (``all_paged``: decode steps) should run. The
   runner keys its compiled step on it.
 * ``moe``'s three expert matmuls run as ``grouped_matmul`` over the (token, expert) pairs sorted by expert
-  (plain weights of the activations' dtype; quantized weights keep ``quantize.linear``); up to
+  (plain weights of the activations' dtype; quantized weights keep ``quantization.linear``); up to
   ``PAIRWISE_MAX_ROWS`` pairs (decode) as two ``gather_matmul`` launches over the pairs unsorted (the SwiGLU
   hidden with gate and up together, then down), each pair a row read with its expert's weights: no sort,
   visit plan or unsort kernels, and no copy of x per pair (``repeat=k``). ``use_gather_config`` picks their
@@ -73,7 +73,7 @@ from pallas_kernels.grouped_matmul import (
 )
 from serving.config import ModelConfig, RopeConfig
 from serving.kv_cache import AttentionBatch
-from serving.quantize import Weight, linear
+from serving.quantization import Weight, linear
 
 MASKED = -1e30  # score of a key a query may not see: finite, so a fully masked (padding) row stays NaN-free
 BATCH_INVARIANT = "batch_invariant"  # the kernels with no geometry chosen by the batch (module docstring)
@@ -250,7 +250,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: 
 
 def swiglu(x: jax.Array, gate: Weight, up: Weight, down: Weight) -> jax.Array:
     """``(silu(x @ gate) * (x @ up)) @ down``: x ``[N, D]``, gate/up ``[D, I]``, down ``[I, D]`` (each plain or
-    quantized: ``quantize.linear``)."""
+    quantized: ``quantization.linear``)."""
     return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
 
 
@@ -367,7 +367,7 @@ def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: ja
 
 def expert_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:
     """Grouped matmul ``x [M, in]`` (rows sorted by expert) times ``w [E, in, out]`` -> ``[M, out]``, row r by its
-    expert's matrix: ``grouped_matmul`` on a GPU for a plain weight of x's dtype, else ``quantize.linear``
+    expert's matrix: ``grouped_matmul`` on a GPU for a plain weight of x's dtype, else ``quantization.linear``
     (``ragged_dot``; quantized weights)."""
     plain = isinstance(w, jax.Array) and w.dtype == x.dtype and x.dtype in attention_kernels.DTYPES
     if not plain:

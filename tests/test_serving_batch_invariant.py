@@ -29,7 +29,7 @@ from serving.engine.sampler import SampleRow, sample, sampling_batch
 from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import PagedKV, SeqChunk, make_batch
 from serving.models import model_module
-from serving.quantize import quantize_params
+from serving.quantization import quantize_params
 from serving.spec_decode import SpecConfig
 
 HF = Path(__file__).parent / "fixtures" / "hf"

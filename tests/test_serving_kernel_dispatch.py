@@ -23,7 +23,7 @@ from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk, make_batch
 from serving.loaders import read_checkpoint
 from serving.models import model_module
-from serving.quantize import quantize
+from serving.quantization import quantize
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 BLOCK = 4

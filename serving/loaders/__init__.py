@@ -1,5 +1,7 @@
-"""Checkpoint readers: HF safetensors folders (``safetensors.py``); each yields HF-named tensors."""
+"""Checkpoint readers: HF safetensors folders (``safetensors.py``), GGUF files (``gguf.py``), this repository's
+quantized folders (``quantized.py``); ``model.py`` turns a folder into a model's params."""
 
-from serving.loaders.safetensors import load_model, read_checkpoint
+from serving.loaders.model import load_model
+from serving.loaders.safetensors import read_checkpoint
 
 __all__ = ["load_model", "read_checkpoint"]

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from serving.config import ModelConfig
 from serving.kv_cache import AttentionBatch, PagedKV
 from serving.layers import apply_rope, paged_attention, rms_norm, rope_frequencies, swiglu
-from serving.quantize import linear
+from serving.quantization import linear
 from serving.sharding import TENSOR  # mesh axes that split weights ("data" splits only activations)
 
 INIT_STD = 0.02  # random weights ~ N(0, 0.02^2): the HF initializer_range default (benchmarks only)
