@@ -32,7 +32,7 @@ from serving.config import ModelConfig
 from serving.engine.engine import Engine
 from serving.engine.sampler import SampleRow, sampling_batch
 from serving.engine.sampling_params import SamplingParams
-from serving.loaders import load_model
+from serving.loaders import load_params
 from serving.spec_decode import (
     BlockDrafter,
     DraftRequest,
@@ -57,7 +57,7 @@ P_VALUE = 1e-3  # a correct sampler fails once in a thousand (the seeds are fixe
 
 @functools.cache
 def target() -> tuple[ModelConfig, dict]:
-    return load_model(HF / "llama", jnp.float32)
+    return load_params(HF / "llama", jnp.float32)
 
 
 @functools.cache

@@ -13,8 +13,9 @@ from jax.sharding import AxisType, NamedSharding
 from serving import __main__ as serving_main
 from serving import quantization, sharding
 from serving.api import cli
-from serving.engine.engine import Engine, load
+from serving.engine.engine import Engine
 from serving.engine.sampling_params import SamplingParams
+from serving.loaders import load_model
 from serving.models import model_module
 from serving.spec_decode import NgramDrafter, SpecConfig
 
@@ -93,7 +94,7 @@ def test_engine_on_a_mesh_gives_the_one_device_tokens_and_logprobs(name, axes):
 
 def test_quantized_params_are_split_as_their_weights():
     """int8 experts: q as the weight, its per-channel scales too but for the contracted (size-1) dimension."""
-    cfg, params = load(HF / "qwen3_moe", jnp.float32)[:2]
+    cfg, params = load_model(HF / "qwen3_moe", jnp.float32)[:2]
     quantized = quantization.quantize_params(params, "int8", cfg)
     mesh = mesh_of(1, 2, 4)
     gate = sharding.shard_params(quantized, model_module(cfg.family).param_specs(cfg), mesh)["layers"][0]["mlp"]["gate"]

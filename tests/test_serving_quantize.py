@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from serving import __main__ as cli
 from serving import layers, quantization, sharding
 from serving.kv_cache import PagedKV, SeqChunk, make_batch
-from serving.loaders import load_model, read_checkpoint
+from serving.loaders import load_params, read_checkpoint
 from serving.loaders.quantized import FORMAT_VERSION, QUANT_METHOD, SAFETENSORS_FILE, save_quantized
 from serving.loaders.safetensors import read_file
 from serving.models import model_module
@@ -261,7 +261,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, name, kind):
     assert written["quantization_config"] == {"quant_method": QUANT_METHOD, "kind": kind,
                                               "per_channel": True, "format_version": FORMAT_VERSION}
     assert {k: v for k, v in written.items() if k != "quantization_config"} == hf_config
-    loaded_cfg, loaded = load_model(tmp_path, jnp.bfloat16)
+    loaded_cfg, loaded = load_params(tmp_path, jnp.bfloat16)
     assert loaded_cfg == cfg
     assert_bit_exact(loaded, quantized)
 
@@ -273,13 +273,13 @@ def test_loader_rejects_foreign_quantization_and_missing_tensors(tmp_path):
     foreign = {**hf_config, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
     (tmp_path / "config.json").write_text(json.dumps(foreign))
     with pytest.raises(ValueError, match="'quant_method': 'fp8'.*expected quant_method='apex_jax'"):
-        load_model(tmp_path)
+        load_params(tmp_path)
     save_quantized(tmp_path, hf_config, quantize_params(fixture_params("llama", jnp.bfloat16), "fp8", cfg))
     tensors = read_file(tmp_path / SAFETENSORS_FILE)
     del tensors["layers.1.attn.o.scale"]
     save_file(tensors, tmp_path / SAFETENSORS_FILE)
     with pytest.raises(ValueError, match="has no tensor 'layers.1.attn.o.scale'"):
-        load_model(tmp_path)
+        load_params(tmp_path)
     with pytest.raises(ValueError, match="expected exactly one of"):
         save_quantized(tmp_path, hf_config, fixture_params("llama", jnp.bfloat16))  # nothing quantized
 
@@ -292,7 +292,7 @@ def test_cli_writes_a_folder_the_loader_reads(tmp_path, capsys):
     cli.main(["quantize", "--model", str(source), "--kind", "fp8", "--out", str(out)])
     assert capsys.readouterr().out.strip() == str(out)
     assert (out / "tokenizer_config.json").read_text() == "{}"
-    cfg, params = load_model(out)
+    cfg, params = load_params(out)
     assert count_quantized(params) == 7 * cfg.layers
     assert params["layers"][0]["attn"]["q"].q.dtype == jnp.float8_e4m3fn
     assert params["embed"].dtype == jnp.bfloat16
@@ -308,7 +308,7 @@ def test_cli_quantizes_the_embedded_smollm2_with_its_tokenizer(tmp_path):
 
     out = tmp_path / "smollm2-int8"
     cli.main(["quantize", "--model", "smollm2", "--kind", "int8", "--out", str(out)])
-    cfg, params = load_model(out)
+    cfg, params = load_params(out)
     assert count_quantized(params) == 7 * cfg.layers
     tok = Tokenizer.from_hf_folder(out)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])

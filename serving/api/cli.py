@@ -38,7 +38,8 @@ from serving import sharding
 from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, check_bind
 from serving.api.server import Server, create_app, serve
 from serving.config import ModelConfig
-from serving.engine.engine import Engine, LoadedModel, eos_from_folder
+from serving.engine.engine import Engine
+from serving.loaders.model import LoadedModel, eos_from_folder
 from serving.models import model_module
 from serving.spec_decode import SPECULATIVE_METHODS, SpecConfig
 from serving.tokenizer import Tokenizer
