@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import format_table, write_results  # noqa: E402
-from serving import weights  # noqa: E402
+from serving import enable_command_buffers, weights  # noqa: E402
 from serving.config import ModelConfig  # noqa: E402
 from serving.kv_cache import PagedKV, SeqChunk, make_batch  # noqa: E402
 from serving.loaders.gguf import load_gguf  # noqa: E402
@@ -154,4 +154,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    enable_command_buffers()
     main()

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from benchmarks.harness import format_table, save_plot, write_results
 from examples.train_drafter.prompts import chat_prompts
 from examples.train_drafter.train import TrainConfig
+from serving import SamplingParams, enable_command_buffers
 from serving.engine.engine import Engine, Prompt
-from serving.engine.sampling_params import SamplingParams
 from serving.spec_decode import DraftModelDrafter, NgramDrafter, SpecConfig
 
 PROMPTS = [
@@ -172,4 +172,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    enable_command_buffers()
     main()

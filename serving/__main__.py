@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from serving import quantization, weights
+from serving import enable_command_buffers, quantization, weights
 from serving.api import cli as api_cli
 from serving.config import ModelConfig
 from serving.loaders import quantized
@@ -95,4 +95,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    enable_command_buffers()
     sys.exit(main())

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from serving import SamplingParams
 from serving.engine.blocks import BlockAllocator
 from serving.engine.engine import ABORT, Engine, EngineFullError, StepError
 from serving.engine.request import Sequence
-from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
 
 LLAMA = Path(__file__).parent / "fixtures" / "hf" / "llama"

@@ -26,12 +26,11 @@ from examples.train_drafter.train import (
     train,
     truncate_context,
 )
+from serving import ConstraintSpec, Engine, SamplingParams
 from serving.__main__ import parser
 from serving.api import cli as api_cli
 from serving.config import ModelConfig
-from serving.engine.engine import Engine
 from serving.engine.sampler import SampleRow, sampling_batch
-from serving.engine.sampling_params import SamplingParams
 from serving.loaders import load_params
 from serving.spec_decode import (
     BlockDrafter,
@@ -43,7 +42,6 @@ from serving.spec_decode import (
     verify,
 )
 from serving.spec_decode.block_model import BlockDrafterConfig
-from serving.structured import ConstraintSpec
 from tests.test_serving_api_fixture import model_folder
 
 HF = Path(__file__).parent / "fixtures" / "hf"

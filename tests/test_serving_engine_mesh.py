@@ -10,11 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 
+from serving import Engine, SamplingParams, quantization, sharding
 from serving import __main__ as serving_main
-from serving import quantization, sharding
 from serving.api import cli
-from serving.engine.engine import Engine
-from serving.engine.sampling_params import SamplingParams
 from serving.loaders import load_model
 from serving.models import model_module
 from serving.spec_decode import NgramDrafter, SpecConfig

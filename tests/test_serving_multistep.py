@@ -16,18 +16,15 @@ import pytest
 from test_serving_api_fixture import model_folder
 from test_serving_scheduler import BLOCK, check_blocks, make_seq
 
+from serving import ConstraintSpec, Engine, SamplingParams, sharding
 from serving import __main__ as serving_main
-from serving import sharding
 from serving.api import cli
 from serving.engine import runner as runner_module
 from serving.engine.blocks import BlockAllocator
-from serving.engine.engine import Engine
 from serving.engine.request import Sequence
 from serving.engine.sampler import SampleRow, advance, sample, sampling_batch, with_room
-from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
 from serving.kv_cache import SeqChunk, make_batch, next_decode_batch
-from serving.structured import ConstraintSpec
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 STEPS = (2, 4, 5)

@@ -2,9 +2,9 @@
 
 import pytest
 
+from serving import SamplingParams
 from serving.engine.blocks import BlockAllocator
 from serving.engine.request import LENGTH, STOP, Sequence
-from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
 from serving.tokenizer import Tokenizer
 

@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from serving import Engine, SamplingParams
 from serving.engine import engine as engine_module
-from serving.engine.engine import Engine
 from serving.engine.sampler import SampleRow, sampling_batch
-from serving.engine.sampling_params import SamplingParams
 from serving.spec_decode import (
     NO_DRAFT,
     DraftModelDrafter,
