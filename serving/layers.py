@@ -73,7 +73,7 @@ from pallas_kernels.grouped_matmul import (
 )
 from serving.config import ModelConfig, RopeConfig
 from serving.kv_cache import AttentionBatch
-from serving.quantization import Weight, linear
+from serving.quantization import LinearWeight, linear
 
 MASKED = -1e30  # score of a key a query may not see: finite, so a fully masked (padding) row stays NaN-free
 BATCH_INVARIANT = "batch_invariant"  # the kernels with no geometry chosen by the batch (module docstring)
@@ -248,7 +248,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: 
 # --------------------------------------------------------------------------- MLPs
 
 
-def swiglu(x: jax.Array, gate: Weight, up: Weight, down: Weight) -> jax.Array:
+def swiglu(x: jax.Array, gate: LinearWeight, up: LinearWeight, down: LinearWeight) -> jax.Array:
     """``(silu(x @ gate) * (x @ up)) @ down``: x ``[N, D]``, gate/up ``[D, I]``, down ``[I, D]`` (each plain or
     quantized: ``quantization.linear``)."""
     return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
@@ -356,7 +356,7 @@ def _gathered_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts
 
 
 def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: jax.Array,
-                  matmul: Callable[[jax.Array, Weight, jax.Array], jax.Array] | None = None) -> jax.Array:
+                  matmul: Callable[[jax.Array, LinearWeight, jax.Array], jax.Array] | None = None) -> jax.Array:
     """SwiGLU of rows ``[M, D]`` sorted by expert, each through its expert's ``gate``/``up [E, D, I]`` and
     ``down [E, I, D]`` (rows past ``sum(group_sizes)`` come out 0). ``matmul(x, w, group_sizes)`` defaults to
     :func:`expert_matmul`."""
@@ -365,7 +365,7 @@ def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: ja
     return matmul(hidden, params["down"], group_sizes)
 
 
-def expert_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:
+def expert_matmul(x: jax.Array, w: LinearWeight, group_sizes: jax.Array) -> jax.Array:
     """Grouped matmul ``x [M, in]`` (rows sorted by expert) times ``w [E, in, out]`` -> ``[M, out]``, row r by its
     expert's matrix: ``grouped_matmul`` on a GPU for a plain weight of x's dtype, else ``quantization.linear``
     (``ragged_dot``; quantized weights)."""

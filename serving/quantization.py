@@ -58,7 +58,7 @@ class QuantizedWeight(NamedTuple):
         return self.q.shape
 
 
-Weight = jax.Array | QuantizedWeight  # what a model projection accepts
+LinearWeight = jax.Array | QuantizedWeight  # what a model projection (``linear``) accepts
 
 
 def quantize(w: jax.Array, kind: str, in_axes: Sequence[int] = (-2,), name: str = "weight") -> QuantizedWeight:
@@ -98,7 +98,7 @@ def dequantize(qw: QuantizedWeight, dtype: jnp.dtype = jnp.float32) -> jax.Array
     return (qw.q.astype(jnp.float32) * qw.scale).astype(dtype)
 
 
-def linear(x: jax.Array, w: Weight, *, axes: int = 1, group_sizes: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, w: LinearWeight, *, axes: int = 1, group_sizes: jax.Array | None = None) -> jax.Array:
     """``x [.., *in] @ w [*in, *out] -> [.., *out]``: the last ``axes`` dims of x contract w's first ``axes``.
 
     With ``group_sizes [E]``: a grouped (expert) matmul, ``x [M, in]`` whose rows come sorted by expert

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from serving import sharding
 from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
-from serving.engine.request import Sequence as Seq
+from serving.engine.request import SequenceState as Seq
 from serving.engine.runner import ModelRunner
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
