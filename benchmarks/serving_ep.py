@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import format_table, save_plot, time_jax_steps, write_results  # noqa: E402
-from serving import sharding  # noqa: E402
+from serving import enable_command_buffers, sharding  # noqa: E402
 from serving.config import ModelConfig  # noqa: E402
 from serving.kv_cache import PagedKV, SeqChunk, make_batch  # noqa: E402
 from serving.models import moe as moe_model  # noqa: E402
@@ -212,4 +212,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    enable_command_buffers()
     main()

@@ -26,9 +26,8 @@ import numpy as np
 
 from benchmarks.harness import format_table, save_plot, write_results
 from benchmarks.serving_decode import TINY_MOE
+from serving import Engine, LoadedModel, SamplingParams, enable_command_buffers
 from serving.config import ModelConfig
-from serving.engine.engine import Engine, LoadedModel
-from serving.engine.sampling_params import SamplingParams
 from serving.models import model_module
 
 PROMPTS = [
@@ -178,4 +177,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    enable_command_buffers()
     main()

@@ -1,7 +1,7 @@
 """Weight quantization quality on the embedded SmolLM2-135M-Instruct: bf16 vs int8 vs fp8 (e4m3) weights.
 
 The bf16 model (the GGUF's weights in bf16, bf16 activations and KV cache) is the reference; int8 and fp8 are
-``serving.quantize.quantize_params`` of it (attention and MLP projections, per output channel). On
+``serving.quantization.quantize_params`` of it (attention and MLP projections, per output channel). On
 ``len(PROMPTS)`` fixed chat prompts:
 
   * teacher-forced: each prompt followed by the bf16 model's greedy continuation, one prefill per model; at
@@ -26,12 +26,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import format_table, write_results  # noqa: E402
-from serving import weights  # noqa: E402
+from serving import enable_command_buffers, weights  # noqa: E402
 from serving.config import ModelConfig  # noqa: E402
 from serving.kv_cache import PagedKV, SeqChunk, make_batch  # noqa: E402
 from serving.loaders.gguf import load_gguf  # noqa: E402
 from serving.models import llama  # noqa: E402
-from serving.quantize import KINDS, QuantizedWeight, quantize_params, weight_bytes  # noqa: E402
+from serving.quantization import KINDS, QuantizedWeight, quantize_params, weight_bytes  # noqa: E402
 
 NEW_TOKENS = 32
 BLOCK_SIZE = 16
@@ -154,4 +154,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    enable_command_buffers()
     main()

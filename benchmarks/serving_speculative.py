@@ -1,11 +1,11 @@
 """Speculative decoding on SmolLM2-135M-Instruct: tokens/s with and without drafting, and acceptance length.
 
 Chat prompts: the 8 below (half of them ask to repeat or extend repetitive text, where prompt lookup shines)
-and ``--held-out`` of ``serving.drafter_prompts``' held-out chats (the ones ``serving.train_drafter`` never
+and ``--held-out`` of ``examples.train_drafter.prompts``' held-out chats (the ones ``examples.train_drafter`` never
 trains on, same seed). At each concurrency c the engine (``max_running=c``) answers all of them greedily, for
 each drafter: none (the baseline), ``NgramDrafter`` (prompt lookup), ``DraftModelDrafter.from_target``
 (self-speculative: the target's first layers) and, given ``--drafter DIR`` (a checkpoint of
-``python -m serving.train_drafter``), ``BlockDrafter`` (a whole block of tokens in one pass from the target's
+``python -m examples.train_drafter``), ``BlockDrafter`` (a whole block of tokens in one pass from the target's
 hidden states; k = its trained block unless ``--block-k``). Each configuration runs twice untimed (compiles;
 the second time with the prompts' prefixes cached, as in the timed run) and once timed. Reported: output
 tokens/s, speed-up over the baseline, mean acceptance length (tokens emitted per drafted sequence-step),
@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import format_table, save_plot, write_results
-from serving import train_drafter
-from serving.drafter_prompts import chat_prompts
+from examples.train_drafter.prompts import chat_prompts
+from examples.train_drafter.train import TrainConfig
+from serving import SamplingParams, enable_command_buffers
 from serving.engine.engine import Engine, Prompt
-from serving.engine.sampling_params import SamplingParams
-from serving.speculative import DraftModelDrafter, NgramDrafter, SpecConfig
+from serving.spec_decode import DraftModelDrafter, NgramDrafter, SpecConfig
 
 PROMPTS = [
     "Repeat this list exactly three times: apple, banana, cherry, date, elderberry, fig, grape.",
@@ -46,7 +46,7 @@ CONCURRENCIES = (1, 16)
 K = 4  # draft tokens per step
 DRAFT_LAYERS = 8  # of SmolLM2-135M's 30: the self-speculative draft model's depth
 NGRAM = 3
-HELD_OUT = train_drafter.TrainConfig().num_eval_prompts  # train_drafter's held-out chats (same seed)
+HELD_OUT = TrainConfig().num_eval_prompts  # train_drafter's held-out chats (same seed)
 
 
 def drafters(k: int, draft_layers: int, drafter: str | None = None,
@@ -62,7 +62,7 @@ def drafters(k: int, draft_layers: int, drafter: str | None = None,
 
 
 def benchmark_prompts(held_out: int) -> list[Prompt]:
-    """The fixed PROMPTS, then the last ``held_out`` held-out chats of ``serving.drafter_prompts``."""
+    """The fixed PROMPTS, then the last ``held_out`` held-out chats of ``examples.train_drafter.prompts``."""
     chats = chat_prompts(HELD_OUT)[1][-held_out:] if held_out else []
     return [[{"role": "user", "content": p}] for p in PROMPTS] + chats
 
@@ -172,4 +172,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    enable_command_buffers()
     main()

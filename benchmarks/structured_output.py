@@ -53,17 +53,15 @@ import jsonschema
 import numpy as np
 
 from benchmarks.harness import format_table, save_plot, write_results
-from serving import structured, weights
+from serving import Engine, SamplingParams, enable_command_buffers, structured, weights
 from serving.config import ModelConfig
-from serving.engine.engine import Engine
-from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import PagedKV, SeqChunk, make_batch
 from serving.loaders.gguf import load_gguf
 from serving.models import llama
 
 if TYPE_CHECKING:  # imported where used: the --batch-overhead-only run needs no outlines-core
     import outlines_core
-from serving.structured import ConstraintSpec
+from serving import ConstraintSpec
 from serving.tokenizer import Tokenizer
 
 BLOCK_SIZE = 16
@@ -443,4 +441,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    enable_command_buffers()
     main()

@@ -9,7 +9,7 @@
 
 ``quantize`` loads a checkpoint (the embedded SmolLM2-135M-Instruct, a HF safetensors folder or a GGUF file)
 in ``--dtype``, quantizes its attention and MLP/expert projections per output channel
-(``serving.quantize.quantize_params``) and writes a folder ``serving.loaders.load_model`` reads back as
+(``serving.quantization.quantize_params``) and writes a folder ``serving.loaders.load_model`` reads back as
 quantized params, with the tokenizer files beside it.
 """
 
@@ -22,9 +22,10 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from serving import quantize, weights
+from serving import enable_command_buffers, quantization, weights
 from serving.api import cli as api_cli
 from serving.config import ModelConfig
+from serving.loaders import quantized
 from serving.loaders.gguf import load_gguf
 from serving.loaders.safetensors import read_tensors
 from serving.models import model_module
@@ -51,8 +52,8 @@ def quantize_command(args: argparse.Namespace) -> Path:
     source = weights.default_model_gguf() if args.model == DEFAULT_MODEL else Path(args.model)
     out = Path(args.out)
     if source.is_dir():
-        if quantize.quantization_config(source) is not None:
-            raise ValueError(f"--model {args.model!r} is already quantized ({quantize.quantization_config(source)})"
+        if quantized.quantization_config(source) is not None:
+            raise ValueError(f"--model {args.model!r} is already quantized ({quantized.quantization_config(source)})"
                              ": expected an unquantized checkpoint")
         hf_config = json.loads((source / "config.json").read_text())
         tensors, tokenizer = read_tensors(source), None
@@ -63,7 +64,7 @@ def quantize_command(args: argparse.Namespace) -> Path:
                                 "a .gguf file")
     cfg = ModelConfig.from_hf(hf_config)
     params = model_module(cfg.family).params_from_hf(cfg, tensors, DTYPES[args.dtype])
-    quantize.save_quantized(out, hf_config, quantize.quantize_params(params, args.kind, cfg))
+    quantized.save_quantized(out, hf_config, quantization.quantize_params(params, args.kind, cfg))
     if tokenizer is not None:
         write_gguf_tokenizer(tokenizer, out)
     else:
@@ -79,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
     q = commands.add_parser("quantize", help="write an int8/fp8 weight-quantized checkpoint folder")
     q.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"{DEFAULT_MODEL!r} (the embedded SmolLM2-135M-Instruct), a HF folder or a .gguf file")
-    q.add_argument("--kind", required=True, choices=list(quantize.KINDS))
+    q.add_argument("--kind", required=True, choices=list(quantization.KINDS))
     q.add_argument("--out", required=True, help="folder to write (created; existing files are overwritten)")
     q.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of the weights that are quantized and of those kept unquantized")
@@ -94,4 +95,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    enable_command_buffers()
     sys.exit(main())

@@ -22,7 +22,7 @@ plain-jnp references), chosen once per op by ``jax.lax.platform_dependent`` in `
   any batch, and what a step without a first prefill chunk (``all_paged``: decode steps) should run. The
   runner keys its compiled step on it.
 * ``moe``'s three expert matmuls run as ``grouped_matmul`` over the (token, expert) pairs sorted by expert
-  (plain weights of the activations' dtype; quantized weights keep ``quantize.linear``); up to
+  (plain weights of the activations' dtype; quantized weights keep ``quantization.linear``); up to
   ``PAIRWISE_MAX_ROWS`` pairs (decode) as two ``gather_matmul`` launches over the pairs unsorted (the SwiGLU
   hidden with gate and up together, then down), each pair a row read with its expert's weights: no sort,
   visit plan or unsort kernels, and no copy of x per pair (``repeat=k``). ``use_gather_config`` picks their
@@ -73,7 +73,7 @@ from pallas_kernels.grouped_matmul import (
 )
 from serving.config import ModelConfig, RopeConfig
 from serving.kv_cache import AttentionBatch
-from serving.quantize import Weight, linear
+from serving.quantization import LinearWeight, linear
 
 MASKED = -1e30  # score of a key a query may not see: finite, so a fully masked (padding) row stays NaN-free
 BATCH_INVARIANT = "batch_invariant"  # the kernels with no geometry chosen by the batch (module docstring)
@@ -248,9 +248,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: 
 # --------------------------------------------------------------------------- MLPs
 
 
-def swiglu(x: jax.Array, gate: Weight, up: Weight, down: Weight) -> jax.Array:
+def swiglu(x: jax.Array, gate: LinearWeight, up: LinearWeight, down: LinearWeight) -> jax.Array:
     """``(silu(x @ gate) * (x @ up)) @ down``: x ``[N, D]``, gate/up ``[D, I]``, down ``[I, D]`` (each plain or
-    quantized: ``quantize.linear``)."""
+    quantized: ``quantization.linear``)."""
     return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
 
 
@@ -356,7 +356,7 @@ def _gathered_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts
 
 
 def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: jax.Array,
-                  matmul: Callable[[jax.Array, Weight, jax.Array], jax.Array] | None = None) -> jax.Array:
+                  matmul: Callable[[jax.Array, LinearWeight, jax.Array], jax.Array] | None = None) -> jax.Array:
     """SwiGLU of rows ``[M, D]`` sorted by expert, each through its expert's ``gate``/``up [E, D, I]`` and
     ``down [E, I, D]`` (rows past ``sum(group_sizes)`` come out 0). ``matmul(x, w, group_sizes)`` defaults to
     :func:`expert_matmul`."""
@@ -365,9 +365,9 @@ def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: ja
     return matmul(hidden, params["down"], group_sizes)
 
 
-def expert_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:
+def expert_matmul(x: jax.Array, w: LinearWeight, group_sizes: jax.Array) -> jax.Array:
     """Grouped matmul ``x [M, in]`` (rows sorted by expert) times ``w [E, in, out]`` -> ``[M, out]``, row r by its
-    expert's matrix: ``grouped_matmul`` on a GPU for a plain weight of x's dtype, else ``quantize.linear``
+    expert's matrix: ``grouped_matmul`` on a GPU for a plain weight of x's dtype, else ``quantization.linear``
     (``ragged_dot``; quantized weights)."""
     plain = isinstance(w, jax.Array) and w.dtype == x.dtype and x.dtype in attention_kernels.DTYPES
     if not plain:

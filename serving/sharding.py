@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 from serving import layers
 from serving.config import ModelConfig
-from serving.quantize import linear, quantized_specs
+from serving.quantization import linear, quantized_specs
 
 DATA, TENSOR, EXPERT = "data", "tensor", "expert"
 AXES = (DATA, TENSOR, EXPERT)  # make_mesh's axis order: "expert" varies fastest (neighbouring devices)
@@ -190,7 +190,7 @@ def _local_moe(x: jax.Array, params: dict[str, jax.Array], valid: jax.Array, *, 
     recv_order = jnp.argsort(recv_ids, stable=True)
     group_sizes = jnp.bincount(recv_ids, length=local_experts).astype(jnp.int32)
     rows = recv_rows[recv_order]
-    # ragged_dot (quantize.linear), not the Pallas kernel: inside shard_map (check_vma) a pallas_call's out_shape
+    # ragged_dot (quantization.linear), not the Pallas kernel: inside shard_map (check_vma) a pallas_call's out_shape
     # must carry a manual_axis_type, which grouped_matmul does not set (yet).
     out_sorted = layers.expert_swiglu(rows, params, group_sizes, matmul=lambda x, w, g: linear(x, w, group_sizes=g))
     out = jnp.zeros_like(out_sorted).at[recv_order].set(out_sorted)

@@ -23,7 +23,7 @@ Vocabulary: the model's logits may have more rows than the tokenizer has ids (em
 are never allowed. The eos ids are allowed exactly when the grammar accepts the text so far; once the grammar
 admits no further text, eos is the only allowed token (`is_finished`).
 
-Speculative decoding (`serving.speculative`): a constrained sequence's drafts ``d_1..d_k`` end at the first one
+Speculative decoding (`serving.spec_decode`): a constrained sequence's drafts ``d_1..d_k`` end at the first one
 its grammar rejects (`ConstraintMatcher.num_valid`), and verification position j gets the mask after ``d_1..d_j``
 (`fill_draft_bitmask`: llguidance advances a matcher over the drafts and rolls it back), so the target's tokens
 are checked against exactly the masks sampling without speculation would use.

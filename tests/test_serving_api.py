@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 from test_serving_api_fixture import LLAMA, MODEL_NAME, make_engine, model_folder, running_server
 
 from serving.api.metrics import Metrics
-from serving.speculative import NgramDrafter, SpecConfig, SpecStats
+from serving.spec_decode import NgramDrafter, SpecConfig, SpecStats
 
 GREEDY_TOKENS = 12
 TIMEOUT_S = 120

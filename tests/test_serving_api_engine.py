@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from serving import SamplingParams
 from serving.engine.blocks import BlockAllocator
 from serving.engine.engine import ABORT, Engine, EngineFullError, StepError
-from serving.engine.request import Sequence
-from serving.engine.sampling_params import SamplingParams
+from serving.engine.request import SequenceState
 from serving.engine.scheduler import Scheduler
 
 LLAMA = Path(__file__).parent / "fixtures" / "hf" / "llama"
@@ -34,7 +34,7 @@ def reference() -> tuple[list[list[int]], np.ndarray]:
 def test_scheduler_abort_frees_running_and_waiting_sequences():
     sched = Scheduler(BlockAllocator(16, BLOCK), max_running=1, token_budget=64)
     params = SamplingParams(max_tokens=8)
-    running, waiting = (Sequence(i, f"r{i}", 0, list(range(10 * i + 3, 10 * i + 12)), params, 0, (2,), 100)
+    running, waiting = (SequenceState(i, f"r{i}", 0, list(range(10 * i + 3, 10 * i + 12)), params, 0, (2,), 100)
                         for i in range(2))
     sched.add(running)
     sched.add(waiting)

@@ -10,8 +10,8 @@ from pathlib import Path
 import jax.numpy as jnp
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from serving import Engine
 from serving.api.server import Server, create_app
-from serving.engine.engine import Engine
 
 LLAMA = Path(__file__).parent / "fixtures" / "hf" / "llama"
 VOCAB = 320  # the fixture's vocab_size

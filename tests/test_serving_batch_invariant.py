@@ -19,18 +19,16 @@ from jax.extend.core import Jaxpr
 from benchmarks import serving_decode
 from pallas_kernels.matmul import MatmulConfig, matmul
 from pallas_kernels.testing import assert_close, interpret, lower_for_h200
+from serving import Engine, SamplingParams, layers
 from serving import __main__ as serving_main
-from serving import layers
 from serving.api import cli
 from serving.batch_invariant import invariant
 from serving.config import ModelConfig
-from serving.engine.engine import Engine
 from serving.engine.sampler import SampleRow, sample, sampling_batch
-from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import PagedKV, SeqChunk, make_batch
 from serving.models import model_module
-from serving.quantize import quantize_params
-from serving.speculative import SpecConfig
+from serving.quantization import quantize_params
+from serving.spec_decode import SpecConfig
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ("llama", "qwen3_moe", "mixtral", "deepseek_v3")

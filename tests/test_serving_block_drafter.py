@@ -14,19 +14,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from serving import block_drafter
-from serving.__main__ import parser
-from serving.api import cli as api_cli
-from serving.block_drafter import BlockDrafterConfig
-from serving.config import ModelConfig
-from serving.drafter_prompts import chat_prompts
-from serving.engine.engine import Engine
-from serving.engine.sampler import SampleRow, sampling_batch
-from serving.engine.sampling_params import SamplingParams
-from serving.loaders import load_model
-from serving.speculative import BlockDrafter, DraftRequest, HiddenSpan, HiddenStateDrafter, SpecConfig, verify
-from serving.structured import ConstraintSpec
-from serving.train_drafter import (
+from examples.train_drafter.prompts import chat_prompts
+from examples.train_drafter.train import (
     FINAL_LR_SHARE,
     TrainConfig,
     answers,
@@ -37,6 +26,22 @@ from serving.train_drafter import (
     train,
     truncate_context,
 )
+from serving import ConstraintSpec, Engine, SamplingParams
+from serving.__main__ import parser
+from serving.api import cli as api_cli
+from serving.config import ModelConfig
+from serving.engine.sampler import SampleRow, sampling_batch
+from serving.loaders import load_params
+from serving.spec_decode import (
+    BlockDrafter,
+    DraftRequest,
+    HiddenSpan,
+    HiddenStateDrafter,
+    SpecConfig,
+    block_model,
+    verify,
+)
+from serving.spec_decode.block_model import BlockDrafterConfig
 from tests.test_serving_api_fixture import model_folder
 
 HF = Path(__file__).parent / "fixtures" / "hf"
@@ -50,7 +55,7 @@ P_VALUE = 1e-3  # a correct sampler fails once in a thousand (the seeds are fixe
 
 @functools.cache
 def target() -> tuple[ModelConfig, dict]:
-    return load_model(HF / "llama", jnp.float32)
+    return load_params(HF / "llama", jnp.float32)
 
 
 @functools.cache
@@ -69,9 +74,9 @@ def trained() -> tuple[dict, list[dict], dict, dict]:
     """A drafter trained briefly on the fixture's greedy outputs: (params, curve, acceptance before, after)."""
     cfg, params = target()
     prompts, greedy = reference()
-    dcfg, head = drafter_config(), block_drafter.target_head(params)
+    dcfg, head = drafter_config(), block_model.target_head(params)
     data = target_data(cfg, params, list(zip(prompts, greedy, strict=True)), dcfg.target_layers, 64, jnp.float32)
-    initial = block_drafter.init_params(dcfg, cfg, jax.random.key(TRAIN.seed), params)  # the target's top layer
+    initial = block_model.init_params(dcfg, cfg, jax.random.key(TRAIN.seed), params)  # the target's top layer
     before = evaluate_offline(initial, head, dcfg, cfg, data, TRAIN.decay, TRAIN.batch)
     drafter_params, curve = train(TRAIN, dcfg, cfg, head, initial, data, seconds=600, log=lambda *_: None)
     after = evaluate_offline(drafter_params, head, dcfg, cfg, data, TRAIN.decay, TRAIN.batch)
@@ -80,7 +85,7 @@ def trained() -> tuple[dict, list[dict], dict, dict]:
 
 def spec(params: dict | None = None, sample: bool = False) -> SpecConfig:
     dcfg = drafter_config()
-    params = block_drafter.init_params(dcfg, target()[0], jax.random.key(1)) if params is None else params
+    params = block_model.init_params(dcfg, target()[0], jax.random.key(1)) if params is None else params
     return SpecConfig(lambda cfg, target_params: BlockDrafter(dcfg, params, cfg, target_params, max_seqs=64,
                                                               sample=sample), k=K)
 
@@ -100,7 +105,7 @@ def tokens(results) -> list[list[int]]:
 def test_forward_shapes_and_context_masking():
     cfg, params = target()
     dcfg = drafter_config()
-    dparams = block_drafter.init_params(dcfg, cfg, jax.random.key(0))
+    dparams = block_model.init_params(dcfg, cfg, jax.random.key(0))
     rng = np.random.default_rng(0)
     batch = 3
     hidden = rng.normal(size=(batch, WINDOW, len(dcfg.target_layers), cfg.hidden)).astype(np.float32)
@@ -108,8 +113,8 @@ def test_forward_shapes_and_context_masking():
     positions = np.broadcast_to(np.arange(-WINDOW, 0), (batch, WINDOW)).astype(np.int32)
     valid = np.ones((batch, WINDOW), bool)
     valid[0, :5] = False  # the first sequence's context starts 3 positions back
-    run = jax.jit(block_drafter.draft_logits, static_argnames=("cfg", "target"))
-    head = block_drafter.target_head(params)
+    run = jax.jit(block_model.draft_logits, static_argnames=("cfg", "target"))
+    head = block_model.target_head(params)
     logits = np.asarray(run(dparams, head, dcfg, cfg, hidden, newest, positions, valid))
     assert logits.shape == (batch, K, cfg.vocab) and np.isfinite(logits).all()
     masked_changed = hidden.copy()
@@ -124,9 +129,9 @@ def test_forward_shapes_and_context_masking():
 def test_checkpoint_round_trips(tmp_path):
     cfg, _ = target()
     dcfg = drafter_config(block=6)
-    params = block_drafter.init_params(dcfg, cfg, jax.random.key(2))
-    folder = block_drafter.save(tmp_path / "drafter", dcfg, params)
-    loaded_cfg, loaded = block_drafter.load(folder, cfg)
+    params = block_model.init_params(dcfg, cfg, jax.random.key(2))
+    folder = block_model.save(tmp_path / "drafter", dcfg, params)
+    loaded_cfg, loaded = block_model.load(folder, cfg)
     assert loaded_cfg == dcfg
     assert jax.tree.structure(loaded) == jax.tree.structure(params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True))
@@ -138,24 +143,24 @@ def test_bad_checkpoints_and_configs_raise_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"BlockDrafterConfig.block = 0: expected an int >= 1"):
         drafter_config(block=0)
     with pytest.raises(FileNotFoundError, match="no drafter_config.json"):
-        block_drafter.load(tmp_path, cfg)
-    folder = block_drafter.save(tmp_path / "ok", dcfg, block_drafter.init_params(dcfg, cfg, jax.random.key(0)))
+        block_model.load(tmp_path, cfg)
+    folder = block_model.save(tmp_path / "ok", dcfg, block_model.init_params(dcfg, cfg, jax.random.key(0)))
     other = dataclasses.replace(cfg, hidden=cfg.hidden * 2)
     with pytest.raises(ValueError, match=re.escape(f"(hidden, vocab, layers) = ({cfg.hidden}, {cfg.vocab}, "
                                                    f"{cfg.layers}): the target has ({2 * cfg.hidden}, ")):
-        block_drafter.load(folder, other)
-    config = json.loads((folder / block_drafter.CONFIG_FILE).read_text())
-    (folder / block_drafter.CONFIG_FILE).write_text(json.dumps(config | {"depth": 3}))
+        block_model.load(folder, other)
+    config = json.loads((folder / block_model.CONFIG_FILE).read_text())
+    (folder / block_model.CONFIG_FILE).write_text(json.dumps(config | {"depth": 3}))
     with pytest.raises(ValueError, match=r"unknown keys \['depth'\]"):
-        block_drafter.load(folder, cfg)
-    (folder / block_drafter.CONFIG_FILE).write_text(json.dumps(config | {"window": 2 * WINDOW}))
-    block_drafter.load_config(folder)  # a consistent config; the weights do not fit it:
-    (folder / block_drafter.CONFIG_FILE).write_text(json.dumps(config | {"block": K + 2}))
+        block_model.load(folder, cfg)
+    (folder / block_model.CONFIG_FILE).write_text(json.dumps(config | {"window": 2 * WINDOW}))
+    block_model.load_config(folder)  # a consistent config; the weights do not fit it:
+    (folder / block_model.CONFIG_FILE).write_text(json.dumps(config | {"block": K + 2}))
     with pytest.raises(ValueError, match=rf"shape \[{K}, {cfg.hidden}\] 'slots', expected shape \[{K + 2}, "):
-        block_drafter.load(folder, cfg)
-    (folder / block_drafter.CONFIG_FILE).write_text("{not json")
+        block_model.load(folder, cfg)
+    (folder / block_model.CONFIG_FILE).write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        block_drafter.load(folder, cfg)
+        block_model.load(folder, cfg)
     with pytest.raises(ValueError, match=r"BlockDrafterConfig.layers = 2: expected fewer than the target's 2"):
         drafter_config(layers=2)
     with pytest.raises(ValueError, match="speculative method 'medusa': expected one of"):
@@ -175,7 +180,7 @@ def test_bad_checkpoints_and_configs_raise_clear_errors(tmp_path):
 def test_one_block_proposal_per_sequence_in_one_pass():
     cfg, params = target()
     dcfg = drafter_config()
-    dparams = block_drafter.init_params(dcfg, cfg, jax.random.key(3))
+    dparams = block_model.init_params(dcfg, cfg, jax.random.key(3))
     drafter = BlockDrafter(dcfg, dparams, cfg, params, max_seqs=4)
     assert isinstance(drafter, HiddenStateDrafter)
     rng = np.random.default_rng(1)
@@ -200,7 +205,7 @@ def test_one_block_proposal_per_sequence_in_one_pass():
         n = lengths[seq_id]
         t = np.arange(n - WINDOW, n)  # context positions; the newest token is at n
         ctx = np.where((t >= 0)[:, None, None], states[seq_id][np.maximum(t, 0)], 0)
-        logits = block_drafter.draft_logits(dparams, block_drafter.target_head(params), dcfg, cfg, ctx[None],
+        logits = block_model.draft_logits(dparams, block_model.target_head(params), dcfg, cfg, ctx[None],
                                             np.array([seqs[seq_id][n]]), (t - n)[None], (t >= 0)[None])
         assert proposal.tokens[i] == np.asarray(jnp.argmax(logits[0], -1))[:len(proposal.tokens[i])].tolist()
     drafter.release(7)
@@ -210,7 +215,7 @@ def test_one_block_proposal_per_sequence_in_one_pass():
 def test_slots_reuse_the_least_recently_observed_and_grow_for_a_larger_pass():
     cfg, params = target()
     dcfg = drafter_config()
-    drafter = BlockDrafter(dcfg, block_drafter.init_params(dcfg, cfg, jax.random.key(6)), cfg, params, max_seqs=2)
+    drafter = BlockDrafter(dcfg, block_model.init_params(dcfg, cfg, jax.random.key(6)), cfg, params, max_seqs=2)
     hidden = jnp.ones((4, len(dcfg.target_layers), cfg.hidden))
     drafter.observe(hidden, [HiddenSpan(s, s, 0, 1) for s in range(3)])  # 3 sequences in one pass, 2 slots
     assert drafter.ring.features.shape[0] == 4 and list(drafter.slots) == [0, 1, 2]
@@ -226,7 +231,7 @@ def test_slots_reuse_the_least_recently_observed_and_grow_for_a_larger_pass():
 def test_sampling_drafter_returns_its_distribution_per_request_row():
     cfg, params = target()
     dcfg = drafter_config()
-    drafter = BlockDrafter(dcfg, block_drafter.init_params(dcfg, cfg, jax.random.key(4)), cfg, params, sample=True)
+    drafter = BlockDrafter(dcfg, block_model.init_params(dcfg, cfg, jax.random.key(4)), cfg, params, sample=True)
     drafter.observe(jnp.ones((8, len(dcfg.target_layers), cfg.hidden)), [HiddenSpan(0, 0, 0, 6)])
     sampled = SamplingParams(temperature=1.0, top_k=5)
     requests = [DraftRequest(5, [1, 2], 1, sampled, 0, K), DraftRequest(0, list(range(7)), 1, sampled, 3, K - 1)]
@@ -382,7 +387,7 @@ def test_structured_output_with_the_block_drafter(tmp_path):
 def test_serve_command_line_builds_the_block_drafter(tmp_path):
     folder = model_folder(tmp_path)
     dcfg = drafter_config()
-    checkpoint = block_drafter.save(tmp_path / "drafter", dcfg, block_drafter.init_params(dcfg, target()[0],
+    checkpoint = block_model.save(tmp_path / "drafter", dcfg, block_model.init_params(dcfg, target()[0],
                                                                                           jax.random.key(0)))
     options = ["serve", "--model", str(folder), "--dtype", "float32", "--num-blocks", "64"]
     args = parser().parse_args(options + ["--speculative", "block", "--drafter", str(checkpoint)])

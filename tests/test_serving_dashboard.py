@@ -17,7 +17,7 @@ from test_serving_api_fixture import LLAMA, make_engine, model_folder, running_s
 
 from serving.api.dashboard import WINDOW_S, TokenRate
 from serving.api.server import Server, create_app
-from serving.speculative import NgramDrafter, SpecConfig
+from serving.spec_decode import NgramDrafter, SpecConfig
 
 KEY = "sk-dashboard-0123456789"
 MOE_NAME = "tiny-qwen3-moe"

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.engine.engine import Engine
-from serving.engine.sampling_params import SamplingParams
+from serving import Engine, SamplingParams
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ("llama", "qwen3_moe", "mixtral")

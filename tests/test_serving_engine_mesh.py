@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 
+from serving import Engine, SamplingParams, quantization, sharding
 from serving import __main__ as serving_main
-from serving import quantize, sharding
 from serving.api import cli
-from serving.engine.engine import Engine, load
-from serving.engine.sampling_params import SamplingParams
+from serving.loaders import load_model
 from serving.models import model_module
-from serving.speculative import NgramDrafter, SpecConfig
+from serving.spec_decode import NgramDrafter, SpecConfig
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8,
                                 reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -93,8 +92,8 @@ def test_engine_on_a_mesh_gives_the_one_device_tokens_and_logprobs(name, axes):
 
 def test_quantized_params_are_split_as_their_weights():
     """int8 experts: q as the weight, its per-channel scales too but for the contracted (size-1) dimension."""
-    cfg, params = load(HF / "qwen3_moe", jnp.float32)[:2]
-    quantized = quantize.quantize_params(params, "int8", cfg)
+    cfg, params = load_model(HF / "qwen3_moe", jnp.float32)[:2]
+    quantized = quantization.quantize_params(params, "int8", cfg)
     mesh = mesh_of(1, 2, 4)
     gate = sharding.shard_params(quantized, model_module(cfg.family).param_specs(cfg), mesh)["layers"][0]["mlp"]["gate"]
     assert gate.q.addressable_shards[0].data.shape == (cfg.num_experts // 4, cfg.hidden, cfg.moe_intermediate // 2)

@@ -14,16 +14,15 @@ import numpy as np
 import pytest
 
 from pallas_kernels.testing import TRITON_CALL_TARGET, assert_close, lower_for_h200
-from serving import layers
+from serving import SamplingParams, layers
 from serving.config import ModelConfig
 from serving.engine import runner as runner_module
 from serving.engine.runner import ModelRunner
 from serving.engine.sampler import SampleRow
-from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk, make_batch
 from serving.loaders import read_checkpoint
 from serving.models import model_module
-from serving.quantize import quantize
+from serving.quantization import quantize
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 BLOCK = 4

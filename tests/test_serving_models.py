@@ -30,7 +30,7 @@ from pallas_kernels.testing import assert_close
 from serving import layers
 from serving.config import ModelConfig
 from serving.kv_cache import PagedKV, SeqChunk, make_batch
-from serving.loaders import load_model, read_checkpoint
+from serving.loaders import load_params, read_checkpoint
 from serving.loaders.safetensors import read_tensors
 from serving.models import llama, model_module
 from serving.models import moe as moe_model
@@ -228,7 +228,7 @@ def test_sharded_checkpoint_loads_like_the_single_file(tmp_path):
     assert loaded_cfg == cfg and loaded.keys() == tensors.keys()
     for name, array in tensors.items():
         np.testing.assert_array_equal(loaded[name], array)
-    _, params = load_model(tmp_path, jnp.float32)
+    _, params = load_params(tmp_path, jnp.float32)
     assert jax.tree.all(jax.tree.map(jnp.array_equal, params, fixture_params("mixtral", jnp.float32)))
 
 
@@ -242,7 +242,7 @@ def test_bf16_checkpoint_tensors_load(tmp_path):
     cfg, tensors, _ = fixture("llama")
     shutil.copy(HF / "llama" / "config.json", tmp_path / "config.json")
     save_file({k: v.astype(jnp.bfloat16) for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
-    _, params = load_model(tmp_path, jnp.float32)
+    _, params = load_params(tmp_path, jnp.float32)
     np.testing.assert_array_equal(params["embed"], tensors["model.embed_tokens.weight"].astype(jnp.bfloat16))
 
 

@@ -16,18 +16,15 @@ import pytest
 from test_serving_api_fixture import model_folder
 from test_serving_scheduler import BLOCK, check_blocks, make_seq
 
+from serving import ConstraintSpec, Engine, SamplingParams, sharding
 from serving import __main__ as serving_main
-from serving import sharding
 from serving.api import cli
 from serving.engine import runner as runner_module
 from serving.engine.blocks import BlockAllocator
-from serving.engine.engine import Engine
-from serving.engine.request import Sequence
+from serving.engine.request import SequenceState
 from serving.engine.sampler import SampleRow, advance, sample, sampling_batch, with_room
-from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
 from serving.kv_cache import SeqChunk, make_batch, next_decode_batch
-from serving.structured import ConstraintSpec
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 STEPS = (2, 4, 5)
@@ -188,7 +185,7 @@ def test_multi_step_gives_the_single_step_outputs_in_fewer_dispatches(folder, mo
 def stop_index(eng: Engine, prompt: list[int], tokens: list[int], params: SamplingParams) -> int:
     """The output index at which ``params``' stops end a sequence whose model output is ``tokens`` (the host's
     stop logic, no model), or -1."""
-    seq = Sequence(0, "r", 0, prompt, params, 0, eng.eos_ids, 10**6, eng.tokenizer.decode_stream())
+    seq = SequenceState(0, "r", 0, prompt, params, 0, eng.eos_ids, 10**6, eng.tokenizer.decode_stream())
     for k, token in enumerate(tokens):
         seq.append(token)
         if seq.finished:

@@ -1,4 +1,4 @@
-"""Weight quantization (serving/quantize.py): per-channel error bounds, the quantized matmul, quantized fixture
+"""Weight quantization (serving/quantization.py): per-channel error bounds, the quantized matmul, quantized fixture
 models against HF's fp32 logits, the safetensors round trip and the ``python -m serving quantize`` CLI."""
 
 import functools
@@ -14,14 +14,16 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 from serving import __main__ as cli
-from serving import layers, quantize, sharding
+from serving import layers, quantization, sharding
 from serving.kv_cache import PagedKV, SeqChunk, make_batch
-from serving.loaders import load_model, read_checkpoint
+from serving.loaders import load_params, read_checkpoint
+from serving.loaders.quantized import FORMAT_VERSION, QUANT_METHOD, SAFETENSORS_FILE, save_quantized
+from serving.loaders.safetensors import read_file
 from serving.models import model_module
-from serving.quantize import QuantizedWeight, dequantize, linear, quantize_params
+from serving.quantization import QuantizedWeight, dequantize, linear, quantize_params
 
 HF = Path(__file__).parent / "fixtures" / "hf"
-KINDS = tuple(quantize.KINDS)
+KINDS = tuple(quantization.KINDS)
 # Top-1 agreement with the fp32 model over the fixtures' 81 teacher-forced positions (2 prompts + their 32-token
 # greedy continuations): the brief's 95% for int8 (measured 98.8% on llama and qwen3_moe; bf16 itself: 100%).
 # fp8 e4m3 keeps 3 mantissa bits, ~4x int8's weight error, and these tiny random-weight models have close logits:
@@ -41,7 +43,7 @@ def channel_weights(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
 
 
 def error_bound(w: np.ndarray, qw: QuantizedWeight, kind: str) -> np.ndarray:
-    """Per-element bound on |w - dequantize(qw)| (module docstring of serving/quantize.py)."""
+    """Per-element bound on |w - dequantize(qw)| (module docstring of serving/quantization.py)."""
     scale = np.asarray(qw.scale)
     if kind == "int8":
         return scale / 2 * FP32_SLACK
@@ -62,8 +64,8 @@ def error_bound(w: np.ndarray, qw: QuantizedWeight, kind: str) -> np.ndarray:
 ])
 def test_round_trip_error_is_within_the_per_channel_bound(kind, shape, in_axes, scale_shape):
     w = channel_weights(shape)
-    qw = quantize.quantize(w, kind, in_axes)
-    dtype, qmax = quantize.KINDS[kind]
+    qw = quantization.quantize(w, kind, in_axes)
+    dtype, qmax = quantization.KINDS[kind]
     assert qw.q.dtype == dtype and qw.q.shape == shape
     assert qw.scale.dtype == jnp.float32 and qw.scale.shape == scale_shape
     absmax = np.abs(w).max(axis=tuple(a % w.ndim for a in in_axes), keepdims=True)
@@ -81,7 +83,7 @@ def test_zero_columns_and_zero_experts_dequantize_to_exact_zeros(kind):
     w = channel_weights((3, 16, 8))
     w[:, :, 2] = 0.0  # an all-zero output channel in every expert
     w[1] = 0.0  # an all-zero expert
-    qw = quantize.quantize(w, kind)
+    qw = quantization.quantize(w, kind)
     back = np.asarray(dequantize(qw))
     assert np.isfinite(back).all() and np.isfinite(np.asarray(qw.q, np.float32)).all()
     np.testing.assert_array_equal(back[:, :, 2], 0.0)
@@ -96,7 +98,7 @@ def test_non_finite_weights_are_rejected_naming_the_weight(bad):
     w = channel_weights((8, 4))
     w[3, 1] = bad
     with pytest.raises(ValueError, match=r"layer.up \[8, 4\] has 1 NaN/inf values: expected finite"):
-        quantize.quantize(w, "int8", name="layer.up")
+        quantization.quantize(w, "int8", name="layer.up")
     cfg, _ = read_checkpoint(HF / "llama")
     params = fixture_params("llama", jnp.float32)
     broken = {**params, "layers": [dict(lp) for lp in params["layers"]]}
@@ -108,11 +110,11 @@ def test_non_finite_weights_are_rejected_naming_the_weight(bad):
 def test_bad_arguments_raise_clear_errors():
     w = channel_weights((8, 4))
     with pytest.raises(ValueError, match="kind='int4': expected one of"):
-        quantize.quantize(w, "int4")
+        quantization.quantize(w, "int4")
     with pytest.raises(TypeError, match="dtype int32: expected a floating-point"):
-        quantize.quantize(np.ones((8, 4), np.int32), "int8")
+        quantization.quantize(np.ones((8, 4), np.int32), "int8")
     with pytest.raises(ValueError, match=r"in_axes=\(2,\)"):
-        quantize.quantize(w, "int8", (2,))
+        quantization.quantize(w, "int8", (2,))
     cfg, _ = read_checkpoint(HF / "llama")
     quantized = quantize_params(fixture_params("llama", jnp.float32), "int8", cfg)
     with pytest.raises(ValueError, match="already quantized"):
@@ -131,7 +133,7 @@ def test_bad_arguments_raise_clear_errors():
 def test_linear_equals_x_times_the_dequantized_weight(kind, x_shape, w_shape, axes, in_axes):
     x = jnp.asarray(channel_weights(x_shape, seed=1))
     w = channel_weights(w_shape)
-    qw = quantize.quantize(w, kind, in_axes)
+    qw = quantization.quantize(w, kind, in_axes)
     got = jax.jit(functools.partial(linear, axes=axes))(x, qw)
     want = jnp.tensordot(x, dequantize(qw), axes, precision="highest")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
@@ -145,7 +147,7 @@ def test_grouped_linear_scales_each_row_by_its_experts_channels(kind):
     x = jnp.asarray(channel_weights((10, 32), seed=1))
     w = channel_weights((4, 32, 16))
     w[2] *= 100.0  # experts at very different scales: a shared scale would be wrong by orders of magnitude
-    qw = quantize.quantize(w, kind)
+    qw = quantization.quantize(w, kind)
     got = jax.jit(functools.partial(linear, group_sizes=group_sizes))(x, qw)
     dense = np.asarray(dequantize(qw))
     experts = np.repeat(np.arange(4), np.asarray(group_sizes))
@@ -158,7 +160,7 @@ def test_grouped_linear_scales_each_row_by_its_experts_channels(kind):
 def test_quantized_specs_replicate_the_scales_contracted_axes():
     cfg, _ = read_checkpoint(HF / "qwen3_moe")
     params = quantize_params(fixture_params("qwen3_moe", jnp.float32), "fp8", cfg)
-    specs = quantize.quantized_specs(model_module(cfg.family).param_specs(cfg), params)
+    specs = quantization.quantized_specs(model_module(cfg.family).param_specs(cfg), params)
     attn, mlp = specs["layers"][0]["attn"], specs["layers"][0]["mlp"]
     assert attn["q"] == QuantizedWeight(P(None, "tensor", None), P(None, "tensor", None))  # column-parallel
     assert attn["o"] == QuantizedWeight(P("tensor", None, None), P(None, None, None))  # row-parallel: scale whole
@@ -254,12 +256,12 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, name, kind):
     cfg, _ = read_checkpoint(HF / name)
     hf_config = json.loads((HF / name / "config.json").read_text())
     quantized = quantize_params(fixture_params(name, jnp.bfloat16), kind, cfg)
-    quantize.save_quantized(tmp_path, hf_config, quantized)
+    save_quantized(tmp_path, hf_config, quantized)
     written = json.loads((tmp_path / "config.json").read_text())
-    assert written["quantization_config"] == {"quant_method": quantize.QUANT_METHOD, "kind": kind,
-                                              "per_channel": True, "format_version": quantize.FORMAT_VERSION}
+    assert written["quantization_config"] == {"quant_method": QUANT_METHOD, "kind": kind,
+                                              "per_channel": True, "format_version": FORMAT_VERSION}
     assert {k: v for k, v in written.items() if k != "quantization_config"} == hf_config
-    loaded_cfg, loaded = load_model(tmp_path, jnp.bfloat16)
+    loaded_cfg, loaded = load_params(tmp_path, jnp.bfloat16)
     assert loaded_cfg == cfg
     assert_bit_exact(loaded, quantized)
 
@@ -267,19 +269,19 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, name, kind):
 def test_loader_rejects_foreign_quantization_and_missing_tensors(tmp_path):
     cfg, _ = read_checkpoint(HF / "llama")
     hf_config = json.loads((HF / "llama" / "config.json").read_text())
-    quantize.save_quantized(tmp_path, hf_config, quantize_params(fixture_params("llama", jnp.bfloat16), "int8", cfg))
+    save_quantized(tmp_path, hf_config, quantize_params(fixture_params("llama", jnp.bfloat16), "int8", cfg))
     foreign = {**hf_config, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
     (tmp_path / "config.json").write_text(json.dumps(foreign))
     with pytest.raises(ValueError, match="'quant_method': 'fp8'.*expected quant_method='apex_jax'"):
-        load_model(tmp_path)
-    quantize.save_quantized(tmp_path, hf_config, quantize_params(fixture_params("llama", jnp.bfloat16), "fp8", cfg))
-    tensors = quantize.read_safetensors(tmp_path / quantize.SAFETENSORS_FILE)
+        load_params(tmp_path)
+    save_quantized(tmp_path, hf_config, quantize_params(fixture_params("llama", jnp.bfloat16), "fp8", cfg))
+    tensors = read_file(tmp_path / SAFETENSORS_FILE)
     del tensors["layers.1.attn.o.scale"]
-    save_file(tensors, tmp_path / quantize.SAFETENSORS_FILE)
+    save_file(tensors, tmp_path / SAFETENSORS_FILE)
     with pytest.raises(ValueError, match="has no tensor 'layers.1.attn.o.scale'"):
-        load_model(tmp_path)
+        load_params(tmp_path)
     with pytest.raises(ValueError, match="expected exactly one of"):
-        quantize.save_quantized(tmp_path, hf_config, fixture_params("llama", jnp.bfloat16))  # nothing quantized
+        save_quantized(tmp_path, hf_config, fixture_params("llama", jnp.bfloat16))  # nothing quantized
 
 
 def test_cli_writes_a_folder_the_loader_reads(tmp_path, capsys):
@@ -290,7 +292,7 @@ def test_cli_writes_a_folder_the_loader_reads(tmp_path, capsys):
     cli.main(["quantize", "--model", str(source), "--kind", "fp8", "--out", str(out)])
     assert capsys.readouterr().out.strip() == str(out)
     assert (out / "tokenizer_config.json").read_text() == "{}"
-    cfg, params = load_model(out)
+    cfg, params = load_params(out)
     assert count_quantized(params) == 7 * cfg.layers
     assert params["layers"][0]["attn"]["q"].q.dtype == jnp.float8_e4m3fn
     assert params["embed"].dtype == jnp.bfloat16
@@ -306,12 +308,12 @@ def test_cli_quantizes_the_embedded_smollm2_with_its_tokenizer(tmp_path):
 
     out = tmp_path / "smollm2-int8"
     cli.main(["quantize", "--model", "smollm2", "--kind", "int8", "--out", str(out)])
-    cfg, params = load_model(out)
+    cfg, params = load_params(out)
     assert count_quantized(params) == 7 * cfg.layers
     tok = Tokenizer.from_hf_folder(out)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert tok.decode(tok.encode(prompt, add_special_tokens=False)) == prompt
     quantized = [leaf for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
                  if isinstance(leaf, QuantizedWeight)]
-    bf16_bytes = quantize.weight_bytes(params) + sum(qw.q.size - qw.scale.nbytes for qw in quantized)
-    assert quantize.weight_bytes(params) < 0.65 * bf16_bytes  # the projections hold most of the bytes
+    bf16_bytes = quantization.weight_bytes(params) + sum(qw.q.size - qw.scale.nbytes for qw in quantized)
+    assert quantization.weight_bytes(params) < 0.65 * bf16_bytes  # the projections hold most of the bytes

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from serving import SamplingParams
 from serving.engine.sampler import SampleRow, apply_penalties, filtered_logits, sample, sampling_batch
-from serving.engine.sampling_params import SamplingParams
 
 VOCAB = 64
 ROWS = 6

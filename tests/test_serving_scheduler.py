@@ -2,9 +2,9 @@
 
 import pytest
 
+from serving import SamplingParams
 from serving.engine.blocks import BlockAllocator
-from serving.engine.request import LENGTH, STOP, Sequence
-from serving.engine.sampling_params import SamplingParams
+from serving.engine.request import LENGTH, STOP, SequenceState
 from serving.engine.scheduler import Scheduler
 from serving.tokenizer import Tokenizer
 
@@ -12,10 +12,10 @@ BLOCK = 4
 EOS = 2
 
 
-def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8, max_len: int = 1000, **params) -> Sequence:
+def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8, max_len: int = 1000, **params) -> SequenceState:
     """A sequence whose prompt (distinct per seq_id, so no prefix is shared by accident) is made-up ids."""
     prompt = list(range(10 + 50 * seq_id, 10 + 50 * seq_id + prompt_len))
-    return Sequence(seq_id, f"r{seq_id}", 0, prompt, SamplingParams(max_tokens=max_tokens, **params),
+    return SequenceState(seq_id, f"r{seq_id}", 0, prompt, SamplingParams(max_tokens=max_tokens, **params),
                     seed=0, eos_ids=(EOS,), max_len=max_len)
 
 

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.engine.engine import Engine
-from serving.engine.sampling_params import SamplingParams
+from serving import Engine, SamplingParams
 
 NEW_TOKENS = 20
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from serving import Engine, SamplingParams
 from serving.engine import engine as engine_module
-from serving.engine.engine import Engine
 from serving.engine.sampler import SampleRow, sampling_batch
-from serving.engine.sampling_params import SamplingParams
-from serving.speculative import (
+from serving.spec_decode import (
     NO_DRAFT,
     DraftModelDrafter,
     DraftRequest,

@@ -13,12 +13,10 @@ import jsonschema
 import numpy as np
 import pytest
 
-from serving import weights
-from serving.engine.engine import Engine
+from serving import Engine, SamplingParams, weights
 from serving.engine.sampler import SampleRow, sample, sampling_batch
-from serving.engine.sampling_params import SamplingParams
 from serving.loaders.gguf import read_metadata
-from serving.speculative import NgramDrafter, SpecConfig
+from serving.spec_decode import NgramDrafter, SpecConfig
 from serving.structured import (
     ALL_ALLOWED,
     ConstraintSpec,

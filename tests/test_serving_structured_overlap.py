@@ -14,11 +14,9 @@ import jsonschema
 import numpy as np
 import pytest
 
+from serving import ConstraintSpec, Engine, SamplingParams
 from serving.engine import runner as runner_module
-from serving.engine.engine import Engine
 from serving.engine.sampler import SampleRow, sample, sampling_batch
-from serving.engine.sampling_params import SamplingParams
-from serving.structured import ConstraintSpec
 
 MAX_NEW_TOKENS = 40  # the schemas below bound their outputs well inside this
 PHONE = r"[0-9]{3}-[0-9]{3}-[0-9]{4}"

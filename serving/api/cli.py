@@ -38,9 +38,10 @@ from serving import sharding
 from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, check_bind
 from serving.api.server import Server, create_app, serve
 from serving.config import ModelConfig
-from serving.engine.engine import Engine, LoadedModel, eos_from_folder
+from serving.engine.engine import Engine
+from serving.loaders.model import LoadedModel, eos_from_folder
 from serving.models import model_module
-from serving.speculative import SPECULATIVE_METHODS, SpecConfig
+from serving.spec_decode import SPECULATIVE_METHODS, SpecConfig
 from serving.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct
@@ -193,7 +194,7 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                              "a step with a prefill, a constrained row or logprobs runs one)")
     parser.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),
                         help="speculative decoding: n-gram prompt lookup, or a block drafter (--drafter)")
-    parser.add_argument("--drafter", default=None, help="block drafter checkpoint (python -m serving.train_drafter)")
+    parser.add_argument("--drafter", default=None, help="block drafter checkpoint (python -m examples.train_drafter)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="draft tokens per step (default: 4 for ngram, the drafter's trained block for block)")
     parallel = parser.add_argument_group(

@@ -18,31 +18,29 @@ step that raises fails only the requests it ran: they are aborted and ``StepErro
 
 import dataclasses
 import itertools
-import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from serving import sharding, weights
+from serving import sharding
 from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
-from serving.engine.request import Sequence as Seq
+from serving.engine.request import SequenceState as Seq
 from serving.engine.runner import ModelRunner
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.engine.scheduler import Scheduler
+from serving.engine.spec_step import VerifyChunk, verify_step
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
-from serving.loaders import load_model
-from serving.loaders.gguf import load_gguf
+from serving.loaders import LoadedModel, load_model
 from serving.models import model_module
-from serving.speculative import DraftRequest, Proposal, SpecConfig, SpecStats, VerifyChunk, grammar_drafts, verify_step
+from serving.spec_decode import DraftRequest, Proposal, SpecConfig, SpecStats, grammar_drafts
 from serving.structured import compile_constraint
-from serving.tokenizer import Tokenizer
 
 SEED_RANGE = 2**32  # seeds are uint32
 ABORT = "abort"  # finish reason of the samples ``Engine.abort`` stopped
@@ -96,38 +94,6 @@ def _sample_row(seq: Seq) -> SampleRow:
     return SampleRow(seq.params, seq.seed, len(seq.output_ids), seq.prompt_ids, seq.output_ids, seq.matcher)
 
 
-class LoadedModel(NamedTuple):
-    """A model ready to serve: what :func:`load` returns, or what a caller built itself (random weights, say)."""
-
-    cfg: ModelConfig
-    params: dict
-    tokenizer: Tokenizer | None
-    eos_ids: tuple[int, ...]
-
-
-def eos_from_folder(path: Path) -> tuple[int, ...]:
-    """eos ids of a HF folder without a tokenizer: generation_config.json, else config.json."""
-    for name in ("generation_config.json", "config.json"):
-        if (path / name).is_file():
-            eos = json.loads((path / name).read_text()).get("eos_token_id")
-            if eos is not None:
-                return tuple(eos) if isinstance(eos, list) else (eos,)
-    return ()
-
-
-def load(model: str | Path | None, dtype: jnp.dtype) -> LoadedModel:
-    """The model of a GGUF file, a HF folder, or (None) the default model."""
-    path = Path(model) if model is not None else weights.default_model_gguf()
-    if path.is_file():
-        checkpoint = load_gguf(path)
-        cfg = ModelConfig.from_hf(checkpoint.config)
-        params = model_module(cfg.family).params_from_hf(cfg, checkpoint.tensors, dtype)
-        return LoadedModel(cfg, params, checkpoint.tokenizer, checkpoint.tokenizer.eos_token_ids)
-    cfg, params = load_model(path, dtype)
-    tokenizer = Tokenizer.from_hf_folder(path) if (path / "tokenizer.json").is_file() else None
-    return LoadedModel(cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else eos_from_folder(path))
-
-
 def create_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype,
                  mesh: Mesh | None = None) -> Any:
     """The model's paged cache: latent pages for MLA (DeepSeek), separate k/v pages otherwise; on ``mesh`` split
@@ -151,7 +117,7 @@ class Engine:
       max_model_len: context length (default: the model's max_position), at most the cache's
         num_blocks * block_size tokens: a sequence the cache cannot hold whole could never finish.
       max_queue: the most sequences waiting beyond ``max_running`` (None: no limit).
-      speculative: draft tokens and verify them in each decode step (``serving.speculative``); acceptance
+      speculative: draft tokens and verify them in each decode step (``serving.spec_decode``); acceptance
         counters in ``spec_stats``. Outputs are unchanged (greedy: identical; sampled: the same distribution).
       batch_invariant: every step through ``serving.batch_invariant`` (fixed-geometry Pallas kernels, in Pallas'
         interpreter off a GPU): a sequence's logits are bitwise the same alone or in any batch and chunking.
@@ -180,7 +146,7 @@ class Engine:
             raise ValueError(f"Engine: a mesh {dict(mesh.shape)} with "
                              f"{'speculative decoding' if speculative else 'batch_invariant=True'}: expected one "
                              "device (mesh=None) for it")
-        loaded = model if isinstance(model, LoadedModel) else load(model, dtype)
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
         self.cfg, params, self.tokenizer, self.eos_ids = loaded
         if mesh is not None:
             sharding.check_mesh(mesh, self.cfg)

@@ -16,7 +16,7 @@ STOP, LENGTH = "stop", "length"  # finish reasons: a stop condition met, or max_
 
 
 @dataclasses.dataclass(eq=False)
-class Sequence:
+class SequenceState:
     seq_id: int  # unique, increasing with arrival (larger = newer)
     request_id: str
     index: int  # which of the request's n samples

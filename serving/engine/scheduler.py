@@ -21,7 +21,7 @@ short; never a preemption).
 from typing import NamedTuple
 
 from serving.engine.blocks import BlockAllocator, hash_block, hash_blocks
-from serving.engine.request import Sequence
+from serving.engine.request import SequenceState
 
 
 class ScheduledChunk(NamedTuple):
@@ -30,13 +30,13 @@ class ScheduledChunk(NamedTuple):
     sequence's speculative ``draft_ids`` after its last token (``count = 1 + drafts``), or in a multi-step decode
     the n - 1 tokens it samples on the device (``count = n``)."""
 
-    seq: Sequence
+    seq: SequenceState
     start: int
     count: int
     samples: bool
 
 
-def _chunk(seq: Sequence, count: int) -> ScheduledChunk:
+def _chunk(seq: SequenceState, count: int) -> ScheduledChunk:
     return ScheduledChunk(seq, seq.num_computed, count, seq.num_computed + count >= seq.num_tokens)
 
 
@@ -46,8 +46,8 @@ class Scheduler:
             raise ValueError(f"Scheduler: max_running={max_running}, token_budget={token_budget}: expected >= 1")
         self.allocator, self.max_running, self.token_budget = allocator, max_running, token_budget
         self.block_size = allocator.block_size
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self.waiting: list[SequenceState] = []
+        self.running: list[SequenceState] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
 
     @property
@@ -55,7 +55,7 @@ class Scheduler:
         """Tokens the whole cache holds."""
         return self.allocator.num_blocks * self.block_size
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         """Queue ``seq`` with its ``max_len`` capped at ``capacity``; ValueError if its prompt reaches that length."""
         max_len = min(self.capacity, seq.max_len)
         if seq.num_tokens >= max_len:
@@ -68,7 +68,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: SequenceState) -> None:
         """Take ``seq`` out of the waiting or running set and free its blocks (a no-op once it has left both)."""
         if seq in self.running:
             self.running.remove(seq)
@@ -129,7 +129,7 @@ class Scheduler:
             seq.block_table += [self.allocator.allocate() for _ in range(self._blocks_needed(seq, n))]
         return [c._replace(count=n) for c in chunks]
 
-    def update(self, chunks: list[ScheduledChunk], tokens: list[int | list[int]]) -> list[tuple[Sequence, str]]:
+    def update(self, chunks: list[ScheduledChunk], tokens: list[int | list[int]]) -> list[tuple[SequenceState, str]]:
         """Record a step: ``tokens[i]`` is chunk i's sampled token, or its accepted tokens in order (speculative
         decoding) or its n tokens (a multi-step decode), ignored unless the chunk samples. Tokens after a stop
         condition are dropped; the cache keeps only the positions of accepted tokens (rejected drafts' and a
@@ -158,10 +158,10 @@ class Scheduler:
                 self._release(seq)
         return updated
 
-    def _blocks_needed(self, seq: Sequence, count: int) -> int:
+    def _blocks_needed(self, seq: SequenceState, count: int) -> int:
         return -(-(seq.num_computed + count) // self.block_size) - len(seq.block_table)
 
-    def _reserve(self, seq: Sequence, count: int, chunks: list[ScheduledChunk]) -> bool:
+    def _reserve(self, seq: SequenceState, count: int, chunks: list[ScheduledChunk]) -> bool:
         """Allocate the blocks ``count`` more tokens of ``seq`` need, preempting the newest running sequences
         while none is free; False if ``seq`` itself had to be preempted."""
         needed = self._blocks_needed(seq, count)
@@ -173,27 +173,27 @@ class Scheduler:
         seq.block_table += [self.allocator.allocate() for _ in range(needed)]
         return True
 
-    def _preempt(self, seq: Sequence, chunks: list[ScheduledChunk]) -> None:
+    def _preempt(self, seq: SequenceState, chunks: list[ScheduledChunk]) -> None:
         self.running.remove(seq)
         chunks[:] = [c for c in chunks if c.seq is not seq]
         self._release(seq)
         self.waiting.insert(0, seq)
         self.num_preemptions += 1
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: SequenceState) -> None:
         """Free the blocks of ``seq``, last first (so the LRU cache evicts tails before shared prefixes)."""
         for block in reversed(seq.block_table):
             self.allocator.free(block)
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
 
-    def _take_cached_prefix(self, seq: Sequence) -> None:
+    def _take_cached_prefix(self, seq: SequenceState) -> None:
         """Start a waiting ``seq`` from its longest cached prefix, keeping at least its last token to compute."""
         hashes = hash_blocks(seq.tokens, self.block_size, seq.cache_salt, (seq.num_tokens - 1) // self.block_size)
         seq.block_table = self.allocator.cached_prefix(hashes)
         seq.block_hashes = hashes[:len(seq.block_table)]
         seq.num_computed = seq.num_cached_tokens = len(seq.block_table) * self.block_size
 
-    def _register_full_blocks(self, seq: Sequence) -> None:
+    def _register_full_blocks(self, seq: SequenceState) -> None:
         """Register every block of ``seq`` that is now full and computed under its chained hash."""
         tokens = None
         for i in range(len(seq.block_hashes), seq.num_computed // self.block_size):

@@ -1,5 +1,7 @@
-"""Checkpoint readers: HF safetensors folders (``safetensors.py``); each yields HF-named tensors."""
+"""Checkpoints -> a model ready to serve: ``load_model`` (``model.py``) over the readers of HF safetensors folders
+(``safetensors.py``), GGUF files (``gguf.py``) and this repository's quantized folders (``quantized.py``)."""
 
-from serving.loaders.safetensors import load_model, read_checkpoint
+from serving.loaders.model import LoadedModel, load_model, load_params
+from serving.loaders.safetensors import read_checkpoint
 
-__all__ = ["load_model", "read_checkpoint"]
+__all__ = ["LoadedModel", "load_model", "load_params", "read_checkpoint"]

@@ -1,23 +1,27 @@
-"""HF checkpoint folder -> (``ModelConfig``, tensors by HF name), read with ``safetensors.numpy`` (no pickle).
+"""HF checkpoint folder -> (``ModelConfig``, tensors by HF name), read with the ``safetensors`` library (no pickle).
 
 A folder holds ``config.json`` and either one ``model.safetensors`` or shards listed by
 ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``): every shard it names must
-exist and hold every tensor the index puts in it.
+exist and hold every tensor the index puts in it. ``read_file`` is the one reader of a safetensors file, float8
+tensors (quantized checkpoints) included.
 """
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+import safetensors
 from safetensors import safe_open
 
-from serving import quantize
 from serving.config import ModelConfig
-from serving.models import model_module
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# Stored dtypes numpy has no name for: ``safe_open(framework="np")`` looks a dtype up on the numpy module, so
+# these are taken from the library's raw deserialization and viewed as the ml_dtypes type.
+RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn}
 
 
 def read_config(path: str | Path) -> ModelConfig:
@@ -48,13 +52,28 @@ def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
         shard_file = folder / shard
         if not shard_file.is_file():
             raise FileNotFoundError(f"shard {shard!r} listed in {INDEX_FILE} is missing from {str(path)!r}")
-        with safe_open(shard_file, framework="np") as f:
-            stored = set(f.keys())
-            missing = [n for n in names if n not in stored]
-            if missing:
-                raise ValueError(f"shard {shard!r} lacks {len(missing)} tensors its index lists, e.g. {missing[0]!r}")
-            for name in names or sorted(stored):
-                tensors[name] = f.get_tensor(name)
+        tensors |= read_file(shard_file, names or None, source=f"shard {shard!r}")
+    return tensors
+
+
+def read_file(file: str | Path, names: Sequence[str] | None = None, source: str | None = None) -> dict[str, np.ndarray]:
+    """The tensors ``names`` (None: all, sorted by name) of one safetensors file as numpy arrays (bf16 as
+    ``ml_dtypes.bfloat16``, float8 as ``ml_dtypes.float8_e4m3fn``). A name the file lacks -> ValueError naming
+    ``source`` (default: the file)."""
+    with safe_open(file, framework="np") as f:
+        stored = set(f.keys())
+        missing = [n for n in names or () if n not in stored]
+        if missing:
+            raise ValueError(f"{source or str(file)} lacks {len(missing)} tensors its index lists, e.g. "
+                             f"{missing[0]!r}")
+        names = sorted(stored) if names is None else list(names)
+        raw = {n for n in names if f.get_slice(n).get_dtype() in RAW_DTYPES}
+        tensors = {n: f.get_tensor(n) for n in names if n not in raw}
+    if raw:  # the whole file, deserialized by the library once
+        stored_raw = {n: info for n, info in safetensors.deserialize(Path(file).read_bytes()) if n in raw}
+        for n in raw:
+            info = stored_raw[n]
+            tensors[n] = np.frombuffer(info["data"], RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
     return tensors
 
 
@@ -62,11 +81,3 @@ def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray
     """(config, tensors by HF name) of the HF checkpoint folder ``path``."""
     return read_config(path), read_tensors(path)
 
-
-def load_model(path: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelConfig, dict]:
-    """(config, params in ``dtype``) of any supported family, from a HF checkpoint folder; a folder whose
-    config.json has a ``quantization_config`` loads through ``quantize.load_quantized`` (quantized params)."""
-    if quantize.quantization_config(path) is not None:
-        return quantize.load_quantized(path, dtype)
-    cfg, tensors = read_checkpoint(path)
-    return cfg, model_module(cfg.family).params_from_hf(cfg, tensors, dtype)

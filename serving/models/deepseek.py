@@ -38,7 +38,7 @@ from serving.kv_cache import AttentionBatch, PagedLatentKV
 from serving.layers import apply_rope, paged_mla_attention, rms_norm, swiglu, yarn_mscale
 from serving.models import llama
 from serving.models import moe as moe_model
-from serving.models.llama import Rope, Weight
+from serving.models.llama import Rope, WeightSpec
 from serving.sharding import TENSOR, moe
 
 LORA_NORM_EPS = 1e-6  # HF's q_a_layernorm / kv_a_layernorm use the RMSNorm default, not config.rms_norm_eps
@@ -54,25 +54,26 @@ def _check_mla(cfg: ModelConfig) -> None:
 # --------------------------------------------------------------------------- layout
 
 
-def attention_layout(cfg: ModelConfig) -> dict[str, Weight]:
+def attention_layout(cfg: ModelConfig) -> dict[str, WeightSpec]:
     """MLA weights (module docstring): per-head dims over tensor, down-projections replicated."""
     d, h, hd, rank = cfg.hidden, cfg.heads, cfg.head_dim, cfg.kv_lora_rank
     heads = P(None, TENSOR, None)
     if cfg.q_lora_rank:
-        layout = {"q_a": Weight((d, cfg.q_lora_rank), P()), "q_a_norm": llama.norm(cfg, cfg.q_lora_rank),
-                  "q_b": Weight((cfg.q_lora_rank, h, hd), heads)}
+        layout = {"q_a": WeightSpec((d, cfg.q_lora_rank), P()), "q_a_norm": llama.norm(cfg, cfg.q_lora_rank),
+                  "q_b": WeightSpec((cfg.q_lora_rank, h, hd), heads)}
     else:
-        layout = {"q": Weight((d, h, hd), heads)}
-    return {**layout, "kv_a": Weight((d, rank + cfg.qk_rope_head_dim), P()), "kv_a_norm": llama.norm(cfg, rank),
-            "w_uk": Weight((rank, h, cfg.qk_nope_head_dim), heads), "w_uv": Weight((rank, h, cfg.v_head_dim), heads),
-            "o": Weight((h, cfg.v_head_dim, d), P(TENSOR, None, None))}
+        layout = {"q": WeightSpec((d, h, hd), heads)}
+    return {**layout, "kv_a": WeightSpec((d, rank + cfg.qk_rope_head_dim), P()), "kv_a_norm": llama.norm(cfg, rank),
+            "w_uk": WeightSpec((rank, h, cfg.qk_nope_head_dim), heads),
+            "w_uv": WeightSpec((rank, h, cfg.v_head_dim), heads),
+            "o": WeightSpec((h, cfg.v_head_dim, d), P(TENSOR, None, None))}
 
 
 def layer_layout(cfg: ModelConfig, layer: int) -> dict:
     layout = {"attn_norm": llama.norm(cfg), "attn": attention_layout(cfg), "mlp_norm": llama.norm(cfg)}
     if not cfg.is_moe_layer(layer):
         return {**layout, "mlp": llama.mlp_layout(cfg)}
-    layout["mlp"] = {**moe_model.expert_layout(cfg), "router_bias": Weight((cfg.num_experts,), P())}
+    layout["mlp"] = {**moe_model.expert_layout(cfg), "router_bias": WeightSpec((cfg.num_experts,), P())}
     if cfg.num_shared_experts:
         layout["shared_mlp"] = llama.mlp_layout(cfg, cfg.moe_intermediate * cfg.num_shared_experts)
     return layout

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from serving.config import ModelConfig
 from serving.kv_cache import AttentionBatch, PagedKV
 from serving.layers import apply_rope, paged_attention, rms_norm, rope_frequencies, swiglu
-from serving.quantize import linear
+from serving.quantization import linear
 from serving.sharding import TENSOR  # mesh axes that split weights ("data" splits only activations)
 
 INIT_STD = 0.02  # random weights ~ N(0, 0.02^2): the HF initializer_range default (benchmarks only)
@@ -31,7 +31,7 @@ INIT_STD = 0.02  # random weights ~ N(0, 0.02^2): the HF initializer_range defau
 Rope = tuple[np.ndarray, float]  # rope_frequencies' (inv_freq, cos/sin scale)
 
 
-class Weight(NamedTuple):
+class WeightSpec(NamedTuple):
     """One weight's shape, its sharding, and its initialization: ``"normal"`` (N(0, INIT_STD^2)) or ``"ones"``."""
 
     shape: tuple[int, ...]
@@ -39,13 +39,13 @@ class Weight(NamedTuple):
     init: str = "normal"
 
 
-def is_weight(x) -> bool:
-    return isinstance(x, Weight)
+def is_weight_spec(x) -> bool:
+    return isinstance(x, WeightSpec)
 
 
 def init_from_layout(layout, key: jax.Array, dtype: jnp.dtype):
-    """Random arrays for a pytree of ``Weight``s (one key per leaf)."""
-    leaves, treedef = jax.tree.flatten(layout, is_leaf=is_weight)
+    """Random arrays for a pytree of ``WeightSpec``s (one key per leaf)."""
+    leaves, treedef = jax.tree.flatten(layout, is_leaf=is_weight_spec)
     keys = jax.random.split(key, len(leaves))
     arrays = [jnp.ones(w.shape, dtype) if w.init == "ones" else INIT_STD * jax.random.normal(k, w.shape, dtype)
               for w, k in zip(leaves, keys, strict=True)]
@@ -53,8 +53,8 @@ def init_from_layout(layout, key: jax.Array, dtype: jnp.dtype):
 
 
 def specs_from_layout(layout):
-    """The ``PartitionSpec`` pytree of a pytree of ``Weight``s."""
-    return jax.tree.map(lambda w: w.spec, layout, is_leaf=is_weight)
+    """The ``PartitionSpec`` pytree of a pytree of ``WeightSpec``s."""
+    return jax.tree.map(lambda w: w.spec, layout, is_leaf=is_weight_spec)
 
 
 def take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -70,33 +70,33 @@ def take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> n
 # --------------------------------------------------------------------------- layout
 
 
-def norm(cfg: ModelConfig, size: int | None = None) -> Weight:
-    return Weight((size or cfg.hidden,), P(), "ones")
+def norm(cfg: ModelConfig, size: int | None = None) -> WeightSpec:
+    return WeightSpec((size or cfg.hidden,), P(), "ones")
 
 
-def embedding_layout(cfg: ModelConfig) -> dict[str, Weight]:
+def embedding_layout(cfg: ModelConfig) -> dict[str, WeightSpec]:
     """``embed [V, D]``, final ``norm [D]``, ``lm_head [D, V]`` (absent when tied to embed): vocab over tensor."""
-    layout = {"embed": Weight((cfg.vocab, cfg.hidden), P(TENSOR, None)), "norm": norm(cfg)}
+    layout = {"embed": WeightSpec((cfg.vocab, cfg.hidden), P(TENSOR, None)), "norm": norm(cfg)}
     if not cfg.tie_embeddings:
-        layout["lm_head"] = Weight((cfg.hidden, cfg.vocab), P(None, TENSOR))
+        layout["lm_head"] = WeightSpec((cfg.hidden, cfg.vocab), P(None, TENSOR))
     return layout
 
 
-def attention_layout(cfg: ModelConfig) -> dict[str, Weight]:
+def attention_layout(cfg: ModelConfig) -> dict[str, WeightSpec]:
     """``q [D, H, hd]``, ``k``/``v [D, K, hd]``, ``o [H, hd, D]`` (+ ``q_norm``/``k_norm [hd]``): heads over tensor."""
     d, h, k, hd = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim
-    layout = {"q": Weight((d, h, hd), P(None, TENSOR, None)), "k": Weight((d, k, hd), P(None, TENSOR, None)),
-              "v": Weight((d, k, hd), P(None, TENSOR, None)), "o": Weight((h, hd, d), P(TENSOR, None, None))}
+    layout = {"q": WeightSpec((d, h, hd), P(None, TENSOR, None)), "k": WeightSpec((d, k, hd), P(None, TENSOR, None)),
+              "v": WeightSpec((d, k, hd), P(None, TENSOR, None)), "o": WeightSpec((h, hd, d), P(TENSOR, None, None))}
     if cfg.qk_norm:
         layout.update(q_norm=norm(cfg, hd), k_norm=norm(cfg, hd))
     return layout
 
 
-def mlp_layout(cfg: ModelConfig, intermediate: int | None = None) -> dict[str, Weight]:
+def mlp_layout(cfg: ModelConfig, intermediate: int | None = None) -> dict[str, WeightSpec]:
     """SwiGLU ``gate``/``up [D, I]``, ``down [I, D]``: the hidden dim I over tensor."""
     d, i = cfg.hidden, intermediate or cfg.intermediate
-    return {"gate": Weight((d, i), P(None, TENSOR)), "up": Weight((d, i), P(None, TENSOR)),
-            "down": Weight((i, d), P(TENSOR, None))}
+    return {"gate": WeightSpec((d, i), P(None, TENSOR)), "up": WeightSpec((d, i), P(None, TENSOR)),
+            "down": WeightSpec((i, d), P(TENSOR, None))}
 
 
 def layout(cfg: ModelConfig) -> dict:

@@ -20,7 +20,7 @@ from serving.config import ModelConfig
 from serving.kv_cache import AttentionBatch, PagedKV
 from serving.layers import rms_norm, swiglu
 from serving.models import llama
-from serving.models.llama import Weight
+from serving.models.llama import WeightSpec
 from serving.sharding import EXPERT, TENSOR, moe
 
 # family -> (HF module of the sparse MLP, expert gate / up / down Linear names).
@@ -28,10 +28,11 @@ HF_EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
                    "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
 
 
-def expert_layout(cfg: ModelConfig) -> dict[str, Weight]:
+def expert_layout(cfg: ModelConfig) -> dict[str, WeightSpec]:
     e, d, i = cfg.num_experts, cfg.hidden, cfg.moe_intermediate
-    return {"router": Weight((d, e), P()), "gate": Weight((e, d, i), P(EXPERT, None, TENSOR)),
-            "up": Weight((e, d, i), P(EXPERT, None, TENSOR)), "down": Weight((e, i, d), P(EXPERT, TENSOR, None))}
+    return {"router": WeightSpec((d, e), P()), "gate": WeightSpec((e, d, i), P(EXPERT, None, TENSOR)),
+            "up": WeightSpec((e, d, i), P(EXPERT, None, TENSOR)),
+            "down": WeightSpec((e, i, d), P(EXPERT, TENSOR, None))}
 
 
 def layout(cfg: ModelConfig) -> dict:

@@ -1,9 +1,9 @@
-"""Train a block drafter (``serving.block_drafter``) on the target's own greedy outputs, with apex_jax's AdamW.
+"""Train a block drafter (``serving.spec_decode.block_model``) on the target's own outputs, with apex_jax's AdamW.
 
-    python -m serving.train_drafter --out DIR          # SmolLM2-135M-Instruct, GPU defaults (one H200, ~7 min)
-    python -m serving.train_drafter --out DIR --cpu    # a tiny CPU run that proves the pipeline (~1-2 min)
+    python -m examples.train_drafter --out DIR          # SmolLM2-135M-Instruct, GPU defaults
+    python -m examples.train_drafter --out DIR --cpu    # a tiny CPU run that proves the pipeline
 
-1. data: chat prompts (``serving.drafter_prompts``), the target's greedy answers (held-out prompts through the
+1. data: chat prompts (``prompts.py``), the target's greedy answers (held-out prompts through the
    ``Engine``; training prompts ``gen_batch`` at a time in one fixed-shape device loop each, ``answers``, for
    ``gen_seconds``: a greedy round over all of them, then rounds sampled at ``gen_temperature`` for more
    contexts like the target's own (the labels stay the target's distribution), so a faster machine collects
@@ -25,10 +25,9 @@
 3. evaluation on held-out prompts (never trained on): the acceptance length teacher-forced
    (``1 + E[drafts equal to the target's greedy tokens before the first miss]``) and through the engine with
    speculation (``SpecStats.mean_acceptance_length``), whose outputs are compared with the plain greedy answers.
-4. ``--out``: the checkpoint (``block_drafter.save``) and ``metrics.json``.
+4. ``--out``: the checkpoint (``block_model.save``) and ``metrics.json``.
 
-Why in ``serving/`` and not ``benchmarks/``: the drafter is a serving artifact (``serve --speculative block
---drafter DIR`` loads it), and its recipe belongs next to the model it trains.
+``serve --speculative block --drafter DIR`` serves the checkpoint.
 """
 
 import argparse
@@ -47,17 +46,17 @@ import numpy as np
 import optax
 
 from apex_jax import apexw
-from serving import block_drafter, layers
-from serving.block_drafter import BlockDrafterConfig
+from examples.train_drafter.prompts import chat_prompts
+from serving import layers
 from serving.config import ModelConfig
-from serving.drafter_prompts import chat_prompts
 from serving.engine.engine import Engine, Prompt
 from serving.engine.runner import ModelRunner
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import AttentionBatch, PagedKV, SeqChunk
 from serving.models import llama, model_module
-from serving.speculative import BlockDrafter, SpecConfig
+from serving.spec_decode import BlockDrafter, SpecConfig, block_model
+from serving.spec_decode.block_model import BlockDrafterConfig
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 BLOCK_SIZE = 16  # KV cache block of the engines and the teacher-forced pass
@@ -76,7 +75,7 @@ FINAL_LR_SHARE = 0.1  # the cosine schedule ends at this share of the peak learn
 class TrainConfig:
     """One run. The defaults are the GPU recipe for SmolLM2-135M-Instruct (one H200, within ``time_budget``)."""
 
-    max_prompts: int = 100_000  # training prompts at most (all of serving.drafter_prompts' but the held-out ones)
+    max_prompts: int = 100_000  # training prompts at most (all of prompts.py's but the held-out ones)
     num_eval_prompts: int = 64  # held-out prompts
     max_tokens: int = 192  # answer length
     gen_seconds: float = 100.0  # training prompts are answered for this long
@@ -297,7 +296,7 @@ def loss_and_metrics(params: dict, head: dict, cfg: BlockDrafterConfig, target: 
                      weights: jax.Array, soft_labels: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Weighted cross-entropy over the k positions (module docstring); metrics: ``accepted [B]`` (drafts matching
     the labels before the first miss) and ``correct [k]`` (accuracy per position)."""
-    logits = block_drafter.draft_logits(params, head, cfg, target, batch.ctx_hidden, batch.newest,
+    logits = block_model.draft_logits(params, head, cfg, target, batch.ctx_hidden, batch.newest,
                                         batch.ctx_positions, batch.ctx_valid)
     if soft_labels:
         p = jax.nn.softmax(jax.lax.stop_gradient(llama.logits(head, target, batch.label_hidden)), axis=-1)
@@ -345,7 +344,7 @@ def train_step(params: dict, state: Any, head: dict, data: TargetData, key: jax.
 
 def train(tc: TrainConfig, cfg: BlockDrafterConfig, target: ModelConfig, head: dict, params: dict,
           data: TargetData, seconds: float, log: Callable[[str], None] = print) -> tuple[dict, list[dict]]:
-    """Train the drafter ``params`` (``block_drafter.init_params``; donated) for ``tc.steps`` steps or
+    """Train the drafter ``params`` (``block_model.init_params``; donated) for ``tc.steps`` steps or
     ``seconds``, whichever ends first; (params, log rows)."""
     tx = optimizer(tc)
     state = tx.init(params)
@@ -454,13 +453,13 @@ def run(tc: TrainConfig, out: str | Path, model: str | Path | None = None,
     train_data = target_data(target, target_params, train_pairs, cfg.target_layers, tc.tokens_per_pass, dtype)
     eval_data = target_data(target, target_params, eval_pairs, cfg.target_layers, tc.tokens_per_pass, dtype)
     data_seconds = elapsed()
-    head = jax.tree.map(lambda w: w.astype(dtype), block_drafter.target_head(target_params))
+    head = jax.tree.map(lambda w: w.astype(dtype), block_model.target_head(target_params))
     train_seconds = max(tc.time_budget - tc.eval_seconds - data_seconds, MIN_TRAIN_SHARE * tc.time_budget)
     log(f"[{elapsed()}s] training on {train_data.anchors.shape[0]} anchors ({train_data.tokens.shape[0]} tokens) "
         f"for {tc.steps} steps or {train_seconds:.0f}s")
-    initial = block_drafter.init_params(cfg, target, jax.random.key(tc.seed), target_params)
+    initial = block_model.init_params(cfg, target, jax.random.key(tc.seed), target_params)
     params, curve = train(tc, cfg, target, head, initial, train_data, train_seconds, log)
-    folder = block_drafter.save(out, cfg, params)
+    folder = block_model.save(out, cfg, params)
     log(f"[{elapsed()}s] saved {folder} after {curve[-1]['step']} steps; evaluating on {len(eval_prompts)} "
         "held-out prompts")
     offline = evaluate_offline(params, head, cfg, target, eval_data, tc.decay, tc.batch)
@@ -482,7 +481,7 @@ def run(tc: TrainConfig, out: str | Path, model: str | Path | None = None,
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m serving.train_drafter", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.train_drafter", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="checkpoint folder to write (created)")
     parser.add_argument("--model", default=None, help="the target: a HF folder or a .gguf (default: SmolLM2-135M)")
     parser.add_argument("--cpu", action="store_true", help="the tiny CPU configuration (CPU_CONFIG) on the CPU")
@@ -496,6 +495,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         jax.config.update("jax_platforms", "cpu")
     run(tc, args.out, args.model)
 
-
-if __name__ == "__main__":
-    main()

@@ -19,8 +19,8 @@ every slot (no causal mask inside the block); context entries before the sequenc
 start from the last position's state at the depth the first copied layer reads, plus a learned mix of its
 states and the newest token's embedding ``E``, plus a learned vector ``m_j`` per slot. ``E``, the head and (for
 training) the target's final norm are the target's, frozen and shared. The drafter reads ``target_layers =
-(T - L, .., T)``; ``draft_logits`` is the whole forward, ``serving.speculative.BlockDrafter`` serves it and
-``serving.train_drafter`` trains it. A checkpoint is a folder: ``drafter.safetensors`` (the drafter's own
+(T - L, .., T)``; ``draft_logits`` is the whole forward, ``spec_decode.block_drafter.BlockDrafter`` serves it and
+``examples.train_drafter`` trains it. A checkpoint is a folder: ``drafter.safetensors`` (the drafter's own
 weights) and ``drafter_config.json``.
 """
 
@@ -38,7 +38,7 @@ from safetensors.numpy import load_file, save_file
 from serving.config import ModelConfig
 from serving.layers import apply_rope, rms_norm, swiglu
 from serving.models import llama
-from serving.models.llama import Weight
+from serving.models.llama import WeightSpec
 
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "drafter.safetensors"
@@ -98,8 +98,8 @@ def layout(cfg: BlockDrafterConfig, target: ModelConfig) -> dict:
     d, f = lcfg.hidden, len(cfg.target_layers)
     layers = [{"attn_norm": llama.norm(lcfg), "attn": llama.attention_layout(lcfg), "mlp_norm": llama.norm(lcfg),
                "mlp": llama.mlp_layout(lcfg)} for _ in range(cfg.layers)]
-    return {"fc": Weight(((f + 1) * d, d), P()), "slots": Weight((cfg.block, d), P()),
-            "ctx_norm": Weight((f, d), P(), "ones"), "norm": llama.norm(lcfg), "layers": layers}
+    return {"fc": WeightSpec(((f + 1) * d, d), P()), "slots": WeightSpec((cfg.block, d), P()),
+            "ctx_norm": WeightSpec((f, d), P(), "ones"), "norm": llama.norm(lcfg), "layers": layers}
 
 
 def init_params(cfg: BlockDrafterConfig, target: ModelConfig, key: jax.Array, target_params: dict | None = None,
@@ -200,7 +200,7 @@ def load_config(path: str | Path) -> BlockDrafterConfig:
     config_file = Path(path) / CONFIG_FILE
     if not config_file.is_file():
         raise FileNotFoundError(f"block drafter checkpoint {str(path)!r}: no {CONFIG_FILE} (expected a folder "
-                                "written by serving.train_drafter)")
+                                "written by examples.train_drafter)")
     try:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
@@ -225,7 +225,7 @@ def load(path: str | Path, target: ModelConfig, dtype: jnp.dtype = jnp.float32) 
     if not weights_file.is_file():
         raise FileNotFoundError(f"block drafter checkpoint {str(path)!r}: no {WEIGHTS_FILE}")
     tensors = load_file(str(weights_file))
-    expected = _named_leaves(layout(cfg, target), is_leaf=llama.is_weight)
+    expected = _named_leaves(layout(cfg, target), is_leaf=llama.is_weight_spec)
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise ValueError(f"{weights_file}: unexpected tensors {unexpected[:4]} for {cfg}")
@@ -234,4 +234,4 @@ def load(path: str | Path, target: ModelConfig, dtype: jnp.dtype = jnp.float32) 
             found = f"shape {list(tensors[name].shape)}" if name in tensors else "no tensor"
             raise ValueError(f"{weights_file}: {found} {name!r}, expected shape {list(w.shape)} for {cfg}")
     arrays = [jnp.asarray(tensors[name], dtype) for name in expected]
-    return cfg, jax.tree.unflatten(jax.tree.structure(layout(cfg, target), is_leaf=llama.is_weight), arrays)
+    return cfg, jax.tree.unflatten(jax.tree.structure(layout(cfg, target), is_leaf=llama.is_weight_spec), arrays)

@@ -21,43 +21,28 @@ weight is ever stored (XLA fuses the convert into the matmul where it can); for 
 model's weights, and keeps the rest as it is: the embedding is a gather (no matmul to fold a scale into) and
 often tied to the output head; the output head (lm_head) and the router produce logits and routing decisions
 that a small error can flip (a token or an expert); norms and biases are vectors, a negligible share.
-``save_quantized`` / ``load_quantized`` write and read such params as a safetensors folder (``config.json``
-carries a ``quantization_config``); ``loaders.load_model`` dispatches to ``load_quantized`` for such folders.
+``serving.loaders.quantized`` writes and reads such params as a checkpoint folder.
 """
 
 import functools
-import json
-import mmap
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
 from jax.sharding import PartitionSpec as P
-from safetensors.numpy import save_file
 
 from serving.config import ModelConfig
-from serving.models import model_module
 
 # kind -> (storage dtype, QMAX: the value a channel's largest |w| maps to).
 KINDS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, float(jnp.finfo(jnp.float8_e4m3fn).max))}
-# ``quantization_config["quant_method"]`` of the folders save_quantized writes (tensors in this repo's layout).
-QUANT_METHOD = "apex_jax"
-FORMAT_VERSION = 1
-SAFETENSORS_FILE = "model.safetensors"
 # Families whose attention is ``llama.attention`` (projections through ``linear``): their q/k/v/o are
-# quantized; DeepSeek's MLA projections are not routed through ``linear`` (yet), so only its MLPs are.
+# quantized; DeepSeek's MLA projections are not routed through ``linear``, so only its MLPs are.
 LINEAR_ATTENTION_FAMILIES = ("llama", "qwen3_moe", "mixtral")
 # Attention weight -> its contracted (input) axes: q/k/v ``[D, heads, hd]``, o ``[H, hd, D]``.
 ATTENTION_IN_AXES = {"q": (0,), "k": (0,), "v": (0,), "o": (0, 1)}
 MLP_KEYS = ("mlp", "shared_mlp")  # a layer's SwiGLU MLPs: gate/up ``[.., D, I]``, down ``[.., I, D]``
 MLP_PROJECTIONS = ("gate", "up", "down")
-# safetensors dtype names -> numpy: ``safetensors.numpy`` 0.8 cannot return float8 arrays, so we read ourselves.
-SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I8": np.int8,
-                      "F8_E4M3": ml_dtypes.float8_e4m3fn}
 
 
 class QuantizedWeight(NamedTuple):
@@ -73,7 +58,7 @@ class QuantizedWeight(NamedTuple):
         return self.q.shape
 
 
-Weight = jax.Array | QuantizedWeight  # what a model projection accepts
+LinearWeight = jax.Array | QuantizedWeight  # what a model projection (``linear``) accepts
 
 
 def quantize(w: jax.Array, kind: str, in_axes: Sequence[int] = (-2,), name: str = "weight") -> QuantizedWeight:
@@ -113,7 +98,7 @@ def dequantize(qw: QuantizedWeight, dtype: jnp.dtype = jnp.float32) -> jax.Array
     return (qw.q.astype(jnp.float32) * qw.scale).astype(dtype)
 
 
-def linear(x: jax.Array, w: Weight, *, axes: int = 1, group_sizes: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, w: LinearWeight, *, axes: int = 1, group_sizes: jax.Array | None = None) -> jax.Array:
     """``x [.., *in] @ w [*in, *out] -> [.., *out]``: the last ``axes`` dims of x contract w's first ``axes``.
 
     With ``group_sizes [E]``: a grouped (expert) matmul, ``x [M, in]`` whose rows come sorted by expert
@@ -146,7 +131,7 @@ def quantize_params(params: dict, kind: str, cfg: ModelConfig) -> dict:
     """
     if kind not in KINDS:
         raise ValueError(f"quantize_params: kind={kind!r}: expected one of {list(KINDS)}")
-    if any(isinstance(leaf, QuantizedWeight) for leaf in jax.tree.leaves(params, is_leaf=_is_quantized)):
+    if any(isinstance(leaf, QuantizedWeight) for leaf in jax.tree.leaves(params, is_leaf=is_quantized)):
         raise ValueError("quantize_params: params are already quantized: expected plain arrays")
     layers = []
     for l, layer in enumerate(params["layers"]):
@@ -162,7 +147,7 @@ def quantize_params(params: dict, kind: str, cfg: ModelConfig) -> dict:
     return {**params, "layers": layers}
 
 
-def _is_quantized(x: Any) -> bool:
+def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedWeight)
 
 
@@ -177,103 +162,9 @@ def quantized_specs(specs: Any, params: Any) -> Any:
         scale_axes = (None if n == 1 else axis for axis, n in zip(axes, leaf.scale.shape, strict=True))
         return QuantizedWeight(weight_spec, P(*scale_axes))
 
-    return jax.tree.map(spec, specs, params, is_leaf=_is_quantized)
+    return jax.tree.map(spec, specs, params, is_leaf=is_quantized)
 
 
 def weight_bytes(params: dict) -> int:
     """Bytes of every array in ``params`` (quantized weights: q and their scales)."""
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-def _tensor_name(path: tuple) -> str:
-    """A pytree path as a dotted name: ``layers.0.attn.q.scale``."""
-    parts = []
-    for key in path:
-        for attr in ("key", "idx", "name"):  # DictKey, SequenceKey, GetAttrKey (QuantizedWeight fields)
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-    return ".".join(parts)
-
-
-def save_quantized(path: str | Path, hf_config: Mapping[str, Any], params: dict) -> Path:
-    """Write ``params`` (from ``quantize_params``) to the folder ``path``: ``model.safetensors`` with one tensor
-    per leaf under its dotted pytree name (``layers.0.attn.q.q``, ``layers.0.attn.q.scale``, ``embed``), and
-    ``config.json`` = ``hf_config`` (the model's HF config dict) + ``quantization_config`` (kind, per-channel).
-    """
-    kinds = {kind for kind, (dtype, _) in KINDS.items()
-             for leaf in jax.tree.leaves(params, is_leaf=_is_quantized)
-             if isinstance(leaf, QuantizedWeight) and leaf.q.dtype == dtype}
-    if len(kinds) != 1:
-        raise ValueError(f"save_quantized: params hold quantized weights of kinds {sorted(kinds)}: expected "
-                         f"exactly one of {list(KINDS)} (call quantize_params first)")
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {_tensor_name(p): np.asarray(leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-    save_file(tensors, folder / SAFETENSORS_FILE)
-    config = {**hf_config, "quantization_config": {"quant_method": QUANT_METHOD, "kind": kinds.pop(),
-                                                   "per_channel": True, "format_version": FORMAT_VERSION}}
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return folder
-
-
-def quantization_config(path: str | Path) -> dict | None:
-    """The ``quantization_config`` of the checkpoint folder ``path``'s config.json, or None (not quantized)."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return None
-    return json.loads(config_file.read_text()).get("quantization_config")
-
-
-def read_safetensors(file: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of one safetensors file (float8 included), as numpy arrays (header: little-endian u64
-    length, JSON ``{name: {dtype, shape, data_offsets}}``, then the data)."""
-    with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        header_len = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8:8 + header_len])
-        tensors = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if info["dtype"] not in SAFETENSORS_DTYPES:
-                raise ValueError(f"{file}: tensor {name!r} has dtype {info['dtype']}: expected one of "
-                                 f"{list(SAFETENSORS_DTYPES)}")
-            begin, end = (8 + header_len + o for o in info["data_offsets"])
-            tensors[name] = np.frombuffer(data[begin:end], SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return tensors
-
-
-def load_quantized(path: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelConfig, dict]:
-    """(config, quantized params) of a folder written by ``save_quantized``; unquantized weights in ``dtype``
-    (those a model keeps in fp32, e.g. DeepSeek's router, stay fp32); q and scales exactly as stored.
-
-    A folder with another ``quant_method``, a missing or misshapen tensor, or q of another dtype -> ValueError.
-    """
-    qconfig = quantization_config(path)
-    if not qconfig or qconfig.get("quant_method") != QUANT_METHOD or qconfig.get("kind") not in KINDS:
-        raise ValueError(f"checkpoint {str(path)!r} has quantization_config {qconfig!r}: expected quant_method="
-                         f"{QUANT_METHOD!r} with kind in {list(KINDS)} (the format save_quantized writes)")
-    cfg = ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
-    module = model_module(cfg.family)
-    # The pytree save_quantized wrote, as shapes and dtypes, without computing any weight.
-    expected = jax.eval_shape(
-        lambda: quantize_params(module.init_params(cfg, jax.random.key(0), dtype), qconfig["kind"], cfg))
-    tensors = read_safetensors(Path(path) / SAFETENSORS_FILE)
-    leaves = []
-    for p, spec in jax.tree_util.tree_flatten_with_path(expected)[0]:
-        name = _tensor_name(p)
-        if name not in tensors:
-            raise ValueError(f"quantized checkpoint {str(path)!r} has no tensor {name!r} (expected shape "
-                             f"{list(spec.shape)})")
-        array = tensors[name]
-        if array.shape != spec.shape:
-            raise ValueError(f"quantized checkpoint tensor {name!r} has shape {list(array.shape)}: expected "
-                             f"{list(spec.shape)}")
-        in_quantized_weight = isinstance(p[-1], jax.tree_util.GetAttrKey)  # q or scale: stored exactly
-        if in_quantized_weight and array.dtype != spec.dtype:
-            raise ValueError(f"quantized checkpoint tensor {name!r} has dtype {array.dtype}: expected {spec.dtype}")
-        leaves.append(jnp.asarray(array, spec.dtype))
-    return cfg, jax.tree.unflatten(jax.tree.structure(expected), leaves)

@@ -4,7 +4,7 @@
 (``[{"role": "user", ...}]``), split into training and held-out ones. They mix open-ended requests about a
 topic (explain, list facts, write a poem, compare, ...) with the repetitive and formatted tasks where
 speculation pays most (repeat or copy text, count, write code, name things). The target model's own answers to
-them are the drafter's training data (``serving.train_drafter``).
+them are the drafter's training data (``train.py``).
 """
 
 import itertools

@@ -1,0 +1,75 @@
+"""``SpecConfig``: which drafter and how many draft tokens per step; ``SpecStats``: how many were accepted."""
+
+import dataclasses
+import functools
+from pathlib import Path
+
+from serving.config import ModelConfig
+from serving.spec_decode import block_model
+from serving.spec_decode.block_drafter import BlockDrafter
+from serving.spec_decode.ngram import NgramDrafter
+from serving.spec_decode.protocol import Drafter, DrafterFactory
+
+SPECULATIVE_METHODS = ("ngram", "block")  # SpecConfig.from_method (the command line's --speculative)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """``Engine(..., speculative=SpecConfig(drafter, k))``: draft up to k tokens per sequence and step.
+
+    ``drafter`` is a ``Drafter`` or a factory called with the target's config and params (for drafters built
+    from the target, e.g. ``functools.partial(DraftModelDrafter.from_target, num_layers=8)``).
+    """
+
+    drafter: Drafter | DrafterFactory
+    k: int = 4
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"SpecConfig.k = {self.k!r}: expected an int >= 1 (draft tokens per step)")
+        if not (isinstance(self.drafter, Drafter) or callable(self.drafter)):
+            raise ValueError(f"SpecConfig.drafter = {self.drafter!r}: expected a Drafter or a factory "
+                             "(ModelConfig, params) -> Drafter")
+
+    @classmethod
+    def from_method(cls, method: str, drafter: str | Path | None = None, k: int | None = None) -> "SpecConfig":
+        """The config a command line names: ``"ngram"`` (prompt lookup, k = 4 unless given) or ``"block"`` (the
+        ``BlockDrafter`` checkpoint folder ``drafter``, k = its trained block unless given; sampled requests get
+        drafts sampled from the drafter's distribution, which it was trained to match to the target's)."""
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {method!r}: expected one of {SPECULATIVE_METHODS}")
+        if method == "ngram":
+            if drafter is not None:
+                raise ValueError(f"speculative method 'ngram' takes no drafter checkpoint (got {str(drafter)!r})")
+            return cls(NgramDrafter(), k=k or cls.k)
+        if drafter is None:
+            raise ValueError("speculative method 'block' needs a drafter checkpoint folder (python -m "
+                             "examples.train_drafter --out DIR)")
+        trained = block_model.load_config(drafter)  # a bad folder fails here, before the target loads
+        return cls(functools.partial(BlockDrafter.load, drafter, sample=True), k=k or trained.block)
+
+    def build(self, cfg: ModelConfig, params: dict) -> Drafter:
+        drafter = self.drafter if isinstance(self.drafter, Drafter) else self.drafter(cfg, params)
+        vocab = getattr(drafter, "vocab", cfg.vocab)
+        if vocab != cfg.vocab:
+            raise ValueError(f"the draft model's vocabulary has {vocab} tokens, the target's {cfg.vocab}: they must "
+                             "be the same")
+        return drafter
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Acceptance counters over the sequence-steps that had at least one draft token."""
+
+    num_steps: int = 0  # sequence-steps verified with drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per drafted sequence-step: accepted drafts + the target's own token."""
+        return (self.num_accepted_tokens + self.num_steps) / max(self.num_steps, 1)
