@@ -19,6 +19,7 @@ import multiprocessing.connection
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -83,26 +84,32 @@ def run_core(spec: dict, commands_address: str, events_address: str) -> None:
 class EngineCore:
     """The core's loop over one engine (module docstring); ``send`` ships one event."""
 
-    def __init__(self, engine: Engine, commands: zmq.Socket, send):
+    def __init__(self, engine: Engine, commands: zmq.Socket | None, send: Callable[[dict], None]):
         self.engine, self.commands, self.send = engine, commands, send
         self.unfinished: dict[str, int] = {}  # request id -> samples not finished yet
         self.experts_sent = 0.0
 
     def run(self) -> None:
+        """Serve until a ``stop`` command: each turn's commands (waiting for one while there is no work), one
+        step event per turn."""
         while True:
-            block = not self.engine.has_unfinished()
-            event = {"kind": ipc.STEP, "outputs": [], "done": {}, "refused": [], "failed": [], "aborted": []}
-            for command in self._commands(block):
-                if command[0] == ipc.STOP:
-                    return
-                self._handle(command, event)
-            if self.engine.has_unfinished():
-                self._step(event)
-            now = time.monotonic()
-            experts = not self.engine.has_unfinished() or now - self.experts_sent >= EXPERT_STATS_S
-            self.experts_sent = now if experts else self.experts_sent
-            event["stats"] = EngineStats.of(self.engine, experts).to_wire()
-            self.send(event)
+            commands = self._commands(block=not self.engine.has_unfinished())
+            if any(command[0] == ipc.STOP for command in commands):
+                return
+            self.send(self.turn(commands))
+
+    def turn(self, commands: list[list]) -> dict:
+        """Handle ``commands`` (adds, aborts), step once if there is work; returns the turn's step event."""
+        event = {"kind": ipc.STEP, "outputs": [], "done": {}, "refused": [], "failed": [], "aborted": []}
+        for command in commands:
+            self._handle(command, event)
+        if self.engine.has_unfinished():
+            self._step(event)
+        now = time.monotonic()
+        experts = not self.engine.has_unfinished() or now - self.experts_sent >= EXPERT_STATS_S
+        self.experts_sent = now if experts else self.experts_sent
+        event["stats"] = EngineStats.of(self.engine, experts).to_wire()
+        return event
 
     def _commands(self, block: bool) -> list:
         """Every command that has arrived; with ``block``, wait for the first."""
