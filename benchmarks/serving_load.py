@@ -12,14 +12,22 @@ an error event inside a stream count by their code too); timeout; connection_err
 counts per status, request and output-token throughput over the run, and the mean, median, p90 and p99 (ms) of
 each latency over the ok requests.
 
-The benchmark (``main``) serves each model with ``python -m serving serve`` in a subprocess on a free loopback
-port (``ServerProcess``) and, at each concurrency level, runs the load twice: untimed (the engine compiles a step
-per padded batch shape, seconds each, and this load visits many; ``warmup_s`` in the row), then timed. Each is a
-closed loop of ``concurrency`` clients sending ``requests`` requests to ``/v1/completions``: a prompt of
-``input_len`` random token ids and ``max_tokens = output_len`` with ``ignore_eos`` (every request the same
-length, as vllm's random dataset), and ``logprobs: 0`` so that every token is its own chunk (the random MoE has
-no tokenizer: its chunks carry a token's logprob and no text). ``client_cpu`` in a row is the busiest client
-process's CPU time over the run's: near 1, the client bounds what it measures (raise ``--client-processes``).
+The benchmark (``main``) measures each model along two paths (``--paths``), one row per path and concurrency
+level, each a closed loop of ``concurrency`` clients sending ``requests`` requests: a prompt of ``input_len``
+random token ids and ``max_tokens = output_len`` with ``ignore_eos`` (every request the same length, as vllm's
+random dataset), greedy, and ``logprobs: 0`` so that every token is its own chunk (the random MoE has no
+tokenizer: its chunks carry a token's logprob and no text). The timed rounds start right after the engine is
+ready: no untimed warm-up load, so a shape compiled while serving shows in the latencies.
+
+* ``http``: ``python -m serving serve`` (its engine core in a process of its own) in a subprocess on a free
+  loopback port (``ServerProcess``), the requests streamed to ``/v1/completions``. ``client_cpu`` is the busiest
+  client process's CPU time over the run's: near 1, the client bounds what it measures (raise
+  ``--client-processes``).
+* ``engine``: the same ``EngineSpec`` (parsed from the same ``serve`` options) built in a spawned process and
+  driven straight through ``Engine.add_request`` / ``step`` (``engine_load``): what the server could deliver.
+
+``startup_s`` in a row: launch -> ready (the server: until /health says ok; the engine: building it, and its
+``warm_up`` where it has one).
 
 Models: ``smollm2`` (the embedded SmolLM2-135M-Instruct, real weights; offline, pass ``--smollm2-gguf``) and
 ``moe-1b`` (``benchmarks.serving_decode.MOE_1B``, random weights through ``serve --random-weights``); ``--cpu``:
@@ -60,6 +68,7 @@ STATUSES = ("ok", "503", "4xx", "5xx", "timeout", "connection_error")
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 PERCENTILES = {"median": 50, "p90": 90, "p99": 99}
 COMPLETIONS = "/v1/completions"
+PATHS = ("engine", "http")  # what a row measures: Engine.add_request/step in a process, the HTTP server
 CHAT = "/v1/chat/completions"
 REQUEST_TIMEOUT_S = 300.0  # one request, send to [DONE]: a queued request at concurrency 64 waits for others
 STARTUP_TIMEOUT_S = 300.0  # server start: loading (or initializing) the weights
@@ -286,6 +295,39 @@ def run_load_processes(url: str, route: str, bodies: Sequence[dict], processes: 
     return LoadResult(records, end, [cpu for share in shares.values() for cpu in share.client_cpu_s], base)
 
 
+def engine_load(engine: Any, bodies: Sequence[dict], concurrency: int) -> LoadResult:
+    """A closed loop of ``concurrency`` clients straight on ``engine`` (``add_request``, ``step``): ``bodies``'
+    prompts and sampling fields, each request's token times taken when the step that made them returns (the
+    tokens of a multi-step call share one time), so TTFT, ITL and E2E mean what ``run_load`` measures over HTTP."""
+    from serving.engine.sampling_params import SamplingParams
+
+    cpu, start = time.process_time(), time.perf_counter()
+    records: list[RequestRecord | None] = [None] * len(bodies)
+    waiting, active = iter(range(len(bodies))), {}
+
+    def admit() -> None:
+        if (i := next(waiting, None)) is not None:
+            b = bodies[i]
+            params = SamplingParams(max_tokens=b["max_tokens"], ignore_eos=b["ignore_eos"],
+                                    temperature=b["temperature"], logprobs=b["logprobs"])
+            active[engine.add_request(b["prompt"], params)] = (i, time.perf_counter(), [])
+
+    for _ in range(concurrency):
+        admit()
+    while active:
+        outputs, now = engine.step(), time.perf_counter()
+        for output in outputs:
+            times = active[output.request_id][2]
+            times.append(now)
+            if output.finished:
+                i, sent, times = active.pop(output.request_id)
+                engine.release(output.request_id)
+                records[i] = RequestRecord("ok", sent - start, times[-1] - sent, times[0] - sent,
+                                           np.diff(times).tolist(), len(bodies[i]["prompt"]), len(times))
+                admit()
+    return LoadResult(records, time.perf_counter() - start, [time.process_time() - cpu], start)
+
+
 def completion_bodies(model: str, vocab: int, num: int, input_len: int, output_len: int, seed: int = 0) -> list[dict]:
     """``num`` /v1/completions bodies: ``input_len`` random token ids (distinct prompts: no prefix-cache hits),
     ``output_len`` tokens each (``ignore_eos``), ``logprobs: 0`` (one chunk per token, text or not)."""
@@ -411,50 +453,101 @@ def serve_args(name: str, spec: dict, settings: dict, levels: Sequence[int], fol
             "--block-size", str(BLOCK_SIZE), "--token-budget", str(settings["token_budget"])]
 
 
+def _level_bodies(name: str, spec: dict, settings: dict, levels: Sequence[int], requests: int | None,
+                  ) -> list[list[dict]]:
+    """The timed bodies of each level (the same on every path)."""
+    shape = dict(input_len=settings["input_len"], output_len=settings["output_len"])
+    return [completion_bodies(name, spec["vocab"], requests or max(settings["min_requests"],
+                                                                   settings["requests_per_client"] * c),
+                              seed=i, **shape) for i, c in enumerate(levels)]
+
+
+def _engine_worker(args: list[str], levels: list[int], level_bodies: list[list[dict]], out: Any) -> None:
+    """The engine path in a spawned process: build the spec of ``serve args``, warm it up, run each level; puts
+    (startup_s, [summary per level]) as JSON on ``out``."""
+    from serving.__main__ import parser
+    from serving.api import cli
+
+    started = time.perf_counter()
+    spec, _, _ = cli._spec(parser().parse_args(["serve", *args]))
+    engine = spec.build()
+    if hasattr(engine, "warm_up"):
+        engine.warm_up()
+    startup_s = time.perf_counter() - started
+    summaries = [summarize(engine_load(engine, bodies, c)) for c, bodies in zip(levels, level_bodies, strict=True)]
+    out.put(json.dumps([startup_s, summaries]))
+
+
+def _engine_rows(args: list[str], levels: Sequence[int], level_bodies: list[list[dict]], env: dict[str, str],
+                 ) -> tuple[float, list[dict]]:
+    """(startup_s, summaries) of ``_engine_worker`` under the servers' environment (its devices freed after)."""
+    saved = os.environ.copy()
+    os.environ.update(env)
+    try:
+        context = multiprocessing.get_context("spawn")
+        out = context.Queue()
+        worker = context.Process(target=_engine_worker, args=(args, list(levels), level_bodies, out))
+        worker.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        startup_s, summaries = json.loads(out.get(timeout=STARTUP_TIMEOUT_S + REQUEST_TIMEOUT_S * len(levels)))
+    finally:
+        worker.join(STOP_TIMEOUT_S)
+        if worker.is_alive():
+            worker.kill()
+    return startup_s, summaries
+
+
 def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requests: int | None,
-              smollm2_gguf: str | None, env: dict[str, str]) -> list[dict]:
-    """One server for ``name``; a warm-up and a timed closed loop per level; one row per level."""
+              smollm2_gguf: str | None, env: dict[str, str], paths: Sequence[str] = PATHS) -> list[dict]:
+    """``name`` along each of ``paths``: one row per path and level, the timed rounds right after ready."""
     from benchmarks.harness import format_table
 
     rows = []
+    shape = dict(input_len=settings["input_len"], output_len=settings["output_len"])
+    level_bodies = _level_bodies(name, spec, settings, levels, requests)
     with tempfile.TemporaryDirectory() as folder:
         args = serve_args(name, spec, settings, levels, Path(folder), smollm2_gguf)
-        started = time.perf_counter()
-        with ServerProcess(args, env) as server:
-            print(f"  {name}: server healthy after {time.perf_counter() - started:.1f} s", flush=True)
-            shape = dict(input_len=settings["input_len"], output_len=settings["output_len"])
-            for i, c in enumerate(levels):
-                num = requests or max(settings["min_requests"], settings["requests_per_client"] * c)
-                processes = settings["client_processes"]
-                warm = completion_bodies(name, spec["vocab"], num, seed=2 * i + 1, **shape)
-                warmup_s = run_load_processes(server.url, COMPLETIONS, warm, processes, concurrency=c).duration_s
-                bodies = completion_bodies(name, spec["vocab"], num, seed=2 * i, **shape)
-                summary = summarize(run_load_processes(server.url, COMPLETIONS, bodies, processes, concurrency=c))
-                rows.append({"model": name, "concurrency": c, **shape, **summary, "warmup_s": warmup_s})
+        for path in paths:
+            if path == "engine":
+                startup_s, summaries = _engine_rows(args, levels, level_bodies, env)
+            else:
+                started = time.perf_counter()
+                with ServerProcess(args, env) as server:
+                    startup_s = time.perf_counter() - started
+                    summaries = [summarize(run_load_processes(server.url, COMPLETIONS, bodies,
+                                                              settings["client_processes"], concurrency=c))
+                                 for c, bodies in zip(levels, level_bodies, strict=True)]
+            print(f"  {name} {path}: ready after {startup_s:.1f} s", flush=True)
+            for c, summary in zip(levels, summaries, strict=True):
+                rows.append({"model": name, "path": path, "concurrency": c, **shape, **summary,
+                             "startup_s": startup_s})
                 print(format_table(rows[-1:], TABLE_COLUMNS), flush=True)
     return rows
 
 
-TABLE_COLUMNS = ["model", "concurrency", "requests", "failed", "request_throughput", "output_throughput",
-                 "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms", "itl_p99_ms", "e2e_median_ms",
-                 "e2e_p99_ms", "client_cpu"]
+TABLE_COLUMNS = ["model", "path", "concurrency", "startup_s", "requests", "failed", "request_throughput",
+                 "output_throughput", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms", "itl_p99_ms",
+                 "e2e_median_ms", "e2e_p99_ms", "client_cpu"]
 
 
 def plot(rows: list[dict], name: str, out_dir: Path) -> None:
-    """Median and p99 TTFT and TPOT, and output tokens/s, against concurrency, one line per model."""
+    """Median and p99 TTFT and TPOT, and output tokens/s, against concurrency, one line per model and path."""
     import matplotlib.pyplot as plt
 
     from benchmarks.harness import save_plot
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for i, model in enumerate(dict.fromkeys(r["model"] for r in rows)):
-        mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["concurrency"])
-        x = [r["concurrency"] for r in mine]
-        color = f"C{i}"
+    for i, (model, path) in enumerate(dict.fromkeys((r["model"], r.get("path", "http")) for r in rows)):
+        mine = sorted((r for r in rows if (r["model"], r.get("path", "http")) == (model, path)),
+                      key=lambda r: r["concurrency"])
+        x, color, label = [r["concurrency"] for r in mine], f"C{i}", f"{model} {path}"
         for ax, latency in zip(axes[:2], ("ttft", "tpot"), strict=True):
-            ax.plot(x, [r[f"{latency}_median_ms"] for r in mine], "o-", color=color, label=f"{model} median")
-            ax.plot(x, [r[f"{latency}_p99_ms"] for r in mine], "s--", color=color, label=f"{model} p99")
-        axes[2].plot(x, [r["output_throughput"] for r in mine], "o-", color=color, label=model)
+            ax.plot(x, [r[f"{latency}_median_ms"] for r in mine], "o-", color=color, label=f"{label} median")
+            ax.plot(x, [r[f"{latency}_p99_ms"] for r in mine], "s--", color=color, label=f"{label} p99")
+        axes[2].plot(x, [r["output_throughput"] for r in mine], "o-", color=color, label=label)
     titles = ("time to first token (ms)", "time per output token (ms)", "output tokens/s")
     levels = sorted({r["concurrency"] for r in rows})
     for ax, title in zip(axes, titles, strict=True):
@@ -487,6 +580,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--models", help="comma-separated subset of the mode's models (gpu: smollm2,moe-1b; "
                         "cpu: smollm2,tiny-moe)")
     parser.add_argument("--concurrency", type=_levels, help="comma-separated levels (default: gpu 1,16,64; cpu 1,4)")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
     parser.add_argument("--requests", type=int, help="timed requests per level (default: max(min, per client * c))")
     parser.add_argument("--input-len", type=int, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, help="output tokens per request")
@@ -499,6 +593,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     names = args.models.split(",") if args.models else list(specs)
     if unknown := set(names) - set(specs):
         parser.error(f"unknown models {sorted(unknown)}: expected a subset of {list(specs)}")
+    paths = args.paths.split(",")
+    if unknown := set(paths) - set(PATHS):
+        parser.error(f"--paths: unknown {sorted(unknown)}: expected a subset of {PATHS}")
     if args.requests is not None and args.requests < 1:
         parser.error(f"--requests={args.requests}: expected >= 1")
     overrides = dict(input_len=args.input_len, output_len=args.output_len, client_processes=args.client_processes)
@@ -520,9 +617,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     old = json.loads(previous.read_text())["rows"] if previous.exists() and not args.cpu else []
     rows: list[dict] = []
     for name in names:
-        rows += run_model(name, specs[name], settings, levels, args.requests, args.smollm2_gguf, env)
-        measured = {(r["model"], r["concurrency"]) for r in rows}
-        merged = [r for r in old if (r["model"], r["concurrency"]) not in measured] + rows
+        rows += run_model(name, specs[name], settings, levels, args.requests, args.smollm2_gguf, env, paths)
+        key = lambda r: (r["model"], r.get("path", "http"), r["concurrency"])
+        measured = {key(r) for r in rows}
+        merged = [r for r in old if key(r) not in measured] + rows
         write_results(result_name, dict(mode=mode, settings=settings, levels=list(levels), rows=merged),
                       out_dir=out_dir)
     plot(merged, result_name, out_dir)

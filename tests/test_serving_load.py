@@ -175,9 +175,11 @@ def test_benchmark_cpu_mode_writes_rows_json_and_png(tmp_path):
     result = json.loads((tmp_path / "serving_load_cpu.json").read_text())
     assert result["benchmark"] == "serving_load_cpu" and result["meta"]["platform"] == "cpu"
     assert result["rows"] == json.loads(json.dumps(rows))
-    assert [(r["model"], r["concurrency"]) for r in rows] == [("tiny-moe", 1), ("tiny-moe", 2)]
+    assert [(r["model"], r["path"], r["concurrency"]) for r in rows] == [
+        ("tiny-moe", path, c) for path in ("engine", "http") for c in (1, 2)]
     for r in rows:
         assert r["statuses"]["ok"] == r["requests"] == 4 and r["output_tokens"] == 4 * 6, r
-        assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and 0 < r["client_cpu"] < 1
+        assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and r["startup_s"] > 0
+        assert r["path"] == "engine" or 0 < r["client_cpu"] < 1  # the engine loop is its own client
         assert_percentiles_ordered(r)
     assert (tmp_path / "serving_load_cpu.png").is_file()
