@@ -486,7 +486,7 @@ def _engine_rows(args: list[str], levels: Sequence[int], level_bodies: list[list
     try:
         context = multiprocessing.get_context("spawn")
         out = context.Queue()
-        worker = context.Process(target=_engine_worker, args=(args, list(levels), level_bodies, out))
+        worker = context.Process(target=_engine_worker, args=(args, list(levels), level_bodies, out), daemon=True)
         worker.start()
     finally:
         os.environ.clear()
