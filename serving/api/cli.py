@@ -20,8 +20,8 @@ CPU: it never takes device memory); ``--in-process`` runs the engine on a thread
 
 ``--random-weights`` serves a model that exists only as a HF ``config.json`` (load tests and benchmarks of a
 shape, not of answers): ``--model`` names the config file or the folder holding it; the weights are the model
-family's ``init_params`` (seed ``RANDOM_WEIGHTS_SEED``) in ``--dtype``, and a ``tokenizer.json`` beside the config
-is used when there is one (without it, prompts must be token ids on ``/v1/completions``).
+family's ``init_params`` (seed ``engine_spec.RANDOM_WEIGHTS_SEED``) in ``--dtype``, and a ``tokenizer.json``
+beside the config is used when there is one (without it, prompts must be token ids on ``/v1/completions``).
 
 The API key may also come from the ``SERVING_API_KEY`` environment variable (keeps it out of ``ps``); it is
 never printed or logged.

@@ -8,6 +8,10 @@ request streams. Each sample's text is made here: a front-end ``Sequence`` per s
 appends the core's tokens with the same detokenizer and stop rules as the engine, so the text is the one
 ``Engine`` would stream.
 
+The core is a 'spawn' process, which imports the ``__main__`` module of a script again: a script that serves
+through a ``ProcessEngine`` starts it under ``if __name__ == "__main__":`` (``python -m serving serve`` and
+``python -c`` need nothing).
+
 Life cycle (``status``): "warming" while the core loads the model (then the routes' tokenizer arrives in its
 ``loaded`` event) and warms up, "ok" from its ``ready``, "engine core stopped" once it has exited. While not "ok"
 ``submit`` raises ``EngineUnavailableError``; when the core dies, its requests fail with that error (a 5xx,
@@ -138,6 +142,7 @@ class ProcessEngine:
         self._folder = Path(tempfile.mkdtemp(prefix="serving-ipc-"))
         self._context = zmq.Context()
         self._commands, self._events = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
+        self._commands.setsockopt(zmq.SNDHWM, 0)  # no limit: a send fails (never blocks) only without a core
         commands_address, events_address = f"ipc://{self._folder}/commands", f"ipc://{self._folder}/events"
         self._commands.bind(commands_address)
         self._events.bind(events_address)
@@ -185,7 +190,9 @@ class ProcessEngine:
                             tokenizer.decode_stream() if tokenizer is not None else None) for i in range(params.n)]
         self._requests[request_id] = _Request(stream, list(prompt_ids), samples, [None] * params.n,
                                               [[] for _ in range(params.n)] if params.logprobs is not None else None)
-        self._send([ipc.ADD, request_id, list(prompt_ids), ipc.params_to_wire(params), cache_salt])
+        if not self._send([ipc.ADD, request_id, list(prompt_ids), ipc.params_to_wire(params), cache_salt]):
+            self._release(request_id)
+            raise EngineUnavailableError("the engine core is not connected (it exited)")
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -196,9 +203,14 @@ class ProcessEngine:
             request.aborted = True
             self._send([ipc.ABORT, request_id])
 
-    def _send(self, command: list) -> None:
+    def _send(self, command: list) -> bool:
+        """Send ``command`` to the core without blocking; False when no core is connected (it died)."""
         with self._send_lock:
-            self._commands.send(ipc.pack(command))
+            try:
+                self._commands.send(ipc.pack(command), zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+        return True
 
     def _read(self) -> None:
         """The reader thread: each event to the loop; when the core has exited, ``_on_exit``."""
