@@ -474,7 +474,8 @@ def _engine_worker(args: list[str], levels: list[int], level_bodies: list[list[d
     if hasattr(engine, "warm_up"):
         engine.warm_up()
     startup_s = time.perf_counter() - started
-    summaries = [summarize(engine_load(engine, bodies, c)) for c, bodies in zip(levels, level_bodies, strict=True)]
+    summaries = [summarize(engine_load(engine, bodies, c)) | {"client_cpu": None}  # no client apart from the engine
+                 for c, bodies in zip(levels, level_bodies, strict=True)]
     out.put(json.dumps([startup_s, summaries]))
 
 

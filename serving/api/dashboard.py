@@ -80,22 +80,22 @@ class DashboardRoutes:
         return HTMLResponse(self.page, headers={"Content-Security-Policy": CSP, "Cache-Control": "no-cache"})
 
     async def stats(self) -> dict[str, Any]:
-        now, generated, engine = time.monotonic(), self._total(GENERATED), self.frontend.async_engine.stats()
-        spec = engine.spec
+        now, generated, load = time.monotonic(), self._total(GENERATED), self.frontend.async_engine.stats()
+        spec = load.spec
         return {
             "model": self.frontend.model_name,
             "uptime_s": now - self.started,
-            "running": engine.running,
-            "waiting": engine.waiting,
+            "running": load.running,
+            "waiting": load.waiting,
             "in_flight": self.frontend.async_engine.in_flight,
             "generated_tokens": int(generated),
             "prompt_tokens": int(self._total(PROMPT)),
             "tokens_per_s": self.rate.update(now, generated),
             "window_s": WINDOW_S,
-            "kv_blocks_used": engine.kv_blocks_used,
-            "kv_blocks_total": engine.kv_blocks_total,
-            "kv_block_size": engine.kv_block_size,
-            "expert_tokens": engine.expert_tokens,
+            "kv_blocks_used": load.kv_blocks_used,
+            "kv_blocks_total": load.kv_blocks_total,
+            "kv_block_size": load.kv_block_size,
+            "expert_tokens": load.expert_tokens,
             "acceptance_rate": spec.acceptance_rate if spec else None,
             "mean_acceptance_length": spec.mean_acceptance_length if spec else None,
         }
