@@ -12,13 +12,16 @@ an error event inside a stream count by their code too); timeout; connection_err
 counts per status, request and output-token throughput over the run, and the mean, median, p90 and p99 (ms) of
 each latency over the ok requests.
 
-The benchmark (``main``) measures each model along two paths (``--paths``), one row per path and concurrency
+The benchmark (``main``) measures each model along three paths (``--paths``), one row per path and concurrency
 level, each a closed loop of ``concurrency`` clients sending ``requests`` requests: a prompt of ``input_len``
 random token ids and ``max_tokens = output_len`` with ``ignore_eos`` (every request the same length, as vllm's
 random dataset), greedy, and ``logprobs: 0`` so that every token is its own chunk (the random MoE has no
 tokenizer: its chunks carry a token's logprob and no text). The timed rounds start right after the engine is
 ready: no untimed warm-up load, so a shape compiled while serving shows in the latencies.
 
+* ``device``: ``serving_decode``'s jitted step of the model alone (``_device_worker``: bfloat16, no scheduler or
+  host work between steps): the decode step of ``concurrency`` sequences at the requests' mean context (TPOT;
+  output tokens/s = concurrency / step) and the prefill of one prompt (TTFT), with ``ms_per_layer``.
 * ``http``: ``python -m serving serve`` (its engine core in a process of its own) in a subprocess on a free
   loopback port (``ServerProcess``), the requests streamed to ``/v1/completions``. ``client_cpu`` is the busiest
   client process's CPU time over the run's: near 1, the client bounds what it measures (raise
@@ -36,6 +39,7 @@ smollm2 and serving_decode's ``TINY_MOE``, short requests, concurrency 1 and 4.
     python benchmarks/serving_load.py                                # GPU: results/serving_load.json + png
     python benchmarks/serving_load.py --models moe-1b --concurrency 1,16,64 --requests 128
     python benchmarks/serving_load.py --cpu                          # CPU: results/serving_load_cpu.json + png
+    python benchmarks/serving_load.py --models moe-1b --paths engine,http   # a subset of the paths
 """
 
 import argparse
@@ -68,7 +72,8 @@ STATUSES = ("ok", "503", "4xx", "5xx", "timeout", "connection_error")
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 PERCENTILES = {"median": 50, "p90": 90, "p99": 99}
 COMPLETIONS = "/v1/completions"
-PATHS = ("engine", "http")  # what a row measures: Engine.add_request/step in a process, the HTTP server
+PATHS = ("device", "engine", "http")  # what a row measures: the jitted step alone, Engine in a process, the server
+DEVICE_RUNS, DEVICE_STEPS_PER_RUN = 30, 10  # the device path's timing: runs of steps dispatched back to back
 CHAT = "/v1/chat/completions"
 REQUEST_TIMEOUT_S = 300.0  # one request, send to [DONE]: a queued request at concurrency 64 waits for others
 STARTUP_TIMEOUT_S = 300.0  # server start: loading (or initializing) the weights
@@ -479,26 +484,72 @@ def _engine_worker(args: list[str], levels: list[int], level_bodies: list[list[d
     out.put(json.dumps([startup_s, summaries]))
 
 
-def _engine_rows(args: list[str], levels: Sequence[int], level_bodies: list[list[dict]], env: dict[str, str],
-                 ) -> tuple[float, list[dict]]:
-    """(startup_s, summaries) of ``_engine_worker`` under the servers' environment (its devices freed after)."""
+def _device_worker(name: str, spec: dict, settings: dict, levels: list[int], smollm2_gguf: str | None,
+                   out: Any) -> None:
+    """The device path in a spawned process: ``serving_decode``'s jitted step of the model alone (bfloat16, no
+    scheduler and no host work between steps). Per level c: the decode step of c sequences at the requests' mean
+    context (TPOT; output tokens/s = c / step) and the prefill of one ``input_len`` prompt (TTFT), each timed over
+    ``DEVICE_RUNS`` runs of ``DEVICE_STEPS_PER_RUN`` steps dispatched back to back; puts (startup_s: setup and
+    compiles, [row fields per level]) as JSON on ``out``."""
+    import jax
+
+    from benchmarks import serving_decode
+    from serving.kv_cache import SeqChunk
+
+    started = time.perf_counter()
+    mean_context = settings["input_len"] + settings["output_len"] // 2
+    context = math.ceil((mean_context + 1) / serving_decode.BLOCK_SIZE) * serving_decode.BLOCK_SIZE
+    hf_config = spec.get("config", serving_decode.SMOLLM2_135M)
+    real_name = "smollm2-135m" if "config" not in spec else name  # serving_decode's name of the real weights
+    cfg, params, kv, tables = serving_decode.serving_setup(
+        real_name, hf_config, dict(context=context, batches=levels, prefill_seqs=1), None, smollm2_gguf)
+    steps, rng = serving_decode.serving_steps(cfg), np.random.default_rng(0)
+
+    def per_step_ms(chunks: list) -> np.ndarray:
+        nonlocal kv
+        inputs = serving_decode.step_inputs(chunks, cfg.vocab, rng)
+        step = steps[inputs.all_paged]
+        kv = jax.block_until_ready(step(params, kv, inputs.packed, inputs.sizes))[0]  # compiles
+        times = []
+        for _ in range(DEVICE_RUNS):
+            start = time.perf_counter()
+            for _ in range(DEVICE_STEPS_PER_RUN):
+                kv = step(params, kv, inputs.packed, inputs.sizes)[0]
+            jax.block_until_ready(kv)
+            times.append((time.perf_counter() - start) * 1e3 / DEVICE_STEPS_PER_RUN)
+        return np.asarray(times)
+
+    ttft = per_step_ms([SeqChunk(tables[0], 0, settings["input_len"])])
+    rows = []
+    for c in levels:
+        tpot = per_step_ms([SeqChunk(tables[s], mean_context, 1) for s in range(c)])
+        step_ms = float(np.median(tpot))
+        rows.append({"output_throughput": c / (step_ms * 1e-3), "ttft_median_ms": float(np.median(ttft)),
+                     "ttft_p99_ms": float(np.percentile(ttft, 99)), "tpot_median_ms": step_ms,
+                     "tpot_p99_ms": float(np.percentile(tpot, 99)), "ms_per_layer": step_ms / cfg.layers})
+    out.put(json.dumps([time.perf_counter() - started, rows]))
+
+
+def _spawned(target: Any, args: tuple, env: dict[str, str], timeout_s: float) -> tuple[float, list[dict]]:
+    """What ``target(*args, queue)`` puts, run in a spawned process under the servers' environment (so its
+    devices are freed when it ends)."""
     saved = os.environ.copy()
     os.environ.update(env)
     try:
         context = multiprocessing.get_context("spawn")
         out = context.Queue()
-        worker = context.Process(target=_engine_worker, args=(args, list(levels), level_bodies, out), daemon=True)
+        worker = context.Process(target=target, args=(*args, out), daemon=True)
         worker.start()
     finally:
         os.environ.clear()
         os.environ.update(saved)
     try:
-        startup_s, summaries = json.loads(out.get(timeout=STARTUP_TIMEOUT_S + REQUEST_TIMEOUT_S * len(levels)))
+        startup_s, rows = json.loads(out.get(timeout=timeout_s))
     finally:
         worker.join(STOP_TIMEOUT_S)
         if worker.is_alive():
             worker.kill()
-    return startup_s, summaries
+    return startup_s, rows
 
 
 def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requests: int | None,
@@ -512,8 +563,12 @@ def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requ
     with tempfile.TemporaryDirectory() as folder:
         args = serve_args(name, spec, settings, levels, Path(folder), smollm2_gguf)
         for path in paths:
-            if path == "engine":
-                startup_s, summaries = _engine_rows(args, levels, level_bodies, env)
+            timeout_s = STARTUP_TIMEOUT_S + REQUEST_TIMEOUT_S * len(levels)
+            if path == "device":
+                startup_s, summaries = _spawned(_device_worker, (name, spec, settings, list(levels), smollm2_gguf),
+                                                env, timeout_s)
+            elif path == "engine":
+                startup_s, summaries = _spawned(_engine_worker, (args, list(levels), level_bodies), env, timeout_s)
             else:
                 started = time.perf_counter()
                 with ServerProcess(args, env) as server:

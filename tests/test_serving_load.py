@@ -176,8 +176,11 @@ def test_benchmark_cpu_mode_writes_rows_json_and_png(tmp_path):
     assert result["benchmark"] == "serving_load_cpu" and result["meta"]["platform"] == "cpu"
     assert result["rows"] == json.loads(json.dumps(rows))
     assert [(r["model"], r["path"], r["concurrency"]) for r in rows] == [
-        ("tiny-moe", path, c) for path in ("engine", "http") for c in (1, 2)]
-    for r in rows:
+        ("tiny-moe", path, c) for path in ("device", "engine", "http") for c in (1, 2)]
+    for r in rows[:2]:  # the device step alone
+        assert r["output_throughput"] > 0 and r["startup_s"] > 0 and r["ms_per_layer"] > 0
+        assert 0 < r["tpot_median_ms"] <= r["tpot_p99_ms"] and 0 < r["ttft_median_ms"] <= r["ttft_p99_ms"]
+    for r in rows[2:]:
         assert r["statuses"]["ok"] == r["requests"] == 4 and r["output_tokens"] == 4 * 6, r
         assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and r["startup_s"] > 0
         assert r["client_cpu"] is None if r["path"] == "engine" else 0 < r["client_cpu"] < 1
