@@ -294,6 +294,20 @@ def test_backpressure_then_a_killed_core_gives_5xx_and_health_503(folder):
         assert anthropic.status_code == 503 and anthropic.json()["type"] == "error"
 
 
+def test_a_core_that_cannot_start_says_why(tmp_path):
+    folder = model_folder(tmp_path)
+    (folder / "model.safetensors").unlink()
+    with Server(create_app(spec_of(folder), MODEL_NAME)) as server:
+        deadline = time.monotonic() + READY_WITHIN_S
+        while (health := httpx.get(f"{server.url}/health")).json()["status"] == "warming":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert health.status_code == 503 and health.json()["status"] == "engine core stopped"
+        assert "could not start" in health.json()["error"]
+        refused = httpx.post(f"{server.url}{CHAT}", json=chat(), timeout=TIMEOUT_S)
+        assert refused.status_code == 503 and "could not start" in refused.json()["error"]["message"]
+
+
 FRONT_END = """
 import json, sys, time, httpx, jax
 from serving.api.engine_spec import EngineSpec
