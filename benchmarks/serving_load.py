@@ -12,22 +12,38 @@ an error event inside a stream count by their code too); timeout; connection_err
 counts per status, request and output-token throughput over the run, and the mean, median, p90 and p99 (ms) of
 each latency over the ok requests.
 
-The benchmark (``main``) serves each model with ``python -m serving serve`` in a subprocess on a free loopback
-port (``ServerProcess``) and, at each concurrency level, runs the load twice: untimed (the engine compiles a step
-per padded batch shape, seconds each, and this load visits many; ``warmup_s`` in the row), then timed. Each is a
-closed loop of ``concurrency`` clients sending ``requests`` requests to ``/v1/completions``: a prompt of
-``input_len`` random token ids and ``max_tokens = output_len`` with ``ignore_eos`` (every request the same
-length, as vllm's random dataset), and ``logprobs: 0`` so that every token is its own chunk (the random MoE has
-no tokenizer: its chunks carry a token's logprob and no text). ``client_cpu`` in a row is the busiest client
-process's CPU time over the run's: near 1, the client bounds what it measures (raise ``--client-processes``).
+The benchmark (``main``) measures each model along three paths (``--paths``), one row per path and concurrency
+level, each a closed loop of ``concurrency`` clients sending ``requests`` requests: a prompt of ``input_len``
+random token ids and ``max_tokens = output_len`` with ``ignore_eos`` (every request the same length, as vllm's
+random dataset), greedy, and ``logprobs: 0`` so that every token is its own chunk (the random MoE has no
+tokenizer: its chunks carry a token's logprob and no text). The timed rounds start right after the engine is
+ready: no untimed warm-up load, so a shape compiled while serving shows in the latencies.
 
-Models: ``smollm2`` (the embedded SmolLM2-135M-Instruct, real weights; offline, pass ``--smollm2-gguf``) and
-``moe-1b`` (``benchmarks.serving_decode.MOE_1B``, random weights through ``serve --random-weights``); ``--cpu``:
-smollm2 and serving_decode's ``TINY_MOE``, short requests, concurrency 1 and 4.
+* ``device``: ``serving_decode``'s jitted step of the model alone (``_device_worker``: bfloat16, no scheduler or
+  host work between steps): the decode step of ``concurrency`` sequences at the requests' mean context (TPOT;
+  output tokens/s = concurrency / step) and the prefill of one prompt (TTFT), with ``ms_per_layer``.
+* ``http``: ``python -m serving serve`` (its engine core in a process of its own) in a subprocess on a free
+  loopback port (``ServerProcess``), the requests streamed to ``/v1/completions``. ``client_cpu`` is the busiest
+  client process's CPU time over the run's: near 1, the client bounds what it measures (raise
+  ``--client-processes``).
+* ``engine``: the same ``EngineSpec`` (parsed from the same ``serve`` options) built in a spawned process and
+  driven straight through ``Engine.add_request`` / ``step`` (``engine_load``): what the server could deliver.
 
-    python benchmarks/serving_load.py                                # GPU: results/serving_load.json + png
-    python benchmarks/serving_load.py --models moe-1b --concurrency 1,16,64 --requests 128
+After the closed loops, the engine and http paths run Poisson arrivals at each of ``--rates`` requests/s
+(``min_requests`` each; rows with ``rate`` set and ``concurrency`` None; the server admits as many as its
+largest concurrency level runs and queues, and refuses the rest with 503s). ``startup_s`` in a row: launch ->
+ready (the server: until /health says ok; the engine: building it, and its ``warm_up`` where it has one;
+the device: setup and compiles); ``ms_per_layer``: the median TPOT over the model's layers.
+
+Models: ``smollm2`` (the embedded SmolLM2-135M-Instruct, real weights; offline, pass ``--smollm2-gguf``),
+``moe-1b`` and ``qwen3-30b-a3b`` (``benchmarks.serving_decode``'s ``MOE_1B`` and ``QWEN3_30B_A3B``, random weights
+through ``serve --random-weights``; ``--layers N`` keeps their first N layers); ``--cpu``: smollm2 and
+serving_decode's ``TINY_MOE``, short requests, concurrency 1 and 4.
+
+    python benchmarks/serving_load.py --models smollm2,moe-1b        # GPU: results/serving_load.json + png
+    python benchmarks/serving_load.py --models qwen3-30b-a3b --layers 8 --rates 2,8
     python benchmarks/serving_load.py --cpu                          # CPU: results/serving_load_cpu.json + png
+    python benchmarks/serving_load.py --models moe-1b --paths engine,http   # a subset of the paths
 """
 
 import argparse
@@ -60,6 +76,8 @@ STATUSES = ("ok", "503", "4xx", "5xx", "timeout", "connection_error")
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 PERCENTILES = {"median": 50, "p90": 90, "p99": 99}
 COMPLETIONS = "/v1/completions"
+PATHS = ("device", "engine", "http")  # what a row measures: the jitted step alone, Engine in a process, the server
+DEVICE_RUNS, DEVICE_STEPS_PER_RUN = 30, 10  # the device path's timing: runs of steps dispatched back to back
 CHAT = "/v1/chat/completions"
 REQUEST_TIMEOUT_S = 300.0  # one request, send to [DONE]: a queued request at concurrency 64 waits for others
 STARTUP_TIMEOUT_S = 300.0  # server start: loading (or initializing) the weights
@@ -67,12 +85,14 @@ HEALTH_POLL_S = 0.25
 STOP_TIMEOUT_S = 30.0  # SIGTERM -> exit, then SIGKILL
 LOG_TAIL_CHARS = 3000  # of the server's output, in the error when it fails to start
 BLOCK_SIZE = 16  # the server's KV cache page (the serve default)
-# Per mode: levels, request shape, timed requests per level = max(min_requests, requests_per_client * c), client
-# processes (at concurrency 64 one httpx process would spend most of its time reading chunks).
-SETTINGS = {"gpu": dict(concurrency=(1, 16, 64), input_len=256, output_len=128, requests_per_client=4,
-                        min_requests=32, dtype="bfloat16", token_budget=2048, client_processes=4),
-            "cpu": dict(concurrency=(1, 4), input_len=32, output_len=16, requests_per_client=2, min_requests=8,
-                        dtype="float32", token_budget=256, client_processes=1)}
+# Per mode: concurrency levels, Poisson rates (requests/s), request shape, timed requests per level =
+# max(min_requests, requests_per_client * c) (min_requests per rate), client processes (at concurrency 64 one httpx
+# process would spend most of its time reading chunks).
+SETTINGS = {"gpu": dict(concurrency=(1, 16, 64), rates=(4.0, 16.0, 64.0), input_len=256, output_len=128,
+                        requests_per_client=4, min_requests=32, dtype="bfloat16", token_budget=2048,
+                        client_processes=4),
+            "cpu": dict(concurrency=(1, 4), rates=(), input_len=32, output_len=16, requests_per_client=2,
+                        min_requests=8, dtype="float32", token_budget=256, client_processes=1)}
 
 
 # ----------------------------------------------------------------------------- the load generator
@@ -286,6 +306,56 @@ def run_load_processes(url: str, route: str, bodies: Sequence[dict], processes: 
     return LoadResult(records, end, [cpu for share in shares.values() for cpu in share.client_cpu_s], base)
 
 
+def engine_load(engine: Any, bodies: Sequence[dict], *, concurrency: int | None = None, rate: float | None = None,
+                seed: int = 0) -> LoadResult:
+    """``bodies`` straight on ``engine`` (``add_request``, ``step``) as ``run_load`` sends them: a closed loop of
+    ``concurrency`` clients, or Poisson arrivals at ``rate`` requests/s (``run_load``'s gaps; a request is added at
+    the first step boundary after its arrival, which counts as its send time). Each request's token times are
+    taken when the step that made them returns (the tokens of a multi-step call share one time), so TTFT, ITL and
+    E2E mean what ``run_load`` measures over HTTP."""
+    from serving.engine.sampling_params import SamplingParams
+
+    if (concurrency is None) == (rate is None):
+        raise ValueError(f"engine_load: concurrency={concurrency}, rate={rate}: expected exactly one of them")
+    cpu, start = time.process_time(), time.perf_counter()
+    records: list[RequestRecord | None] = [None] * len(bodies)
+    active: dict[str, tuple[int, float, list[float]]] = {}  # request id -> (body index, sent, token times)
+    arrivals = [start] * len(bodies)
+    if rate is not None:
+        gaps = np.random.default_rng(seed).exponential(1 / rate, len(bodies))
+        arrivals = (start + np.cumsum(gaps) - gaps[0]).tolist()
+    added = 0
+
+    def add() -> None:
+        nonlocal added
+        b = bodies[added]
+        params = SamplingParams(max_tokens=b["max_tokens"], ignore_eos=b["ignore_eos"], temperature=b["temperature"],
+                                logprobs=b["logprobs"])
+        sent = time.perf_counter() if rate is None else arrivals[added]
+        active[engine.add_request(b["prompt"], params)] = (added, sent, [])
+        added += 1
+
+    while added < min(concurrency or 0, len(bodies)):
+        add()
+    while active or (rate is not None and added < len(bodies)):
+        if rate is not None:
+            if not active:
+                time.sleep(max(0.0, arrivals[added] - time.perf_counter()))
+            while added < len(bodies) and arrivals[added] <= time.perf_counter():
+                add()
+        outputs, now = engine.step(), time.perf_counter()
+        for output in outputs:
+            active[output.request_id][2].append(now)
+            if output.finished:
+                i, sent, times = active.pop(output.request_id)
+                engine.release(output.request_id)
+                records[i] = RequestRecord("ok", sent - start, times[-1] - sent, times[0] - sent,
+                                           np.diff(times).tolist(), len(bodies[i]["prompt"]), len(times))
+                if rate is None and added < len(bodies):
+                    add()
+    return LoadResult(records, time.perf_counter() - start, [time.process_time() - cpu], start)
+
+
 def completion_bodies(model: str, vocab: int, num: int, input_len: int, output_len: int, seed: int = 0) -> list[dict]:
     """``num`` /v1/completions bodies: ``input_len`` random token ids (distinct prompts: no prefix-cache hits),
     ``output_len`` tokens each (``ignore_eos``), ``logprobs: 0`` (one chunk per token, text or not)."""
@@ -386,19 +456,25 @@ class ServerProcess:
 # ----------------------------------------------------------------------------- the benchmark
 
 
-def models(mode: str) -> dict[str, dict]:
-    """The mode's models: how ``serve`` gets each (a HF config: random weights) and its vocabulary (prompt ids)."""
-    from benchmarks.serving_decode import MOE_1B, SMOLLM2_135M, TINY_MOE
+def models(mode: str, layers: int | None = None) -> dict[str, dict]:
+    """The mode's models: how ``serve`` gets each (a HF config: random weights, ``layers`` of them when given), its
+    vocabulary (prompt ids) and its depth."""
+    from benchmarks.serving_decode import MOE_1B, QWEN3_30B_A3B, SMOLLM2_135M, TINY_MOE
 
-    smollm2 = dict(model="smollm2", vocab=SMOLLM2_135M["vocab_size"])
+    def random(config: dict) -> dict:
+        config = config | ({"num_hidden_layers": layers} if layers else {})
+        return dict(config=config, vocab=config["vocab_size"], layers=config["num_hidden_layers"])
+
+    smollm2 = dict(model="smollm2", vocab=SMOLLM2_135M["vocab_size"], layers=SMOLLM2_135M["num_hidden_layers"])
     if mode == "cpu":
-        return {"smollm2": smollm2, "tiny-moe": dict(config=TINY_MOE, vocab=TINY_MOE["vocab_size"])}
-    return {"smollm2": smollm2, "moe-1b": dict(config=MOE_1B, vocab=MOE_1B["vocab_size"])}
+        return {"smollm2": smollm2, "tiny-moe": random(TINY_MOE)}
+    return {"smollm2": smollm2, "moe-1b": random(MOE_1B), "qwen3-30b-a3b": random(QWEN3_30B_A3B)}
 
 
 def serve_args(name: str, spec: dict, settings: dict, levels: Sequence[int], folder: Path,
                smollm2_gguf: str | None) -> list[str]:
-    """``serve`` options for ``name``: room for the largest level (running, queued warm-up clients, cache)."""
+    """``serve`` options for ``name``: room for the largest concurrency level (running, queued clients, cache);
+    a Poisson load beyond it gets 503s."""
     if "config" in spec:
         (folder / "config.json").write_text(json.dumps(spec["config"]))
         model = [str(folder / "config.json"), "--random-weights"]
@@ -411,50 +487,161 @@ def serve_args(name: str, spec: dict, settings: dict, levels: Sequence[int], fol
             "--block-size", str(BLOCK_SIZE), "--token-budget", str(settings["token_budget"])]
 
 
+def _level_bodies(name: str, spec: dict, settings: dict, loads: Sequence[dict], requests: int | None,
+                  ) -> list[list[dict]]:
+    """The timed bodies of each load (the same on every path): ``requests``, else max(min_requests, requests per
+    client x concurrency), min_requests for a Poisson load."""
+    shape = dict(input_len=settings["input_len"], output_len=settings["output_len"])
+    return [completion_bodies(name, spec["vocab"], requests or max(
+        settings["min_requests"], settings["requests_per_client"] * load.get("concurrency", 0)), seed=i, **shape)
+            for i, load in enumerate(loads)]
+
+
+def _engine_worker(args: list[str], loads: list[dict], level_bodies: list[list[dict]], out: Any) -> None:
+    """The engine path in a spawned process: build the spec of ``serve args``, warm it up, run each load; puts
+    (startup_s, [summary per load]) as JSON on ``out``."""
+    from serving.__main__ import parser
+    from serving.api import cli
+
+    started = time.perf_counter()
+    spec, _, _ = cli._spec(parser().parse_args(["serve", *args]))
+    engine = spec.build()
+    if hasattr(engine, "warm_up"):
+        engine.warm_up()
+    startup_s = time.perf_counter() - started
+    summaries = [summarize(engine_load(engine, bodies, **load)) | {"client_cpu": None}  # the engine is the client
+                 for load, bodies in zip(loads, level_bodies, strict=True)]
+    out.put(json.dumps([startup_s, summaries]))
+
+
+def _device_worker(name: str, spec: dict, settings: dict, levels: list[int], smollm2_gguf: str | None,
+                   out: Any) -> None:
+    """The device path in a spawned process: ``serving_decode``'s jitted step of the model alone (bfloat16, no
+    scheduler and no host work between steps). Per level c: the decode step of c sequences at the requests' mean
+    context (TPOT; output tokens/s = c / step) and the prefill of one ``input_len`` prompt (TTFT), each timed over
+    ``DEVICE_RUNS`` runs of ``DEVICE_STEPS_PER_RUN`` steps dispatched back to back; puts (startup_s: setup and
+    compiles, [row fields per level]) as JSON on ``out``."""
+    import jax
+
+    from benchmarks import serving_decode
+    from serving.kv_cache import SeqChunk
+
+    started = time.perf_counter()
+    mean_context = settings["input_len"] + settings["output_len"] // 2
+    context = math.ceil((mean_context + 1) / serving_decode.BLOCK_SIZE) * serving_decode.BLOCK_SIZE
+    hf_config = spec.get("config", serving_decode.SMOLLM2_135M)
+    real_name = "smollm2-135m" if "config" not in spec else name  # serving_decode's name of the real weights
+    cfg, params, kv, tables = serving_decode.serving_setup(
+        real_name, hf_config, dict(context=context, batches=levels, prefill_seqs=1), None, smollm2_gguf)
+    steps, rng = serving_decode.serving_steps(cfg), np.random.default_rng(0)
+
+    def per_step_ms(chunks: list) -> np.ndarray:
+        nonlocal kv
+        inputs = serving_decode.step_inputs(chunks, cfg.vocab, rng)
+        step = steps[inputs.all_paged]
+        kv = jax.block_until_ready(step(params, kv, inputs.packed, inputs.sizes))[0]  # compiles
+        times = []
+        for _ in range(DEVICE_RUNS):
+            start = time.perf_counter()
+            for _ in range(DEVICE_STEPS_PER_RUN):
+                kv = step(params, kv, inputs.packed, inputs.sizes)[0]
+            jax.block_until_ready(kv)
+            times.append((time.perf_counter() - start) * 1e3 / DEVICE_STEPS_PER_RUN)
+        return np.asarray(times)
+
+    ttft = per_step_ms([SeqChunk(tables[0], 0, settings["input_len"])])
+    rows = []
+    for c in levels:
+        tpot = per_step_ms([SeqChunk(tables[s], mean_context, 1) for s in range(c)])
+        step_ms = float(np.median(tpot))
+        rows.append({"output_throughput": c / (step_ms * 1e-3), "ttft_median_ms": float(np.median(ttft)),
+                     "ttft_p99_ms": float(np.percentile(ttft, 99)), "tpot_median_ms": step_ms,
+                     "tpot_p99_ms": float(np.percentile(tpot, 99)), "ms_per_layer": step_ms / cfg.layers})
+    out.put(json.dumps([time.perf_counter() - started, rows]))
+
+
+def _spawned(target: Any, args: tuple, env: dict[str, str], timeout_s: float) -> tuple[float, list[dict]]:
+    """What ``target(*args, queue)`` puts, run in a spawned process under the servers' environment (so its
+    devices are freed when it ends)."""
+    saved = os.environ.copy()
+    os.environ.update(env)
+    try:
+        context = multiprocessing.get_context("spawn")
+        out = context.Queue()
+        worker = context.Process(target=target, args=(*args, out), daemon=True)
+        worker.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        startup_s, rows = json.loads(out.get(timeout=timeout_s))
+    finally:
+        worker.join(STOP_TIMEOUT_S)
+        if worker.is_alive():
+            worker.kill()
+    return startup_s, rows
+
+
 def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requests: int | None,
-              smollm2_gguf: str | None, env: dict[str, str]) -> list[dict]:
-    """One server for ``name``; a warm-up and a timed closed loop per level; one row per level."""
+              smollm2_gguf: str | None, env: dict[str, str], paths: Sequence[str] = PATHS,
+              rates: Sequence[float] = ()) -> list[dict]:
+    """``name`` along each of ``paths``: one row per path and load (each concurrency level, then each Poisson
+    rate but on the device path), the timed rounds right after ready."""
     from benchmarks.harness import format_table
 
     rows = []
+    shape = dict(input_len=settings["input_len"], output_len=settings["output_len"])
+    loads = [{"concurrency": c} for c in levels] + [{"rate": r} for r in rates]
+    level_bodies = _level_bodies(name, spec, settings, loads, requests)
     with tempfile.TemporaryDirectory() as folder:
         args = serve_args(name, spec, settings, levels, Path(folder), smollm2_gguf)
-        started = time.perf_counter()
-        with ServerProcess(args, env) as server:
-            print(f"  {name}: server healthy after {time.perf_counter() - started:.1f} s", flush=True)
-            shape = dict(input_len=settings["input_len"], output_len=settings["output_len"])
-            for i, c in enumerate(levels):
-                num = requests or max(settings["min_requests"], settings["requests_per_client"] * c)
-                processes = settings["client_processes"]
-                warm = completion_bodies(name, spec["vocab"], num, seed=2 * i + 1, **shape)
-                warmup_s = run_load_processes(server.url, COMPLETIONS, warm, processes, concurrency=c).duration_s
-                bodies = completion_bodies(name, spec["vocab"], num, seed=2 * i, **shape)
-                summary = summarize(run_load_processes(server.url, COMPLETIONS, bodies, processes, concurrency=c))
-                rows.append({"model": name, "concurrency": c, **shape, **summary, "warmup_s": warmup_s})
+        for path in paths:
+            timeout_s = STARTUP_TIMEOUT_S + REQUEST_TIMEOUT_S * len(loads)
+            measured = loads[:len(levels)] if path == "device" else loads
+            if path == "device":
+                startup_s, summaries = _spawned(_device_worker, (name, spec, settings, list(levels), smollm2_gguf),
+                                                env, timeout_s)
+            elif path == "engine":
+                startup_s, summaries = _spawned(_engine_worker, (args, loads, level_bodies), env, timeout_s)
+            else:
+                started = time.perf_counter()
+                with ServerProcess(args, env) as server:
+                    startup_s = time.perf_counter() - started
+                    summaries = [summarize(run_load_processes(server.url, COMPLETIONS, bodies,
+                                                              settings["client_processes"], **load))
+                                 for load, bodies in zip(loads, level_bodies, strict=True)]
+            print(f"  {name} {path}: ready after {startup_s:.1f} s", flush=True)
+            for load, summary in zip(measured, summaries, strict=True):
+                tpot = summary.get("tpot_median_ms")
+                rows.append({"model": name, "path": path, "concurrency": load.get("concurrency"),
+                             "rate": load.get("rate"), **shape, "layers": spec["layers"], **summary,
+                             "ms_per_layer": tpot / spec["layers"] if tpot is not None else None,
+                             "startup_s": startup_s})
                 print(format_table(rows[-1:], TABLE_COLUMNS), flush=True)
     return rows
 
 
-TABLE_COLUMNS = ["model", "concurrency", "requests", "failed", "request_throughput", "output_throughput",
-                 "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms", "itl_p99_ms", "e2e_median_ms",
-                 "e2e_p99_ms", "client_cpu"]
+TABLE_COLUMNS = ["model", "path", "concurrency", "rate", "startup_s", "ms_per_layer", "requests", "failed",
+                 "request_throughput", "output_throughput", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms",
+                 "tpot_p99_ms", "itl_p99_ms", "e2e_median_ms", "e2e_p99_ms", "client_cpu"]
 
 
 def plot(rows: list[dict], name: str, out_dir: Path) -> None:
-    """Median and p99 TTFT and TPOT, and output tokens/s, against concurrency, one line per model."""
+    """Median and p99 TTFT and TPOT, and output tokens/s, against concurrency, one line per model and path."""
     import matplotlib.pyplot as plt
 
     from benchmarks.harness import save_plot
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for i, model in enumerate(dict.fromkeys(r["model"] for r in rows)):
-        mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["concurrency"])
-        x = [r["concurrency"] for r in mine]
-        color = f"C{i}"
+    rows = [r for r in rows if r.get("concurrency") is not None]  # the closed loops (Poisson rows: the JSON)
+    for i, (model, path) in enumerate(dict.fromkeys((r["model"], r.get("path", "http")) for r in rows)):
+        mine = sorted((r for r in rows if (r["model"], r.get("path", "http")) == (model, path)),
+                      key=lambda r: r["concurrency"])
+        x, color, label = [r["concurrency"] for r in mine], f"C{i}", f"{model} {path}"
         for ax, latency in zip(axes[:2], ("ttft", "tpot"), strict=True):
-            ax.plot(x, [r[f"{latency}_median_ms"] for r in mine], "o-", color=color, label=f"{model} median")
-            ax.plot(x, [r[f"{latency}_p99_ms"] for r in mine], "s--", color=color, label=f"{model} p99")
-        axes[2].plot(x, [r["output_throughput"] for r in mine], "o-", color=color, label=model)
+            ax.plot(x, [r[f"{latency}_median_ms"] for r in mine], "o-", color=color, label=f"{label} median")
+            ax.plot(x, [r[f"{latency}_p99_ms"] for r in mine], "s--", color=color, label=f"{label} p99")
+        axes[2].plot(x, [r["output_throughput"] for r in mine], "o-", color=color, label=label)
     titles = ("time to first token (ms)", "time per output token (ms)", "output tokens/s")
     levels = sorted({r["concurrency"] for r in rows})
     for ax, title in zip(axes, titles, strict=True):
@@ -467,6 +654,13 @@ def plot(rows: list[dict], name: str, out_dir: Path) -> None:
     fig.suptitle("Serving under load: latency percentiles and throughput against concurrency")
     fig.tight_layout()
     save_plot(fig, name, out_dir)
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    rates = tuple(float(r) for r in text.split(",")) if text else ()
+    if any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"--rates {text!r}: expected comma-separated requests/s > 0")
+    return rates
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -487,6 +681,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--models", help="comma-separated subset of the mode's models (gpu: smollm2,moe-1b; "
                         "cpu: smollm2,tiny-moe)")
     parser.add_argument("--concurrency", type=_levels, help="comma-separated levels (default: gpu 1,16,64; cpu 1,4)")
+    parser.add_argument("--rates", type=_rates, help="comma-separated Poisson rates, requests/s (default: gpu "
+                        f"{','.join(map(str, SETTINGS['gpu']['rates']))}; cpu none)")
+    parser.add_argument("--layers", type=int, help="the random-weights models with their first N layers (a shape "
+                        "whose whole compile does not fit a command's time limit); rows carry ms per layer")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
     parser.add_argument("--requests", type=int, help="timed requests per level (default: max(min, per client * c))")
     parser.add_argument("--input-len", type=int, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, help="output tokens per request")
@@ -495,10 +694,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out-dir", help="where the JSON and PNG go (default benchmarks/results/)")
     args = parser.parse_args(argv)
     mode = "cpu" if args.cpu else "gpu"
-    specs = models(mode)
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers={args.layers}: expected >= 1")
+    specs = models(mode, args.layers)
     names = args.models.split(",") if args.models else list(specs)
     if unknown := set(names) - set(specs):
         parser.error(f"unknown models {sorted(unknown)}: expected a subset of {list(specs)}")
+    paths = args.paths.split(",")
+    if unknown := set(paths) - set(PATHS):
+        parser.error(f"--paths: unknown {sorted(unknown)}: expected a subset of {PATHS}")
     if args.requests is not None and args.requests < 1:
         parser.error(f"--requests={args.requests}: expected >= 1")
     overrides = dict(input_len=args.input_len, output_len=args.output_len, client_processes=args.client_processes)
@@ -506,6 +710,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if bad := {k: settings[k] for k in overrides if settings[k] < 1}:
         parser.error(f"{bad}: expected every one >= 1")
     levels = args.concurrency or settings["concurrency"]
+    rates = settings["rates"] if args.rates is None else args.rates
     import jax
 
     if args.cpu:  # the servers run on the CPU (JAX_PLATFORMS below); the run metadata says so too
@@ -520,10 +725,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     old = json.loads(previous.read_text())["rows"] if previous.exists() and not args.cpu else []
     rows: list[dict] = []
     for name in names:
-        rows += run_model(name, specs[name], settings, levels, args.requests, args.smollm2_gguf, env)
-        measured = {(r["model"], r["concurrency"]) for r in rows}
-        merged = [r for r in old if (r["model"], r["concurrency"]) not in measured] + rows
-        write_results(result_name, dict(mode=mode, settings=settings, levels=list(levels), rows=merged),
+        rows += run_model(name, specs[name], settings, levels, args.requests, args.smollm2_gguf, env, paths, rates)
+        key = lambda r: (r["model"], r.get("path", "http"), r["concurrency"], r.get("rate"), r.get("layers"))
+        measured = {key(r) for r in rows}
+        merged = [r for r in old if key(r) not in measured] + rows
+        write_results(result_name, dict(mode=mode, settings=settings, levels=list(levels), rates=list(rates),
+                                        rows=merged),
                       out_dir=out_dir)
     plot(merged, result_name, out_dir)
     print(format_table(merged, TABLE_COLUMNS))

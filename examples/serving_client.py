@@ -5,8 +5,8 @@ import time
 
 import jax.numpy as jnp
 
+from serving import Engine
 from serving.api.server import Server, create_app
-from serving.engine.engine import Engine
 
 DEMO_MODEL = "smollm2"
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."

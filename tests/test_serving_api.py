@@ -14,8 +14,9 @@ import pytest
 from prometheus_client import generate_latest
 from test_serving_api_fixture import LLAMA, MODEL_NAME, make_engine, model_folder, running_server
 
+from serving.api.engine_client import EngineStats
 from serving.api.metrics import Metrics
-from serving.spec_decode import NgramDrafter, SpecConfig, SpecStats
+from serving.spec_decode import SpecStats
 
 GREEDY_TOKENS = 12
 TIMEOUT_S = 120
@@ -233,9 +234,8 @@ def test_metrics(server, oai):
     assert samples["serving_queue_depth"] == 0 and samples["serving_running"] == 0
     assert 0 <= samples["serving_kv_blocks_used_ratio"] <= 1
     assert not any(name.startswith("serving_spec_") for name in samples)  # this engine does not speculate
-    engine = server.server.config.app.state.frontend.engine
-    speculating = types.SimpleNamespace(scheduler=engine.scheduler, speculative=SpecConfig(NgramDrafter()),
-                                        spec_stats=SpecStats(num_steps=2, num_draft_tokens=6, num_accepted_tokens=4))
+    spec_stats = SpecStats(num_steps=2, num_draft_tokens=6, num_accepted_tokens=4)
+    speculating = types.SimpleNamespace(speculative=True, stats=lambda experts=True: EngineStats(spec=spec_stats))
     spec = metric_samples(generate_latest(Metrics(speculating).registry).decode())
     assert (spec["serving_spec_drafts_total"], spec["serving_spec_draft_tokens_total"],
             spec["serving_spec_accepted_tokens_total"]) == (2, 6, 4)

@@ -169,15 +169,22 @@ def test_random_weights_from_a_config_folder_and_refusals(tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_cpu_mode_writes_rows_json_and_png(tmp_path):
-    rows = serving_load.main(["--cpu", "--models", "tiny-moe", "--concurrency", "1,2", "--requests", "4",
-                              "--input-len", "8", "--output-len", "6", "--client-processes", "2",
+    rows = serving_load.main(["--cpu", "--models", "tiny-moe", "--concurrency", "1,2", "--rates", "3",
+                              "--requests", "4", "--input-len", "8", "--output-len", "6", "--client-processes", "2",
                               "--out-dir", str(tmp_path)])
     result = json.loads((tmp_path / "serving_load_cpu.json").read_text())
     assert result["benchmark"] == "serving_load_cpu" and result["meta"]["platform"] == "cpu"
     assert result["rows"] == json.loads(json.dumps(rows))
-    assert [(r["model"], r["concurrency"]) for r in rows] == [("tiny-moe", 1), ("tiny-moe", 2)]
+    assert [(r["model"], r["path"], r["concurrency"], r["rate"]) for r in rows] == [
+        ("tiny-moe", "device", 1, None), ("tiny-moe", "device", 2, None),
+        *(("tiny-moe", path, c, rate) for path in ("engine", "http") for c, rate in ((1, None), (2, None), (None, 3)))]
     for r in rows:
+        assert r["output_throughput"] > 0 and r["startup_s"] > 0 and r["ms_per_layer"] > 0 and r["layers"] == 2
+    for r in rows[:2]:  # the device step alone
+        assert 0 < r["tpot_median_ms"] <= r["tpot_p99_ms"] and 0 < r["ttft_median_ms"] <= r["ttft_p99_ms"]
+    for r in rows[2:]:
         assert r["statuses"]["ok"] == r["requests"] == 4 and r["output_tokens"] == 4 * 6, r
-        assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and 0 < r["client_cpu"] < 1
+        assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and r["startup_s"] > 0
+        assert r["client_cpu"] is None if r["path"] == "engine" else 0 < r["client_cpu"] < 1
         assert_percentiles_ordered(r)
     assert (tmp_path / "serving_load_cpu.png").is_file()

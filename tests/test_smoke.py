@@ -17,8 +17,7 @@ from test_serving_engine import HF, reference
 import pc
 from apex_jax import ApexW, flatten
 from pallas_kernels.testing import on_gpu
-from serving.engine.engine import Engine
-from serving.engine.sampling_params import SamplingParams
+from serving import Engine, SamplingParams
 
 # An odd-shaped pytree: leaves not multiples of any tile, one below the int8 kind's fp32 threshold (4096).
 SHAPES = {"bias": (3,), "proj": (17, 5), "embed": (1000, 33), "conv": (2, 3, 7), "table": (4100,)}

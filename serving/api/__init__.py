@@ -1,10 +1,13 @@
 """HTTP serving: OpenAI- and Anthropic-compatible API over one engine (fastapi + uvicorn).
 
 Data flow: a route (``openai_api.py``, ``anthropic_api.py``) parses and checks the request (``frontend.py``),
-then submits it to ``AsyncEngine`` (``async_engine.py``), whose thread owns the ``Engine`` and steps it; the
-outputs come back on an asyncio queue per request and go out as JSON or server-sent events. ``security.py``
-guards the door (bind address, API key, body size, model paths), ``metrics.py`` counts, ``server.py`` puts it
-together and runs uvicorn, ``cli.py`` is ``python -m serving serve|chat``.
+then submits its token ids to the engine client (``engine_client.py``): ``ProcessEngine``
+(``process_engine.py``), whose engine core process (``engine_core.py``, over ``ipc.py``'s ZeroMQ + msgpack) builds
+the ``Engine`` from an ``EngineSpec`` (``engine_spec.py``) and steps it, or ``AsyncEngine`` (``async_engine.py``),
+whose thread in this process does. The outputs come back on an asyncio queue per request, are detokenized here,
+and go out as JSON or server-sent events. ``security.py`` guards the door (bind address, API key, body size,
+model paths), ``metrics.py`` counts, ``server.py`` puts it together and runs uvicorn, ``cli.py`` is
+``python -m serving serve|chat``.
 """
 
 from serving.api.server import Server, create_app

@@ -1,5 +1,7 @@
 """``AsyncEngine``: one background thread owns the ``Engine``; asyncio handlers submit requests and read outputs.
 
+The in-process ``EngineClient`` (``engine_client.py``; ``ProcessEngine`` runs the engine in its own process).
+
 Handlers call ``submit`` on the event loop: admission is decided there at once (``EngineFullError`` while
 ``max_running + max_queue`` sequences are already in flight, so a 503 never waits for a step), and the request
 goes to the engine thread through a thread-safe command queue. The engine thread adds it between steps,
@@ -16,9 +18,11 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from typing import Any
 
-from serving.engine.engine import Engine, EngineFullError, RequestResult, StepError, StepOutput
+from serving.api.engine_client import OK, Admission, EngineStats, EngineUnavailableError, OnStep
+from serving.engine.engine import Engine, RequestResult, StepError, StepOutput
 from serving.engine.sampling_params import SamplingParams
 
 STOP_TIMEOUT_S = 30.0  # how long ``stop`` waits for a step in progress to end
@@ -77,8 +81,8 @@ class _Submit:
 
 
 class AsyncEngine:
-    """Runs ``engine`` on its own thread. ``on_step(engine, outputs, streams)`` (optional) is called on that
-    thread after every step with the streams (by request id) of that step's outputs, for metrics.
+    """Runs ``engine`` on its own thread. ``on_step(outputs, streams)`` (optional) is called on that thread after
+    every step with the streams (by request id) of that step's outputs, for metrics.
 
     Args:
       engine: the engine; only the engine thread touches it after ``start``.
@@ -86,24 +90,32 @@ class AsyncEngine:
         else unlimited).
     """
 
-    def __init__(self, engine: Engine, max_queue: int | None = None,
-                 on_step: Callable[[Engine, list[StepOutput], dict[str, RequestStream]], None] | None = None):
-        self.engine = engine
+    def __init__(self, engine: Engine, max_queue: int | None = None, on_step: OnStep | None = None):
+        self.engine = self.model = engine
         max_queue = engine.max_queue if max_queue is None else max_queue
         self.capacity = None if max_queue is None else engine.scheduler.max_running + max_queue
+        self.speculative = engine.speculative is not None
         self.on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._lock = threading.Lock()
-        self._in_flight = 0  # sequences submitted and not yet finished (guarded by _lock)
+        self._admission = Admission(self.capacity)  # sequences submitted and not yet finished
         self._thread = threading.Thread(target=self._run, name="serving-engine", daemon=True)
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self._admission.in_flight
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def status(self) -> dict[str, Any]:
+        if not self.is_alive():
+            return {"status": "engine thread stopped"}
+        return {"status": OK, "in_flight": self.in_flight}
+
+    def stats(self, experts: bool = True) -> EngineStats:
+        """The engine's load now, read while its thread runs: each count is read whole (no lock)."""
+        return EngineStats.of(self.engine, experts)
 
     def start(self) -> None:
         self._thread.start()
@@ -118,11 +130,9 @@ class AsyncEngine:
                cache_salt: str | None = None) -> RequestStream:
         """Queue a request (call on the event loop); ``EngineFullError`` at once when there is no room.
         ``cache_salt``: the prefix cache shares blocks only among requests with the same salt."""
-        with self._lock:
-            if self.capacity is not None and self._in_flight + params.n > self.capacity:
-                raise EngineFullError(f"server is at capacity ({self._in_flight} sequences in flight, limit "
-                                      f"{self.capacity}): retry later")
-            self._in_flight += params.n
+        if not self.is_alive():
+            raise EngineUnavailableError("the engine thread is not running")
+        self._admission.admit(params.n)
         stream = RequestStream(f"{prefix}{uuid.uuid4().hex}", params.n, asyncio.get_running_loop())
         self._commands.put(_Submit(prompt_ids, params, stream, cache_salt))
         return stream
@@ -134,8 +144,7 @@ class AsyncEngine:
     def _release(self, stream: RequestStream) -> None:
         """Forget a finished, failed or aborted request and give back its room."""
         self._streams.pop(stream.request_id, None)
-        with self._lock:
-            self._in_flight -= stream.n
+        self._admission.release(stream.n)
 
     def _handle(self, command: _Submit | str) -> None:
         if isinstance(command, str):  # abort
@@ -148,8 +157,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(command.prompt_ids, command.params, stream.request_id, command.cache_salt)
         except Exception as e:  # refused (ValueError, EngineFullError) or worse: only this request fails
-            with self._lock:
-                self._in_flight -= stream.n
+            self._admission.release(stream.n)
             stream.put(e)
             return
         self._streams[stream.request_id] = stream
@@ -179,7 +187,7 @@ class AsyncEngine:
                 stream.put(self.engine.release(output.request_id))
                 self._release(stream)
         if self.on_step is not None:
-            self.on_step(self.engine, outputs, stepped)
+            self.on_step(outputs, stepped)
 
     def _drain(self) -> list:
         commands = []

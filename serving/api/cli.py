@@ -14,103 +14,50 @@ and hidden dims over ``tensor``, the MoE layers' tokens over ``data x expert`` (
 them). One host: ``serve`` drives the engine from one process; a mesh across hosts (``jax.distributed``, see
 ``serving.sharding``) would need every process to run the same steps, which it does not do.
 
+``serve`` runs the engine in an engine core process of its own (``serving.api.engine_core``) built from an
+``EngineSpec`` of these options, and HTTP, tokenization, JSON and SSE in this one (which then keeps JAX on the
+CPU: it never takes device memory); ``--in-process`` runs the engine on a thread of the server's process.
+
 ``--random-weights`` serves a model that exists only as a HF ``config.json`` (load tests and benchmarks of a
 shape, not of answers): ``--model`` names the config file or the folder holding it; the weights are the model
-family's ``init_params`` (seed ``RANDOM_WEIGHTS_SEED``) in ``--dtype``, and a ``tokenizer.json`` beside the config
-is used when there is one (without it, prompts must be token ids on ``/v1/completions``).
+family's ``init_params`` (seed ``engine_spec.RANDOM_WEIGHTS_SEED``) in ``--dtype``, and a ``tokenizer.json``
+beside the config is used when there is one (without it, prompts must be token ids on ``/v1/completions``).
 
 The API key may also come from the ``SERVING_API_KEY`` environment variable (keeps it out of ``ps``); it is
 never printed or logged.
 """
 
 import argparse
-import json
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import Mesh
 
-from serving import sharding
+from serving.api.engine_spec import DEFAULT_MODEL, DTYPES, EngineSpec
 from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, check_bind
 from serving.api.server import Server, create_app, serve
-from serving.config import ModelConfig
 from serving.engine.engine import Engine
-from serving.loaders.model import LoadedModel, eos_from_folder
-from serving.models import model_module
-from serving.spec_decode import SPECULATIVE_METHODS, SpecConfig
-from serving.tokenizer import Tokenizer
+from serving.spec_decode import SPECULATIVE_METHODS
 
-DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct
 API_KEY_ENV = "SERVING_API_KEY"
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 EXIT_WORDS = ("/exit", "/quit")
-RANDOM_WEIGHTS_SEED = 0  # --random-weights: the same weights on every run, so runs compare
 
 
-def _config_file(model: str) -> Path:
-    """The HF config.json that ``--model`` names for ``--random-weights`` (the file, or the folder holding it)."""
-    if model == DEFAULT_MODEL:
-        raise ValueError(f"--random-weights with --model {model!r}: expected a HF config.json or its folder")
-    path = Path(model)
-    config = path / "config.json" if path.is_dir() else path
-    if not config.is_file() or config.suffix != ".json":
-        raise FileNotFoundError(f"--random-weights --model {model!r}: expected a HF config.json file or a folder "
-                                "holding one")
-    return config
-
-
-def _load_random(config: Path, dtype: jnp.dtype) -> LoadedModel:
-    """Random weights of the model ``config`` describes, with the tokenizer beside it if any."""
-    cfg = ModelConfig.from_hf(json.loads(config.read_text()))
-    params = model_module(cfg.family).init_params(cfg, jax.random.key(RANDOM_WEIGHTS_SEED), dtype)
-    folder = config.parent
-    tokenizer = Tokenizer.from_hf_folder(folder) if (folder / "tokenizer.json").is_file() else None
-    return LoadedModel(cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else eos_from_folder(folder))
-
-
-def _mesh(args: argparse.Namespace) -> Mesh | None:
-    """The ``data x tensor x expert`` mesh of ``--data-parallel``, ``--tensor-parallel`` and ``--expert-parallel``
-    over every device, or None (one device) when all three are 1."""
-    sizes = {"--data-parallel": args.data_parallel, "--tensor-parallel": args.tensor_parallel,
-             "--expert-parallel": args.expert_parallel}
-    named = " x ".join(f"{flag} {n}" for flag, n in sizes.items())
-    if min(sizes.values()) < 1:
-        raise ValueError(f"{named}: expected sizes >= 1")
-    devices = math.prod(sizes.values())
-    if devices == 1:
-        return None
-    if devices != jax.device_count():
-        raise ValueError(f"{named} = {devices} devices: expected their product to be the {jax.device_count()} "
-                         f"{jax.default_backend()} devices this process sees (CUDA_VISIBLE_DEVICES picks the GPUs)")
-    return sharding.make_mesh(*sizes.values())
+def _spec(args: argparse.Namespace) -> tuple[EngineSpec, str, Path | None]:
+    """(engine spec, served model name, model path or None) for ``--model`` and the engine options."""
+    spec = EngineSpec(args.model, args.random_weights, args.dtype, args.num_blocks, args.block_size, args.max_running,
+                      args.max_queue, args.token_budget, args.max_model_len, args.batch_invariant, args.decode_steps,
+                      args.speculative, args.drafter, args.num_speculative_tokens, args.data_parallel,
+                      args.tensor_parallel, args.expert_parallel)
+    name, path = spec.served_name()
+    return spec, args.name or name, path
 
 
 def _engine(args: argparse.Namespace) -> tuple[Engine, str, Path | None]:
-    """(engine, served model name, model path or None) for ``--model`` (and ``--random-weights``)."""
-    if args.speculative is None and (args.drafter or args.num_speculative_tokens):
-        raise ValueError("--drafter and --num-speculative-tokens need --speculative (ngram or block)")
-    options = dict(dtype=DTYPES[args.dtype], num_blocks=args.num_blocks, block_size=args.block_size,
-                   max_running=args.max_running, token_budget=args.token_budget, max_model_len=args.max_model_len,
-                   max_queue=args.max_queue, batch_invariant=args.batch_invariant, mesh=_mesh(args),
-                   decode_steps=args.decode_steps,
-                   speculative=SpecConfig.from_method(args.speculative, args.drafter, args.num_speculative_tokens)
-                   if args.speculative else None)
-    if args.random_weights:
-        config = _config_file(args.model)
-        engine = Engine(_load_random(config, options["dtype"]), **options)
-        return engine, args.name or config.parent.resolve().name, config.parent
-    path = None if args.model == DEFAULT_MODEL else Path(args.model)
-    if path is not None and not path.exists():
-        raise FileNotFoundError(f"--model {args.model!r}: expected {DEFAULT_MODEL!r}, a HF folder or a .gguf file")
-    if path is not None and path.suffix == ".json":
-        raise ValueError(f"--model {args.model!r} is a config without weights: add --random-weights to serve it "
-                         "with random weights, or pass a HF folder or a .gguf file")
-    engine = Engine(path, **options)
-    return engine, args.name or (DEFAULT_MODEL if path is None else path.name), path
+    """(engine built in this process, served model name, model path or None)."""
+    spec, name, path = _spec(args)
+    return spec.build(), name, path
 
 
 def serve_command(args: argparse.Namespace) -> str:
@@ -119,10 +66,12 @@ def serve_command(args: argparse.Namespace) -> str:
         check_bind(args.host, api_key)  # before the minutes of loading a model
     except ValueError as e:
         raise SystemExit(f"serve refuses to start: {e}") from None
-    engine, name, path = _engine(args)
+    spec, name, path = _spec(args)
+    if not args.in_process:  # the engine core process owns the devices: this one must not take any
+        jax.config.update("jax_platforms", "cpu")
     models_root = Path(args.models_root) if args.models_root else None
-    app = create_app(engine, name, model_path=path, models_root=models_root, api_key=api_key,
-                     max_body_bytes=args.max_body_bytes)
+    app = create_app(spec.build() if args.in_process else spec, name, model_path=path, models_root=models_root,
+                     api_key=api_key, max_body_bytes=args.max_body_bytes)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (API key {'required' if api_key else 'off'})")
     serve(app, args.host, args.port, api_key, args.log_level)
     return "server stopped"
@@ -219,6 +168,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     s.add_argument("--models-root", default=None, help="folder under which clients may name the model by path")
     s.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--in-process", action="store_true",
+                   help="run the engine on a thread of the server's process (default: an engine core process of "
+                        "its own, so HTTP, tokenization and JSON do not share a GIL with the scheduler)")
     s.set_defaults(run=serve_command)
     c = commands.add_parser("chat", help="chat in the terminal (streaming), with a server or an in-process one")
     _engine_options(c)

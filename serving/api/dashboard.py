@@ -5,8 +5,9 @@ elsewhere) plots the stats below over time, draws the expert load as a [layers, 
 chat box that streams through the server's own ``/v1/chat/completions``. With an API key the page asks for it
 and sends it as ``Authorization: Bearer`` (the stats need it like every route but ``/health``).
 
-The stats are read from the engine's bookkeeping while its thread runs, without a lock: each count is read
-whole, and an expert row caught mid-update skews one poll only.
+The stats are the engine client's ``EngineStats``: read from the engine's bookkeeping while its thread runs
+(without a lock: each count is read whole, and an expert row caught mid-update skews one poll only), or the
+last ones an engine core process sent.
 
 - running, waiting: sequences the scheduler runs and queues; in_flight: sequences the server admitted.
 - generated_tokens, prompt_tokens: totals since the server started.
@@ -64,7 +65,7 @@ class DashboardRoutes:
     def __init__(self, frontend: Frontend):
         if frontend.metrics is None:
             raise ValueError("DashboardRoutes: the frontend has no Metrics: expected the server's (create_app's)")
-        self.frontend, self.engine, self.registry = frontend, frontend.engine, frontend.metrics.registry
+        self.frontend, self.registry = frontend, frontend.metrics.registry
         self.page = PAGE.read_text()
         self.started = time.monotonic()
         self.rate = TokenRate(WINDOW_S, self.started, self._total(GENERATED))
@@ -79,25 +80,22 @@ class DashboardRoutes:
         return HTMLResponse(self.page, headers={"Content-Security-Policy": CSP, "Cache-Control": "no-cache"})
 
     async def stats(self) -> dict[str, Any]:
-        engine, now = self.engine, time.monotonic()
-        scheduler, generated = engine.scheduler, self._total(GENERATED)
-        allocator = scheduler.allocator
-        expert_tokens = engine.runner.expert_load.tolist() if engine.cfg.num_experts else []
-        spec = engine.spec_stats if engine.speculative is not None else None
+        now, generated, load = time.monotonic(), self._total(GENERATED), self.frontend.async_engine.stats()
+        spec = load.spec
         return {
             "model": self.frontend.model_name,
             "uptime_s": now - self.started,
-            "running": len(scheduler.running),
-            "waiting": len(scheduler.waiting),
+            "running": load.running,
+            "waiting": load.waiting,
             "in_flight": self.frontend.async_engine.in_flight,
             "generated_tokens": int(generated),
             "prompt_tokens": int(self._total(PROMPT)),
             "tokens_per_s": self.rate.update(now, generated),
             "window_s": WINDOW_S,
-            "kv_blocks_used": allocator.num_blocks - allocator.num_free,
-            "kv_blocks_total": allocator.num_blocks,
-            "kv_block_size": allocator.block_size,
-            "expert_tokens": expert_tokens,
+            "kv_blocks_used": load.kv_blocks_used,
+            "kv_blocks_total": load.kv_blocks_total,
+            "kv_block_size": load.kv_block_size,
+            "expert_tokens": load.expert_tokens,
             "acceptance_rate": spec.acceptance_rate if spec else None,
             "mean_acceptance_length": spec.mean_acceptance_length if spec else None,
         }

@@ -17,7 +17,8 @@ import pydantic
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from serving.api.async_engine import AsyncEngine, RequestStream
+from serving.api.async_engine import RequestStream
+from serving.api.engine_client import OK, EngineClient, EngineUnavailableError
 from serving.api.errors import APIError, overloaded, sse_error
 from serving.api.metrics import Metrics
 from serving.api.security import resolve_model_path
@@ -41,18 +42,19 @@ def _validation_message(error: pydantic.ValidationError) -> tuple[str, str | Non
 
 
 class Frontend:
-    """The state the routes share: the async engine, the served model's name and path, metrics.
+    """The state the routes share: the engine client, the served model's name and path, metrics.
 
     Args:
-      async_engine: the running ``AsyncEngine``.
+      async_engine: the running ``EngineClient`` (``AsyncEngine`` or ``ProcessEngine``); ``engine`` is its
+        ``model`` (what the routes read of the served model).
       model_name: the name clients use (``/v1/models`` lists it).
       model_path: the served checkpoint's path, or None (the embedded default model).
       models_root: a folder under which clients may also name the served model by its path, or None.
     """
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str, model_path: Path | None = None,
+    def __init__(self, async_engine: EngineClient, model_name: str, model_path: Path | None = None,
                  models_root: Path | None = None, metrics: Metrics | None = None):
-        self.async_engine, self.engine = async_engine, async_engine.engine
+        self.async_engine, self.engine = async_engine, async_engine.model
         self.model_name, self.models_root = model_name, models_root
         self.model_path = model_path.resolve() if model_path is not None else None
         self.metrics = metrics
@@ -116,7 +118,7 @@ class Frontend:
                cache_salt: str | None = None) -> RequestStream:
         try:
             stream = self.async_engine.submit(prompt_ids, params, prefix, cache_salt)
-        except EngineFullError as e:
+        except (EngineFullError, EngineUnavailableError) as e:
             raise overloaded(str(e)) from None
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -148,7 +150,13 @@ class Frontend:
                 self.async_engine.abort(stream.request_id)
 
     def check_room(self) -> None:
-        """503 at once while the server is full, before a request is even parsed."""
+        """503 at once while the engine is not serving (warming up, stopped) or the server is full, before a
+        request is even parsed."""
+        status = self.async_engine.status()
+        if status["status"] != OK:
+            detail = status.get("error") or status.get("stage")
+            raise overloaded(f"the engine is not serving ({status['status']}{': ' + detail if detail else ''}): "
+                             "retry later")
         capacity = self.async_engine.capacity
         if capacity is not None and self.async_engine.in_flight >= capacity:
             raise overloaded(f"server is at capacity ({capacity} sequences in flight): retry later")

@@ -1,7 +1,12 @@
 """The FastAPI app over one engine (``create_app``) and a uvicorn server on a background thread (``Server``).
 
+The engine runs on a thread of this process (an ``Engine``: ``AsyncEngine``) or in an engine core process of
+its own (an ``EngineSpec``: ``ProcessEngine``), so that HTTP, tokenization, JSON and SSE here never hold the GIL
+the scheduler and device steps need.
+
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (OpenAI), ``/v1/messages`` (Anthropic),
-``/health`` (200 while the engine thread lives; never needs the key) and ``/metrics`` (Prometheus). Every
+``/health`` (200 ``{"status": "ok"}`` while the engine serves, 503 ``{"status": "warming", ...}`` until it is
+ready and 503 once it stopped; never needs the key) and ``/metrics`` (Prometheus). Every
 error, unknown routes and unexpected exceptions included, has the JSON shape of the API it was sent to.
 ``/dashboard``: a live page of the server's load with a chat box, and ``/dashboard/stats``, the JSON it polls.
 """
@@ -23,10 +28,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serving.api.anthropic_api import AnthropicRoutes
 from serving.api.async_engine import AsyncEngine
 from serving.api.dashboard import DashboardRoutes
+from serving.api.engine_client import OK
+from serving.api.engine_spec import EngineSpec
 from serving.api.errors import APIError, error_response
 from serving.api.frontend import Frontend
 from serving.api.metrics import Metrics
 from serving.api.openai_api import OpenAIRoutes
+from serving.api.process_engine import ProcessEngine
 from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, GuardMiddleware, check_bind
 from serving.engine.engine import Engine
 
@@ -54,18 +62,26 @@ class _CountRequests:
         await self.app(scope, receive, counting_send)
 
 
-def create_app(engine: Engine, model_name: str, *, model_path: Path | None = None, models_root: Path | None = None,
-               api_key: str | None = None, max_queue: int | None = None,
+def create_app(engine: Engine | EngineSpec, model_name: str, *, model_path: Path | None = None,
+               models_root: Path | None = None, api_key: str | None = None, max_queue: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The app serving ``engine`` as ``model_name``; the engine thread runs while the app does (lifespan).
+    """The app serving ``engine`` as ``model_name``; the engine runs while the app does (lifespan): an ``Engine``
+    on a thread of this process, an ``EngineSpec`` built and run in an engine core process.
 
     Args:
       model_path, models_root: clients may name the model by its path under ``models_root`` too.
       api_key: required on every route but /health when set.
-      max_queue: sequences admitted beyond the engine's max_running (default: the engine's max_queue).
+      max_queue: sequences admitted beyond the engine's max_running (default: the engine's max_queue; with
+        an ``EngineSpec``, its own).
     """
-    metrics = Metrics(engine)
-    async_engine = AsyncEngine(engine, max_queue, on_step=metrics.on_step)
+    if isinstance(engine, EngineSpec):
+        if max_queue is not None:
+            raise ValueError(f"create_app: max_queue={max_queue} with an EngineSpec: expected it in the spec")
+        async_engine = ProcessEngine(engine)
+    else:
+        async_engine = AsyncEngine(engine, max_queue)
+    metrics = Metrics(async_engine)
+    async_engine.on_step = metrics.on_step
     frontend = Frontend(async_engine, model_name, model_path, models_root, metrics)
 
     @contextlib.asynccontextmanager
@@ -82,9 +98,8 @@ def create_app(engine: Engine, model_name: str, *, model_path: Path | None = Non
 
     @app.get("/health")
     async def health() -> Response:
-        if not async_engine.is_alive():
-            return JSONResponse({"status": "engine thread stopped"}, 503)
-        return JSONResponse({"status": "ok", "in_flight": async_engine.in_flight})
+        status = async_engine.status()
+        return JSONResponse(status, 200 if status["status"] == OK else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -1,0 +1,171 @@
+"""The engine core process: builds the ``Engine`` from an ``EngineSpec``, warms it up, then schedules and steps it
+for the front end's commands, answering each step with one event carrying every request's new tokens.
+
+Entry point ``run_core(spec, commands_address, events_address)``, started by ``ProcessEngine`` in a 'spawn'
+process (JAX is not fork-safe). The wire is ``ipc.py``'s. Its loop: take every command that has arrived
+(sleeping on the socket while there is no work), then step once if there is work, then send one ``step`` event
+(outputs, finished requests, refusals, failures, acknowledged aborts, stats). Token ids cross the wire, never
+text: the front end detokenizes. A request's sequences therefore run without a detokenizer here unless the
+request has stop strings, which the engine must see in text to stop on.
+
+The process ends on a ``stop`` command, and on its own when the process that started it dies (a watchdog thread
+waits on the parent's sentinel), so a server killed without a clean shutdown leaves no core behind.
+"""
+
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from serving.api import ipc
+from serving.api.engine_client import EngineStats
+from serving.api.engine_spec import EngineSpec
+from serving.engine.engine import Engine, StepError
+from serving.engine.sampling_params import SamplingParams
+
+EXPERT_STATS_S = 0.5  # the [layers, experts] counts ride on a step event at most this often (and when idle)
+PARENT_GONE_EXIT = 3  # the exit code of a core whose server process died
+log = logging.getLogger(__name__)
+
+
+def model_info(engine: Engine) -> dict:
+    """What the front end needs of the served model (``ipc.LOADED``)."""
+    tokenizer = engine.tokenizer
+    return {"cfg": ipc.plain(dataclasses.asdict(engine.cfg)), "eos_ids": list(engine.eos_ids),
+            "max_model_len": engine.max_model_len,
+            "tokenizer": None if tokenizer is None else {
+                "json": tokenizer.hf.to_str(), "chat_template": tokenizer.chat_template,
+                "special_tokens": tokenizer.special_tokens, "eos_token_ids": list(tokenizer.eos_token_ids)}}
+
+
+def _exit_with_parent() -> None:
+    """End this process as soon as its parent dies (even mid-compile)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(PARENT_GONE_EXIT)
+
+    threading.Thread(target=watch, name="serving-core-watchdog", daemon=True).start()
+
+
+def run_core(spec: dict, commands_address: str, events_address: str) -> None:
+    """The core process: build, warm up, report ready, serve until ``stop`` (module docstring)."""
+    _exit_with_parent()
+    context = zmq.Context()
+    commands, events = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    commands.connect(commands_address)
+    events.connect(events_address)
+    send = lambda event: events.send(ipc.pack(event))
+    try:
+        engine = EngineSpec.from_dict(spec).build()
+        send({"kind": ipc.LOADED, "model": model_info(engine)})
+        if hasattr(engine, "warm_up"):
+            engine.warm_up(progress=lambda *args, **kwargs: send(
+                {"kind": ipc.WARMING, "progress": ipc.plain([*args, kwargs] if kwargs else list(args))}))
+    except Exception as e:
+        log.exception("the engine core could not start")
+        send({"kind": ipc.ERROR, "message": f"{type(e).__name__}: {e}"})
+        events.close(linger=1000)
+        return
+    send({"kind": ipc.READY})
+    EngineCore(engine, commands, send).run()
+    context.destroy(linger=0)
+
+
+class EngineCore:
+    """The core's loop over one engine (module docstring); ``send`` ships one event."""
+
+    def __init__(self, engine: Engine, commands: zmq.Socket | None, send: Callable[[dict], None]):
+        self.engine, self.commands, self.send = engine, commands, send
+        self.unfinished: dict[str, int] = {}  # request id -> samples not finished yet
+        self.experts_sent = 0.0
+
+    def run(self) -> None:
+        """Serve until a ``stop`` command: each turn's commands (waiting for one while there is no work), one
+        step event per turn."""
+        while True:
+            commands = self._commands(block=not self.engine.has_unfinished())
+            if any(command[0] == ipc.STOP for command in commands):
+                return
+            self.send(self.turn(commands))
+
+    def turn(self, commands: list[list]) -> dict:
+        """Handle ``commands`` (adds, aborts), step once if there is work; returns the turn's step event."""
+        event = {"kind": ipc.STEP, "outputs": [], "done": {}, "refused": [], "failed": [], "aborted": []}
+        for command in commands:
+            self._handle(command, event)
+        if self.engine.has_unfinished():
+            self._step(event)
+        now = time.monotonic()
+        experts = not self.engine.has_unfinished() or now - self.experts_sent >= EXPERT_STATS_S
+        self.experts_sent = now if experts else self.experts_sent
+        event["stats"] = EngineStats.of(self.engine, experts).to_wire()
+        return event
+
+    def _commands(self, block: bool) -> list:
+        """Every command that has arrived; with ``block``, wait for the first."""
+        commands = [ipc.unpack(self.commands.recv())] if block else []
+        while True:
+            try:
+                commands.append(ipc.unpack(self.commands.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return commands
+
+    def _handle(self, command: list, event: dict) -> None:
+        if command[0] == ipc.ABORT:
+            request_id = command[1]
+            if self.unfinished.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+            event["aborted"].append(request_id)
+            return
+        _, request_id, prompt_ids, params, cache_salt = command
+        try:
+            params = ipc.params_from_wire(params)
+            self.engine.add_request(prompt_ids, params, request_id, cache_salt)
+        except Exception as e:  # refused (ValueError, EngineFullError) or worse: only this request fails
+            kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
+            event["refused"].append([request_id, kind, str(e)])
+            return
+        self._without_detokenizers(request_id, params)
+        self.unfinished[request_id] = params.n
+
+    def _without_detokenizers(self, request_id: str, params: SamplingParams) -> None:
+        """Drop the request's detokenizers unless it has stop strings (the front end makes the text)."""
+        if not params.stop:
+            for seq in self.engine._requests[request_id][1]:
+                seq.detokenizer = None
+
+    def _fail(self, request_ids: list[str], message: str, event: dict) -> None:
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+            self.unfinished.pop(request_id, None)
+        event["failed"].append([request_ids, message])
+
+    def _step(self, event: dict) -> None:
+        try:
+            outputs = self.engine.step()
+        except StepError as e:  # the engine aborted the requests of the failed step
+            self._fail([r for r in e.request_ids if r in self.unfinished], str(e), event)
+            return
+        except Exception as e:  # outside a step's device call (scheduling, bookkeeping): fail them all
+            log.exception("an engine step failed outside its device call")
+            self._fail(list(self.unfinished), f"{type(e).__name__}: {e}", event)
+            return
+        for out in outputs:
+            event["outputs"].append([out.request_id, out.index, out.token_id, out.finished, out.finish_reason,
+                                     out.logprobs])
+            if out.finished and out.request_id in self.unfinished:
+                self.unfinished[out.request_id] -= 1
+                if self.unfinished[out.request_id] == 0:
+                    del self.unfinished[out.request_id]
+                    event["done"][out.request_id] = self.engine.release(out.request_id).num_cached_tokens
+

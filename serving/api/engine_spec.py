@@ -1,0 +1,140 @@
+"""``EngineSpec``: everything needed to build the served ``Engine``, as plain data (str, int, bool, None).
+
+The server's front end never builds the engine itself: it hands the spec to the engine core process
+(``engine_core.py``), which calls ``build`` there, so the front end never loads weights nor touches a device.
+``as_dict`` / ``from_dict`` are the spec on the wire (a dict of scalars).
+
+``model``: ``DEFAULT_MODEL`` (the embedded SmolLM2-135M-Instruct), a HF folder or a .gguf file; with
+``random_weights`` a HF ``config.json`` (or its folder) whose shape is served with the family's ``init_params``
+(seed ``RANDOM_WEIGHTS_SEED``), with the ``tokenizer.json`` beside it when there is one. ``data_parallel x
+tensor_parallel x expert_parallel`` is the mesh over every device of the process that builds the engine
+(all 1: one device).
+"""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from serving import sharding
+from serving.config import ModelConfig
+from serving.engine.engine import Engine
+from serving.loaders.model import LoadedModel, eos_from_folder
+from serving.models import model_module
+from serving.spec_decode import SpecConfig
+from serving.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+RANDOM_WEIGHTS_SEED = 0  # random weights: the same on every run, so runs compare
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """The arguments of ``Engine`` (see its docstring) as plain data, plus where the weights come from."""
+
+    model: str = DEFAULT_MODEL
+    random_weights: bool = False
+    dtype: str = "bfloat16"
+    num_blocks: int = 1024
+    block_size: int = 16
+    max_running: int = 32
+    max_queue: int | None = 64
+    token_budget: int = 512
+    max_model_len: int | None = None
+    batch_invariant: bool = False
+    decode_steps: int = 1
+    speculative: str | None = None  # a method of serving.spec_decode.SPECULATIVE_METHODS
+    drafter: str | None = None  # the block drafter's checkpoint
+    num_speculative_tokens: int | None = None
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineSpec.dtype = {self.dtype!r}: expected one of {list(DTYPES)}")
+        if self.speculative is None and (self.drafter or self.num_speculative_tokens):
+            raise ValueError("--drafter and --num-speculative-tokens need --speculative (ngram or block)")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> "EngineSpec":
+        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"EngineSpec: unknown fields {sorted(unknown)}")
+        return cls(**fields)
+
+    def served_name(self) -> tuple[str, Path | None]:
+        """(the model's default served name, its path or None for the embedded model), checking the path."""
+        if self.random_weights:
+            config = _config_file(self.model)
+            return config.parent.resolve().name, config.parent
+        if self.model == DEFAULT_MODEL:
+            return DEFAULT_MODEL, None
+        path = Path(self.model)
+        if not path.exists():
+            raise FileNotFoundError(f"--model {self.model!r}: expected {DEFAULT_MODEL!r}, a HF folder or a .gguf file")
+        if path.suffix == ".json":
+            raise ValueError(f"--model {self.model!r} is a config without weights: add --random-weights to serve it "
+                             "with random weights, or pass a HF folder or a .gguf file")
+        return path.name, path
+
+    def build(self) -> Engine:
+        """The ``Engine`` this spec describes (loads the weights and allocates the cache on this process's
+        devices)."""
+        dtype = DTYPES[self.dtype]
+        options = dict(dtype=dtype, num_blocks=self.num_blocks, block_size=self.block_size,
+                       max_running=self.max_running, token_budget=self.token_budget,
+                       max_model_len=self.max_model_len, max_queue=self.max_queue,
+                       batch_invariant=self.batch_invariant, mesh=self._mesh(), decode_steps=self.decode_steps,
+                       speculative=SpecConfig.from_method(self.speculative, self.drafter, self.num_speculative_tokens)
+                       if self.speculative else None)
+        _, path = self.served_name()
+        if self.random_weights:
+            return Engine(_load_random(_config_file(self.model), dtype), **options)
+        return Engine(path, **options)
+
+    def _mesh(self) -> Mesh | None:
+        """The ``data x tensor x expert`` mesh over every device, or None (one device) when all three are 1."""
+        sizes = {"--data-parallel": self.data_parallel, "--tensor-parallel": self.tensor_parallel,
+                 "--expert-parallel": self.expert_parallel}
+        named = " x ".join(f"{flag} {n}" for flag, n in sizes.items())
+        if min(sizes.values()) < 1:
+            raise ValueError(f"{named}: expected sizes >= 1")
+        devices = math.prod(sizes.values())
+        if devices == 1:
+            return None
+        if devices != jax.device_count():
+            raise ValueError(f"{named} = {devices} devices: expected their product to be the {jax.device_count()} "
+                             f"{jax.default_backend()} devices this process sees (CUDA_VISIBLE_DEVICES picks the "
+                             "GPUs)")
+        return sharding.make_mesh(*sizes.values())
+
+
+def _config_file(model: str) -> Path:
+    """The HF config.json that ``model`` names for random weights (the file, or the folder holding it)."""
+    if model == DEFAULT_MODEL:
+        raise ValueError(f"--random-weights with --model {model!r}: expected a HF config.json or its folder")
+    path = Path(model)
+    config = path / "config.json" if path.is_dir() else path
+    if not config.is_file() or config.suffix != ".json":
+        raise FileNotFoundError(f"--random-weights --model {model!r}: expected a HF config.json file or a folder "
+                                "holding one")
+    return config
+
+
+def _load_random(config: Path, dtype: jnp.dtype) -> LoadedModel:
+    """Random weights of the model ``config`` describes, with the tokenizer beside it if any."""
+    cfg = ModelConfig.from_hf(json.loads(config.read_text()))
+    params = model_module(cfg.family).init_params(cfg, jax.random.key(RANDOM_WEIGHTS_SEED), dtype)
+    folder = config.parent
+    tokenizer = Tokenizer.from_hf_folder(folder) if (folder / "tokenizer.json").is_file() else None
+    return LoadedModel(cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else eos_from_folder(folder))

@@ -1,0 +1,64 @@
+"""The wire between the server's front end and its engine core process: msgpack of plain data over ZeroMQ.
+
+Two PUSH/PULL pairs on ``ipc://`` sockets in a private temporary folder (the front end binds, the core
+connects): commands go front end -> core, events core -> front end. Only plain data crosses (ints, floats,
+str, lists, dicts, None; never pickle), so a message is decoded without running anything it names.
+
+Commands (lists, first item the kind):
+  ``["add", request_id, prompt_ids, params, cache_salt]``  params: ``params_to_wire(SamplingParams)``
+  ``["abort", request_id]``
+  ``["stop"]``
+Events (dicts with a "kind"):
+  ``loaded``   the model's facts the front end needs (``model_info``), once the engine is built
+  ``warming``  ``progress``: the arguments of ``Engine.warm_up``'s progress callback
+  ``ready``    serving from now on
+  ``step``     one engine step: ``outputs`` ``[[request_id, index, token_id, finished, finish_reason, logprobs],
+               ...]`` for every sequence that sampled, ``done`` ``{request_id: num_cached_tokens}`` of requests
+               whose samples all finished, ``refused`` ``[[request_id, error type, message]]``, ``failed``
+               ``[[request_ids, message]]`` (a step's ``StepError``), ``aborted`` request ids, and ``stats``
+  ``error``    the core could not start (``message``); it exits
+"""
+
+import dataclasses
+from typing import Any
+
+import msgpack
+
+from serving.engine.sampling_params import SamplingParams
+from serving.structured import ConstraintSpec
+
+ADD, ABORT, STOP = "add", "abort", "stop"
+LOADED, WARMING, READY, STEP, ERROR = "loaded", "warming", "ready", "step", "error"
+
+
+def pack(message: Any) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False)
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """``params`` as a dict of plain fields (the constraint as ``{"kind", "value"}`` or None)."""
+    return dataclasses.asdict(params)
+
+
+def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
+    """The ``SamplingParams`` of ``params_to_wire``'s dict (validated again on construction)."""
+    constraint = fields.get("constraint")
+    if constraint is not None:
+        value = constraint["value"]
+        constraint = ConstraintSpec(constraint["kind"], tuple(value) if isinstance(value, list) else value)
+    return SamplingParams(**{**fields, "constraint": constraint})
+
+
+def plain(value: Any) -> Any:
+    """``value`` with tuples as lists and anything msgpack cannot carry as its ``str`` (progress reports)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
