@@ -4,6 +4,7 @@
     python -m serving serve --model path/to/config.json --random-weights   # a HF config, random weights
     python -m serving serve --speculative block --drafter DIR   # speculative decoding (or --speculative ngram)
     python -m serving serve --decode-steps 4   # up to 4 decode steps per device call (Engine(decode_steps=))
+    python -m serving serve --dtype float32 --compilation-cache DIR   # or --no-compilation-cache
     python -m serving chat [--url http://127.0.0.1:8000/v1 --api-key KEY]   # without --url: serves --model itself
     python -m serving serve --model DIR --tensor-parallel 2 --expert-parallel 4   # on 8 devices
 
@@ -18,6 +19,10 @@ them). One host: ``serve`` drives the engine from one process; a mesh across hos
 shape, not of answers): ``--model`` names the config file or the folder holding it; the weights are the model
 family's ``init_params`` (seed ``RANDOM_WEIGHTS_SEED``) in ``--dtype``, and a ``tokenizer.json`` beside the config
 is used when there is one (without it, prompts must be token ids on ``/v1/completions``).
+
+Defaults are the engine's (``serving.engine.engine``): ``--dtype auto`` (bfloat16 on a GPU, float32 on the CPU),
+``--decode-steps`` by backend (``DECODE_STEPS``), ``--prefill-chunk`` half the token budget, and JAX's persistent
+compilation cache in ``$APEX_JAX_CACHE`` or ``~/.cache/apex-jax/jax-compilation``.
 
 The API key may also come from the ``SERVING_API_KEY`` environment variable (keeps it out of ``ps``); it is
 never printed or logged.
@@ -38,14 +43,14 @@ from serving import sharding
 from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, check_bind
 from serving.api.server import Server, create_app, serve
 from serving.config import ModelConfig
-from serving.engine.engine import Engine, LoadedModel, eos_from_folder
+from serving.engine.engine import Engine, LoadedModel, eos_from_folder, resolve_dtype
 from serving.models import model_module
 from serving.speculative import SPECULATIVE_METHODS, SpecConfig
 from serving.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct
 API_KEY_ENV = "SERVING_API_KEY"
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+DTYPES = ("auto", "bfloat16", "float32")  # --dtype: names Engine takes (serving.engine.engine.resolve_dtype)
 EXIT_WORDS = ("/exit", "/quit")
 RANDOM_WEIGHTS_SEED = 0  # --random-weights: the same weights on every run, so runs compare
 
@@ -92,15 +97,16 @@ def _engine(args: argparse.Namespace) -> tuple[Engine, str, Path | None]:
     """(engine, served model name, model path or None) for ``--model`` (and ``--random-weights``)."""
     if args.speculative is None and (args.drafter or args.num_speculative_tokens):
         raise ValueError("--drafter and --num-speculative-tokens need --speculative (ngram or block)")
-    options = dict(dtype=DTYPES[args.dtype], num_blocks=args.num_blocks, block_size=args.block_size,
+    options = dict(dtype=args.dtype, num_blocks=args.num_blocks, block_size=args.block_size,
                    max_running=args.max_running, token_budget=args.token_budget, max_model_len=args.max_model_len,
                    max_queue=args.max_queue, batch_invariant=args.batch_invariant, mesh=_mesh(args),
-                   decode_steps=args.decode_steps,
+                   decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk,
+                   compilation_cache=args.compilation_cache,
                    speculative=SpecConfig.from_method(args.speculative, args.drafter, args.num_speculative_tokens)
                    if args.speculative else None)
     if args.random_weights:
         config = _config_file(args.model)
-        engine = Engine(_load_random(config, options["dtype"]), **options)
+        engine = Engine(_load_random(config, resolve_dtype(args.dtype, config.parent)), **options)
         return engine, args.name or config.parent.resolve().name, config.parent
     path = None if args.model == DEFAULT_MODEL else Path(args.model)
     if path is not None and not path.exists():
@@ -177,20 +183,30 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"{DEFAULT_MODEL!r} (the embedded SmolLM2-135M-Instruct), a HF folder or a .gguf file")
     parser.add_argument("--name", help="the model name clients use (default: smollm2 or the folder name)")
-    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="params and cache dtype; auto: bfloat16 on a GPU (float16 for a float16 checkpoint), "
+                             "float32 on the CPU")
     parser.add_argument("--max-running", type=int, default=32, help="sequences run per step")
     parser.add_argument("--max-queue", type=int, default=64, help="sequences waiting beyond max-running; more: 503")
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--token-budget", type=int, default=512, help="new tokens per step (chunked prefill)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                        help="prefill tokens running sequences take per step while others wait to be admitted "
+                             "(default: half the token budget)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--random-weights", action="store_true",
                         help="--model is a HF config.json (or its folder): serve that shape with random weights")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's output is bitwise the same in any batch (serving.batch_invariant; slower)")
-    parser.add_argument("--decode-steps", type=int, default=1, metavar="N",
+    parser.add_argument("--decode-steps", type=int, default=None, metavar="N",
                         help="decode steps per device call when every running sequence decodes (the same tokens; "
-                             "a step with a prefill, a constrained row or logprobs runs one)")
+                             "a step with a prefill or a constrained row runs one; default: by backend, 1 on the CPU)")
+    parser.add_argument("--compilation-cache", default=True, metavar="DIR",
+                        help="JAX's persistent compilation cache (default: $APEX_JAX_CACHE or "
+                             "~/.cache/apex-jax/jax-compilation)")
+    parser.add_argument("--no-compilation-cache", dest="compilation_cache", action="store_false",
+                        help="do not turn the persistent compilation cache on")
     parser.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),
                         help="speculative decoding: n-gram prompt lookup, or a block drafter (--drafter)")
     parser.add_argument("--drafter", default=None, help="block drafter checkpoint (python -m serving.train_drafter)")
