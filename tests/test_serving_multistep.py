@@ -238,6 +238,21 @@ def test_a_constrained_row_runs_single_steps_then_the_rest_run_several(folder, m
     assert re.fullmatch(regex.value, eng.tokenizer.decode(want[0][:-1])) and want[0][-1] in eng.eos_ids
 
 
+def test_rows_asking_for_logprobs_run_several_steps_with_the_single_step_logprobs(folder, monkeypatch):
+    params = [dataclasses.replace(GREEDY, logprobs=3), dataclasses.replace(SAMPLED, logprobs=0, max_tokens=15),
+              dataclasses.replace(PENALIZED, logprobs=5)]
+    prompts = ["Hello", "Once upon", "ab"]
+    want = [r.outputs[0] for r in engine(folder, 1).generate(prompts, params)]
+    calls = count_calls(monkeypatch, "_decode_steps")
+    got = [r.outputs[0] for r in engine(folder, 4).generate(prompts, params)]
+    assert calls and [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w, p in zip(got, want, params, strict=True):
+        assert len(g.logprobs) == len(g.token_ids) and all(len(e["top"]) == p.logprobs for e in g.logprobs)
+        assert [[t for t, _ in e["top"]] for e in g.logprobs] == [[t for t, _ in e["top"]] for e in w.logprobs]
+        np.testing.assert_allclose([e["logprob"] for e in g.logprobs], [e["logprob"] for e in w.logprobs],
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_on_a_mesh_the_hf_greedy_tokens():
     """Qwen3-MoE on a 2 x 2 x 2 mesh of host devices, 4 decode steps per call: HF's greedy tokens."""
     with np.load(HF / "qwen3_moe" / "reference.npz") as ref:

@@ -17,6 +17,7 @@ from serving.engine import engine as engine_module
 from serving.engine.engine import Engine
 from serving.engine.runner import MIN_BLOCKS_BUCKET, MIN_TOKENS_BUCKET, StepShape, buckets
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.speculative import SpecConfig
 from serving.structured import ConstraintSpec
 
 HF = Path(__file__).parent / "fixtures" / "hf"
@@ -79,6 +80,23 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
         _events = None
 
 
+def test_with_ngram_speculation_warm_up_compiles_every_verification(folder):
+    global _events
+    eng = Engine(folder, dtype="float32", num_blocks=32, block_size=4, max_running=2, token_budget=16,
+                 max_model_len=64, speculative=SpecConfig.from_method("ngram", k=3), compilation_cache=False)
+    done = eng.warm_up()
+    assert [kind for kind, *_ in done] == ["score"] * 4 + ["verify"] * 8
+    _events = []
+    try:
+        texts = ["ab ab ab ab ab ab ab ab", "the cat the cat the cat"]  # n-grams recur: drafts are proposed
+        eng.generate(texts, [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                             SamplingParams(temperature=0.7, max_tokens=12, seed=2, logprobs=1)])
+        eng.generate(texts[:1], SamplingParams(temperature=0.0, max_tokens=5, constraint=ConstraintSpec.regex("a+")))
+        assert eng.spec_stats.num_draft_tokens > 0 and _events == []
+    finally:
+        _events = None
+
+
 def test_dtype_auto_and_decode_steps_follow_the_backend():
     assert jax.default_backend() == "cpu"
     assert engine_module.resolve_dtype("auto", HF / "llama") == jax.numpy.float32  # the CPU
@@ -121,3 +139,17 @@ def test_a_restart_reads_every_compile_back_from_the_persistent_cache(tmp_path):
     assert cold["misses"] >= 5 and cold["dtype"] == "float32" and any(cache.iterdir())
     warm = start()
     assert warm["misses"] == 0 and warm["hits"] == cold["misses"] + cold["hits"]
+
+
+def test_the_cli_defaults_are_the_engines(folder):
+    from serving import __main__ as serving_main
+    from serving.api import cli
+
+    command = ["serve", "--model", str(folder), "--num-blocks", "16", "--no-compilation-cache"]
+    eng = cli._engine(serving_main.parser().parse_args(command))[0]
+    assert (eng.dtype, eng.decode_steps, eng.scheduler.prefill_chunk, eng.compilation_cache) == (
+        jax.numpy.float32, 1, 256, None)
+    flags = ["--dtype", "bfloat16", "--prefill-chunk", "100", "--token-budget", "200"]
+    eng = cli._engine(serving_main.parser().parse_args(command + flags))[0]
+    assert (eng.dtype, eng.scheduler.prefill_chunk) == (jax.numpy.bfloat16, 100)
+    assert jax.tree.leaves(eng.runner.params)[0].dtype == jax.numpy.bfloat16

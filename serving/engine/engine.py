@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from serving import sharding, weights
+from serving import sharding, speculative, weights
 from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
 from serving.engine.request import Sequence as Seq
@@ -311,8 +311,10 @@ class Engine:
         * with ``decode_steps`` > 1, every multi-step decode: the decode-only shapes for each power-of-two
           n <= decode_steps, with and without logprobs, greedy and drawing.
 
-        Penalized requests (their token histories have widths of their own) and speculative decoding's steps are
-        not in the set. XLA compiles them in parallel threads; ``progress(done, total)`` is called after each.
+        With speculative decoding every step is a verification: with the n-gram drafter, its scoring forward at
+        each shape (paged-only or not) and its verification variants instead of the step and the sampler; other
+        drafters' steps are not in the set, nor are penalized requests' (their token histories have widths of
+        their own). XLA compiles them in parallel threads; ``progress(done, total)`` is called after each.
         Returns what was compiled: ("step", StepShape), ("sample", S, num_top, draw, masked), ("chained", StepShape)
         and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
@@ -329,15 +331,24 @@ class Engine:
             steps = [1 << e for e in range(1, self.decode_steps.bit_length())]
             decodes += [("decode", shape, n, *v) for shape in decode_shapes for n in steps for v in top_draw]
         num_seqs = sorted({shape.num_seqs for shape in shapes})
-        # the sampler's logits [S, V]: what the first step gives, at each S
-        first = runner.compile_step(shapes[0])
-        logits = {n: jax.ShapeDtypeStruct((n, *first.shape[1:]), first.dtype, sharding=first.sharding)
+        forward, sampler, rows = ("step", "sample", 1)
+        if self.drafter is not None:  # every step is a verification (the drafter's own calls are its own)
+            if not isinstance(self.drafter, speculative.NgramDrafter):
+                return []
+            forward, sampler, rows = ("score", "verify", self.speculative.k + 1)
+            shapes = sorted({shape._replace(paged_only=p) for shape in shapes for p in (False, True)})
+        # the sampler's logits [S * rows, V]: what the first forward gives, at each S
+        first = (runner.compile_step(shapes[0]) if forward == "step"
+                 else speculative.compile_score(runner, shapes[0], self.speculative.k))
+        logits = {n: jax.ShapeDtypeStruct((n * rows, *first.shape[1:]), first.dtype, sharding=first.sharding)
                   for n in num_seqs}
-        entries = ([("step", shape) for shape in shapes] + [("sample", n, *v) for n in num_seqs for v in samplers]
+        entries = ([(forward, shape) for shape in shapes] + [(sampler, n, *v) for n in num_seqs for v in samplers]
                    + decodes)
         compile_entry = {"step": runner.compile_step, "decode": runner.compile_decode,
                          "chained": lambda shape: runner.compile_step(shape, chained=True),
-                         "sample": lambda n, *variant: runner.compile_sample(logits[n], *variant)}
+                         "sample": lambda n, *variant: runner.compile_sample(logits[n], *variant),
+                         "score": lambda shape: speculative.compile_score(runner, shape, self.speculative.k),
+                         "verify": lambda n, *v: speculative.compile_verify(logits[n], self.speculative.k, *v)}
         if progress is not None:
             progress(1, len(entries))
         # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (kernel mode)
