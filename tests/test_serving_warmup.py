@@ -97,6 +97,23 @@ def test_with_ngram_speculation_warm_up_compiles_every_verification(folder):
         _events = None
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
+def test_on_a_mesh_warm_up_leaves_nothing_to_compile():
+    global _events
+    from serving import sharding
+
+    mesh = sharding.make_mesh(2, 2, 2, devices=jax.devices()[:8])
+    eng = Engine(HF / "qwen3_moe", dtype="float32", num_blocks=32, block_size=4, max_running=2, token_budget=8,
+                 max_model_len=32, mesh=mesh, compilation_cache=False)
+    eng.warm_up()
+    _events = []
+    try:
+        eng.generate([[5, 6, 7], [9, 10, 11, 12, 13]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert _events == []
+    finally:
+        _events = None
+
+
 def test_dtype_auto_and_decode_steps_follow_the_backend():
     assert jax.default_backend() == "cpu"
     assert engine_module.resolve_dtype("auto", HF / "llama") == jax.numpy.float32  # the CPU

@@ -209,8 +209,13 @@ class ModelRunner:
         """``pack_step``'s one buffer of a step's inputs; on a mesh, replicated (every device reads the whole batch)."""
         return self._placed(pack_step(tokens, batch, last))
 
-    def _placed(self, packed: np.ndarray) -> Any:
-        return packed if self.mesh is None else jax.device_put(packed, NamedSharding(self.mesh, P()))
+    def _placed(self, inputs: np.ndarray | jax.Array) -> Any:
+        """A step's ``inputs`` as its jitted call takes them: as they are, or replicated on the mesh."""
+        return inputs if self.mesh is None else jax.device_put(inputs, self._replicated)
+
+    @property
+    def _replicated(self) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, P())
 
     @property
     def kernels(self) -> str:
@@ -238,9 +243,10 @@ class ModelRunner:
         bitmask = None if self.overlap_masks else self._masks(rows, num_seqs)
         sizes = (len(tokens), num_seqs, batch.block_tables.shape[1])
         packed = self._packed(tokens, batch, last)
+        sampled = previous and self._placed(previous.result.tokens)  # stays on the device
         with self.on_mesh():
-            logits, self.kv, counts = _step(self.params, self.kv, packed, previous and previous.result.tokens,
-                                            sizes=sizes, forward=self.forward, cfg=self.cfg, kernels=self.kernels,
+            logits, self.kv, counts = _step(self.params, self.kv, packed, sampled, sizes=sizes, forward=self.forward,
+                                            cfg=self.cfg, kernels=self.kernels,
                                             paged_only=self._paged_only(batch))  # returns at once; the device computes
             if self.overlap_masks:
                 bitmask = self._masks(rows, num_seqs)
@@ -311,7 +317,7 @@ class ModelRunner:
     def compile_step(self, shape: StepShape, chained: bool = False) -> jax.ShapeDtypeStruct:
         """Compile ``run``'s forward step of ``shape`` (nothing runs), or with ``chained`` ``dispatch``'s of a decode
         step after another (its tokens on the device); returns the logits it gives the sampler."""
-        previous = jax.ShapeDtypeStruct((shape.num_seqs,), jnp.int32) if chained else None
+        previous = jax.ShapeDtypeStruct((shape.num_seqs,), jnp.int32, sharding=self._replicated) if chained else None
         with self.on_mesh():
             compiled = _step.lower(self.params, self.kv, self._packed_like(shape), previous,
                                    sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), forward=self.forward,
