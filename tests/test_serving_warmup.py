@@ -126,6 +126,20 @@ def test_dtype_auto_and_decode_steps_follow_the_backend():
     assert engine_module.default_decode_steps() == engine_module.DECODE_STEPS["cpu"] == 1
 
 
+def test_the_compilation_cache_is_in_the_project_cache_folder_unless_one_is_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("APEX_JAX_CACHE", str(tmp_path))
+    previous = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_compilation_cache_dir", None)  # no compile runs until it is restored
+    try:
+        assert engine_module.use_compilation_cache(False) is None and not jax.config.jax_compilation_cache_dir
+        assert engine_module.use_compilation_cache() == tmp_path / "jax-compilation"
+        assert (tmp_path / "jax-compilation").is_dir() and jax.config.jax_persistent_cache_min_compile_time_secs == 0
+        assert engine_module.use_compilation_cache(tmp_path / "other") == tmp_path / "jax-compilation"  # kept
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", previous[1])
+
+
 STARTUP = """
 import collections, json, sys, jax
 events = collections.Counter()

@@ -22,7 +22,7 @@ is used when there is one (without it, prompts must be token ids on ``/v1/comple
 
 Defaults are the engine's (``serving.engine.engine``): ``--dtype auto`` (bfloat16 on a GPU, float32 on the CPU),
 ``--decode-steps`` by backend (``DECODE_STEPS``), ``--prefill-chunk`` half the token budget, and JAX's persistent
-compilation cache in ``$APEX_JAX_CACHE`` or ``~/.cache/apex-jax/jax-compilation``.
+compilation cache in ``jax-compilation`` under ``$APEX_JAX_CACHE`` (default ``~/.cache/apex-jax``).
 
 The API key may also come from the ``SERVING_API_KEY`` environment variable (keeps it out of ``ps``); it is
 never printed or logged.
@@ -203,8 +203,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                         help="decode steps per device call when every running sequence decodes (the same tokens; "
                              "a step with a prefill or a constrained row runs one; default: by backend, 1 on the CPU)")
     parser.add_argument("--compilation-cache", default=True, metavar="DIR",
-                        help="JAX's persistent compilation cache (default: $APEX_JAX_CACHE or "
-                             "~/.cache/apex-jax/jax-compilation)")
+                        help="JAX's persistent compilation cache (default: jax-compilation in $APEX_JAX_CACHE, "
+                             "itself ~/.cache/apex-jax by default)")
     parser.add_argument("--no-compilation-cache", dest="compilation_cache", action="store_false",
                         help="do not turn the persistent compilation cache on")
     parser.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),

@@ -69,10 +69,10 @@ from serving.tokenizer import Tokenizer
 SEED_RANGE = 2**32  # seeds are uint32
 ABORT = "abort"  # finish reason of the samples ``Engine.abort`` stopped
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
-# decode_steps by jax.default_backend() (others: 1). The CPU: SmolLM2's multi-step decode is no faster there.
+# decode_steps by jax.default_backend() (others: 1): on a GPU several steps per call save the host's time between
+# steps; on the CPU the host is the device, and SmolLM2 decodes no faster.
 DECODE_STEPS = {"cpu": 1, "gpu": 8}
-COMPILATION_CACHE_ENV = "APEX_JAX_CACHE"  # the persistent compilation cache's folder, if set
-DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "apex-jax" / "jax-compilation"
+COMPILATION_CACHE = "jax-compilation"  # the persistent compilation cache's folder, in the project's cache folder
 
 
 class EngineFullError(RuntimeError):
@@ -206,15 +206,15 @@ def default_decode_steps() -> int:
 
 
 def use_compilation_cache(folder: str | Path | bool = True) -> Path | None:
-    """Turn on JAX's persistent compilation cache (process-wide) in ``folder`` (True: ``$APEX_JAX_CACHE``, else
-    ``DEFAULT_COMPILATION_CACHE``), every compile kept however short, so a restart compiles nothing; False:
-    leave the setting as it is. A folder the process set already (``jax_compilation_cache_dir``) is kept.
-    Returns the folder in use, or None."""
+    """Turn on JAX's persistent compilation cache (process-wide) in ``folder`` (True: ``COMPILATION_CACHE`` in the
+    project's cache folder, ``$APEX_JAX_CACHE`` or ``~/.cache/apex-jax``), every compile kept however short, so a
+    restart compiles nothing; False: leave the setting as it is. A folder the process set already
+    (``jax_compilation_cache_dir``) is kept. Returns the folder in use, or None."""
     if folder is False:
         return None
     if current := jax.config.jax_compilation_cache_dir:
         return Path(current)
-    path = Path(os.environ.get(COMPILATION_CACHE_ENV) or DEFAULT_COMPILATION_CACHE) if folder is True else Path(folder)
+    path = weights.default_cache_dir() / COMPILATION_CACHE if folder is True else Path(folder)
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
