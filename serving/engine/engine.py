@@ -307,7 +307,7 @@ class Engine:
           ``max_model_len``'s blocks, S = N's), and for each S the sampler with and without logprobs, greedy
           and drawing, and (with a tokenizer, which constraints need) with and without a structured-output mask;
         * with ``async_scheduling``, the decode step dispatched behind another, at every decode-only shape (N up
-          to ``max_running``);
+          to ``max_running`` and ``token_budget``);
         * with ``decode_steps`` > 1, every multi-step decode: the decode-only shapes for each power-of-two
           n <= decode_steps, with and without logprobs, greedy and drawing.
 
@@ -324,7 +324,7 @@ class Engine:
         top_draw = list(itertools.product((0, MAX_LOGPROBS), (False, True)))
         masked = (False, True) if self.tokenizer is not None else (False,)
         samplers = [(num_top, draw, m) for (num_top, draw), m in itertools.product(top_draw, masked)]
-        decode_shapes = runner.step_shapes(self.scheduler.max_running, max_blocks, decode_only=True)
+        decode_shapes = runner.step_shapes(self.scheduler.token_budget, max_blocks, decode_only=True)
         plain = not runner.batch_invariant and self.drafter is None
         decodes = [("chained", shape) for shape in decode_shapes] if self.async_scheduling and plain else []
         if self.decode_steps > 1 and plain:

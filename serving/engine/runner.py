@@ -28,6 +28,10 @@ folded with, the penalized histories). The host gets the ``[S, steps]`` tokens (
 for) and the summed expert counts in one transfer. Its tokens are those of ``steps`` single steps of the same
 batch.
 
+``run`` is ``fetch(dispatch(...))``: ``dispatch`` returns as soon as the device calls are queued, so the engine can
+queue the next decode step behind it (``dispatch(previous=...)``: its input tokens are the rows of ``previous``'s
+sampled tokens, read on the device, padded to ``previous``'s N) before it waits for the first one's tokens.
+
 Structured output costs no device time of its own: the forward pass is dispatched asynchronously, and while the
 device runs it the host packs the constrained rows' allowed tokens (``fill_token_bitmask``, llguidance's thread
 pool) and the sampling parameters; the sampler, dispatched next, applies the packed ``[S, ceil(V / 32)]`` int32
@@ -236,14 +240,14 @@ class ModelRunner:
                  previous: Dispatched | None = None) -> Dispatched:
         """``run``'s device calls, not waited for. With ``previous`` (a decode step still on the device), the
         chunks are decode chunks whose ``token_ids`` are rows of the tokens ``previous`` samples, padded as it is."""
-        tokens, batch = self.prepare(chunks, token_ids, previous and previous.num_tokens)
+        tokens, batch = self.prepare(chunks, token_ids, None if previous is None else previous.num_tokens)
         num_seqs = batch.context_lens.shape[0]
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.cumsum([c.count for c in chunks]) - 1
         bitmask = None if self.overlap_masks else self._masks(rows, num_seqs)
         sizes = (len(tokens), num_seqs, batch.block_tables.shape[1])
         packed = self._packed(tokens, batch, last)
-        sampled = previous and self._placed(previous.result.tokens)  # stays on the device
+        sampled = None if previous is None else self._placed(previous.result.tokens)  # stays on the device
         with self.on_mesh():
             logits, self.kv, counts = _step(self.params, self.kv, packed, sampled, sizes=sizes, forward=self.forward,
                                             cfg=self.cfg, kernels=self.kernels,
