@@ -436,7 +436,8 @@ class Engine:
         return result
 
     def step(self) -> list[StepOutput]:
-        """Run one scheduled step; one output per sequence that sampled a token.
+        """Run one scheduled step; one output per sequence that sampled a token. With a decode step in flight
+        (``async_scheduling``), the step after it is dispatched first, then its tokens are the outputs.
 
         If the step raises, the requests it ran are aborted (the others keep their place) and ``StepError``
         names them; a cache the failed device call consumed is rebuilt (``_reset_cache``).
