@@ -315,8 +315,8 @@ class Engine:
         each shape (paged-only or not) and its verification variants instead of the step and the sampler; other
         drafters' steps are not in the set, nor are penalized requests' (their token histories have widths of
         their own). XLA compiles them in parallel threads; ``progress(done, total)`` is called after each.
-        Returns what was compiled: ("step", StepShape), ("sample", S, num_top, draw, masked), ("chained", StepShape)
-        and ("decode", StepShape, n, num_top, draw) entries."""
+        Returns what was compiled: ("step" | "score" | "chained", StepShape), ("sample" | "verify", S, num_top,
+        draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
             raise RuntimeError("warm_up: the engine has unfinished requests: expected an idle engine")
         runner, max_blocks = self.runner, -(-self.max_model_len // self.allocator.block_size)
@@ -332,7 +332,7 @@ class Engine:
             decodes += [("decode", shape, n, *v) for shape in decode_shapes for n in steps for v in top_draw]
         num_seqs = sorted({shape.num_seqs for shape in shapes})
         forward, sampler, rows = ("step", "sample", 1)
-        if self.drafter is not None:  # every step is a verification (the drafter's own calls are its own)
+        if self.drafter is not None:  # every step is a verification
             if not isinstance(self.drafter, speculative.NgramDrafter):
                 return []
             forward, sampler, rows = ("score", "verify", self.speculative.k + 1)
