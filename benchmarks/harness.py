@@ -169,10 +169,13 @@ def _jsonable(value: Any) -> Any:
 
 
 def _copy_to_out(path: Path) -> None:
-    """The GPU machine only sends back files under `$OUT`."""
+    """The GPU machine only sends back files under `$OUT`: copy `path` there, unless it was written there already
+    (`--out-dir $OUT`: a copy onto itself, which `shutil` refuses)."""
     if out := os.environ.get("OUT"):
+        target = Path(out) / path.name
         Path(out).mkdir(parents=True, exist_ok=True)
-        shutil.copy2(path, Path(out) / path.name)
+        if not (target.exists() and os.path.samefile(path, target)):
+            shutil.copy2(path, target)
 
 
 def _result_path(name: str, suffix: str, out_dir: str | Path | None) -> Path:

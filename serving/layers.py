@@ -136,6 +136,13 @@ def use_gather_config(config: GroupedMatmulConfig) -> Iterator[None]:
         yield
 
 
+def traces_kernels(mode: str) -> bool:
+    """Whether functions traced in kernel mode ``mode`` on this process's default backend take the kernel path,
+    where ``paged_only`` changes what is traced (the references read every token's context from the pages
+    either way, so elsewhere a jitted caller need not key its cache on it)."""
+    return mode in ("interpret", BATCH_INVARIANT) or (mode == "auto" and jax.default_backend() == "gpu")
+
+
 def all_paged(batch: AttentionBatch) -> bool:
     """True when every real token of the host-side ``batch`` reads its context from the pages (``kv_lens > 0``:
     decode tokens, chunks continuing a cached prefix), i.e. the batch has no first prefill chunk."""

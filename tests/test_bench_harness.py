@@ -50,6 +50,16 @@ def test_write_results(tmp_path, monkeypatch):
     assert (tmp_path / "out" / "demo.json").read_text() == path.read_text()
 
 
+def test_write_results_into_out_itself(tmp_path, monkeypatch):
+    """``--out-dir $OUT``: the file is written in $OUT and not copied onto itself (shutil.SameFileError)."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("OUT", str(out))
+    path = harness.write_results("demo", {"rows": [1]}, out_dir=out)
+    assert path == out / "demo.json" and json.loads(path.read_text())["rows"] == [1]
+    monkeypatch.setenv("OUT", str(tmp_path / "." / "out"))  # the same folder under another spelling
+    assert json.loads(harness.write_results("demo", {"rows": [2]}, out_dir=out).read_text())["rows"] == [2]
+
+
 def test_write_results_refuses_path_names(tmp_path):
     with pytest.raises(ValueError, match="plain file stem"):
         harness.write_results("../demo", {}, out_dir=tmp_path)

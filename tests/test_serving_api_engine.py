@@ -99,17 +99,17 @@ def test_a_failing_step_fails_only_its_requests_and_the_engine_recovers(referenc
     also when the failed device call had consumed (donated) the cache."""
     prompts, greedy = reference
     eng = engine(max_running=1)
-    run = eng.runner.run
+    dispatch = eng.runner.dispatch
     poison = [7, 7, 7, 7, 7]
 
-    def failing_run(chunks, token_ids, rows, num_top=0):
+    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None):
         if any(r.prompt_ids == poison for r in rows):
             if consume_cache:
                 jax.tree.map(lambda a: a.delete(), eng.runner.kv)
             raise RuntimeError("injected device failure")
-        return run(chunks, token_ids, rows, num_top)
+        return dispatch(chunks, token_ids, rows, num_top, previous)
 
-    monkeypatch.setattr(eng.runner, "run", failing_run)
+    monkeypatch.setattr(eng.runner, "dispatch", failing_dispatch)
     cached = eng.generate([prompts[1]], GREEDY)[0].outputs[0].token_ids  # fills the prefix cache
     bad = eng.add_request(poison, GREEDY)
     good = eng.add_request(prompts[0], GREEDY)

@@ -241,15 +241,15 @@ def test_cache_salt_is_passed_to_the_engine(url, served, monkeypatch):
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_engine_exception_fails_only_its_request_and_the_server_recovers(url, served, monkeypatch, stream):
     _, engine = served
-    run = engine.runner.run
+    dispatch = engine.runner.dispatch
     poison = [3, 1, 4, 1, 5, 9, 2, 6]
 
-    def failing_run(chunks, token_ids, rows, num_top=0):
+    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None):
         if any(list(r.prompt_ids) == poison for r in rows):
             raise RuntimeError("injected device failure")
-        return run(chunks, token_ids, rows, num_top)
+        return dispatch(chunks, token_ids, rows, num_top, previous)
 
-    monkeypatch.setattr(engine.runner, "run", failing_run)
+    monkeypatch.setattr(engine.runner, "dispatch", failing_dispatch)
     body = {"model": MODEL_NAME, "prompt": poison, "max_tokens": 4, "stream": stream}
     response = post(url, "/v1/completions", body)
     if stream:

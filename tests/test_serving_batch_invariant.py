@@ -240,13 +240,13 @@ class LogitsRecorder:
 
     def install(self, engine: Engine) -> Engine:
         """Route ``engine``'s steps through this recorder (the sequences' prompts name their rows)."""
-        run = engine.runner.run
+        dispatch = engine.runner.dispatch
 
-        def recorded_run(chunks, token_ids, rows, num_top=0):
+        def recorded_dispatch(chunks, token_ids, rows, num_top=0, previous=None):
             self.prompts = [tuple(r.prompt_ids) for r in rows]
-            return run(chunks, token_ids, rows, num_top)
+            return dispatch(chunks, token_ids, rows, num_top, previous)
 
-        engine.runner.forward, engine.runner.run = self, recorded_run
+        engine.runner.forward, engine.runner.dispatch = self, recorded_dispatch
         return engine
 
 

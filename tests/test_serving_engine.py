@@ -147,7 +147,8 @@ def test_cache_salt_keeps_equal_prompts_from_sharing_cached_blocks():
 
 @pytest.mark.parametrize("name", [FAMILIES[0], *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES[1:])])
 def test_multi_step_decode_matches_hf_greedy_and_sums_the_expert_counts(name):
-    """decode_steps=4: 31 tokens after the prefill's, in 4-token device calls ending at max_tokens (7 of 4, one of 3):
+    """decode_steps=4: 31 tokens after the prefill's, in device calls of a power of two of them ending at max_tokens
+    (7 of 4, one of 2, one single step):
     HF's greedy tokens, and every computed token routed once per MoE layer, as in single steps."""
     prompts, greedy = reference(name)
     eng = engine(name, decode_steps=4)

@@ -131,6 +131,17 @@ def test_reserve_ahead_stops_at_max_tokens_max_len_and_free_blocks_and_never_pre
         sched.reserve_ahead(ahead[:1], 4)
 
 
+def test_reserve_ahead_in_powers_of_two_rounds_n_down():
+    sched = Scheduler(BlockAllocator(16, BLOCK), max_running=2, token_budget=64)
+    seqs = [make_seq(0, 3, max_tokens=40), make_seq(1, 2, max_tokens=8)]  # seq 1: 7 tokens left after the prefill
+    for seq in seqs:
+        sched.add(seq)
+    chunks = sched.schedule()
+    sched.update(chunks, [5, 5])
+    ahead = sched.reserve_ahead(sched.schedule(), 8, power_of_two=True)
+    assert [c.count for c in ahead] == [4, 4] and [len(s.block_table) for s in seqs] == [2, 2]
+
+
 def test_reserve_ahead_without_a_free_block_runs_one_step():
     sched = Scheduler(BlockAllocator(2, BLOCK), max_running=2, token_budget=64)
     for seq in (make_seq(0, 3), make_seq(1, 3)):
@@ -233,6 +244,21 @@ def test_a_constrained_row_runs_single_steps_then_the_rest_run_several(folder, m
     assert calls
     assert [eng.release(r).outputs[0].token_ids for r in rid] == want
     assert re.fullmatch(regex.value, eng.tokenizer.decode(want[0][:-1])) and want[0][-1] in eng.eos_ids
+
+
+def test_rows_asking_for_logprobs_run_several_steps_with_the_single_step_logprobs(folder, monkeypatch):
+    params = [dataclasses.replace(GREEDY, logprobs=3), dataclasses.replace(SAMPLED, logprobs=0, max_tokens=15),
+              dataclasses.replace(PENALIZED, logprobs=5)]
+    prompts = ["Hello", "Once upon", "ab"]
+    want = [r.outputs[0] for r in engine(folder, 1).generate(prompts, params)]
+    calls = count_calls(monkeypatch, "_decode_steps")
+    got = [r.outputs[0] for r in engine(folder, 4).generate(prompts, params)]
+    assert calls and [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w, p in zip(got, want, params, strict=True):
+        assert len(g.logprobs) == len(g.token_ids) and all(len(e["top"]) == p.logprobs for e in g.logprobs)
+        assert [[t for t, _ in e["top"]] for e in g.logprobs] == [[t for t, _ in e["top"]] for e in w.logprobs]
+        np.testing.assert_allclose([e["logprob"] for e in g.logprobs], [e["logprob"] for e in w.logprobs],
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_on_a_mesh_the_hf_greedy_tokens():

@@ -48,6 +48,38 @@ def test_token_budget_chunks_prefill_and_schedules_decodes_first():
     check_blocks(sched)
 
 
+def test_short_prompt_behind_a_long_prefill_samples_within_a_bounded_number_of_steps():
+    """Fair admission: alone, a long prompt prefills at the whole budget; once a short one waits, running prefills
+    leave it ``token_budget - prefill_chunk`` tokens, so it samples its first token in the step it arrives, and
+    requests queued together behind a long head are admitted beside it."""
+    sched = Scheduler(BlockAllocator(128, BLOCK), max_running=4, token_budget=16, prefill_chunk=10)
+    long = make_seq(0, 200)
+    sched.add(long)
+    chunks, _ = run_step(sched)
+    assert [(c.seq, c.count) for c in chunks] == [(long, 16)]
+    short = make_seq(1, 5)
+    sched.add(short)
+    chunks, updated = run_step(sched)
+    assert [(c.seq, c.start, c.count, c.samples) for c in chunks] == [(long, 16, 10, False), (short, 0, 5, True)]
+    assert [s for s, _ in updated] == [short]
+    chunks, _ = run_step(sched)  # nothing waits: the long prefill takes what the decode leaves
+    assert [(c.seq, c.count) for c in chunks] == [(short, 1), (long, 15)]
+    check_blocks(sched)
+
+    sched = Scheduler(BlockAllocator(128, BLOCK), max_running=4, token_budget=16)  # prefill_chunk 8
+    head, behind = make_seq(2, 200), make_seq(3, 6)
+    sched.add(head)
+    sched.add(behind)
+    chunks, updated = run_step(sched)
+    assert [(c.seq, c.count, c.samples) for c in chunks] == [(head, 8, False), (behind, 6, True)]
+    assert [s for s, _ in updated] == [behind]
+
+
+def test_prefill_chunk_is_checked():
+    with pytest.raises(ValueError, match="prefill_chunk=17: expected 1 <= prefill_chunk <= token_budget=16"):
+        Scheduler(BlockAllocator(8, BLOCK), max_running=1, token_budget=16, prefill_chunk=17)
+
+
 def test_max_running_limits_admission():
     sched = Scheduler(BlockAllocator(64, BLOCK), max_running=2, token_budget=100)
     for i in range(3):

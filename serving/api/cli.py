@@ -4,6 +4,7 @@
     python -m serving serve --model path/to/config.json --random-weights   # a HF config, random weights
     python -m serving serve --speculative block --drafter DIR   # speculative decoding (or --speculative ngram)
     python -m serving serve --decode-steps 4   # up to 4 decode steps per device call (Engine(decode_steps=))
+    python -m serving serve --dtype float32 --compilation-cache DIR   # or --no-compilation-cache
     python -m serving chat [--url http://127.0.0.1:8000/v1 --api-key KEY]   # without --url: serves --model itself
     python -m serving serve --model DIR --tensor-parallel 2 --expert-parallel 4   # on 8 devices
 
@@ -23,11 +24,16 @@ shape, not of answers): ``--model`` names the config file or the folder holding 
 family's ``init_params`` (seed ``engine_spec.RANDOM_WEIGHTS_SEED``) in ``--dtype``, and a ``tokenizer.json``
 beside the config is used when there is one (without it, prompts must be token ids on ``/v1/completions``).
 
+Defaults are the engine's (``serving.engine.engine``): ``--dtype auto`` (bfloat16 on a GPU, float32 on the CPU),
+``--decode-steps`` by backend (``DECODE_STEPS``), ``--prefill-chunk`` half the token budget, and JAX's persistent
+compilation cache in ``jax-compilation`` under ``$APEX_JAX_CACHE`` (default ``~/.cache/apex-jax``).
+
 The API key may also come from the ``SERVING_API_KEY`` environment variable (keeps it out of ``ps``); it is
 never printed or logged.
 """
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -46,10 +52,7 @@ EXIT_WORDS = ("/exit", "/quit")
 
 def _spec(args: argparse.Namespace) -> tuple[EngineSpec, str, Path | None]:
     """(engine spec, served model name, model path or None) for ``--model`` and the engine options."""
-    spec = EngineSpec(args.model, args.random_weights, args.dtype, args.num_blocks, args.block_size, args.max_running,
-                      args.max_queue, args.token_budget, args.max_model_len, args.batch_invariant, args.decode_steps,
-                      args.speculative, args.drafter, args.num_speculative_tokens, args.data_parallel,
-                      args.tensor_parallel, args.expert_parallel)
+    spec = EngineSpec(**{field.name: getattr(args, field.name) for field in dataclasses.fields(EngineSpec)})
     name, path = spec.served_name()
     return spec, args.name or name, path
 
@@ -127,20 +130,30 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"{DEFAULT_MODEL!r} (the embedded SmolLM2-135M-Instruct), a HF folder or a .gguf file")
     parser.add_argument("--name", help="the model name clients use (default: smollm2 or the folder name)")
-    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="params and cache dtype; auto: bfloat16 on a GPU (float16 for a float16 checkpoint), "
+                             "float32 on the CPU")
     parser.add_argument("--max-running", type=int, default=32, help="sequences run per step")
     parser.add_argument("--max-queue", type=int, default=64, help="sequences waiting beyond max-running; more: 503")
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--token-budget", type=int, default=512, help="new tokens per step (chunked prefill)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                        help="prefill tokens running sequences take per step while others wait to be admitted "
+                             "(default: half the token budget)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--random-weights", action="store_true",
                         help="--model is a HF config.json (or its folder): serve that shape with random weights")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's output is bitwise the same in any batch (serving.batch_invariant; slower)")
-    parser.add_argument("--decode-steps", type=int, default=1, metavar="N",
+    parser.add_argument("--decode-steps", type=int, default=None, metavar="N",
                         help="decode steps per device call when every running sequence decodes (the same tokens; "
-                             "a step with a prefill, a constrained row or logprobs runs one)")
+                             "a step with a prefill or a constrained row runs one; default: by backend, 1 on the CPU)")
+    parser.add_argument("--compilation-cache", default=True, metavar="DIR",
+                        help="JAX's persistent compilation cache (default: jax-compilation in $APEX_JAX_CACHE, "
+                             "itself ~/.cache/apex-jax by default)")
+    parser.add_argument("--no-compilation-cache", dest="compilation_cache", action="store_false",
+                        help="do not turn the persistent compilation cache on")
     parser.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),
                         help="speculative decoding: n-gram prompt lookup, or a block drafter (--drafter)")
     parser.add_argument("--drafter", default=None, help="block drafter checkpoint (python -m examples.train_drafter)")

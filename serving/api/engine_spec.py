@@ -23,14 +23,15 @@ from jax.sharding import Mesh
 
 from serving import sharding
 from serving.config import ModelConfig
-from serving.engine.engine import Engine
+from serving.engine.engine import DTYPES as ENGINE_DTYPES
+from serving.engine.engine import Engine, resolve_dtype
 from serving.loaders.model import LoadedModel, eos_from_folder
 from serving.models import model_module
 from serving.spec_decode import SpecConfig
 from serving.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+DTYPES = ("auto", *ENGINE_DTYPES)  # names Engine takes (serving.engine.engine.resolve_dtype)
 RANDOM_WEIGHTS_SEED = 0  # random weights: the same on every run, so runs compare
 
 
@@ -40,7 +41,7 @@ class EngineSpec:
 
     model: str = DEFAULT_MODEL
     random_weights: bool = False
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     num_blocks: int = 1024
     block_size: int = 16
     max_running: int = 32
@@ -48,13 +49,15 @@ class EngineSpec:
     token_budget: int = 512
     max_model_len: int | None = None
     batch_invariant: bool = False
-    decode_steps: int = 1
+    decode_steps: int | None = None  # None: by backend (serving.engine.engine.DECODE_STEPS)
     speculative: str | None = None  # a method of serving.spec_decode.SPECULATIVE_METHODS
     drafter: str | None = None  # the block drafter's checkpoint
     num_speculative_tokens: int | None = None
     data_parallel: int = 1
     tensor_parallel: int = 1
     expert_parallel: int = 1
+    prefill_chunk: int | None = None  # None: half the token budget
+    compilation_cache: str | bool = True  # a folder, True (the project's cache folder) or False (off)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -90,16 +93,17 @@ class EngineSpec:
     def build(self) -> Engine:
         """The ``Engine`` this spec describes (loads the weights and allocates the cache on this process's
         devices)."""
-        dtype = DTYPES[self.dtype]
-        options = dict(dtype=dtype, num_blocks=self.num_blocks, block_size=self.block_size,
+        options = dict(dtype=self.dtype, num_blocks=self.num_blocks, block_size=self.block_size,
                        max_running=self.max_running, token_budget=self.token_budget,
                        max_model_len=self.max_model_len, max_queue=self.max_queue,
                        batch_invariant=self.batch_invariant, mesh=self._mesh(), decode_steps=self.decode_steps,
+                       prefill_chunk=self.prefill_chunk, compilation_cache=self.compilation_cache,
                        speculative=SpecConfig.from_method(self.speculative, self.drafter, self.num_speculative_tokens)
                        if self.speculative else None)
         _, path = self.served_name()
         if self.random_weights:
-            return Engine(_load_random(_config_file(self.model), dtype), **options)
+            config = _config_file(self.model)
+            return Engine(_load_random(config, resolve_dtype(self.dtype, config.parent)), **options)
         return Engine(path, **options)
 
     def _mesh(self) -> Mesh | None:

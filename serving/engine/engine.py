@@ -4,11 +4,29 @@ Each ``step`` is one scheduler decision and one device call (``runner.py``); out
 token, its text delta (stop strings cut), and, when the sequence is done, why. A request with
 ``SamplingParams.n = k`` runs as k sequences (sample i seeded with seed + i).
 
-With ``decode_steps = n > 1``, a step where every sequence decodes (no prefill chunk, no constrained row, no
-logprobs asked for; not with speculative decoding or in batch-invariant mode) samples up to n tokens per sequence
-in its one device call (``Scheduler.reserve_ahead``, ``ModelRunner.decode``). They are appended one by one, as n
-single steps would append them (stop conditions, streaming, block hashing), one output each; those a sequence
-sampled after it finished are dropped.
+With ``decode_steps = n > 1``, a step where every sequence decodes (no prefill chunk, no constrained row; not with
+speculative decoding or in batch-invariant mode) samples up to n tokens per sequence in its one device call
+(``Scheduler.reserve_ahead``, a power of two of them, ``ModelRunner.decode``), with their logprobs where asked for.
+They are appended one by one, as n single steps would append them (stop conditions, streaming, block hashing), one
+output each; those a sequence sampled after it finished are dropped.
+
+Scheduling is asynchronous (``async_scheduling``, on by default): while a decode step runs on the device, the
+next one is dispatched behind it, fed the tokens the first samples without their going through the host, and
+only then are the first step's tokens fetched and appended (stop checks, streaming). So the host's work per step
+(fetching, appending, detokenizing, preparing the next batch) hides behind the device's. The step dispatched
+ahead holds every sequence that has room for its token (``Scheduler.reserve_next``); it is chained only when
+nothing waits to be admitted, every sequence decodes and none is constrained or penalized (their next token's
+mask or history needs the one before it on the host); a sequence that the step before finished has its token
+dropped. The tokens are those of synchronous steps: each is sampled from the same batch row, seed and position.
+
+Nothing need compile while serving: ``warm_up`` compiles every step shape the scheduler and runner can produce
+(``ModelRunner.step_shapes``: N tokens and W block-table columns over their power-of-two buckets, S a function of
+N), each with the sampler variants a step may ask for, and the multi-step decodes; with JAX's persistent
+compilation cache (``use_compilation_cache``, on by default) a restart reads them back from disk.
+
+Defaults follow the backend (``resolve_dtype``, ``default_decode_steps``): ``dtype="auto"`` serves bfloat16 on an
+accelerator (the checkpoint's float16 where it is float16) and float32 on the CPU, where XLA's bfloat16 matmuls are
+slower than float32 ones; a caller's own ``LoadedModel`` keeps its params' dtype.
 
 Bookkeeping stays bounded: ``release`` hands back a finished request's result and forgets it (``generate`` does
 so), ``abort`` drops an unfinished one and frees its cache blocks at once, and ``max_queue`` caps the
@@ -16,34 +34,45 @@ sequences that may wait beyond the ``max_running`` that run (``add_request`` rai
 step that raises fails only the requests it ran: they are aborted and ``StepError`` names them.
 """
 
+import collections
+import concurrent.futures
+import contextvars
 import dataclasses
 import itertools
+import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from apex_data import default_cache_dir
 from serving import sharding
 from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
 from serving.engine.request import SequenceState as Seq
-from serving.engine.runner import ModelRunner
+from serving.engine.runner import Dispatched, ModelRunner
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from serving.engine.scheduler import Scheduler
-from serving.engine.spec_step import VerifyChunk, verify_step
+from serving.engine.scheduler import ScheduledChunk, Scheduler
+from serving.engine.spec_step import VerifyChunk, compile_score, compile_verify, verify_step
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.loaders import LoadedModel, load_model
 from serving.models import model_module
-from serving.spec_decode import DraftRequest, Proposal, SpecConfig, SpecStats, grammar_drafts
+from serving.spec_decode import DraftRequest, NgramDrafter, Proposal, SpecConfig, SpecStats, grammar_drafts
 from serving.structured import compile_constraint
 
 SEED_RANGE = 2**32  # seeds are uint32
 ABORT = "abort"  # finish reason of the samples ``Engine.abort`` stopped
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+# decode_steps by jax.default_backend() (others: 1): on a GPU several steps per call save the host's time between
+# steps; on the CPU the host is the device, and SmolLM2 decodes no faster.
+DECODE_STEPS = {"cpu": 1, "gpu": 8}
+COMPILATION_CACHE = "jax-compilation"  # the persistent compilation cache's folder, in the project's cache folder
 
 
 class EngineFullError(RuntimeError):
@@ -89,6 +118,15 @@ class RequestResult:
     num_cached_tokens: int  # prompt tokens the prefix cache supplied (first sample, last admission)
 
 
+class InFlight(NamedTuple):
+    """A decode step on the device whose tokens the host has not appended yet: ``seqs`` in its batch rows, each
+    computing its token at ``positions``."""
+
+    seqs: list[Seq]
+    positions: list[int]
+    step: Dispatched
+
+
 def _sample_row(seq: Seq) -> SampleRow:
     """What the sampler needs of a sequence for its next token."""
     return SampleRow(seq.params, seq.seed, len(seq.output_ids), seq.prompt_ids, seq.output_ids, seq.matcher)
@@ -105,15 +143,64 @@ def create_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.
                    out_shardings=NamedSharding(mesh, sharding.cache_spec(cfg)))()
 
 
+def resolve_dtype(dtype: str | jnp.dtype, model: str | Path | LoadedModel | None) -> jnp.dtype:
+    """The params and cache dtype ``dtype`` names for ``model``: a dtype (or its name in ``DTYPES``) as given;
+    "auto": a ``LoadedModel``'s params' floating dtype (the most common), else float32 on the CPU, else the
+    checkpoint's float16 if its config.json says so, else bfloat16."""
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: expected 'auto' or one of {list(DTYPES)}")
+        return jnp.dtype(DTYPES[dtype])
+    if not isinstance(dtype, str):
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"dtype={dtype!r}: expected a floating dtype or 'auto'")
+        return jnp.dtype(dtype)
+    if isinstance(model, LoadedModel):
+        floats = [leaf.dtype for leaf in jax.tree.leaves(model.params) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+        return collections.Counter(floats).most_common(1)[0][0] if floats else jnp.dtype(jnp.float32)
+    if jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.float32)
+    config = Path(model) / "config.json" if model is not None else None
+    if config is not None and config.is_file():
+        hf = json.loads(config.read_text())
+        if (hf.get("torch_dtype") or hf.get("dtype")) == "float16":
+            return jnp.dtype(jnp.float16)
+    return jnp.dtype(jnp.bfloat16)
+
+
+def default_decode_steps() -> int:
+    """``DECODE_STEPS`` of this process's default backend (1 where it names none)."""
+    return DECODE_STEPS.get(jax.default_backend(), 1)
+
+
+def use_compilation_cache(folder: str | Path | bool = True) -> Path | None:
+    """Turn on JAX's persistent compilation cache (process-wide) in ``folder`` (True: ``COMPILATION_CACHE`` in the
+    project's cache folder, ``$APEX_JAX_CACHE`` or ``~/.cache/apex-jax``), every compile kept however short, so a
+    restart compiles nothing; False: leave the setting as it is. A folder the process set already
+    (``jax_compilation_cache_dir``) is kept. Returns the folder in use, or None."""
+    if folder is False:
+        return None
+    if current := jax.config.jax_compilation_cache_dir:
+        return Path(current)
+    path = default_cache_dir() / COMPILATION_CACHE if folder is True else Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path
+
+
 class Engine:
     """A continuous-batching engine over one model.
 
     Args:
       model: a GGUF file, a HF checkpoint folder, None for the embedded SmolLM2-135M-Instruct, or a
         ``LoadedModel`` built by the caller.
-      dtype: params and cache dtype.
+      dtype: params and cache dtype, or "auto" (``resolve_dtype``: bfloat16 on an accelerator, float32 on the
+        CPU, a ``LoadedModel``'s own).
       num_blocks, block_size: the paged cache (num_blocks * block_size tokens in all).
-      max_running: the most sequences in one step; token_budget: the most new tokens in one step.
+      max_running: the most sequences in one step; token_budget: the most new tokens in one step;
+        prefill_chunk: the prefill tokens running sequences take per step while others wait to be admitted
+        (``Scheduler``; default token_budget // 2).
       max_model_len: context length (default: the model's max_position), at most the cache's
         num_blocks * block_size tokens: a sequence the cache cannot hold whole could never finish.
       max_queue: the most sequences waiting beyond ``max_running`` (None: no limit).
@@ -126,17 +213,23 @@ class Engine:
         ``param_specs``, the cache by ``sharding.cache_spec``, steps under ``jax.set_mesh`` (the MoE layers
         expert-parallel). The same tokens as on one device; not with ``speculative`` or ``batch_invariant``.
       decode_steps: the most tokens a decode-only step samples per sequence in one device call (module
-        docstring; 1: one per step). The same tokens as single steps; other steps, and every step with
-        ``speculative`` or ``batch_invariant``, sample one.
+        docstring; 1: one per step; None: ``default_decode_steps()``, by backend). The same tokens as single
+        steps; other steps, and every step with ``speculative`` or ``batch_invariant``, sample one.
+      compilation_cache: JAX's persistent compilation cache folder (``use_compilation_cache``; True: the default
+        folder, False: not turned on by the engine).
+      async_scheduling: dispatch the next decode step before fetching the tokens of the one running (module
+        docstring); False: every step waits for its tokens.
     """
 
-    def __init__(self, model: str | Path | LoadedModel | None = None, dtype: jnp.dtype = jnp.float32,
+    def __init__(self, model: str | Path | LoadedModel | None = None, dtype: str | jnp.dtype = "auto",
                  num_blocks: int = 256, block_size: int = 16, max_running: int = 32, token_budget: int = 256,
                  max_model_len: int | None = None, max_queue: int | None = None,
                  speculative: SpecConfig | None = None, batch_invariant: bool = False, mesh: Mesh | None = None,
-                 decode_steps: int = 1):
+                 decode_steps: int | None = None, prefill_chunk: int | None = None,
+                 compilation_cache: str | Path | bool = True, async_scheduling: bool = True):
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"Engine: max_queue={max_queue}: expected None (no limit) or >= 0")
+        decode_steps = default_decode_steps() if decode_steps is None else decode_steps
         if decode_steps < 1:
             raise ValueError(f"Engine: decode_steps={decode_steps}: expected >= 1 (1: one token per step)")
         if batch_invariant and speculative is not None:
@@ -146,6 +239,8 @@ class Engine:
             raise ValueError(f"Engine: a mesh {dict(mesh.shape)} with "
                              f"{'speculative decoding' if speculative else 'batch_invariant=True'}: expected one "
                              "device (mesh=None) for it")
+        self.compilation_cache = use_compilation_cache(compilation_cache)
+        dtype = resolve_dtype(dtype, model)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
         self.cfg, params, self.tokenizer, self.eos_ids = loaded
         if mesh is not None:
@@ -153,23 +248,86 @@ class Engine:
             params = sharding.shard_params(params, model_module(self.cfg.family).param_specs(self.cfg), mesh)
         self.max_queue, self.dtype, self.decode_steps = max_queue, dtype, decode_steps
         self.allocator = BlockAllocator(num_blocks, block_size)
-        self.scheduler = Scheduler(self.allocator, max_running, token_budget)
+        self.scheduler = Scheduler(self.allocator, max_running, token_budget, prefill_chunk)
         self.max_model_len = min(self.cfg.max_position, max_model_len or self.cfg.max_position,
                                  self.scheduler.capacity)
         kv = create_cache(self.cfg, num_blocks, block_size, dtype, mesh)
         self.runner = ModelRunner(self.cfg, params, model_module(self.cfg.family).forward, kv, block_size,
-                                  batch_invariant=batch_invariant, mesh=mesh)
+                                  batch_invariant=batch_invariant, mesh=mesh, max_seqs=max_running)
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
         self._requests: dict[str, tuple[list[int], list[Seq]]] = {}
         self.speculative = speculative
         self.drafter = speculative.build(self.cfg, params) if speculative else None
         self.spec_stats = SpecStats()
+        self.async_scheduling = async_scheduling
+        self._inflight: InFlight | None = None
 
     @classmethod
     def from_default(cls, **kwargs: Any) -> "Engine":
         """The engine over the embedded SmolLM2-135M-Instruct."""
         return cls(None, **kwargs)
+
+    def warm_up(self, progress: Callable[[int, int], None] | None = None) -> list[tuple]:
+        """Compile every device call a step can make (nothing runs), so that serving meets no new shape:
+
+        * the forward step of every ``ModelRunner.step_shapes`` shape (N up to ``token_budget``, W up to
+          ``max_model_len``'s blocks, S = N's), and for each S the sampler with and without logprobs, greedy
+          and drawing, and (with a tokenizer, which constraints need) with and without a structured-output mask;
+        * with ``async_scheduling``, the decode step dispatched behind another, at every decode-only shape (N up
+          to ``max_running`` and ``token_budget``);
+        * with ``decode_steps`` > 1, every multi-step decode: the decode-only shapes for each power-of-two
+          n <= decode_steps, with and without logprobs, greedy and drawing.
+
+        With speculative decoding every step is a verification: with the n-gram drafter, its scoring forward at
+        each shape (paged-only or not) and its verification variants instead of the step and the sampler; other
+        drafters' steps are not in the set, nor are penalized requests' (their token histories have widths of
+        their own). XLA compiles them in parallel threads; ``progress(done, total)`` is called after each.
+        Returns what was compiled: ("step" | "score" | "chained", StepShape), ("sample" | "verify", S, num_top,
+        draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up: the engine has unfinished requests: expected an idle engine")
+        runner, max_blocks = self.runner, -(-self.max_model_len // self.allocator.block_size)
+        shapes = runner.step_shapes(self.scheduler.token_budget, max_blocks)
+        top_draw = list(itertools.product((0, MAX_LOGPROBS), (False, True)))
+        masked = (False, True) if self.tokenizer is not None else (False,)
+        samplers = [(num_top, draw, m) for (num_top, draw), m in itertools.product(top_draw, masked)]
+        decode_shapes = runner.step_shapes(self.scheduler.token_budget, max_blocks, decode_only=True)
+        plain = not runner.batch_invariant and self.drafter is None
+        decodes = [("chained", shape) for shape in decode_shapes] if self.async_scheduling and plain else []
+        if self.decode_steps > 1 and plain:
+            steps = [1 << e for e in range(1, self.decode_steps.bit_length())]
+            decodes += [("decode", shape, n, *v) for shape in decode_shapes for n in steps for v in top_draw]
+        num_seqs = sorted({shape.num_seqs for shape in shapes})
+        forward, sampler, rows = ("step", "sample", 1)
+        if self.drafter is not None:  # every step is a verification
+            if not isinstance(self.drafter, NgramDrafter):
+                return []
+            forward, sampler, rows = ("score", "verify", self.speculative.k + 1)
+            shapes = sorted({shape._replace(paged_only=p) for shape in shapes for p in (False, True)})
+        # the sampler's logits [S * rows, V]: what the first forward gives, at each S
+        first = (runner.compile_step(shapes[0]) if forward == "step"
+                 else compile_score(runner, shapes[0], self.speculative.k))
+        logits = {n: jax.ShapeDtypeStruct((n * rows, *first.shape[1:]), first.dtype, sharding=first.sharding)
+                  for n in num_seqs}
+        entries = ([(forward, shape) for shape in shapes] + [(sampler, n, *v) for n in num_seqs for v in samplers]
+                   + decodes)
+        compile_entry = {"step": runner.compile_step, "decode": runner.compile_decode,
+                         "chained": lambda shape: runner.compile_step(shape, chained=True),
+                         "sample": lambda n, *variant: runner.compile_sample(logits[n], *variant),
+                         "score": lambda shape: compile_score(runner, shape, self.speculative.k),
+                         "verify": lambda n, *v: compile_verify(logits[n], self.speculative.k, *v)}
+        if progress is not None:
+            progress(1, len(entries))
+        # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (kernel mode)
+        with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+            futures = [pool.submit(contextvars.copy_context().run, compile_entry[kind], *args)
+                       for kind, *args in entries[1:]]
+            for done, future in enumerate(concurrent.futures.as_completed(futures), start=2):
+                future.result()
+                if progress is not None:
+                    progress(done, len(entries))
+        return entries
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of ``prompt``: ids as given, text encoded, chat messages rendered by the chat template."""
@@ -246,22 +404,38 @@ class Engine:
         return result
 
     def step(self) -> list[StepOutput]:
-        """Run one scheduled step; one output per sequence that sampled a token.
+        """Run one scheduled step; one output per sequence that sampled a token. With a decode step in flight
+        (``async_scheduling``), the step after it is dispatched first, then its tokens are the outputs.
 
         If the step raises, the requests it ran are aborted (the others keep their place) and ``StepError``
         names them; a cache the failed device call consumed is rebuilt (``_reset_cache``).
         """
+        if self._inflight is not None:
+            inflight = self._inflight
+            outputs = self._guarded(inflight.seqs, lambda: self._advance(inflight))
+            if outputs or self._inflight is not None:
+                return outputs  # else every sequence it ran had finished: schedule afresh
         drafted = self._propose() if self.drafter is not None else None
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        try:
+
+        def run() -> list[StepOutput]:
             if drafted is not None:
                 return self._run_speculative(chunks, *drafted)
             multi = self._multi_step(chunks)
             return self._run(chunks) if multi is None else self._run_multi_step(multi)
+
+        return self._guarded([c.seq for c in chunks], run)
+
+    def _guarded(self, seqs: list[Seq], run: Callable[[], list[StepOutput]]) -> list[StepOutput]:
+        """``run()``; if it raises, the requests of ``seqs`` are aborted, nothing stays in flight, a consumed cache
+        is rebuilt, and ``StepError`` names the requests."""
+        try:
+            return run()
         except Exception as e:
-            request_ids = list(dict.fromkeys(c.seq.request_id for c in chunks))
+            self._inflight = None
+            request_ids = list(dict.fromkeys(s.request_id for s in seqs))
             for request_id in request_ids:
                 self.abort(request_id)
             if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.runner.kv)):
@@ -271,6 +445,7 @@ class Engine:
     def _reset_cache(self) -> None:
         """A fresh cache and allocator (the old prefix cache named blocks that are gone); every running sequence
         goes back to the queue, to be recomputed."""
+        self._inflight = None
         for seq in reversed(list(self.scheduler.running)):
             self.scheduler.running.remove(seq)
             seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
@@ -283,26 +458,64 @@ class Engine:
         seqs = [c.seq for c in chunks]
         rows = [_sample_row(s) for s in seqs]
         wants_top = any(c.samples and c.seq.params.logprobs for c in chunks)
-        result = self.runner.run([SeqChunk(s.block_table, c.start, c.count) for s, c in zip(seqs, chunks, strict=True)],
-                                 [s.tokens[c.start:c.start + c.count] for s, c in zip(seqs, chunks, strict=True)],
-                                 rows, MAX_LOGPROBS if wants_top else 0)
+        step = self.runner.dispatch([SeqChunk(c.seq.block_table, c.start, c.count) for c in chunks],
+                                    [c.seq.tokens[c.start:c.start + c.count] for c in chunks],
+                                    rows, MAX_LOGPROBS if wants_top else 0)
+        if self.async_scheduling and not self.runner.batch_invariant and all(
+                c.count == 1 and c.samples and c.start > 0 and c.seq.matcher is None
+                and not c.seq.params.uses_penalties for c in chunks):
+            self._inflight = self._chain(seqs, step)
+        return self._appended(chunks, list(range(len(chunks))), self.runner.fetch(step))
 
+    def _appended(self, chunks: list[ScheduledChunk], rows: list[int], result: Any) -> list[StepOutput]:
+        """``_outputs`` of one token per chunk: chunk i's is row ``rows[i]`` of the step's ``result``."""
         def logprobs(i: int, _: int) -> dict:
-            n = chunks[i].seq.params.logprobs
-            top = list(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(), strict=True))
-            return {"logprob": float(result.logprobs[i]), "top": top}
+            n, row = chunks[i].seq.params.logprobs, rows[i]
+            top = list(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist(), strict=True))
+            return {"logprob": float(result.logprobs[row]), "top": top}
 
-        return self._outputs(chunks, [[token] for token in result.tokens.tolist()], logprobs)
+        tokens = result.tokens.tolist()
+        return self._outputs(chunks, [[tokens[row]] for row in rows], logprobs)
+
+    def _chain(self, seqs: list[Seq], previous: Dispatched) -> InFlight | None:
+        """Dispatch the decode step after ``previous`` (still on the device, ``seqs`` in its rows, none of them
+        constrained or penalized) for those of ``seqs`` still running with room for its token; None when a sequence
+        waits to be admitted, none has room, or their blocks are not free."""
+        if self.scheduler.waiting:
+            return None
+        rows = [i for i, s in enumerate(seqs) if s in self.scheduler.running
+                and min(s.params.max_tokens - len(s.output_ids), s.max_len - s.num_tokens) >= 2]
+        chained = [seqs[i] for i in rows]
+        if not chained or not self.scheduler.reserve_next(chained):
+            return None
+        positions = [s.num_computed + 1 for s in chained]  # one past the token the previous step computes
+        step = self.runner.dispatch(
+            [SeqChunk(s.block_table, p, 1) for s, p in zip(chained, positions, strict=True)], [[i] for i in rows],
+            [SampleRow(s.params, s.seed, len(s.output_ids) + 1, s.prompt_ids, s.output_ids) for s in chained],
+            MAX_LOGPROBS if any(s.params.logprobs for s in chained) else 0, previous=previous)
+        return InFlight(chained, positions, step)
+
+    def _advance(self, inflight: InFlight) -> list[StepOutput]:
+        """Chain the step after ``inflight``, then fetch and append ``inflight``'s tokens (those of sequences that
+        finished or were aborted meanwhile dropped)."""
+        self._inflight = self._chain(inflight.seqs, inflight.step)
+        result = self.runner.fetch(inflight.step)
+        rows = [i for i, s in enumerate(inflight.seqs) if s in self.scheduler.running]
+        for i in rows:
+            if inflight.seqs[i].num_computed != inflight.positions[i]:
+                raise RuntimeError(f"sequence {inflight.seqs[i].seq_id} is at {inflight.seqs[i].num_computed}: "
+                                     f"expected {inflight.positions[i]}, where its step in flight computes")
+        chunks = [ScheduledChunk(inflight.seqs[i], inflight.positions[i], 1, True) for i in rows]
+        return self._appended(chunks, rows, result)
 
     def _multi_step(self, chunks: list) -> list | None:
         """``chunks`` as the n-token chunks of a multi-step decode (``Scheduler.reserve_ahead``), or None where this
         step samples one token per sequence: ``decode_steps`` 1, batch-invariant mode, a chunk that is not one token
-        after a cached context, a constrained row, a row asking for logprobs, or no room for n > 1."""
+        after a cached context, a constrained row, or no room for n > 1."""
         if self.decode_steps == 1 or self.runner.batch_invariant or not all(
-                c.count == 1 and c.samples and c.start > 0 and c.seq.matcher is None and c.seq.params.logprobs is None
-                for c in chunks):
+                c.count == 1 and c.samples and c.start > 0 and c.seq.matcher is None for c in chunks):
             return None
-        chunks = self.scheduler.reserve_ahead(chunks, self.decode_steps)
+        chunks = self.scheduler.reserve_ahead(chunks, self.decode_steps, power_of_two=True)
         return chunks if chunks[0].count > 1 else None
 
     def _run_multi_step(self, chunks: list) -> list[StepOutput]:
@@ -310,8 +523,15 @@ class Engine:
         seqs = [c.seq for c in chunks]
         result = self.runner.decode([SeqChunk(s.block_table, c.start, 1) for s, c in zip(seqs, chunks, strict=True)],
                                     [s.tokens[c.start:c.start + 1] for s, c in zip(seqs, chunks, strict=True)],
-                                    [_sample_row(s) for s in seqs], chunks[0].count)
-        return self._outputs(chunks, result.tokens.tolist())
+                                    [_sample_row(s) for s in seqs], chunks[0].count,
+                                    MAX_LOGPROBS if any(s.params.logprobs for s in seqs) else 0)
+
+        def logprobs(i: int, j: int) -> dict:
+            n = chunks[i].seq.params.logprobs
+            top = list(zip(result.top_ids[i, j, :n].tolist(), result.top_logprobs[i, j, :n].tolist(), strict=True))
+            return {"logprob": float(result.logprobs[i, j]), "top": top}
+
+        return self._outputs(chunks, result.tokens.tolist(), logprobs)
 
     def _outputs(self, chunks: list, tokens: list[list[int]],
                  logprobs: Callable[[int, int], dict] | None = None) -> list[StepOutput]:

@@ -1,7 +1,11 @@
 """One scheduler step -> two device calls: the model's forward pass, then the sampler.
 
-The flat batch of N new tokens from S sequences is padded to power-of-two buckets of N, S and the block-table
-width, so the number of compiles stays bounded (log2 of each range). The cache is donated: the forward pass
+The flat batch of N new tokens from S sequences is padded to power-of-two buckets of N and of the block-table
+width W, so the number of compiles stays bounded (log2 of each range). A runner made with ``max_seqs`` pads S to
+``min(N, bucket(max_seqs))``, a function of N (every sequence has a token, so S <= N): the step shapes are then
+the pairs (N, W) and no more, few enough to compile them all before serving (``step_shapes``, ``compile_step``,
+``compile_sample``, ``compile_decode``: ahead-of-time lowering of the very calls ``run`` and ``decode`` make, so
+they find their executables compiled). The cache is donated: the forward pass
 updates it in place, and no array goes back to the host between layers. Per call the host gets the sampled
 token of every sequence (the logits at its chunk's last token), their logprobs, and the per-layer expert
 counts, which the runner sums into ``expert_load [layers, experts]``. The attention kernels' metadata
@@ -9,7 +13,8 @@ counts, which the runner sums into ``expert_load [layers, experts]``. The attent
 the device with the tokens and last indices as one buffer (``kv_cache.pack_step``: one copy per step); the
 compiled step is keyed on ``layers.kernel_mode()`` (kernels on a GPU, or as ``layers.use_kernels`` says) and on
 whether the step has a first prefill chunk: a step without one (``layers.all_paged``: decode steps, chunks
-continuing a cached prefix) is traced in ``layers.paged_only()``, with no packed prefill attention. A runner
+continuing a cached prefix) is traced in ``layers.paged_only()``, with no packed prefill attention (only where the
+kernels are traced, ``layers.traces_kernels``: the references read the pages either way). A runner
 made with ``batch_invariant=True`` runs both calls through ``serving.batch_invariant`` (kernel mode
 ``layers.BATCH_INVARIANT``): a sequence's logits, tokens and logprobs are then bitwise the same in any batch and
 any chunking. A runner made with a ``mesh`` (its params and cache already placed on it, ``serving.sharding``) runs
@@ -19,8 +24,13 @@ A multi-step decode (``ModelRunner.decode``) runs ``steps`` forward + sample ite
 (``lax.scan``): a batch where every sequence decodes one token, its blocks for all ``steps`` tokens already in its
 block table; each iteration's sampled tokens are the next one's inputs, the batch moves one position on
 (``kv_cache.next_decode_batch``) and so does the sampling state (``sampler.advance``: the positions randomness is
-folded with, the penalized histories). The host gets the ``[S, steps]`` tokens and the summed expert counts in one
-transfer. Its tokens are those of ``steps`` single steps of the same batch.
+folded with, the penalized histories). The host gets the ``[S, steps]`` tokens (with their logprobs when asked
+for) and the summed expert counts in one transfer. Its tokens are those of ``steps`` single steps of the same
+batch.
+
+``run`` is ``fetch(dispatch(...))``: ``dispatch`` returns as soon as the device calls are queued, so the engine can
+queue the next decode step behind it (``dispatch(previous=...)``: its input tokens are the rows of ``previous``'s
+sampled tokens, read on the device, padded to ``previous``'s N) before it waits for the first one's tokens.
 
 Structured output costs no device time of its own: the forward pass is dispatched asynchronously, and while the
 device runs it the host packs the constrained rows' allowed tokens (``fill_token_bitmask``, llguidance's thread
@@ -30,6 +40,7 @@ mask. A step without constrained rows does no mask work and sends no mask.
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -40,7 +51,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from serving import batch_invariant, layers
+from serving import batch_invariant, kv_cache, layers
 from serving.config import ModelConfig
 from serving.engine.sampler import SampleResult, SampleRow, SamplingBatch, advance, sample, sampling_batch, with_room
 from serving.kv_cache import AttentionBatch, SeqChunk, make_batch, next_decode_batch, pack_step, unpack_step
@@ -57,6 +68,21 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
+def buckets(limit: int, minimum: int = 1) -> list[int]:
+    """Every value ``bucket(n, minimum)`` takes for 1 <= n <= limit, ascending."""
+    return [1 << e for e in range(bucket(1, minimum).bit_length() - 1, bucket(limit, minimum).bit_length())]
+
+
+class StepShape(NamedTuple):
+    """The static sizes of one compiled forward step: N tokens, S sequences, W block-table columns, and whether it
+    is traced in ``layers.paged_only``."""
+
+    num_tokens: int
+    num_seqs: int
+    max_blocks: int
+    paged_only: bool
+
+
 class StepResult(NamedTuple):
     tokens: np.ndarray  # [S] sampled token per chunk (meaningful where the chunk samples)
     logprobs: np.ndarray  # [S] logprob of that token
@@ -66,13 +92,16 @@ class StepResult(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "forward", "cfg", "kernels", "paged_only"), donate_argnames="kv")
-def _step(params: dict, kv: Any, packed: jax.Array, *, sizes: tuple[int, int, int], forward: Callable,
-          cfg: ModelConfig, kernels: str, paged_only: bool) -> tuple[jax.Array, Any, jax.Array]:
+def _step(params: dict, kv: Any, packed: jax.Array, previous: jax.Array | None = None, *, sizes: tuple[int, int, int],
+          forward: Callable, cfg: ModelConfig, kernels: str, paged_only: bool) -> tuple[jax.Array, Any, jax.Array]:
     """forward over the step's tokens ``[N]`` (traced in kernel mode ``kernels``, within
     ``layers.paged_only(paged_only)``): the logits ``[S, V]`` at each chunk's last flat index, the updated cache,
     and the expert counts ``[layers, experts]``. ``packed``: ``kv_cache.pack_step``'s buffer of the tokens, batch and
-    last indices for ``sizes = (N, S, max_blocks)``."""
+    last indices for ``sizes = (N, S, max_blocks)``; with ``previous`` (the ``[S]`` tokens a step sampled, still on
+    the device), the packed tokens are rows of it and each real token is ``previous[row]``."""
     tokens, batch, last = unpack_step(packed, *sizes)
+    if previous is not None:
+        tokens = jnp.where(batch.seq_ids >= 0, previous[tokens], 0)
 
     def model(params, tokens, batch, kv):
         return forward(params, cfg, tokens, batch, kv)
@@ -87,16 +116,20 @@ def _step(params: dict, kv: Any, packed: jax.Array, *, sizes: tuple[int, int, in
 class DecodeResult(NamedTuple):
     tokens: np.ndarray  # [S, steps] each sequence's sampled tokens, in order
     expert_counts: np.ndarray  # [layers, experts] tokens routed to each expert over the steps
+    logprobs: np.ndarray  # [S, steps] logprob of each token
+    top_ids: np.ndarray  # [S, steps, num_top]
+    top_logprobs: np.ndarray  # [S, steps, num_top]
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "steps", "block_size", "forward", "cfg", "kernels", "draw"),
-                   donate_argnames="kv")
+@functools.partial(jax.jit, static_argnames=("sizes", "steps", "block_size", "forward", "cfg", "kernels", "draw",
+                                             "num_top"), donate_argnames="kv")
 def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBatch, *, sizes: tuple[int, int, int],
-                  steps: int, block_size: int, forward: Callable, cfg: ModelConfig, kernels: str,
-                  draw: bool) -> tuple[jax.Array, Any, jax.Array]:
+                  steps: int, block_size: int, forward: Callable, cfg: ModelConfig, kernels: str, draw: bool,
+                  num_top: int) -> tuple[SampleResult, Any, jax.Array]:
     """``steps`` decode iterations of forward (kernel mode ``kernels``, ``layers.paged_only``) + ``sample``: the
-    tokens ``[steps, S]``, the updated cache and the expert counts ``[layers, experts]`` summed over the steps.
-    ``packed``: ``pack_step``'s buffer of a batch with one paged token per sequence, ``sizes = (N, S, max_blocks)``."""
+    samples (tokens ``[steps, S]``, their logprobs and top ``num_top``), the updated cache and the expert counts
+    ``[layers, experts]`` summed over the steps. ``packed``: ``pack_step``'s buffer of a batch with one paged token
+    per sequence, ``sizes = (N, S, max_blocks)``."""
     tokens, batch, last = unpack_step(packed, *sizes)
     real = batch.seq_ids >= 0
 
@@ -104,10 +137,10 @@ def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBa
         kv, tokens, batch, sampling, counts = carry
         with layers.use_kernels(kernels), layers.paged_only():
             logits, kv, step_counts = forward(params, cfg, tokens, batch, kv)
-        sampled = sample(logits[last], sampling, draw=draw).tokens
-        tokens = jnp.where(real, sampled[jnp.maximum(batch.seq_ids, 0)], 0)
-        carry = kv, tokens, next_decode_batch(batch, block_size), advance(sampling, sampled), counts + step_counts
-        return carry, sampled
+        result = sample(logits[last], sampling, num_top=num_top, draw=draw)
+        tokens = jnp.where(real, result.tokens[jnp.maximum(batch.seq_ids, 0)], 0)
+        carry = kv, tokens, next_decode_batch(batch, block_size), advance(sampling, result.tokens), counts + step_counts
+        return carry, result
 
     counts = jnp.zeros((cfg.layers, cfg.num_experts), jnp.int32)
     (kv, *_, counts), sampled = jax.lax.scan(one_step, (kv, tokens, batch, with_room(sampling, steps), counts),
@@ -121,29 +154,52 @@ def _invariant_sample(logits: jax.Array, sampling: SamplingBatch, num_top: int, 
     return batch_invariant.invariant(functools.partial(sample, num_top=num_top, draw=draw))(logits, sampling)
 
 
+class Dispatched(NamedTuple):
+    """A step on its way: its samples and expert counts on the device (``ModelRunner.fetch`` brings them back)."""
+
+    result: SampleResult
+    expert_counts: jax.Array
+    num_chunks: int
+    num_tokens: int  # the padded N
+
+
 class ModelRunner:
     """Holds the params and the cache of one model and runs scheduled steps on them.
 
     ``overlap_masks`` (default True) computes structured-output masks while the forward pass runs; False computes
     them before it is dispatched (the same tokens; for comparison). ``mask_seconds`` sums the host time spent
-    computing masks. ``mesh``: the mesh params and kv are placed on (None: one device).
+    computing masks. ``mesh``: the mesh params and kv are placed on (None: one device). ``max_seqs``: the most
+    sequences a step holds; given, S is padded to ``min(N, bucket(max_seqs))`` (module docstring), else to
+    ``bucket(S)``.
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, forward: Callable, kv: Any, block_size: int,
-                 batch_invariant: bool = False, mesh: Mesh | None = None):
+                 batch_invariant: bool = False, mesh: Mesh | None = None, max_seqs: int | None = None):
         self.cfg, self.params, self.forward, self.kv, self.block_size = cfg, params, forward, kv, block_size
         self.batch_invariant = batch_invariant  # every step in kernel mode layers.BATCH_INVARIANT (module docstring)
-        self.mesh = mesh
+        self.mesh, self.max_seqs = mesh, max_seqs
         self.expert_load = np.zeros((cfg.layers, cfg.num_experts), np.int64)
         self.overlap_masks = True
         self.mask_seconds = 0.0
 
-    def prepare(self, chunks: list[SeqChunk], token_ids: list[list[int]]) -> tuple[np.ndarray, AttentionBatch]:
-        """Flat tokens ``[N]`` and batch metadata of ``chunks``, padded to the power-of-two buckets."""
+    def num_seqs(self, num_tokens: int, real: int) -> int:
+        """The padded S of a step of ``real`` sequences with N = ``num_tokens`` (padded)."""
+        if self.max_seqs is None:
+            return bucket(real)
+        if real > self.max_seqs:
+            raise ValueError(f"a step of {real} sequences: expected at most max_seqs={self.max_seqs}")
+        return min(num_tokens, bucket(self.max_seqs))
+
+    def prepare(self, chunks: list[SeqChunk], token_ids: list[list[int]],
+                num_tokens: int | None = None) -> tuple[np.ndarray, AttentionBatch]:
+        """Flat tokens ``[N]`` and batch metadata of ``chunks``, padded to the power-of-two buckets (N: to
+        ``num_tokens`` if given, a bucket)."""
         total = sum(c.count for c in chunks)
         widest = max(len(c.block_table) for c in chunks)
-        batch = make_batch(chunks, self.block_size, num_tokens=bucket(total, MIN_TOKENS_BUCKET),
-                           num_seqs=bucket(len(chunks)), max_blocks=bucket(widest, MIN_BLOCKS_BUCKET))
+        num_tokens = bucket(total, MIN_TOKENS_BUCKET) if num_tokens is None else num_tokens
+        batch = make_batch(chunks, self.block_size, num_tokens=num_tokens,
+                           num_seqs=self.num_seqs(num_tokens, len(chunks)),
+                           max_blocks=bucket(widest, MIN_BLOCKS_BUCKET))
         tokens = np.zeros(batch.positions.shape, np.int32)
         tokens[:total] = np.concatenate(token_ids)
         return tokens, batch
@@ -155,39 +211,68 @@ class ModelRunner:
 
     def _packed(self, tokens: np.ndarray, batch: AttentionBatch, last: np.ndarray) -> Any:
         """``pack_step``'s one buffer of a step's inputs; on a mesh, replicated (every device reads the whole batch)."""
-        packed = pack_step(tokens, batch, last)
-        return packed if self.mesh is None else jax.device_put(packed, NamedSharding(self.mesh, P()))
+        return self._placed(pack_step(tokens, batch, last))
+
+    def _placed(self, inputs: np.ndarray | jax.Array) -> Any:
+        """A step's ``inputs`` as its jitted call takes them: as they are, or replicated on the mesh."""
+        return inputs if self.mesh is None else jax.device_put(inputs, self._replicated)
+
+    @property
+    def _replicated(self) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, P())
+
+    @property
+    def kernels(self) -> str:
+        """The kernel mode steps are traced in."""
+        return layers.BATCH_INVARIANT if self.batch_invariant else layers.kernel_mode()
+
+    def _paged_only(self, batch: AttentionBatch) -> bool:
+        """Trace the step in ``layers.paged_only``: no first prefill chunk, and kernels that read the flag
+        (batch-invariant attention is all paged anyway)."""
+        return not self.batch_invariant and layers.traces_kernels(self.kernels) and layers.all_paged(batch)
 
     def run(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
             num_top: int = 0) -> StepResult:
         """Run ``chunks`` (with their new ``token_ids``) and sample one token per chunk from ``rows``."""
-        tokens, batch = self.prepare(chunks, token_ids)
+        return self.fetch(self.dispatch(chunks, token_ids, rows, num_top))
+
+    def dispatch(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow], num_top: int = 0,
+                 previous: Dispatched | None = None) -> Dispatched:
+        """``run``'s device calls, not waited for. With ``previous`` (a decode step still on the device), the
+        chunks are decode chunks whose ``token_ids`` are rows of the tokens ``previous`` samples, padded as it is."""
+        tokens, batch = self.prepare(chunks, token_ids, None if previous is None else previous.num_tokens)
         num_seqs = batch.context_lens.shape[0]
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.cumsum([c.count for c in chunks]) - 1
         bitmask = None if self.overlap_masks else self._masks(rows, num_seqs)
-        kernels = layers.BATCH_INVARIANT if self.batch_invariant else layers.kernel_mode()
-        paged_only = layers.all_paged(batch) and not self.batch_invariant  # batch-invariant attention: all paged
         sizes = (len(tokens), num_seqs, batch.block_tables.shape[1])
         packed = self._packed(tokens, batch, last)
+        sampled = None if previous is None else self._placed(previous.result.tokens)  # stays on the device
         with self.on_mesh():
-            logits, self.kv, counts = _step(self.params, self.kv, packed, sizes=sizes, forward=self.forward,
-                                            cfg=self.cfg, kernels=kernels,
-                                            paged_only=paged_only)  # returns at once; the device computes
+            logits, self.kv, counts = _step(self.params, self.kv, packed, sampled, sizes=sizes, forward=self.forward,
+                                            cfg=self.cfg, kernels=self.kernels,
+                                            paged_only=self._paged_only(batch))  # returns at once; the device computes
             if self.overlap_masks:
                 bitmask = self._masks(rows, num_seqs)
-            sampler = _invariant_sample if self.batch_invariant else sample
-            result = sampler(logits, sampling_batch(rows, num_seqs, token_bitmask=bitmask), num_top=num_top,
-                             draw=any(r.params.temperature > 0 for r in rows))
-        *sampled, counts = jax.device_get((*result, counts))  # one wait for all five transfers
+            result = self._sampler(logits, sampling_batch(rows, num_seqs, token_bitmask=bitmask), num_top=num_top,
+                                   draw=any(r.params.temperature > 0 for r in rows))
+        return Dispatched(result, counts, len(chunks), len(tokens))
+
+    def fetch(self, step: Dispatched) -> StepResult:
+        """The host arrays of a dispatched step (waits for it)."""
+        *sampled, counts = jax.device_get((*step.result, step.expert_counts))  # one wait for all five transfers
         self.expert_load += counts
-        return StepResult(*(a[:len(chunks)] for a in sampled), counts)
+        return StepResult(*(a[:step.num_chunks] for a in sampled), counts)
+
+    @property
+    def _sampler(self) -> Callable:
+        return _invariant_sample if self.batch_invariant else sample
 
     def decode(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
-               steps: int) -> DecodeResult:
-        """``steps`` tokens per sequence in one device call (module docstring): ``chunks`` are one token each
-        (``count = 1``, ``start > 0``) with blocks for ``steps`` tokens; ``rows`` unconstrained. Not in batch-invariant
-        mode."""
+               steps: int, num_top: int = 0) -> DecodeResult:
+        """``steps`` tokens per sequence in one device call (module docstring), with the logprobs of each and its
+        top ``num_top``: ``chunks`` are one token each (``count = 1``, ``start > 0``) with blocks for ``steps``
+        tokens; ``rows`` unconstrained. Not in batch-invariant mode."""
         room = [len(c.block_table) * self.block_size - c.start for c in chunks]
         bad = [i for i, c in enumerate(chunks) if c.count != 1 or c.start < 1 or room[i] < steps]
         if bad:
@@ -202,14 +287,65 @@ class ModelRunner:
         last[:len(chunks)] = np.arange(len(chunks))
         packed = self._packed(tokens, batch, last)
         with self.on_mesh():
-            sampled, self.kv, counts = _decode_steps(
+            result, self.kv, counts = _decode_steps(
                 self.params, self.kv, packed, sampling_batch(rows, num_seqs),
                 sizes=(len(tokens), num_seqs, batch.block_tables.shape[1]), steps=steps, block_size=self.block_size,
                 forward=self.forward, cfg=self.cfg, kernels=layers.kernel_mode(),
-                draw=any(r.params.temperature > 0 for r in rows))
-        sampled, counts = jax.device_get((sampled, counts))
+                draw=any(r.params.temperature > 0 for r in rows), num_top=num_top)
+        result, counts = jax.device_get((result, counts))
         self.expert_load += counts
-        return DecodeResult(sampled[:, :len(chunks)].T, counts)
+        real = len(chunks)
+        return DecodeResult(result.tokens[:, :real].T, counts, result.logprobs[:, :real].T,
+                            result.top_ids[:, :real].transpose(1, 0, 2),
+                            result.top_logprobs[:, :real].transpose(1, 0, 2))
+
+    # ----------------------------------------------------------------------- compiling ahead of serving
+
+    def step_shapes(self, max_tokens: int, max_blocks: int, decode_only: bool = False) -> list[StepShape]:
+        """Every shape ``prepare`` pads a step of at most ``max_tokens`` new tokens (at most ``max_seqs`` of them,
+        ``decode_only``: one token per sequence) and ``max_blocks`` blocks per sequence to, with each paged-only
+        variant the runner traces: N and W run over their buckets, S is N's (needs ``max_seqs``)."""
+        if self.max_seqs is None:
+            raise ValueError("step_shapes: a runner without max_seqs pads S on its own: expected max_seqs")
+        limit = min(max_tokens, self.max_seqs) if decode_only else max_tokens
+        paged = (False, True) if not self.batch_invariant and layers.traces_kernels(self.kernels) else (False,)
+        if decode_only:
+            paged = paged[-1:]  # a decode step reads every context from the pages
+        return [StepShape(n, self.num_seqs(n, 1), w, p) for n in buckets(limit, MIN_TOKENS_BUCKET)
+                for w in buckets(max_blocks, MIN_BLOCKS_BUCKET) for p in paged]
+
+    def _packed_like(self, shape: StepShape) -> Any:
+        sizes = [math.prod(s) for s in kv_cache.step_shapes(shape.num_tokens, shape.num_seqs, shape.max_blocks)]
+        return self._placed(np.zeros(sum(sizes), np.int32))
+
+    def compile_step(self, shape: StepShape, chained: bool = False) -> jax.ShapeDtypeStruct:
+        """Compile ``run``'s forward step of ``shape`` (nothing runs), or with ``chained`` ``dispatch``'s of a decode
+        step after another (its tokens on the device); returns the logits it gives the sampler."""
+        previous = jax.ShapeDtypeStruct((shape.num_seqs,), jnp.int32, sharding=self._replicated) if chained else None
+        with self.on_mesh():
+            compiled = _step.lower(self.params, self.kv, self._packed_like(shape), previous,
+                                   sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), forward=self.forward,
+                                   cfg=self.cfg, kernels=self.kernels, paged_only=shape.paged_only).compile()
+        info = compiled.out_info[0]
+        return jax.ShapeDtypeStruct(info.shape, info.dtype,
+                                    sharding=None if self.mesh is None else compiled.output_shardings[0])
+
+    def compile_sample(self, logits: jax.ShapeDtypeStruct, num_top: int, draw: bool, masked: bool) -> None:
+        """Compile ``run``'s sampler for ``logits`` ``[S, V]`` (a ``compile_step`` result), with ``num_top``
+        logprobs, drawing or greedy, with a structured-output mask (``masked``) or without."""
+        num_seqs = logits.shape[0]
+        bitmask = np.zeros((num_seqs, -(-self.cfg.vocab // 32)), np.int32) if masked else None
+        with self.on_mesh():
+            self._sampler.lower(logits, sampling_batch([], num_seqs, token_bitmask=bitmask), num_top=num_top,
+                                draw=draw).compile()
+
+    def compile_decode(self, shape: StepShape, steps: int, num_top: int, draw: bool) -> None:
+        """Compile ``decode``'s ``steps``-token call for a decode batch of ``shape``."""
+        with self.on_mesh():
+            _decode_steps.lower(self.params, self.kv, self._packed_like(shape), sampling_batch([], shape.num_seqs),
+                                sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), steps=steps,
+                                block_size=self.block_size, forward=self.forward, cfg=self.cfg,
+                                kernels=layers.kernel_mode(), draw=draw, num_top=num_top).compile()
 
     def _masks(self, rows: list[SampleRow], num_seqs: int) -> np.ndarray | None:
         """``[num_seqs, ceil(V / 32)]`` int32 allowed tokens of ``rows``, or None when no row is constrained (that

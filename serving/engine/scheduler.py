@@ -6,6 +6,12 @@ fewer than ``max_running`` run), each taking ``min(budget left, tokens left)`` t
 prefilled in chunks over several steps, mixed with other sequences' decodes. A waiting sequence first takes
 the longest cached prefix of its full blocks from the allocator.
 
+Admission is fair: while a sequence waits that could be admitted (fewer than ``max_running`` run), the running
+prefills together take at most ``prefill_chunk`` tokens of the step, and an admitted sequence with others waiting
+behind it at most ``prefill_chunk`` too. So the queue's head gets at least ``token_budget - prefill_chunk`` minus
+the decodes' tokens every step (a short prompt behind a long one is not held until the long one is prefilled),
+and a prompt alone still prefills at the whole budget.
+
 When a sequence needs a block and none is free, the newest running sequence is preempted: its blocks are
 freed (they stay in the prefix cache) and it goes back to the front of the queue, to be recomputed later.
 The cache never runs out: ``add`` caps a sequence's length at what the whole cache holds (it ends there with
@@ -15,7 +21,8 @@ wherever it is and frees its blocks at once.
 
 A multi-step decode (``reserve_ahead``) runs n tokens of every decoding sequence in one step: n stops short of
 every sequence's max_tokens and max_len, and its blocks come from free ones only (fewer steps when they are
-short; never a preemption).
+short; never a preemption); so do those of a decode step run while the one before it is on the device
+(``reserve_next``).
 """
 
 from typing import NamedTuple
@@ -41,10 +48,20 @@ def _chunk(seq: SequenceState, count: int) -> ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_running: int, token_budget: int):
+    """Args: the block ``allocator``; ``max_running`` sequences and ``token_budget`` new tokens per step;
+    ``prefill_chunk``: the prefill tokens running sequences take per step while others wait (module docstring;
+    default ``token_budget // 2``, at least 1), in [1, token_budget]."""
+
+    def __init__(self, allocator: BlockAllocator, max_running: int, token_budget: int,
+                 prefill_chunk: int | None = None):
         if max_running < 1 or token_budget < 1:
             raise ValueError(f"Scheduler: max_running={max_running}, token_budget={token_budget}: expected >= 1")
+        prefill_chunk = max(1, token_budget // 2) if prefill_chunk is None else prefill_chunk
+        if not 1 <= prefill_chunk <= token_budget:
+            raise ValueError(f"Scheduler: prefill_chunk={prefill_chunk}: expected 1 <= prefill_chunk <= "
+                             f"token_budget={token_budget}")
         self.allocator, self.max_running, self.token_budget = allocator, max_running, token_budget
+        self.prefill_chunk = prefill_chunk
         self.block_size = allocator.block_size
         self.waiting: list[SequenceState] = []
         self.running: list[SequenceState] = []  # in admission order: the last is the newest
@@ -83,13 +100,17 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         budget = self.token_budget
         step_preemptions = self.num_preemptions
+        # while a sequence could be admitted, the running prefills leave it all but prefill_chunk of the budget
+        prefill_left = self.prefill_chunk if self._admissible(0) else self.token_budget
         for decoding in (True, False):
             for seq in list(self.running):
                 left = seq.num_tokens - seq.num_computed
                 if budget == 0 or (left == 1) != decoding or (self.num_preemptions > step_preemptions
                                                                  and seq not in self.running):
                     continue
-                count = min(budget, left + (len(seq.draft_ids) if decoding else 0))
+                if not decoding and prefill_left == 0:
+                    continue
+                count = min(budget, left + len(seq.draft_ids)) if decoding else min(budget, left, prefill_left)
                 del seq.draft_ids[max(count - left, 0):]  # drafts past the budget (or stale ones) are dropped
                 preemptions = self.num_preemptions
                 if self._reserve(seq, count, chunks):
@@ -98,10 +119,13 @@ class Scheduler:
                     budget = self.token_budget - sum(c.count for c in chunks)
                 else:
                     budget -= count
+                    prefill_left -= 0 if decoding else count
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             self._take_cached_prefix(seq)
             count = min(budget, seq.num_tokens - seq.num_computed)
+            if self._admissible(1):  # others wait behind it: leave them room
+                count = min(count, self.prefill_chunk)
             if self._blocks_needed(seq, count) > self.allocator.num_free:
                 self._release(seq)  # wait for running sequences to finish; never preempt for a newcomer
                 break
@@ -112,22 +136,40 @@ class Scheduler:
             budget -= count
         return chunks
 
-    def reserve_ahead(self, chunks: list[ScheduledChunk], steps: int) -> list[ScheduledChunk]:
+    def _admissible(self, ahead: int) -> bool:
+        """A sequence waits behind the first ``ahead`` waiting ones that could be admitted with them (room for
+        ``ahead + 1`` more running sequences)."""
+        return len(self.waiting) > ahead and len(self.running) + ahead < self.max_running
+
+    def reserve_ahead(self, chunks: list[ScheduledChunk], steps: int,
+                      power_of_two: bool = False) -> list[ScheduledChunk]:
         """``chunks``, each one decoding token, as the n-token chunks of a multi-step decode with the blocks of
         their n tokens allocated: n <= ``steps`` is the most that passes no sequence's max_tokens or max_len and
-        whose blocks are free now (nothing is preempted); n = 1 (the chunks as they were) when none more fits."""
+        whose blocks are free now (nothing is preempted), a power of two if ``power_of_two`` (each n is a compile
+        of its own); n = 1 (the chunks as they were) when none more fits."""
         if any(c.count != 1 or not c.samples for c in chunks):
             raise ValueError(f"reserve_ahead: chunk counts {[c.count for c in chunks]}: expected decoding chunks "
                              "(one token each, sampling)")
         seqs = [c.seq for c in chunks]
         n = min([steps] + [min(s.params.max_tokens - len(s.output_ids), s.max_len - s.num_tokens) for s in seqs])
-        while n > 1 and sum(self._blocks_needed(s, n) for s in seqs) > self.allocator.num_free:
+        while n > 1 and (sum(self._blocks_needed(s, n) for s in seqs) > self.allocator.num_free
+                         or power_of_two and n & (n - 1)):
             n -= 1
         if n <= 1:
             return chunks
         for seq in seqs:
             seq.block_table += [self.allocator.allocate() for _ in range(self._blocks_needed(seq, n))]
         return [c._replace(count=n) for c in chunks]
+
+    def reserve_next(self, seqs: list[SequenceState]) -> bool:
+        """Allocate the block each of ``seqs`` needs for a decode step after the one it has running (its tokens at
+        ``num_computed`` and the next); False, allocating nothing, when they are not all free (nothing is
+        preempted)."""
+        if sum(self._blocks_needed(s, 2) for s in seqs) > self.allocator.num_free:
+            return False
+        for seq in seqs:
+            seq.block_table += [self.allocator.allocate() for _ in range(self._blocks_needed(seq, 2))]
+        return True
 
     def update(self, chunks: list[ScheduledChunk], tokens: list[int | list[int]]) -> list[tuple[SequenceState, str]]:
         """Record a step: ``tokens[i]`` is chunk i's sampled token, or its accepted tokens in order (speculative

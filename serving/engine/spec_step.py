@@ -16,9 +16,9 @@ import numpy as np
 
 from serving import layers
 from serving.config import ModelConfig
-from serving.engine.runner import ModelRunner
+from serving.engine.runner import ModelRunner, StepShape
 from serving.engine.sampler import SampleRow, SamplingBatch, sampling_batch
-from serving.kv_cache import SeqChunk
+from serving.kv_cache import AttentionBatch, SeqChunk, step_shapes
 from serving.spec_decode.protocol import NO_DRAFT, Drafter, HiddenSpan, HiddenStateDrafter
 from serving.spec_decode.verify import VerifyResult, verify
 from serving.structured import fill_draft_bitmask
@@ -106,6 +106,30 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
         observer.observe(hidden, [HiddenSpan(c.seq_id, int(row), c.chunk.start, c.chunk.count - len(c.drafts) + int(a))
                                   for c, row, a in zip(chunks, starts[:-1], result.num_accepted, strict=True)])
     return result
+
+
+def compile_score(runner: ModelRunner, shape: StepShape, k: int) -> jax.ShapeDtypeStruct:
+    """Compile ``verify_step``'s scoring forward for a step of ``shape`` with up to ``k`` drafts per sequence and
+    no hidden states kept (nothing runs); returns the logits ``[S * (k + 1), V]`` it gives the verification."""
+    n, s, w = shape.num_tokens, shape.num_seqs, shape.max_blocks
+    batch = AttentionBatch(*(np.zeros(size, np.int32) for size in step_shapes(n, s, w)[1:-1]))
+    compiled = _score_step.lower(runner.params, runner.kv, np.zeros(n, np.int32), batch,
+                                 np.zeros(s * (k + 1), np.int32), forward=runner.forward, cfg=runner.cfg,
+                                 hidden_layers=(), paged_only=shape.paged_only).compile()
+    info = compiled.out_info[0]
+    return jax.ShapeDtypeStruct(info.shape, info.dtype)
+
+
+def compile_verify(logits: jax.ShapeDtypeStruct, k: int, num_top: int, draw: bool, masked: bool) -> None:
+    """Compile ``verify_step``'s verification of ``logits`` (a ``compile_score`` result) for a drafter that
+    proposes tokens without a distribution (``NgramDrafter``), with ``num_top`` logprobs, drawing or greedy, with a
+    structured-output mask (``masked``) or without."""
+    rows, vocab = logits.shape
+    num_seqs = rows // (k + 1)
+    bitmask = np.zeros((rows, -(-vocab // 32)), np.int32) if masked else None
+    _verify_rows.lower(logits, sampling_batch([], rows, token_bitmask=bitmask), np.zeros((num_seqs, k), np.int32),
+                       np.zeros(num_seqs, np.int32), None, np.zeros(num_seqs, np.int32), num_top=num_top,
+                       draw=draw).compile()
 
 
 def _draft_masks(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, num_seqs: int) -> np.ndarray | None:
