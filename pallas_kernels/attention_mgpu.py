@@ -51,7 +51,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention import LOG2E, MASK_VALUE, check_inputs, check_power_of_2, key_ranges
+from pallas_kernels.attention import check_inputs, key_ranges
+from pallas_kernels.common import LOG2E, MASK_VALUE, check_power_of_2
 
 WGMMA_ROWS = 64  # rows of one warpgroup's wgmma tile (M)
 COMPUTE_WGS = 2  # compute warpgroups a block; a third one runs the TMA producer

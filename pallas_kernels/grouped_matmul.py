@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.attention import DTYPES, MIN_TILE, check_power_of_2, check_tile, dot
+from pallas_kernels.common import DTYPES, MIN_TILE, check_num_stages, check_power_of_2, check_tile, dot
 
 MAX_GRID_Y = 65535  # CUDA's limit on a launch's second grid dimension, which holds the visits
 
@@ -67,8 +67,7 @@ class GroupedMatmulConfig:
     def __post_init__(self):
         check_power_of_2(self, ("block_m", "block_n", "block_k", "num_warps"))
         check_tile(self, ("block_m", "block_n", "block_k"))
-        if self.num_stages < 1:
-            raise ValueError(f"GroupedMatmulConfig.num_stages must be >= 1, got {self.num_stages}")
+        check_num_stages(self)
 
 
 # Prefill (hundreds of rows per expert): large tiles for tensor-core efficiency.

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.attention import DTYPES, check_power_of_2, check_tile, dot
+from pallas_kernels.common import DTYPES, check_num_stages, check_power_of_2, check_tile, dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +50,7 @@ class MatmulConfig:
     def __post_init__(self):
         check_power_of_2(self, ("block_m", "block_n", "block_k", "num_warps"))
         check_tile(self, ("block_m", "block_n", "block_k"))
-        if self.num_stages < 1:
-            raise ValueError(f"MatmulConfig.num_stages must be >= 1, got {self.num_stages}")
+        check_num_stages(self)
 
 
 # --------------------------------------------------------------------------- Pallas kernel
