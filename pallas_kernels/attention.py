@@ -37,8 +37,9 @@ takes no accumulator, so ``corr * acc + P V`` is one FFMA per element either way
 kv head into one program leaves a program's FLOP per byte of K and V at its row count, which registers cap
 at 128 (8 warps); exp2 on bf16 pairs, since ptxas splits sm_90's ``ex2.approx.ftz.bf16x2`` into two MUFU ops.
 
-Shared memory: ``num_stages`` K and V tiles in flight (Triton's software pipeline) plus the layout conversions
-of q, P and the scores (:func:`shared_memory_bytes`), checked against the device before launching.
+Shared memory: ``num_stages`` K and V tiles in flight (Triton's software pipeline) and the q tile
+(``AttentionConfig.shared_memory_bytes``), checked against the device before launching; the default config
+takes fewer stages where that does not fit (192/128 head dims in bf16, or float32: :func:`fitted_config`).
 """
 
 import dataclasses
@@ -51,10 +52,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import device
 from pallas_kernels.common import (
     DTYPES,
     LOG2E,
     MASK_VALUE,
+    MIN_TILE,
     check_head_dim,
     check_num_stages,
     check_power_of_2,
@@ -80,6 +83,28 @@ class AttentionConfig:
         check_power_of_2(self, ("block_q", "block_k", "num_warps"))
         check_tile(self, ("block_q", "block_k"))
         check_num_stages(self)
+
+    def shared_memory_bytes(self, head_dim: int, v_head_dim: int, dtype) -> int:
+        """Shared memory a program uses: ``num_stages`` K and V tiles in flight and its q tile (dot operands)."""
+        rows = self.num_stages * self.block_k * (head_dim + v_head_dim) + self.block_q * head_dim
+        return rows * jnp.dtype(dtype).itemsize
+
+
+def fitted_config(head_dim: int, v_head_dim: int, dtype, config: AttentionConfig = AttentionConfig(), *,
+                  gpu: device.Gpu | None = None) -> AttentionConfig:
+    """``config`` if its programs fit ``gpu``'s shared memory (default the launch target), else with fewer stages
+    in flight and then smaller key tiles: the first that fits. Raises ValueError if none does."""
+    gpu = gpu or device.gpu()
+    candidate = config
+    while candidate.shared_memory_bytes(head_dim, v_head_dim, dtype) > gpu.arch.shared_per_block:
+        if candidate.num_stages > 1:
+            candidate = dataclasses.replace(candidate, num_stages=candidate.num_stages - 1)
+        elif candidate.block_k > MIN_TILE:
+            candidate = dataclasses.replace(candidate, block_k=candidate.block_k // 2)
+        else:
+            device.check_shared_memory(f"flash_attention of head dims {head_dim}/{v_head_dim} in {dtype}", candidate,
+                                       candidate.shared_memory_bytes(head_dim, v_head_dim, dtype), gpu)
+    return candidate
 
 
 # --------------------------------------------------------------------------- Pallas kernel
@@ -176,7 +201,7 @@ def key_ranges(seq_starts: jax.Array, tokens: int, causal: bool) -> tuple[jax.Ar
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "config", "interpret"))
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Array, *, causal: bool = True,
-                    scale: float | None = None, config: AttentionConfig = AttentionConfig(),
+                    scale: float | None = None, config: AttentionConfig | None = None,
                     interpret: bool = False) -> jax.Array:
     """Attention of every packed sequence to itself (module docstring), in one launch.
 
@@ -187,7 +212,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Ar
       seq_starts: int ``[S+1]``: sequence s is rows ``seq_starts[s]:seq_starts[s+1]`` (nondecreasing).
       causal: a row attends to its sequence's keys up to itself (True) or to all of them.
       scale: score scale (> 0), default ``1/sqrt(head_dim)``.
-      config: launch geometry (:class:`AttentionConfig`).
+      config: launch geometry (:class:`AttentionConfig`); None is ``AttentionConfig()`` fitted to the device's
+        shared memory (:func:`fitted_config`). A compiled launch of a config that needs more is a ValueError.
 
     Returns:
       ``[tokens, q_heads, v_head_dim]`` in q's dtype; zeros for rows outside every sequence.
@@ -197,6 +223,11 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Ar
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not (math.isfinite(scale) and scale > 0):  # softmax_step takes the row max of the unscaled scores
         raise ValueError(f"scale must be a positive finite number, got {scale}")
+    if config is None:
+        config = AttentionConfig() if interpret else fitted_config(head_dim, v.shape[2], q.dtype)
+    if not interpret:
+        device.check_shared_memory(f"flash_attention of head dims {head_dim}/{v.shape[2]} in {q.dtype}", config,
+                                   config.shared_memory_bytes(head_dim, v.shape[2], q.dtype), device.gpu())
     key_lo, key_hi = key_ranges(seq_starts, tokens, causal)
     n_q_tiles = pl.cdiv(tokens, config.block_q)
     kernel = functools.partial(_flash_kernel, block_q=config.block_q, block_k=config.block_k,

@@ -29,7 +29,7 @@ in jnp:  m* = max_s m_s,  out = sum_s 2^(m_s - m*) acc_s / sum_s 2^(m_s - m*) l_
 Expected speed (H200): decode is bandwidth-bound; a step streams block_k x (head_dim + v_head_dim) x 2 bytes
 and does 2 x block_h x block_k x (head_dim + v_head_dim) FLOP, 16 FLOP per byte at block_h = 16, far under
 the tensor cores' balance point. Batch 64 x 2048 tokens x 8 kv heads x d=128 reads 537 MB of K and V:
-about 0.13 ms at the H200's 4.27 TB/s; the goal is most of that bandwidth.
+about 0.13 ms at the H200's 4.27 TB/s.
 """
 
 import dataclasses
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import common
+from pallas_kernels import common, device
 
 H200_SMS = 132
 TARGET_PROGRAMS = 2 * H200_SMS  # automatic splits aim for two resident programs per SM
@@ -139,6 +139,12 @@ def _paged_call(q, k_pages, v_pages, block_tables, lengths, *, scale, k_spans, v
     split_len = pl.cdiv(pl.cdiv(context, min(splits, pl.cdiv(context, block_k))), block_k) * block_k
     splits = pl.cdiv(context, split_len)
     v_width = sum(w for _, w in v_spans)
+    k_width = sum(w for _, w in k_spans)
+    if not interpret:  # in flight: num_stages key (and value) tiles; once: the q rows (dot operands)
+        gathered = k_width + (0 if v_pages is None else v_width)
+        need = (config.num_stages * block_k * gathered + block_h * k_width) * q.dtype.itemsize
+        device.check_shared_memory(f"{name} of head dims {k_width}/{v_width} in {q.dtype}", config, need,
+                                   device.gpu())
     partial = (splits, batch, kv_heads, head_blocks * block_h)
     kernel = functools.partial(_paged_kernel, block_h=block_h, block_k=block_k, group=group,
                                head_blocks=head_blocks, page_size=page_size, split_len=split_len,
