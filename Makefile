@@ -11,7 +11,7 @@ FIND_PYTHON := for c in python3.12 python3.13 python3.14 python3 \
 	  if "$$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then echo "$$c"; break; fi; \
 	done
 
-.PHONY: demo test lint venv clean browser
+.PHONY: demo test lint venv clean browser gpu-check device-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	@if [ ! -x $(PY) ]; then \
@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m apex_jax.demo
+	$(PY) -m examples.tour
 
 # The dashboard's browser test drives Debian's chromium: installed here when apt-get can (as root); otherwise that
 # test skips and says how to install it.
@@ -44,6 +44,15 @@ test: $(STAMP) browser
 	# Two worker processes, each taking whole files (module fixtures stay shared): the suite takes about half as long
 	# on 2 cores, and no single process accumulates every compiled executable of the suite.
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+
+# On the GPU machine, with its own python3 (no venv; carry .whl): every kernel test file and a smoke test of each
+# part, compiled, in one table; JSON under $$OUT or benchmarks/results/gpu_check.json. ARGS="-k NAME" for some jobs.
+gpu-check:
+	python3 -m tools.gpu_check $(ARGS)
+
+# Here, where pip works: the wheels the GPU machine lacks, into the git-ignored .whl/ (carry [".whl"]).
+device-wheels: $(STAMP)
+	$(PY) -m tools.device_wheels
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -2,6 +2,8 @@
 
 from apex_jax.flat import FlatLayout, FlatParams, flatten
 from apex_jax.transform import (
+    IMPLEMENTATIONS,
+    STATE_DTYPES,
     ApexW,
     ApexWState,
     DenseMoments,
@@ -11,6 +13,8 @@ from apex_jax.transform import (
 )
 
 __all__ = [
+    "IMPLEMENTATIONS",
+    "STATE_DTYPES",
     "ApexW",
     "ApexWState",
     "DenseMoments",

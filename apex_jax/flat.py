@@ -22,7 +22,7 @@ import numpy as np
 
 from pallas_kernels.adamw import ROW
 
-ROWS_ALIGN = 16  # each region is a whole number of kernel tiles for any block_rows <= 16 (measured best: 8)
+ROWS_ALIGN = 16  # each region is a whole number of kernel tiles for every block_rows ApexW accepts (<= 16)
 SMALL_LEAF = 4096  # leaves below this many elements keep fp32 moments under 8-bit state
 
 

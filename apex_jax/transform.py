@@ -24,8 +24,12 @@ import optax
 from apex_jax.flat import ROWS_ALIGN, FlatLayout, FlatParams
 from pallas_kernels.adamw import ROW, BlockConfig, Hyper, fused_adamw, fused_adamw_reference, stream_keys
 
-STATE_DTYPES = ("fp32", "bf16", "int8")
-KERNELS = ("auto", "pallas", "interpret", "reference")  # auto: Pallas on GPU, plain jnp elsewhere
+# The moment dtypes by their short names: the kernel's codec names (``pallas_kernels.adamw``), the result labels of
+# the benchmarks and the spelling a command line may offer (``STATE_DTYPES[args.state_dtype]``).
+STATE_DTYPES: dict[str, np.dtype] = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16),
+                                     "int8": jnp.dtype(jnp.int8)}
+_CODECS = {dtype: name for name, dtype in STATE_DTYPES.items()}
+IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")  # None picks one per platform: ApexW's docstring
 
 
 class DenseMoments(NamedTuple):
@@ -69,13 +73,18 @@ class ApexW:
       b1, b2: moment decay rates in [0, 1). eps: added to sqrt(v_hat), >= 0.
       weight_decay: decoupled weight decay (>= 0), applied where ``mask`` is True.
       mask: pytree of bools matching params (or a callable params -> such a pytree); None = everywhere.
-      state_dtype: "fp32" (8 B/param), "bf16" (4 B/param, stochastically rounded) or "int8"
-        (int8 m + uint8 v + fp32 scale per 256, about 2.03 B/param; leaves under 4096 elements stay fp32).
+      state_dtype: the moments' dtype, anything ``jnp.dtype`` reads as ``jnp.float32`` (8 B/param),
+        ``jnp.bfloat16`` (4 B/param, stochastically rounded) or ``jnp.int8`` (int8 m + uint8 v + fp32 scale per
+        256, about 2.03 B/param; leaves under 4096 elements stay fp32). Stored as that ``np.dtype``.
       quant_map: "power" (default) or "linear" code map for int8 moments (see ``pallas_kernels.adamw``).
       skip_nonfinite: if any gradient is NaN/Inf, leave params and moments bit-identical and count the skip
         (the optax path returns updates of -0.0, which ``optax.apply_updates`` adds without changing a bit).
       seed: seed of the stochastic-rounding hash (with the step and the element index).
-      kernel: "auto" (Pallas on GPU, jnp elsewhere), "pallas", "interpret" or "reference".
+      implementation: how the update runs: "pallas" (the fused kernel, compiled; an NVIDIA GPU),
+        "pallas_interpret" (the same kernel in the Pallas interpreter, on any platform; slow, for tests) or
+        "xla" (``fused_adamw_reference``, the same math in plain jnp). None picks per platform when the step is
+        lowered: "pallas" on an NVIDIA GPU, where one launch per dtype group reads and writes every param and
+        moment once, "xla" elsewhere, where Pallas only runs interpreted.
       block: launch geometry of the Pallas kernel (default: tuned per state kind on an H200).
     """
 
@@ -85,18 +94,18 @@ class ApexW:
     eps: float | jax.Array = 1e-8
     weight_decay: float | jax.Array = 1e-4
     mask: Any = None
-    state_dtype: str = "bf16"
+    state_dtype: jax.typing.DTypeLike = jnp.bfloat16
     quant_map: str = "power"
     skip_nonfinite: bool = False
     seed: int | jax.Array = 0
-    kernel: str = "auto"
+    implementation: str | None = None
     block: BlockConfig | None = None
 
     def __post_init__(self):
-        if self.state_dtype not in STATE_DTYPES:
-            raise ValueError(f"unknown state_dtype {self.state_dtype!r}; expected one of {STATE_DTYPES}")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"unknown kernel {self.kernel!r}; expected one of {KERNELS}")
+        object.__setattr__(self, "state_dtype", _state_dtype(self.state_dtype))
+        if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"unknown implementation {self.implementation!r}; expected None or one of "
+                             f"{IMPLEMENTATIONS}")
         if self.quant_map not in ("power", "linear"):
             raise ValueError(f"unknown quant_map {self.quant_map!r}; expected 'power' or 'linear'")
         if self.block is not None and self.block.block_rows > ROWS_ALIGN:
@@ -179,8 +188,7 @@ class ApexW:
         rows = jnp.asarray(rows)
         call = dict(apply=apply, out_dtype=g.dtype, quant_map=self.quant_map)
         if isinstance(moments, DenseMoments):
-            out, new = self._kernel(p2, g2, tuple(moments), rows, hp, keys, codec="fp32"
-                                    if self.state_dtype == "fp32" else "bf16", **call)
+            out, new = self._kernel(p2, g2, tuple(moments), rows, hp, keys, codec=_CODECS[self.state_dtype], **call)
             return out.reshape(-1), DenseMoments(*new)
         small = group.small_rows
         if group.rows == small:  # only small leaves: plain fp32 moments
@@ -191,26 +199,25 @@ class ApexW:
         return out.reshape(-1), QuantizedMoments(*new) if small else QuantizedMoments(*new, *moments[4:])
 
     def _kernel(self, *args, **static):
-        if self.kernel == "reference":
-            return fused_adamw_reference(*args, **static)
-        pallas = lambda *a: fused_adamw(*a, config=self.block, interpret=self.kernel == "interpret", **static)
-        if self.kernel in ("pallas", "interpret"):
-            return pallas(*args)
-        return jax.lax.platform_dependent(*args, cuda=pallas,
-                                          default=lambda *a: fused_adamw_reference(*a, **static))
+        xla = lambda *a: fused_adamw_reference(*a, **static)
+        pallas = lambda *a: fused_adamw(*a, config=self.block, interpret=self.implementation == "pallas_interpret",
+                                        **static)
+        if self.implementation is None:
+            return jax.lax.platform_dependent(*args, cuda=pallas, default=xla)
+        return (xla if self.implementation == "xla" else pallas)(*args)
 
     def _check_state(self, layout: FlatLayout, state: ApexWState) -> None:
         """The state must be this optimizer's kind for these params (a restored checkpoint may not be)."""
         expected = jax.eval_shape(lambda: tuple(self._zero_moments(group) for group in layout.groups))
         spec = lambda tree: [(x.shape, jnp.dtype(x.dtype).name) for x in jax.tree.leaves(tree)]
         if jax.tree.structure(state.moments) != jax.tree.structure(expected) or spec(state.moments) != spec(expected):
-            raise ValueError(f"optimizer state does not match state_dtype={self.state_dtype!r} for these params: "
+            raise ValueError(f"optimizer state does not match state_dtype={self.state_dtype.name} for these params: "
                              f"got {jax.tree.map(lambda x: (x.shape, x.dtype.name), state.moments)}")
 
     def _zero_moments(self, group):
-        if self.state_dtype != "int8":
-            dtype = jnp.float32 if self.state_dtype == "fp32" else jnp.bfloat16
-            return DenseMoments(jnp.zeros((group.rows, ROW), dtype), jnp.zeros((group.rows, ROW), dtype))
+        if self.state_dtype != jnp.int8:
+            shape = (group.rows, ROW)
+            return DenseMoments(jnp.zeros(shape, self.state_dtype), jnp.zeros(shape, self.state_dtype))
         large = group.rows - group.small_rows
         return QuantizedMoments(
             jnp.zeros((large, ROW), jnp.int8), jnp.zeros((large, ROW), jnp.uint8),
@@ -229,16 +236,16 @@ class ApexW:
 
 
 def apexw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 1e-4, mask: Any = None, *, state_dtype: str = "bf16",
+          weight_decay: float = 1e-4, mask: Any = None, *, state_dtype: jax.typing.DTypeLike = jnp.bfloat16,
           quant_map: str = "power", skip_nonfinite: bool = False, seed: int = 0,
-          kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
+          implementation: str | None = None) -> optax.GradientTransformationExtraArgs:
     """ApexW as an optax transformation (see :class:`ApexW` for the update rule and arguments).
 
     Example:
       >>> import jax.numpy as jnp, optax
       >>> from apex_jax import apexw
       >>> params = {"w": jnp.ones((64, 64))}
-      >>> tx = optax.chain(optax.clip_by_global_norm(1.0), apexw(1e-3, state_dtype="int8"))
+      >>> tx = optax.chain(optax.clip_by_global_norm(1.0), apexw(1e-3, state_dtype=jnp.int8))
       >>> state = tx.init(params)
       >>> updates, state = tx.update({"w": jnp.full((64, 64), 0.1)}, state, params)
       >>> params = optax.apply_updates(params, updates)
@@ -250,13 +257,27 @@ def apexw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
       Dettmers et al., "8-bit Optimizers via Block-wise Quantization", 2022.
     """
     opt = ApexW(learning_rate, b1, b2, eps, weight_decay, mask, state_dtype, quant_map, skip_nonfinite, seed,
-                kernel)
+                implementation)
     return optax.GradientTransformationExtraArgs(opt.init, opt.update)
 
 
 def state_nbytes(state: ApexWState) -> int:
     """Bytes held by the moments (the optimizer's state memory)."""
     return sum(leaf.nbytes for leaf in jax.tree.leaves(state.moments))
+
+
+def _state_dtype(value: jax.typing.DTypeLike) -> np.dtype:
+    """``value`` as the ``np.dtype`` it names, which must be one of :data:`STATE_DTYPES`."""
+    expected = "jnp.float32, jnp.bfloat16 or jnp.int8 (or a name or dtype jnp.dtype() reads as one of them)"
+    try:
+        dtype = jnp.dtype(value)
+    except (TypeError, ValueError):  # not a dtype at all (numpy raises either)
+        short = (f" (the short name {value!r} means apex_jax.STATE_DTYPES[{value!r}])"
+                 if isinstance(value, str) and value in STATE_DTYPES else "")
+        raise ValueError(f"state_dtype {value!r} is not a dtype{short}; expected {expected}") from None
+    if dtype not in _CODECS:
+        raise ValueError(f"state_dtype {value!r} is {dtype.name}; expected {expected}")
+    return dtype
 
 
 def _check_range(name: str, value, low: float, high: float | None) -> None:

@@ -32,10 +32,10 @@ GPU_LAYOUTS = {"4x32M": (4, 32 << 20), "1024x128K": (1024, 128 << 10), "8192x16K
                "4x256M": (4, 256 << 20)}
 CPU_LAYOUTS = {"4x256K": (4, 256 << 10), "128x8K": (128, 8 << 10)}
 FLOOR_BYTES_PER_PARAM = {"fp32": 28.0, "bf16": 20.0, "int8": 16.0 + 16 / 256}
-STATE_KINDS = ("fp32", "bf16", "int8")
+STATE_KINDS = ("fp32", "bf16", "int8")  # result labels: the keys of apex_jax.STATE_DTYPES (jax loads in workers)
 GROUPS = ("torch", "bnb", "torchao", "optax", "apexw-transform", "apexw-transform-flat", "apexw-fused")
-# Per-leaf XLA paths compile for minutes at 8192 leaves: the issue saw optax not compile within 100 s, and
-# the per-leaf apexw transform (split + apply_updates per leaf) was still compiling after 230 s.
+# Per-leaf XLA paths (optax, and the apexw transform's split + apply_updates per leaf) compile for minutes at 8192
+# leaves: a bound of their own turns such a layout into a timeout row instead of holding up the run.
 TIMEOUT_S = {"optax": 100, "apexw-transform": 120}
 DEFAULT_TIMEOUT_S = 400
 BLOCK_SWEEP = [(2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]  # (block_rows, num_warps)
@@ -119,7 +119,7 @@ def jax_worker(group: str, n: int, size: int, blocks: dict) -> list[dict]:
     if group in ("optax", "apexw-transform", "apexw-transform-flat"):
         impl = "apexw transform" + (" (flat)" if group.endswith("flat") else "")
         variants = [("optax.adamw", "fp32", optax.adamw(LR))] if group == "optax" else [
-            (impl, kind, apex_jax.apexw(LR, state_dtype=kind)) for kind in STATE_KINDS]
+            (impl, kind, apex_jax.apexw(LR, state_dtype=apex_jax.STATE_DTYPES[kind])) for kind in STATE_KINDS]
         for impl, kind, tx in variants:
             def step(p, s, g, tx=tx):
                 u, s = tx.update(g, s, p)
@@ -135,7 +135,7 @@ def jax_worker(group: str, n: int, size: int, blocks: dict) -> list[dict]:
         del params, grads
         for kind in STATE_KINDS:
             rows_w = blocks.get(kind, (16, 4))
-            opt = apex_jax.ApexW(LR, state_dtype=kind, block=BlockConfig(*rows_w))
+            opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(*rows_w))
             state = opt.init(flat)
             rows.append(_time_compiled(jax.jit(opt.step, donate_argnums=(0, 2)), (flat, state), flat_g,
                                        impl="apexw fused", state=kind, block=list(rows_w),
@@ -173,7 +173,7 @@ def sweep_worker(n: int, size: int) -> list[dict]:
     rows = []
     for kind in STATE_KINDS:
         for block_rows, warps in BLOCK_SWEEP:
-            opt = apex_jax.ApexW(LR, state_dtype=kind, block=BlockConfig(block_rows, warps))
+            opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(block_rows, warps))
             step = jax.jit(lambda p, s, opt=opt: opt.step(p, flat_g, s), donate_argnums=(0, 1))
             timing, (flat, _) = time_jax_steps(step, (flat, opt.init(flat)), steps_per_run=10, warmup=2, iters=20)
             rows.append(dict(state=kind, block=[block_rows, warps], step_ms=timing.median_ms))

@@ -5,7 +5,7 @@ for CPython 3.11-3.13 only, it brings its own OpenMP and BLAS threads, and an al
 of the project's venv.
 
 * `deepity_venv()` makes (once) a venv with `pydeepity==0.1.0a3` and numpy under the cache directory,
-  from a Python 3.11 (the version it was first measured with here), else 3.12 or 3.13;
+  from a Python 3.11 (the version of the recorded Deepity rows in benchmarks/results), else 3.12 or 3.13;
 * `write_mnist_npz()` writes MNIST (standard 60k train / 10k test split) as a plain npz both sides read;
 * `run_deepity()` runs `benchmarks/deepity_worker.py` in that venv and returns its per-epoch rows.
 
@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apex_jax.data import default_cache_dir, load_mnist
+from apex_data import default_cache_dir, load_mnist
 
 DEEPITY_SPEC = "pydeepity==0.1.0a3"
 # CPythons with a pydeepity 0.1.0a3 wheel (cp311-cp313, manylinux_2_28 x86_64), in order of preference.
@@ -101,7 +101,7 @@ def deepity_venv(cache_dir: str | Path | None = None) -> Path:
     """The venv with Deepity, created on first use (see `find_deepity_python` for its interpreter).
 
     Args:
-      cache_dir: where the venv lives (as `deepity-venv/`); defaults to `apex_jax.data.default_cache_dir()`.
+      cache_dir: where the venv lives (as `deepity-venv/`); defaults to `apex_data.default_cache_dir()`.
 
     Returns:
       The venv's folder; its interpreter is `bin/python`.
@@ -139,7 +139,7 @@ def write_mnist_npz(path: str | Path) -> Path:
 
 
 def _parse_rows(stdout: str) -> list[dict[str, Any]]:
-    """The worker's JSON rows; other lines (Deepity prints nothing to stdout today) are ignored."""
+    """The worker's JSON rows; any other line (whatever Deepity itself prints) is ignored."""
     rows = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"epoch"')]
     for row in rows:
         if set(row) != set(ROW_KEYS):

@@ -6,12 +6,12 @@ networks (config, params, forward) -> energy (E, errors, dE/dx) -> settle (solve
 from pc.energy import energy, energy_and_grads, errors
 from pc.generative import reconstruct, sample
 from pc.networks import ACTIVATIONS, OUTPUTS, PCNet, forward, init_params, parse_arch
-from pc.settle import KERNELS, SOLVERS, SettleResult, settle, settle_activities
+from pc.settle import IMPLEMENTATIONS, SOLVERS, SettleResult, settle, settle_activities
 from pc.train import VARIANTS, evaluate, label_targets, train_epoch
 
 __all__ = [
     "ACTIVATIONS",
-    "KERNELS",
+    "IMPLEMENTATIONS",
     "OUTPUTS",
     "PCNet",
     "SOLVERS",

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--linear-input", action="store_true",
                    help="feed pixels linearly, mu_1 = x_0 W_0 + b_0 (default: f(x_0), as in Whittington & Bogacz)")
     t.add_argument("--precision", choices=PRECISIONS, default="tf32",
-                   help="matmul operands (float32 accumulation); tf32 is exact float32 on a CPU")
+                   help="matmul precision: how matmuls round their operands (float32 accumulation); tf32 is "
+                        "exact float32 on a CPU")
     t.add_argument("--T", type=int, default=20, help="settling steps per minibatch")
     t.add_argument("--dt", type=float, default=0.1, help="settling step size")
     t.add_argument("--solver", choices=SOLVERS, default="euler")

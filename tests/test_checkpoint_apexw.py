@@ -12,7 +12,7 @@ from apex_jax import ApexW, ApexWState, DenseMoments, FlatParams, QuantizedMomen
 from apex_jax.checkpoint import Checkpointer
 from apex_jax.flat import SMALL_LEAF
 
-KINDS = ("fp32", "bf16", "int8")
+KINDS = (jnp.float32, jnp.bfloat16, jnp.int8)  # every state dtype of ApexW
 PARAMS_DTYPES = ("float32", "bfloat16", "mixed")  # mixed: one buffer group (and moments entry) per dtype
 FORMS = ("tree", "flat")  # tree: apexw through optax on a dict; flat: the fused ApexW.step on FlatParams
 STEPS_BEFORE_SAVE = 3  # real steps first, so the saved moments (and int8 scales) are not zeros
@@ -42,12 +42,12 @@ def grads_at(params, step: int):
 
 
 @functools.cache
-def optimizer(state_dtype: str) -> ApexW:
+def optimizer(state_dtype: jnp.dtype) -> ApexW:
     return ApexW(1e-2, weight_decay=0.1, state_dtype=state_dtype)
 
 
 @functools.cache
-def jitted_step(state_dtype: str, form: str):
+def jitted_step(state_dtype: jnp.dtype, form: str):
     """(params, state, grads pytree) -> (params, state); cached so every test reuses one compilation."""
     opt = optimizer(state_dtype)
     if form == "flat":
@@ -60,13 +60,13 @@ def jitted_step(state_dtype: str, form: str):
     return jax.jit(tree_step)
 
 
-def initial(state_dtype: str, params_dtype: str, form: str):
+def initial(state_dtype: jnp.dtype, params_dtype: str, form: str):
     params = make_params(params_dtype)
     params = flatten(params) if form == "flat" else params
     return params, optimizer(state_dtype).init(params)
 
 
-def train(state_dtype: str, form: str, params, state, steps: range):
+def train(state_dtype: jnp.dtype, form: str, params, state, steps: range):
     step = jitted_step(state_dtype, form)
     for t in steps:
         tree = params.tree() if isinstance(params, FlatParams) else params
@@ -89,14 +89,14 @@ def moment_types(state: ApexWState) -> list[type]:
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("params_dtype", PARAMS_DTYPES)
-@pytest.mark.parametrize("state_dtype", KINDS)
+@pytest.mark.parametrize("state_dtype", KINDS, ids=lambda dtype: jnp.dtype(dtype).name)
 def test_round_trip_is_bit_exact_and_resumes_bit_identically(tmp_path, state_dtype, params_dtype, form):
     params, state = train(state_dtype, form, *initial(state_dtype, params_dtype, form), range(STEPS_BEFORE_SAVE))
     assert int(state.count) == STEPS_BEFORE_SAVE
     assert all(np.any(np.asarray(m) != 0) for m in jax.tree.leaves(state.moments) if np.size(m))
-    expected_moments = QuantizedMoments if state_dtype == "int8" else DenseMoments
+    expected_moments = QuantizedMoments if state_dtype == jnp.int8 else DenseMoments
     assert moment_types(state) == [expected_moments] * (2 if params_dtype == "mixed" else 1)
-    if state_dtype == "int8":  # both regions of QuantizedMoments are in the checkpoint
+    if state_dtype == jnp.int8:  # both regions of QuantizedMoments are in the checkpoint
         assert all(m.mu_codes.size and m.mu_small.size for m in state.moments)
     saved = {"params": params, "opt_state": state}
     saved_bits = bits(saved)
@@ -120,11 +120,11 @@ def test_round_trip_is_bit_exact_and_resumes_bit_identically(tmp_path, state_dty
 
 
 @pytest.mark.parametrize(("saved_kind", "target_kind", "message"), [
-    ("bf16", "fp32", r"opt_state\.moments\.0\.mu: saved \(\d+, 256\) bfloat16, target \(\d+, 256\) float32"),
-    ("fp32", "bf16", r"opt_state\.moments\.0\.nu: saved \(\d+, 256\) float32, target \(\d+, 256\) bfloat16"),
-    ("int8", "fp32", r"opt_state\.moments\.0\.mu_codes: saved \(\d+, 256\) int8, target missing"),
-    ("bf16", "int8", r"opt_state\.moments\.0\.mu: saved \(\d+, 256\) bfloat16, target missing"),
-])
+    (jnp.bfloat16, jnp.float32, r"opt_state\.moments\.0\.mu: saved \(\d+, 256\) bfloat16, target \(\d+, 256\) float32"),
+    (jnp.float32, jnp.bfloat16, r"opt_state\.moments\.0\.nu: saved \(\d+, 256\) float32, target \(\d+, 256\) bfloat16"),
+    (jnp.int8, jnp.float32, r"opt_state\.moments\.0\.mu_codes: saved \(\d+, 256\) int8, target missing"),
+    (jnp.bfloat16, jnp.int8, r"opt_state\.moments\.0\.mu: saved \(\d+, 256\) bfloat16, target missing"),
+], ids=["bf16-fp32", "fp32-bf16", "int8-fp32", "bf16-int8"])
 @pytest.mark.parametrize("form", FORMS)
 def test_restoring_another_state_kind_raises(tmp_path, saved_kind, target_kind, message, form):
     params, state = initial(saved_kind, "float32", form)
@@ -137,14 +137,14 @@ def test_restoring_another_state_kind_raises(tmp_path, saved_kind, target_kind, 
 
 @pytest.mark.parametrize("form", FORMS)
 def test_restoring_into_a_model_with_more_parameters_raises(tmp_path, form):
-    params, state = initial("int8", "float32", form)
+    params, state = initial(jnp.int8, "float32", form)
     bigger = make_params("float32") | {"head": jnp.ones((32, 256))}
     bigger = flatten(bigger) if form == "flat" else bigger
     with Checkpointer(tmp_path, handle_sigterm=False) as ckpt:
         ckpt.save(0, {"params": params, "opt_state": state})
         leaf = "params.0" if form == "flat" else "params.head"
         with pytest.raises(ValueError, match=rf"{leaf}: saved .*, target"):
-            ckpt.restore({"params": bigger, "opt_state": optimizer("int8").init(bigger)})
+            ckpt.restore({"params": bigger, "opt_state": optimizer(jnp.int8).init(bigger)})
 
 
 # FlatParams is a pytree node whose static aux data is the FlatLayout: orbax saves only its buffers (leaf

@@ -1,4 +1,4 @@
-"""apex_jax.demo in a tiny mode: every step runs, the optimizer table is filled, every variant learns."""
+"""examples.tour (`make demo`) in a tiny mode: every step runs, the optimizer table is filled, every variant learns."""
 
 import io
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from apex_jax import demo
+from examples import tour as demo
 
 TINY_STEPS = 40  # enough for every variant's loss to fall clearly below its start (2.3 -> about 0.5)
 

@@ -8,7 +8,7 @@ import pytest
 
 import apex_jax
 import pc
-from apex_jax.data import load_mnist
+from apex_data import load_mnist
 
 SMALL = (6, 9, 7, 4)  # a net small enough for long reference runs
 
@@ -189,10 +189,12 @@ _TX = optax.sgd(0.1)
     (lambda: pc.settle(_PARAMS, _X, _NET, T=0, dt=0.1), "T .* >= 1, got 0"),
     (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.0), r"dt .* > 0, got 0.0"),
     (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, solver="rk4"), "unknown solver 'rk4'"),
-    (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, kernel="cuda"), "unknown kernel 'cuda'"),
-    (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, solver="heun", kernel="pallas"),
-     r"kernel='pallas' cannot settle .*solver 'heun'"),
-    (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, tol=1e-3, kernel="pallas"), r"kernel='pallas' .*tol"),
+    (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, implementation="jnp"),
+     r"unknown implementation 'jnp'; expected None or one of \('pallas', 'pallas_interpret', 'xla'\)"),
+    (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, solver="heun", implementation="pallas"),
+     r"implementation='pallas' cannot settle .*solver 'heun'"),
+    (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, tol=1e-3, implementation="pallas_interpret"),
+     r"implementation='pallas_interpret' .*tol"),
     (lambda: pc.settle(_PARAMS, jnp.zeros((2, 7)), _NET, T=5, dt=0.1), r"x0 must be \[batch, n_0\].*\(2, 7\)"),
     (lambda: pc.settle(_PARAMS, _X, _NET, T=5, dt=0.1, target=jnp.zeros((2, 9))), r"target .*\(2, 9\)"),
     (lambda: pc.settle(_PARAMS, _X, pc.PCNet((4, 6, 3)), T=5, dt=0.1), r"params\[0\] has w \(4, 5\)"),
@@ -209,11 +211,11 @@ _TX = optax.sgd(0.1)
                             net=_NET, T=5, dt=0.1, batch_size=4, key=jax.random.key(0), variant="hebbian"),
      "unknown variant 'hebbian'"),
     (lambda: pc.train_epoch(_PARAMS, _TX.init(_PARAMS), _TX, jnp.zeros((8, 4)), jnp.zeros(8, jnp.int32),
-                            net=_NET, T=5, dt=0.1, batch_size=4, key=jax.random.key(0), kernel="gpu"),
-     "unknown kernel 'gpu'"),
+                            net=_NET, T=5, dt=0.1, batch_size=4, key=jax.random.key(0),
+                            implementation="gpu"), "unknown implementation 'gpu'"),
     (lambda: pc.train_epoch(_PARAMS, _TX.init(_PARAMS), _TX, jnp.zeros((8, 4)), jnp.zeros(8, jnp.int32),
                             net=_NET, T=5, dt=0.1, batch_size=4, key=jax.random.key(0), variant="incremental",
-                            kernel="pallas"), "kernel='pallas' fuses supervised settling only"),
+                            implementation="pallas"), "implementation='pallas' fuses supervised settling only"),
     (lambda: pc.evaluate(_PARAMS, jnp.zeros((8, 5)), jnp.zeros(8, jnp.int32), _NET), r"images must be .*\(8, 5\)"),
     (lambda: pc.train_epoch(_PARAMS, _TX.init(_PARAMS), _TX, jnp.zeros((8, 4)), jnp.zeros(8, jnp.int32),
                             net=_NET, T=5, dt=0.1, batch_size=4, key=jax.random.key(0), label_smoothing=1.0),

@@ -1,7 +1,7 @@
-"""pc.settle's kernel dispatch: the fused Pallas path settles (and trains) as the jnp loop does, "pallas" runs
-it on an H200 exactly where it applies, and "auto" (the faster path today) runs the XLA loop.
+"""pc.settle's implementation dispatch: the fused Pallas kernel settles (and trains) as the jnp loop does,
+"pallas" runs it on an H200 exactly where it applies, and None runs the XLA loop.
 
-On a CPU, kernel="pallas" runs the kernel in interpret mode; the H200 checks lower without a GPU.
+On a CPU the kernel runs as "pallas_interpret"; the H200 checks lower "pallas" without a GPU.
 """
 
 import dataclasses
@@ -14,7 +14,7 @@ import pytest
 from test_pc_settle_kernel import lower_grid
 
 import pc
-from apex_jax.data import load_mnist
+from apex_data import load_mnist
 from pallas_kernels import device
 from pallas_kernels.pc_settle import PRECISIONS, SettleConfig, check_launch
 from pallas_kernels.testing import H200, assert_close, lower_for_h200
@@ -41,8 +41,9 @@ def small_problem(output, input_activation, seed=0):
 @pytest.mark.parametrize("output", list(pc.OUTPUTS))
 def test_pallas_settles_as_the_jnp_loop(output, input_activation, clamped):
     net, params, x0, labels = small_problem(output, input_activation)
-    run = lambda kernel: pc.settle(params, x0, net, T=3, dt=0.2, target=labels if clamped else None, kernel=kernel)
-    fused, loop = run("pallas"), run("jnp")
+    run = lambda implementation: pc.settle(params, x0, net, T=3, dt=0.2, target=labels if clamped else None,
+                                           implementation=implementation)
+    fused, loop = run("pallas_interpret"), run("xla")
     assert len(fused.xs) == len(loop.xs) == len(SMALL)
     for l, (a, b) in enumerate(zip(fused.xs, loop.xs, strict=True)):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f"x_{l}")
@@ -67,10 +68,10 @@ def test_train_epoch_with_the_kernel_gives_the_jnp_params(exchange, smoothing):
     params = pc.init_params(jax.random.key(0), net)
     tx = optax.sgd(0.5)
     config = SettleConfig(block_b=64, groups=32, exchange=exchange)
-    run = lambda kernel: pc.train_epoch(params, tx.init(params), tx, images, labels, net=net, T=5, dt=0.1,
-                                        batch_size=25, key=jax.random.key(1), kernel=kernel, kernel_config=config,
-                                        label_smoothing=smoothing)
-    (fused, _, fused_metrics), (loop, _, loop_metrics) = run("pallas"), run("jnp")
+    run = lambda implementation: pc.train_epoch(params, tx.init(params), tx, images, labels, net=net, T=5, dt=0.1,
+                                                batch_size=25, key=jax.random.key(1), implementation=implementation,
+                                                kernel_config=config, label_smoothing=smoothing)
+    (fused, _, fused_metrics), (loop, _, loop_metrics) = run("pallas_interpret"), run("xla")
     for l, (a, b, p0) in enumerate(zip(fused, loop, params, strict=True)):
         for name in ("w", "b"):  # the change each path made, to 1e-4 relative (Frobenius)
             step = b[name] - p0[name]
@@ -99,21 +100,23 @@ SETTLE_CASES = {  # id -> (changes to NET, changes to settle's arguments, whethe
 
 
 @pytest.mark.parametrize("case", list(SETTLE_CASES))
-def test_pallas_runs_the_kernel_on_h200_exactly_where_it_applies_and_auto_never(case):
+def test_pallas_runs_the_kernel_on_h200_exactly_where_it_applies_and_none_never(case):
     net_changes, settle_changes, fused = SETTLE_CASES[case]
     net = pc.PCNet(**(NET | net_changes))
     kwargs = dict(target=jax.ShapeDtypeStruct((64,), jnp.int32)) | settle_changes
     target = kwargs.pop("target")
     params = jax.eval_shape(lambda: pc.init_params(jax.random.key(0), net))
     x0 = jax.ShapeDtypeStruct((64, 784), jnp.float32)
-    lower = lambda kernel: lower_for_h200(
-        lambda p, x, y: pc.settle(p, x, net, T=20, dt=0.1, target=y, kernel=kernel, **kwargs).xs, params, x0, target)
-    assert "triton" not in lower("auto")
+    lower = lambda implementation: lower_for_h200(
+        lambda p, x, y: pc.settle(p, x, net, T=20, dt=0.1, target=y, implementation=implementation, **kwargs).xs,
+        params, x0, target)
+    assert "triton" not in lower(None) and "triton" not in lower("xla")
     if fused:
         assert "triton" in lower("pallas")
     else:
-        with pytest.raises(ValueError, match="kernel='pallas' cannot settle"):
-            lower("pallas")
+        for implementation in ("pallas", "pallas_interpret"):
+            with pytest.raises(ValueError, match=f"implementation='{implementation}' cannot settle"):
+                lower(implementation)
 
 
 def test_kernel_config_sets_the_launch_grid(monkeypatch):
@@ -125,8 +128,8 @@ def test_kernel_config_sets_the_launch_grid(monkeypatch):
     x0, labels = jax.ShapeDtypeStruct((64, 784), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.int32)
 
     def grid(**config):
-        return lower_grid(lower_for_h200(lambda p, x, y: pc.settle(p, x, net, T=20, dt=0.1, target=y, kernel="pallas",
-                                                                   **config).xs, params, x0, labels))
+        settle = lambda p, x, y: pc.settle(p, x, net, T=20, dt=0.1, target=y, implementation="pallas", **config).xs
+        return lower_grid(lower_for_h200(settle, params, x0, labels))
 
     assert grid() == (1, 4)
     assert grid(kernel_config=SettleConfig(block_b=16, groups=2)) == (4, 2)
@@ -134,9 +137,9 @@ def test_kernel_config_sets_the_launch_grid(monkeypatch):
     assert grid() == (2, 2)
 
 
-def test_default_kernel_configs_are_the_measured_fastest_per_precision():
-    """bf16: one barrier per step ("deltas"); tf32 and float32: two ("errors"), 3.5x faster than "deltas" at tf32
-    on the H200 (pc.settle's comment)."""
+def test_default_kernel_configs_per_precision():
+    """bf16: one barrier per step ("deltas"); tf32 and float32: two ("errors"), the faster scheme with float32
+    operands (pc.settle's comment)."""
     configs = {p: kernel_config_for(pc.PCNet(**NET, precision=p), None) for p in PRECISIONS}
     assert {p: c.exchange for p, c in configs.items()} == {"bfloat16": "deltas", "tf32": "errors", "float32": "errors"}
     mine = SettleConfig(block_b=16)
@@ -154,7 +157,7 @@ def test_default_kernel_config_is_fitted_to_the_gpu():
 
 def lower_deepity_epoch(precision: str = "float32", **kwargs) -> str:
     """One whole Deepity epoch (784-512-512-10 sigmoid, CE output, linear input, T = 20, batch 250, 1000 images)
-    with kernel="pallas", lowered for an abstract H200: the module's text."""
+    with implementation="pallas", lowered for an abstract H200: the module's text."""
     net = pc.PCNet(pc.parse_arch("784-512-512-10"), activation="sigmoid", output="cross_entropy",
                    input_activation=False, precision=precision)
     tx = optax.adamw(1e-3)
@@ -162,7 +165,7 @@ def lower_deepity_epoch(precision: str = "float32", **kwargs) -> str:
     abstract = (params, jax.eval_shape(tx.init, params), jax.ShapeDtypeStruct((1000, 784), jnp.float32),
                 jax.ShapeDtypeStruct((1000,), jnp.int32), jax.eval_shape(lambda: jax.random.key(0)))
     epoch = lambda p, s, x, y, key: pc.train_epoch(p, s, tx, x, y, net=net, T=20, dt=0.1, batch_size=250, key=key,
-                                                   kernel="pallas", **kwargs)
+                                                   implementation="pallas", **kwargs)
     return lower_for_h200(epoch, *abstract)
 
 
@@ -170,9 +173,9 @@ def lower_deepity_epoch(precision: str = "float32", **kwargs) -> str:
                                                    ("bfloat16", SettleConfig(block_b=32, groups=16), (8, 16))],
                          ids=["default", "32x16"])
 def test_train_epoch_lowers_with_the_fused_kernel_for_h200(precision, config, grid):
-    """kernel="pallas" settles the Deepity epoch with the Triton kernel, on the grid of its kernel_config (default
-    pc.settle.KERNEL_CONFIGS: 4 slots of 64 rows x 32 unit groups). (32 x 16 in float32 would need more shared
-    memory than an H200 block has: pallas_kernels' tests check that refusal.)"""
+    """implementation="pallas" settles the Deepity epoch with the Triton kernel, on the grid of its
+    kernel_config (default pc.settle.KERNEL_CONFIGS: 4 slots of 64 rows x 32 unit groups). (32 x 16 in float32
+    would need more shared memory than an H200 block has: pallas_kernels' tests check that refusal.)"""
     text = lower_deepity_epoch(precision, **({} if config is None else dict(kernel_config=config)))
     assert "triton" in text and "pc_settle_3layers" in text
     assert lower_grid(text) == grid

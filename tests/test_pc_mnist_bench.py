@@ -62,14 +62,14 @@ def test_quick_suite_runs_on_a_tiny_net(monkeypatch):
     monkeypatch.setattr(pc_mnist, "load_dataset", lambda name: small)
     monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.setdefault(name, payload))
     monkeypatch.setattr(pc_mnist, "NET", dataclasses.replace(pc_mnist.NET, sizes=(784, 32, 32, 10)))
-    for name, value in dict(BATCH=50, SETTLE_BATCHES=2, SETTLE_T=3, QUICK_EPOCHS=2,
+    for name, value in dict(BATCH=50, SETTLE_BATCHES=2, SETTLE_T=3, QUICK_EPOCHS=2, FUSED="pallas_interpret",
                             QUICK_CONFIGS={"bfloat16": ("16x2x4", "16x2x4-errors")}).items():
         monkeypatch.setattr(pc_mnist, name, value)
     ran = []
 
-    def in_process(name, kernel, precision, config, flags, epochs):
+    def in_process(name, implementation, precision, config, flags, epochs):
         ran.append((name, flags))
-        return pc_mnist.variant_rows(name, kernel, precision, config, epochs, small)
+        return pc_mnist.variant_rows(name, implementation, precision, config, epochs, small)
 
     monkeypatch.setattr(pc_mnist, "run_variant", in_process)
     payload = pc_mnist.quick_suite(("default", "graphs"))
@@ -97,14 +97,14 @@ def test_run_variant_trains_in_a_subprocess_under_its_xla_flags():
     """The quick suite's epochs subprocess on the CPU (the plain-XLA loop, 500 images, one epoch) under the
     "graphs+while" flag set: XLA accepts the flags (it aborts on an unknown name or command type) and the rows come
     back; a failing subprocess (an unknown flag) becomes an error row."""
-    rows = pc_mnist.run_variant("xla [graphs+while]", "jnp", "float32", None, "graphs+while", 1, limit=500)
+    rows = pc_mnist.run_variant("xla [graphs+while]", "xla", "float32", None, "graphs+while", 1, limit=500)
     assert [(r["impl"], r["epoch"]) for r in rows] == [("xla [graphs+while]", 1)]
     assert rows[0]["seconds"] > 0 and 0 < rows[0]["test_accuracy"] <= 1
 
 
 def test_run_variant_reports_a_failed_subprocess(monkeypatch):
     monkeypatch.setitem(pc_mnist.XLA_FLAG_SETS, "bad", "--xla_no_such_flag=1")
-    rows = pc_mnist.run_variant("xla [bad]", "jnp", "float32", None, "bad", 1, limit=500)
+    rows = pc_mnist.run_variant("xla [bad]", "xla", "float32", None, "bad", 1, limit=500)
     assert rows == [dict(impl="xla [bad]", error=rows[0]["error"])] and rows[0]["error"].startswith("exit status")
 
 

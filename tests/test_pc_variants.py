@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import pc
-from apex_jax.data import load_mnist
+from apex_data import load_mnist
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from gguf.quants import quantize
 from tokenizers import pre_tokenizers
 
-from apex_jax.data import default_cache_dir, fetch_wheel
+from apex_data import default_cache_dir, fetch_wheel
 from serving import weights
 from serving.config import ModelConfig
 from serving.loaders.gguf import expected_tensor_names, hf_config, load_gguf, unpermute_rope_rows

