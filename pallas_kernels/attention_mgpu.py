@@ -111,7 +111,7 @@ def tile_steps(key_lo: jax.Array, key_hi: jax.Array, block_q: int, block_k: int)
 
 
 def online_softmax(scores, valid, m, l, *, scale: float):
-    """attention.softmax_step's weights in Mosaic GPU's layouts: returns ``(m', l', p, correction)``.
+    """common.softmax_step's weights in Mosaic GPU's layouts: returns ``(m', l', p, correction)``.
 
     scores: ``[rows, keys]`` fp32 (logits ``scale * scores`` in log2 units); valid: bool ``[rows, keys]`` or None;
     m, l: ``[rows]`` running max and sum. ``acc' = correction acc + p V`` is the caller's (a wgmma).

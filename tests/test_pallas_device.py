@@ -33,7 +33,10 @@ def test_the_target_is_the_abstract_device_of_a_lowering_else_the_default():
     mesh = jax.sharding.AbstractMesh((), (), abstract_device=H200)
     with jax.sharding.use_abstract_mesh(mesh):
         assert device.target() is H200
-    if jax.default_backend() == "cpu":
+    if jax.default_backend() == "gpu":  # the first GPU, its SM count as it reports it
+        assert device.target() == jax.devices("gpu")[0]
+        assert device.gpu().cores == jax.devices("gpu")[0].core_count
+    else:
         assert device.target() is None
         assert device.gpu() == device.gpu(H200)  # a GPU branch traced on a CPU is checked against an H200
 
