@@ -24,6 +24,13 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite, and MASK_VALUE - 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
+def pipeline_buffers(num_stages: int, dtype) -> int:
+    """Copies of a K-loop's operand tiles that Triton's software pipeline keeps in shared memory: ``num_stages``
+    for 16-bit operands (tensor-core dots fed by async copies), one fewer for float32 (IEEE fp32 dots on the FMA
+    units), as its allocator places them for the matmul kernels here."""
+    return num_stages if jnp.dtype(dtype).itemsize < 4 else max(1, num_stages - 1)
+
+
 def check_power_of_2(config, names) -> None:
     """Raise ValueError unless every field ``names`` of the dataclass ``config`` is a positive power of 2."""
     for name in names:

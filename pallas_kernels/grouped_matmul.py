@@ -50,7 +50,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import device
-from pallas_kernels.common import DTYPES, MIN_TILE, check_num_stages, check_power_of_2, check_tile, dot
+from pallas_kernels.common import (
+    DTYPES,
+    MIN_TILE,
+    check_num_stages,
+    check_power_of_2,
+    check_tile,
+    dot,
+    pipeline_buffers,
+)
 
 MAX_GRID_Y = 65535  # CUDA's limit on a launch's second grid dimension, which holds the visits
 
@@ -71,10 +79,10 @@ class GroupedMatmulConfig:
         check_num_stages(self)
 
     def shared_memory_bytes(self, dtype, weights: int = 1) -> int:
-        """Shared memory a program uses: ``num_stages`` x tiles and tiles of each of ``weights`` weights in flight
-        (Triton's software pipeline)."""
-        tile = self.block_m * self.block_k + weights * self.block_k * self.block_n
-        return self.num_stages * tile * jnp.dtype(dtype).itemsize
+        """Shared memory a program uses: the x tiles and the tiles of each of ``weights`` weights in flight
+        (``common.pipeline_buffers``)."""
+        tile = (self.block_m * self.block_k + weights * self.block_k * self.block_n) * jnp.dtype(dtype).itemsize
+        return pipeline_buffers(self.num_stages, dtype) * tile
 
 
 # Prefill (hundreds of rows per expert): large tiles for tensor-core efficiency.
@@ -221,7 +229,7 @@ def _launch(plan, x, weights, config, out_dtype, interpret, *, per_row, repeat=1
     block_n = min(config.block_n, max(MIN_TILE, pl.next_power_of_2(n)))  # no all-padding tiles for small n
     if not interpret:
         launched = dataclasses.replace(config, block_n=block_n)
-        device.check_shared_memory(f"grouped_matmul in {x.dtype}", launched,
+        device.check_shared_memory(f"{'gather_matmul' if per_row else 'grouped_matmul'} in {x.dtype}", launched,
                                    launched.shared_memory_bytes(x.dtype, len(weights)), device.gpu())
     kernel = functools.partial(_gmm_kernel, block_m=config.block_m, block_n=block_n, block_k=config.block_k,
                                num_groups=num_groups, per_row=per_row, repeat=repeat)

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import device
-from pallas_kernels.common import DTYPES, check_num_stages, check_power_of_2, check_tile, dot
+from pallas_kernels.common import DTYPES, check_num_stages, check_power_of_2, check_tile, dot, pipeline_buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +54,9 @@ class MatmulConfig:
         check_num_stages(self)
 
     def shared_memory_bytes(self, dtype) -> int:
-        """Shared memory a program uses: ``num_stages`` x and w tiles in flight (Triton's software pipeline)."""
-        return self.num_stages * (self.block_m + self.block_n) * self.block_k * jnp.dtype(dtype).itemsize
+        """Shared memory a program uses: the x and w tiles in flight (``common.pipeline_buffers``)."""
+        tile = (self.block_m + self.block_n) * self.block_k * jnp.dtype(dtype).itemsize
+        return pipeline_buffers(self.num_stages, dtype) * tile
 
 
 # --------------------------------------------------------------------------- Pallas kernel

@@ -111,7 +111,10 @@ def test_lowers_for_h200(shape):
 
 
 def test_a_config_past_the_shared_memory_is_refused():
-    """Five stages of 128 x 64 and 64 x 256 bf16 tiles need 245760 bytes, more than an H200 block's 232448."""
+    """Five stages of 128 x 64 and 64 x 256 bf16 tiles need 245760 bytes, more than an H200 block's 232448. (What
+    Triton's allocator gives the default tiles: 65536 bytes in bf16, 4 copies; 98304 in float32, 3.)"""
+    assert K.MatmulConfig().shared_memory_bytes(jnp.bfloat16) == 65536
+    assert K.MatmulConfig().shared_memory_bytes(jnp.float32) == 98304
     config = K.MatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=5)
     args = (jax.ShapeDtypeStruct((256, 512), jnp.bfloat16), jax.ShapeDtypeStruct((512, 512), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"matmul in bfloat16 with MatmulConfig\(.*needs 245760 bytes of shared "
