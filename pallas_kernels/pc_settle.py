@@ -307,6 +307,9 @@ def fitted_config(widths: Sequence[int], precision: str, config: SettleConfig = 
     first that fits, trying G = ``config.groups``, 2G, .. up to the narrowest hidden layer's MIN_WIDTH groups
     for each ``block_b`` from ``config.block_b`` halving down to MIN_WIDTH. The results do not depend on the
     geometry. Raises ValueError if none fits."""
+    if len(widths) < 2:
+        raise ValueError(f"the kernel settles nets with a hidden layer: widths [n_1, ..., n_L] with L >= 2, got "
+                         f"{list(widths)}")
     gpu = gpu or device.gpu()
     most_groups = min(padded_width(n) for n in widths[:-1]) // MIN_WIDTH
     block_b = config.block_b

@@ -140,6 +140,8 @@ def kernel_config_for(net: PCNet, config: SettleConfig | None) -> SettleConfig:
     fitted to the target GPU's shared memory (``pallas_kernels.pc_settle.fitted_config``)."""
     if config is not None:
         return config
+    if net.depth < 2:  # no hidden layer: the kernel does not apply (fused_kernel_unsupported), nothing to fit
+        return KERNEL_CONFIGS[net.precision]
     return fitted_config(net.sizes[1:], net.precision, KERNEL_CONFIGS[net.precision])
 
 
