@@ -85,8 +85,8 @@ def exp2(x: jax.Array, *, approx: bool = False) -> jax.Array:
 
     ``jnp.exp2`` lowers to libdevice's ``__nv_exp2f``, which is ``ex2.approx.f32`` unless the module is built
     with flush-to-zero (XLA's ``--xla_gpu_ftz``, off by default). Without ftz, ptxas wraps every MUFU.EX2 in a
-    range test and two predicated multiplies for results below 2^-126: three more fp32 instructions per score
-    (102 of 499 in the sm_90 SASS of this kernel's loop). A softmax weight that small is 0 next to the row's
+    range test and two predicated multiplies for results below 2^-126: three more fp32 instructions per score,
+    on the attention kernels' critical path. A softmax weight that small is 0 next to the row's
     largest weight 1, so flushing it loses nothing; otherwise both are the same 2-ulp approximation.
     """
     if not approx or x.dtype != jnp.float32:
