@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from pallas_kernels.pc_settle import ACTIVATIONS as KERNEL_ACTIVATIONS
-from pallas_kernels.pc_settle import SettleConfig, Settled, pc_settle
+from pallas_kernels.pc_settle import SettleConfig, Settled, fitted_config, pc_settle
 from pc.energy import energy, energy_and_grads
 from pc.networks import Params, PCNet, check_params, forward, predict
 
@@ -136,8 +136,13 @@ def fused_kernel_unsupported(net: PCNet, solver: str | optax.GradientTransformat
 
 
 def kernel_config_for(net: PCNet, config: SettleConfig | None) -> SettleConfig:
-    """``config``, or the default for the net's matmul precision (:data:`KERNEL_CONFIGS`)."""
-    return KERNEL_CONFIGS[net.precision] if config is None else config
+    """``config``, or the default for the net's matmul precision (:data:`KERNEL_CONFIGS`) with its geometry
+    fitted to the target GPU's shared memory (``pallas_kernels.pc_settle.fitted_config``)."""
+    if config is not None:
+        return config
+    if net.depth < 2:  # no hidden layer: the kernel does not apply (fused_kernel_unsupported), nothing to fit
+        return KERNEL_CONFIGS[net.precision]
+    return fitted_config(net.sizes[1:], net.precision, KERNEL_CONFIGS[net.precision])
 
 
 def check_implementation(implementation: str | None, net: PCNet, solver: str | optax.GradientTransformation, *,

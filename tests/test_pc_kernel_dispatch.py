@@ -4,6 +4,8 @@
 On a CPU the kernel runs as "pallas_interpret"; the H200 checks lower "pallas" without a GPU.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +15,9 @@ from test_pc_settle_kernel import lower_grid
 
 import pc
 from apex_data import load_mnist
-from pallas_kernels.pc_settle import PRECISIONS, SettleConfig
-from pallas_kernels.testing import assert_close, lower_for_h200
+from pallas_kernels import device
+from pallas_kernels.pc_settle import PRECISIONS, SettleConfig, check_launch
+from pallas_kernels.testing import H200, assert_close, lower_for_h200
 from pc.settle import KERNEL_CONFIGS, kernel_config_for
 
 SMALL = (12, 20, 18, 5)
@@ -143,6 +146,15 @@ def test_default_kernel_configs_per_precision():
     assert kernel_config_for(pc.PCNet(**NET), mine) is mine
 
 
+def test_default_kernel_config_is_fitted_to_the_gpu():
+    """1024-wide float32 layers: KERNEL_CONFIGS' 64-row tiles of 32 groups need more shared memory than an H200
+    block (the target when no GPU is attached) has; the default keeps the scheme, on 16-row tiles of 64 groups."""
+    net = pc.PCNet((784, 1024, 1024, 10), activation="sigmoid", output="cross_entropy", input_activation=False)
+    fitted = kernel_config_for(net, None)
+    assert fitted == dataclasses.replace(KERNEL_CONFIGS["float32"], block_b=16, groups=64)
+    check_launch(250, net.sizes[1:], fitted, "float32", gpu=device.gpu(H200))
+
+
 def lower_deepity_epoch(precision: str = "float32", **kwargs) -> str:
     """One whole Deepity epoch (784-512-512-10 sigmoid, CE output, linear input, T = 20, batch 250, 1000 images)
     with implementation="pallas", lowered for an abstract H200: the module's text."""
@@ -157,12 +169,14 @@ def lower_deepity_epoch(precision: str = "float32", **kwargs) -> str:
     return lower_for_h200(epoch, *abstract)
 
 
-@pytest.mark.parametrize("config,grid", [(None, (4, 32)), (SettleConfig(block_b=32, groups=16), (8, 16))],
+@pytest.mark.parametrize("precision,config,grid", [("float32", None, (4, 32)),
+                                                   ("bfloat16", SettleConfig(block_b=32, groups=16), (8, 16))],
                          ids=["default", "32x16"])
-def test_train_epoch_lowers_with_the_fused_kernel_for_h200(config, grid):
-    """implementation="pallas" settles the Deepity epoch with the Triton kernel, on the grid of its kernel_config
-    (default pc.settle.KERNEL_CONFIGS: 4 slots of 64 rows x 32 unit groups)."""
-    text = lower_deepity_epoch(**({} if config is None else dict(kernel_config=config)))
+def test_train_epoch_lowers_with_the_fused_kernel_for_h200(precision, config, grid):
+    """implementation="pallas" settles the Deepity epoch with the Triton kernel, on the grid of its
+    kernel_config (default pc.settle.KERNEL_CONFIGS: 4 slots of 64 rows x 32 unit groups). (32 x 16 in float32
+    would need more shared memory than an H200 block has: pallas_kernels' tests check that refusal.)"""
+    text = lower_deepity_epoch(precision, **({} if config is None else dict(kernel_config=config)))
     assert "triton" in text and "pc_settle_3layers" in text
     assert lower_grid(text) == grid
 
