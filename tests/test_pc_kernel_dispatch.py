@@ -1,5 +1,6 @@
 """pc.settle's implementation dispatch: the fused Pallas kernel settles (and trains) as the jnp loop does,
-"pallas" runs it on an H200 exactly where it applies, and None runs the XLA loop.
+"pallas" runs it on an H200 exactly where it applies, and None picks it there too where it was measured faster
+(the XLA loop everywhere else, and on a CPU).
 
 On a CPU the kernel runs as "pallas_interpret"; the H200 checks lower "pallas" without a GPU.
 """
@@ -18,7 +19,7 @@ from apex_data import load_mnist
 from pallas_kernels import device
 from pallas_kernels.pc_settle import PRECISIONS, SettleConfig, check_launch
 from pallas_kernels.testing import H200, assert_close, lower_for_h200
-from pc.settle import KERNEL_CONFIGS, kernel_config_for
+from pc.settle import FUSED_BY_DEFAULT, KERNEL_CONFIGS, kernel_config_for, resolve_implementation
 
 SMALL = (12, 20, 18, 5)
 # Kernel and loop sum their matmuls in different orders (blocks of the padded widths vs XLA's dot): fp32
@@ -100,7 +101,7 @@ SETTLE_CASES = {  # id -> (changes to NET, changes to settle's arguments, whethe
 
 
 @pytest.mark.parametrize("case", list(SETTLE_CASES))
-def test_pallas_runs_the_kernel_on_h200_exactly_where_it_applies_and_none_never(case):
+def test_pallas_and_none_run_the_kernel_on_h200_exactly_where_it_applies(case):
     net_changes, settle_changes, fused = SETTLE_CASES[case]
     net = pc.PCNet(**(NET | net_changes))
     kwargs = dict(target=jax.ShapeDtypeStruct((64,), jnp.int32)) | settle_changes
@@ -110,13 +111,28 @@ def test_pallas_runs_the_kernel_on_h200_exactly_where_it_applies_and_none_never(
     lower = lambda implementation: lower_for_h200(
         lambda p, x, y: pc.settle(p, x, net, T=20, dt=0.1, target=y, implementation=implementation, **kwargs).xs,
         params, x0, target)
-    assert "triton" not in lower(None) and "triton" not in lower("xla")
+    assert "triton" not in lower("xla")
+    assert ("triton" in lower(None)) == fused  # the H200 is the launch target: None picks the faster, the kernel
     if fused:
         assert "triton" in lower("pallas")
     else:
         for implementation in ("pallas", "pallas_interpret"):
             with pytest.raises(ValueError, match=f"implementation='{implementation}' cannot settle"):
                 lower(implementation)
+
+
+def test_none_resolves_by_launch_target_and_precision():
+    """None is the loop without a GPU target, the kernel for an H200 at the precisions it was measured faster at,
+    and the loop at float32 (not timed) or where the kernel does not apply."""
+    net = lambda **kw: pc.PCNet(**(NET | kw))
+    assert resolve_implementation(None, net(), "euler") == "xla"  # this CPU: no GPU to launch on
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
+        assert [resolve_implementation(None, net(precision=p), "euler") for p in PRECISIONS] == [
+            "pallas" if p in FUSED_BY_DEFAULT else "xla" for p in PRECISIONS]
+        assert resolve_implementation(None, net(), "heun") == "xla"
+        assert resolve_implementation("xla", net(), "euler") == "xla"
+        with pytest.raises(ValueError, match="unknown implementation 'auto'"):
+            resolve_implementation("auto", net(), "euler")
 
 
 def test_kernel_config_sets_the_launch_grid(monkeypatch):
