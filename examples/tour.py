@@ -288,7 +288,8 @@ def serving_chat(tour: Tour) -> None:
         result = demo_round_trip()
     tour.results["serving"] = result
     tour.console.print(f"server {result['url']}: {result['reply']!r} ({result['completion_tokens']} tokens, "
-                       f"{result['tokens_per_s']:.1f} tokens/s, batch 1 on this CPU, after a warm-up request)")
+                       f"{result['tokens_per_s']:.1f} tokens/s, batch 1 on this CPU; the first request, after "
+                       f"{result['warm_up_s']:.0f} s of warm-up compiles)")
 
 
 def summary(tour: Tour) -> None:
