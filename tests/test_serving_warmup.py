@@ -11,13 +11,13 @@ from pathlib import Path
 
 import jax
 import pytest
-from serving.speculative import SpecConfig
 from test_serving_api_fixture import model_folder
 
 from serving.engine import engine as engine_module
 from serving.engine.engine import Engine
 from serving.engine.runner import MIN_BLOCKS_BUCKET, MIN_TOKENS_BUCKET, StepShape, buckets
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.spec_decode import SpecConfig
 from serving.structured import ConstraintSpec
 
 HF = Path(__file__).parent / "fixtures" / "hf"
