@@ -262,9 +262,8 @@ def test_int8_state_never_turns_nan_into_a_number():
     assert bool(jnp.isnan(state.moments[0].mu_scale).any())  # the block holding the NaN stays NaN
 
 
+@pytest.mark.needs_devices(8)
 def test_sharded_params_over_8_devices():
-    if jax.device_count() < 8:
-        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (make test sets it)")
     mesh = jax.make_mesh((8,), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     params = {"w": jax.random.normal(jax.random.key(0), (64, 512)), "b": jnp.ones((8,))}

@@ -2,17 +2,13 @@
 
 import json
 
-import jax
 import pytest
 
 from benchmarks import serving_ep
 from pallas_kernels.testing import on_gpu
 
-needs_8_devices = pytest.mark.skipif(jax.device_count("cpu") < 8,
-                                     reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
-
-@needs_8_devices
+@pytest.mark.needs_devices(8, backend="cpu")
 def test_cpu_mode_decodes_on_every_mesh_with_the_one_device_outputs(tmp_path):
     serving_ep.main(["--cpu", "--out-dir", str(tmp_path)])
     result = json.loads((tmp_path / "serving_ep_cpu.json").read_text())

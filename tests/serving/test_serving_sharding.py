@@ -17,8 +17,7 @@ from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk, make_batch
 from serving.loaders import read_checkpoint
 from serving.models import model_module
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8,
-                                reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+pytestmark = pytest.mark.needs_devices(8)
 
 NUM_TOKENS, NUM_VALID = 13, 10  # not a multiple of any token split > 1 (exercises the padding), 3 padding tokens
 EXPERTS, HIDDEN, MOE_HIDDEN = 8, 32, 16

@@ -17,8 +17,7 @@ from serving.loaders import load_model
 from serving.models import model_module
 from serving.spec_decode import NgramDrafter, SpecConfig
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8,
-                                reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+pytestmark = pytest.mark.needs_devices(8)
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)

@@ -96,7 +96,7 @@ def test_with_ngram_speculation_warm_up_compiles_every_verification(folder):
         _events = None
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
+@pytest.mark.needs_devices(8)
 def test_on_a_mesh_warm_up_leaves_nothing_to_compile():
     global _events
     from serving import sharding

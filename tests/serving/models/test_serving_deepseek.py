@@ -237,7 +237,7 @@ def test_caches_refuse_the_other_attention():
 # --------------------------------------------------------------------------- sharding, params
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+@pytest.mark.needs_devices(8)
 def test_sharded_params_give_the_one_device_logits():
     cfg = fixture()[0]
     mesh = jax.make_mesh((2, 2, 2), ("data", "tensor", "expert"), axis_types=(AxisType.Auto,) * 3)

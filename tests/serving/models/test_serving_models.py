@@ -113,7 +113,7 @@ def mesh_2x2x2() -> jax.sharding.Mesh:
     return jax.make_mesh((2, 2, 2), ("data", "tensor", "expert"), axis_types=(AxisType.Auto,) * 3)
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_sharded_params_give_the_one_device_logits(name):
     cfg = fixture(name)[0]
