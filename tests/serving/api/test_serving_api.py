@@ -5,13 +5,12 @@ import json
 import re
 import types
 
-import anthropic
 import httpx
 import jsonschema
 import numpy as np
 import openai
 import pytest
-from helpers.server import LLAMA, MODEL_NAME, make_engine, model_folder, running_server
+from helpers.server import LLAMA, MODEL_NAME
 from prometheus_client import generate_latest
 
 from serving.api.engine_client import EngineStats
@@ -25,23 +24,6 @@ GUIDED_REGEX = r"[a-z]{3}-[0-9]{2}"
 GUIDED_CHOICES = ["yes", "no", "maybe"]
 OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
              "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    engine = make_engine(model_folder(tmp_path_factory.mktemp("models")))
-    with running_server(engine) as (server, _):
-        yield server
-
-
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", timeout=TIMEOUT_S, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +41,14 @@ def sse_data(text: str) -> list[str]:
     return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
 
 
-def test_health_and_models(server, oai):
-    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+def test_health_and_models(api_server, oai):
+    assert httpx.get(f"{api_server.url}/health").json()["status"] == "ok"
     assert [m.id for m in oai.models.list().data] == [MODEL_NAME]
 
 
-def test_completion_of_token_ids_is_hf_greedy(server, oai, reference):
+def test_completion_of_token_ids_is_hf_greedy(api_server, oai, reference):
     prompt, greedy = reference
-    engine = server.server.config.app.state.frontend.engine
+    engine = api_server.server.config.app.state.frontend.engine
     response = oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=GREEDY_TOKENS, temperature=0.0,
                                       logprobs=2, extra_body={"ignore_eos": True})
     choice = response.choices[0]
@@ -119,9 +101,9 @@ def test_chat_logprobs(oai):
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
 
 
-def test_raw_sse_format_ends_with_done(server):
+def test_raw_sse_format_ends_with_done(api_server):
     body = {"model": MODEL_NAME, "prompt": "abc", "max_tokens": 4, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
+    with httpx.stream("POST", f"{api_server.url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         data = sse_data(response.read().decode())
     assert data[-1] == "[DONE]"
@@ -174,14 +156,14 @@ def test_guided_fields_constrain_the_output(oai, route, stream):
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
-def test_bad_constraints_are_openai_shaped_400s(server, route):
+def test_bad_constraints_are_openai_shaped_400s(api_server, route):
     body = {"model": MODEL_NAME, "max_tokens": 2, **({"messages": chat()} if "chat" in route else {"prompt": "a"})}
     cases = [({"guided_regex": "([a-z"}, "guided_regex"), ({"guided_choice": []}, "guided_choice"),
              ({"guided_json": {"type": "no-such-type"}}, "guided_json"), ({"guided_json": "{oops"}, "guided_json"),
              ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
              ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex")]
     for fields, param in cases:
-        response = httpx.post(f"{server.url}{route}", json={**body, **fields}, timeout=TIMEOUT_S)
+        response = httpx.post(f"{api_server.url}{route}", json={**body, **fields}, timeout=TIMEOUT_S)
         error = response.json()["error"]
         assert response.status_code == 400 and error["type"] == "invalid_request_error", (fields, error)
         assert error["param"] == param and error["message"].startswith(param), (fields, error)
@@ -207,9 +189,9 @@ def test_anthropic_messages(claude):
                                                                              text[:text.index(stop)])
 
 
-def test_anthropic_event_sequence(server):
+def test_anthropic_event_sequence(api_server):
     body = {"model": MODEL_NAME, "max_tokens": 4, "stream": True, "messages": chat()}
-    response = httpx.post(f"{server.url}/v1/messages", json=body, timeout=TIMEOUT_S)
+    response = httpx.post(f"{api_server.url}/v1/messages", json=body, timeout=TIMEOUT_S)
     events = [line[len("event: "):] for line in response.text.splitlines() if line.startswith("event: ")]
     assert events[:2] == ["message_start", "content_block_start"]
     assert set(events[2:-3]) <= {"content_block_delta"}
@@ -224,9 +206,9 @@ def metric_samples(text: str) -> dict[str, float]:
             if line and not line.startswith("#")}
 
 
-def test_metrics(server, oai):
+def test_metrics(api_server, oai):
     oai.chat.completions.create(model=MODEL_NAME, messages=chat(), max_tokens=3)
-    samples = metric_samples(httpx.get(f"{server.url}/metrics").text)
+    samples = metric_samples(httpx.get(f"{api_server.url}/metrics").text)
     assert samples['serving_requests_total{route="/v1/chat/completions",status="200"}'] >= 1
     assert samples["serving_prompt_tokens_total"] > 0 and samples["serving_generated_tokens_total"] >= 3
     assert samples["serving_time_to_first_token_seconds_count"] >= 1

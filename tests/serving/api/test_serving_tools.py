@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from helpers.server import MODEL_NAME, make_engine, model_folder, running_server
+from helpers.server import MODEL_NAME
 
 from serving.api.anthropic_api import MessagesRequest, chat_messages
 from serving.api.errors import APIError
@@ -33,23 +33,6 @@ ANTHROPIC_TOOLS = [{"name": name, "description": f"the {name}", "input_schema": 
 OPENAI_CHOICES = {"required": "required", "named": {"type": "function", "function": {"name": "time"}}}
 ANTHROPIC_CHOICES = {"any": {"type": "any"}, "tool": {"type": "tool", "name": "time",
                                                       "disable_parallel_tool_use": True}}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    engine = make_engine(model_folder(tmp_path_factory.mktemp("models")))
-    with running_server(engine) as (server, _):
-        yield server
-
-
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", timeout=TIMEOUT_S, max_retries=0)
 
 
 def chat(content: str = "weather?") -> list[dict]:
@@ -245,10 +228,10 @@ def test_anthropic_tool_errors(claude):
         assert error.value.body["error"]["type"] == "invalid_request_error"
 
 
-def test_anthropic_tool_use_event_sequence(server):
+def test_anthropic_tool_use_event_sequence(api_server):
     body = {"model": MODEL_NAME, "max_tokens": CALL_TOKENS, "stream": True, "messages": chat(),
             "tools": ANTHROPIC_TOOLS, "tool_choice": ANTHROPIC_CHOICES["tool"]}
-    response = httpx.post(f"{server.url}/v1/messages", json=body, timeout=TIMEOUT_S)
+    response = httpx.post(f"{api_server.url}/v1/messages", json=body, timeout=TIMEOUT_S)
     payloads = [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
     assert [p["type"] for p in payloads] == ["message_start", "content_block_start", "content_block_delta",
                                              "content_block_stop", "message_delta", "message_stop"]
