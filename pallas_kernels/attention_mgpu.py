@@ -35,8 +35,8 @@ operands only from shared memory ("Expected shape (6,) but got (64, 64)" from a 
 interpreter runs each warpgroup on a thread that blocks in host callbacks at barriers: with XLA's CPU client on 2
 cores and no ``--xla_force_host_platform_device_count`` it can deadlock (the tests set 8 devices, as make test does).
 
-Speed: not measured yet (``python benchmarks/serving_kernels.py --kernels flash_attention`` times it as
-``pallas_mosaic`` next to the Triton kernel and cuDNN).
+``python benchmarks/serving_kernels.py --kernels flash_attention`` times it as ``pallas_mosaic`` next to the
+Triton kernel and cuDNN.
 
 Not done: the backward pass, float32 (wgmma would run it as tf32, and attention.py keeps IEEE fp32), head dims
 that are not multiples of 64 (one 128-byte swizzled TMA tile is 64 bf16 columns).
@@ -51,7 +51,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention import LOG2E, MASK_VALUE, check_inputs, check_power_of_2, key_ranges
+from pallas_kernels import device
+from pallas_kernels.attention import check_inputs, key_ranges
+from pallas_kernels.common import LOG2E, MASK_VALUE, check_power_of_2
 
 WGMMA_ROWS = 64  # rows of one warpgroup's wgmma tile (M)
 COMPUTE_WGS = 2  # compute warpgroups a block; a third one runs the TMA producer
@@ -61,7 +63,6 @@ SWIZZLE_COLS = SWIZZLE_BYTES // 2
 # the compute warpgroups hold a [64, head_dim] fp32 accumulator plus a [64, block_k] score tile each.
 COMPUTE_REGISTERS = 232
 PRODUCER_REGISTERS = 40
-SMEM_BYTES = 227 * 1024  # H100/H200 shared memory a block
 DTYPE = jnp.dtype(jnp.bfloat16)
 
 
@@ -110,7 +111,7 @@ def tile_steps(key_lo: jax.Array, key_hi: jax.Array, block_q: int, block_k: int)
 
 
 def online_softmax(scores, valid, m, l, *, scale: float):
-    """attention.softmax_step's weights in Mosaic GPU's layouts: returns ``(m', l', p, correction)``.
+    """common.softmax_step's weights in Mosaic GPU's layouts: returns ``(m', l', p, correction)``.
 
     scores: ``[rows, keys]`` fp32 (logits ``scale * scores`` in log2 units); valid: bool ``[rows, keys]`` or None;
     m, l: ``[rows]`` running max and sum. ``acc' = correction acc + p V`` is the caller's (a wgmma).
@@ -267,9 +268,9 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: j
     for name, width in (("head_dim", head_dim), ("v_head_dim", v_head_dim)):
         if width % SWIZZLE_COLS:
             raise ValueError(f"{name} must be a multiple of {SWIZZLE_COLS} (one swizzled TMA tile), got {width}")
-    if config.smem_bytes(head_dim, v_head_dim) > SMEM_BYTES:
-        raise ValueError(f"{config} needs {config.smem_bytes(head_dim, v_head_dim)} bytes of shared memory at "
-                         f"head dims {head_dim}/{v_head_dim}; a block has {SMEM_BYTES}")
+    if not interpret:
+        device.check_shared_memory(f"flash_attention_mgpu of head dims {head_dim}/{v_head_dim}", config,
+                                   config.smem_bytes(head_dim, v_head_dim), device.gpu())
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale}")

@@ -25,10 +25,10 @@ weights are read from HBM about once and served from L2 to its other row tiles.
 Cost of group alignment: each group's partial last tile wastes on average block_m / 2 rows of MMA work. For
 Qwen3-30B-A3B prefill (32768 routed rows over 128 experts, ~256 rows each) at block_m = 128 that is ~25%
 extra tensor-core work; at block_m = 64, ~12% (with smaller tiles). The bound for the two expert matmuls (K =
-2048, N = 768 and K = 768, N = 2048) is 103 GFLOP each: 0.13 ms at the H200's ~790 TFLOP/s dense bf16, 0.34 ms
-at the 300 TFLOP/s target. Decode (64 tokens x top-8 = 512 rows, ~4 rows per expert) is bandwidth-bound: the
-touched experts' weights are 3.1 MB each (2048 x 768 bf16), ~400 MB for all 128, ~0.09 ms at 4.27 TB/s; 16-row
-tiles (the smallest tl.dot M) keep the wasted MMA work irrelevant there.
+2048, N = 768 and K = 768, N = 2048) is 103 GFLOP each: 0.13 ms at the H200's ~790 TFLOP/s dense bf16. Decode
+(64 tokens x top-8 = 512 rows, ~4 rows per expert) is bandwidth-bound: the touched experts' weights are 3.1 MB
+each (2048 x 768 bf16), ~400 MB for all 128, ~0.09 ms at 4.27 TB/s; 16-row tiles (the smallest tl.dot M) keep
+the wasted MMA work irrelevant there.
 
 Gathered rows (``gather_matmul``): ``out[r] = x[r // repeat] @ w[ids[r]]`` for rows in any order, the same kernel
 with one visit per row (group ``ids[r]``, rows ``[r, r + 1)``), read straight from ``ids``: no sort, no plan
@@ -49,7 +49,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.attention import DTYPES, MIN_TILE, check_power_of_2, check_tile, dot
+from pallas_kernels import device
+from pallas_kernels.common import (
+    DTYPES,
+    MIN_TILE,
+    check_num_stages,
+    check_power_of_2,
+    check_tile,
+    dot,
+    pipeline_buffers,
+)
 
 MAX_GRID_Y = 65535  # CUDA's limit on a launch's second grid dimension, which holds the visits
 
@@ -67,16 +76,21 @@ class GroupedMatmulConfig:
     def __post_init__(self):
         check_power_of_2(self, ("block_m", "block_n", "block_k", "num_warps"))
         check_tile(self, ("block_m", "block_n", "block_k"))
-        if self.num_stages < 1:
-            raise ValueError(f"GroupedMatmulConfig.num_stages must be >= 1, got {self.num_stages}")
+        check_num_stages(self)
+
+    def shared_memory_bytes(self, dtype, weights: int = 1) -> int:
+        """Shared memory a program uses: the x tiles and the tiles of each of ``weights`` weights in flight
+        (``common.pipeline_buffers``)."""
+        tile = (self.block_m * self.block_k + weights * self.block_k * self.block_n) * jnp.dtype(dtype).itemsize
+        return pipeline_buffers(self.num_stages, dtype) * tile
 
 
 # Prefill (hundreds of rows per expert): large tiles for tensor-core efficiency.
 PREFILL_CONFIG = GroupedMatmulConfig()
 # Decode (a few rows per expert): the smallest row tile, and wide K steps to keep weight bytes in flight.
 DECODE_CONFIG = GroupedMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-# gather_matmul (one row per visit): the decode geometry, measured at batch 64 (4.2 TB/s); not tuned for few rows
-# (benchmarks/serving_decode.py --profile --gather-configs sweep times the candidates in the whole decode step).
+# gather_matmul (one row per visit): the decode geometry (benchmarks/serving_decode.py --profile --gather-configs
+# times the candidates in the whole decode step).
 GATHER_CONFIG = DECODE_CONFIG
 DECODE_ROWS_PER_GROUP = 32  # below this mean rows per group, row tiles would be mostly padding: DECODE_CONFIG
 
@@ -213,6 +227,10 @@ def _launch(plan, x, weights, config, out_dtype, interpret, *, per_row, repeat=1
     row ``r // repeat``) and ``weights``: ``(w,)``, or ``(gate, up)`` for the SwiGLU hidden."""
     m, (num_groups, _, n) = x.shape[0] * repeat, weights[0].shape
     block_n = min(config.block_n, max(MIN_TILE, pl.next_power_of_2(n)))  # no all-padding tiles for small n
+    if not interpret:
+        launched = dataclasses.replace(config, block_n=block_n)
+        device.check_shared_memory(f"{'gather_matmul' if per_row else 'grouped_matmul'} in {x.dtype}", launched,
+                                   launched.shared_memory_bytes(x.dtype, len(weights)), device.gpu())
     kernel = functools.partial(_gmm_kernel, block_m=config.block_m, block_n=block_n, block_k=config.block_k,
                                num_groups=num_groups, per_row=per_row, repeat=repeat)
     n_tiles = pl.cdiv(n, block_n)

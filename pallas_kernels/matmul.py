@@ -19,7 +19,7 @@ tile row r lands in, and no other row enters its sum: its bits depend on x[r] an
 columns of K change nothing either (``+ 0 * 0`` per step, whole zero steps add 0): a sum over a zero-padded
 axis keeps its bits when the padding grows (up to the sign of an all-zero sum).
 
-Expected speed (H200, bf16; estimates, to be measured): decode (M <= 64) reads each weight once and is
+Speed bounds (H200, bf16): decode (M <= 64) reads each weight once and is
 bandwidth-bound like any GEMV, but with 64-wide column tiles and no split-K an N = 2048 projection launches
 only 32 programs, too few to pull all of the 4.27 TB/s; wide layers (MLP, LM head) launch enough. Prefill runs
 64 x 64 x 64 tiles, smaller than a tuned GEMM's. ``benchmarks/serving_decode.py --batch-invariant`` measures
@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.attention import DTYPES, check_power_of_2, check_tile, dot
+from pallas_kernels import device
+from pallas_kernels.common import DTYPES, check_num_stages, check_power_of_2, check_tile, dot, pipeline_buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +51,12 @@ class MatmulConfig:
     def __post_init__(self):
         check_power_of_2(self, ("block_m", "block_n", "block_k", "num_warps"))
         check_tile(self, ("block_m", "block_n", "block_k"))
-        if self.num_stages < 1:
-            raise ValueError(f"MatmulConfig.num_stages must be >= 1, got {self.num_stages}")
+        check_num_stages(self)
+
+    def shared_memory_bytes(self, dtype) -> int:
+        """Shared memory a program uses: the x and w tiles in flight (``common.pipeline_buffers``)."""
+        tile = (self.block_m + self.block_n) * self.block_k * jnp.dtype(dtype).itemsize
+        return pipeline_buffers(self.num_stages, dtype) * tile
 
 
 # --------------------------------------------------------------------------- Pallas kernel
@@ -104,6 +109,8 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, config: MatmulConfig =
       ``[m, n]``.
     """
     _check(x, w)
+    if not interpret:
+        device.check_shared_memory(f"matmul in {x.dtype}", config, config.shared_memory_bytes(x.dtype), device.gpu())
     m, n = x.shape[0], w.shape[1]
     kernel = functools.partial(_matmul_kernel, block_m=config.block_m, block_n=config.block_n,
                                block_k=config.block_k)

@@ -20,7 +20,7 @@ A program owns a block of ``block_h`` q heads of one kv head's group (GQA: the w
 masked rows to a 16-row tl.dot tile; MLA: H / block_h blocks) for one sequence and one split of its context.
 Each step gathers ``block_k`` tokens' K (and V) rows straight from their pages, in any order and any page
 size (pointers ``page * page_size + row``; no copy of the cache), scores them against all heads of the block
-at once with ``tl.dot``, and runs the online softmax of ``attention.softmax_step``. So every K/V row is read
+at once with ``tl.dot``, and runs the online softmax of ``common.softmax_step``. So every K/V row is read
 from HBM once per step per head block: once for GQA, H / block_h times for MLA (L2 serves the repeats).
 Long contexts are split over ``num_splits`` programs (flash-decoding: enough programs to fill the GPU); each
 writes its unnormalized accumulator and its softmax statistics (m, l), and the wrapper combines the splits
@@ -29,7 +29,7 @@ in jnp:  m* = max_s m_s,  out = sum_s 2^(m_s - m*) acc_s / sum_s 2^(m_s - m*) l_
 Expected speed (H200): decode is bandwidth-bound; a step streams block_k x (head_dim + v_head_dim) x 2 bytes
 and does 2 x block_h x block_k x (head_dim + v_head_dim) FLOP, 16 FLOP per byte at block_h = 16, far under
 the tensor cores' balance point. Batch 64 x 2048 tokens x 8 kv heads x d=128 reads 537 MB of K and V:
-about 0.13 ms at the H200's 4.27 TB/s; the goal is most of that bandwidth.
+about 0.13 ms at the H200's 4.27 TB/s.
 """
 
 import dataclasses
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import attention
+from pallas_kernels import common, device
 
 H200_SMS = 132
 TARGET_PROGRAMS = 2 * H200_SMS  # automatic splits aim for two resident programs per SM
@@ -64,12 +64,11 @@ class PagedConfig:
     num_stages: int = 3
 
     def __post_init__(self):
-        attention.check_power_of_2(self, ("block_h", "block_k", "num_warps"))
-        attention.check_tile(self, ("block_h", "block_k"))
+        common.check_power_of_2(self, ("block_h", "block_k", "num_warps"))
+        common.check_tile(self, ("block_h", "block_k"))
         if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
             raise ValueError(f"PagedConfig.num_splits must be None or an int >= 1, got {self.num_splits!r}")
-        if self.num_stages < 1:
-            raise ValueError(f"PagedConfig.num_stages must be >= 1, got {self.num_stages}")
+        common.check_num_stages(self)
 
 
 # MLA's fp32 accumulator is [block_h, 512]: 32 heads x 512 columns at 8 warps is 64 registers a thread.
@@ -103,11 +102,11 @@ def _paged_kernel(lengths_ref, tables_ref, q_ref, k_ref, *refs, block_h, block_k
             return plgpu.load(ref.at[pages, rows, kv_head, cols], mask=valid[:, None], other=0.0)
 
         ks = [gather(k_ref, s, w) for s, w in k_spans]
-        scores = sum(attention.dot(q, k, transpose_b=True) for q, k in zip(qs, ks, strict=True)) * qk_scale
+        scores = sum(common.dot(q, k, transpose_b=True) for q, k in zip(qs, ks, strict=True)) * qk_scale
         values = ks[:len(v_spans)] if shared_kv else [gather(v_ref, s, w) for s, w in v_spans]
-        return attention.softmax_step(scores, valid[None, :], m, l, accs, values)
+        return common.softmax_step(scores, valid[None, :], m, l, accs, values)
 
-    carry = (jnp.full((block_h,), attention.MASK_VALUE, jnp.float32), jnp.zeros((block_h,), jnp.float32),
+    carry = (jnp.full((block_h,), common.MASK_VALUE, jnp.float32), jnp.zeros((block_h,), jnp.float32),
              [jnp.zeros((block_h, w), jnp.float32) for _, w in v_spans])
     m, l, accs = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), block_k), step, carry)
     for (s, w), acc in zip(v_spans, accs, strict=True):
@@ -133,17 +132,23 @@ def _paged_call(q, k_pages, v_pages, block_tables, lengths, *, scale, k_spans, v
     batch, q_heads, _ = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     group, context = q_heads // kv_heads, block_tables.shape[1] * page_size
-    block_h = min(config.block_h, max(attention.MIN_TILE, pl.next_power_of_2(group)))
+    block_h = min(config.block_h, max(common.MIN_TILE, pl.next_power_of_2(group)))
     block_k = config.block_k
     head_blocks = pl.cdiv(group, block_h)
     splits = config.num_splits or pl.cdiv(TARGET_PROGRAMS, batch * kv_heads * head_blocks)
     split_len = pl.cdiv(pl.cdiv(context, min(splits, pl.cdiv(context, block_k))), block_k) * block_k
     splits = pl.cdiv(context, split_len)
     v_width = sum(w for _, w in v_spans)
+    k_width = sum(w for _, w in k_spans)
+    if not interpret:  # in flight: num_stages key (and value) tiles; once: the q rows (dot operands)
+        gathered = k_width + (0 if v_pages is None else v_width)
+        need = (config.num_stages * block_k * gathered + block_h * k_width) * q.dtype.itemsize
+        device.check_shared_memory(f"{name} of head dims {k_width}/{v_width} in {q.dtype}", config, need,
+                                   device.gpu())
     partial = (splits, batch, kv_heads, head_blocks * block_h)
     kernel = functools.partial(_paged_kernel, block_h=block_h, block_k=block_k, group=group,
                                head_blocks=head_blocks, page_size=page_size, split_len=split_len,
-                               qk_scale=scale * attention.LOG2E, k_spans=k_spans, v_spans=v_spans,
+                               qk_scale=scale * common.LOG2E, k_spans=k_spans, v_spans=v_spans,
                                shared_kv=v_pages is None)
     acc, m, l = pl.pallas_call(
         kernel,
@@ -164,7 +169,7 @@ def _paged_call(q, k_pages, v_pages, block_tables, lengths, *, scale, k_spans, v
 
 def _check_dtypes(**arrays):
     dtypes = {name: x.dtype for name, x in arrays.items()}
-    if len(set(dtypes.values())) != 1 or next(iter(dtypes.values())) not in attention.DTYPES:
+    if len(set(dtypes.values())) != 1 or next(iter(dtypes.values())) not in common.DTYPES:
         raise ValueError(f"{', '.join(dtypes)} must share one dtype, bfloat16 or float32; got {dtypes}")
 
 
@@ -186,8 +191,8 @@ def _check(q, k_pages, v_pages, block_tables, lengths):
     if q.shape[1] % k_pages.shape[2] or k_pages.shape[3] != q.shape[2]:
         raise ValueError(f"q [batch, q_heads, head_dim] = {list(q.shape)} needs q_heads a multiple of the kv heads "
                          f"and the pages' head_dim equal to q's; k_pages is {list(k_pages.shape)}")
-    attention.check_head_dim("head_dim", q.shape[2])
-    attention.check_head_dim("v_head_dim", v_pages.shape[3])
+    common.check_head_dim("head_dim", q.shape[2])
+    common.check_head_dim("v_head_dim", v_pages.shape[3])
     _check_dtypes(q=q, k_pages=k_pages, v_pages=v_pages)
     _check_tables(q.shape[0], block_tables, lengths)
 
@@ -214,7 +219,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     _check(q, k_pages, v_pages, block_tables, lengths)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     return _paged_call(q, k_pages, v_pages, block_tables, lengths, scale=scale,
-                       k_spans=attention.column_spans(q.shape[2]), v_spans=attention.column_spans(v_pages.shape[3]),
+                       k_spans=common.column_spans(q.shape[2]), v_spans=common.column_spans(v_pages.shape[3]),
                        config=config, interpret=interpret, name="paged_attention")
 
 
@@ -226,8 +231,8 @@ def _check_mla(q_latent, q_rope, latent_pages, block_tables, lengths):
     if latent_pages.ndim != 3 or latent_pages.shape[2] != rank + rope:
         raise ValueError(f"latent_pages must be [num_pages, page_size, R + P = {rank + rope}], got "
                          f"{latent_pages.shape}")
-    attention.check_head_dim("R (q_latent's last dim)", rank)
-    attention.check_head_dim("P (q_rope's last dim)", rope)
+    common.check_head_dim("R (q_latent's last dim)", rank)
+    common.check_head_dim("P (q_rope's last dim)", rope)
     _check_dtypes(q_latent=q_latent, q_rope=q_rope, latent_pages=latent_pages)
     _check_tables(q_latent.shape[0], block_tables, lengths)
 
@@ -253,8 +258,8 @@ def paged_mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: ja
     _check_mla(q_latent, q_rope, latent_pages, block_tables, lengths)
     rank, rope = q_latent.shape[2], q_rope.shape[2]
     q = jnp.concatenate([q_latent, q_rope], axis=2)
-    v_spans = attention.column_spans(rank)
-    k_spans = v_spans + attention.column_spans(rope, offset=rank)  # the values are the first key spans
+    v_spans = common.column_spans(rank)
+    k_spans = v_spans + common.column_spans(rope, offset=rank)  # the values are the first key spans
     return _paged_call(q, latent_pages[:, :, None, :], None, block_tables, lengths, scale=scale, k_spans=k_spans,
                        v_spans=v_spans, config=config, interpret=interpret, name="paged_mla_attention")
 
@@ -280,7 +285,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     v = jnp.repeat(_gather_pages(v_pages, block_tables), group, axis=2)
     scores = jnp.einsum("bhd,bthd->bht", q.astype(jnp.float32), k, precision="highest") * scale
     mask = _length_mask(block_tables, k_pages.shape[1], lengths)
-    return attention.masked_softmax_values(scores, mask, v, "bht,bthd->bhd").astype(q.dtype)
+    return common.masked_softmax_values(scores, mask, v, "bht,bthd->bhd").astype(q.dtype)
 
 
 def paged_mla_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
@@ -293,4 +298,4 @@ def paged_mla_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent
     scores = (jnp.einsum("bhr,btr->bht", q_latent.astype(jnp.float32), c_kv, precision="highest")
               + jnp.einsum("bhp,btp->bht", q_rope.astype(jnp.float32), k_rope, precision="highest")) * scale
     mask = _length_mask(block_tables, latent_pages.shape[1], lengths)
-    return attention.masked_softmax_values(scores, mask, c_kv, "bht,btr->bhr").astype(q_latent.dtype)
+    return common.masked_softmax_values(scores, mask, c_kv, "bht,btr->bhr").astype(q_latent.dtype)

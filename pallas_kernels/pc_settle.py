@@ -46,11 +46,12 @@ layer for the tiles of slot r, and before any loop loads, once per launch, the w
     (W_l W_l^T)[:, U_g] [n_l, u_l]      the Gram slice ("deltas" exchange only, below)
     W_{L-1}[U_g, :]    [u_{L-1}, n_L]   its share of the output's prediction
 
-They are values live across both loops, so Triton keeps them on chip (Deepity at G = 32: 3 * 512 * 16 +
-16 * 16 = 25K weights, 50 KB in bf16). Programs of a slot exchange activities through buffers in global
-memory, which stay in L2 (every read of them is volatile: served by L2, never by L1, which is not coherent
-across SMs), separated by grid barriers of the slot's G programs. The output layer (16 padded units) is
-replicated: every program holds the same bits of mu_L and e_L (below, "The output's prediction").
+They are values live across both loops: Triton keeps them in shared memory, as ``tl.dot`` operands, beside
+the exchange rows each step multiplies by them (below, "Shared memory"). Programs of a slot exchange
+activities through buffers in global memory, which stay in L2 (every read of them is volatile: served by L2,
+never by L1, which is not coherent across SMs), separated by grid barriers of the slot's G programs. The
+output layer (16 padded units) is replicated: every program holds the same bits of mu_L and e_L (below, "The
+output's prediction").
 
 Two exchange schemes (``SettleConfig.exchange``):
 
@@ -74,8 +75,8 @@ Two exchange schemes (``SettleConfig.exchange``):
     df(x_l)[:, U_g], dx_{l+1}[:, U_g] and the output partial, barrier, read all of df(x_l) and dx_{l+1}, update
     the kept errors (3 matmuls per hidden-to-hidden layer instead of 2). At the feed-forward start every
     hidden error and backward term is exactly 0. The caller passes W_l W_l^T (:func:`gram_matrices`), once per
-    launch. Deviation from fp32 (Deepity, T=20, CPU emulation): bf16 2.6e-3 like the bf16 reference, tf32
-    3.2e-4 against the reference's 2.6e-4.
+    launch. Rounded operands (bf16, tf32) deviate from fp32 as much as the reference's do: the changes are
+    as small as the errors, so they round no worse.
 
 The output's prediction (``SettleConfig.output_sum``)
 -----------------------------------------------------
@@ -103,9 +104,11 @@ alone and one ``fence.acq_rel.gpu`` after the count showed every arrival (what c
 does: a strong read that sees the releasing atomics, then an acquire fence, synchronizes with them in PTX's
 memory model; no fence per read).
 The count only grows, so it is never reset. Since a program waits for the other G - 1 of its slot, all R * G
-programs must be resident at once: :func:`launch_grid` keeps R * G <= ``SettleConfig.max_programs``
-(MAX_PROGRAMS = 128: one program per SM of an H200's 132). Should they not be, a barrier gives up after
-BARRIER_SPINS reads (about a second) instead of hanging the GPU, and the slot's results come back NaN.
+programs must be resident at once: :func:`launch_grid` keeps R * G at most the device's SM count (read from
+the device, ``pallas_kernels.device``; a program's weight slices fill much of an SM, so one per SM), or at most
+``SettleConfig.max_programs``, and a launch of more programs than SMs is a ValueError. Should some program
+still not be resident (another kernel holding SMs), a barrier gives up after BARRIER_SPINS reads (about a
+second) instead of hanging the GPU, and the slot's results come back NaN.
 Interpret mode runs programs one after another, where a barrier of G > 1 programs would never open, so it
 always uses G = 1 (each barrier is then passed by its own program).
 
@@ -113,11 +116,16 @@ Compile time: nothing is unrolled over column blocks. Every matmul is one ``tl.d
 contraction, and the T steps and the row tiles are ``fori_loop``s, so the Triton module holds a few dots per
 layer whatever the widths, and compiles in seconds.
 
-Measured (H200, Deepity, T = 20, batch 250, in situ, ``benchmarks/pc_mnist.py --suite quick``,
-results/pc_mnist_quick.json): in bf16 "deltas" 201 us per settling at (block_b 64, G 32, 8 warps, spin "load"),
-206 us with spin "atomic", "errors" 206 us at (64, 32, 8); in tf32 "deltas" 1320 us at (64, 32, 8) (likely
-spilling: its weight slices take twice the registers) and "errors" 376 us; XLA's loop 520-544 us. The output sum
-"kept" is not timed yet.
+Shared memory (:func:`shared_memory_bytes`)
+-------------------------------------------
+Triton stages a ``tl.dot``'s operands through shared memory. The weight slices are loaded before the loops,
+so their buffers live for the whole launch: sum_l (n_l u_{l+1} + n_{l+1} u_l [+ n_l u_l, the Gram slice]) + the
+output's slices, in the operand dtype. Each step adds the exchange rows it multiplies, ``[block_b, n_l]``: two
+at once in the "deltas" scheme (df(x_l) and dx_{l+1}), one and the output's error ``[block_b, n_L]`` in the
+"errors" scheme. That is what the compiled kernel allocates at its peak, or a little more where Triton keeps
+an operand in registers instead. The weights shrink as G grows and the rows as ``block_b`` shrinks, so
+:func:`fitted_config` finds a geometry under the device's per-block limit (the results do not depend on the
+geometry), and a config that cannot fit is a ValueError naming it and its bytes before anything launches.
 """
 
 import dataclasses
@@ -131,11 +139,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-MIN_WIDTH = 16  # smallest M, N and K of a Triton tl.dot tile: every width, unit group and block_b is at least this
-# Most programs of one launch on an H200 (SettleConfig.max_programs). A program waits at barriers for the others
-# of its row slot, so all must be resident at once: with at most one per SM (a program's weight slices fill
-# much of an SM's registers) that is up to the H200's 132 SMs.
-MAX_PROGRAMS = 128
+from pallas_kernels import device
+from pallas_kernels.common import MIN_TILE
+
+MIN_WIDTH = MIN_TILE  # every width, unit group and block_b is at least a tl.dot tile
 # Every exchange-buffer read is volatile (ld.volatile, a relaxed system-scope load on sm_70+): served from L2,
 # never from L1, which is not coherent across SMs. (The ".cg" cache modifier would do too, but jax 0.11.2's
 # Triton lowering cannot emit it: it looks ".cg" up among the names "cg", ... and raises KeyError.)
@@ -195,15 +202,15 @@ class SettleConfig:
 
     ``groups`` (G) is an upper bound: :func:`launch_grid` uses fewer where a hidden layer has fewer than
     16 G padded units or where G > ``max_programs``, and 1 in interpret mode. ``max_programs`` caps the
-    programs of a launch, which must all be resident at once, at most one per SM (lower it on a GPU with fewer
-    SMs than an H200). ``exchange`` is one of :data:`EXCHANGES`, ``spin`` one of :data:`SPINS`, ``output_sum``
-    one of :data:`OUTPUT_SUMS` ("kept" needs the "deltas" exchange).
+    programs of a launch, which must all be resident at once, one per SM: None is the device's SM count, and a
+    launch of more programs than the device has SMs is a ValueError. ``exchange`` is one of :data:`EXCHANGES`,
+    ``spin`` one of :data:`SPINS`, ``output_sum`` one of :data:`OUTPUT_SUMS` ("kept" needs the "deltas" exchange).
     """
 
     block_b: int = 32
     groups: int = 16  # Deepity (512-wide hidden layers): 32 units per program, 8 row slots of 32 for 250 rows
     num_warps: int = 8
-    max_programs: int = MAX_PROGRAMS
+    max_programs: int | None = None
     exchange: str = "deltas"
     spin: str = "atomic"
     output_sum: str = "partials"
@@ -213,7 +220,7 @@ class SettleConfig:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"SettleConfig.{name} must be a positive power of 2, got {value}")
-        if self.max_programs < 1:
+        if self.max_programs is not None and self.max_programs < 1:
             raise ValueError(f"SettleConfig.max_programs must be >= 1, got {self.max_programs}")
         if self.block_b < MIN_WIDTH:
             raise ValueError(f"SettleConfig.block_b must be >= {MIN_WIDTH} (a tl.dot tile), got {self.block_b}")
@@ -241,18 +248,20 @@ class Grid(NamedTuple):
     tiles_per_slot: int
 
 
-def launch_grid(batch: int, widths: Sequence[int], config: SettleConfig, *, interpret: bool = False) -> Grid:
-    """The cooperative grid for ``batch`` rows of a net with layer widths ``[n_1, ..., n_L]``.
+def launch_grid(batch: int, widths: Sequence[int], config: SettleConfig, *, interpret: bool = False,
+                gpu: device.Gpu | None = None) -> Grid:
+    """The cooperative grid for ``batch`` rows of a net with layer widths ``[n_1, ..., n_L]`` on ``gpu``.
 
     G = ``config.groups``, lowered until every hidden layer has at least MIN_WIDTH units per group and to at
-    most ``config.max_programs`` (1 in interpret mode, which runs programs one at a time); R = as many row
-    slots as the batch has tiles of ``block_b`` rows, at most ``config.max_programs // G``, so that all R * G
-    programs are resident at once.
+    most P programs (1 in interpret mode, which runs programs one at a time); R = as many row slots as the
+    batch has tiles of ``block_b`` rows, at most P // G, so that all R * G programs are resident at once.
+    P is ``config.max_programs``, or the SM count of ``gpu`` (default ``device.gpu()``, the launch target).
     """
+    programs = config.max_programs or (gpu or device.gpu()).cores
     narrowest = min(padded_width(n) for n in widths[:-1])
-    groups = 1 if interpret else min(config.groups, narrowest // MIN_WIDTH, config.max_programs)
+    groups = 1 if interpret else min(config.groups, narrowest // MIN_WIDTH, programs)
     tiles = -(-batch // config.block_b)
-    slots = min(tiles, config.max_programs // groups)
+    slots = min(tiles, programs // groups)
     return Grid(slots, groups, -(-tiles // slots))
 
 
@@ -260,6 +269,64 @@ def padded_rows(batch: int, widths: Sequence[int], config: SettleConfig, *, inte
     """Rows the kernel settles for ``batch`` rows (whole row tiles of every slot): pad inputs to this once."""
     grid = launch_grid(batch, widths, config, interpret=interpret)
     return grid.slots * grid.tiles_per_slot * config.block_b
+
+
+def shared_memory_bytes(widths: Sequence[int], config: SettleConfig, groups: int, precision: str) -> int:
+    """Bytes of shared memory one program uses, for layer widths ``[n_1, ..., n_L]`` and G = ``groups``.
+
+    The buffers of the ``tl.dot`` operands Triton stages there (module docstring, "Shared memory"): the weight
+    slices, live through the launch, and the exchange rows a step multiplies by them.
+    """
+    n = [padded_width(w) for w in widths]
+    u = [w // groups for w in n[:-1]]
+    hidden_to_hidden = range(len(n) - 2)
+    deltas, kept = config.exchange == "deltas", config.output_sum == "kept"
+    weights = sum(n[k] * u[k + 1] + n[k + 1] * u[k] + deltas * n[k] * u[k] for k in hidden_to_hidden)
+    weights += (n[-2] if kept else u[-1]) * n[-1] + n[-1] * u[-1]  # W_{L-1} (or its U_g rows), W_{L-1}[U_g, :]^T
+    # The step operands live at once: "deltas" two exchange rows, "errors" one and the output's error.
+    rows = config.block_b * (2 * max(n[:-1]) if deltas else max(n[:-1]) + n[-1])
+    return (weights + rows) * jnp.dtype(dot_args(precision)[0]).itemsize
+
+
+def check_launch(batch: int, widths: Sequence[int], config: SettleConfig, precision: str,
+                 gpu: device.Gpu | None = None) -> Grid:
+    """The grid of a compiled launch on ``gpu`` (default the launch target); ValueError if its programs need more
+    shared memory than a block may have, or are more than the device's SMs (they wait for each other)."""
+    gpu = gpu or device.gpu()
+    grid = launch_grid(batch, widths, config, gpu=gpu)
+    name = f"pc_settle of widths {list(widths)} in {precision}"
+    device.check_resident(name, config, grid.slots * grid.groups, gpu)
+    device.check_shared_memory(name, config, shared_memory_bytes(widths, config, grid.groups, precision), gpu)
+    return grid
+
+
+def fitted_config(widths: Sequence[int], precision: str, config: SettleConfig = SettleConfig(), *,
+                  gpu: device.Gpu | None = None) -> SettleConfig:
+    """``config`` if its programs fit ``gpu``'s shared memory (default the launch target), else the same scheme
+    with more unit groups (smaller weight slices) and then fewer rows per tile (smaller exchange rows): the
+    first that fits, trying G = ``config.groups``, 2G, .. up to the narrowest hidden layer's MIN_WIDTH groups
+    for each ``block_b`` from ``config.block_b`` halving down to MIN_WIDTH. The results do not depend on the
+    geometry. Raises ValueError if none fits."""
+    if len(widths) < 2:
+        raise ValueError(f"the kernel settles nets with a hidden layer: widths [n_1, ..., n_L] with L >= 2, got "
+                         f"{list(widths)}")
+    gpu = gpu or device.gpu()
+    most_groups = min(padded_width(n) for n in widths[:-1]) // MIN_WIDTH
+    block_b = config.block_b
+    while block_b >= MIN_WIDTH:
+        groups = config.groups
+        while True:
+            candidate = dataclasses.replace(config, block_b=block_b, groups=groups)
+            used = launch_grid(1, widths, candidate, gpu=gpu).groups
+            need = shared_memory_bytes(widths, candidate, used, precision)
+            if need <= gpu.arch.shared_per_block:
+                return candidate
+            if groups >= most_groups:
+                break
+            groups *= 2
+        block_b //= 2
+    device.check_shared_memory(f"pc_settle of widths {list(widths)} in {precision}", candidate, need, gpu)
+    raise AssertionError("unreachable: the last candidate does not fit")
 
 
 def gram_matrices(weights: Sequence[jax.Array], precision: str) -> list[jax.Array]:
@@ -580,7 +647,7 @@ def _pad2(a, rows, cols):
 def pc_settle(weights: Sequence[jax.Array], biases: Sequence[jax.Array], mu1: jax.Array,
               target: jax.Array | None = None, *, T: int, dt: float | jax.Array, activation: str = "sigmoid",
               output: str = "gaussian", precision: str = "float32", with_errors: bool = False,
-              with_logits: bool = False, valid_rows: int | None = None, config: SettleConfig = SettleConfig(),
+              with_logits: bool = False, valid_rows: int | None = None, config: SettleConfig | None = None,
               interpret: bool = False) -> Settled:
     """Settle a predictive-coding MLP for T Euler steps, in one launch.
 
@@ -598,7 +665,10 @@ def pc_settle(weights: Sequence[jax.Array], biases: Sequence[jax.Array], mu1: ja
       with_errors: also return the errors of the settled state.
       with_logits: also return mu_L at the feed-forward start and at the settled state.
       valid_rows: rows at and past this are the caller's padding: their errors come back 0 (default: none).
-      config: launch geometry and exchange scheme (:class:`SettleConfig`, grid from :func:`launch_grid`).
+      config: launch geometry and exchange scheme (:class:`SettleConfig`, grid from :func:`launch_grid`); None
+        is ``SettleConfig()`` fitted to the device's shared memory (:func:`fitted_config`). A compiled launch of a
+        config whose programs need more shared memory than the device has, or more programs than its SMs, is a
+        ValueError (:func:`check_launch`).
       interpret: run in the Pallas interpreter (with one unit group: module docstring, "Barrier").
 
     Returns:
@@ -609,6 +679,11 @@ def pc_settle(weights: Sequence[jax.Array], biases: Sequence[jax.Array], mu1: ja
     valid_rows = batch if valid_rows is None else valid_rows
     if not isinstance(valid_rows, int) or not 0 <= valid_rows <= batch:
         raise ValueError(f"valid_rows must be an int in [0, {batch}] (the batch), got {valid_rows!r}")
+    widths = [mu1.shape[1]] + [w.shape[1] for w in weights]
+    if config is None:
+        config = SettleConfig() if interpret else fitted_config(widths, precision)
+    if not interpret:
+        check_launch(batch, widths, config, precision)
     return _pc_settle(weights, biases, mu1, target, dt, T=T, activation=activation, output=output,
                       precision=precision, with_errors=with_errors, with_logits=with_logits, valid_rows=valid_rows,
                       config=config, interpret=interpret)

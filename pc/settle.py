@@ -17,10 +17,13 @@ Euler settling of a plain net with a fixed T, no trace and a clamped input (the 
 clamped or free) is also one fused GPU kernel, ``pallas_kernels.pc_settle``. ``implementation`` says which
 runs: "xla" the loop above (every configuration); "pallas" the fused kernel, compiled for an NVIDIA GPU;
 "pallas_interpret" the same kernel in the Pallas interpreter (any platform; slow, for tests). Both kernel
-spellings raise where the kernel does not apply (:func:`fused_kernel_unsupported`). None runs the loop on
-every platform: the kernel covers only the supervised Euler case, and it is a cooperative launch whose
-programs must all be resident on the GPU at once (where they are not, a barrier gives up and the results come
-back NaN), so a caller opts into it; its speed against the loop is in ``benchmarks/results/``.
+spellings raise where the kernel does not apply (:func:`fused_kernel_unsupported`). None picks the faster
+of the two on the launch target (:func:`resolve_implementation`): the fused kernel on an NVIDIA GPU wherever it
+applies, a launch geometry fits the device and the net's precision is one the kernel was measured faster at
+(:data:`FUSED_BY_DEFAULT`; ``benchmarks/results/pc_mnist_quick.json``), the loop everywhere else (on a CPU the
+kernel only runs interpreted). The kernel is a cooperative launch whose programs must all be resident at once;
+its launch is checked against the device's SM count and shared memory (``pallas_kernels.device``), so a
+geometry that cannot run is refused before it starts, and None then falls back to the loop.
 ``kernel_config`` sets the kernel's launch geometry and scheme (by default the fastest of the H200 sweep for
 the net's matmul precision, :data:`KERNEL_CONFIGS`).
 """
@@ -32,13 +35,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pallas_kernels import device
 from pallas_kernels.pc_settle import ACTIVATIONS as KERNEL_ACTIVATIONS
-from pallas_kernels.pc_settle import SettleConfig, Settled, pc_settle
+from pallas_kernels.pc_settle import SettleConfig, Settled, fitted_config, pc_settle
 from pc.energy import energy, energy_and_grads
 from pc.networks import Params, PCNet, check_params, forward, predict
 
 SOLVERS = ("euler", "heun")
-IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")  # None runs "xla": the module docstring says why
+IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")  # and None: resolve_implementation
+# The matmul precisions at which the fused kernel settles faster than the loop on an H200 (Deepity's net, T=20,
+# batch 250; benchmarks/results/pc_mnist_quick.json): None picks the kernel there. float32 was not timed.
+FUSED_BY_DEFAULT = ("bfloat16", "tf32")
 # The fused kernel's default launch geometry and scheme per matmul precision: the fastest of the H200 sweep
 # (Deepity, T=20, batch 250, in situ; benchmarks/results/pc_mnist_quick.json), all 64-row tiles x 32 unit groups.
 # bfloat16 takes one barrier per Euler step ("deltas"), polled with plain loads; tf32 and float32 take two
@@ -136,8 +143,13 @@ def fused_kernel_unsupported(net: PCNet, solver: str | optax.GradientTransformat
 
 
 def kernel_config_for(net: PCNet, config: SettleConfig | None) -> SettleConfig:
-    """``config``, or the default for the net's matmul precision (:data:`KERNEL_CONFIGS`)."""
-    return KERNEL_CONFIGS[net.precision] if config is None else config
+    """``config``, or the default for the net's matmul precision (:data:`KERNEL_CONFIGS`) with its geometry
+    fitted to the target GPU's shared memory (``pallas_kernels.pc_settle.fitted_config``)."""
+    if config is not None:
+        return config
+    if net.depth < 2:  # no hidden layer: the kernel does not apply (fused_kernel_unsupported), nothing to fit
+        return KERNEL_CONFIGS[net.precision]
+    return fitted_config(net.sizes[1:], net.precision, KERNEL_CONFIGS[net.precision])
 
 
 def check_implementation(implementation: str | None, net: PCNet, solver: str | optax.GradientTransformation, *,
@@ -150,6 +162,26 @@ def check_implementation(implementation: str | None, net: PCNet, solver: str | o
         if reason is not None:
             raise ValueError(f"implementation={implementation!r} cannot settle this configuration ({reason}); use "
                              "implementation=None or 'xla'")
+
+
+def resolve_implementation(implementation: str | None, net: PCNet, solver: str | optax.GradientTransformation,
+                           kernel_config: SettleConfig | None = None, *, trace: bool = False,
+                           tol: float | jax.Array | None = None, infer_input: bool = False) -> str:
+    """The implementation that settles: ``implementation`` as given (checked), or for None "pallas" where the
+    launch target (``pallas_kernels.device.target``: the GPU a trace will launch on) is an NVIDIA GPU, the fused
+    kernel applies, ``net.precision`` is in :data:`FUSED_BY_DEFAULT` and a launch geometry fits the device, and
+    "xla" otherwise."""
+    check_implementation(implementation, net, solver, trace=trace, tol=tol, infer_input=infer_input)
+    if implementation is not None:
+        return implementation
+    if device.target() is None or net.precision not in FUSED_BY_DEFAULT or fused_kernel_unsupported(
+            net, solver, trace=trace, tol=tol, infer_input=infer_input) is not None:
+        return "xla"
+    try:
+        kernel_config_for(net, kernel_config)
+    except ValueError:  # no geometry of the default scheme fits this GPU
+        return "xla"
+    return "pallas"
 
 
 def uses_fused_kernel(implementation: str | None) -> bool:
@@ -236,7 +268,8 @@ def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
       tol: stop early once every sample's ||dE/dz|| < tol (a ``lax.while_loop``); None = always T steps.
       infer_input: x_0 is free too (with a 0.5 ||x_0||^2 prior): generative inference of a latent.
       implementation: "xla" (the jnp loop), "pallas" (the fused kernel, compiled for an NVIDIA GPU),
-        "pallas_interpret" (the fused kernel interpreted) or None (the jnp loop); see the module docstring.
+        "pallas_interpret" (the fused kernel interpreted) or None (the faster on the launch target,
+        :func:`resolve_implementation`); see the module docstring.
       kernel_config: the fused kernel's launch geometry (``pallas_kernels.pc_settle.SettleConfig``); None
         picks the default for ``net.precision`` (:data:`KERNEL_CONFIGS`).
 
@@ -244,7 +277,8 @@ def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
       :class:`SettleResult`.
     """
     check_settle_args(T, dt, solver, tol)
-    check_implementation(implementation, net, solver, trace=trace, tol=tol, infer_input=infer_input)
+    implementation = resolve_implementation(implementation, net, solver, kernel_config, trace=trace, tol=tol,
+                                            infer_input=infer_input)
     check_params(params, net)
     x0 = jnp.asarray(x0, jnp.float32)
     if x0.ndim != 2 or x0.shape[1] != net.sizes[0]:
@@ -254,7 +288,8 @@ def settle(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float,
         target = as_target(target, net, x0.shape[0])
     return _settle_jit(params, x0, net, T=T, dt=dt, solver=solver, target=target, trace=trace, tol=tol,
                        infer_input=infer_input, implementation=implementation,
-                       kernel_config=kernel_config_for(net, kernel_config))
+                       kernel_config=kernel_config_for(net, kernel_config) if uses_fused_kernel(implementation)
+                       else kernel_config)
 
 
 def settle_from_input(params: Params, x0: jax.Array, net: PCNet, *, T: int, dt: float | jax.Array,

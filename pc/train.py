@@ -52,6 +52,7 @@ from pc.settle import (
     join_free,
     kernel_config_for,
     make_solver,
+    resolve_implementation,
     settle_activities,
     settle_from_input,
     settle_fused,
@@ -216,9 +217,10 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
       batch_size: minibatch rows; the last ``n % batch_size`` shuffled rows are dropped.
       key: PRNG key of this epoch's shuffle.
       variant: one of :data:`VARIANTS`.
-      implementation: settling of the "supervised" variant: None or "xla" (the jnp loop), "pallas" or
-        "pallas_interpret" (the fused kernel, which also gives the weight step its errors, module docstring);
-        see ``pc.settle``. The other variants always run the jnp loop.
+      implementation: settling of the "supervised" variant: "xla" (the jnp loop), "pallas" or
+        "pallas_interpret" (the fused kernel, which also gives the weight step its errors, module docstring), or
+        None (the faster on the launch target, ``pc.settle.resolve_implementation``). The other variants always
+        run the jnp loop.
       kernel_config: the fused kernel's launch geometry and scheme (``pallas_kernels.pc_settle.SettleConfig``);
         None picks the default for ``net.precision`` (``pc.settle.KERNEL_CONFIGS``).
       label_smoothing: eps in [0, 1) of the clamped targets (:func:`label_targets`); "supervised" and
@@ -235,7 +237,10 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
     if uses_fused_kernel(implementation) and variant != "supervised":
         raise ValueError(f"implementation={implementation!r} fuses supervised settling only; variant {variant!r} "
                          "needs implementation=None or 'xla'")
-    check_implementation(implementation, net, solver)
+    if variant == "supervised":
+        implementation = resolve_implementation(implementation, net, solver, kernel_config)
+    else:
+        check_implementation(implementation, net, solver)
     check_params(params, net)
     images = jnp.asarray(images)
     width = net.sizes[-1] if variant == "generative" else net.sizes[0]
@@ -259,7 +264,9 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
         labels = _check_labels(labels, images.shape[0], net)
     return _train_epoch(params, opt_state, images, labels, key, jnp.float32(dt), jnp.float32(label_smoothing),
                         optimizer=optimizer, net=net, T=T, batch_size=batch_size, solver=solver, variant=variant,
-                        implementation=implementation, kernel_config=kernel_config_for(net, kernel_config))
+                        implementation=implementation,
+                        kernel_config=kernel_config_for(net, kernel_config) if uses_fused_kernel(implementation)
+                        else kernel_config)
 
 
 def _check_labels(labels, n: int, net: PCNet) -> jax.Array:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Jaxpr, Literal, primitives
 
-from pallas_kernels.attention import DTYPES
+from pallas_kernels.common import DTYPES
 from pallas_kernels.matmul import MatmulConfig, matmul
 from serving import layers
 

@@ -11,7 +11,8 @@ from helpers.kernels import LOWERING_SHAPES, abstract, packed_inputs
 from jax.experimental import pallas as pl
 
 from pallas_kernels import attention as K
-from pallas_kernels.testing import assert_close, interpret, lower_for_h200, on_gpu
+from pallas_kernels import common, device
+from pallas_kernels.testing import H200, assert_close, interpret, lower_for_h200, on_gpu
 
 SMALL = K.AttentionConfig(block_q=16, block_k=16)  # many tiles per sequence at test sizes
 
@@ -103,16 +104,16 @@ def test_softmax_step_folds_the_scale_into_the_exponent(masked):
     rows, keys, width, scale = 8, 16, 32, 0.3
     ks, km, kv, ka = jax.random.split(jax.random.key(5), 4)
     scores = 4 * jax.random.normal(ks, (rows, keys))
-    m = jnp.where(jnp.arange(rows) % 3 == 0, K.MASK_VALUE, jax.random.normal(km, (rows,)))
-    l = jnp.where(m == K.MASK_VALUE, 0.0, 2.0)
+    m = jnp.where(jnp.arange(rows) % 3 == 0, common.MASK_VALUE, jax.random.normal(km, (rows,)))
+    l = jnp.where(m == common.MASK_VALUE, 0.0, 2.0)
     values, acc = jax.random.normal(kv, (keys, width)), jax.random.normal(ka, (rows, width))
     valid = (jnp.arange(keys)[None, :] < jnp.arange(rows)[:, None]) if masked else None  # row 0: no valid key
-    folded = K.softmax_step(scores, valid, m, l, [acc], [values], scale=scale)
-    prescaled = K.softmax_step(scores * scale, valid, m, l, [acc], [values])
+    folded = common.softmax_step(scores, valid, m, l, [acc], [values], scale=scale)
+    prescaled = common.softmax_step(scores * scale, valid, m, l, [acc], [values])
     for got, want in zip(jax.tree.leaves(folded), jax.tree.leaves(prescaled), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     if masked:
-        assert folded[0][0] == np.float32(K.MASK_VALUE) and folded[1][0] == 0.0
+        assert folded[0][0] == np.float32(common.MASK_VALUE) and folded[1][0] == 0.0
 
 
 @pytest.mark.skipif(not on_gpu(), reason="PTX inline assembly runs only in a compiled Triton kernel")
@@ -120,7 +121,7 @@ def test_approx_exp2_matches_exp2_and_flushes_subnormals():
     x = jnp.linspace(-140.0, 60.0, 4096, dtype=jnp.float32)
 
     def kernel(x_ref, o_ref):
-        o_ref[...] = K.exp2(x_ref[...], approx=True)
+        o_ref[...] = common.exp2(x_ref[...], approx=True)
 
     got = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x))
     want = np.exp2(np.asarray(x, np.float64))
@@ -130,10 +131,10 @@ def test_approx_exp2_matches_exp2_and_flushes_subnormals():
 
 
 def test_column_spans():
-    assert K.column_spans(192) == [(0, 128), (128, 64)]
-    assert K.column_spans(128) == [(0, 128)]
-    assert K.column_spans(64, offset=512) == [(512, 64)]
-    assert K.column_spans(80) == [(0, 64), (64, 16)]
+    assert common.column_spans(192) == [(0, 128), (128, 64)]
+    assert common.column_spans(128) == [(0, 128)]
+    assert common.column_spans(64, offset=512) == [(512, 64)]
+    assert common.column_spans(80) == [(0, 64), (64, 16)]
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -144,5 +145,24 @@ def test_lowers_for_h200(shape, causal):
             abstract((tokens, kv_heads, v_head_dim)), abstract((sequences + 1,), jnp.int32))
     text = lower_for_h200(functools.partial(K.flash_attention, causal=causal), *args)
     assert "triton" in text and ("flash_attention_causal" in text) == causal
-    # Every exp2 of the compiled kernel is the flush-to-zero approximation (K.exp2), none libdevice's.
+    # Every exp2 of the compiled kernel is the flush-to-zero approximation (common.exp2), none libdevice's.
     assert "ex2.approx.ftz.f32" in text and "__nv_exp2f" not in text
+
+
+def test_shared_memory_of_a_config_is_checked_against_the_device():
+    """bf16 at 192/128 head dims: three stages of 128-key K and V tiles and the q tile need 294912 bytes (what
+    Triton allocates for this kernel), more than an H200 block's 232448: a forced config is refused while lowering;
+    the default takes two stages (float32 at 128/128: one)."""
+    tokens, heads, head_dim, v_head_dim = LOWERING_SHAPES["deepseek_mla"][:2] + LOWERING_SHAPES["deepseek_mla"][3:5]
+    args = (abstract((tokens, heads, head_dim)), abstract((tokens, heads, head_dim)),
+            abstract((tokens, heads, v_head_dim)), abstract((4,), jnp.int32))
+    assert K.AttentionConfig().shared_memory_bytes(head_dim, v_head_dim, jnp.bfloat16) == 294912
+    with pytest.raises(ValueError, match=r"flash_attention of head dims 192/128 in bfloat16 with AttentionConfig\("
+                                         r".*needs 294912 bytes of shared memory per program, more than the 232448"):
+        lower_for_h200(functools.partial(K.flash_attention, config=K.AttentionConfig()), *args)
+    h200 = device.gpu(H200)
+    assert K.fitted_config(head_dim, v_head_dim, jnp.bfloat16, gpu=h200) == K.AttentionConfig(num_stages=2)
+    assert K.fitted_config(128, 128, jnp.bfloat16, gpu=h200) == K.AttentionConfig()
+    assert K.fitted_config(128, 128, jnp.float32, gpu=h200) == K.AttentionConfig(num_stages=1)
+    with pytest.raises(ValueError, match="needs 2621440 bytes"):
+        K.fitted_config(4096, 4096, jnp.float32, gpu=h200)

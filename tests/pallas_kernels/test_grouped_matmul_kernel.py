@@ -218,3 +218,17 @@ def test_h200_lowering_verifies_the_triton_module(int32_branches):
         with pytest.raises(AssertionError, match=r"kernel 'counting' fails the MLIR verifier(.|\n)*'scf.for' op "
                                                  r"failed to verify that all of \{lowerBound, upperBound, step\}"):
             lower_for_h200(fn, steps)
+
+
+def test_shared_memory_is_checked_against_the_device():
+    """What Triton's allocator gives the default prefill tiles (128 x 64 x and 64 x 128 w): 4 copies in bf16
+    (131072 bytes), 3 in float32 (196608). With 5 stages, float32's 4 copies (262144) overflow an H200 block
+    (232448 bytes): refused while lowering, naming the config and the bytes."""
+    assert K.GroupedMatmulConfig().shared_memory_bytes(jnp.bfloat16) == 131072
+    assert K.GroupedMatmulConfig().shared_memory_bytes(jnp.float32) == 196608
+    args = (jax.ShapeDtypeStruct((512, 2048), jnp.float32), jax.ShapeDtypeStruct((8, 2048, 1024), jnp.float32),
+            jax.ShapeDtypeStruct((8,), jnp.int32))
+    lower_for_h200(functools.partial(K.grouped_matmul, config=K.GroupedMatmulConfig()), *args)
+    with pytest.raises(ValueError, match=r"grouped_matmul in float32 with GroupedMatmulConfig\(.*needs 262144 bytes "
+                                         r"of shared memory per program, more than the 232448"):
+        lower_for_h200(functools.partial(K.grouped_matmul, config=K.GroupedMatmulConfig(num_stages=5)), *args)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention as K
-from pallas_kernels.attention import LOG2E, MASK_VALUE
+from pallas_kernels.common import LOG2E, MASK_VALUE
 from pallas_kernels.testing import assert_close, interpret, lower_for_h200
 
 SMALL = K.PagedConfig(block_k=16)  # several steps per sequence at test sizes

@@ -1,6 +1,7 @@
 """pallas_kernels.matmul: the row-invariant matmul against jnp.dot, each row's bits independent of M (and of zero
 padding along K), bad arguments, and the H200 lowering."""
 
+import dataclasses
 import functools
 
 import jax
@@ -107,3 +108,16 @@ def test_lowers_for_h200(shape):
     args = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype))
     text = lower_for_h200(functools.partial(K.matmul, out_dtype=jnp.float32), *args)
     assert "triton" in text and "matmul" in text
+
+
+def test_a_config_past_the_shared_memory_is_refused():
+    """Five stages of 128 x 64 and 64 x 256 bf16 tiles need 245760 bytes, more than an H200 block's 232448. (What
+    Triton's allocator gives the default tiles: 65536 bytes in bf16, 4 copies; 98304 in float32, 3.)"""
+    assert K.MatmulConfig().shared_memory_bytes(jnp.bfloat16) == 65536
+    assert K.MatmulConfig().shared_memory_bytes(jnp.float32) == 98304
+    config = K.MatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=5)
+    args = (jax.ShapeDtypeStruct((256, 512), jnp.bfloat16), jax.ShapeDtypeStruct((512, 512), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"matmul in bfloat16 with MatmulConfig\(.*needs 245760 bytes of shared "
+                                         r"memory per program, more than the 232448"):
+        lower_for_h200(functools.partial(K.matmul, config=config), *args)
+    lower_for_h200(functools.partial(K.matmul, config=dataclasses.replace(config, num_stages=4)), *args)

@@ -13,20 +13,25 @@ from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as triton_dialect
 
+from pallas_kernels import device
 from pallas_kernels import pc_settle as K
 from pallas_kernels.testing import H200, TRITON_CALL_TARGET, assert_close, interpret, lower_for_h200
 
 DEEPITY = (784, 512, 512, 10)
 PCX = (784, 128, 128, 128, 10)
+WIDE = (1024, 1024, 1024, 10)
 SMALL = (20, 40, 24, 36, 10)  # 3 hidden layers, no width a power of 2: every width is padded
 DT = 0.1
 # 16-row tiles: a 32-row batch spreads over two row slots, so every test runs several programs. (Interpret
 # mode always runs one unit group; the GPU and test_lowers_for_h200 run G > 1.) TILES uses the default
 # "deltas" exchange (one barrier per step), ERRORS_TILES the two-barrier "errors" exchange, KEPT_TILES the deltas
-# exchange with the output's prediction kept and updated by exchanged changes (output_sum="kept").
-TILES = K.SettleConfig(block_b=16)
+# exchange with the output's prediction kept and updated by exchanged changes (output_sum="kept"). The deltas
+# configs cut Deepity's 512 units into 32 groups: at 16 its float32 weight slices and rows need 266240 bytes of
+# shared memory, more than an H200 block may have (test_every_test_config_fits_an_h200).
+TILES = K.SettleConfig(block_b=16, groups=32)
 ERRORS_TILES = K.SettleConfig(block_b=16, exchange="errors")
-KEPT_TILES = K.SettleConfig(block_b=16, output_sum="kept")
+KEPT_TILES = K.SettleConfig(block_b=16, groups=32, output_sum="kept")
+H200_GPU = device.gpu(H200)
 # Relative Frobenius error per matmul precision. float32 reorders sums by block; bfloat16 operands round
 # at 2^-8 and a value near a rounding edge may round either way in kernel and reference.
 RTOL = {"float32": 1e-5, "tf32": 1e-3, "bfloat16": 2 * 2.0**-8}
@@ -113,6 +118,11 @@ class TestPCSettle:
         the only exchange), both with a free output: it starts at the kept prediction."""
         assert_matches_reference(widths, 32, clamped=False, seed=15, T=5, activation="tanh", config=KEPT_TILES)
 
+    def test_deepity_default_config_matches_reference(self):
+        """config=None: SettleConfig() fitted to the device's shared memory (Deepity in float32 on an H200: 32
+        unit groups, test_fitted_config_of_deepity_in_float32)."""
+        assert_matches_reference(DEEPITY, 40, clamped=True, seed=17, T=3, output="cross_entropy", config=None)
+
     @pytest.mark.slow
     def test_deepity_bf16_operands_match_reference(self):
         assert_matches_reference(DEEPITY, 32, clamped=True, seed=7, T=4, precision="bfloat16", config=TILES)
@@ -148,11 +158,13 @@ class TestPCSettle:
         pytest.param("deltas", "kept", marks=pytest.mark.slow)], ids=["deltas", "errors", "deltas_kept"])
     @pytest.mark.parametrize("activation,clamped,output", cases(("sigmoid", "cross_entropy"), ["sigmoid"]))
     def test_a_slot_settles_its_row_tiles_in_turn(self, activation, clamped, output, exchange, output_sum):
-        """Two row slots for five 16-row tiles: each slot settles three tiles (the sixth all padding), reusing
-        its exchange rows and counting on through their barriers (T = 3: the deltas scheme's buffer parity
-        changes from one tile to the next)."""
-        config = K.SettleConfig(block_b=16, max_programs=2, exchange=exchange, output_sum=output_sum)
-        assert K.launch_grid(73, SMALL[1:], config, interpret=interpret()) == K.Grid(2, 1, 3)
+        """Five 16-row tiles on 4 programs: compiled, 2 unit groups (SMALL's narrowest hidden layer has 32 padded
+        units) leave 2 row slots; interpreted, 1 group leaves 4. Each slot settles its tiles in turn (the last
+        ones all padding), reusing its exchange rows and counting on through their barriers (T = 3: the deltas
+        scheme's buffer parity changes from one tile to the next)."""
+        config = K.SettleConfig(block_b=16, max_programs=4, exchange=exchange, output_sum=output_sum)
+        expected = K.Grid(4, 1, 2) if interpret() else K.Grid(2, 2, 3)
+        assert K.launch_grid(73, SMALL[1:], config, interpret=interpret()) == expected
         assert_matches_reference(SMALL, 73, clamped=clamped, seed=13, T=3, activation=activation, output=output,
                                  config=config)
 
@@ -306,6 +318,7 @@ GRIDS = {  # id -> (batch, net widths n_0..n_L, config, interpret, expected grid
     "pcx": (250, PCX, K.SettleConfig(), False, K.Grid(8, 8, 1)),  # 128 units: at most 8 groups of 16
     "small": (37, SMALL, K.SettleConfig(), False, K.Grid(2, 2, 1)),  # narrowest hidden layer 24 -> 32: G = 2
     "132_sms": (250, DEEPITY, K.SettleConfig(max_programs=132), False, K.Grid(8, 16, 1)),
+    "one_group": (10_000, DEEPITY, K.SettleConfig(groups=1), False, K.Grid(132, 1, 3)),  # one slot per SM
     "8_sms": (250, DEEPITY, K.SettleConfig(max_programs=8), False, K.Grid(1, 8, 8)),
     "interpret": (250, DEEPITY, K.SettleConfig(), True, K.Grid(8, 1, 1)),
 }
@@ -314,9 +327,9 @@ GRIDS = {  # id -> (batch, net widths n_0..n_L, config, interpret, expected grid
 @pytest.mark.parametrize("case", list(GRIDS))
 def test_launch_grid_keeps_every_program_resident(case):
     batch, widths, config, interpreted, expected = GRIDS[case]
-    grid = K.launch_grid(batch, widths[1:], config, interpret=interpreted)
+    grid = K.launch_grid(batch, widths[1:], config, interpret=interpreted, gpu=H200_GPU)
     assert grid == expected
-    assert grid.slots * grid.groups <= config.max_programs
+    assert grid.slots * grid.groups <= (config.max_programs or H200.num_cores)
     assert batch <= grid.slots * grid.tiles_per_slot * config.block_b < batch + grid.slots * config.block_b
     assert all(K.padded_width(n) // grid.groups >= K.MIN_WIDTH for n in widths[1:-1])
 
@@ -333,7 +346,7 @@ def test_lowers_for_h200(widths, clamped, output):
     weights, biases, mu1, target = abstract_args(widths, batch=250)
     text = lower_for_h200(functools.partial(K.pc_settle, T=20, dt=DT, output=output), weights, biases, mu1,
                           target if clamped else None)
-    grid = K.launch_grid(250, widths[1:], K.SettleConfig())
+    grid = K.launch_grid(250, widths[1:], K.fitted_config(widths[1:], "float32", gpu=H200_GPU), gpu=H200_GPU)
     assert grid.groups > 1 and lower_grid(text) == (grid.slots, grid.groups)
     assert "pc_settle_" in text
 
@@ -351,15 +364,95 @@ def test_lowers_for_h200(widths, clamped, output):
         "kept_output"])
 def test_deepity_variants_lower_for_h200(static):
     text = lower_for_h200(functools.partial(K.pc_settle, T=20, dt=DT, **static), *abstract_args(DEEPITY))
-    assert lower_grid(text) == (8, 16)  # 1024 rows: 32 tiles of 32 in 8 slots, 4 tiles each
+    # 1024 rows: 32 tiles of 32 in 8 slots of 16 groups, 4 tiles each; tf32 (4-byte operands) fits in 32 groups
+    assert lower_grid(text) == ((4, 32) if static["precision"] == "tf32" else (8, 16))
 
 
-@pytest.mark.parametrize("config", [K.SettleConfig(block_b=16, groups=32), K.SettleConfig(block_b=64, groups=8)],
-                         ids=["b16_g32", "b64_g8"])
+@pytest.mark.parametrize("config", [K.SettleConfig(block_b=16, groups=64), K.SettleConfig(block_b=32, groups=32,
+                                                                                      exchange="errors")],
+                         ids=["b16_g64", "b32_g32_errors"])
 def test_1024_wide_layers_lower(config):
-    text = lower_for_h200(functools.partial(K.pc_settle, T=20, dt=DT, config=config),
-                          *abstract_args((1024, 1024, 1024, 10), batch=256))
+    text = lower_for_h200(functools.partial(K.pc_settle, T=20, dt=DT, precision="bfloat16", config=config),
+                          *abstract_args(WIDE, batch=256))
     assert lower_grid(text)[1] == config.groups
+
+
+# (net, matmul precision) the GPU runs in this file, with the configs it runs them with.
+GPU_RUNS = [(DEEPITY, p, c) for p in ("float32", "bfloat16") for c in (TILES, ERRORS_TILES, KEPT_TILES)] + \
+    [(SMALL, p, c) for p in ("float32", "bfloat16") for c in (TILES, ERRORS_TILES, KEPT_TILES)] + \
+    [((20, 40, 10), "float32", c) for c in (TILES, KEPT_TILES)] + \
+    [(SMALL, "float32", K.SettleConfig(block_b=b, num_warps=4, max_programs=m)) for b, m in ((16, 4), (16, 1))]
+
+
+@pytest.mark.parametrize("widths,precision,config", GPU_RUNS)
+def test_every_test_config_fits_an_h200(widths, precision, config):
+    """What the compiled tests launch passes the launch check for an H200 (shared memory and residency)."""
+    grid = K.check_launch(73, widths[1:], config, precision, gpu=H200_GPU)
+    assert K.shared_memory_bytes(widths[1:], config, grid.groups, precision) <= H200_GPU.arch.shared_per_block
+
+
+@pytest.mark.parametrize("config,bytes_", [(K.SettleConfig(block_b=16), 266240),
+                                           (K.SettleConfig(block_b=16, output_sum="kept"), 296960)],
+                         ids=["deltas", "kept"])
+def test_a_config_too_big_for_the_h200_is_a_value_error(config, bytes_):
+    """Deepity in float32 at 16 unit groups: an H200 block holds 232448 bytes of shared memory, and the compiled
+    kernel asked for 264192 (deltas) and 296960 (kept); the check refuses it while lowering, naming the config
+    and the bytes, instead of the GPU failing the launch."""
+    with pytest.raises(ValueError, match=rf"SettleConfig\(block_b=16, groups=16, .* needs {bytes_} bytes of shared "
+                                         rf"memory per program, more than the 232448 a thread block may have on "
+                                         rf"NVIDIA H200 \(sm_90\)"):
+        lower_for_h200(functools.partial(K.pc_settle, T=3, dt=DT, config=config), *abstract_args(DEEPITY, 32))
+
+
+def test_more_programs_than_sms_is_a_value_error():
+    """Programs wait for each other at barriers, so a grid larger than the device's 132 SMs would hang."""
+    config = K.SettleConfig(block_b=32, groups=32, max_programs=256)
+    assert K.launch_grid(1024, DEEPITY[1:], config, gpu=H200_GPU) == K.Grid(8, 32, 4)
+    with pytest.raises(ValueError, match="launches 256 programs that wait for each other, more than the 132 SMs"):
+        lower_for_h200(functools.partial(K.pc_settle, T=3, dt=DT, config=config), *abstract_args(DEEPITY))
+
+
+A100 = device.gpu(jax.sharding.AbstractDevice(device_kind="NVIDIA A100-SXM4-80GB", num_cores=108, platform="cuda"))
+SCHEMES = [K.SettleConfig(), K.SettleConfig(exchange="errors"), K.SettleConfig(output_sum="kept")]
+
+
+FITS = {f"{g}-{name}-{p}": (gpu, widths, p) for g, gpu in (("h200", H200_GPU), ("a100", A100))
+        for name, widths in (("deepity", DEEPITY), ("pcx", PCX), ("small", SMALL), ("wide", WIDE)) for p in K.PRECISIONS
+        if name != "wide" or p == "bfloat16"}
+FITS.pop("a100-wide-bfloat16")  # (an A100 block's 163 KiB hold no "kept" geometry of these, nor float32 Deepity's)
+FITS.pop("a100-deepity-float32")
+FITS.pop("a100-deepity-tf32")
+
+
+@pytest.mark.parametrize("case", list(FITS))
+def test_fitted_config_fits_the_device(case):
+    """Every scheme gets a geometry whose programs fit the device; it keeps the scheme, and the config itself
+    where that already fits."""
+    gpu, widths, precision = FITS[case]
+    for scheme in SCHEMES:
+        config = K.fitted_config(widths[1:], precision, scheme, gpu=gpu)
+        grid = K.check_launch(250, widths[1:], config, precision, gpu=gpu)
+        assert K.shared_memory_bytes(widths[1:], config, grid.groups, precision) <= gpu.arch.shared_per_block
+        assert (config.exchange, config.output_sum, config.spin) == (scheme.exchange, scheme.output_sum, scheme.spin)
+        if K.shared_memory_bytes(widths[1:], scheme, K.launch_grid(1, widths[1:], scheme, gpu=gpu).groups,
+                                 precision) <= gpu.arch.shared_per_block:
+            assert config == scheme
+
+
+def test_fitted_config_of_deepity_in_float32():
+    """The default 16 groups of 32 units overflow an H200 block in float32; 32 groups of 16 fit (bf16 needs no
+    change); where no geometry fits (1024-wide float32 layers), a ValueError names the bytes."""
+    assert K.fitted_config(DEEPITY[1:], "float32", gpu=H200_GPU) == K.SettleConfig(groups=32)
+    assert K.fitted_config(DEEPITY[1:], "bfloat16", gpu=H200_GPU) == K.SettleConfig()
+    assert K.fitted_config(DEEPITY[1:], "float32", gpu=A100) == K.SettleConfig(block_b=16, groups=32)
+    with pytest.raises(ValueError, match=r"needs 329728 bytes of shared memory .* more than the 232448"):
+        K.fitted_config(WIDE[1:], "float32", gpu=H200_GPU)
+
+
+def test_default_config_lowers_fitted_for_h200():
+    """config=None lowers Deepity's float32 settling on the fitted grid: 32 groups, 1024 rows in 4 slots."""
+    text = lower_for_h200(functools.partial(K.pc_settle, T=3, dt=DT), *abstract_args(DEEPITY))
+    assert lower_grid(text) == (4, 32)
 
 
 def triton_module(stablehlo: ir.Module) -> ir.Module:

@@ -1,8 +1,11 @@
 """pc.settle's implementation dispatch: the fused Pallas kernel settles (and trains) as the jnp loop does,
-"pallas" runs it on an H200 exactly where it applies, and None runs the XLA loop.
+"pallas" runs it on an H200 exactly where it applies, and None picks it there too where it was measured faster
+(the XLA loop everywhere else, and on a CPU).
 
 On a CPU the kernel runs as "pallas_interpret"; the H200 checks lower "pallas" without a GPU.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +16,10 @@ from helpers.kernels import lower_grid
 
 import pc
 from apex_data import load_mnist
-from pallas_kernels.pc_settle import PRECISIONS, SettleConfig
-from pallas_kernels.testing import assert_close, lower_for_h200
-from pc.settle import KERNEL_CONFIGS, kernel_config_for
+from pallas_kernels import device
+from pallas_kernels.pc_settle import PRECISIONS, SettleConfig, check_launch
+from pallas_kernels.testing import H200, assert_close, lower_for_h200, on_gpu
+from pc.settle import FUSED_BY_DEFAULT, KERNEL_CONFIGS, kernel_config_for, resolve_implementation
 
 SMALL = (12, 20, 18, 5)
 # Kernel and loop sum their matmuls in different orders (blocks of the padded widths vs XLA's dot): fp32
@@ -61,7 +65,9 @@ def test_train_epoch_with_the_kernel_gives_the_jnp_params(exchange, smoothing):
     """
     m = load_mnist()
     images, labels = jnp.asarray(m.train_x[:100]), jnp.asarray(m.train_y[:100])
-    net = pc.PCNet((784, 24, 16, 10), activation="sigmoid", output="cross_entropy", input_activation=False)
+    # float32 products on both paths (the default tf32 rounds operands to 10 bits on a GPU, differently placed)
+    net = pc.PCNet((784, 24, 16, 10), activation="sigmoid", output="cross_entropy", input_activation=False,
+                   precision="float32")
     params = pc.init_params(jax.random.key(0), net)
     tx = optax.sgd(0.5)
     config = SettleConfig(block_b=64, groups=32, exchange=exchange)
@@ -97,7 +103,7 @@ SETTLE_CASES = {  # id -> (changes to NET, changes to settle's arguments, whethe
 
 
 @pytest.mark.parametrize("case", list(SETTLE_CASES))
-def test_pallas_runs_the_kernel_on_h200_exactly_where_it_applies_and_none_never(case):
+def test_pallas_and_none_run_the_kernel_on_h200_exactly_where_it_applies(case):
     net_changes, settle_changes, fused = SETTLE_CASES[case]
     net = pc.PCNet(**(NET | net_changes))
     kwargs = dict(target=jax.ShapeDtypeStruct((64,), jnp.int32)) | settle_changes
@@ -107,13 +113,29 @@ def test_pallas_runs_the_kernel_on_h200_exactly_where_it_applies_and_none_never(
     lower = lambda implementation: lower_for_h200(
         lambda p, x, y: pc.settle(p, x, net, T=20, dt=0.1, target=y, implementation=implementation, **kwargs).xs,
         params, x0, target)
-    assert "triton" not in lower(None) and "triton" not in lower("xla")
+    assert "triton" not in lower("xla")
+    assert ("triton" in lower(None)) == fused  # the H200 is the launch target: None picks the faster, the kernel
     if fused:
         assert "triton" in lower("pallas")
     else:
         for implementation in ("pallas", "pallas_interpret"):
             with pytest.raises(ValueError, match=f"implementation='{implementation}' cannot settle"):
                 lower(implementation)
+
+
+def test_none_resolves_by_launch_target_and_precision():
+    """None is the loop without a GPU target, the kernel for an H200 at the precisions it was measured faster at,
+    and the loop at float32 (not timed) or where the kernel does not apply."""
+    net = lambda **kw: pc.PCNet(**(NET | kw))
+    # this machine: the kernel on a GPU, the loop on a CPU (no GPU to launch on)
+    assert resolve_implementation(None, net(), "euler") == ("pallas" if on_gpu() else "xla")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
+        assert [resolve_implementation(None, net(precision=p), "euler") for p in PRECISIONS] == [
+            "pallas" if p in FUSED_BY_DEFAULT else "xla" for p in PRECISIONS]
+        assert resolve_implementation(None, net(), "heun") == "xla"
+        assert resolve_implementation("xla", net(), "euler") == "xla"
+        with pytest.raises(ValueError, match="unknown implementation 'auto'"):
+            resolve_implementation("auto", net(), "euler")
 
 
 def test_kernel_config_sets_the_launch_grid(monkeypatch):
@@ -143,6 +165,15 @@ def test_default_kernel_configs_per_precision():
     assert kernel_config_for(pc.PCNet(**NET), mine) is mine
 
 
+def test_default_kernel_config_is_fitted_to_the_gpu():
+    """1024-wide float32 layers: KERNEL_CONFIGS' 64-row tiles of 32 groups need more shared memory than an H200
+    block (the target when no GPU is attached) has; the default keeps the scheme, on 16-row tiles of 64 groups."""
+    net = pc.PCNet((784, 1024, 1024, 10), activation="sigmoid", output="cross_entropy", input_activation=False)
+    fitted = kernel_config_for(net, None)
+    assert fitted == dataclasses.replace(KERNEL_CONFIGS["float32"], block_b=16, groups=64)
+    check_launch(250, net.sizes[1:], fitted, "float32", gpu=device.gpu(H200))
+
+
 def lower_deepity_epoch(precision: str = "float32", **kwargs) -> str:
     """One whole Deepity epoch (784-512-512-10 sigmoid, CE output, linear input, T = 20, batch 250, 1000 images)
     with implementation="pallas", lowered for an abstract H200: the module's text."""
@@ -157,12 +188,14 @@ def lower_deepity_epoch(precision: str = "float32", **kwargs) -> str:
     return lower_for_h200(epoch, *abstract)
 
 
-@pytest.mark.parametrize("config,grid", [(None, (4, 32)), (SettleConfig(block_b=32, groups=16), (8, 16))],
+@pytest.mark.parametrize("precision,config,grid", [("float32", None, (4, 32)),
+                                                   ("bfloat16", SettleConfig(block_b=32, groups=16), (8, 16))],
                          ids=["default", "32x16"])
-def test_train_epoch_lowers_with_the_fused_kernel_for_h200(config, grid):
-    """implementation="pallas" settles the Deepity epoch with the Triton kernel, on the grid of its kernel_config
-    (default pc.settle.KERNEL_CONFIGS: 4 slots of 64 rows x 32 unit groups)."""
-    text = lower_deepity_epoch(**({} if config is None else dict(kernel_config=config)))
+def test_train_epoch_lowers_with_the_fused_kernel_for_h200(precision, config, grid):
+    """implementation="pallas" settles the Deepity epoch with the Triton kernel, on the grid of its
+    kernel_config (default pc.settle.KERNEL_CONFIGS: 4 slots of 64 rows x 32 unit groups). (32 x 16 in float32
+    would need more shared memory than an H200 block has: pallas_kernels' tests check that refusal.)"""
+    text = lower_deepity_epoch(precision, **({} if config is None else dict(kernel_config=config)))
     assert "triton" in text and "pc_settle_3layers" in text
     assert lower_grid(text) == grid
 

@@ -34,6 +34,14 @@ NUM_TOKENS, NUM_SEQS, MAX_BLOCKS = 16, 6, 4  # padded: 4 padding tokens, 2 paddi
 LOGITS_RTOL = 1e-5
 
 
+@pytest.fixture(autouse=True)
+def float32_products():
+    """fp32 matmuls multiply in fp32 on every platform: a GPU's default rounds their operands to tf32 (10 mantissa
+    bits), which kernels and references would do at different places, far beyond the fp32 bounds above."""
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
 def create_cache(cfg: ModelConfig, num_blocks: int, dtype: jnp.dtype):
     return (PagedLatentKV if cfg.is_mla else PagedKV).create(cfg, num_blocks, BLOCK, dtype)
 

@@ -387,14 +387,14 @@ def test_core_turn_refuses_steps_and_aborts(core):
 
 
 def test_core_turn_fails_only_the_requests_of_a_failed_step(core, monkeypatch):
-    run = core.engine.runner.run
+    dispatch = core.engine.runner.dispatch
 
-    def failing_run(chunks, token_ids, rows, num_top=0):
+    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None):
         if any(list(r.prompt_ids) == [9, 9, 9] for r in rows):
             raise RuntimeError("injected device failure")
-        return run(chunks, token_ids, rows, num_top)
+        return dispatch(chunks, token_ids, rows, num_top, previous)
 
-    monkeypatch.setattr(core.engine.runner, "run", failing_run)
+    monkeypatch.setattr(core.engine.runner, "dispatch", failing_dispatch)
     event = core.turn([add("poisoned", [9, 9, 9], max_tokens=3)])
     [(request_ids, message)] = event["failed"]
     assert request_ids == ["poisoned"] and "injected device failure" in message
