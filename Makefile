@@ -1,4 +1,5 @@
-# Two commands: `make demo` (a short CPU tour) and `make test` (the full CPU test suite).
+# Two commands: `make demo` (a short CPU tour) and `make test` (the full CPU test suite); `make test-fast` runs
+# the core of every part in a few minutes.
 # Both create .venv with a Python >= 3.12 when missing and install the project with its extras.
 SHELL := /bin/bash
 VENV := .venv
@@ -11,7 +12,7 @@ FIND_PYTHON := for c in python3.12 python3.13 python3.14 python3 \
 	  if "$$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then echo "$$c"; break; fi; \
 	done
 
-.PHONY: demo test lint venv clean browser gpu-check device-wheels
+.PHONY: demo test test-fast lint venv clean browser gpu-check device-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	@if [ ! -x $(PY) ]; then \
@@ -43,7 +44,24 @@ test: $(STAMP) browser
 	$(PY) -m ruff check .
 	# Two worker processes, each taking whole files (module fixtures stay shared): the suite takes about half as long
 	# on 2 cores, and no single process accumulates every compiled executable of the suite.
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+
+# The core of every part, not marked slow: the optimizer and its checkpoints, the datasets, a Pallas kernel in
+# interpret mode and lowered for an H200, the PC core, the serving layers, loaders, scheduler, sampler and engine
+# against HF's greedy tokens, both HTTP APIs, and one smoke test per part (tests/test_smoke.py).
+FAST_TESTS := tests/test_smoke.py tests/apex_jax/test_apexw.py tests/apex_jax/test_checkpoint.py \
+	tests/apex_data/test_data.py tests/pallas_kernels/test_adamw_kernel.py tests/pallas_kernels/test_pallas_matmul.py \
+	tests/pallas_kernels/test_pallas_device.py tests/pc/test_pc_core.py tests/pc/test_pc_variants.py \
+	tests/serving/test_serving_package.py tests/serving/test_serving_config.py tests/serving/test_serving_layers.py \
+	tests/serving/test_serving_tokenizer.py tests/serving/test_hf_fixtures.py tests/serving/loaders/test_serving_gguf.py \
+	tests/serving/engine/test_serving_blocks.py tests/serving/engine/test_serving_scheduler.py \
+	tests/serving/engine/test_serving_sampler.py tests/serving/engine/test_serving_engine.py \
+	tests/serving/api/test_serving_api.py tests/serving/api/test_serving_tools.py \
+	tests/serving/api/test_serving_api_security.py tests/benchmarks/test_bench_harness.py
+
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow" $(FAST_TESTS)
 
 # On the GPU machine, with its own python3 (no venv; carry .whl): every kernel test file and a smoke test of each
 # part, compiled, in one table; JSON under $$OUT or benchmarks/results/gpu_check.json. ARGS="-k NAME" for some jobs.

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_serving_api_fixture import make_engine, model_folder, running_server
-from test_serving_engine import HF, reference
+from helpers.hf import HF, reference
+from helpers.server import make_engine, model_folder, running_server
 
 import pc
 from apex_jax import ApexW, flatten

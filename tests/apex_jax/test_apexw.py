@@ -1,0 +1,342 @@
+"""apex_jax.apexw / ApexW: equality with optax, every state kind in optax chains, the fused flat step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import apex_jax
+from apex_jax import ApexW, apexw, flatten
+from pallas_kernels.testing import inspect_lowered, lower_for_h200
+
+KINDS = (jnp.float32, jnp.bfloat16, jnp.int8)  # every state dtype of ApexW
+KIND_IDS = {"ids": lambda dtype: jnp.dtype(dtype).name}
+CODECS = {dtype: name for name, dtype in apex_jax.STATE_DTYPES.items()}  # the kernel's name of each kind
+# The XLA path everywhere, and the Pallas kernel (interpreted on CPU) once per kind.
+IMPLEMENTATIONS = ("xla", "pallas_interpret")
+
+
+def make_params(key=0, dtype=jnp.float32):
+    k = jax.random.split(jax.random.key(key), 4)
+    return {
+        "dense": {"w": jax.random.normal(k[0], (96, 80)), "b": jax.random.normal(k[1], (80,))},
+        "embed": jax.random.normal(k[2], (7, 1000)),
+        "scale": jax.random.normal(k[3], (3, 3)),
+    } if dtype == jnp.float32 else jax.tree.map(lambda x: x.astype(dtype), make_params(key))
+
+
+def grads_at(params, step, scale=0.1):
+    if isinstance(params, apex_jax.FlatParams):
+        return flatten(grads_at(params.tree(), step, scale))
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1000 + step), len(leaves))
+    return treedef.unflatten([(scale * jax.random.normal(k, x.shape)).astype(x.dtype) for k, x in zip(keys, leaves,
+                                                                                                       strict=True)])
+
+
+def run_steps(tx, params, steps, jit=True):
+    state = tx.init(params)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, updates
+
+    step = jax.jit(step) if jit else step
+    history = []
+    for t in range(steps):
+        params, state, updates = step(params, state, grads_at(params, t))
+        history.append((params, updates))
+    return history, state
+
+
+def rel_max(a, b):
+    """max |a - b| / max |a| over the leaves (0 when both are 0)."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = x.astype(jnp.float32), y.astype(jnp.float32)
+        worst = max(worst, float(jnp.max(jnp.abs(x - y)) / jnp.maximum(jnp.max(jnp.abs(x)), 1e-30)))
+    return worst
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_fp32_equals_optax_adamw_step_by_step(implementation):
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 12)
+    mask = {"dense": {"w": True, "b": False}, "embed": True, "scale": False}
+    ours, _ = run_steps(apexw(schedule, weight_decay=0.1, mask=mask, state_dtype=jnp.float32,
+                              implementation=implementation),
+                        make_params(), 12)
+    theirs, _ = run_steps(optax.adamw(schedule, weight_decay=0.1, mask=mask), make_params(), 12)
+    for (p_ours, u_ours), (p_theirs, u_theirs) in zip(ours, theirs, strict=True):
+        assert rel_max(u_theirs, u_ours) <= 1e-6
+        assert rel_max(p_theirs, p_ours) <= 1e-6
+
+
+@pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
+def test_compact_kinds_track_fp32(state_dtype):
+    """bf16 and int8 moments follow the fp32 trajectory closely over 30 steps."""
+    ours, _ = run_steps(apexw(1e-2, state_dtype=state_dtype, implementation="xla"), make_params(), 30)
+    exact, _ = run_steps(optax.adamw(1e-2), make_params(), 30)
+    drift = rel_max(exact[-1][0], ours[-1][0])
+    assert drift < {jnp.float32: 1e-6, jnp.bfloat16: 2e-2, jnp.int8: 5e-2}[state_dtype], drift
+
+
+@pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
+def test_pallas_kernel_and_reference_agree_through_the_transform(state_dtype):
+    ref, _ = run_steps(apexw(1e-2, state_dtype=state_dtype, implementation="xla"), make_params(), 4)
+    pallas, _ = run_steps(apexw(1e-2, state_dtype=state_dtype, implementation="pallas_interpret"), make_params(), 4)
+    # int8: a code may round one step apart where float reordering moves a value across an edge
+    assert rel_max(ref[-1][0], pallas[-1][0]) < (1e-4 if state_dtype == jnp.int8 else 1e-5)
+
+
+# Exactly representable in fp32 (1 - b and b^t too), so the injected (traced) and the constant value agree.
+NEW_HYPERPARAMS = {"learning_rate": 2.0**-9, "weight_decay": 0.5, "b1": 0.5, "b2": 0.75, "eps": 2.0**-10}
+
+
+@pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
+def test_in_optax_chain_with_clipping_and_inject_hyperparams(state_dtype):
+    """Changing each injected hyperparameter takes effect without a recompile."""
+    chain = lambda transform, **hp: optax.chain(optax.clip_by_global_norm(0.5), transform(
+        **(dict(learning_rate=1e-2, weight_decay=0.01) | hp), state_dtype=state_dtype, implementation="xla"))
+    tx = chain(optax.inject_hyperparams(apexw, static_args=("state_dtype",)))
+    params = make_params()
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for t in range(2):  # init's weak-typed scalars may cost one retrace
+        params, state = step(params, state, grads_at(params, t))
+    compiled = step._cache_size()
+    grads = grads_at(params, 2)
+    with_hyperparams = lambda **hp: (state[0], state[1]._replace(hyperparams=state[1].hyperparams | {
+        name: jnp.asarray(value, state[1].hyperparams[name].dtype) for name, value in hp.items()}))
+    baseline = step(params, state, grads)[0]
+    for name, value in NEW_HYPERPARAMS.items():
+        assert rel_max(baseline, step(params, with_hyperparams(**{name: value}), grads)[0]) > 1e-4, name
+    new_params, new_state = step(params, with_hyperparams(**NEW_HYPERPARAMS), grads)
+    assert step._cache_size() == compiled
+    built_in = chain(apexw, **NEW_HYPERPARAMS)  # the same step with the new values as constants
+    updates, _ = jax.jit(built_in.update)(grads, (state[0], state[1].inner_state), params)
+    assert rel_max(optax.apply_updates(params, updates), new_params) < 1e-6
+    assert int(new_state[1].inner_state.count) == 3
+
+
+@pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
+def test_state_bytes_per_param(state_dtype):
+    big = {"w": jnp.zeros((1024, 1024)), "b": jnp.zeros((1024,))}
+    state = apexw(1e-3, state_dtype=state_dtype).init(big)
+    per_param = apex_jax.state_nbytes(state) / apex_jax.FlatLayout.of(big).n_params
+    expected = {jnp.float32: 8.0, jnp.bfloat16: 4.0, jnp.int8: 2.1}[state_dtype]
+    assert per_param <= expected * 1.02  # padding to 64-row tiles only
+    if state_dtype == jnp.int8:
+        assert per_param <= 2.1
+
+
+@pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
+@pytest.mark.parametrize("params_dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_flat_step_matches_transform(state_dtype, params_dtype):
+    params = make_params(dtype=params_dtype)
+    opt = ApexW(1e-2, weight_decay=0.1, state_dtype=state_dtype, implementation="xla")
+    flat, flat_state = flatten(params), opt.init(flatten(params))
+    tree_state = opt.init(params)
+    step = jax.jit(opt.step, donate_argnums=(0, 2))
+    tree_step = jax.jit(opt.update)
+    tree = params
+    for t in range(3):
+        grads = grads_at(params, t)
+        flat, flat_state = step(flat, flatten(grads), flat_state)
+        updates, tree_state = tree_step(grads, tree_state, tree)
+        tree = optax.apply_updates(tree, updates)
+    # Same moments; params agree up to the rounding of the separate add in the transform path.
+    for a, b in zip(jax.tree.leaves(flat_state), jax.tree.leaves(tree_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tol = 1e-6 if params_dtype == jnp.float32 else 2e-2
+    assert rel_max(tree, flat.tree()) < tol
+
+
+def abstract_flat_model(n_leaves: int) -> apex_jax.FlatParams:
+    """FlatParams of ShapeDtypeStructs: large ([64, 64], int8 codes) and small leaves, float32 and bfloat16."""
+    tree = {f"leaf{i}": jax.ShapeDtypeStruct((64, 64) if i % 3 == 0 else (8, 40), (jnp.float32, jnp.bfloat16)[i % 2])
+            for i in range(n_leaves)}
+    layout = apex_jax.FlatLayout.of(tree)
+    return apex_jax.FlatParams(tuple(jax.ShapeDtypeStruct((g.size,), g.dtype) for g in layout.groups), layout)
+
+
+@pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
+def test_fused_step_lowers_to_one_kernel_per_dtype_whatever_the_leaf_count(state_dtype):
+    """On an H200 the fused step is one in-place apexw Triton call per dtype group, for 10 leaves as for 300."""
+    opt = ApexW(1e-3, state_dtype=state_dtype)  # implementation=None: the Pallas branch on a GPU
+    modules = {}
+    for n_leaves in (10, 300):
+        flat = abstract_flat_model(n_leaves)
+        state = jax.eval_shape(opt.init, flat)
+        module = inspect_lowered(lower_for_h200(opt.step, flat, flat, state, donate_argnums=(0, 2)))
+        n_state = len(jax.tree.leaves(state.moments[0]))
+        kernel_name = f"apexw_{CODECS[jnp.dtype(state_dtype)]}"
+        assert module.triton_calls == [(kernel_name, 1 + n_state)] * len(flat.layout.groups)
+        # the params buffers and, after the grads buffers, every state leaf each alias their own result
+        n_params, n_state_leaves = len(flat.buffers), len(jax.tree.leaves(state))
+        assert module.donated == dict(zip([*range(n_params), *range(2 * n_params, 2 * n_params + n_state_leaves)],
+                                          range(n_params + n_state_leaves), strict=True))
+        modules[n_leaves] = module
+    assert modules[10].op_counts == modules[300].op_counts
+
+
+@pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
+def test_optax_chain_over_flat_params(state_dtype):
+    """The transform path on FlatParams: clipping and apply_updates see a few buffers, not every leaf."""
+    chain = lambda: optax.chain(optax.clip_by_global_norm(0.5), apexw(1e-2, state_dtype=state_dtype,
+                                                                        implementation="xla"))
+    tree_history, _ = run_steps(chain(), make_params(), 3)
+    flat_history, _ = run_steps(chain(), flatten(make_params()), 3)
+    assert isinstance(flat_history[-1][0], apex_jax.FlatParams)
+    assert rel_max(tree_history[-1][0], flat_history[-1][0].tree()) < 1e-6
+
+
+def test_bf16_params_use_unbiased_stochastic_rounding():
+    """Tiny steps that round-to-nearest would drop entirely still move bf16 params on average."""
+    params = {"w": jnp.ones((64, 256), jnp.bfloat16)}
+    opt = ApexW(1e-4, weight_decay=0.0, state_dtype=jnp.float32, implementation="xla")
+    flat, state = flatten(params), opt.init(flatten(params))
+    grads = flatten({"w": jnp.ones((64, 256), jnp.bfloat16)})
+    for _ in range(20):
+        flat, state = opt.step(flat, grads, state)
+    mean = float(flat.tree()["w"].astype(jnp.float32).mean())
+    assert abs(mean - (1 - 20 * 1e-4)) < 2e-4  # nearest rounding would leave exactly 1.0
+
+
+def test_gradients_arrive_flat():
+    params = make_params()
+    flat = flatten(params)
+    loss = lambda fp: sum(jnp.sum(x**2) for x in jax.tree.leaves(fp.tree()))
+    grads = jax.grad(loss)(flat)
+    assert isinstance(grads, apex_jax.FlatParams) and grads.layout is flat.layout
+    expected = jax.grad(lambda p: sum(jnp.sum(x**2) for x in jax.tree.leaves(p)))(params)
+    for a, b in zip(jax.tree.leaves(grads.tree()), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def raw_bits(tree) -> list[bytes]:
+    """Every leaf's bytes: unlike ==, tells -0.0 from +0.0 (and NaN payloads apart)."""
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("form", ["fused", "optax"])
+@pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
+def test_skip_nonfinite_leaves_everything_bit_identical(state_dtype, form):
+    args = dict(learning_rate=1e-2, state_dtype=state_dtype, skip_nonfinite=True, implementation="xla")
+    if form == "fused":
+        opt, wrap, unwrap = ApexW(**args), flatten, lambda flat: flat.tree()
+        step = jax.jit(opt.step)
+    else:
+        opt, wrap, unwrap = apexw(**args), lambda tree: tree, lambda tree: tree
+
+        @jax.jit
+        def step(params, grads, state):
+            updates, state = opt.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+    params = make_params()
+    params, state = step(wrap(params), wrap(grads_at(params, 0)), opt.init(wrap(params)))
+    tree = unwrap(params)
+    tree["scale"] = tree["scale"].at[0].set(-0.0)  # p + 0.0 would make these +0.0
+    params = wrap(tree)
+    bad = grads_at(tree, 1)
+    bad["embed"] = bad["embed"].at[3, 7].set(jnp.nan)
+    new_params, new_state = step(params, wrap(bad), state)
+    assert raw_bits(new_params) == raw_bits(params)
+    assert raw_bits((new_state.moments, new_state.count)) == raw_bits((state.moments, state.count))
+    assert int(new_state.skipped) == 1 and int(new_state.count) == 1
+
+
+def test_int8_state_never_turns_nan_into_a_number():
+    opt = ApexW(1e-2, state_dtype=jnp.int8, implementation="xla")
+    params = {"w": jnp.ones((64, 256))}
+    flat = flatten(params)
+    grads = flatten({"w": jnp.ones((64, 256)).at[10, 3].set(jnp.nan)})
+    flat, state = opt.step(flat, grads, opt.init(flat))
+    assert bool(jnp.isnan(flat.tree()["w"][10, 3]))
+    assert bool(jnp.isnan(state.moments[0].mu_scale).any())  # the block holding the NaN stays NaN
+
+
+@pytest.mark.needs_devices(8)
+def test_sharded_params_over_8_devices():
+    mesh = jax.make_mesh((8,), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    params = {"w": jax.random.normal(jax.random.key(0), (64, 512)), "b": jnp.ones((8,))}
+    sharded = jax.device_put(params, sharding)
+    ours, _ = run_steps(apexw(1e-2, state_dtype=jnp.float32, implementation="xla"), sharded, 3)
+    theirs, _ = run_steps(optax.adamw(1e-2), params, 3)
+    assert rel_max(theirs[-1][0], ours[-1][0]) <= 1e-6
+    assert ours[-1][0]["w"].sharding.is_equivalent_to(sharding, 2)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(state_dtype="int4"), "state_dtype"),
+    (dict(learning_rate=-1.0), "learning_rate"),
+    (dict(b1=1.0), "b1"),
+    (dict(b2=-0.1), "b2"),
+    (dict(eps=float("nan")), "eps"),
+    (dict(weight_decay=-1e-4), "weight_decay"),
+    (dict(implementation="auto"), r"implementation 'auto'; expected None or one of \('pallas', 'pallas_interpret', "
+                                  r"'xla'\)"),
+    (dict(state_dtype="fp32"), r"'fp32' is not a dtype \(the short name 'fp32' means apex_jax.STATE_DTYPES"),
+    (dict(state_dtype=jnp.float16), r"state_dtype <class 'jax.numpy.float16'> is float16; expected jnp.float32, "
+                                    "jnp.bfloat16 or jnp.int8"),
+])
+def test_bad_arguments_raise_value_error(bad, match):
+    args = dict(learning_rate=1e-3) | bad
+    with pytest.raises(ValueError, match=match):
+        apexw(**args)
+
+
+def test_state_dtype_accepts_every_spelling_jnp_dtype_reads():
+    """Names, scalar types and dtype objects of one kind build the same optimizer, holding that np.dtype."""
+    spellings = [("int8", jnp.int8), (np.int8, jnp.int8), (jnp.dtype("int8"), jnp.int8),
+                 ("bfloat16", jnp.bfloat16), (np.dtype(jnp.bfloat16), jnp.bfloat16), ("float32", jnp.float32)]
+    for spelling, kind in spellings:
+        opt = ApexW(1e-3, state_dtype=spelling)
+        assert isinstance(opt.state_dtype, np.dtype) and opt.state_dtype == kind
+        assert opt == ApexW(1e-3, state_dtype=kind) and hash(opt) == hash(ApexW(1e-3, state_dtype=kind))
+
+
+def test_mask_that_does_not_match_params_raises():
+    tx = apexw(1e-3, mask={"dense": {"w": True}})
+    with pytest.raises(ValueError, match="mask does not match"):
+        tx.init(make_params())
+    with pytest.raises(TypeError, match="bools"):
+        apexw(1e-3, mask=jax.tree.map(lambda x: 1, make_params())).init(make_params())
+
+
+def test_update_without_params_raises():
+    tx = apexw(1e-3)
+    params = make_params()
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(params, tx.init(params))
+
+
+def test_state_of_another_kind_raises():
+    params = make_params()
+    bf16_state = ApexW(1e-3, state_dtype=jnp.bfloat16).init(params)
+    with pytest.raises(ValueError, match="state_dtype=int8"):
+        ApexW(1e-3, state_dtype=jnp.int8, implementation="xla").update(params, bf16_state, params)
+
+
+def test_grads_with_wrong_shape_raise():
+    opt = ApexW(1e-3, implementation="xla")
+    params = make_params()
+    grads = dict(params, scale=jnp.zeros((4, 4)))
+    with pytest.raises(ValueError, match="expected float32"):
+        opt.update(grads, opt.init(params), params)
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    import apex_jax.transform as module
+
+    failures, _ = doctest.testmod(module, verbose=False)
+    assert failures == 0

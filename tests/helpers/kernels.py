@@ -1,0 +1,35 @@
+"""Shared by the kernel tests: packed variable-length attention inputs, abstract operands and the H200 lowering
+shapes of the attention kernels, and the launch grid read back from a lowered Triton module."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def packed_inputs(seed, lengths, *, q_heads, kv_heads, head_dim, v_head_dim=None, pad=(0, 0), dtype=jnp.float32):
+    """q, k, v and seq_starts for sequences of ``lengths`` packed back to back, after ``pad[0]`` and before
+    ``pad[1]`` rows that belong to no sequence."""
+    starts = pad[0] + np.concatenate([[0], np.cumsum(lengths)])
+    tokens = int(starts[-1]) + pad[1]
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (tokens, q_heads, head_dim)).astype(dtype)
+    k = jax.random.normal(kk, (tokens, kv_heads, head_dim)).astype(dtype)
+    v = jax.random.normal(kv, (tokens, kv_heads, v_head_dim or head_dim)).astype(dtype)
+    return q, k, v, jnp.asarray(starts, jnp.int32)
+
+
+def abstract(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# (tokens, q_heads, kv_heads, head_dim, v_head_dim, sequences): the benchmark's B=4 x S=4096, 32/8 heads, d=128;
+# DeepSeek-V3's MLA prefill (q.k over 192 = 128 nope + 64 rope dims, values of 128), 16 heads a device.
+LOWERING_SHAPES = {"llama_gqa": (4 * 4096, 32, 8, 128, 128, 4), "deepseek_mla": (8192, 16, 16, 192, 128, 3)}
+
+
+def lower_grid(text: str) -> tuple[int, int]:
+    """(grid_x, grid_y) = (R, G) of the one Triton kernel in a lowered module's text."""
+    (x,), (y,) = (re.findall(rf"grid_{axis} = (\d+)", text) for axis in "xy")
+    return int(x), int(y)

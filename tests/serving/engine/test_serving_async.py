@@ -1,0 +1,77 @@
+"""Asynchronous scheduling (``Engine(async_scheduling=True)``, the default): a decode step dispatched behind the one
+on the device, fed its tokens there, gives exactly the tokens, texts, finish reasons, logprobs and streamed outputs
+of synchronous steps (greedy, seeded sampling, stops mid-stream, max_tokens, n > 1, late arrivals, penalized rows
+that run synchronously, a tight cache with preemption, an abort while a step is in flight)."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from helpers.engine import BLOCK, CACHES, GREEDY, PENALIZED, SAMPLED, drive, prompts_of
+
+from serving.engine.engine import Engine
+from serving.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    from helpers.server import model_folder
+
+    return model_folder(tmp_path_factory.mktemp("async"))
+
+
+def engine(folder: Path, async_scheduling: bool, **kwargs) -> Engine:
+    options = dict(dtype="float32", num_blocks=64, block_size=BLOCK, max_running=8, token_budget=64, decode_steps=1,
+                   compilation_cache=False) | kwargs
+    return Engine(folder, async_scheduling=async_scheduling, **options)
+
+
+def arrivals(eng: Engine) -> list[tuple[int, list[int], SamplingParams]]:
+    """Requests arriving over the first steps: greedy, sampled with logprobs, n = 2, stop ids and strings,
+    short max_tokens; a penalized one arrives late (the steps it runs in are synchronous)."""
+    p = prompts_of(eng)
+    return [(0, p[0], GREEDY), (0, p[1], dataclasses.replace(SAMPLED, logprobs=3)),
+            (1, p[3], dataclasses.replace(SAMPLED, seed=3, max_tokens=11, stop_token_ids=(238,))),
+            (4, p[2], dataclasses.replace(GREEDY, max_tokens=3, logprobs=0)),
+            (9, p[4], dataclasses.replace(SAMPLED, seed=9, max_tokens=19, stop=("tO",), n=2)),
+            (30, p[2], dataclasses.replace(PENALIZED, max_tokens=6))]
+
+
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_async_steps_give_the_synchronous_outputs(folder, cache, monkeypatch):
+    sync = engine(folder, False, **CACHES[cache])
+    want = drive(sync, arrivals(sync))
+    eng = engine(folder, True, **CACHES[cache])
+    chained = []
+    real = eng._chain
+    monkeypatch.setattr(eng, "_chain", lambda *a: (lambda r: (chained.append(r is not None), r)[1])(real(*a)))
+    got = drive(eng, arrivals(eng))
+    assert got[:2] == want[:2]  # tokens, texts, finish reasons; every streamed output
+    assert sum(chained) > 10  # most decode steps ran behind another
+    if cache == "tight":
+        assert sync.scheduler.num_preemptions > 0 and eng.scheduler.num_preemptions > 0
+    assert eng.allocator.num_free == eng.allocator.num_blocks
+
+
+def test_logprobs_and_n_match_and_an_abort_in_flight_frees_its_blocks(folder):
+    params = [dataclasses.replace(SAMPLED, logprobs=2, n=2, max_tokens=14), dataclasses.replace(GREEDY, logprobs=1)]
+
+    def run(eng: Engine) -> tuple:
+        prompts = prompts_of(eng)[:2]
+        together = [r.outputs for r in eng.generate(prompts, params)]
+        drop, keep = eng.add_request(prompts[0], params[0]), eng.add_request(prompts[1], params[1])
+        for _ in range(4):
+            eng.step()
+        in_flight = eng._inflight is not None
+        assert eng.abort(drop)
+        while eng.has_unfinished():
+            eng.step()
+        return together, eng.release(keep).outputs, in_flight
+
+    want = run(engine(folder, False))
+    eng = engine(folder, True)
+    assert run(eng) == (*want[:2], True)
+    eng.step()  # nothing is left in flight, and every block is free
+    assert eng._inflight is None and eng.allocator.num_free == eng.allocator.num_blocks

@@ -1,0 +1,151 @@
+"""The engine end to end on the tiny HF fixtures (fp32): greedy equals HF's greedy, and neither batching,
+chunked prefill, late arrivals, preemption nor the prefix cache changes any token."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import HF
+from helpers.hf import reference
+
+from serving import Engine, SamplingParams
+
+FAMILIES = ("llama", "qwen3_moe", "mixtral")
+BLOCK = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def engine(name: str = "llama", **kwargs) -> Engine:
+    options = dict(dtype=jnp.float32, num_blocks=64, block_size=BLOCK, max_running=8, token_budget=64) | kwargs
+    return Engine(HF / name, **options)
+
+
+def tokens(results) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in results]
+
+
+@pytest.mark.parametrize("name", [FAMILIES[0], *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES[1:])])
+def test_greedy_matches_hf_greedy(name):
+    prompts, greedy = reference(name)
+    eng = engine(name)
+    assert tokens(eng.generate(prompts, GREEDY)) == greedy.tolist()
+    cfg = eng.cfg
+    moe_layers = sum(cfg.is_moe_layer(l) for l in range(cfg.layers))
+    # every computed token (prompt + all generated but the last) is routed to top_k experts in each MoE layer
+    assert eng.runner.expert_load.sum() == sum(len(p) + 31 for p in prompts) * cfg.top_k * moe_layers
+
+
+@pytest.mark.slow  # ~60 s on 2 shared cores: about a dozen batch shapes compile
+def test_batch_invariance_alone_and_in_batches_of_1_7_32():
+    prompts, greedy = reference("llama")
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=3)
+    for size in (1, 7, 32):
+        others = [rng.integers(3, 320, rng.integers(1, 20)).tolist() for _ in range(size - 1)]
+        mix = [params if i % 2 else sampled for i in range(size - 1)]
+        results = engine(max_running=32, num_blocks=160).generate([prompts[0], *others], [params, *mix])
+        assert results[0].outputs[0].token_ids == greedy[0, :8].tolist(), size
+
+
+def test_late_arrivals_and_tiny_token_budget_give_the_same_tokens():
+    prompts, greedy = reference("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    eng = engine(token_budget=3)  # prompts of 12 and 7 tokens prefill in chunks of <= 3, beside decodes
+    first = eng.add_request(prompts[0], params)
+    for _ in range(6):
+        eng.step()
+    second = eng.add_request(prompts[1], params)  # arrives mid-generation
+    while eng.has_unfinished():
+        eng.step()
+    assert [eng.result(r).outputs[0].token_ids for r in (first, second)] == greedy[:, :12].tolist()
+
+
+@pytest.mark.slow  # ~30 s: recomputation visits many block-table widths
+def test_preemption_under_a_tiny_cache_gives_the_same_tokens():
+    prompts, greedy = reference("llama")
+    eng = engine(num_blocks=12)  # 48 slots: both sequences (44 and 39 tokens) cannot stay cached at once
+    assert tokens(eng.generate(prompts, GREEDY)) == greedy.tolist()
+    assert eng.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_hit_allocates_fewer_blocks_and_gives_the_same_output():
+    prompts, _ = reference("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    shared = prompts[0] + prompts[1]  # 19 tokens
+    variant = shared[:16] + [5, 6]
+    cold = engine().generate([variant], params)[0]
+    eng = engine()
+    eng.generate([shared], params)
+    free_before = eng.allocator.num_free - sum(eng.allocator.is_cached(b) for b in range(64))
+    hot = eng.generate([variant], params)[0]
+    assert hot.num_cached_tokens == 16 and cold.num_cached_tokens == 0
+    assert hot.outputs[0].token_ids == cold.outputs[0].token_ids
+    newly_used = free_before - (eng.allocator.num_free - sum(eng.allocator.is_cached(b) for b in range(64)))
+    assert newly_used == 1  # only the 2 tokens past the shared 16 needed a block (then freed, cached)
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched_and_n_samples_differ():
+    prompts, _ = reference("llama")
+    params = SamplingParams(temperature=1.0, top_k=50, max_tokens=6, seed=1234, n=3, logprobs=2)
+    alone = engine().generate([prompts[0]], params)[0]
+    batched = engine().generate([prompts[1], prompts[0]], [SamplingParams(temperature=0.0), params])[1]
+    assert [o.token_ids for o in alone.outputs] == [o.token_ids for o in batched.outputs]
+    assert len({tuple(o.token_ids) for o in alone.outputs}) > 1
+    entry = alone.outputs[0].logprobs[0]
+    assert len(entry["top"]) == 2 and entry["logprob"] <= entry["top"][0][1] + 1e-6
+
+
+def test_bad_requests_raise_clear_errors():
+    eng = engine(num_blocks=2)
+    with pytest.raises(ValueError, match="does not fit: the cache holds 8 tokens"):
+        eng.add_request(list(range(3, 12)))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        eng.add_request("hello")
+    with pytest.raises(ValueError, match=r"prompt ids must be .* \[0, 320\)"):
+        eng.add_request([999])
+
+
+def test_a_request_that_outgrows_the_cache_ends_with_length_and_does_not_block_the_queue():
+    eng = engine(num_blocks=4, max_running=1)  # 16 tokens of cache (less than the context); one at a time
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    long = eng.add_request(list(range(3, 8)), params)
+    short = eng.add_request([3, 4], dataclasses.replace(params, max_tokens=2))
+    for _ in range(40):  # ample: the cache holds 11 tokens past the long prompt
+        if eng.has_unfinished():
+            eng.step()
+    assert not eng.has_unfinished() and eng.max_model_len == 16
+    long_out, short_out = eng.release(long).outputs[0], eng.release(short).outputs[0]
+    assert (len(long_out.token_ids), long_out.finish_reason) == (11, "length")
+    assert (len(short_out.token_ids), short_out.finish_reason) == (2, "length")
+    assert eng.allocator.num_free == 4 and eng.scheduler.num_preemptions == 0
+
+
+def test_cache_salt_keeps_equal_prompts_from_sharing_cached_blocks():
+    prompts, _ = reference("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    eng = engine()
+
+    def cached_tokens(salt: str | None) -> int:
+        request_id = eng.add_request(prompts[0], params, cache_salt=salt)
+        while eng.has_unfinished():
+            eng.step()
+        return eng.release(request_id).num_cached_tokens
+
+    full = (len(prompts[0]) - 1) // BLOCK * BLOCK  # the full blocks before the prompt's last token
+    assert [cached_tokens(None), cached_tokens(None)] == [0, full]
+    assert [cached_tokens("tenant-a"), cached_tokens("tenant-b"), cached_tokens("tenant-a")] == [0, 0, full]
+
+
+@pytest.mark.parametrize("name", [FAMILIES[0], *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES[1:])])
+def test_multi_step_decode_matches_hf_greedy_and_sums_the_expert_counts(name):
+    """decode_steps=4: 31 tokens after the prefill's, in device calls of a power of two of them ending at max_tokens
+    (7 of 4, one of 2, one single step):
+    HF's greedy tokens, and every computed token routed once per MoE layer, as in single steps."""
+    prompts, greedy = reference(name)
+    eng = engine(name, decode_steps=4)
+    assert tokens(eng.generate(prompts, GREEDY)) == greedy.tolist()
+    cfg = eng.cfg
+    moe_layers = sum(cfg.is_moe_layer(l) for l in range(cfg.layers))
+    assert eng.runner.expert_load.sum() == sum(len(p) + 31 for p in prompts) * cfg.top_k * moe_layers

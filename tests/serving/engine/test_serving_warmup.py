@@ -1,0 +1,185 @@
+"""``Engine.warm_up`` compiles every step shape the engine can meet, so a varied workload afterwards (prompt lengths
+from one token to several chunks, one to max_running sequences, n > 1, greedy and sampled, logprobs, multi-step
+decode, a constrained request) traces and compiles nothing; JAX's persistent compilation cache then makes a
+restart compile nothing either."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from helpers import HF, REPO
+from helpers.server import model_folder
+
+from serving.engine import engine as engine_module
+from serving.engine.engine import Engine
+from serving.engine.runner import MIN_BLOCKS_BUCKET, MIN_TOKENS_BUCKET, StepShape, buckets
+from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.spec_decode import SpecConfig
+from serving.structured import ConstraintSpec
+
+# A jit cache miss traces (even when the persistent cache then supplies the executable); a new executable compiles.
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+_events: list[str] | None = None  # the events seen while a test records them
+
+
+def _listen(name: str, duration: float, **_: object) -> None:
+    if _events is not None and name in COMPILE_EVENTS:
+        _events.append(name)
+
+
+jax.monitoring.register_event_duration_secs_listener(_listen)
+
+
+def test_buckets_are_every_value_bucket_takes():
+    assert buckets(1, 8) == [8] and buckets(9, 8) == [8, 16] and buckets(64, 8) == [8, 16, 32, 64]
+    assert buckets(5) == [1, 2, 4, 8]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return model_folder(tmp_path_factory.mktemp("warmup"))
+
+
+def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
+    global _events
+    eng = Engine(folder, dtype="float32", num_blocks=32, block_size=4, max_running=4, token_budget=16,
+                 max_model_len=64, decode_steps=2, compilation_cache=False)
+    seen = []
+    _events = []
+    try:
+        done = eng.warm_up(lambda i, n: seen.append((i, n)))
+        assert len(_events) >= len(done)  # the listener sees them: each entry traced and compiled
+    finally:
+        _events = None
+    steps = [StepShape(n, 4, w, False) for n in buckets(16, MIN_TOKENS_BUCKET) for w in buckets(16, MIN_BLOCKS_BUCKET)]
+    samplers = [("sample", 4, top, draw, masked) for top in (0, MAX_LOGPROBS) for draw in (False, True)
+                for masked in (False, True)]
+    decode = StepShape(8, 4, 16, False)
+    decodes = [("decode", decode, 2, top, draw) for top in (0, MAX_LOGPROBS) for draw in (False, True)]
+    assert done == [("step", s) for s in steps] + samplers + [("chained", decode)] + decodes
+    assert seen == [(i + 1, len(done)) for i in range(len(done))]
+
+    _events = []
+    try:
+        texts = ["The quick brown fox jumps over the lazy dog", "Hi",
+                 "Once upon a time", "a"]
+        greedy = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+        eng.generate(texts, [greedy, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=3, n=2),
+                             SamplingParams(temperature=0.0, max_tokens=7, logprobs=3, ignore_eos=True),
+                             SamplingParams(temperature=1.0, max_tokens=11, logprobs=2, seed=1)])
+        digits = ConstraintSpec.regex("[0-9]{4}")
+        eng.generate(texts[2:3], SamplingParams(temperature=0.0, max_tokens=6, constraint=digits))
+        eng.generate([texts[1]], greedy)
+        assert _events == []
+    finally:
+        _events = None
+
+
+def test_with_ngram_speculation_warm_up_compiles_every_verification(folder):
+    global _events
+    eng = Engine(folder, dtype="float32", num_blocks=32, block_size=4, max_running=2, token_budget=16,
+                 max_model_len=64, speculative=SpecConfig.from_method("ngram", k=3), compilation_cache=False)
+    done = eng.warm_up()
+    assert [kind for kind, *_ in done] == ["score"] * 4 + ["verify"] * 8
+    _events = []
+    try:
+        texts = ["ab ab ab ab ab ab ab ab", "the cat the cat the cat"]  # n-grams recur: drafts are proposed
+        eng.generate(texts, [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                             SamplingParams(temperature=0.7, max_tokens=12, seed=2, logprobs=1)])
+        eng.generate(texts[:1], SamplingParams(temperature=0.0, max_tokens=5, constraint=ConstraintSpec.regex("a+")))
+        assert eng.spec_stats.num_draft_tokens > 0 and _events == []
+    finally:
+        _events = None
+
+
+@pytest.mark.needs_devices(8)
+def test_on_a_mesh_warm_up_leaves_nothing_to_compile():
+    global _events
+    from serving import sharding
+
+    mesh = sharding.make_mesh(2, 2, 2, devices=jax.devices()[:8])
+    eng = Engine(HF / "qwen3_moe", dtype="float32", num_blocks=32, block_size=4, max_running=2, token_budget=8,
+                 max_model_len=32, mesh=mesh, compilation_cache=False)
+    eng.warm_up()
+    _events = []
+    try:
+        eng.generate([[5, 6, 7], [9, 10, 11, 12, 13]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert _events == []
+    finally:
+        _events = None
+
+
+def test_dtype_auto_and_decode_steps_follow_the_backend():
+    assert jax.default_backend() == "cpu"
+    assert engine_module.resolve_dtype("auto", HF / "llama") == jax.numpy.float32  # the CPU
+    assert engine_module.resolve_dtype("bfloat16", None) == jax.numpy.bfloat16
+    assert engine_module.resolve_dtype(jax.numpy.float32, None) == jax.numpy.float32
+    with pytest.raises(ValueError, match="dtype='fp8': expected 'auto' or one of"):
+        engine_module.resolve_dtype("fp8", None)
+    with pytest.raises(TypeError, match="expected a floating dtype"):
+        engine_module.resolve_dtype(jax.numpy.int8, None)
+    assert engine_module.default_decode_steps() == engine_module.DECODE_STEPS["cpu"] == 1
+
+
+def test_the_compilation_cache_is_in_the_project_cache_folder_unless_one_is_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("APEX_JAX_CACHE", str(tmp_path))
+    previous = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_compilation_cache_dir", None)  # no compile runs until it is restored
+    try:
+        assert engine_module.use_compilation_cache(False) is None and not jax.config.jax_compilation_cache_dir
+        assert engine_module.use_compilation_cache() == tmp_path / "jax-compilation"
+        assert (tmp_path / "jax-compilation").is_dir() and jax.config.jax_persistent_cache_min_compile_time_secs == 0
+        assert engine_module.use_compilation_cache(tmp_path / "other") == tmp_path / "jax-compilation"  # kept
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", previous[1])
+
+
+STARTUP = """
+import collections, json, sys, jax
+events = collections.Counter()
+jax.monitoring.register_event_listener(lambda name, **_: events.update([name.rsplit("/", 1)[-1]]))
+from serving.engine.engine import Engine
+eng = Engine(sys.argv[1], num_blocks=8, block_size=4, max_running=1, token_budget=8, max_model_len=32,
+             compilation_cache=sys.argv[2])
+events.clear()
+eng.warm_up()
+print(json.dumps({"dtype": str(eng.dtype), "hits": events["cache_hits"], "misses": events["cache_misses"]}))
+"""
+
+
+def test_a_restart_reads_every_compile_back_from_the_persistent_cache(tmp_path):
+    """Two processes warm up the same engine with the same cache folder: the first writes it, the second compiles
+    nothing of warm_up's and reads it back."""
+    cache = tmp_path / "jax-cache"
+
+    def start() -> dict:
+        env = os.environ | {"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+        env.pop("XLA_FLAGS", None)
+        run = subprocess.run([sys.executable, "-c", STARTUP, str(HF / "llama"), str(cache)], capture_output=True,
+                             text=True, env=env, cwd=REPO, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    cold = start()
+    assert cold["misses"] >= 5 and cold["dtype"] == "float32" and any(cache.iterdir())
+    warm = start()
+    assert warm["misses"] == 0 and warm["hits"] == cold["misses"] + cold["hits"]
+
+
+def test_the_cli_defaults_are_the_engines(folder):
+    from serving import __main__ as serving_main
+    from serving.api import cli
+
+    command = ["serve", "--model", str(folder), "--num-blocks", "16", "--no-compilation-cache"]
+    eng = cli._engine(serving_main.parser().parse_args(command))[0]
+    assert (eng.dtype, eng.decode_steps, eng.scheduler.prefill_chunk, eng.compilation_cache) == (
+        jax.numpy.float32, 1, 256, None)
+    flags = ["--dtype", "bfloat16", "--prefill-chunk", "100", "--token-budget", "200"]
+    eng = cli._engine(serving_main.parser().parse_args(command + flags))[0]
+    assert (eng.dtype, eng.scheduler.prefill_chunk) == (jax.numpy.bfloat16, 100)
+    assert jax.tree.leaves(eng.runner.params)[0].dtype == jax.numpy.bfloat16

@@ -1,0 +1,172 @@
+"""ModelConfig: reading HF config.json (both rope spellings), validation, layer kinds."""
+
+import dataclasses
+import json
+
+import jax
+import pytest
+from helpers import HF
+
+from serving.config import ModelConfig, RopeConfig
+
+
+def hf_config(name: str) -> dict:
+    return json.loads((HF / name / "config.json").read_text())
+
+
+def small(**overrides) -> ModelConfig:
+    fields = dict(family="qwen3_moe", vocab=32, hidden=16, layers=4, heads=4, kv_heads=2, head_dim=8,
+                  intermediate=24, num_experts=8, top_k=2, moe_intermediate=8)
+    return ModelConfig(**{**fields, **overrides})
+
+
+def test_llama_fixture_config():
+    cfg = ModelConfig.from_hf(hf_config("llama"))
+    assert (cfg.family, cfg.vocab, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim) == (
+        "llama", 320, 64, 2, 4, 2, 16)
+    assert cfg.tie_embeddings and cfg.num_experts == 0 and not cfg.qk_norm and not cfg.is_mla
+    assert cfg.rope == RopeConfig(theta=10000.0, kind="llama3", factor=8.0, original_max_position=256,
+                                  low_freq_factor=1.0, high_freq_factor=4.0)
+    assert not any(cfg.is_moe_layer(l) for l in range(cfg.layers))
+
+
+def test_qwen3_moe_fixture_config():
+    cfg = ModelConfig.from_hf(hf_config("qwen3_moe"))
+    assert (cfg.heads, cfg.head_dim, cfg.hidden) == (8, 16, 64)  # heads * head_dim != hidden
+    assert cfg.qk_norm and cfg.norm_topk_prob and cfg.router == "softmax"
+    assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate, cfg.intermediate) == (8, 2, 32, 96)
+    assert cfg.rope == RopeConfig(theta=1e6)
+    assert all(cfg.is_moe_layer(l) for l in range(cfg.layers))
+
+
+def test_mixtral_fixture_config():
+    cfg = ModelConfig.from_hf(hf_config("mixtral"))  # legacy spelling: top-level rope_theta, head_dim null
+    assert cfg.head_dim == 64 // 4 and cfg.rope == RopeConfig(theta=1e6)
+    assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate) == (8, 2, 32)
+    assert cfg.norm_topk_prob and not cfg.qk_norm and cfg.rms_eps == 1e-5 and not cfg.tie_embeddings
+
+
+def test_deepseek_v3_fixture_config():
+    cfg = ModelConfig.from_hf(hf_config("deepseek_v3"))
+    assert cfg.is_mla and (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                           cfg.v_head_dim) == (48, 32, 24, 16, 20)
+    assert cfg.head_dim == 40 and cfg.rope_dim == 16
+    assert (cfg.router, cfg.num_experts, cfg.top_k, cfg.n_group, cfg.topk_group) == ("sigmoid", 16, 3, 4, 2)
+    assert (cfg.num_shared_experts, cfg.routed_scaling_factor, cfg.first_k_dense) == (2, 2.5, 1)
+    assert [cfg.is_moe_layer(l) for l in range(3)] == [False, True, True]
+    assert cfg.rope == RopeConfig(theta=10000.0, kind="yarn", factor=4.0, original_max_position=64, beta_fast=32.0,
+                                  beta_slow=1.0, mscale=0.707, mscale_all_dim=1.0, interleaved=True)
+
+
+def to_rope_parameters(config: dict) -> dict:
+    """The transformers >= 5 spelling of a legacy config: rope_theta and rope_scaling merged into rope_parameters."""
+    config = dict(config)
+    scaling = dict(config.pop("rope_scaling", None) or {"type": "default"})
+    config["rope_parameters"] = {"rope_type": scaling.pop("type"), "rope_theta": config.pop("rope_theta"), **scaling}
+    return config
+
+
+def to_legacy(config: dict) -> dict:
+    config = dict(config)
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    if rope["rope_type"] != "default":
+        config["rope_scaling"] = rope
+    return config
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "mixtral", "deepseek_v3"])
+def test_both_rope_spellings_read_the_same(name):
+    config = hf_config(name)
+    other = to_legacy(config) if "rope_parameters" in config else to_rope_parameters(config)
+    assert ModelConfig.from_hf(other) == ModelConfig.from_hf(config)
+
+
+def test_model_type_when_no_architectures():
+    config = hf_config("mixtral")
+    del config["architectures"]
+    assert ModelConfig.from_hf(config).family == "mixtral"
+
+
+def test_yarn_factor_from_context_ratio_when_missing():
+    config = hf_config("deepseek_v3")
+    del config["rope_scaling"]["factor"]  # transformers then uses max_position_embeddings / original
+    assert ModelConfig.from_hf(config).rope.factor == 256 / 64
+
+
+def test_config_is_a_static_jit_argument():
+    cfg = ModelConfig.from_hf(hf_config("qwen3_moe"))
+    assert hash(cfg) == hash(ModelConfig.from_hf(hf_config("qwen3_moe")))
+    f = jax.jit(lambda x, c: x * c.heads, static_argnums=1)
+    assert int(f(2, cfg)) == 16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.heads = 2
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(architectures=["GPT2LMHeadModel"]), "architectures"),
+    (lambda c: (c.pop("architectures"), c.update(model_type="gpt2")), "model_type"),
+    (lambda c: c.pop("hidden_size"), "hidden_size"),
+    (lambda c: c.pop("num_experts"), "num_experts"),
+    (lambda c: c.update(num_key_value_heads=3), "kv_heads"),
+    (lambda c: c.update(num_experts_per_tok=9), "top_k"),
+    (lambda c: c.update(mlp_only_layers=[5]), "mlp_only_layers"),
+    (lambda c: c.update(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "rope_type"),
+    (lambda c: c.update(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}), "factor"),
+    (lambda c: c.update(rope_parameters={"rope_type": "default"}), "rope_theta"),
+    (lambda c: c.update(attention_bias=True), "attention_bias"),
+    (lambda c: c.update(use_sliding_window=True, sliding_window=4096), "sliding_window"),
+    (lambda c: c.update(rms_norm_eps=0.0), "rms_eps"),
+])
+def test_bad_hf_config_names_the_field(edit, message):
+    config = hf_config("qwen3_moe")
+    edit(config)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(config)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(n_group=3), "n_group"),  # 16 experts do not form 3 groups
+    (lambda c: c.update(topk_group=5), "topk_group"),
+    (lambda c: c.update(scoring_func="softmax"), "scoring_func"),
+    (lambda c: c.update(qk_rope_head_dim=0), "qk_rope_head_dim"),
+    (lambda c: c.update(num_experts_per_tok=9), "top_k"),  # more than the 2 best groups' 8 experts
+])
+def test_bad_deepseek_config_names_the_field(edit, message):
+    config = hf_config("deepseek_v3")
+    edit(config)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(config)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(family="gpt2"), "family"),
+    (dict(hidden=0), "hidden"),
+    (dict(moe_intermediate=0), "moe_intermediate"),
+    (dict(router="relu"), "router"),
+    (dict(n_group=2), "n_group"),  # group limits need the sigmoid router
+    (dict(head_dim=7), "rope dim"),
+    (dict(kv_lora_rank=16, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=8), "head_dim"),  # 8 != 6 + 4
+])
+def test_inconsistent_fields_raise(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small(**overrides)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(kind="ntk"), "rope.kind"),
+    (dict(theta=0.0), "rope.theta"),
+    (dict(kind="yarn", factor=4.0), "original_max_position"),
+    (dict(kind="yarn", factor=4.0, original_max_position=64, beta_fast=1.0), "beta_fast"),
+    (dict(kind="llama3", factor=8.0, original_max_position=64, low_freq_factor=4.0), "high_freq_factor"),
+])
+def test_bad_rope_raises(fields, message):
+    with pytest.raises(ValueError, match=message):
+        RopeConfig(**fields)
+
+
+def test_moe_layer_selection():
+    assert [small(decoder_sparse_step=2).is_moe_layer(l) for l in range(4)] == [False, True, False, True]
+    assert [small(mlp_only_layers=(0, 2)).is_moe_layer(l) for l in range(4)] == [False, True, False, True]
+    assert [small(first_k_dense=3).is_moe_layer(l) for l in range(4)] == [False, False, False, True]
+    assert not any(small(num_experts=0, top_k=0).is_moe_layer(l) for l in range(4))

@@ -1,0 +1,273 @@
+"""serving's GPU kernel dispatch (``layers.paged_attention``, ``paged_mla_attention``, ``moe``): the kernel path
+(Pallas interpret mode on the CPU) equals the plain-jnp references on mixed decode + prefill batches, the fixture
+models give the same logits through it, and a whole decode step lowered for an H200 carries the Triton kernels.
+"""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import HF
+
+from pallas_kernels.testing import TRITON_CALL_TARGET, assert_close, lower_for_h200
+from serving import SamplingParams, layers
+from serving.config import ModelConfig
+from serving.engine import runner as runner_module
+from serving.engine.runner import ModelRunner
+from serving.engine.sampler import SampleRow
+from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk, make_batch
+from serving.loaders import read_checkpoint
+from serving.models import model_module
+from serving.quantization import quantize
+
+BLOCK = 4
+NUM_BLOCKS = 32
+# A mixed step: a decode token, a first prefill chunk, a chunk continuing a cached prefix, another decode token.
+CHUNKS = [SeqChunk([3, 9, 4], 9, 1), SeqChunk([0, 7], 0, 6), SeqChunk([12, 1, 5], 5, 4), SeqChunk([8], 2, 1)]
+NUM_TOKENS, NUM_SEQS, MAX_BLOCKS = 16, 6, 4  # padded: 4 padding tokens, 2 padding sequences
+# fp32 kernels and references sum in different orders (online vs dense softmax): a few ulps; through the
+# fixture models' two or three layers the logits stay within 1e-5 relative (observed ~1e-6).
+LOGITS_RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def float32_products():
+    """fp32 matmuls multiply in fp32 on every platform: a GPU's default rounds their operands to tf32 (10 mantissa
+    bits), which kernels and references would do at different places, far beyond the fp32 bounds above."""
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
+def create_cache(cfg: ModelConfig, num_blocks: int, dtype: jnp.dtype):
+    return (PagedLatentKV if cfg.is_mla else PagedKV).create(cfg, num_blocks, BLOCK, dtype)
+
+
+def mixed_batch():
+    return make_batch(CHUNKS, BLOCK, num_tokens=NUM_TOKENS, num_seqs=NUM_SEQS, max_blocks=MAX_BLOCKS)
+
+
+def normal(seed: int, shape, dtype) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), dtype)
+
+
+def in_mode(mode: str, fn, *args, paged_only: bool = False):
+    """``jax.jit(fn)(*args)`` traced in kernel mode ``mode`` (a fresh jit: the mode is read while tracing)."""
+    with layers.use_kernels(mode), layers.paged_only(paged_only):
+        return jax.jit(fn)(*args)
+
+
+def traced_kernels(mode: str, fn, *args, paged_only: bool = False) -> set[str]:
+    """The names of the Pallas kernels ``fn(*args)`` runs, traced in kernel mode ``mode``."""
+    with layers.use_kernels(mode), layers.paged_only(paged_only):
+        jaxpr = str(jax.make_jaxpr(fn)(*args))
+    return set(re.findall(r"pallas_call\[.*?\bname=(\w+)", jaxpr, flags=re.DOTALL))
+
+
+def runs_a_pallas_kernel(mode: str, fn, *args) -> bool:
+    return bool(traced_kernels(mode, fn, *args))
+
+
+def test_make_batch_splits_tokens_between_the_paged_and_packed_kernels():
+    batch = mixed_batch()
+    # decode at 9 -> 10 keys; first chunk -> packed (0); continuing chunk at 5..8 -> 6..9 keys; decode at 2 -> 3.
+    np.testing.assert_array_equal(batch.kv_lens, [10, 0, 0, 0, 0, 0, 0, 6, 7, 8, 9, 3, 0, 0, 0, 0])
+    # token 0 alone; the first chunk 1..6 as one sequence; tokens 7..11 alone; the tail padded with 12 (real tokens).
+    np.testing.assert_array_equal(batch.chunk_starts, [0, 1, 7, 8, 9, 10, 11, 12] + [12] * 9)
+
+
+# Within layers.paged_only() every token attends through the paged kernel (first prefill chunks too): no packed
+# flash_attention, and the same result on any batch.
+PAGED_ONLY = pytest.mark.parametrize("paged_only", [False, True], ids=["split", "paged_only"])
+
+
+@PAGED_ONLY
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_paged_attention_kernels_equal_the_reference_on_a_mixed_batch(dtype, paged_only):
+    heads, kv_heads, head_dim, v_dim = 8, 2, 32, 16
+    q = normal(0, (NUM_TOKENS, heads, head_dim), dtype)
+    k_pages = normal(1, (NUM_BLOCKS, BLOCK, kv_heads, head_dim), dtype)
+    v_pages = normal(2, (NUM_BLOCKS, BLOCK, kv_heads, v_dim), dtype)
+    attend = functools.partial(layers.paged_attention, scale=head_dim**-0.5)
+    args = (q, k_pages, v_pages, mixed_batch())
+    expected_kernels = {"paged_attention"} if paged_only else {"paged_attention", "flash_attention_causal"}
+    assert traced_kernels("interpret", attend, *args, paged_only=paged_only) == expected_kernels
+    kernels = in_mode("interpret", attend, *args, paged_only=paged_only)
+    assert_close(kernels, in_mode("reference", attend, *args))
+    assert float(jnp.abs(kernels[:12].astype(jnp.float32)).min(axis=(1, 2)).max()) > 0  # real tokens attend
+    assert not np.asarray(kernels[12:], np.float32).any()  # padding tokens give zeros, as in the reference
+
+
+@PAGED_ONLY
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_paged_mla_attention_kernels_equal_the_reference_on_a_mixed_batch(dtype, paged_only):
+    heads, rank, rope = 4, 32, 16
+    args = (normal(0, (NUM_TOKENS, heads, rank), dtype), normal(1, (NUM_TOKENS, heads, rope), dtype),
+            normal(2, (NUM_BLOCKS, BLOCK, rank + rope), dtype), mixed_batch())
+    attend = functools.partial(layers.paged_mla_attention, scale=(rank + rope) ** -0.5)
+    expected_kernels = {"paged_mla_attention"} | (set() if paged_only else {"flash_attention_causal"})
+    assert traced_kernels("interpret", attend, *args, paged_only=paged_only) == expected_kernels
+    assert_close(in_mode("interpret", attend, *args, paged_only=paged_only), in_mode("reference", attend, *args))
+
+
+def test_all_paged_is_true_for_a_batch_without_a_first_prefill_chunk():
+    assert not layers.all_paged(mixed_batch())  # it has a first chunk (start 0)
+    decode_and_continue = [c for c in CHUNKS if c.start > 0]
+    assert layers.all_paged(make_batch(decode_and_continue, BLOCK, num_tokens=NUM_TOKENS, num_seqs=NUM_SEQS))
+
+
+def test_unsupported_head_dims_run_the_reference():
+    q = normal(0, (NUM_TOKENS, 4, 8), jnp.float32)  # head_dim 8: not a multiple of a 16-wide tl.dot tile
+    pages = normal(1, (NUM_BLOCKS, BLOCK, 2, 8), jnp.float32)
+    attend = functools.partial(layers.paged_attention, scale=1.0)
+    assert not runs_a_pallas_kernel("interpret", attend, q, pages, pages, mixed_batch())
+
+
+def moe_config() -> ModelConfig:
+    return read_checkpoint(HF / "qwen3_moe")[0]
+
+
+# Up to layers.PAIRWISE_MAX_ROWS (token, expert) pairs the experts run as gather_matmul, past it grouped_matmul.
+@pytest.mark.parametrize("tokens, kernel", [(layers.PAIRWISE_MAX_ROWS // 2, "gather_matmul"),
+                                            (layers.PAIRWISE_MAX_ROWS, "grouped_matmul")])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_moe_expert_kernels_equal_ragged_dot(dtype, tokens, kernel):
+    cfg = moe_config()  # top-2: 32 tokens are 64 pairs, 64 tokens 128
+    e, d, i = cfg.num_experts, cfg.hidden, cfg.moe_intermediate
+    params = {"router": normal(0, (d, e), dtype), "gate": normal(1, (e, d, i), dtype) * d**-0.5,
+              "up": normal(2, (e, d, i), dtype) * d**-0.5, "down": normal(3, (e, i, d), dtype) * i**-0.5}
+    x = normal(4, (tokens, d), dtype)
+    valid = jnp.arange(tokens) < tokens - 3  # three padding tokens: their pairs read no expert
+
+    def run(x, params, valid):
+        return layers.moe(x, params, cfg, valid)
+
+    assert traced_kernels("interpret", run, x, params, valid) == {kernel}
+    (y, counts), (y_ref, counts_ref) = (in_mode("interpret", run, x, params, valid),
+                                        in_mode("reference", run, x, params, valid))
+    assert_close(y, y_ref)
+    assert float(jnp.abs(y[:-3].astype(jnp.float32)).min(axis=1).max()) > 0
+    assert not np.asarray(y[-3:], np.float32).any()  # padding tokens come out 0 in both paths
+    np.testing.assert_array_equal(counts, counts_ref)
+    assert int(counts.sum()) == (tokens - 3) * cfg.top_k
+
+
+def test_quantized_experts_keep_the_ragged_dot_path():
+    w = quantize(normal(0, (4, 32, 16), jnp.float32), "int8")
+    x, sizes = normal(1, (10, 32), jnp.float32), jnp.array([3, 0, 5, 2], jnp.int32)
+    assert not runs_a_pallas_kernel("interpret", layers.expert_matmul, x, w, sizes)
+    assert runs_a_pallas_kernel("interpret", layers.expert_matmul, x, normal(0, (4, 32, 16), jnp.float32), sizes)
+
+
+def test_use_kernels_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match="'triton'.*expected one of"):
+        with layers.use_kernels("triton"):
+            pass
+    assert layers.kernel_mode() == "auto"
+
+
+# --------------------------------------------------------------------------- fixture models
+
+
+@functools.cache
+def fixture(name: str, dtype: jnp.dtype = jnp.float32):
+    cfg, tensors = read_checkpoint(HF / name)
+    return cfg, model_module(cfg.family).params_from_hf(cfg, tensors, dtype)
+
+
+def mixed_steps(name: str) -> list[np.ndarray]:
+    """Two fp32 steps of fixture ``name`` over one cache: prefills (one whole, one first chunk), then a decode
+    token, the second prompt's continuing chunk and a third prompt's whole prefill. Returns both steps' logits."""
+    cfg, params = fixture(name)
+    rng = np.random.default_rng(0)
+    tables = [[2, 5, 11], [7, 0, 9, 4], [1, 3]]
+    steps = [[SeqChunk(tables[0], 0, 7), SeqChunk(tables[1], 0, 5)],
+             [SeqChunk(tables[0], 7, 1), SeqChunk(tables[1], 5, 6), SeqChunk(tables[2], 0, 3)]]
+    forward = jax.jit(model_module(cfg.family).forward, static_argnums=1)  # fresh: traced in the caller's mode
+    kv = create_cache(cfg, NUM_BLOCKS, jnp.float32)
+    out = []
+    for chunks in steps:
+        batch = make_batch(chunks, BLOCK, num_tokens=16, num_seqs=4, max_blocks=4)
+        logits, kv, _ = forward(params, cfg, rng.integers(0, cfg.vocab, 16).astype(np.int32), batch, kv)
+        out.append(np.asarray(logits[:sum(c.count for c in chunks)]))
+    return out
+
+
+@PAGED_ONLY
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "llama", "mixtral"])
+def test_fixture_models_give_the_reference_logits_through_the_kernels(name, paged_only):
+    with layers.use_kernels("interpret"), layers.paged_only(paged_only):
+        kernels = mixed_steps(name)
+    with layers.use_kernels("reference"):
+        reference = mixed_steps(name)
+    for step, (got, want) in enumerate(zip(kernels, reference, strict=True)):
+        assert_close(got, want, rtol=LOGITS_RTOL, name=f"{name} step {step} logits")
+
+
+@pytest.mark.slow  # 7-25 s on 2 shared cores: the runner compiles its step in both modes
+def test_runner_keys_its_compiled_step_on_the_kernel_mode():
+    """The same model through the runner in both modes: each mode compiles its own steps; the same tokens."""
+    cfg, params = fixture("qwen3_moe")
+    prompt = [5, 17, 42, 9, 3, 11]
+    greedy = SampleRow(SamplingParams(temperature=0.0), 0, 0, prompt, [])
+    results, compiles = {}, {}
+    for mode in ("reference", "interpret"):
+        before = runner_module._step._cache_size()
+        runner = ModelRunner(cfg, params, model_module(cfg.family).forward, create_cache(cfg, 16, jnp.float32),
+                             BLOCK)
+        with layers.use_kernels(mode):
+            first = runner.run([SeqChunk([0, 1], 0, 6)], [prompt], [greedy])
+            second = runner.run([SeqChunk([0, 1], 6, 1)], [[int(first.tokens[0])]], [greedy])
+        results[mode] = (first, second)
+        compiles[mode] = runner_module._step._cache_size() - before
+    # Same shapes, so without the mode in its key the interpret run would reuse the reference compile. (Interpret
+    # mode's first run also changes jax's tracing context once, so it may compile once more.)
+    assert compiles["reference"] >= 1 and compiles["interpret"] >= 1
+    for a, b in zip(results["reference"], results["interpret"], strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- H200 lowering
+
+
+@PAGED_ONLY
+@pytest.mark.parametrize("name, attention", [("qwen3_moe", "paged_attention"), ("deepseek_v3", "paged_mla_attention")])
+def test_a_whole_decode_step_lowers_to_the_triton_kernels_for_an_h200(name, attention, paged_only):
+    """A decode step (8 padded tokens: at most 24 expert pairs) lowers to the paged kernel and gather_matmul, with
+    no sort; within paged_only (as the runner traces it) without the packed prefill kernel."""
+    cfg, params = fixture(name, jnp.bfloat16)
+    batch = make_batch([SeqChunk([2, 5], 6, 1), SeqChunk([7], 1, 1)], BLOCK, num_tokens=8, num_seqs=2)
+    assert layers.all_paged(batch)
+    kv = jax.eval_shape(lambda: create_cache(cfg, NUM_BLOCKS, jnp.bfloat16))
+    step = functools.partial(model_module(cfg.family).forward, cfg=cfg)
+    with layers.paged_only(paged_only):
+        text = lower_for_h200(lambda p, t, b, c: step(p, tokens=t, batch=b, kv=c), params,
+                              jax.ShapeDtypeStruct((8,), jnp.int32), batch, kv)
+    assert TRITON_CALL_TARGET in text
+    assert f'name = "{attention}"' in text and 'name = "gather_matmul"' in text
+    assert ('name = "flash_attention_causal"' in text) != paged_only
+    assert 'name = "grouped_matmul"' not in text and "stablehlo.sort" not in text  # no sort, no visit plan
+    assert "ragged_dot" not in text  # the reference branch is not lowered for cuda
+
+
+# DeepSeek-V3's attention widths (128 heads, R = 512, P = 64, nope 128, v 128) on the fixture's small rest.
+V3_ATTENTION = dict(heads=128, kv_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                    v_head_dim=128, head_dim=192, q_lora_rank=256)
+
+
+@pytest.mark.parametrize("chunks", [[SeqChunk(list(range(s * 32, s * 32 + 32)), 2047, 1) for s in range(8)],
+                                    [SeqChunk(list(range(32)), 0, 2048)]], ids=["decode", "prefill"])
+def test_mla_at_deepseek_v3_width_lowers_for_an_h200(chunks):
+    """The packed MLA prefill (576-wide q/k rows, MLA_FLASH_CONFIG) and the paged MLA decode at V3's widths."""
+    cfg = dataclasses.replace(fixture("deepseek_v3")[0], **V3_ATTENTION)
+    module = model_module(cfg.family)
+    params = jax.eval_shape(lambda: module.init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    kv = jax.eval_shape(lambda: PagedLatentKV.create(cfg, 8 * 32, 64, jnp.bfloat16))
+    batch = make_batch(chunks, 64)
+    text = lower_for_h200(lambda p, t, b, c: module.forward(p, cfg, t, b, c), params,
+                          jax.ShapeDtypeStruct(batch.positions.shape, jnp.int32), batch, kv)
+    assert 'name = "paged_mla_attention"' in text and 'name = "flash_attention_causal"' in text
