@@ -316,7 +316,8 @@ def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     decay_mask = lambda params: jax.tree.map(lambda w: w.ndim >= 2, params)
     return optax.chain(optax.clip_by_global_norm(CLIP_NORM),
                        optax.inject_hyperparams(apexw, static_args=("state_dtype", "mask"))(
-                           learning_rate=tc.lr, weight_decay=tc.weight_decay, mask=decay_mask, state_dtype="bf16"))
+                           learning_rate=tc.lr, weight_decay=tc.weight_decay, mask=decay_mask,
+                           state_dtype=jnp.bfloat16))
 
 
 def lr_at(tc: TrainConfig, step: int, progress: float) -> float:
