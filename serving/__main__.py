@@ -20,11 +20,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import jax.numpy as jnp
-
 from serving import enable_command_buffers, quantization, weights
 from serving.api import cli as api_cli
 from serving.config import ModelConfig
+from serving.engine.engine import DTYPES
 from serving.loaders import quantized
 from serving.loaders.gguf import load_gguf
 from serving.loaders.safetensors import read_tensors
@@ -32,7 +31,6 @@ from serving.models import model_module
 from serving.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"  # --model name of the embedded SmolLM2-135M-Instruct GGUF
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 # Files of a HF folder that describe its tokenizer and generation defaults: copied next to the quantized weights.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")

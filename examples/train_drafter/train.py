@@ -49,7 +49,7 @@ from apex_jax import apexw
 from examples.train_drafter.prompts import chat_prompts
 from serving import layers
 from serving.config import ModelConfig
-from serving.engine.engine import Engine, Prompt
+from serving.engine.engine import DTYPES, Engine, Prompt
 from serving.engine.runner import ModelRunner
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import SamplingParams
@@ -58,7 +58,6 @@ from serving.models import llama, model_module
 from serving.spec_decode import BlockDrafter, SpecConfig, block_model
 from serving.spec_decode.block_model import BlockDrafterConfig
 
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 BLOCK_SIZE = 16  # KV cache block of the engines and the teacher-forced pass
 CLIP_NORM = 1.0  # global gradient norm clip
 LOG_EVERY = 500  # steps between progress lines
