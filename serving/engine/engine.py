@@ -5,8 +5,9 @@ token, its text delta (stop strings cut), and, when the sequence is done, why. A
 ``SamplingParams.n = k`` runs as k sequences (sample i seeded with seed + i).
 
 With ``decode_steps = n > 1``, a step where every sequence decodes (no prefill chunk, no constrained row; not with
-speculative decoding or in batch-invariant mode) samples up to n tokens per sequence in its one device call
-(``Scheduler.reserve_ahead``, a power of two of them, ``ModelRunner.decode``), with their logprobs where asked for.
+speculative decoding or in batch-invariant mode) samples n tokens per sequence in its one device call where every
+sequence has room for n (``Scheduler.reserve_ahead``; else a single step: one multi-step shape to compile;
+``ModelRunner.decode``), with their logprobs where asked for.
 They are appended one by one, as n single steps would append them (stop conditions, streaming, block hashing), one
 output each; those a sequence sampled after it finished are dropped.
 
@@ -276,8 +277,9 @@ class Engine:
           and drawing, and (with a tokenizer, which constraints need) with and without a structured-output mask;
         * with ``async_scheduling``, the decode step dispatched behind another, at every decode-only shape (N up
           to ``max_running`` and ``token_budget``);
-        * with ``decode_steps`` > 1, every multi-step decode: the decode-only shapes for each power-of-two
-          n <= decode_steps, with and without logprobs, greedy and drawing.
+        * with ``decode_steps`` > 1, every multi-step decode: the decode-only shapes for n = decode_steps (the
+          only n a multi-step decode runs; fewer tokens left run single steps), with and without logprobs,
+          greedy and drawing.
 
         With speculative decoding every step is a verification: with the n-gram drafter, its scoring forward at
         each shape (paged-only or not) and its verification variants instead of the step and the sampler; other
@@ -296,8 +298,7 @@ class Engine:
         plain = not runner.batch_invariant and self.drafter is None
         decodes = [("chained", shape) for shape in decode_shapes] if self.async_scheduling and plain else []
         if self.decode_steps > 1 and plain:
-            steps = [1 << e for e in range(1, self.decode_steps.bit_length())]
-            decodes += [("decode", shape, n, *v) for shape in decode_shapes for n in steps for v in top_draw]
+            decodes += [("decode", shape, self.decode_steps, *v) for shape in decode_shapes for v in top_draw]
         num_seqs = sorted({shape.num_seqs for shape in shapes})
         forward, sampler, rows = ("step", "sample", 1)
         if self.drafter is not None:  # every step is a verification
@@ -515,7 +516,7 @@ class Engine:
         if self.decode_steps == 1 or self.runner.batch_invariant or not all(
                 c.count == 1 and c.samples and c.start > 0 and c.seq.matcher is None for c in chunks):
             return None
-        chunks = self.scheduler.reserve_ahead(chunks, self.decode_steps, power_of_two=True)
+        chunks = self.scheduler.reserve_ahead(chunks, self.decode_steps, exact=True)
         return chunks if chunks[0].count > 1 else None
 
     def _run_multi_step(self, chunks: list) -> list[StepOutput]:

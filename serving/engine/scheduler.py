@@ -141,20 +141,20 @@ class Scheduler:
         ``ahead + 1`` more running sequences)."""
         return len(self.waiting) > ahead and len(self.running) + ahead < self.max_running
 
-    def reserve_ahead(self, chunks: list[ScheduledChunk], steps: int,
-                      power_of_two: bool = False) -> list[ScheduledChunk]:
+    def reserve_ahead(self, chunks: list[ScheduledChunk], steps: int, exact: bool = False) -> list[ScheduledChunk]:
         """``chunks``, each one decoding token, as the n-token chunks of a multi-step decode with the blocks of
         their n tokens allocated: n <= ``steps`` is the most that passes no sequence's max_tokens or max_len and
-        whose blocks are free now (nothing is preempted), a power of two if ``power_of_two`` (each n is a compile
-        of its own); n = 1 (the chunks as they were) when none more fits."""
+        whose blocks are free now (nothing is preempted); with ``exact``, n is ``steps`` or 1 (each n is a compile
+        of its own: one multi-step shape per step shape); n = 1 (the chunks as they were) when none more fits."""
         if any(c.count != 1 or not c.samples for c in chunks):
             raise ValueError(f"reserve_ahead: chunk counts {[c.count for c in chunks]}: expected decoding chunks "
                              "(one token each, sampling)")
         seqs = [c.seq for c in chunks]
         n = min([steps] + [min(s.params.max_tokens - len(s.output_ids), s.max_len - s.num_tokens) for s in seqs])
-        while n > 1 and (sum(self._blocks_needed(s, n) for s in seqs) > self.allocator.num_free
-                         or power_of_two and n & (n - 1)):
+        while n > 1 and sum(self._blocks_needed(s, n) for s in seqs) > self.allocator.num_free:
             n -= 1
+        if exact and n < steps:
+            return chunks
         if n <= 1:
             return chunks
         for seq in seqs:

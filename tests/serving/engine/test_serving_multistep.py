@@ -111,14 +111,18 @@ def test_reserve_ahead_stops_at_max_tokens_max_len_and_free_blocks_and_never_pre
         sched.reserve_ahead(ahead[:1], 4)
 
 
-def test_reserve_ahead_in_powers_of_two_rounds_n_down():
+def test_exact_reserve_ahead_runs_all_steps_or_one():
+    """With exact=True n is the steps asked for or 1: one multi-step shape to compile."""
     sched = Scheduler(BlockAllocator(16, BLOCK), max_running=2, token_budget=64)
     seqs = [make_seq(0, 3, max_tokens=40), make_seq(1, 2, max_tokens=8)]  # seq 1: 7 tokens left after the prefill
     for seq in seqs:
         sched.add(seq)
     chunks = sched.schedule()
     sched.update(chunks, [5, 5])
-    ahead = sched.reserve_ahead(sched.schedule(), 8, power_of_two=True)
+    decode, tables = sched.schedule(), [len(s.block_table) for s in seqs]
+    assert [c.count for c in sched.reserve_ahead(decode, 8, exact=True)] == [1, 1]
+    assert [len(s.block_table) for s in seqs] == tables  # nothing reserved ahead
+    ahead = sched.reserve_ahead(decode, 4, exact=True)
     assert [c.count for c in ahead] == [4, 4] and [len(s.block_table) for s in seqs] == [2, 2]
 
 
