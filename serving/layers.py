@@ -6,7 +6,7 @@ attention over the paged KV cache (standard, and absorbed latent attention over 
 (expert-parallel all-to-all; a Pallas GPU kernel): keep their signatures.
 
 GPU kernels: on an NVIDIA GPU these three run the Pallas kernels of ``pallas_kernels`` (elsewhere their
-plain-jnp references), chosen once per op by ``jax.lax.platform_dependent`` in ``_dispatch``:
+plain-jnp references), chosen once per op in ``_dispatch`` (by ``jax.lax.platform_dependent`` off a GPU):
 
 * attention of an ``AttentionBatch`` is split by the metadata ``make_batch`` derives on the host. Tokens that
   read their context from the pages (``kv_lens > 0``: decode tokens, and chunks continuing a cached prefix)
@@ -54,6 +54,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -152,21 +153,64 @@ def all_paged(batch: AttentionBatch) -> bool:
 
 def _dispatch(kernel: Callable, reference: Callable, *args: Any, supported: bool = True) -> jax.Array:
     """``kernel(*args, interpret=...)`` on an NVIDIA GPU, ``reference(*args)`` elsewhere (or where not
-    ``supported``); ``use_kernels`` overrides the choice. Batch-invariant mode: the kernel everywhere."""
+    ``supported``); ``use_kernels`` overrides the choice. Batch-invariant mode: the kernel everywhere.
+
+    In a process whose default backend is an NVIDIA GPU the kernel is traced alone; elsewhere the choice is
+    ``lax.platform_dependent``'s at lowering (both branches traced), so a CPU process can lower a step for a GPU."""
     mode = kernel_mode()
+    compiled = functools.partial(kernel, interpret=False)
     if mode == BATCH_INVARIANT:
         if not supported:
             operands = ", ".join(f"{a.dtype}{list(a.shape)}" for a in args if isinstance(a, jax.Array))
             raise ValueError(f"batch-invariant mode runs the Pallas kernels, which do not take {operands}: expected "
                              f"bf16 or fp32 operands of one dtype and head dims that are multiples of "
                              f"{attention_kernels.MIN_TILE}")
-        return jax.lax.platform_dependent(*args, cuda=functools.partial(kernel, interpret=False),
-                                          default=functools.partial(kernel, interpret=True))
+        if _on_nvidia_gpu():
+            return compiled(*args)
+        return jax.lax.platform_dependent(*args, cuda=compiled, default=functools.partial(kernel, interpret=True))
     if mode == "reference" or not supported:
         return reference(*args)
     if mode == "interpret":
         return kernel(*args, interpret=True)
-    return jax.lax.platform_dependent(*args, cuda=functools.partial(kernel, interpret=False), default=reference)
+    if _on_nvidia_gpu():
+        return compiled(*args)
+    return jax.lax.platform_dependent(*args, cuda=compiled, default=reference)
+
+
+@functools.cache
+def _on_nvidia_gpu() -> bool:
+    """Whether this process's default backend is an NVIDIA GPU (what it compiles for, unless told otherwise)."""
+    return jax.default_backend() == "gpu" and jax.devices()[0].device_kind.startswith("NVIDIA")
+
+
+def _traced_once(*static: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``fn`` under ``jax.jit`` (arguments ``static`` static), its cache keyed on the kernel context too
+    (``kernel_mode``, ``paged_only``, the gather geometry: what tracing it reads besides its arguments).
+
+    A forward pass calls such a function once per layer with the same shapes; JAX then traces and lowers it once
+    per step shape instead of once per layer, and XLA inlines the calls, so the compiled step is the same. For
+    the attention and MoE functions (their kernel paths, and off a GPU their references too) that is most of
+    the Python time of tracing a step, which bounds how fast a server
+    compiles its step shapes (``Engine.warm_up``) and how fast it restarts from the compilation cache, where
+    every step is still traced and lowered to find its cache key."""
+    def wrap(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.partial(jax.jit, static_argnames=(*static, "context"))
+        def traced(context: tuple, **arguments: Any) -> Any:
+            mode, paged, gather = context
+            with use_kernels(mode), paged_only(paged), use_gather_config(gather):
+                return fn(**arguments)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return traced(context=(_kernel_mode.get(), _paged_only.get(), _gather_config.get()), **bound.arguments)
+
+        return call
+
+    return wrap
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -293,6 +337,7 @@ def route(logits: jax.Array, cfg: ModelConfig, bias: jax.Array | None = None) ->
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
 
 
+@_traced_once("cfg")
 def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
         valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Routed-expert SwiGLU: ``y_n = sum_j w_nj * swiglu_{e_nj}(x_n)`` over each token's top-k experts.
@@ -437,6 +482,7 @@ def _paged_attention_kernels(q, k_pages, v_pages, batch, scale, *, interpret):
     return jnp.where((batch.kv_lens > 0)[:, None, None], paged, packed)
 
 
+@_traced_once("scale")
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: AttentionBatch,
                     scale: float) -> jax.Array:
     """Causal attention of N new tokens over their sequences' paged cache: ``paged_attention_reference``'s
@@ -495,6 +541,7 @@ def _paged_mla_attention_kernels(q_latent, q_rope, latent_pages, batch, scale, *
     return jnp.where((batch.kv_lens > 0)[:, None, None], paged, packed)
 
 
+@_traced_once("scale")
 def paged_mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array, batch: AttentionBatch,
                         scale: float) -> jax.Array:
     """Absorbed multi-head latent attention of N new tokens over their sequences' latent cache: the math of

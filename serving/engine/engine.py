@@ -21,7 +21,7 @@ mask or history needs the one before it on the host); a sequence that the step b
 dropped. The tokens are those of synchronous steps: each is sampled from the same batch row, seed and position.
 
 Nothing need compile while serving: ``warm_up`` compiles every step shape the scheduler and runner can produce
-(``ModelRunner.step_shapes``: N tokens and W block-table columns over their power-of-two buckets, S a function of
+(``ModelRunner.step_shapes``: N tokens and W block-table columns over their buckets, S a function of
 N), each with the sampler variants a step may ask for, and the multi-step decodes; with JAX's persistent
 compilation cache (``use_compilation_cache``, on by default) a restart reads them back from disk.
 

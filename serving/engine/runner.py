@@ -1,11 +1,11 @@
 """One scheduler step -> two device calls: the model's forward pass, then the sampler.
 
-The flat batch of N new tokens from S sequences is padded to power-of-two buckets of N and of the block-table
-width W, so the number of compiles stays bounded (log2 of each range). A runner made with ``max_seqs`` pads S to
-``min(N, bucket(max_seqs))``, a function of N (every sequence has a token, so S <= N): the step shapes are then
-the pairs (N, W) and no more, few enough to compile them all before serving (``step_shapes``, ``compile_step``,
-``compile_sample``, ``compile_decode``: ahead-of-time lowering of the very calls ``run`` and ``decode`` make, so
-they find their executables compiled). The cache is donated: the forward pass
+The flat batch of N new tokens from S sequences is padded to buckets: N to powers of two, the block-table width W
+to powers of four (``blocks_bucket``), so the number of compiles stays bounded (log2 and log4 of the ranges). A
+runner made with ``max_seqs`` pads S to ``min(N, bucket(max_seqs))``, a function of N (every sequence has a token,
+so S <= N): the step shapes are then the pairs (N, W) and no more, few enough to compile them all before serving
+(``step_shapes``, ``compile_step``, ``compile_sample``, ``compile_decode``: ahead-of-time lowering of the very calls
+``run`` and ``decode`` make, so they find their executables compiled). The cache is donated: the forward pass
 updates it in place, and no array goes back to the host between layers. Per call the host gets the sampled
 token of every sequence (the logits at its chunk's last token), their logprobs, and the per-layer expert
 counts, which the runner sums into ``expert_load [layers, experts]``. The attention kernels' metadata
@@ -61,16 +61,31 @@ MIN_TOKENS_BUCKET = 8  # the smallest padded N: decode batches of up to 8 sequen
 # The narrowest padded block table: contexts up to 16 blocks (256 tokens at block size 16) share one compile, and
 # attention's splits of a wider real context are unchanged.
 MIN_BLOCKS_BUCKET = 16
+# Block-table widths grow by 4x per bucket (16, 64, 256, ...): the paged kernel's loop stops at each token's own
+# length, so a wider table costs one int32 row per sequence, while every width bucket multiplies the shapes to
+# compile before serving.
+BLOCKS_BUCKET_BASE = 4
 
 
-def bucket(n: int, minimum: int = 1) -> int:
-    """The power of two >= max(n, minimum)."""
-    return 1 << (max(n, minimum) - 1).bit_length()
+def bucket(n: int, minimum: int = 1, base: int = 2) -> int:
+    """The least ``minimum * base**e`` >= n (e >= 0; ``minimum`` a power of two, ``base`` a power of two)."""
+    value = minimum if minimum & (minimum - 1) == 0 else 1 << (minimum - 1).bit_length()
+    while value < n:
+        value *= base
+    return value
 
 
-def buckets(limit: int, minimum: int = 1) -> list[int]:
-    """Every value ``bucket(n, minimum)`` takes for 1 <= n <= limit, ascending."""
-    return [1 << e for e in range(bucket(1, minimum).bit_length() - 1, bucket(limit, minimum).bit_length())]
+def buckets(limit: int, minimum: int = 1, base: int = 2) -> list[int]:
+    """Every value ``bucket(n, minimum, base)`` takes for 1 <= n <= limit, ascending."""
+    values = [bucket(1, minimum, base)]
+    while values[-1] < limit:
+        values.append(values[-1] * base)
+    return values
+
+
+def blocks_bucket(n: int) -> int:
+    """The padded block-table width of a step whose widest sequence holds ``n`` blocks."""
+    return bucket(n, MIN_BLOCKS_BUCKET, BLOCKS_BUCKET_BASE)
 
 
 class StepShape(NamedTuple):
@@ -199,7 +214,7 @@ class ModelRunner:
         num_tokens = bucket(total, MIN_TOKENS_BUCKET) if num_tokens is None else num_tokens
         batch = make_batch(chunks, self.block_size, num_tokens=num_tokens,
                            num_seqs=self.num_seqs(num_tokens, len(chunks)),
-                           max_blocks=bucket(widest, MIN_BLOCKS_BUCKET))
+                           max_blocks=blocks_bucket(widest))
         tokens = np.zeros(batch.positions.shape, np.int32)
         tokens[:total] = np.concatenate(token_ids)
         return tokens, batch
@@ -227,9 +242,17 @@ class ModelRunner:
         return layers.BATCH_INVARIANT if self.batch_invariant else layers.kernel_mode()
 
     def _paged_only(self, batch: AttentionBatch) -> bool:
-        """Trace the step in ``layers.paged_only``: no first prefill chunk, and kernels that read the flag
-        (batch-invariant attention is all paged anyway)."""
-        return not self.batch_invariant and layers.traces_kernels(self.kernels) and layers.all_paged(batch)
+        """Trace the step in ``layers.paged_only``: no first prefill chunk, kernels that read the flag
+        (batch-invariant attention is all paged anyway), and a decode-sized N (``decode_sized``)."""
+        return (not self.batch_invariant and layers.traces_kernels(self.kernels)
+                and self.decode_sized(batch.positions.shape[0]) and layers.all_paged(batch))
+
+    def decode_sized(self, num_tokens: int) -> bool:
+        """Whether a step of N = ``num_tokens`` (padded) may be a decode step, one token per sequence (N <= the
+        padded N of ``max_seqs`` tokens). Only those are traced apart in ``layers.paged_only``: a larger all-paged
+        step (chunks continuing a prefix) runs the general path, which is right for any batch and costs it one
+        unused packed attention, and its paged-only twin would double the prefill shapes to compile."""
+        return self.max_seqs is None or num_tokens <= bucket(self.max_seqs, MIN_TOKENS_BUCKET)
 
     def run(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
             num_top: int = 0) -> StepResult:
@@ -308,11 +331,14 @@ class ModelRunner:
         if self.max_seqs is None:
             raise ValueError("step_shapes: a runner without max_seqs pads S on its own: expected max_seqs")
         limit = min(max_tokens, self.max_seqs) if decode_only else max_tokens
-        paged = (False, True) if not self.batch_invariant and layers.traces_kernels(self.kernels) else (False,)
-        if decode_only:
-            paged = paged[-1:]  # a decode step reads every context from the pages
+        traced = not self.batch_invariant and layers.traces_kernels(self.kernels)
+
+        def paged(n: int) -> tuple[bool, ...]:  # the paged-only variants ``_paged_only`` picks at N = n
+            variants = (False, True) if traced and self.decode_sized(n) else (False,)
+            return variants[-1:] if decode_only else variants  # a decode step reads every context from the pages
+
         return [StepShape(n, self.num_seqs(n, 1), w, p) for n in buckets(limit, MIN_TOKENS_BUCKET)
-                for w in buckets(max_blocks, MIN_BLOCKS_BUCKET) for p in paged]
+                for w in buckets(max_blocks, MIN_BLOCKS_BUCKET, BLOCKS_BUCKET_BASE) for p in paged(n)]
 
     def _packed_like(self, shape: StepShape) -> Any:
         sizes = [math.prod(s) for s in kv_cache.step_shapes(shape.num_tokens, shape.num_seqs, shape.max_blocks)]

@@ -16,7 +16,7 @@ from helpers.server import model_folder
 
 from serving.engine import engine as engine_module
 from serving.engine.engine import Engine
-from serving.engine.runner import MIN_BLOCKS_BUCKET, MIN_TOKENS_BUCKET, StepShape, buckets
+from serving.engine.runner import BLOCKS_BUCKET_BASE, MIN_BLOCKS_BUCKET, MIN_TOKENS_BUCKET, StepShape, bucket, buckets
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.spec_decode import SpecConfig
 from serving.structured import ConstraintSpec
@@ -37,6 +37,24 @@ jax.monitoring.register_event_duration_secs_listener(_listen)
 def test_buckets_are_every_value_bucket_takes():
     assert buckets(1, 8) == [8] and buckets(9, 8) == [8, 16] and buckets(64, 8) == [8, 16, 32, 64]
     assert buckets(5) == [1, 2, 4, 8]
+    assert buckets(16, 16, 4) == [16] and buckets(17, 16, 4) == [16, 64] and buckets(256, 16, 4) == [16, 64, 256]
+    assert [bucket(n, 16, 4) for n in (1, 16, 17, 64, 65)] == [16, 16, 64, 64, 256]
+
+
+def test_only_decode_sized_steps_have_a_paged_only_twin(folder):
+    """A kernel-tracing runner's shapes: (N, W) with both paged-only variants where a decode step may have that N
+    (N <= 8, the bucket of max_running = 4 tokens), the general path alone above it."""
+    from serving import layers
+
+    eng = Engine(folder, dtype="float32", num_blocks=64, block_size=4, max_running=4, token_budget=32,
+                 max_model_len=256, compilation_cache=False)
+    with layers.use_kernels("interpret"):
+        shapes = eng.runner.step_shapes(32, 64)
+        decodes = eng.runner.step_shapes(32, 64, decode_only=True)
+    widths = [16, 64]
+    assert shapes == [StepShape(n, min(n, 4), w, p) for n in (8, 16, 32) for w in widths
+                      for p in ((False, True) if n <= 8 else (False,))]
+    assert decodes == [StepShape(8, 4, w, True) for w in widths]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +73,8 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
         assert len(_events) >= len(done)  # the listener sees them: each entry traced and compiled
     finally:
         _events = None
-    steps = [StepShape(n, 4, w, False) for n in buckets(16, MIN_TOKENS_BUCKET) for w in buckets(16, MIN_BLOCKS_BUCKET)]
+    widths = buckets(16, MIN_BLOCKS_BUCKET, BLOCKS_BUCKET_BASE)
+    steps = [StepShape(n, 4, w, False) for n in buckets(16, MIN_TOKENS_BUCKET) for w in widths]
     samplers = [("sample", 4, top, draw, masked) for top in (0, MAX_LOGPROBS) for draw in (False, True)
                 for masked in (False, True)]
     decode = StepShape(8, 4, 16, False)
