@@ -60,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -584,9 +584,11 @@ def _spawned(target: Any, args: tuple, env: dict[str, str], timeout_s: float) ->
 
 def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requests: int | None,
               smollm2_gguf: str | None, env: dict[str, str], paths: Sequence[str] = PATHS,
-              rates: Sequence[float] = ()) -> list[dict]:
+              rates: Sequence[float] = (), on_path: Callable[[list[dict]], None] = lambda rows: None,
+              ) -> list[dict]:
     """``name`` along each of ``paths``: one row per path and load (each concurrency level, then each Poisson
-    rate but on the device path), the timed rounds right after ready."""
+    rate but on the device path), the timed rounds right after ready; ``on_path(rows)`` after each path (so a
+    run cut short keeps the paths it finished)."""
     from benchmarks.harness import format_table
 
     rows = []
@@ -618,6 +620,7 @@ def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requ
                              "ms_per_layer": tpot / spec["layers"] if tpot is not None else None,
                              "startup_s": startup_s})
                 print(format_table(rows[-1:], TABLE_COLUMNS), flush=True)
+            on_path(rows)
     return rows
 
 
@@ -724,14 +727,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     previous = out_dir / f"{result_name}.json"
     old = json.loads(previous.read_text())["rows"] if previous.exists() and not args.cpu else []
     rows: list[dict] = []
-    for name in names:
-        rows += run_model(name, specs[name], settings, levels, args.requests, args.smollm2_gguf, env, paths, rates)
+    merged = old
+
+    def save(model_rows: list[dict]) -> None:  # the rows so far, replacing the previous file's of the same key
+        nonlocal merged
         key = lambda r: (r["model"], r.get("path", "http"), r["concurrency"], r.get("rate"), r.get("layers"))
-        measured = {key(r) for r in rows}
-        merged = [r for r in old if key(r) not in measured] + rows
+        new = rows + model_rows
+        measured = {key(r) for r in new}
+        merged = [r for r in old if key(r) not in measured] + new
         write_results(result_name, dict(mode=mode, settings=settings, levels=list(levels), rates=list(rates),
                                         rows=merged),
                       out_dir=out_dir)
+
+    for name in names:
+        rows += run_model(name, specs[name], settings, levels, args.requests, args.smollm2_gguf, env, paths, rates,
+                          on_path=save)
     plot(merged, result_name, out_dir)
     print(format_table(merged, TABLE_COLUMNS))
     return merged
