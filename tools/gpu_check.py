@@ -146,7 +146,8 @@ def commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4, help="jobs run at once (default 4)")
-    parser.add_argument("-k", dest="only", default=None, help="run only jobs whose name contains this")
+    parser.add_argument("-k", dest="only", default=None,
+                        help="run only jobs whose name contains one of these (comma-separated)")
     args = parser.parse_args(argv)
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     logs = out if out else Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.platform != "gpu":
         print(f"error: gpu-check needs a GPU; jax's first device is {device} ({device.platform})")
         return 2
-    todo = [j for j in jobs(env) if args.only is None or args.only in j[0]]
+    todo = [j for j in jobs(env) if args.only is None or any(part in j[0] for part in args.only.split(","))]
     with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
         results = list(pool.map(lambda j: run_job(*j, reports, env), todo))
     total_s = time.perf_counter() - start

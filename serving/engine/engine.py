@@ -275,8 +275,8 @@ class Engine:
         * the forward step of every ``ModelRunner.step_shapes`` shape (N up to ``token_budget``, W up to
           ``max_model_len``'s blocks, S = N's), and for each S the sampler with and without logprobs, greedy
           and drawing, and (with a tokenizer, which constraints need) with and without a structured-output mask;
-        * with ``async_scheduling``, the decode step dispatched behind another, at every decode-only shape (N up
-          to ``max_running`` and ``token_budget``);
+        * the decode step (its tokens fed on the device: ``ModelRunner.dispatch``), at every decode-only shape (N
+          up to ``max_running`` and ``token_budget``);
         * with ``decode_steps`` > 1, every multi-step decode: the decode-only shapes for n = decode_steps (the
           only n a multi-step decode runs; fewer tokens left run single steps), with and without logprobs,
           greedy and drawing.
@@ -296,7 +296,7 @@ class Engine:
         samplers = [(num_top, draw, m) for (num_top, draw), m in itertools.product(top_draw, masked)]
         decode_shapes = runner.step_shapes(self.scheduler.token_budget, max_blocks, decode_only=True)
         plain = not runner.batch_invariant and self.drafter is None
-        decodes = [("chained", shape) for shape in decode_shapes] if self.async_scheduling and plain else []
+        decodes = [("chained", shape) for shape in decode_shapes] if plain else []
         if self.decode_steps > 1 and plain:
             decodes += [("decode", shape, self.decode_steps, *v) for shape in decode_shapes for v in top_draw]
         num_seqs = sorted({shape.num_seqs for shape in shapes})

@@ -12,9 +12,10 @@ counts, which the runner sums into ``expert_load [layers, experts]``. The attent
 (``kv_lens``, ``chunk_starts``) comes with the batch from ``make_batch``, on the host, once per step, and goes to
 the device with the tokens and last indices as one buffer (``kv_cache.pack_step``: one copy per step); the
 compiled step is keyed on ``layers.kernel_mode()`` (kernels on a GPU, or as ``layers.use_kernels`` says) and on
-whether the step has a first prefill chunk: a step without one (``layers.all_paged``: decode steps, chunks
-continuing a cached prefix) is traced in ``layers.paged_only()``, with no packed prefill attention (only where the
-kernels are traced, ``layers.traces_kernels``: the references read the pages either way). A runner
+whether it is a decode step (one token per sequence after its cached context). A decode step's tokens are fed on
+the device as an ``[S]`` vector (the previous step's samples, or the host's tokens), so that one executable per
+shape serves every decode step, and it is traced in ``layers.paged_only()``, with no packed prefill attention
+(only where the kernels are traced, ``layers.traces_kernels``: the references read the pages either way). A runner
 made with ``batch_invariant=True`` runs both calls through ``serving.batch_invariant`` (kernel mode
 ``layers.BATCH_INVARIANT``): a sequence's logits, tokens and logprobs are then bitwise the same in any batch and
 any chunking. A runner made with a ``mesh`` (its params and cache already placed on it, ``serving.sharding``) runs
@@ -241,18 +242,18 @@ class ModelRunner:
         """The kernel mode steps are traced in."""
         return layers.BATCH_INVARIANT if self.batch_invariant else layers.kernel_mode()
 
-    def _paged_only(self, batch: AttentionBatch) -> bool:
-        """Trace the step in ``layers.paged_only``: no first prefill chunk, kernels that read the flag
-        (batch-invariant attention is all paged anyway), and a decode-sized N (``decode_sized``)."""
-        return (not self.batch_invariant and layers.traces_kernels(self.kernels)
-                and self.decode_sized(batch.positions.shape[0]) and layers.all_paged(batch))
+    def _is_decode(self, chunks: list[SeqChunk], previous: "Dispatched | None") -> bool:
+        """Whether the step runs as a decode step: one token per chunk, each after its cached context, fed on the
+        device (``previous``'s samples, or the host's tokens as one ``[S]`` row vector), so every decode step of a
+        shape runs one executable, the one ``dispatch(previous=...)`` chains. Not in batch-invariant mode."""
+        return previous is not None or (not self.batch_invariant and all(c.count == 1 and c.start > 0 for c in chunks))
 
-    def decode_sized(self, num_tokens: int) -> bool:
-        """Whether a step of N = ``num_tokens`` (padded) may be a decode step, one token per sequence (N <= the
-        padded N of ``max_seqs`` tokens). Only those are traced apart in ``layers.paged_only``: a larger all-paged
-        step (chunks continuing a prefix) runs the general path, which is right for any batch and costs it one
-        unused packed attention, and its paged-only twin would double the prefill shapes to compile."""
-        return self.max_seqs is None or num_tokens <= bucket(self.max_seqs, MIN_TOKENS_BUCKET)
+    def _paged_only(self, decode: bool) -> bool:
+        """Trace the step in ``layers.paged_only``: a decode step, with kernels that read the flag. Other steps,
+        all-paged ones included (chunks continuing a cached prefix), take the general path, right for any batch:
+        a paged-only twin of every prefill shape would double the shapes to compile for a saving of one unused
+        packed attention."""
+        return decode and not self.batch_invariant and layers.traces_kernels(self.kernels)
 
     def run(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
             num_top: int = 0) -> StepResult:
@@ -263,6 +264,16 @@ class ModelRunner:
                  previous: Dispatched | None = None) -> Dispatched:
         """``run``'s device calls, not waited for. With ``previous`` (a decode step still on the device), the
         chunks are decode chunks whose ``token_ids`` are rows of the tokens ``previous`` samples, padded as it is."""
+        decode = self._is_decode(chunks, previous)
+        if previous is not None:
+            fed = self._placed(previous.result.tokens)  # stays on the device
+        elif decode:  # the tokens as a row vector, the packed tokens its rows
+            num_tokens = bucket(len(chunks), MIN_TOKENS_BUCKET)
+            row_tokens = np.zeros(self.num_seqs(num_tokens, len(chunks)), np.int32)
+            row_tokens[:len(chunks)] = [ids[0] for ids in token_ids]
+            fed, token_ids = self._placed(row_tokens), [[i] for i in range(len(chunks))]
+        else:
+            fed = None
         tokens, batch = self.prepare(chunks, token_ids, None if previous is None else previous.num_tokens)
         num_seqs = batch.context_lens.shape[0]
         last = np.zeros(num_seqs, np.int32)
@@ -270,11 +281,10 @@ class ModelRunner:
         bitmask = None if self.overlap_masks else self._masks(rows, num_seqs)
         sizes = (len(tokens), num_seqs, batch.block_tables.shape[1])
         packed = self._packed(tokens, batch, last)
-        sampled = None if previous is None else self._placed(previous.result.tokens)  # stays on the device
         with self.on_mesh():
-            logits, self.kv, counts = _step(self.params, self.kv, packed, sampled, sizes=sizes, forward=self.forward,
+            logits, self.kv, counts = _step(self.params, self.kv, packed, fed, sizes=sizes, forward=self.forward,
                                             cfg=self.cfg, kernels=self.kernels,
-                                            paged_only=self._paged_only(batch))  # returns at once; the device computes
+                                            paged_only=self._paged_only(decode))  # returns at once; the device computes
             if self.overlap_masks:
                 bitmask = self._masks(rows, num_seqs)
             result = self._sampler(logits, sampling_batch(rows, num_seqs, token_bitmask=bitmask), num_top=num_top,
@@ -326,19 +336,14 @@ class ModelRunner:
 
     def step_shapes(self, max_tokens: int, max_blocks: int, decode_only: bool = False) -> list[StepShape]:
         """Every shape ``prepare`` pads a step of at most ``max_tokens`` new tokens (at most ``max_seqs`` of them,
-        ``decode_only``: one token per sequence) and ``max_blocks`` blocks per sequence to, with each paged-only
-        variant the runner traces: N and W run over their buckets, S is N's (needs ``max_seqs``)."""
+        ``decode_only``: one token per sequence, the decode steps' shapes, paged-only where kernels are traced) and
+        ``max_blocks`` blocks per sequence to: N and W run over their buckets, S is N's (needs ``max_seqs``)."""
         if self.max_seqs is None:
             raise ValueError("step_shapes: a runner without max_seqs pads S on its own: expected max_seqs")
         limit = min(max_tokens, self.max_seqs) if decode_only else max_tokens
-        traced = not self.batch_invariant and layers.traces_kernels(self.kernels)
-
-        def paged(n: int) -> tuple[bool, ...]:  # the paged-only variants ``_paged_only`` picks at N = n
-            variants = (False, True) if traced and self.decode_sized(n) else (False,)
-            return variants[-1:] if decode_only else variants  # a decode step reads every context from the pages
-
-        return [StepShape(n, self.num_seqs(n, 1), w, p) for n in buckets(limit, MIN_TOKENS_BUCKET)
-                for w in buckets(max_blocks, MIN_BLOCKS_BUCKET, BLOCKS_BUCKET_BASE) for p in paged(n)]
+        return [StepShape(n, self.num_seqs(n, 1), w, self._paged_only(decode_only))
+                for n in buckets(limit, MIN_TOKENS_BUCKET) for w in buckets(max_blocks, MIN_BLOCKS_BUCKET,
+                                                                             BLOCKS_BUCKET_BASE)]
 
     def _packed_like(self, shape: StepShape) -> Any:
         sizes = [math.prod(s) for s in kv_cache.step_shapes(shape.num_tokens, shape.num_seqs, shape.max_blocks)]

@@ -41,25 +41,24 @@ def test_buckets_are_every_value_bucket_takes():
     assert [bucket(n, 16, 4) for n in (1, 16, 17, 64, 65)] == [16, 16, 64, 64, 256]
 
 
-def test_only_decode_sized_steps_have_a_paged_only_twin(folder):
-    """A kernel-tracing runner's shapes: (N, W) with both paged-only variants where a decode step may have that N
-    (N <= 8, the bucket of max_running = 4 tokens), the general path alone above it."""
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return model_folder(tmp_path_factory.mktemp("warmup"))
+
+
+def test_only_decode_steps_are_paged_only(folder):
+    """A kernel-tracing runner's shapes: every (N, W) of a step on the general path, and the decode steps' own
+    (N up to the bucket of max_running = 4 tokens) traced paged-only; a reference runner traces nothing apart."""
     from serving import layers
 
     eng = Engine(folder, dtype="float32", num_blocks=64, block_size=4, max_running=4, token_budget=32,
                  max_model_len=256, compilation_cache=False)
-    with layers.use_kernels("interpret"):
-        shapes = eng.runner.step_shapes(32, 64)
-        decodes = eng.runner.step_shapes(32, 64, decode_only=True)
     widths = [16, 64]
-    assert shapes == [StepShape(n, min(n, 4), w, p) for n in (8, 16, 32) for w in widths
-                      for p in ((False, True) if n <= 8 else (False,))]
-    assert decodes == [StepShape(8, 4, w, True) for w in widths]
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return model_folder(tmp_path_factory.mktemp("warmup"))
+    for mode, paged in (("interpret", True), ("reference", False)):
+        with layers.use_kernels(mode):
+            assert eng.runner.step_shapes(32, 64) == [StepShape(n, min(n, 4), w, False) for n in (8, 16, 32)
+                                                      for w in widths]
+            assert eng.runner.step_shapes(32, 64, decode_only=True) == [StepShape(8, 4, w, paged) for w in widths]
 
 
 def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
