@@ -55,11 +55,28 @@ class ToolResultBlock(StrictModel):
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, pydantic.Field(discriminator="type")]
+BLOCK_TYPES = ("text", "tool_use", "tool_result")
+
+
+def _readable_blocks(content: Any) -> Any:
+    """``content`` unchanged if every block is one this text-only model reads; a ValueError naming the first
+    other block type (image, document, thinking, ...) so that the 400 says what is not supported."""
+    if isinstance(content, list):
+        for block in content:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if isinstance(kind, str) and kind not in BLOCK_TYPES:
+                raise ValueError(f"content blocks of type {kind!r} are not supported: this model reads text only "
+                                 f"(expected one of {BLOCK_TYPES})")
+            if kind == "tool_result":
+                _readable_blocks(block.get("content"))
+    return content
 
 
 class Message(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
+
+    _readable = pydantic.field_validator("content", mode="before")(_readable_blocks)
 
 
 class Tool(StrictModel):

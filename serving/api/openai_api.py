@@ -37,11 +37,17 @@ from serving.structured import ConstraintSpec, InvalidConstraintError, compile_c
 
 MAX_N = 16  # samples per request: more is refused before it can take the whole batch
 MAX_STOP = 16  # stop strings per request
+MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
+MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's limit on logit_bias entries
 
 
-class TextPart(StrictModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(StrictModel):
+    """A part of a message's content; only text parts (and an assistant's refusal) are read: any other type
+    (image_url, input_audio, file) is refused by ``_part_text`` with a message naming it."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
 
 
 class FunctionCall(StrictModel):
@@ -57,7 +63,7 @@ class ToolCall(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
@@ -103,8 +109,8 @@ class SamplingFields(StrictModel):
     model: str
     n: int = pydantic.Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = pydantic.Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = pydantic.Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = pydantic.Field(None, ge=0, le=1)
     top_k: int | None = pydantic.Field(None, ge=-1)
     min_p: float | None = None
     presence_penalty: float | None = None
@@ -120,6 +126,7 @@ class SamplingFields(StrictModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    logit_bias: dict[str, float] | None = pydantic.Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
 
 
 class ChatRequest(SamplingFields):
@@ -140,15 +147,41 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
+def check_fields(body: SamplingFields, vocab: int) -> None:
+    """400 for fields that only mean something together, as OpenAI documents them: ``stream_options`` without
+    ``stream``, a chat's ``top_logprobs`` without ``logprobs``; and ``logit_bias`` keys that are not token ids of
+    this model (0 <= id < ``vocab``)."""
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+    if isinstance(body, ChatRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true", "top_logprobs")
+    for key in body.logit_bias or {}:
+        if not key.isdigit() or int(key) >= vocab:
+            raise APIError(400, f"logit_bias key {key!r:.50}: expected a token id in [0, {vocab})", "logit_bias")
+
+
 def _sampling(frontend: Frontend, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
               logprobs: int | None, constraint: ConstraintSpec | None):
+    bias = tuple((int(token), value) for token, value in (body.logit_bias or {}).items())
     return frontend.sampling_params(
         prompt_ids, max_tokens, n=body.n, temperature=body.temperature, top_p=body.top_p,
         top_k=None if body.top_k is None else max(body.top_k, 0), min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, seed=body.seed, logprobs=logprobs,
         stop=[body.stop] if isinstance(body.stop, str) else body.stop, ignore_eos=body.ignore_eos,
-        constraint=constraint)
+        constraint=constraint, logit_bias=bias)
+
+
+def _part_text(part: ContentPart, where: str) -> str:
+    """The text of a content part; 400 naming ``where`` for a part this text-only model cannot read."""
+    field = {"text": "text", "refusal": "refusal"}.get(part.type)
+    if field is None:
+        raise APIError(400, f"{where}: content parts of type {part.type!r} are not supported: this model reads "
+                       f"text only (expected type 'text')", where)
+    text = getattr(part, field)
+    if text is None:
+        raise APIError(400, f"{where}: a {part.type!r} part needs its {field!r} string", where)
+    return text
 
 
 def _tool_call(call: tool_calls.Call) -> dict[str, Any]:
@@ -168,13 +201,22 @@ class OpenAIRoutes:
         self.frontend, self.engine = frontend, frontend.engine
         self.router = APIRouter()
         self.router.add_api_route("/v1/models", self.models, methods=["GET"])
+        self.router.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
         self.router.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         self.router.add_api_route("/v1/completions", self.completions, methods=["POST"])
 
-    async def models(self) -> dict[str, Any]:
+    def _model_card(self) -> dict[str, Any]:
         f = self.frontend
-        return {"object": "list", "data": [{"id": f.model_name, "object": "model", "created": f.created,
-                                            "owned_by": "serving", "max_model_len": self.engine.max_model_len}]}
+        return {"id": f.model_name, "object": "model", "created": f.created, "owned_by": "serving",
+                "max_model_len": self.engine.max_model_len}
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        """The served model's card, by its name (or its path under the models root); 404 for any other."""
+        self.frontend.check_model(model_id)
+        return self._model_card()
 
     # --- token strings and logprobs -------------------------------------------------------------------------
 
@@ -210,9 +252,10 @@ class OpenAIRoutes:
         messages = []
         for i, m in enumerate(body.messages):
             content = m.content if isinstance(m.content, str) or m.content is None else \
-                "".join(part.text for part in m.content)
-            calls = "".join(tool_calls.tool_call_text(c.function.name, c.function.arguments)
-                            for c in m.tool_calls or [])
+                "".join(_part_text(part, f"messages.{i}.content.{j}") for j, part in enumerate(m.content))
+            calls = "".join(tool_calls.tool_call_text(c.function.name, c.function.arguments,
+                                                      f"messages.{i}.tool_calls.{j}.function.arguments")
+                            for j, c in enumerate(m.tool_calls or []))
             if content is None and not calls:
                 raise APIError(400, f"messages[{i}] has neither content nor tool_calls", f"messages.{i}.content")
             messages.append({"role": "system" if m.role == "developer" else m.role,
@@ -273,6 +316,7 @@ class OpenAIRoutes:
         f.check_room()
         body = await f.parse(request, ChatRequest)
         f.check_model(body.model)
+        check_fields(body, self.engine.cfg.vocab)
         prompt_ids, allowed, forced = self._chat_prompt(body)
         constraint = self._constraint(body, forced, body.parallel_tool_calls)
         top = body.top_logprobs or 0 if body.logprobs else None
@@ -289,12 +333,13 @@ class OpenAIRoutes:
                 if c.logprobs is not None else None
             choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         return JSONResponse({"id": stream.request_id, "object": "chat.completion", "created": int(time.time()),
-                             "model": body.model, "choices": choices, "usage": _usage(result)})
+                             "model": body.model, "system_fingerprint": f.system_fingerprint, "choices": choices,
+                             "usage": _usage(result)})
 
     async def _chat_events(self, stream: RequestStream, body: ChatRequest, allowed: set[str] | None,
                            usage: bool) -> AsyncIterator[str]:
         head = {"id": stream.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": body.model}
+                "model": body.model, "system_fingerprint": self.frontend.system_fingerprint}
 
         def chunk(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> str:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -338,6 +383,7 @@ class OpenAIRoutes:
         f.check_room()
         body = await f.parse(request, CompletionRequest)
         f.check_model(body.model)
+        check_fields(body, self.engine.cfg.vocab)
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported", "suffix")
         if body.best_of not in (None, body.n):
@@ -356,7 +402,8 @@ class OpenAIRoutes:
                     self._completion_logprobs(self._with_ids(c.token_ids, c.logprobs), len(echo))}
                    for c in result.outputs]
         return JSONResponse({"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
-                             "model": body.model, "choices": choices, "usage": _usage(result)})
+                             "model": body.model, "system_fingerprint": f.system_fingerprint, "choices": choices,
+                             "usage": _usage(result)})
 
     def _decode(self, ids: list[int]) -> str:
         return self.engine.tokenizer.decode(ids) if self.engine.tokenizer is not None else ""
@@ -364,7 +411,7 @@ class OpenAIRoutes:
     async def _completion_events(self, stream: RequestStream, body: CompletionRequest, echo: str,
                                  usage: bool) -> AsyncIterator[str]:
         head = {"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
-                "model": body.model}
+                "model": body.model, "system_fingerprint": self.frontend.system_fingerprint}
 
         def chunk(out_index: int, text: str, logprobs: dict | None, finish: str | None) -> str:
             choice = {"index": out_index, "text": text, "logprobs": logprobs, "finish_reason": finish}

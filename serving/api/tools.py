@@ -39,9 +39,17 @@ class Call(NamedTuple):
     arguments: dict[str, Any]
 
 
-def tool_call_text(name: str, arguments: str | Mapping[str, Any]) -> str:
-    """A call as the model is asked to write it (``arguments`` as JSON text or a mapping)."""
-    arguments = json.loads(arguments) if isinstance(arguments, str) else dict(arguments)
+def tool_call_text(name: str, arguments: str | Mapping[str, Any], where: str = "arguments") -> str:
+    """A call as the model is asked to write it (``arguments`` as JSON text of an object, or a mapping); 400
+    naming ``where`` (the request field) when the text is not a JSON object."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise APIError(400, f"{where}: {arguments!r:.200} is not valid JSON: {e}", where) from None
+        if not isinstance(arguments, dict):
+            raise APIError(400, f"{where}: expected the JSON text of an object, got {arguments!r:.200}", where)
+    arguments = dict(arguments)
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
