@@ -7,8 +7,10 @@ Tool use follows ``serving.api.tools`` as the OpenAI routes do: ``tools`` (name,
 listed in the system prompt, assistant ``tool_use`` blocks are rendered as calls and user ``tool_result`` blocks
 as ``tool`` messages; an output that parses into calls comes back as ``tool_use`` blocks (after a text block
 for any text around them) with stop_reason "tool_use". ``tool_choice`` "any" or "tool" constrains the output to
-calls (one when ``disable_parallel_tool_use``), "none" offers no tools. With tools offered, a streamed answer
-is sent once it is whole (a text block, then per call a tool_use block with its input as one input_json_delta).
+calls ("any": one or more unless ``disable_parallel_tool_use``; "tool": one unless it is false), "none" offers no
+tools. With tools offered, a streamed answer sends its text as it comes (text blocks) and each call once it is
+whole (a tool_use block with its input as one input_json_delta). An answer with calls that ``max_tokens`` cut
+keeps the calls it completed, with stop_reason "max_tokens".
 
 Stop reasons: "end_turn" (eos), "max_tokens" (max_tokens or the context), "stop_sequence" (with the
 sequence that matched), "tool_use".
@@ -16,7 +18,7 @@ sequence that matched), "tool_use".
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -91,7 +93,7 @@ class Tool(StrictModel):
 class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: bool | None = None  # unset: parallel calls for "any", one call for "tool"
 
 
 class MessagesRequest(StrictModel):
@@ -168,7 +170,8 @@ class AnthropicRoutes:
             text, calls = tool_calls.parse_tool_calls(completion.text, allowed)
             if calls:
                 uses = [_tool_use(c) for c in calls]
-                return ([{"type": "text", "text": text}, *uses] if text else uses), "tool_use", None
+                stop_reason = "max_tokens" if completion.finish_reason == "length" else "tool_use"
+                return ([{"type": "text", "text": text}, *uses] if text else uses), stop_reason, None
         return [{"type": "text", "text": completion.text}], *self._stop(completion, stops)
 
     def _constraint(self, forced: list[dict[str, Any]] | None, parallel: bool) -> ConstraintSpec | None:
@@ -197,9 +200,11 @@ class AnthropicRoutes:
         messages, allowed, forced = tool_calls.offer_tools(chat_messages(body), offered, mode,
                                                            choice.name if choice.type == "tool" else None)
         prompt_ids = f.encode(messages)
+        disable = choice.disable_parallel_tool_use
+        parallel = disable is False if choice.type == "tool" else not disable
         params = f.sampling_params(prompt_ids, body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                    top_k=body.top_k, stop=body.stop_sequences,
-                                   constraint=self._constraint(forced, not choice.disable_parallel_tool_use))
+                                   constraint=self._constraint(forced, parallel))
         stream = f.submit(prompt_ids, params, "msg_")
         stops = body.stop_sequences or []
         if body.stream:
@@ -226,26 +231,46 @@ class AnthropicRoutes:
                    "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
         yield event("message_start", {"message": message})
-        if allowed is None:
-            yield text_start(0)
-        async for out in stream:
-            if allowed is None and out.text:
-                yield text_delta(0, out.text)
-        completion = stream.result.outputs[0]
-        content, stop_reason, stop_sequence = self._answer(completion, stops, allowed)
-        if allowed is None:
-            yield event("content_block_stop", {"index": 0})
-        else:
-            for index, block in enumerate(content):
-                if block["type"] == "text":
-                    yield text_start(index)
-                    if block["text"]:
-                        yield text_delta(index, block["text"])
-                else:
-                    yield event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
-                    yield event("content_block_delta", {"index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+        parser = tool_calls.ToolCallStream(allowed) if allowed is not None else None
+        index, text_open = 0, parser is None  # the current block's index; whether it is an open text block
+        if text_open:
+            yield text_start(index)
+
+        def blocks(events: list[str | tool_calls.Call]) -> Iterator[str]:
+            nonlocal index, text_open
+            for piece in events:
+                if isinstance(piece, str):
+                    if not text_open:
+                        yield text_start(index)
+                        text_open = True
+                    yield text_delta(index, piece)
+                    continue
+                if text_open:
+                    yield event("content_block_stop", {"index": index})
+                    index, text_open = index + 1, False
+                use = _tool_use(piece)
+                yield event("content_block_start", {"index": index, "content_block": {**use, "input": {}}})
+                yield event("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(use["input"])}})
                 yield event("content_block_stop", {"index": index})
+                index += 1
+
+        async for out in stream:
+            events = ([out.text] if out.text else []) if parser is None else parser.feed(out.text)
+            for item in blocks(events):
+                yield item
+        for item in blocks(parser.finish() if parser is not None else []):
+            yield item
+        if text_open or index == 0:  # an empty answer is one empty text block
+            if not text_open:
+                yield text_start(index)
+            yield event("content_block_stop", {"index": index})
+        completion = stream.result.outputs[0]
+        if parser is not None and parser.calls:
+            stop_reason = "max_tokens" if completion.finish_reason == "length" else "tool_use"
+            stop_sequence = None
+        else:
+            stop_reason, stop_sequence = self._stop(completion, stops)
         yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                       "usage": {"output_tokens": len(completion.token_ids)}})
         yield event("message_stop", {})

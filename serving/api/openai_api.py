@@ -6,9 +6,11 @@ SSE ``data: {chunk}`` lines ending with ``data: [DONE]``; ``stream_options.inclu
 with the usage. Logprobs: ``logprobs`` + ``top_logprobs`` (chat), ``logprobs`` = k (completions).
 
 With ``tools`` (and ``tool_choice`` other than "none") the prompt and the output follow ``serving.api.tools``;
-a streamed answer is then sent whole in its last chunk, once it is known to be a call or plain content.
-``tool_choice`` "required" or a named function constrains the output to calls (``tools.call_schema``; one call
-when ``parallel_tool_calls`` is false).
+a streamed answer sends its text as it comes and each call as one ``tool_calls`` delta once it is whole.
+``tool_choice`` "required" or a named function constrains the output to calls (``tools.call_schema``): one call
+for a named function unless ``parallel_tool_calls`` is true, one or more for "required" unless it is false.
+``finish_reason`` is "tool_calls" for an answer with calls, "length" when ``max_tokens`` cut it (the calls it
+completed still come back).
 
 Constraints (``serving.structured``: token masks in the batched sampler), on both endpoints: ``response_format``
 json_object / json_schema, and vLLM's extra fields ``guided_json`` (a JSON schema), ``guided_regex`` and
@@ -19,7 +21,7 @@ import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
 import pydantic
@@ -136,7 +138,7 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = pydantic.Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # unset: parallel calls for "required", one for a named function
 
 
 class CompletionRequest(SamplingFields):
@@ -187,6 +189,11 @@ def _part_text(part: ContentPart, where: str) -> str:
 def _tool_call(call: tool_calls.Call) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+
+
+def _calls_finish(finish_reason: str) -> str:
+    """The finish reason of an answer with tool calls: "length" when max_tokens cut it, else "tool_calls"."""
+    return "length" if finish_reason == "length" else "tool_calls"
 
 
 def _usage(result: RequestResult) -> dict[str, int]:
@@ -308,7 +315,7 @@ class OpenAIRoutes:
             content, calls = tool_calls.parse_tool_calls(completion.text, allowed)
             if calls:
                 return {"role": "assistant", "content": content, "tool_calls": [_tool_call(c) for c in calls]}, \
-                    "tool_calls"
+                    _calls_finish(completion.finish_reason)
         return {"role": "assistant", "content": completion.text}, completion.finish_reason
 
     async def chat(self, request: Request) -> Response:
@@ -318,7 +325,9 @@ class OpenAIRoutes:
         f.check_model(body.model)
         check_fields(body, self.engine.cfg.vocab)
         prompt_ids, allowed, forced = self._chat_prompt(body)
-        constraint = self._constraint(body, forced, body.parallel_tool_calls)
+        named = isinstance(body.tool_choice, NamedToolChoice)
+        parallel = body.parallel_tool_calls is True if named else body.parallel_tool_calls is not False
+        constraint = self._constraint(body, forced, parallel)
         top = body.top_logprobs or 0 if body.logprobs else None
         params = _sampling(f, body, prompt_ids, body.max_completion_tokens or body.max_tokens, top, constraint)
         stream = f.submit(prompt_ids, params, "chatcmpl-", body.cache_salt)
@@ -345,22 +354,35 @@ class OpenAIRoutes:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
 
+        def deltas(index: int, events: list[str | tool_calls.Call], logprobs: dict | None) -> Iterator[str]:
+            for event in events:
+                if isinstance(event, str):
+                    yield chunk(index, {"content": event}, logprobs)
+                else:
+                    yield chunk(index, {"tool_calls": [{"index": calls_sent[index], **_tool_call(event)}]})
+                    calls_sent[index] += 1
+                logprobs = None
+            if logprobs is not None:  # a token whose text is held back (maybe the start of a call)
+                yield chunk(index, {"content": ""}, logprobs)
+
         for i in range(body.n):
             yield chunk(i, {"role": "assistant", "content": ""})
-        texts = [""] * body.n
+        parsers = [tool_calls.ToolCallStream(allowed) if allowed is not None else None for _ in range(body.n)]
+        calls_sent = [0] * body.n
         async for out in stream:
-            texts[out.index] += out.text
             logprobs = {"content": [self._chat_logprob({**out.logprobs, "top_id": out.token_id})]} \
                 if out.logprobs is not None else None
-            if allowed is None and (out.text or logprobs):
-                yield chunk(out.index, {"content": out.text}, logprobs)
+            parser = parsers[out.index]
+            events = ([out.text] if out.text else []) if parser is None else parser.feed(out.text)
+            for event in deltas(out.index, events, logprobs):
+                yield event
             if out.finished:
-                completion = Completion(out.index, [], texts[out.index], out.finish_reason, None)
-                message, finish = self._message(completion, allowed)
-                delta = {} if allowed is None else {k: v for k, v in message.items() if k != "role"}
-                if "tool_calls" in delta:
-                    delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(delta["tool_calls"])]
-                yield chunk(out.index, delta, None, finish)
+                finish = out.finish_reason
+                if parser is not None:
+                    for event in deltas(out.index, parser.finish(), None):
+                        yield event
+                    finish = _calls_finish(finish) if parser.calls else finish
+                yield chunk(out.index, {}, None, finish)
         if usage:
             yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(stream.result)})}\n\n"
         yield "data: [DONE]\n\n"
