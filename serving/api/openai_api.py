@@ -4,6 +4,11 @@ Sampling fields map onto ``SamplingParams`` (``max_completion_tokens`` or ``max_
 ``repetition_penalty`` and ``ignore_eos`` are accepted as extensions, ``top_k = -1`` meaning off). Streams are
 SSE ``data: {chunk}`` lines ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk
 with the usage. Logprobs: ``logprobs`` + ``top_logprobs`` (chat), ``logprobs`` = k (completions).
+``logit_bias`` (token id -> bias in [-100, 100]) is added to the logits in the sampler.
+
+Completions score text as eval harnesses ask: ``prompt`` may be a list (one choice per prompt and per n, index
+``prompt * n + sample``), ``echo`` with ``logprobs`` returns the prompt tokens' logprobs too (the first null, as
+it has no context), and ``max_tokens`` 0 with ``echo`` scores the prompt alone.
 
 With ``tools`` (and ``tool_choice`` other than "none") the prompt and the output follow ``serving.api.tools``;
 a streamed answer sends its text as it comes and each call as one ``tool_calls`` delta once it is whole.
@@ -17,6 +22,7 @@ json_object / json_schema, and vLLM's extra fields ``guided_json`` (a JSON schem
 ``guided_choice``; at most one per request, and a bad schema, regex or choice list is a 400.
 """
 
+import asyncio
 import functools
 import json
 import time
@@ -34,13 +40,15 @@ from serving.api.async_engine import RequestStream
 from serving.api.errors import APIError
 from serving.api.frontend import Frontend, StrictModel
 from serving.engine.engine import Completion, RequestResult
-from serving.engine.sampling_params import MAX_LOGPROBS
+from serving.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from serving.structured import ConstraintSpec, InvalidConstraintError, compile_constraint
 
 MAX_N = 16  # samples per request: more is refused before it can take the whole batch
 MAX_STOP = 16  # stop strings per request
 MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
 MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's limit on logit_bias entries
+MAX_PROMPTS = 64  # prompts in one completions request (lm-eval-harness sends batches of a few)
+SCORE_CONCURRENCY = 8  # one-token requests a prompt's scoring runs at once
 
 
 class ContentPart(StrictModel):
@@ -143,6 +151,7 @@ class ChatRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = pydantic.Field(None, ge=0)  # 0 with echo: score the prompt only
     logprobs: int | None = pydantic.Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -389,16 +398,70 @@ class OpenAIRoutes:
 
     # --- completions ------------------------------------------------------------------------------------------
 
-    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+    def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """Token ids of each prompt of the request (text, ids, or a list of either)."""
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"prompt is a batch of {len(prompt)} prompts: expected one per request",
-                               "prompt")
-            prompt = prompt[0]
         if isinstance(prompt, list) and not prompt:
             raise APIError(400, "prompt is an empty list: expected text or token ids", "prompt")
-        return self.frontend.encode(prompt)
+        batch = prompt if isinstance(prompt[0] if isinstance(prompt, list) else None, str | list) else [prompt]
+        if len(batch) > MAX_PROMPTS:
+            raise APIError(400, f"prompt is a batch of {len(batch)} prompts: expected at most {MAX_PROMPTS}",
+                           "prompt")
+        for i, one in enumerate(batch):
+            if not one:
+                raise APIError(400, f"prompt[{i}] is empty: expected text or token ids", "prompt")
+        return [self.frontend.encode(one) for one in batch]
+
+    async def _score(self, prompt_ids: list[int], top: int, request: Request,
+                     gate: asyncio.Semaphore) -> list[dict | None]:
+        """The logprob entry of each prompt token given the ones before it (None for the first, which has no
+        context), as ``{"logprob", "top", "top_id"}``.
+
+        Teacher forcing through the engine: position i is a one-token greedy request for ``prompt_ids[:i]``
+        whose ``logit_bias`` of +MAX_LOGIT_BIAS on ``prompt_ids[i]`` makes it the sampled token, and the sampler
+        reports logprobs of the unbiased distribution; the requests share the prompt's cached blocks. ``gate``
+        bounds how many run at once, so that a long prompt does not fill the server.
+        """
+        f = self.frontend
+
+        async def position(i: int) -> dict:
+            params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=top,
+                                    logit_bias=((prompt_ids[i], MAX_LOGIT_BIAS),))
+            async with gate:
+                result = await f.collect(f.submit(prompt_ids[:i], params, "score-"), request)
+            [completion] = result.outputs
+            if completion.token_ids != [prompt_ids[i]]:
+                raise APIError(500, f"scoring prompt token {i} (id {prompt_ids[i]}) sampled {completion.token_ids}")
+            return {**completion.logprobs[0], "top_id": prompt_ids[i]}
+
+        async with asyncio.TaskGroup() as group:  # one failure (a disconnect, a 503) cancels the others
+            tasks = [group.create_task(position(i)) for i in range(1, len(prompt_ids))]
+        return [None, *(task.result() for task in tasks)]
+
+    async def _complete(self, prompt_ids: list[int], params: SamplingParams | None, body: CompletionRequest,
+                        request: Request, gate: asyncio.Semaphore) -> tuple[RequestResult | None, list | None]:
+        """(the result of one prompt, or None for max_tokens 0; its scored prompt, or None without echo and
+        logprobs)."""
+        scored = None
+        if body.echo and body.logprobs is not None:
+            scored = await self._score(prompt_ids, body.logprobs, request, gate)
+        if params is None:
+            return None, scored
+        async with gate:
+            result = await self.frontend.collect(self.frontend.submit(prompt_ids, params, "cmpl-", body.cache_salt),
+                                                 request)
+        return result, scored
+
+    def _echo_logprobs(self, prompt_ids: list[int], scored: list[dict | None], completion: Completion | None,
+                       ) -> dict[str, Any]:
+        """OpenAI's completion logprobs of the echoed prompt (first token null) followed by the completion's."""
+        echoed = [e if e is not None else {"logprob": None, "top": [], "top_id": t}
+                  for t, e in zip(prompt_ids, scored, strict=True)]
+        generated = [] if completion is None or completion.logprobs is None else \
+            self._with_ids(completion.token_ids, completion.logprobs)
+        logprobs = self._completion_logprobs([*echoed, *generated], 0)
+        logprobs["top_logprobs"][0] = None
+        return logprobs
 
     async def completions(self, request: Request) -> Response:
         f = self.frontend
@@ -411,21 +474,55 @@ class OpenAIRoutes:
         if body.best_of not in (None, body.n):
             raise APIError(400, f"best_of={body.best_of} is not supported: expected it unset or equal to n",
                            "best_of")
-        prompt_ids = self._completion_prompt(body)
-        params = _sampling(f, body, prompt_ids, body.max_tokens, body.logprobs, self._constraint(body))
-        stream = f.submit(prompt_ids, params, "cmpl-", body.cache_salt)
-        echo = self._decode(prompt_ids) if body.echo else ""
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens=0 generates nothing: expected echo=true (to score the prompt) or "
+                           "max_tokens >= 1", "max_tokens")
+        batch = self._completion_prompts(body)
+        if body.stream and len(batch) > 1:
+            raise APIError(400, f"stream with a batch of {len(batch)} prompts is not supported: expected one "
+                           "prompt, or stream=false", "stream")
+        constraint = self._constraint(body)
+        # every check first, so that no prompt of the batch runs when another one is refused
+        params = [None if body.max_tokens == 0 else
+                  _sampling(f, body, ids, body.max_tokens, body.logprobs, constraint) for ids in batch]
         if body.stream:
+            stream = f.submit(batch[0], params[0], "cmpl-", body.cache_salt)
             usage = body.stream_options is not None and body.stream_options.include_usage
+            echo = self._decode(batch[0]) if body.echo else ""
             return f.sse(request, stream, self._completion_events(stream, body, echo, usage))
-        result = await f.collect(stream, request)
-        choices = [{"index": c.index, "text": echo + c.text, "finish_reason": c.finish_reason,
-                    "logprobs": None if c.logprobs is None else
-                    self._completion_logprobs(self._with_ids(c.token_ids, c.logprobs), len(echo))}
-                   for c in result.outputs]
-        return JSONResponse({"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
+        capacity = f.async_engine.capacity
+        gate = asyncio.Semaphore(max(1, min(SCORE_CONCURRENCY, capacity // body.n if capacity else SCORE_CONCURRENCY)))
+        try:
+            async with asyncio.TaskGroup() as group:  # one failure cancels (and so aborts) the other prompts
+                tasks = [group.create_task(self._complete(ids, p, body, request, gate))
+                         for ids, p in zip(batch, params, strict=True)]
+        except* APIError as errors:
+            first = errors
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
+        results, scored = zip(*(task.result() for task in tasks), strict=True)
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for p, (ids, result, score) in enumerate(zip(batch, results, scored, strict=True)):
+            echo = self._decode(ids) if body.echo else ""
+            outputs = [None] * body.n if result is None else result.outputs
+            prompt_tokens += len(ids)
+            for j, c in enumerate(outputs):
+                completion_tokens += 0 if c is None else len(c.token_ids)
+                if score is not None:
+                    logprobs = self._echo_logprobs(ids, score, c)
+                elif c is not None and c.logprobs is not None:
+                    logprobs = self._completion_logprobs(self._with_ids(c.token_ids, c.logprobs), len(echo))
+                else:
+                    logprobs = None
+                choices.append({"index": p * body.n + j, "text": echo + ("" if c is None else c.text),
+                                "finish_reason": "length" if c is None else c.finish_reason, "logprobs": logprobs})
+        request_id = results[0].request_id if results[0] is not None else f"cmpl-{uuid.uuid4().hex}"
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
                              "model": body.model, "system_fingerprint": f.system_fingerprint, "choices": choices,
-                             "usage": _usage(result)})
+                             "usage": usage})
 
     def _decode(self, ids: list[int]) -> str:
         return self.engine.tokenizer.decode(ids) if self.engine.tokenizer is not None else ""
