@@ -4,10 +4,12 @@ The engine runs on a thread of this process (an ``Engine``: ``AsyncEngine``) or 
 its own (an ``EngineSpec``: ``ProcessEngine``), so that HTTP, tokenization, JSON and SSE here never hold the GIL
 the scheduler and device steps need.
 
-Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (OpenAI), ``/v1/messages`` (Anthropic),
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/models`` and
+``/v1/models/{id}`` (OpenAI), ``/v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic),
 ``/health`` (200 ``{"status": "ok"}`` while the engine serves, 503 ``{"status": "warming", ...}`` until it is
 ready and 503 once it stopped; never needs the key) and ``/metrics`` (Prometheus). Every
-error, unknown routes and unexpected exceptions included, has the JSON shape of the API it was sent to.
+error, unknown routes and unexpected exceptions included, has the JSON shape of the API it was sent to, and
+every response an ``x-request-id`` header.
 ``/dashboard``: a live page of the server's load with a chat box, and ``/dashboard/stats``, the JSON it polls.
 """
 
@@ -38,6 +40,7 @@ from serving.api.frontend import Frontend
 from serving.api.metrics import Metrics
 from serving.api.openai_api import OpenAIRoutes
 from serving.api.process_engine import ProcessEngine
+from serving.api.responses_api import ResponsesRoutes
 from serving.api.security import BODY_READ_TIMEOUT_S, DEFAULT_HOST, MAX_BODY_BYTES, GuardMiddleware, check_api_key
 from serving.engine.engine import Engine
 
@@ -110,7 +113,8 @@ def create_app(engine: Engine | EngineSpec, model_name: str, *, model_path: Path
 
     app = FastAPI(title="serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.frontend = frontend
-    routers = [OpenAIRoutes(frontend).router, AnthropicRoutes(frontend).router, DashboardRoutes(frontend).router]
+    routers = [OpenAIRoutes(frontend).router, ResponsesRoutes(frontend).router, AnthropicRoutes(frontend).router,
+               DashboardRoutes(frontend).router]
     for router in routers:
         app.include_router(router)
 
