@@ -181,12 +181,10 @@ class ResponsesRoutes:
 
     def _constraint(self, body: ResponsesRequest, forced: list[dict[str, Any]] | None,
                     parallel: bool) -> ConstraintSpec | None:
-        """Calls of ``forced`` or the ``text.format`` schema (at most one), compiled once (a bad one is a 400)."""
+        """Calls of ``forced``, else the ``text.format`` schema (which shapes a text answer, and a forced turn has
+        none: the Agents SDK sends both); compiled once, so a bad one is a 400."""
         output_format = body.text.format if body.text is not None else None
         wants_json = output_format is not None and output_format.type != "text"
-        if forced is not None and wants_json:
-            raise APIError(400, "text.format and tool_choice each constrain the output: expected at most one",
-                           "text")
         try:
             if forced is not None:
                 spec, field = ConstraintSpec.json_schema(tool_calls.call_schema(forced, parallel)), "tools"

@@ -2,10 +2,13 @@
 
 - The server binds 127.0.0.1 unless told otherwise, and refuses any other address without an API key
   (``check_bind``).
-- With a key, every route but ``/health`` needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY``
-  (Anthropic's header), compared in constant time (``hmac.compare_digest``). The key is never logged.
+- With a key, every route but ``/health`` needs ``Authorization: Bearer KEY`` (the scheme in any case) or
+  ``x-api-key: KEY`` (Anthropic's header); either header holding the key is enough. Keys are compared in
+  constant time (``hmac.compare_digest``) and never logged; a blank key is refused at start-up.
 - A body larger than ``max_body_bytes`` gets 413 before it is parsed: at once from ``Content-Length``, or
-  while it is read when the client streams it without one.
+  while it is read when the client streams it without one. A body that stops arriving for
+  ``BODY_READ_TIMEOUT_S`` gets 408. A request uvicorn cannot parse (a Content-Length that is not a number)
+  gets a 400 in the OpenAI error shape (``JSONErrorH11Protocol``).
 - A model a client names is resolved under the models root only (``resolve_model_path``): no absolute path,
   no ``..``, and no symlink that leads outside.
 """
