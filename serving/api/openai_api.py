@@ -200,6 +200,14 @@ def _tool_call(call: tool_calls.Call) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
 
 
+def _first(errors: BaseExceptionGroup) -> BaseException:
+    """The first exception of a task group's (maybe nested) group: the error the client gets."""
+    first = errors
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first
+
+
 def _calls_finish(finish_reason: str) -> str:
     """The finish reason of an answer with tool calls: "length" when max_tokens cut it, else "tool_calls"."""
     return "length" if finish_reason == "length" else "tool_calls"
@@ -434,8 +442,11 @@ class OpenAIRoutes:
                 raise APIError(500, f"scoring prompt token {i} (id {prompt_ids[i]}) sampled {completion.token_ids}")
             return {**completion.logprobs[0], "top_id": prompt_ids[i]}
 
-        async with asyncio.TaskGroup() as group:  # one failure (a disconnect, a 503) cancels the others
-            tasks = [group.create_task(position(i)) for i in range(1, len(prompt_ids))]
+        try:
+            async with asyncio.TaskGroup() as group:  # one failure (a disconnect, a 503) cancels the others
+                tasks = [group.create_task(position(i)) for i in range(1, len(prompt_ids))]
+        except* APIError as errors:
+            raise _first(errors) from None
         return [None, *(task.result() for task in tasks)]
 
     async def _complete(self, prompt_ids: list[int], params: SamplingParams | None, body: CompletionRequest,
@@ -486,10 +497,17 @@ class OpenAIRoutes:
         params = [None if body.max_tokens == 0 else
                   _sampling(f, body, ids, body.max_tokens, body.logprobs, constraint) for ids in batch]
         if body.stream:
+            if params[0] is None:
+                raise APIError(400, "max_tokens=0 scores the prompt and streams nothing: expected stream=false",
+                               "stream")
+            echo = self._decode(batch[0]) if body.echo else ""
+            echo_logprobs = None
+            if body.echo and body.logprobs is not None:  # scored before the stream starts: a 4xx/503 still can
+                scored = await self._score(batch[0], body.logprobs, request, asyncio.Semaphore(SCORE_CONCURRENCY))
+                echo_logprobs = self._echo_logprobs(batch[0], scored, None)
             stream = f.submit(batch[0], params[0], "cmpl-", body.cache_salt)
             usage = body.stream_options is not None and body.stream_options.include_usage
-            echo = self._decode(batch[0]) if body.echo else ""
-            return f.sse(request, stream, self._completion_events(stream, body, echo, usage))
+            return f.sse(request, stream, self._completion_events(stream, body, echo, echo_logprobs, usage))
         capacity = f.async_engine.capacity
         gate = asyncio.Semaphore(max(1, min(SCORE_CONCURRENCY, capacity // body.n if capacity else SCORE_CONCURRENCY)))
         try:
@@ -497,10 +515,7 @@ class OpenAIRoutes:
                 tasks = [group.create_task(self._complete(ids, p, body, request, gate))
                          for ids, p in zip(batch, params, strict=True)]
         except* APIError as errors:
-            first = errors
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from None
+            raise _first(errors) from None
         results, scored = zip(*(task.result() for task in tasks), strict=True)
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for p, (ids, result, score) in enumerate(zip(batch, results, scored, strict=True)):
@@ -528,7 +543,7 @@ class OpenAIRoutes:
         return self.engine.tokenizer.decode(ids) if self.engine.tokenizer is not None else ""
 
     async def _completion_events(self, stream: RequestStream, body: CompletionRequest, echo: str,
-                                 usage: bool) -> AsyncIterator[str]:
+                                 echo_logprobs: dict | None, usage: bool) -> AsyncIterator[str]:
         head = {"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": body.model, "system_fingerprint": self.frontend.system_fingerprint}
 
@@ -539,7 +554,7 @@ class OpenAIRoutes:
         offsets = [len(echo)] * body.n
         if echo:
             for i in range(body.n):
-                yield chunk(i, echo, None, None)
+                yield chunk(i, echo, echo_logprobs, None)
         async for out in stream:
             logprobs = None if out.logprobs is None else \
                 self._completion_logprobs([{**out.logprobs, "top_id": out.token_id}], offsets[out.index])

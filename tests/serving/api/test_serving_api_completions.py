@@ -2,6 +2,7 @@
 logprobs (the first null), ``max_tokens=0`` scores the prompt alone, and a list of prompts gets one choice per
 prompt and per n; plus ``logit_bias`` through the sampler."""
 
+import json
 import math
 
 import httpx
@@ -49,6 +50,22 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_does(api_server, max_tokens)
     assert choice["finish_reason"] == "length"
     if max_tokens:  # the generated tokens' logprobs follow, from the same distribution as the prompt's
         assert all(lp <= 0 for lp in logprobs["token_logprobs"][len(ids):])
+
+
+def test_a_streamed_echo_carries_the_prompt_logprobs(api_server):
+    ids, reference = hf_logprobs()
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True,
+            "temperature": 0.0, "ignore_eos": True}
+    with httpx.stream("POST", f"{api_server.url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
+        lines = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    first = json.loads(lines[0])["choices"][0]
+    logprobs = first["logprobs"]
+    assert first["text"] == "".join(logprobs["tokens"]) and logprobs["token_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:] == pytest.approx([reference[i - 1, ids[i]] for i in range(1, len(ids))],
+                                                           abs=TOLERANCE)
+    refused = httpx.post(f"{api_server.url}/v1/completions", json={**body, "max_tokens": 0}, timeout=TIMEOUT_S)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
 
 
 def test_lm_eval_harness_loglikelihood_request(api_server):

@@ -1,7 +1,10 @@
 """Security: loopback by default, no public bind without a key, the key on every route but /health (Bearer
 or x-api-key), never logged; client-named models cannot leave the models root. Plus the serve/chat CLI."""
 
+import json
 import logging
+import socket
+import time
 
 import anthropic
 import httpx
@@ -79,6 +82,25 @@ def test_any_header_with_the_key_is_accepted_and_the_scheme_is_case_insensitive(
     for wrong in ({"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}, {"Authorization": "Bearer"},
                   {"Authorization": "Bearer wrong", "x-api-key": "wrong"}, {"x-api-key": ""}):
         assert status(wrong) == 401, wrong
+
+
+def test_a_body_that_stops_arriving_gets_a_408(models):
+    _, folder = models
+    with running_server(make_engine(folder), body_timeout_s=0.5) as (server, _):
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
+            sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\": ")  # and then nothing
+            start, data = time.monotonic(), b""
+            while b"\r\n\r\n" not in data or not data.endswith(b"}"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 5
+        assert json.loads(body)["error"]["type"] == "timeout_error"
+        assert httpx.get(f"{server.url}/health").status_code == 200  # and the server goes on
 
 
 def test_official_clients_with_the_key(server):
