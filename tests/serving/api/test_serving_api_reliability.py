@@ -71,9 +71,13 @@ def test_backpressure_two_run_eight_get_fast_503s(url, served):
             await asyncio.gather(*(client.get(f"{url}/health") for _ in range(10)))
             return await asyncio.gather(*(one(client) for _ in range(10)))
 
+    before = httpx.get(f"{url}/dashboard/stats").json()
     results = asyncio.run(burst())
     statuses = sorted(status for status, *_ in results)
     assert statuses == [200] * 2 + [503] * 8
+    after = httpx.get(f"{url}/dashboard/stats").json()  # the dashboard counts the refusals
+    assert after["overloaded"] - before["overloaded"] == 8 and after["errors"] - before["errors"] == 8
+    assert after["requests"] - before["requests"] == 10
     for status, seconds, headers, payload in results:
         if status == 503:
             assert seconds < FAST_503_S and int(headers["retry-after"]) >= 1
