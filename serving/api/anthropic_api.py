@@ -7,8 +7,14 @@ Tool use follows ``serving.api.tools`` as the OpenAI routes do: ``tools`` (name,
 listed in the system prompt, assistant ``tool_use`` blocks are rendered as calls and user ``tool_result`` blocks
 as ``tool`` messages; an output that parses into calls comes back as ``tool_use`` blocks (after a text block
 for any text around them) with stop_reason "tool_use". ``tool_choice`` "any" or "tool" constrains the output to
-calls (one when ``disable_parallel_tool_use``), "none" offers no tools. With tools offered, a streamed answer
-is sent once it is whole (a text block, then per call a tool_use block with its input as one input_json_delta).
+calls ("any": one or more unless ``disable_parallel_tool_use``; "tool": one unless it is false), "none" offers no
+tools. With tools offered, a streamed answer sends its text as it comes (text blocks) and each call once it is
+whole (a tool_use block with its input as one input_json_delta). An answer with calls that ``max_tokens`` cut
+keeps the calls it completed, with stop_reason "max_tokens".
+
+Structured output: ``output_config.format`` (or the beta's ``output_format``) ``{"type": "json_schema",
+"schema"}`` constrains the text to the schema (``serving.structured``). ``POST /v1/messages/count_tokens`` counts
+the prompt a request would make.
 
 Stop reasons: "end_turn" (eos), "max_tokens" (max_tokens or the context), "stop_sequence" (with the
 sequence that matched), "tool_use".
@@ -16,7 +22,7 @@ sequence that matched), "tool_use".
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -55,11 +61,28 @@ class ToolResultBlock(StrictModel):
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, pydantic.Field(discriminator="type")]
+BLOCK_TYPES = ("text", "tool_use", "tool_result")
+
+
+def _readable_blocks(content: Any) -> Any:
+    """``content`` unchanged if every block is one this text-only model reads; a ValueError naming the first
+    other block type (image, document, thinking, ...) so that the 400 says what is not supported."""
+    if isinstance(content, list):
+        for block in content:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if isinstance(kind, str) and kind not in BLOCK_TYPES:
+                raise ValueError(f"content blocks of type {kind!r} are not supported: this model reads text only "
+                                 f"(expected one of {BLOCK_TYPES})")
+            if kind == "tool_result":
+                _readable_blocks(block.get("content"))
+    return content
 
 
 class Message(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
+
+    _readable = pydantic.field_validator("content", mode="before")(_readable_blocks)
 
 
 class Tool(StrictModel):
@@ -74,28 +97,44 @@ class Tool(StrictModel):
 class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: bool | None = None  # unset: parallel calls for "any", one call for "tool"
 
 
-class MessagesRequest(StrictModel):
+class OutputFormat(StrictModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = pydantic.Field(alias="schema")
+
+
+class OutputConfig(StrictModel):
+    format: OutputFormat | None = None
+
+
+class PromptRequest(StrictModel):
+    """What makes the prompt (``/v1/messages/count_tokens`` takes only this)."""
+
     model: str
-    max_tokens: int = pydantic.Field(ge=1)
     messages: list[Message] = pydantic.Field(min_length=1)
     system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+class MessagesRequest(PromptRequest):
+    max_tokens: int = pydantic.Field(ge=1)
     stop_sequences: list[str] | None = pydantic.Field(None, max_length=MAX_STOP_SEQUENCES)
     temperature: float | None = pydantic.Field(None, ge=0, le=1)
     top_p: float | None = None
     top_k: int | None = pydantic.Field(None, ge=0)
     stream: bool = False
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured-outputs beta's name for output_config.format
 
 
 def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "".join(block.text for block in content)
 
 
-def chat_messages(body: MessagesRequest) -> list[dict[str, str]]:
+def chat_messages(body: PromptRequest) -> list[dict[str, str]]:
     """The conversation as chat-template messages: the system prompt first, ``tool_use`` blocks written into
     the assistant's text as calls, each ``tool_result`` block a ``tool`` message of its own."""
     messages = [] if body.system is None else [{"role": "system", "content": _text(body.system)}]
@@ -133,6 +172,7 @@ class AnthropicRoutes:
         self.frontend, self.engine = frontend, frontend.engine
         self.router = APIRouter()
         self.router.add_api_route("/v1/messages", self.messages, methods=["POST"])
+        self.router.add_api_route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"])
 
     def _stop(self, completion: Completion, stop_sequences: list[str]) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence) of a finished sample that calls no tools."""
@@ -151,25 +191,38 @@ class AnthropicRoutes:
             text, calls = tool_calls.parse_tool_calls(completion.text, allowed)
             if calls:
                 uses = [_tool_use(c) for c in calls]
-                return ([{"type": "text", "text": text}, *uses] if text else uses), "tool_use", None
+                stop_reason = "max_tokens" if completion.finish_reason == "length" else "tool_use"
+                return ([{"type": "text", "text": text}, *uses] if text else uses), stop_reason, None
         return [{"type": "text", "text": completion.text}], *self._stop(completion, stops)
 
-    def _constraint(self, forced: list[dict[str, Any]] | None, parallel: bool) -> ConstraintSpec | None:
-        """The constraint to calls of ``forced`` (None: not forced), compiled once, so a bad schema is a 400."""
-        if forced is None:
+    def _constraint(self, body: MessagesRequest, forced: list[dict[str, Any]] | None,
+                    parallel: bool) -> ConstraintSpec | None:
+        """The output constraint: calls of ``forced`` (None: not forced), or the JSON schema of ``output_config``
+        (``output_format``); compiled once, so a bad schema is a 400 naming its field."""
+        asked = {}  # field -> a function giving its schema (which may raise InvalidConstraintError)
+        if forced is not None:
+            asked["tools"] = lambda: tool_calls.call_schema(forced, parallel)
+        config_format = body.output_config.format if body.output_config is not None else None
+        for field, output_format in (("output_config", config_format), ("output_format", body.output_format)):
+            if output_format is not None:
+                asked[field] = lambda output_format=output_format: output_format.schema_
+        if len(asked) > 1:
+            raise APIError(400, f"{' and '.join(asked)} each constrain the output: expected at most one of them",
+                           next(iter(asked)))
+        if not asked:
             return None
+        [(field, schema_of)] = asked.items()
         try:
-            spec = ConstraintSpec.json_schema(tool_calls.call_schema(forced, parallel))
+            schema = schema_of()
+            spec = ConstraintSpec.json_schema(schema)
             compile_constraint(spec, self.engine.tokenizer, self.engine.cfg.vocab)
         except InvalidConstraintError as e:
-            raise APIError(400, f"tools: {e}", "tools") from None
+            raise APIError(400, f"{field}: {e}", field) from None
         return spec
 
-    async def messages(self, request: Request) -> Response:
-        f = self.frontend
-        f.check_room()
-        body = await f.parse(request, MessagesRequest)
-        f.check_model(body.model)
+    def _prompt(self, body: PromptRequest) -> tuple[list[int], set[str] | None, list[dict[str, Any]] | None, bool]:
+        """(prompt ids, the tool names a call may use or None, the tools a forced choice calls or None, whether
+        parallel calls are allowed)."""
         if self.engine.tokenizer is None or self.engine.tokenizer.chat_template is None:
             raise APIError(400, "this model has no chat template")
         choice = body.tool_choice or ToolChoice(type="auto")
@@ -179,10 +232,26 @@ class AnthropicRoutes:
         offered = [t.model_dump(exclude_none=True) for t in body.tools or []]
         messages, allowed, forced = tool_calls.offer_tools(chat_messages(body), offered, mode,
                                                            choice.name if choice.type == "tool" else None)
-        prompt_ids = f.encode(messages)
+        disable = choice.disable_parallel_tool_use
+        parallel = disable is False if choice.type == "tool" else not disable
+        return self.frontend.encode(messages), allowed, forced, parallel
+
+    async def count_tokens(self, request: Request) -> Response:
+        """``{"input_tokens": n}``: the prompt's length as ``/v1/messages`` would build it (tools included)."""
+        body = await self.frontend.parse(request, PromptRequest)
+        self.frontend.check_model(body.model)
+        prompt_ids, *_ = self._prompt(body)
+        return JSONResponse({"input_tokens": len(prompt_ids)})
+
+    async def messages(self, request: Request) -> Response:
+        f = self.frontend
+        f.check_room()
+        body = await f.parse(request, MessagesRequest)
+        f.check_model(body.model)
+        prompt_ids, allowed, forced, parallel = self._prompt(body)
         params = f.sampling_params(prompt_ids, body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                    top_k=body.top_k, stop=body.stop_sequences,
-                                   constraint=self._constraint(forced, not choice.disable_parallel_tool_use))
+                                   constraint=self._constraint(body, forced, parallel))
         stream = f.submit(prompt_ids, params, "msg_")
         stops = body.stop_sequences or []
         if body.stream:
@@ -209,26 +278,46 @@ class AnthropicRoutes:
                    "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
         yield event("message_start", {"message": message})
-        if allowed is None:
-            yield text_start(0)
-        async for out in stream:
-            if allowed is None and out.text:
-                yield text_delta(0, out.text)
-        completion = stream.result.outputs[0]
-        content, stop_reason, stop_sequence = self._answer(completion, stops, allowed)
-        if allowed is None:
-            yield event("content_block_stop", {"index": 0})
-        else:
-            for index, block in enumerate(content):
-                if block["type"] == "text":
-                    yield text_start(index)
-                    if block["text"]:
-                        yield text_delta(index, block["text"])
-                else:
-                    yield event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
-                    yield event("content_block_delta", {"index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+        parser = tool_calls.ToolCallStream(allowed) if allowed is not None else None
+        index, text_open = 0, parser is None  # the current block's index; whether it is an open text block
+        if text_open:
+            yield text_start(index)
+
+        def blocks(events: list[str | tool_calls.Call]) -> Iterator[str]:
+            nonlocal index, text_open
+            for piece in events:
+                if isinstance(piece, str):
+                    if not text_open:
+                        yield text_start(index)
+                        text_open = True
+                    yield text_delta(index, piece)
+                    continue
+                if text_open:
+                    yield event("content_block_stop", {"index": index})
+                    index, text_open = index + 1, False
+                use = _tool_use(piece)
+                yield event("content_block_start", {"index": index, "content_block": {**use, "input": {}}})
+                yield event("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(use["input"])}})
                 yield event("content_block_stop", {"index": index})
+                index += 1
+
+        async for out in stream:
+            events = ([out.text] if out.text else []) if parser is None else parser.feed(out.text)
+            for item in blocks(events):
+                yield item
+        for item in blocks(parser.finish() if parser is not None else []):
+            yield item
+        if text_open or index == 0:  # an empty answer is one empty text block
+            if not text_open:
+                yield text_start(index)
+            yield event("content_block_stop", {"index": index})
+        completion = stream.result.outputs[0]
+        if parser is not None and parser.calls:
+            stop_reason = "max_tokens" if completion.finish_reason == "length" else "tool_use"
+            stop_sequence = None
+        else:
+            stop_reason, stop_sequence = self._stop(completion, stops)
         yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                       "usage": {"output_tokens": len(completion.token_ids)}})
         yield event("message_stop", {})

@@ -15,13 +15,19 @@ last ones an engine core process sent.
 - kv_blocks_used, kv_blocks_total: paged-cache blocks in use (free blocks that still cache a prefix are free).
 - expert_tokens ``[layers][experts]``: tokens routed to each expert since start; ``[]`` for a dense model.
 - acceptance_rate, mean_acceptance_length: speculative decoding's counters; null without speculation.
+- requests, errors, overloaded: API requests (routes under /v1/) since start, those answered with a status
+  >= 400, and those refused with 503 (a full server or an engine not serving).
+- ttft_ms, tpot_ms: ``{"p50", "p90", "p99"}`` of time to first token and time per output token over the latest
+  ``RECENT_LATENCIES`` samples (``serving.api.metrics``); null before the first token.
 """
 
 import collections
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter
 from starlette.responses import HTMLResponse
 
@@ -59,13 +65,24 @@ class TokenRate:
         return (total - before) / (now - then) if now > then else 0.0
 
 
+PERCENTILES = (50, 90, 99)
+
+
+def percentiles_ms(seconds: Iterable[float]) -> dict[str, float] | None:
+    """``{"p50", "p90", "p99"}`` of ``seconds`` in milliseconds (linear interpolation), or None when empty."""
+    values = np.array(list(seconds), np.float64)
+    if not values.size:
+        return None
+    return {f"p{q}": float(v) * 1e3 for q, v in zip(PERCENTILES, np.percentile(values, PERCENTILES), strict=True)}
+
+
 class DashboardRoutes:
     """``/dashboard`` and ``/dashboard/stats`` over one ``Frontend`` (mounted by ``create_app``)."""
 
     def __init__(self, frontend: Frontend):
         if frontend.metrics is None:
             raise ValueError("DashboardRoutes: the frontend has no Metrics: expected the server's (create_app's)")
-        self.frontend, self.registry = frontend, frontend.metrics.registry
+        self.frontend, self.metrics, self.registry = frontend, frontend.metrics, frontend.metrics.registry
         self.page = PAGE.read_text()
         self.started = time.monotonic()
         self.rate = TokenRate(WINDOW_S, self.started, self._total(GENERATED))
@@ -98,4 +115,7 @@ class DashboardRoutes:
             "expert_tokens": load.expert_tokens,
             "acceptance_rate": spec.acceptance_rate if spec else None,
             "mean_acceptance_length": spec.mean_acceptance_length if spec else None,
+            **self.metrics.request_counts(),
+            "ttft_ms": percentiles_ms(self.metrics.recent_ttft),
+            "tpot_ms": percentiles_ms(self.metrics.recent_tpot),
         }

@@ -6,6 +6,7 @@ any response starts, and a streamed response only ever fails with an error event
 """
 
 import asyncio
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,19 +27,52 @@ from serving.engine.engine import EngineFullError, RequestResult, StepError
 from serving.engine.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.05  # how often a non-streaming request checks that its client is still there (cheap)
+# JSON nesting a body may have: a pydantic model's tool schema nests ~10-20 deep; Python's parser and every
+# recursive walk after it (validation, schema compilation) would overflow the stack near 1000
+MAX_JSON_DEPTH = 64
 Model = TypeVar("Model", bound=pydantic.BaseModel)
 
 
 class StrictModel(pydantic.BaseModel):
-    """Request bodies: JSON types as declared (no "1" for 1), unknown fields ignored (clients send extras)."""
+    """Request bodies: JSON types as declared (no "1" for 1, no NaN or Infinity for a number), unknown fields
+    ignored (clients send extras)."""
 
-    model_config = pydantic.ConfigDict(strict=True, extra="ignore")
+    model_config = pydantic.ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 def _validation_message(error: pydantic.ValidationError) -> tuple[str, str | None]:
-    first = error.errors()[0]
+    # of a union's branches, the one that got deepest into the value says best what is wrong with it
+    first = max(error.errors(), key=lambda e: len(e["loc"]))
     param = ".".join(str(part) for part in first["loc"]) or None
     return f"{param or 'body'}: {first['msg']} (got {first.get('input')!r:.200})", param
+
+
+def json_depth(value: Any) -> int:
+    """How deeply ``value`` (parsed JSON) nests arrays and objects (a scalar: 0), walked without recursion."""
+    if not isinstance(value, dict | list):
+        return 0
+    depth, pending = 0, [(value, 1)]
+    while pending:
+        node, d = pending.pop()
+        depth = max(depth, d)
+        children = node.values() if isinstance(node, dict) else node
+        pending.extend((child, d + 1) for child in children if isinstance(child, dict | list))
+    return depth
+
+
+def load_json(data: bytes) -> Any:
+    """``data`` parsed as JSON; 400 for malformed JSON or nesting deeper than MAX_JSON_DEPTH."""
+    too_deep = APIError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels: expected at most "
+                        f"{MAX_JSON_DEPTH}")
+    try:
+        value = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise too_deep from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise too_deep
+    return value
 
 
 class Frontend:
@@ -60,12 +94,17 @@ class Frontend:
         self.metrics = metrics
         self.created = int(time.time())
 
+    @property
+    def system_fingerprint(self) -> str:
+        """OpenAI's ``system_fingerprint``: a hash of the serving configuration (model, its config, context), so a
+        client can tell when the same seed may give different tokens."""
+        config = json.dumps([self.model_name, str(self.model_path), self.engine.max_model_len, repr(self.engine.cfg)])
+        return "fp_" + hashlib.sha256(config.encode()).hexdigest()[:10]
+
     async def parse(self, request: Request, model: type[Model]) -> Model:
-        """The body as ``model``: 400 for malformed JSON, a non-object, or a field of the wrong type or range."""
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}") from None
+        """The body as ``model``: 400 for malformed JSON, JSON nested too deeply, a non-object, or a field of the
+        wrong type or range."""
+        body = load_json(await request.body())
         if not isinstance(body, dict):
             raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
         try:

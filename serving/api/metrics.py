@@ -4,9 +4,11 @@ Counters: requests by route and HTTP status, prompt and generated tokens; with s
 (sequence-steps verified with draft tokens), draft tokens and accepted tokens, read when scraped (acceptance
 rate: ``rate(serving_spec_accepted_tokens_total[5m]) / rate(serving_spec_draft_tokens_total[5m])``). Gauges,
 read when scraped: waiting and running sequences, the fraction of KV cache blocks in use. Histograms: time to
-first token (from the request's arrival) and the time between a request's successive tokens.
+first token (from the request's arrival) and the time between a request's successive tokens, whose latest
+samples the dashboard also keeps for percentiles.
 """
 
+import collections
 import time
 from collections.abc import Iterator
 
@@ -20,6 +22,7 @@ from serving.engine.engine import StepOutput
 # Bucket edges in seconds: first tokens wait for a prefill (and maybe a queue), later ones for one decode step.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+RECENT_LATENCIES = 2048  # the latest TTFT and TPOT samples kept for the dashboard's percentiles
 
 
 class SpecCollector:
@@ -58,6 +61,22 @@ class Metrics:
                                        "of a request", buckets=TOKEN_BUCKETS, registry=r)
         if client.speculative:
             r.register(SpecCollector(client))
+        # the latest samples of the two histograms, in seconds (exact percentiles of recent traffic)
+        self.recent_ttft: collections.deque[float] = collections.deque(maxlen=RECENT_LATENCIES)
+        self.recent_tpot: collections.deque[float] = collections.deque(maxlen=RECENT_LATENCIES)
+
+    def request_counts(self, prefix: str = "/v1/") -> dict[str, int]:
+        """Requests to routes under ``prefix`` since start: all, errors (status >= 400) and overloaded (503)."""
+        counts = {"requests": 0, "errors": 0, "overloaded": 0}
+        for family in self.requests.collect():
+            for sample in family.samples:
+                if not sample.name.endswith("_total") or not sample.labels["route"].startswith(prefix):
+                    continue
+                status, value = int(sample.labels["status"]), int(sample.value)
+                counts["requests"] += value
+                counts["errors"] += value if status >= 400 else 0
+                counts["overloaded"] += value if status == 503 else 0
+        return counts
 
     def on_step(self, outputs: list[StepOutput], streams: dict[str, RequestStream]) -> None:
         """Record a step's tokens and latencies (the engine client's callback)."""
@@ -67,6 +86,8 @@ class Metrics:
             timing = stream.timing
             if timing.last_token is None:
                 self.ttft.observe(now - timing.submitted)
+                self.recent_ttft.append(now - timing.submitted)
             else:
                 self.token_latency.observe(now - timing.last_token)
+                self.recent_tpot.append(now - timing.last_token)
             timing.last_token = now

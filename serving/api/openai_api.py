@@ -4,22 +4,30 @@ Sampling fields map onto ``SamplingParams`` (``max_completion_tokens`` or ``max_
 ``repetition_penalty`` and ``ignore_eos`` are accepted as extensions, ``top_k = -1`` meaning off). Streams are
 SSE ``data: {chunk}`` lines ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk
 with the usage. Logprobs: ``logprobs`` + ``top_logprobs`` (chat), ``logprobs`` = k (completions).
+``logit_bias`` (token id -> bias in [-100, 100]) is added to the logits in the sampler.
+
+Completions score text as eval harnesses ask: ``prompt`` may be a list (one choice per prompt and per n, index
+``prompt * n + sample``), ``echo`` with ``logprobs`` returns the prompt tokens' logprobs too (the first null, as
+it has no context), and ``max_tokens`` 0 with ``echo`` scores the prompt alone.
 
 With ``tools`` (and ``tool_choice`` other than "none") the prompt and the output follow ``serving.api.tools``;
-a streamed answer is then sent whole in its last chunk, once it is known to be a call or plain content.
-``tool_choice`` "required" or a named function constrains the output to calls (``tools.call_schema``; one call
-when ``parallel_tool_calls`` is false).
+a streamed answer sends its text as it comes and each call as one ``tool_calls`` delta once it is whole.
+``tool_choice`` "required" or a named function constrains the output to calls (``tools.call_schema``): one call
+for a named function unless ``parallel_tool_calls`` is true, one or more for "required" unless it is false.
+``finish_reason`` is "tool_calls" for an answer with calls, "length" when ``max_tokens`` cut it (the calls it
+completed still come back).
 
 Constraints (``serving.structured``: token masks in the batched sampler), on both endpoints: ``response_format``
 json_object / json_schema, and vLLM's extra fields ``guided_json`` (a JSON schema), ``guided_regex`` and
 ``guided_choice``; at most one per request, and a bad schema, regex or choice list is a 400.
 """
 
+import asyncio
 import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
 import pydantic
@@ -32,16 +40,24 @@ from serving.api.async_engine import RequestStream
 from serving.api.errors import APIError
 from serving.api.frontend import Frontend, StrictModel
 from serving.engine.engine import Completion, RequestResult
-from serving.engine.sampling_params import MAX_LOGPROBS
+from serving.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from serving.structured import ConstraintSpec, InvalidConstraintError, compile_constraint
 
 MAX_N = 16  # samples per request: more is refused before it can take the whole batch
 MAX_STOP = 16  # stop strings per request
+MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
+MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's limit on logit_bias entries
+MAX_PROMPTS = 64  # prompts in one completions request (lm-eval-harness sends batches of a few)
+SCORE_CONCURRENCY = 8  # one-token requests a prompt's scoring runs at once
 
 
-class TextPart(StrictModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(StrictModel):
+    """A part of a message's content; only text parts (and an assistant's refusal) are read: any other type
+    (image_url, input_audio, file) is refused by ``_part_text`` with a message naming it."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
 
 
 class FunctionCall(StrictModel):
@@ -57,7 +73,7 @@ class ToolCall(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
@@ -103,8 +119,8 @@ class SamplingFields(StrictModel):
     model: str
     n: int = pydantic.Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = pydantic.Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = pydantic.Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = pydantic.Field(None, ge=0, le=1)
     top_k: int | None = pydantic.Field(None, ge=-1)
     min_p: float | None = None
     presence_penalty: float | None = None
@@ -120,6 +136,7 @@ class SamplingFields(StrictModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    logit_bias: dict[str, float] | None = pydantic.Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
 
 
 class ChatRequest(SamplingFields):
@@ -129,31 +146,71 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = pydantic.Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # unset: parallel calls for "required", one for a named function
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = pydantic.Field(None, ge=0)  # 0 with echo: score the prompt only
     logprobs: int | None = pydantic.Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
 
+def check_fields(body: SamplingFields, vocab: int) -> None:
+    """400 for fields that only mean something together, as OpenAI documents them: ``stream_options`` without
+    ``stream``, a chat's ``top_logprobs`` without ``logprobs``; and ``logit_bias`` keys that are not token ids of
+    this model (0 <= id < ``vocab``)."""
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+    if isinstance(body, ChatRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true", "top_logprobs")
+    for key in body.logit_bias or {}:
+        if not key.isdigit() or int(key) >= vocab:
+            raise APIError(400, f"logit_bias key {key!r:.50}: expected a token id in [0, {vocab})", "logit_bias")
+
+
 def _sampling(frontend: Frontend, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
               logprobs: int | None, constraint: ConstraintSpec | None):
+    bias = tuple((int(token), value) for token, value in (body.logit_bias or {}).items())
     return frontend.sampling_params(
         prompt_ids, max_tokens, n=body.n, temperature=body.temperature, top_p=body.top_p,
         top_k=None if body.top_k is None else max(body.top_k, 0), min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, seed=body.seed, logprobs=logprobs,
         stop=[body.stop] if isinstance(body.stop, str) else body.stop, ignore_eos=body.ignore_eos,
-        constraint=constraint)
+        constraint=constraint, logit_bias=bias)
+
+
+def _part_text(part: ContentPart, where: str) -> str:
+    """The text of a content part; 400 naming ``where`` for a part this text-only model cannot read."""
+    field = {"text": "text", "refusal": "refusal"}.get(part.type)
+    if field is None:
+        raise APIError(400, f"{where}: content parts of type {part.type!r} are not supported: this model reads "
+                       f"text only (expected type 'text')", where)
+    text = getattr(part, field)
+    if text is None:
+        raise APIError(400, f"{where}: a {part.type!r} part needs its {field!r} string", where)
+    return text
 
 
 def _tool_call(call: tool_calls.Call) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+
+
+def _first(errors: BaseExceptionGroup) -> BaseException:
+    """The first exception of a task group's (maybe nested) group: the error the client gets."""
+    first = errors
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first
+
+
+def _calls_finish(finish_reason: str) -> str:
+    """The finish reason of an answer with tool calls: "length" when max_tokens cut it, else "tool_calls"."""
+    return "length" if finish_reason == "length" else "tool_calls"
 
 
 def _usage(result: RequestResult) -> dict[str, int]:
@@ -168,13 +225,22 @@ class OpenAIRoutes:
         self.frontend, self.engine = frontend, frontend.engine
         self.router = APIRouter()
         self.router.add_api_route("/v1/models", self.models, methods=["GET"])
+        self.router.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
         self.router.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         self.router.add_api_route("/v1/completions", self.completions, methods=["POST"])
 
-    async def models(self) -> dict[str, Any]:
+    def _model_card(self) -> dict[str, Any]:
         f = self.frontend
-        return {"object": "list", "data": [{"id": f.model_name, "object": "model", "created": f.created,
-                                            "owned_by": "serving", "max_model_len": self.engine.max_model_len}]}
+        return {"id": f.model_name, "object": "model", "created": f.created, "owned_by": "serving",
+                "max_model_len": self.engine.max_model_len}
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        """The served model's card, by its name (or its path under the models root); 404 for any other."""
+        self.frontend.check_model(model_id)
+        return self._model_card()
 
     # --- token strings and logprobs -------------------------------------------------------------------------
 
@@ -210,9 +276,10 @@ class OpenAIRoutes:
         messages = []
         for i, m in enumerate(body.messages):
             content = m.content if isinstance(m.content, str) or m.content is None else \
-                "".join(part.text for part in m.content)
-            calls = "".join(tool_calls.tool_call_text(c.function.name, c.function.arguments)
-                            for c in m.tool_calls or [])
+                "".join(_part_text(part, f"messages.{i}.content.{j}") for j, part in enumerate(m.content))
+            calls = "".join(tool_calls.tool_call_text(c.function.name, c.function.arguments,
+                                                      f"messages.{i}.tool_calls.{j}.function.arguments")
+                            for j, c in enumerate(m.tool_calls or []))
             if content is None and not calls:
                 raise APIError(400, f"messages[{i}] has neither content nor tool_calls", f"messages.{i}.content")
             messages.append({"role": "system" if m.role == "developer" else m.role,
@@ -265,7 +332,7 @@ class OpenAIRoutes:
             content, calls = tool_calls.parse_tool_calls(completion.text, allowed)
             if calls:
                 return {"role": "assistant", "content": content, "tool_calls": [_tool_call(c) for c in calls]}, \
-                    "tool_calls"
+                    _calls_finish(completion.finish_reason)
         return {"role": "assistant", "content": completion.text}, completion.finish_reason
 
     async def chat(self, request: Request) -> Response:
@@ -273,8 +340,11 @@ class OpenAIRoutes:
         f.check_room()
         body = await f.parse(request, ChatRequest)
         f.check_model(body.model)
+        check_fields(body, self.engine.cfg.vocab)
         prompt_ids, allowed, forced = self._chat_prompt(body)
-        constraint = self._constraint(body, forced, body.parallel_tool_calls)
+        named = isinstance(body.tool_choice, NamedToolChoice)
+        parallel = body.parallel_tool_calls is True if named else body.parallel_tool_calls is not False
+        constraint = self._constraint(body, forced, parallel)
         top = body.top_logprobs or 0 if body.logprobs else None
         params = _sampling(f, body, prompt_ids, body.max_completion_tokens or body.max_tokens, top, constraint)
         stream = f.submit(prompt_ids, params, "chatcmpl-", body.cache_salt)
@@ -289,82 +359,193 @@ class OpenAIRoutes:
                 if c.logprobs is not None else None
             choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         return JSONResponse({"id": stream.request_id, "object": "chat.completion", "created": int(time.time()),
-                             "model": body.model, "choices": choices, "usage": _usage(result)})
+                             "model": body.model, "system_fingerprint": f.system_fingerprint, "choices": choices,
+                             "usage": _usage(result)})
 
     async def _chat_events(self, stream: RequestStream, body: ChatRequest, allowed: set[str] | None,
                            usage: bool) -> AsyncIterator[str]:
         head = {"id": stream.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": body.model}
+                "model": body.model, "system_fingerprint": self.frontend.system_fingerprint}
 
         def chunk(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> str:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
 
+        def deltas(index: int, events: list[str | tool_calls.Call], logprobs: dict | None) -> Iterator[str]:
+            for event in events:
+                if isinstance(event, str):
+                    yield chunk(index, {"content": event}, logprobs)
+                else:
+                    yield chunk(index, {"tool_calls": [{"index": calls_sent[index], **_tool_call(event)}]})
+                    calls_sent[index] += 1
+                logprobs = None
+            if logprobs is not None:  # a token whose text is held back (maybe the start of a call)
+                yield chunk(index, {"content": ""}, logprobs)
+
         for i in range(body.n):
             yield chunk(i, {"role": "assistant", "content": ""})
-        texts = [""] * body.n
+        parsers = [tool_calls.ToolCallStream(allowed) if allowed is not None else None for _ in range(body.n)]
+        calls_sent = [0] * body.n
         async for out in stream:
-            texts[out.index] += out.text
             logprobs = {"content": [self._chat_logprob({**out.logprobs, "top_id": out.token_id})]} \
                 if out.logprobs is not None else None
-            if allowed is None and (out.text or logprobs):
-                yield chunk(out.index, {"content": out.text}, logprobs)
+            parser = parsers[out.index]
+            events = ([out.text] if out.text else []) if parser is None else parser.feed(out.text)
+            for event in deltas(out.index, events, logprobs):
+                yield event
             if out.finished:
-                completion = Completion(out.index, [], texts[out.index], out.finish_reason, None)
-                message, finish = self._message(completion, allowed)
-                delta = {} if allowed is None else {k: v for k, v in message.items() if k != "role"}
-                if "tool_calls" in delta:
-                    delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(delta["tool_calls"])]
-                yield chunk(out.index, delta, None, finish)
+                finish = out.finish_reason
+                if parser is not None:
+                    for event in deltas(out.index, parser.finish(), None):
+                        yield event
+                    finish = _calls_finish(finish) if parser.calls else finish
+                yield chunk(out.index, {}, None, finish)
         if usage:
             yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(stream.result)})}\n\n"
         yield "data: [DONE]\n\n"
 
     # --- completions ------------------------------------------------------------------------------------------
 
-    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+    def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """Token ids of each prompt of the request (text, ids, or a list of either)."""
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"prompt is a batch of {len(prompt)} prompts: expected one per request",
-                               "prompt")
-            prompt = prompt[0]
         if isinstance(prompt, list) and not prompt:
             raise APIError(400, "prompt is an empty list: expected text or token ids", "prompt")
-        return self.frontend.encode(prompt)
+        batch = prompt if isinstance(prompt[0] if isinstance(prompt, list) else None, str | list) else [prompt]
+        if len(batch) > MAX_PROMPTS:
+            raise APIError(400, f"prompt is a batch of {len(batch)} prompts: expected at most {MAX_PROMPTS}",
+                           "prompt")
+        for i, one in enumerate(batch):
+            if not one:
+                raise APIError(400, f"prompt[{i}] is empty: expected text or token ids", "prompt")
+        return [self.frontend.encode(one) for one in batch]
+
+    async def _score(self, prompt_ids: list[int], top: int, request: Request,
+                     gate: asyncio.Semaphore) -> list[dict | None]:
+        """The logprob entry of each prompt token given the ones before it (None for the first, which has no
+        context), as ``{"logprob", "top", "top_id"}``.
+
+        Teacher forcing through the engine: position i is a one-token greedy request for ``prompt_ids[:i]``
+        whose ``logit_bias`` of +MAX_LOGIT_BIAS on ``prompt_ids[i]`` makes it the sampled token, and the sampler
+        reports logprobs of the unbiased distribution; the requests share the prompt's cached blocks. ``gate``
+        bounds how many run at once, so that a long prompt does not fill the server.
+        """
+        f = self.frontend
+
+        async def position(i: int) -> dict:
+            params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=top,
+                                    logit_bias=((prompt_ids[i], MAX_LOGIT_BIAS),))
+            async with gate:
+                result = await f.collect(f.submit(prompt_ids[:i], params, "score-"), request)
+            [completion] = result.outputs
+            if completion.token_ids != [prompt_ids[i]]:
+                raise APIError(500, f"scoring prompt token {i} (id {prompt_ids[i]}) sampled {completion.token_ids}")
+            return {**completion.logprobs[0], "top_id": prompt_ids[i]}
+
+        try:
+            async with asyncio.TaskGroup() as group:  # one failure (a disconnect, a 503) cancels the others
+                tasks = [group.create_task(position(i)) for i in range(1, len(prompt_ids))]
+        except* APIError as errors:
+            raise _first(errors) from None
+        return [None, *(task.result() for task in tasks)]
+
+    async def _complete(self, prompt_ids: list[int], params: SamplingParams | None, body: CompletionRequest,
+                        request: Request, gate: asyncio.Semaphore) -> tuple[RequestResult | None, list | None]:
+        """(the result of one prompt, or None for max_tokens 0; its scored prompt, or None without echo and
+        logprobs)."""
+        scored = None
+        if body.echo and body.logprobs is not None:
+            scored = await self._score(prompt_ids, body.logprobs, request, gate)
+        if params is None:
+            return None, scored
+        async with gate:
+            result = await self.frontend.collect(self.frontend.submit(prompt_ids, params, "cmpl-", body.cache_salt),
+                                                 request)
+        return result, scored
+
+    def _echo_logprobs(self, prompt_ids: list[int], scored: list[dict | None], completion: Completion | None,
+                       ) -> dict[str, Any]:
+        """OpenAI's completion logprobs of the echoed prompt (first token null) followed by the completion's."""
+        echoed = [e if e is not None else {"logprob": None, "top": [], "top_id": t}
+                  for t, e in zip(prompt_ids, scored, strict=True)]
+        generated = [] if completion is None or completion.logprobs is None else \
+            self._with_ids(completion.token_ids, completion.logprobs)
+        logprobs = self._completion_logprobs([*echoed, *generated], 0)
+        logprobs["top_logprobs"][0] = None
+        return logprobs
 
     async def completions(self, request: Request) -> Response:
         f = self.frontend
         f.check_room()
         body = await f.parse(request, CompletionRequest)
         f.check_model(body.model)
+        check_fields(body, self.engine.cfg.vocab)
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported", "suffix")
         if body.best_of not in (None, body.n):
             raise APIError(400, f"best_of={body.best_of} is not supported: expected it unset or equal to n",
                            "best_of")
-        prompt_ids = self._completion_prompt(body)
-        params = _sampling(f, body, prompt_ids, body.max_tokens, body.logprobs, self._constraint(body))
-        stream = f.submit(prompt_ids, params, "cmpl-", body.cache_salt)
-        echo = self._decode(prompt_ids) if body.echo else ""
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens=0 generates nothing: expected echo=true (to score the prompt) or "
+                           "max_tokens >= 1", "max_tokens")
+        batch = self._completion_prompts(body)
+        if body.stream and len(batch) > 1:
+            raise APIError(400, f"stream with a batch of {len(batch)} prompts is not supported: expected one "
+                           "prompt, or stream=false", "stream")
+        constraint = self._constraint(body)
+        # every check first, so that no prompt of the batch runs when another one is refused
+        params = [None if body.max_tokens == 0 else
+                  _sampling(f, body, ids, body.max_tokens, body.logprobs, constraint) for ids in batch]
         if body.stream:
+            if params[0] is None:
+                raise APIError(400, "max_tokens=0 scores the prompt and streams nothing: expected stream=false",
+                               "stream")
+            echo = self._decode(batch[0]) if body.echo else ""
+            echo_logprobs = None
+            if body.echo and body.logprobs is not None:  # scored before the stream starts: a 4xx/503 still can
+                scored = await self._score(batch[0], body.logprobs, request, asyncio.Semaphore(SCORE_CONCURRENCY))
+                echo_logprobs = self._echo_logprobs(batch[0], scored, None)
+            stream = f.submit(batch[0], params[0], "cmpl-", body.cache_salt)
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return f.sse(request, stream, self._completion_events(stream, body, echo, usage))
-        result = await f.collect(stream, request)
-        choices = [{"index": c.index, "text": echo + c.text, "finish_reason": c.finish_reason,
-                    "logprobs": None if c.logprobs is None else
-                    self._completion_logprobs(self._with_ids(c.token_ids, c.logprobs), len(echo))}
-                   for c in result.outputs]
-        return JSONResponse({"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
-                             "model": body.model, "choices": choices, "usage": _usage(result)})
+            return f.sse(request, stream, self._completion_events(stream, body, echo, echo_logprobs, usage))
+        capacity = f.async_engine.capacity
+        gate = asyncio.Semaphore(max(1, min(SCORE_CONCURRENCY, capacity // body.n if capacity else SCORE_CONCURRENCY)))
+        try:
+            async with asyncio.TaskGroup() as group:  # one failure cancels (and so aborts) the other prompts
+                tasks = [group.create_task(self._complete(ids, p, body, request, gate))
+                         for ids, p in zip(batch, params, strict=True)]
+        except* APIError as errors:
+            raise _first(errors) from None
+        results, scored = zip(*(task.result() for task in tasks), strict=True)
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for p, (ids, result, score) in enumerate(zip(batch, results, scored, strict=True)):
+            echo = self._decode(ids) if body.echo else ""
+            outputs = [None] * body.n if result is None else result.outputs
+            prompt_tokens += len(ids)
+            for j, c in enumerate(outputs):
+                completion_tokens += 0 if c is None else len(c.token_ids)
+                if score is not None:
+                    logprobs = self._echo_logprobs(ids, score, c)
+                elif c is not None and c.logprobs is not None:
+                    logprobs = self._completion_logprobs(self._with_ids(c.token_ids, c.logprobs), len(echo))
+                else:
+                    logprobs = None
+                choices.append({"index": p * body.n + j, "text": echo + ("" if c is None else c.text),
+                                "finish_reason": "length" if c is None else c.finish_reason, "logprobs": logprobs})
+        request_id = results[0].request_id if results[0] is not None else f"cmpl-{uuid.uuid4().hex}"
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
+                             "model": body.model, "system_fingerprint": f.system_fingerprint, "choices": choices,
+                             "usage": usage})
 
     def _decode(self, ids: list[int]) -> str:
         return self.engine.tokenizer.decode(ids) if self.engine.tokenizer is not None else ""
 
     async def _completion_events(self, stream: RequestStream, body: CompletionRequest, echo: str,
-                                 usage: bool) -> AsyncIterator[str]:
+                                 echo_logprobs: dict | None, usage: bool) -> AsyncIterator[str]:
         head = {"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
-                "model": body.model}
+                "model": body.model, "system_fingerprint": self.frontend.system_fingerprint}
 
         def chunk(out_index: int, text: str, logprobs: dict | None, finish: str | None) -> str:
             choice = {"index": out_index, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -373,7 +554,7 @@ class OpenAIRoutes:
         offsets = [len(echo)] * body.n
         if echo:
             for i in range(body.n):
-                yield chunk(i, echo, None, None)
+                yield chunk(i, echo, echo_logprobs, None)
         async for out in stream:
             logprobs = None if out.logprobs is None else \
                 self._completion_logprobs([{**out.logprobs, "top_id": out.token_id}], offsets[out.index])

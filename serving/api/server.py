@@ -4,17 +4,21 @@ The engine runs on a thread of this process (an ``Engine``: ``AsyncEngine``) or 
 its own (an ``EngineSpec``: ``ProcessEngine``), so that HTTP, tokenization, JSON and SSE here never hold the GIL
 the scheduler and device steps need.
 
-Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (OpenAI), ``/v1/messages`` (Anthropic),
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/models`` and
+``/v1/models/{id}`` (OpenAI), ``/v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic),
 ``/health`` (200 ``{"status": "ok"}`` while the engine serves, 503 ``{"status": "warming", ...}`` until it is
 ready and 503 once it stopped; never needs the key) and ``/metrics`` (Prometheus). Every
-error, unknown routes and unexpected exceptions included, has the JSON shape of the API it was sent to.
+error, unknown routes and unexpected exceptions included, has the JSON shape of the API it was sent to, and
+every response an ``x-request-id`` header.
 ``/dashboard``: a live page of the server's load with a chat box, and ``/dashboard/stats``, the JSON it polls.
 """
 
 import contextlib
 import logging
+import re
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import uvicorn
@@ -25,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serving.api import security
 from serving.api.anthropic_api import AnthropicRoutes
 from serving.api.async_engine import AsyncEngine
 from serving.api.dashboard import DashboardRoutes
@@ -35,16 +40,27 @@ from serving.api.frontend import Frontend
 from serving.api.metrics import Metrics
 from serving.api.openai_api import OpenAIRoutes
 from serving.api.process_engine import ProcessEngine
-from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, GuardMiddleware, check_bind
+from serving.api.responses_api import ResponsesRoutes
+from serving.api.security import BODY_READ_TIMEOUT_S, DEFAULT_HOST, MAX_BODY_BYTES, GuardMiddleware, check_api_key
 from serving.engine.engine import Engine
 
 STARTUP_TIMEOUT_S = 60.0  # how long ``Server.start`` waits for uvicorn to listen
 POLL_S = 0.01
+# a client's own x-request-id is echoed when it looks like an id (a proxy's trace id), else one is made
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 log = logging.getLogger(__name__)
 
 
+def _request_id(scope: Scope) -> str:
+    for key, value in scope["headers"]:
+        if key == b"x-request-id" and CLIENT_REQUEST_ID.fullmatch(given := value.decode("latin-1")):
+            return given
+    return f"req_{uuid.uuid4().hex}"
+
+
 class _CountRequests:
-    """ASGI middleware: count requests by route and HTTP status (unknown paths count as route "other")."""
+    """ASGI middleware: count requests by route and HTTP status (unknown paths count as route "other"), and
+    give every response an ``x-request-id`` header."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics, routes: set[str]):
         self.app, self.metrics, self.routes = app, metrics, routes
@@ -54,9 +70,12 @@ class _CountRequests:
             return await self.app(scope, receive, send)
         route = scope["path"] if scope["path"] in self.routes else "other"
 
+        request_id = _request_id(scope).encode()
+
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 self.metrics.requests.labels(route, str(message["status"])).inc()
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
             await send(message)
 
         await self.app(scope, receive, counting_send)
@@ -64,16 +83,18 @@ class _CountRequests:
 
 def create_app(engine: Engine | EngineSpec, model_name: str, *, model_path: Path | None = None,
                models_root: Path | None = None, api_key: str | None = None, max_queue: int | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_READ_TIMEOUT_S) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; the engine runs while the app does (lifespan): an ``Engine``
     on a thread of this process, an ``EngineSpec`` built and run in an engine core process.
 
     Args:
       model_path, models_root: clients may name the model by its path under ``models_root`` too.
-      api_key: required on every route but /health when set.
+      api_key: required on every route but /health when set; a blank one is a ValueError.
+      body_timeout_s: a request whose body stops arriving for this long gets a 408.
       max_queue: sequences admitted beyond the engine's max_running (default: the engine's max_queue; with
         an ``EngineSpec``, its own).
     """
+    check_api_key(api_key)  # a blank key is refused before an engine starts
     if isinstance(engine, EngineSpec):
         if max_queue is not None:
             raise ValueError(f"create_app: max_queue={max_queue} with an EngineSpec: expected it in the spec")
@@ -92,7 +113,8 @@ def create_app(engine: Engine | EngineSpec, model_name: str, *, model_path: Path
 
     app = FastAPI(title="serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.frontend = frontend
-    routers = [OpenAIRoutes(frontend).router, AnthropicRoutes(frontend).router, DashboardRoutes(frontend).router]
+    routers = [OpenAIRoutes(frontend).router, ResponsesRoutes(frontend).router, AnthropicRoutes(frontend).router,
+               DashboardRoutes(frontend).router]
     for router in routers:
         app.include_router(router)
 
@@ -120,7 +142,8 @@ def create_app(engine: Engine | EngineSpec, model_name: str, *, model_path: Path
         return error_response(request.url.path, APIError(500, f"internal error: {type(error).__name__}"))
 
     routes = {route.path for router in routers for route in router.routes} | {"/health", "/metrics"}
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
+                       body_timeout_s=body_timeout_s)
     app.add_middleware(_CountRequests, metrics=metrics, routes=routes)
     return app
 
@@ -134,7 +157,7 @@ class Server:
     def __init__(self, app: FastAPI, host: str = DEFAULT_HOST, port: int = 0, log_level: str = "warning"):
         # log_config=None: uvicorn's records go to the host program's logging instead of new stdout handlers
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None,
-                                                    timeout_graceful_shutdown=1))
+                                                    timeout_graceful_shutdown=1, http=security.JSONErrorH11Protocol))
         self.thread = threading.Thread(target=self.server.run, name="serving-http", daemon=True)
         self.host, self.port = host, port
 
@@ -166,5 +189,6 @@ class Server:
 def serve(app: FastAPI, host: str = DEFAULT_HOST, port: int = 8000, api_key: str | None = None,
           log_level: str = "info") -> None:
     """Serve ``app`` in the foreground (the CLI); refuses a non-loopback ``host`` without ``api_key``."""
-    check_bind(host, api_key)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=1)
+    security.check_bind(host, api_key)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=1,
+                http=security.JSONErrorH11Protocol)

@@ -2,7 +2,9 @@
 
 Every parameter is a ``[B]`` array, so one compile serves any mix of greedy and sampled requests. Per row:
 
-1. penalties on the raw logits ``z``: tokens seen in the prompt or output get ``z / r`` (z > 0) or ``z * r``
+1. penalties on the raw logits ``z``: a row's ``logit_bias`` is added first (``z[t] += bias``; a sparse
+   ``[B, K]`` list of ids and values, sent only when some row has one, so the common batch compiles as before),
+   then tokens seen in the prompt or output get ``z / r`` (z > 0) or ``z * r``
    (repetition), then ``z -= presence * [count > 0] + frequency * count`` over output counts; rows with a
    structured-output constraint then get ``z = -inf`` for every token their ``token_bitmask`` disallows;
 2. greedy rows (temperature 0) take ``argmax z``; the others sample from ``softmax(z / T)`` restricted by top-k
@@ -50,6 +52,10 @@ class SamplingBatch(NamedTuple):
     # [B, ceil(V / 32)] int32 allowed tokens, packed (serving.structured.fill_token_bitmask; all ones for a row
     # without a constraint); None when no row is constrained
     token_bitmask: jax.Array | None = None
+    # [B, K] int32 token ids (NO_TOKEN padded) and [B, K] float32 biases added to their logits; None when no row
+    # has a logit_bias (K a power of two)
+    bias_ids: jax.Array | None = None
+    bias_values: jax.Array | None = None
 
 
 class SampleResult(NamedTuple):
@@ -97,6 +103,13 @@ def sampling_batch(rows: Sequence[SampleRow], num_rows: int | None = None,
         return np.array([get(r) for r in rows] + [pad] * (num_rows - len(rows)), dtype)
 
     penalized = [r for r in rows if r.params.uses_penalties]
+    bias_ids = bias_values = None
+    if any(r.params.logit_bias for r in rows):
+        width = _bucket(max(len(r.params.logit_bias) for r in rows))
+        bias_ids = _pad_ids([[t for t, _ in r.params.logit_bias] for r in rows], num_rows, width)
+        bias_values = np.zeros((num_rows, width), np.float32)
+        for i, r in enumerate(rows):
+            bias_values[i, :len(r.params.logit_bias)] = [b for _, b in r.params.logit_bias]
     prompts = [r.prompt_ids if r.params.uses_penalties else () for r in rows]
     outputs = [r.output_ids if r.params.uses_penalties else () for r in rows]
     return SamplingBatch(
@@ -111,7 +124,7 @@ def sampling_batch(rows: Sequence[SampleRow], num_rows: int | None = None,
         step=column(lambda r: r.step, np.int32, 0),
         prompt_ids=_pad_ids(prompts, num_rows, _bucket(max((len(r.prompt_ids) for r in penalized), default=0))),
         output_ids=_pad_ids(outputs, num_rows, _bucket(max((len(r.output_ids) for r in penalized), default=0))),
-        token_bitmask=token_bitmask)
+        token_bitmask=token_bitmask, bias_ids=bias_ids, bias_values=bias_values)
 
 
 def with_room(b: SamplingBatch, steps: int) -> SamplingBatch:
@@ -141,8 +154,13 @@ def _token_counts(ids: jax.Array, vocab: int) -> jax.Array:
 
 
 def apply_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
-    """Repetition, presence and frequency penalties on ``logits [B, V]`` (step 1 of the module docstring)."""
+    """Logit bias, then repetition, presence and frequency penalties on ``logits [B, V]`` (step 1 of the module
+    docstring)."""
     vocab = logits.shape[-1]
+    if b.bias_ids is not None:
+        rows = jnp.arange(logits.shape[0])[:, None]
+        ids = jnp.where(b.bias_ids >= 0, b.bias_ids, vocab)
+        logits = logits.at[rows, ids].add(b.bias_values, mode="drop")
     output_counts = _token_counts(b.output_ids, vocab)
     seen = (_token_counts(b.prompt_ids, vocab) + output_counts) > 0
     r = b.repetition_penalty[:, None]

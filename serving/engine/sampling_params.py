@@ -5,6 +5,7 @@ import dataclasses
 from serving.structured import ConstraintSpec
 
 MAX_LOGPROBS = 20  # top-n logprobs a request may ask for (the sampler computes this many when any request asks)
+MAX_LOGIT_BIAS = 100.0  # |bias| a token may get: +-100 bans or forces it (OpenAI's range)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +19,8 @@ class SamplingParams:
     reproducible (sample i of ``n`` uses seed + i). ``logprobs`` = n returns the chosen token's logprob and the
     top n (from the model's raw distribution, before penalties and temperature). ``constraint`` restricts the
     output to a JSON schema, regex or choice (``serving.structured``): disallowed tokens are masked out.
+    ``logit_bias`` ``((token_id, bias), ...)`` adds each bias (in [-100, 100]) to its token's logit before the
+    penalties, as OpenAI's ``logit_bias`` does.
     """
 
     n: int = 1
@@ -35,10 +38,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     constraint: ConstraintSpec | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         checks = (("n", self.n >= 1, ">= 1"), ("max_tokens", self.max_tokens >= 1, ">= 1"),
                   ("temperature", self.temperature >= 0, ">= 0"), ("top_k", self.top_k >= 0, ">= 0 (0: off)"),
                   ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
@@ -48,7 +53,9 @@ class SamplingParams:
                   ("seed", self.seed is None or 0 <= self.seed < 2**32, "None or in [0, 2**32)"),
                   ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                    f"None or in [0, {MAX_LOGPROBS}]"),
-                  ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"))
+                  ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+                  ("logit_bias", all(t >= 0 and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias),
+                   f"token ids >= 0 with biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"))
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: expected {expected}")

@@ -405,3 +405,9 @@ def test_core_turn_fails_only_the_requests_of_a_failed_step(core, monkeypatch):
     assert request_ids == ["poisoned"] and "injected device failure" in message
     event = core.turn([add("fine", [5, 6], max_tokens=1)])
     assert event["done"] == {"fine": 0} and event["failed"] == []
+
+
+def test_sampling_params_cross_the_wire_whole():
+    params = SamplingParams(n=2, max_tokens=5, temperature=0.5, stop=("x",), logit_bias=((7, 100.0), (3, -2.5)),
+                            seed=3)
+    assert ipc.params_from_wire(ipc.unpack(ipc.pack(ipc.params_to_wire(params)))) == params

@@ -71,9 +71,13 @@ def test_backpressure_two_run_eight_get_fast_503s(url, served):
             await asyncio.gather(*(client.get(f"{url}/health") for _ in range(10)))
             return await asyncio.gather(*(one(client) for _ in range(10)))
 
+    before = httpx.get(f"{url}/dashboard/stats").json()
     results = asyncio.run(burst())
     statuses = sorted(status for status, *_ in results)
     assert statuses == [200] * 2 + [503] * 8
+    after = httpx.get(f"{url}/dashboard/stats").json()  # the dashboard counts the refusals
+    assert after["overloaded"] - before["overloaded"] == 8 and after["errors"] - before["errors"] == 8
+    assert after["requests"] - before["requests"] == 10
     for status, seconds, headers, payload in results:
         if status == 503:
             assert seconds < FAST_503_S and int(headers["retry-after"]) >= 1
@@ -140,7 +144,6 @@ BAD_OPENAI = {
     "token ids out of range": ("/v1/completions", {"model": MODEL_NAME, "prompt": [1, 2, 99999], "max_tokens": 2}),
     "negative token id": ("/v1/completions", {"model": MODEL_NAME, "prompt": [-1], "max_tokens": 2}),
     "empty prompt": ("/v1/completions", {"model": MODEL_NAME, "prompt": [], "max_tokens": 2}),
-    "batch of prompts": ("/v1/completions", {"model": MODEL_NAME, "prompt": ["a", "b"], "max_tokens": 2}),
     "prompt too long": ("/v1/completions", {"model": MODEL_NAME, "prompt": [5] * 5000, "max_tokens": 2}),
     "suffix": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "suffix": "b"}),
 }
@@ -182,7 +185,8 @@ def test_bad_anthropic_payloads_get_a_4xx_in_anthropic_shape(url, case):
 
 def test_bad_payloads_name_the_bad_value(url):
     message = post(url, CHAT, chat(temperature=-1)).json()["error"]
-    assert message["param"] == "temperature" and "-1" in message["message"] and ">= 0" in message["message"]
+    assert message["param"] == "temperature" and "-1" in message["message"]
+    assert "greater than or equal to 0" in message["message"]
     message = post(url, CHAT, chat(max_tokens=10**6)).json()["error"]
     assert message["param"] == "max_tokens" and "context length" in message["message"]
     assert post(url, CHAT, chat(model="gpt-17")).status_code == 404

@@ -1,7 +1,10 @@
 """Security: loopback by default, no public bind without a key, the key on every route but /health (Bearer
 or x-api-key), never logged; client-named models cannot leave the models root. Plus the serve/chat CLI."""
 
+import json
 import logging
+import socket
+import time
 
 import anthropic
 import httpx
@@ -43,7 +46,12 @@ def test_serve_binds_loopback_by_default_and_refuses_public_without_a_key(capsys
     check_bind("0.0.0.0", KEY)
     check_bind("127.0.0.1", None)
     with pytest.raises(ValueError, match="'::'"):
-        check_bind("::", "")
+        check_bind("::", None)
+    for blank in ("", " ", "\t\n"):  # a typo, not a secret: refused even on loopback
+        with pytest.raises(ValueError, match="is blank"):
+            check_bind("127.0.0.1", blank)
+    with pytest.raises(SystemExit, match="is blank"):
+        main(["serve", "--host", "0.0.0.0", "--api-key", " ", "--model", "no-such-model"])
 
 
 def test_every_route_but_health_needs_the_key(server):
@@ -59,6 +67,40 @@ def test_every_route_but_health_needs_the_key(server):
     assert httpx.post(f"{url}/v1/chat/completions", json=body).json()["error"]["type"] == "authentication_error"
     assert httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": KEY},
                       timeout=TIMEOUT_S).status_code == 200
+
+
+def test_any_header_with_the_key_is_accepted_and_the_scheme_is_case_insensitive(server):
+    def status(headers: dict[str, str]) -> int:
+        return httpx.get(f"{server.url}/v1/models", headers=headers).status_code
+
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        assert status({"Authorization": f"{scheme} {KEY}"}) == 200
+        assert status({"Authorization": f"{scheme}  {KEY}"}) == 200
+    # a stale Authorization a client library adds does not hide the right x-api-key, nor the other way round
+    assert status({"Authorization": "Bearer sk-other", "x-api-key": KEY}) == 200
+    assert status({"Authorization": f"Bearer {KEY}", "x-api-key": "wrong"}) == 200
+    for wrong in ({"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}, {"Authorization": "Bearer"},
+                  {"Authorization": "Bearer wrong", "x-api-key": "wrong"}, {"x-api-key": ""}):
+        assert status(wrong) == 401, wrong
+
+
+def test_a_body_that_stops_arriving_gets_a_408(models):
+    _, folder = models
+    with running_server(make_engine(folder), body_timeout_s=0.5) as (server, _):
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
+            sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\": ")  # and then nothing
+            start, data = time.monotonic(), b""
+            while b"\r\n\r\n" not in data or not data.endswith(b"}"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 5
+        assert json.loads(body)["error"]["type"] == "timeout_error"
+        assert httpx.get(f"{server.url}/health").status_code == 200  # and the server goes on
 
 
 def test_official_clients_with_the_key(server):

@@ -28,7 +28,7 @@ WAIT_S = 10  # for the page: a few 1 s polls
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 STATS_KEYS = {"model", "uptime_s", "running", "waiting", "in_flight", "generated_tokens", "prompt_tokens",
               "tokens_per_s", "window_s", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "expert_tokens",
-              "acceptance_rate", "mean_acceptance_length"}
+              "acceptance_rate", "mean_acceptance_length", "requests", "errors", "overloaded", "ttft_ms", "tpot_ms"}
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None or CHROMEDRIVER is None,
     reason="Chromium is not installed: the browser tests need Debian's `apt-get install chromium chromium-driver`")
@@ -103,6 +103,11 @@ def test_stats_count_a_request_its_expert_tokens_and_drafts(moe_server):
     usage = httpx.post(f"{moe_server.url}/v1/completions", json=body, timeout=TIMEOUT_S).json()["usage"]
     after = stats(moe_server)
     assert after["generated_tokens"] - before["generated_tokens"] == MAX_TOKENS == usage["completion_tokens"]
+    assert after["requests"] == before["requests"] + 1 and after["errors"] == before["errors"]
+    assert set(after["ttft_ms"]) == {"p50", "p90", "p99"} and 0 < after["ttft_ms"]["p50"] <= after["ttft_ms"]["p99"]
+    assert 0 < after["tpot_ms"]["p50"] <= after["tpot_ms"]["p90"] <= after["tpot_ms"]["p99"]
+    assert httpx.post(f"{moe_server.url}/v1/completions", json={}).status_code == 400
+    assert stats(moe_server)["errors"] == after["errors"] + 1
     assert after["prompt_tokens"] - before["prompt_tokens"] == PROMPT_TOKENS
     assert after["tokens_per_s"] > 0 and after["uptime_s"] > before["uptime_s"]
     assert after["running"] == after["waiting"] == after["in_flight"] == 0
@@ -131,6 +136,7 @@ def test_page_is_open_but_stats_need_the_key(keyed_server):
     assert stats(keyed_server, **{"x-api-key": KEY})["model"] == "tiny-llama"
     dense = stats(keyed_server, authorization=f"Bearer {KEY}")
     assert set(dense) == STATS_KEYS and dense["expert_tokens"] == []
+    assert dense["ttft_ms"] is None and dense["tpot_ms"] is None  # no request ran
     assert dense["acceptance_rate"] is None and dense["mean_acceptance_length"] is None
 
 
@@ -171,6 +177,15 @@ def test_page_loads_streams_a_chat_and_its_graphs_follow(moe_server, browser):
     assert float(text(browser, "tokens-per-s")) > 0
     assert float(tokens_canvas.get_attribute("data-last").strip("[]")) > 0
     assert int(experts_canvas.get_attribute("data-total")) > before_experts
+    # request counts and latency percentiles, and every graph has a time axis
+    wait(browser, lambda: int(text(browser, "requests")) >= 2 and text(browser, "ttft-p50") != "-")
+    assert float(text(browser, "ttft-p50")) <= float(text(browser, "ttft-p99"))
+    assert float(text(browser, "tpot-p50")) <= float(text(browser, "tpot-p99"))
+    latency = browser.find_element(By.ID, "latency-canvas")
+    assert float(latency.get_attribute("data-last").strip("[]").split(",")[0]) > 0
+    for canvas_id in ("requests-canvas", "tokens-canvas", "kv-canvas", "latency-canvas"):
+        canvas = browser.find_element(By.ID, canvas_id)
+        assert canvas.get_attribute("data-xlabels") == '["now","-30s","-60s","-90s","-120s"]'
 
 
 @needs_chromium
@@ -183,6 +198,7 @@ def test_chat_box_shows_the_error_of_a_refused_request(moe_server, browser):
     browser.find_element(By.ID, "send").click()
     reply = wait(browser, lambda: browser.find_element(By.CSS_SELECTOR, ".msg.assistant[data-state=error]"))
     assert "HTTP 400: max_tokens=100000" in reply.get_property("textContent")
+    wait(browser, lambda: int(text(browser, "errors")) >= 1)  # the refusal shows in the error count
 
 
 @needs_chromium

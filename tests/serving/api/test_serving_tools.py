@@ -3,7 +3,9 @@ tiny Llama fixture, driven by the unmodified ``openai`` and ``anthropic`` client
 forced tool choice (the output is constrained to calls whose arguments follow the tool's schema; streamed
 too), tool results in the history, and Anthropic's tool_use event stream."""
 
+import dataclasses
 import json
+import re
 
 import anthropic
 import httpx
@@ -12,13 +14,16 @@ import openai
 import pytest
 from helpers.server import MODEL_NAME
 
+from serving.api import tools as tool_calls
 from serving.api.anthropic_api import MessagesRequest, chat_messages
 from serving.api.errors import APIError
-from serving.api.tools import Call, add_tool_instructions, call_schema, parse_tool_calls, tool_call_text
-from serving.structured import InvalidConstraintError
+from serving.api.frontend import Frontend
+from serving.api.tools import Call, ToolCallStream, add_tool_instructions, call_schema, parse_tool_calls, tool_call_text
+from serving.structured import ConstraintSpec, InvalidConstraintError
 
 TIMEOUT_S = 120
 CALL_TOKENS = 150  # room for a whole constrained call (about 65 byte-level tokens with these schemas)
+SCRIPT_TOKENS = 300  # room for a scripted output (one byte-level token per byte; the tool list takes ~700)
 # Small closed schemas: even the random fixture model writes a whole call within CALL_TOKENS.
 WEATHER = {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}, "metric": {"type": "boolean"}},
            "required": ["city", "metric"], "additionalProperties": False,
@@ -75,7 +80,17 @@ def test_call_schema_admits_exactly_the_calls_of_the_tools():
             jsonschema.validate(bad, one)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([], many)
-    assert call_schema([{"name": "ping"}], parallel=False)["properties"]["arguments"] == {"type": "object"}
+    assert len(many["items"]["anyOf"]) == 2 and many["maxItems"] == tool_calls.MAX_PARALLEL_CALLS
+    # arguments: an open schema with declared properties is closed, one without any bounded, an explicit one kept
+    assert call_schema([{"name": "ping"}], parallel=False)["properties"]["arguments"] == \
+        {"type": "object", "maxProperties": tool_calls.MAX_OPEN_ARGUMENTS}
+    langchain = {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}
+    closed = call_schema([{"name": "search", "parameters": langchain}], parallel=False)
+    jsonschema.validate({"name": "search", "arguments": {"query": "x"}}, closed)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "search", "arguments": {"query": "x", "invented": 1}}, closed)
+    explicit = {**langchain, "additionalProperties": True}
+    assert call_schema([{"name": "s", "parameters": explicit}], parallel=False)["properties"]["arguments"] == explicit
     with pytest.raises(InvalidConstraintError, match="'ping' has parameters of type 'string'"):
         call_schema([{"name": "ping", "parameters": {"type": "string"}}], parallel=False)
     other_city = {"type": "object", "$defs": {"City": {"enum": ["Rome"]}}}
@@ -177,25 +192,119 @@ def test_anthropic_forced_tool_use_and_an_agent_loop(claude, choice):
         assert "".join(stream.text_stream) == answer.content[0].text
 
 
+def script(monkeypatch, text: str) -> None:
+    """Make the model write ``text`` (the random fixture model never writes a call by itself): every request's
+    output is constrained to exactly ``text``, so the routes parse and stream a real engine output."""
+    submit = Frontend.submit
+
+    def scripted(self, prompt_ids, params, prefix, cache_salt=None):
+        return submit(self, prompt_ids, dataclasses.replace(params, constraint=ConstraintSpec.regex(re.escape(text))),
+                      prefix, cache_salt)
+
+    monkeypatch.setattr(Frontend, "submit", scripted)
+
+
+TEXT_AND_CALLS = ('Let me check. <tool_call>{"name": "time", "arguments": {"zone": "UTC"}}</tool_call>'
+                  '<tool_call>{"name": "weather", "arguments": {"city": "Oslo", "metric": false}}</tool_call>')
+CALLS = [Call("time", {"zone": "UTC"}), Call("weather", {"city": "Oslo", "metric": False})]
+
+
 def test_text_and_calls_in_one_answer(claude, oai, monkeypatch):
-    # the random model never writes a call unforced: pretend it wrote some text and two calls
-    calls = [Call("time", {"zone": "UTC"}), Call("weather", {"city": "Oslo", "metric": False})]
-    monkeypatch.setattr("serving.api.tools.parse_tool_calls", lambda text, allowed: ("Let me check.", calls))
-    options = dict(model=MODEL_NAME, max_tokens=4, messages=chat(), tools=ANTHROPIC_TOOLS)
+    script(monkeypatch, TEXT_AND_CALLS)
+    options = dict(model=MODEL_NAME, max_tokens=SCRIPT_TOKENS, messages=chat(), tools=ANTHROPIC_TOOLS)
     message = claude.messages.create(**options)
     with claude.messages.stream(**options) as stream:
         final = stream.get_final_message()
     for answer in message, final:
         assert answer.stop_reason == "tool_use" and [b.type for b in answer.content] == ["text", "tool_use",
                                                                                          "tool_use"]
-        assert answer.content[0].text == "Let me check."
-        assert [(b.name, b.input) for b in answer.content[1:]] == [tuple(c) for c in calls]
-    chunks = list(oai.chat.completions.create(model=MODEL_NAME, max_tokens=4, messages=chat(), tools=OPENAI_TOOLS,
-                                              stream=True))
-    last = chunks[-1].choices[0]
-    assert last.finish_reason == "tool_calls" and last.delta.content == "Let me check."
-    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in last.delta.tool_calls] == \
-        [(i, *c) for i, c in enumerate(calls)]
+        assert answer.content[0].text.strip() == "Let me check."
+        assert [(b.name, b.input) for b in answer.content[1:]] == [tuple(c) for c in CALLS]
+    options = dict(model=MODEL_NAME, max_tokens=SCRIPT_TOKENS, messages=chat(), tools=OPENAI_TOOLS)
+    whole = oai.chat.completions.create(**options).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == \
+        [tuple(c) for c in CALLS]
+    chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **options) if c.choices]
+    assert chunks[-1].finish_reason == "tool_calls"
+    text = [c.delta.content for c in chunks if c.delta.content]
+    assert len(text) > 1 and "".join(text).strip() == "Let me check."  # streamed as it came, token by token
+    calls = [(d.index, d.function.name, json.loads(d.function.arguments)) for c in chunks
+             for d in c.delta.tool_calls or []]
+    assert calls == [(i, *c) for i, c in enumerate(CALLS)]
+    first_call = next(i for i, c in enumerate(chunks) if c.delta.tool_calls)
+    assert first_call < len(chunks) - 2  # the first call went out before the second was written
+
+
+def test_repeated_and_cut_off_calls(claude, oai, monkeypatch):
+    call = '{"name": "time", "arguments": {"zone": "UTC"}}'
+    other = '{"name": "weather", "arguments": {"city": "Oslo", "metric": true}}'
+    listed = f"[{call}, {call}, {other}, {call}]"
+    script(monkeypatch, listed)
+    # the repeated call comes back once
+    answer = oai.chat.completions.create(model=MODEL_NAME, max_tokens=SCRIPT_TOKENS, messages=chat(),
+                                         tools=OPENAI_TOOLS)
+    assert [c.function.name for c in answer.choices[0].message.tool_calls] == ["time", "weather"]
+    message = claude.messages.create(model=MODEL_NAME, max_tokens=SCRIPT_TOKENS, messages=chat(),
+                                     tools=ANTHROPIC_TOOLS)
+    assert [b.name for b in message.content] == ["time", "weather"] and message.stop_reason == "tool_use"
+    # max_tokens cuts the third call: the two whole ones come back as calls, the finish reason says it was cut
+    cut = len(f"[{call}, {call}, {other}, ".encode()) + 3  # one token per byte
+    for stream in (False, True):
+        options = dict(model=MODEL_NAME, max_tokens=cut, messages=chat(), tools=OPENAI_TOOLS)
+        if stream:
+            chunks = [c.choices[0] for c in oai.chat.completions.create(stream=True, **options) if c.choices]
+            finish = chunks[-1].finish_reason
+            names = [d.function.name for c in chunks for d in c.delta.tool_calls or []]
+            assert not any(c.delta.content for c in chunks)
+        else:
+            choice = oai.chat.completions.create(**options).choices[0]
+            finish, names = choice.finish_reason, [c.function.name for c in choice.message.tool_calls]
+            assert choice.message.content is None
+        assert finish == "length" and names == ["time", "weather"]
+    options = dict(model=MODEL_NAME, max_tokens=cut, messages=chat(), tools=ANTHROPIC_TOOLS)
+    message = claude.messages.create(**options)
+    with claude.messages.stream(**options) as stream:
+        final = stream.get_final_message()
+    for answer in message, final:
+        assert answer.stop_reason == "max_tokens" and [(b.type, b.name) for b in answer.content] == \
+            [("tool_use", "time"), ("tool_use", "weather")]
+
+
+def test_tool_call_stream_gives_text_at_once_and_calls_when_whole():
+    allowed = {"time", "weather"}
+    stream = ToolCallStream(allowed)
+    assert stream.feed("Hello <to") == ["Hello "]  # "<to" may begin a call: held back
+    assert stream.feed("day>") == ["<today>"]
+    assert stream.feed(' <tool_call>{"name": "time", ') == [" "]
+    assert stream.feed('"arguments": {}}</tool_call> bye') == [Call("time", {}), " bye"]
+    assert stream.finish() == []
+    listed = ToolCallStream(allowed)
+    assert listed.feed(' [{"name": "time", "arguments": {}}, {"na') == [Call("time", {})]
+    assert listed.feed('me": "time", "arguments": {}}, {"name": "weather", "arguments": {"city": "Oslo"}}') == \
+        [Call("weather", {"city": "Oslo"})]  # the repeat is dropped
+    assert listed.feed(', {"name": "time", "argu') == [] and listed.finish() == []  # cut off: dropped
+    for not_calls in ('[1, 2]', '{"answer": 42} and more', '[{"name": "shell", "arguments": {}}]'):
+        stream = ToolCallStream(allowed)
+        assert "".join([*stream.feed(not_calls), *stream.finish()]) == not_calls and not stream.calls
+
+
+def test_a_named_function_gives_one_call_unless_parallel_calls_are_asked_for(oai, monkeypatch):
+    seen = []
+    submit = Frontend.submit
+
+    def recording(self, prompt_ids, params, prefix, cache_salt=None):
+        seen.append(json.loads(params.constraint.value))
+        return submit(self, prompt_ids, params, prefix, cache_salt)
+
+    monkeypatch.setattr(Frontend, "submit", recording)
+    named = {"type": "function", "function": {"name": "time"}}
+    for choice, parallel, is_list in ((named, None, False), (named, True, True), ("required", None, True),
+                                      ("required", False, False)):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        oai.chat.completions.create(model=MODEL_NAME, messages=chat(), tools=OPENAI_TOOLS, tool_choice=choice,
+                                    max_tokens=2, **extra)
+        assert (seen[-1].get("type") == "array") == is_list, (choice, parallel)
 
 
 def test_anthropic_tool_blocks_become_chat_messages():

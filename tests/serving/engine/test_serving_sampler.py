@@ -82,6 +82,26 @@ def test_penalties_match_numpy_reference():
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_logit_bias_is_added_before_the_penalties_and_only_when_a_row_has_one():
+    z = random_logits(4, 3)
+    params = [SamplingParams(logit_bias=((3, 5.0), (60, -100.0))), SamplingParams(),
+              SamplingParams(logit_bias=((7, 100.0),), repetition_penalty=2.0)]
+    b = batch_of(params, prompts=[[], [], [7]])
+    assert b.bias_ids.shape == (3, 2) and batch_of(params[1:2]).bias_ids is None  # no bias: the batch as before
+    want = z.copy()
+    want[0, 3] += 5.0
+    want[0, 60] -= 100.0
+    biased = z[2, 7] + 100.0
+    want[2, 7] = biased / 2.0  # seen in the prompt: the penalty applies to the biased logit
+    np.testing.assert_allclose(np.asarray(apply_penalties(jnp.asarray(z), b)), want, rtol=1e-6)
+    result = sample(jnp.asarray(z), b, num_top=2)
+    assert result.tokens[2] == 7  # forced, greedy or sampled
+    assert sample(jnp.asarray(z[2:]), batch_of([dataclasses.replace(params[2], temperature=1.0)],
+                                               prompts=[[7]])).tokens[0] == 7
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    np.testing.assert_allclose(result.logprobs[2], logp[2, 7], rtol=1e-5)  # logprobs of the unbiased model
+
+
 def test_temperature_zero_is_argmax_and_logprobs_are_log_softmax():
     z = random_logits(2)
     params = [SamplingParams(temperature=0.0)] * ROWS
@@ -133,7 +153,8 @@ def test_temperature_sampling_follows_the_softmax_distribution():
 
 @pytest.mark.parametrize("field, value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
                                           ("n", 0), ("max_tokens", 0), ("min_p", 2.0), ("logprobs", 99),
-                                          ("repetition_penalty", 0.0), ("seed", -1), ("stop", ("",))])
+                                          ("repetition_penalty", 0.0), ("seed", -1), ("stop", ("",)),
+                                          ("logit_bias", ((1, 101.0),)), ("logit_bias", ((-1, 1.0),))])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} = "):
         SamplingParams(**{field: value})

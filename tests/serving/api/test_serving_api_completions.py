@@ -1,0 +1,125 @@
+"""Completions that score text, as eval harnesses send them: ``echo`` + ``logprobs`` returns the prompt's token
+logprobs (the first null), ``max_tokens=0`` scores the prompt alone, and a list of prompts gets one choice per
+prompt and per n; plus ``logit_bias`` through the sampler."""
+
+import json
+import math
+
+import httpx
+import numpy as np
+import pytest
+from helpers.server import LLAMA, MODEL_NAME
+
+TIMEOUT_S = 120
+PROMPT = [5, 17, 40, 99, 123, 7, 250]
+TOLERANCE = 1e-4  # float32 against HF's float32 logits (the model tests' bound)
+
+
+def complete(url: str, **fields) -> dict:
+    response = httpx.post(f"{url}/v1/completions", json={"model": MODEL_NAME, **fields}, timeout=TIMEOUT_S)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def hf_logprobs() -> tuple[list[int], np.ndarray]:
+    """(the llama fixture's first prompt, HF transformers' log-softmax of its logits ``[12, 320]``)."""
+    with np.load(LLAMA / "reference.npz") as ref:
+        ids, logits = ref["input_ids"][0][:ref["lengths"][0]].tolist(), ref["logits"][0][:ref["lengths"][0]]
+    return ids, logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+        logits.max(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 2])
+def test_echo_with_logprobs_scores_the_prompt_as_hf_does(api_server, max_tokens):
+    ids, reference = hf_logprobs()
+    out = complete(api_server.url, prompt=ids, max_tokens=max_tokens, echo=True, logprobs=3, temperature=0.0,
+                   ignore_eos=True)
+    [choice] = out["choices"]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + max_tokens
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None  # no context: null
+    expected = [reference[i - 1, ids[i]] for i in range(1, len(ids))]
+    assert logprobs["token_logprobs"][1:len(ids)] == pytest.approx(expected, abs=TOLERANCE)
+    for i in range(1, len(ids)):  # the top of the distribution before each prompt token (keyed by text: byte
+        top = logprobs["top_logprobs"][i]  # tokens that decode alike share a key)
+        best = np.sort(reference[i - 1])[::-1][:3]
+        assert all(np.abs(best - value).min() < TOLERANCE for value in top.values())
+    assert logprobs["text_offset"][0] == 0 and choice["text"] == "".join(logprobs["tokens"])
+    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": max_tokens,
+                            "total_tokens": len(ids) + max_tokens}
+    assert choice["finish_reason"] == "length"
+    if max_tokens:  # the generated tokens' logprobs follow, from the same distribution as the prompt's
+        assert all(lp <= 0 for lp in logprobs["token_logprobs"][len(ids):])
+
+
+def test_a_streamed_echo_carries_the_prompt_logprobs(api_server):
+    ids, reference = hf_logprobs()
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True,
+            "temperature": 0.0, "ignore_eos": True}
+    with httpx.stream("POST", f"{api_server.url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
+        lines = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    first = json.loads(lines[0])["choices"][0]
+    logprobs = first["logprobs"]
+    assert first["text"] == "".join(logprobs["tokens"]) and logprobs["token_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:] == pytest.approx([reference[i - 1, ids[i]] for i in range(1, len(ids))],
+                                                           abs=TOLERANCE)
+    refused = httpx.post(f"{api_server.url}/v1/completions", json={**body, "max_tokens": 0}, timeout=TIMEOUT_S)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
+
+
+def test_lm_eval_harness_loglikelihood_request(api_server):
+    # lm-eval's local-completions model: token-id prompts in a batch, max_tokens 1, logprobs 1, echo, seed
+    contexts = [[5, 17, 40], [99, 123]]
+    continuations = [[7, 250], [8]]
+    body = {"model": MODEL_NAME, "prompt": [c + k for c, k in zip(contexts, continuations, strict=True)],
+            "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    choices = complete(api_server.url, **body)["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    for choice, context, continuation in zip(choices, contexts, continuations, strict=True):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(context) + len(continuation) + 1  # + the generated token
+        picked = logprobs["token_logprobs"][len(context):-1]
+        assert len(picked) == len(continuation) and all(math.isfinite(lp) and lp <= 0 for lp in picked)
+        for top in logprobs["top_logprobs"][len(context):-1]:
+            assert len(top) == 1  # what lm-eval reads to decide is_greedy
+
+
+def test_a_list_of_prompts_gets_one_choice_per_prompt_and_sample(api_server):
+    prompts = ["a", "bc", "def"]
+    out = complete(api_server.url, prompt=prompts, max_tokens=3, n=2, temperature=1.0, seed=3, ignore_eos=True)
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    assert all(c["finish_reason"] == "length" for c in out["choices"])
+    assert out["usage"]["completion_tokens"] == 6 * 3 and out["usage"]["prompt_tokens"] == 1 + 2 + 3
+    alone = complete(api_server.url, prompt="bc", max_tokens=3, n=2, temperature=1.0, seed=3, ignore_eos=True)
+    assert [c["text"] for c in out["choices"][2:4]] == [c["text"] for c in alone["choices"]]  # seeded per prompt
+    echoed = complete(api_server.url, prompt=["ab", "cd"], max_tokens=0, echo=True)["choices"]
+    assert [c["text"] for c in echoed] == ["ab", "cd"] and all(c["logprobs"] is None for c in echoed)
+
+
+def test_logit_bias_moves_the_sampler(api_server, oai):
+    ids, reference = hf_logprobs()
+    prompt, before = ids[:3], reference[2]  # the distribution after the prompt
+    ranked = np.argsort(before)[::-1]
+
+    def chosen(**fields) -> float:
+        """The logprob (under the unbiased model) of the token the request took."""
+        out = complete(api_server.url, prompt=prompt, max_tokens=1, logprobs=0, ignore_eos=True, **fields)
+        return out["choices"][0]["logprobs"]["token_logprobs"][0]
+
+    assert chosen(temperature=0.0) == pytest.approx(before[ranked[0]], abs=TOLERANCE)
+    # -100 bans the greedy token: greedy takes the runner-up
+    assert chosen(temperature=0.0, logit_bias={str(ranked[0]): -100}) == pytest.approx(before[ranked[1]],
+                                                                                        abs=TOLERANCE)
+    # +100 forces an unlikely token, on greedy and sampled rows alike
+    unlikely = int(ranked[-1])
+    for fields in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 5}, {"temperature": 2.0, "top_p": 0.5}):
+        assert chosen(logit_bias={str(unlikely): 100}, **fields) == pytest.approx(before[unlikely], abs=TOLERANCE)
+    # through the official client, chat and completions, batched with a request without a bias
+    reply = oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0.0, logprobs=0,
+                                   logit_bias={str(unlikely): 100})
+    assert reply.choices[0].logprobs.token_logprobs[0] == pytest.approx(before[unlikely], abs=TOLERANCE)
+    chat = oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       temperature=0.0, logit_bias={"77": 100}, logprobs=True,
+                                       extra_body={"ignore_eos": True})
+    assert len({t.token for t in chat.choices[0].logprobs.content}) == 1
