@@ -40,13 +40,12 @@ from serving.api.async_engine import RequestStream
 from serving.api.errors import APIError
 from serving.api.frontend import Frontend, StrictModel
 from serving.engine.engine import Completion, RequestResult
-from serving.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from serving.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, SamplingParams
 from serving.structured import ConstraintSpec, InvalidConstraintError, compile_constraint
 
 MAX_N = 16  # samples per request: more is refused before it can take the whole batch
 MAX_STOP = 16  # stop strings per request
 MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
-MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's limit on logit_bias entries
 MAX_PROMPTS = 64  # prompts in one completions request (lm-eval-harness sends batches of a few)
 SCORE_CONCURRENCY = 8  # one-token requests a prompt's scoring runs at once
 

@@ -274,7 +274,8 @@ class Engine:
 
         * the forward step of every ``ModelRunner.step_shapes`` shape (N up to ``token_budget``, W up to
           ``max_model_len``'s blocks, S = N's), and for each S the sampler with and without logprobs, greedy
-          and drawing, and (with a tokenizer, which constraints need) with and without a structured-output mask;
+          and drawing, with and without logit biases, and (with a tokenizer, which constraints need) with and
+          without a structured-output mask;
         * the decode step (its tokens fed on the device: ``ModelRunner.dispatch``), at every decode-only shape (N
           up to ``max_running`` and ``token_budget``);
         * with ``decode_steps`` > 1, every multi-step decode: the decode-only shapes for n = decode_steps (the
@@ -285,8 +286,8 @@ class Engine:
         each shape (paged-only or not) and its verification variants instead of the step and the sampler; other
         drafters' steps are not in the set, nor are penalized requests' (their token histories have widths of
         their own). XLA compiles them in parallel threads; ``progress(done, total)`` is called after each.
-        Returns what was compiled: ("step" | "score" | "chained", StepShape), ("sample" | "verify", S, num_top,
-        draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
+        Returns what was compiled: ("step" | "score" | "chained", StepShape), ("sample", S, num_top, draw, masked,
+        biased), ("verify", S, num_top, draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
             raise RuntimeError("warm_up: the engine has unfinished requests: expected an idle engine")
         runner, max_blocks = self.runner, -(-self.max_model_len // self.allocator.block_size)
@@ -306,6 +307,8 @@ class Engine:
                 return []
             forward, sampler, rows = ("score", "verify", self.speculative.k + 1)
             shapes = sorted({shape._replace(paged_only=p) for shape in shapes for p in (False, True)})
+        else:
+            samplers = [(*variant, biased) for variant in samplers for biased in (False, True)]
         # the sampler's logits [S * rows, V]: what the first forward gives, at each S
         first = (runner.compile_step(shapes[0]) if forward == "step"
                  else compile_score(runner, shapes[0], self.speculative.k))
@@ -512,9 +515,11 @@ class Engine:
     def _multi_step(self, chunks: list) -> list | None:
         """``chunks`` as the n-token chunks of a multi-step decode (``Scheduler.reserve_ahead``), or None where this
         step samples one token per sequence: ``decode_steps`` 1, batch-invariant mode, a chunk that is not one token
-        after a cached context, a constrained row, or no room for n > 1."""
+        after a cached context, a constrained or logit-biased row (whose sampler variants ``warm_up`` compiles for
+        single steps only), or no room for n > 1."""
         if self.decode_steps == 1 or self.runner.batch_invariant or not all(
-                c.count == 1 and c.samples and c.start > 0 and c.seq.matcher is None for c in chunks):
+                c.count == 1 and c.samples and c.start > 0 and c.seq.matcher is None and not c.seq.params.logit_bias
+                for c in chunks):
             return None
         chunks = self.scheduler.reserve_ahead(chunks, self.decode_steps, exact=True)
         return chunks if chunks[0].count > 1 else None

@@ -361,14 +361,16 @@ class ModelRunner:
         return jax.ShapeDtypeStruct(info.shape, info.dtype,
                                     sharding=None if self.mesh is None else compiled.output_shardings[0])
 
-    def compile_sample(self, logits: jax.ShapeDtypeStruct, num_top: int, draw: bool, masked: bool) -> None:
+    def compile_sample(self, logits: jax.ShapeDtypeStruct, num_top: int, draw: bool, masked: bool,
+                       biased: bool = False) -> None:
         """Compile ``run``'s sampler for ``logits`` ``[S, V]`` (a ``compile_step`` result), with ``num_top``
-        logprobs, drawing or greedy, with a structured-output mask (``masked``) or without."""
+        logprobs, drawing or greedy, with a structured-output mask (``masked``) or without, with logit biases
+        (``biased``) or without."""
         num_seqs = logits.shape[0]
         bitmask = np.zeros((num_seqs, -(-self.cfg.vocab // 32)), np.int32) if masked else None
         with self.on_mesh():
-            self._sampler.lower(logits, sampling_batch([], num_seqs, token_bitmask=bitmask), num_top=num_top,
-                                draw=draw).compile()
+            self._sampler.lower(logits, sampling_batch([], num_seqs, token_bitmask=bitmask, biased=biased),
+                                num_top=num_top, draw=draw).compile()
 
     def compile_decode(self, shape: StepShape, steps: int, num_top: int, draw: bool) -> None:
         """Compile ``decode``'s ``steps``-token call for a decode batch of ``shape``."""

@@ -3,7 +3,8 @@
 Every parameter is a ``[B]`` array, so one compile serves any mix of greedy and sampled requests. Per row:
 
 1. penalties on the raw logits ``z``: a row's ``logit_bias`` is added first (``z[t] += bias``; a sparse
-   ``[B, K]`` list of ids and values, sent only when some row has one, so the common batch compiles as before),
+   ``[B, LOGIT_BIAS_WIDTH]`` list of ids and values, sent only when some row has one: one more variant of the
+   sampler, whatever the rows' bias counts),
    then tokens seen in the prompt or output get ``z / r`` (z > 0) or ``z * r``
    (repetition), then ``z -= presence * [count > 0] + frequency * count`` over output counts; rows with a
    structured-output constraint then get ``z = -inf`` for every token their ``token_bitmask`` disallows;
@@ -29,10 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.engine.sampling_params import SamplingParams
+from serving.engine.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams
 from serving.structured import ConstraintMatcher, apply_token_bitmask
 
 NO_TOKEN = -1  # padding in the penalty id lists
+# the logit-bias list of every row of a biased batch: a request's most entries, padded to a power of two
+LOGIT_BIAS_WIDTH = 1 << (MAX_LOGIT_BIAS_TOKENS - 1).bit_length()
 
 
 class SamplingBatch(NamedTuple):
@@ -52,8 +55,8 @@ class SamplingBatch(NamedTuple):
     # [B, ceil(V / 32)] int32 allowed tokens, packed (serving.structured.fill_token_bitmask; all ones for a row
     # without a constraint); None when no row is constrained
     token_bitmask: jax.Array | None = None
-    # [B, K] int32 token ids (NO_TOKEN padded) and [B, K] float32 biases added to their logits; None when no row
-    # has a logit_bias (K a power of two)
+    # [B, LOGIT_BIAS_WIDTH] int32 token ids (NO_TOKEN padded) and float32 biases added to their logits; None when
+    # no row has a logit_bias
     bias_ids: jax.Array | None = None
     bias_values: jax.Array | None = None
 
@@ -89,10 +92,11 @@ def _bucket(n: int) -> int:
 
 
 def sampling_batch(rows: Sequence[SampleRow], num_rows: int | None = None,
-                   token_bitmask: np.ndarray | None = None) -> SamplingBatch:
+                   token_bitmask: np.ndarray | None = None, biased: bool = False) -> SamplingBatch:
     """Host arrays for ``rows``, padded to ``num_rows`` with greedy rows. Token histories are sent only when a
     row uses penalties (else width 0), padded to a power of two. ``token_bitmask`` ``[num_rows, W]`` int32: the
-    structured-output masks of the rows, or None when no row has a constraint."""
+    structured-output masks of the rows, or None when no row has a constraint. Logit biases are sent when a row
+    has one or ``biased`` (the shape ``Engine.warm_up`` compiles)."""
     num_rows = len(rows) if num_rows is None else num_rows
     if num_rows < len(rows):
         raise ValueError(f"sampling_batch: num_rows={num_rows} < {len(rows)} rows")
@@ -104,10 +108,9 @@ def sampling_batch(rows: Sequence[SampleRow], num_rows: int | None = None,
 
     penalized = [r for r in rows if r.params.uses_penalties]
     bias_ids = bias_values = None
-    if any(r.params.logit_bias for r in rows):
-        width = _bucket(max(len(r.params.logit_bias) for r in rows))
-        bias_ids = _pad_ids([[t for t, _ in r.params.logit_bias] for r in rows], num_rows, width)
-        bias_values = np.zeros((num_rows, width), np.float32)
+    if biased or any(r.params.logit_bias for r in rows):
+        bias_ids = _pad_ids([[t for t, _ in r.params.logit_bias] for r in rows], num_rows, LOGIT_BIAS_WIDTH)
+        bias_values = np.zeros((num_rows, LOGIT_BIAS_WIDTH), np.float32)
         for i, r in enumerate(rows):
             bias_values[i, :len(r.params.logit_bias)] = [b for _, b in r.params.logit_bias]
     prompts = [r.prompt_ids if r.params.uses_penalties else () for r in rows]

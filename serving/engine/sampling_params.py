@@ -6,6 +6,7 @@ from serving.structured import ConstraintSpec
 
 MAX_LOGPROBS = 20  # top-n logprobs a request may ask for (the sampler computes this many when any request asks)
 MAX_LOGIT_BIAS = 100.0  # |bias| a token may get: +-100 bans or forces it (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's limit on logit_bias entries per request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +55,10 @@ class SamplingParams:
                   ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                    f"None or in [0, {MAX_LOGPROBS}]"),
                   ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
-                  ("logit_bias", all(t >= 0 and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias),
-                   f"token ids >= 0 with biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"))
+                  ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS and all(
+                      t >= 0 and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias),
+                   f"at most {MAX_LOGIT_BIAS_TOKENS} token ids >= 0 with biases in [-{MAX_LOGIT_BIAS:g}, "
+                   f"{MAX_LOGIT_BIAS:g}]"))
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: expected {expected}")

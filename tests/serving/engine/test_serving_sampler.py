@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from serving import SamplingParams
-from serving.engine.sampler import SampleRow, apply_penalties, filtered_logits, sample, sampling_batch
+from serving.engine.sampler import LOGIT_BIAS_WIDTH, SampleRow, apply_penalties, filtered_logits, sample, sampling_batch
 
 VOCAB = 64
 ROWS = 6
@@ -87,7 +87,7 @@ def test_logit_bias_is_added_before_the_penalties_and_only_when_a_row_has_one():
     params = [SamplingParams(logit_bias=((3, 5.0), (60, -100.0))), SamplingParams(),
               SamplingParams(logit_bias=((7, 100.0),), repetition_penalty=2.0)]
     b = batch_of(params, prompts=[[], [], [7]])
-    assert b.bias_ids.shape == (3, 2) and batch_of(params[1:2]).bias_ids is None  # no bias: the batch as before
+    assert b.bias_ids.shape == (3, LOGIT_BIAS_WIDTH) and batch_of(params[1:2]).bias_ids is None  # no bias: as before
     want = z.copy()
     want[0, 3] += 5.0
     want[0, 60] -= 100.0

@@ -74,8 +74,8 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
         _events = None
     widths = buckets(16, MIN_BLOCKS_BUCKET, BLOCKS_BUCKET_BASE)
     steps = [StepShape(n, 4, w, False) for n in buckets(16, MIN_TOKENS_BUCKET) for w in widths]
-    samplers = [("sample", 4, top, draw, masked) for top in (0, MAX_LOGPROBS) for draw in (False, True)
-                for masked in (False, True)]
+    samplers = [("sample", 4, top, draw, masked, biased) for top in (0, MAX_LOGPROBS) for draw in (False, True)
+                for masked in (False, True) for biased in (False, True)]
     decode = StepShape(8, 4, 16, False)
     decodes = [("decode", decode, 2, top, draw) for top in (0, MAX_LOGPROBS) for draw in (False, True)]
     assert done == [("step", s) for s in steps] + samplers + [("chained", decode)] + decodes
@@ -92,6 +92,8 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
         digits = ConstraintSpec.regex("[0-9]{4}")
         eng.generate(texts[2:3], SamplingParams(temperature=0.0, max_tokens=6, constraint=digits))
         eng.generate([texts[1]], greedy)
+        eng.generate(texts[:2], [SamplingParams(temperature=0.0, max_tokens=5, logit_bias=((7, 5.0),)),
+                                 SamplingParams(temperature=0.9, max_tokens=5, seed=4, logit_bias=((3, -100.0),) * 2)])
         assert _events == []
     finally:
         _events = None
