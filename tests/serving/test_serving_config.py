@@ -2,11 +2,13 @@
 
 import dataclasses
 import json
+import re
 
 import jax
 import pytest
 from helpers import HF
 
+from serving import __main__ as serving_main
 from serving.config import ModelConfig, RopeConfig
 
 FIXTURES = ("llama", "qwen3", "qwen3_moe", "mixtral", "mixtral_window", "deepseek_v3", "gpt_oss")
@@ -257,3 +259,19 @@ def test_bad_family_config_names_the_key(name, edit, message):
 def test_bad_attention_fields_raise(overrides, message):
     with pytest.raises(ValueError, match=message):
         small(**overrides)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(quantization_config={"quant_method": "mxfp4"}), "quantization_config.quant_method = 'mxfp4'"),
+    (lambda c: c.update(layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
+    (lambda c: c.update(architectures=["Gemma3ForCausalLM"]), "architectures"),
+])
+def test_serve_refuses_an_unsupported_config_naming_the_key(tmp_path, edit, message):
+    """``python -m serving serve --model PATH`` stops before reading any weight, naming the folder and the key."""
+    config = hf_config("gpt_oss")
+    edit(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for flags in ([], ["--random-weights"]):
+        with pytest.raises(SystemExit, match=f"serve refuses to start: --model '{tmp_path}': config.json .*"
+                                             f"{re.escape(message)}"):
+            serving_main.main(["serve", "--model", str(tmp_path), *flags])
