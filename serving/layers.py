@@ -20,7 +20,8 @@ plain-jnp references), chosen once per op by ``jax.lax.platform_dependent`` in `
   Within ``paged_only()`` every token goes through ``paged_attention`` with ``position + 1`` keys (a first
   chunk's K/V are written before attention), and the packed kernel with its gathers is not traced: right for
   any batch, and what a step without a first prefill chunk (``all_paged``: decode steps) should run. The
-  runner keys its compiled step on it.
+  runner keys its compiled step on it. A layer with a sliding window or attention sinks (static model-config
+  data, ``cfg.window(l)``, and a weight) always runs that way, the kernel visiting only each token's window.
 * ``moe``'s three expert matmuls run as ``grouped_matmul`` over the (token, expert) pairs sorted by expert
   (plain weights of the activations' dtype; quantized weights keep ``quantization.linear``); up to
   ``PAIRWISE_MAX_ROWS`` pairs (decode) as two ``gather_matmul`` launches over the pairs unsorted (the SwiGLU
@@ -457,9 +458,12 @@ def _invariant_paged(batch: AttentionBatch, page_size: int,
     return tables, _causal_lengths(batch), dataclasses.replace(config, num_splits=width // split_pages)
 
 
-def _paged_attention_kernels(q, k_pages, v_pages, batch, scale, *, interpret):
+def _paged_attention_kernels(q, k_pages, v_pages, batch, sinks, scale, window, *, interpret):
     """The kernel path of ``paged_attention`` (module docstring): paged rows where ``kv_lens > 0``, else packed;
-    all paged in batch-invariant mode and within ``paged_only``."""
+    all paged in batch-invariant mode, within ``paged_only`` and for a layer with a sliding window or sinks."""
+    if window or sinks is not None:
+        return paged_kernels.paged_attention(q, k_pages, v_pages, _token_tables(batch), _causal_lengths(batch),
+                                             scale=scale, window=window, sinks=sinks, interpret=interpret)
     if kernel_mode() == BATCH_INVARIANT:
         tables, lengths, config = _invariant_paged(batch, k_pages.shape[1], paged_kernels.PagedConfig())
         return paged_kernels.paged_attention(q, k_pages, v_pages, tables, lengths, scale=scale, config=config,
@@ -477,16 +481,17 @@ def _paged_attention_kernels(q, k_pages, v_pages, batch, scale, *, interpret):
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: AttentionBatch,
                     scale: float, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of N new tokens over their sequences' paged cache: ``paged_attention_reference``'s
-    result, through the Pallas kernels on a GPU (module docstring). A sliding ``window`` (static, from the model
-    config) or ``sinks`` run the reference: the kernels take neither."""
-    supported = (_kernel_shapes_ok(q, k_pages, q.shape[-1], v_pages.shape[-1]) and v_pages.dtype == q.dtype
-                 and not window and sinks is None)
-    if not supported and kernel_mode() == BATCH_INVARIANT and (window or sinks is not None):
-        raise ValueError(f"batch-invariant mode runs the Pallas kernels, which take no sliding window (window="
-                         f"{window}) or attention sinks (sinks given: {sinks is not None}): expected neither")
-    return _dispatch(functools.partial(_paged_attention_kernels, scale=scale),
-                     functools.partial(paged_attention_reference, scale=scale, window=window, sinks=sinks),
-                     q, k_pages, v_pages, batch, supported=supported)
+    result, through the Pallas kernels on a GPU (module docstring). A layer with a sliding ``window`` (static, from
+    the model config) or ``sinks [H]`` runs every token through the paged kernel, prefill tokens included: each
+    reads only its window's blocks from the pages (the packed prefill kernel takes neither)."""
+    if kernel_mode() == BATCH_INVARIANT and (window or sinks is not None):
+        raise ValueError(f"batch-invariant mode: a sliding window (window={window}) or attention sinks (given: "
+                         f"{sinks is not None}) would split a context by its window, not at fixed positions: "
+                         "expected neither")
+    supported = _kernel_shapes_ok(q, k_pages, q.shape[-1], v_pages.shape[-1]) and v_pages.dtype == q.dtype
+    return _dispatch(functools.partial(_paged_attention_kernels, scale=scale, window=window),
+                     lambda q, k, v, b, sinks: paged_attention_reference(q, k, v, b, scale, window, sinks),
+                     q, k_pages, v_pages, batch, sinks, supported=supported)
 
 
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: AttentionBatch,
