@@ -20,8 +20,8 @@ plain-jnp references), chosen once per op by ``jax.lax.platform_dependent`` in `
   Within ``paged_only()`` every token goes through ``paged_attention`` with ``position + 1`` keys (a first
   chunk's K/V are written before attention), and the packed kernel with its gathers is not traced: right for
   any batch, and what a step without a first prefill chunk (``all_paged``: decode steps) should run. The
-  runner keys its compiled step on it. A layer with a sliding window or attention sinks (static model-config
-  data, ``cfg.window(l)``, and a weight) always runs that way, the kernel visiting only each token's window.
+  runner keys its compiled step on it. A layer's sliding window (static model-config data, ``cfg.window(l)``)
+  and attention sinks (a weight) go to both kernels, which skip the key blocks wholly before a token's window.
 * ``moe``'s three expert matmuls run as ``grouped_matmul`` over the (token, expert) pairs sorted by expert
   (plain weights of the activations' dtype; quantized weights keep ``quantization.linear``); up to
   ``PAIRWISE_MAX_ROWS`` pairs (decode) as two ``gather_matmul`` launches over the pairs unsorted (the SwiGLU
@@ -460,30 +460,28 @@ def _invariant_paged(batch: AttentionBatch, page_size: int,
 
 def _paged_attention_kernels(q, k_pages, v_pages, batch, sinks, scale, window, *, interpret):
     """The kernel path of ``paged_attention`` (module docstring): paged rows where ``kv_lens > 0``, else packed;
-    all paged in batch-invariant mode, within ``paged_only`` and for a layer with a sliding window or sinks."""
-    if window or sinks is not None:
-        return paged_kernels.paged_attention(q, k_pages, v_pages, _token_tables(batch), _causal_lengths(batch),
-                                             scale=scale, window=window, sinks=sinks, interpret=interpret)
+    all paged in batch-invariant mode and within ``paged_only``. Both kernels take the window and the sinks."""
     if kernel_mode() == BATCH_INVARIANT:
         tables, lengths, config = _invariant_paged(batch, k_pages.shape[1], paged_kernels.PagedConfig())
         return paged_kernels.paged_attention(q, k_pages, v_pages, tables, lengths, scale=scale, config=config,
                                              interpret=interpret)
     if _paged_only.get():
         return paged_kernels.paged_attention(q, k_pages, v_pages, _token_tables(batch), _causal_lengths(batch),
-                                             scale=scale, interpret=interpret)
+                                             scale=scale, window=window, sinks=sinks, interpret=interpret)
     paged = paged_kernels.paged_attention(q, k_pages, v_pages, _token_tables(batch), batch.kv_lens, scale=scale,
-                                          interpret=interpret)
+                                          window=window, sinks=sinks, interpret=interpret)
     packed = attention_kernels.flash_attention(q, _new_rows(k_pages, batch), _new_rows(v_pages, batch),
-                                               batch.chunk_starts, scale=scale, interpret=interpret)
+                                               batch.chunk_starts, scale=scale, window=window, sinks=sinks,
+                                               interpret=interpret)
     return jnp.where((batch.kv_lens > 0)[:, None, None], paged, packed)
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: AttentionBatch,
                     scale: float, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of N new tokens over their sequences' paged cache: ``paged_attention_reference``'s
-    result, through the Pallas kernels on a GPU (module docstring). A layer with a sliding ``window`` (static, from
-    the model config) or ``sinks [H]`` runs every token through the paged kernel, prefill tokens included: each
-    reads only its window's blocks from the pages (the packed prefill kernel takes neither)."""
+    result, through the Pallas kernels on a GPU (module docstring), within a sliding ``window`` (static, from the
+    model config; 0: none) and with ``sinks [H]`` (a weight; None: none), which both kernels take: each skips the
+    key blocks wholly before a token's window."""
     if kernel_mode() == BATCH_INVARIANT and (window or sinks is not None):
         raise ValueError(f"batch-invariant mode: a sliding window (window={window}) or attention sinks (given: "
                          f"{sinks is not None}) would split a context by its window, not at fixed positions: "

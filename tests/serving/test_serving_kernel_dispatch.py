@@ -113,10 +113,11 @@ def test_paged_mla_attention_kernels_equal_the_reference_on_a_mixed_batch(dtype,
     assert_close(in_mode("interpret", attend, *args, paged_only=paged_only), in_mode("reference", attend, *args))
 
 
+@PAGED_ONLY
 @pytest.mark.parametrize("window, with_sinks", [(3, False), (0, True), (5, True)])
-def test_window_and_sinks_run_every_token_through_the_paged_kernel(window, with_sinks):
-    """A sliding-window or sink layer: prefill tokens too go through the paged kernel (which visits only each
-    token's window), never the packed prefill kernel; the reference's result."""
+def test_window_and_sinks_through_the_kernels_equal_the_reference(window, with_sinks, paged_only):
+    """A sliding-window or sink layer on the mixed batch: both kernels (or the paged one alone) take the window and
+    the sinks; the reference's result."""
     heads, kv_heads, head_dim = 8, 2, 32
     q = normal(0, (NUM_TOKENS, heads, head_dim), jnp.float32)
     k_pages = normal(1, (NUM_BLOCKS, BLOCK, kv_heads, head_dim), jnp.float32)
@@ -124,8 +125,9 @@ def test_window_and_sinks_run_every_token_through_the_paged_kernel(window, with_
     sinks = normal(3, (heads,), jnp.float32) if with_sinks else None
     attend = functools.partial(layers.paged_attention, scale=head_dim**-0.5, window=window, sinks=sinks)
     args = (q, k_pages, v_pages, mixed_batch())
-    assert traced_kernels("interpret", attend, *args) == {"paged_attention"}
-    kernels = in_mode("interpret", attend, *args)
+    expected_kernels = {"paged_attention"} if paged_only else {"paged_attention", "flash_attention_causal"}
+    assert traced_kernels("interpret", attend, *args, paged_only=paged_only) == expected_kernels
+    kernels = in_mode("interpret", attend, *args, paged_only=paged_only)
     assert_close(kernels, in_mode("reference", attend, *args))
     plain = in_mode("reference", functools.partial(layers.paged_attention, scale=head_dim**-0.5), *args)
     assert not np.allclose(kernels[:12], plain[:12], atol=1e-3)  # the window / sinks matter on this batch
@@ -277,14 +279,16 @@ def test_a_whole_decode_step_lowers_to_the_triton_kernels_for_an_h200(name, atte
 
 
 def test_a_gpt_oss_decode_step_lowers_to_the_triton_kernels_for_an_h200():
-    """GPT-OSS: both layers (sliding + sinks, full + sinks) through the paged kernel, even outside paged_only; its
-    biased, clamped experts through grouped_matmul (gather_matmul fuses a plain SwiGLU only)."""
+    """GPT-OSS within paged_only (as the runner traces decode): both layers (sliding + sinks, full + sinks) through
+    the paged kernel; its biased, clamped experts through grouped_matmul (gather_matmul fuses a plain SwiGLU
+    only)."""
     cfg, params = fixture("gpt_oss", jnp.bfloat16)
     batch = make_batch([SeqChunk([2, 5, 6], 9, 1), SeqChunk([7], 1, 1)], BLOCK, num_tokens=8, num_seqs=2)
     kv = jax.eval_shape(lambda: create_cache(cfg, NUM_BLOCKS, jnp.bfloat16))
     step = functools.partial(model_module(cfg.family).forward, cfg=cfg)
-    text = lower_for_h200(lambda p, t, b, c: step(p, tokens=t, batch=b, kv=c), params,
-                          jax.ShapeDtypeStruct((8,), jnp.int32), batch, kv)
+    with layers.paged_only():
+        text = lower_for_h200(lambda p, t, b, c: step(p, tokens=t, batch=b, kv=c), params,
+                              jax.ShapeDtypeStruct((8,), jnp.int32), batch, kv)
     assert text.count('name = "paged_attention"') >= cfg.layers and 'name = "grouped_matmul"' in text
     assert 'name = "flash_attention_causal"' not in text and 'name = "gather_matmul"' not in text
 
