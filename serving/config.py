@@ -313,10 +313,11 @@ def _reject_unsupported(config: dict[str, Any], family: str) -> None:
     if act != "silu":
         raise ValueError(f"config.json hidden_act = {act!r}: only 'silu' (SwiGLU) is supported")
     quant = config.get("quantization_config")
-    if quant is not None and quant.get("quant_method") != QUANT_METHOD:
+    readable = (QUANT_METHOD, "mxfp4") if family == "gpt_oss" else (QUANT_METHOD,)  # mxfp4: dequantized at load
+    if quant is not None and quant.get("quant_method") not in readable:
         raise ValueError(f"config.json quantization_config.quant_method = {quant.get('quant_method')!r}: only "
-                         "unquantized checkpoints and those `python -m serving quantize` writes load "
-                         f"({QUANT_METHOD!r}); expected no quantization_config (dequantize the checkpoint first)")
+                         f"unquantized checkpoints and quant_method in {list(readable)} load for {family}; "
+                         "expected no quantization_config (dequantize the checkpoint first)")
     if family == "deepseek_v3":
         for key, expected in (("moe_layer_freq", 1), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
             if config.get(key, expected) != expected:

@@ -241,7 +241,8 @@ def test_moe_layer_selection():
     ("gpt_oss", lambda c: c.update(layer_types=["full_attention"]), "layer_types"),  # 2 layers
     ("llama", lambda c: c.update(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
     ("llama", lambda c: c.update(mlp_bias=True), "mlp_bias"),
-    ("gpt_oss", lambda c: c.update(quantization_config={"quant_method": "mxfp4"}), "quant_method"),
+    ("gpt_oss", lambda c: c.update(quantization_config={"quant_method": "gptq"}), "quant_method"),
+    ("llama", lambda c: c.update(quantization_config={"quant_method": "mxfp4"}), "quant_method"),  # GPT-OSS's only
     ("gpt_oss", lambda c: c.pop("num_local_experts"), "num_local_experts"),
 ])
 def test_bad_family_config_names_the_key(name, edit, message):
@@ -262,7 +263,7 @@ def test_bad_attention_fields_raise(overrides, message):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda c: c.update(quantization_config={"quant_method": "mxfp4"}), "quantization_config.quant_method = 'mxfp4'"),
+    (lambda c: c.update(quantization_config={"quant_method": "awq"}), "quantization_config.quant_method = 'awq'"),
     (lambda c: c.update(layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
     (lambda c: c.update(architectures=["Gemma3ForCausalLM"]), "architectures"),
 ])
@@ -275,3 +276,9 @@ def test_serve_refuses_an_unsupported_config_naming_the_key(tmp_path, edit, mess
         with pytest.raises(SystemExit, match=f"serve refuses to start: --model '{tmp_path}': config.json .*"
                                              f"{re.escape(message)}"):
             serving_main.main(["serve", "--model", str(tmp_path), *flags])
+
+
+def test_gpt_oss_mxfp4_checkpoints_are_read():
+    """GPT-OSS's published checkpoints: MXFP4 experts (dequantized at load, serving.loaders.mxfp4)."""
+    config = hf_config("gpt_oss") | {"quantization_config": {"quant_method": "mxfp4"}}
+    assert ModelConfig.from_hf(config) == ModelConfig.from_hf(hf_config("gpt_oss"))
