@@ -8,6 +8,9 @@ Models (``MODELS``, HF config dicts; ``ModelConfig.from_hf`` reads the same dict
     variant; every row carries ms per layer.
   * moe-1b: a 1B-class Qwen3-MoE (16 layers, hidden 1024, 16/4 heads d64, 32 experts top-4, moe_intermediate
     512, vocab 32000: 0.91B parameters, 0.21B active per token with the output head), random bf16 weights.
+  * gpt-oss-20b: GPT-OSS-20B's shape (24 layers alternating a 128-token sliding window and full attention, hidden
+    2880, 64/8 heads d64 with biases and sinks, 32 experts top-4 with biases, intermediate 2880, vocab 201088:
+    20.9B parameters), random bf16 weights (42 GB).
   * smollm2-135m: SmolLM2-135M-Instruct with its real weights (the embedded GGUF, dequantized to bf16; on an
     offline machine pass ``--smollm2-gguf`` or set ``$APEX_JAX_SMOLLM2_WHEEL``); HF runs its config, random.
 
@@ -17,7 +20,7 @@ host (the device step alone: no scheduler or host work between steps):
     argmax; tokens/s = B / step time. Roofline: the bytes a step must read over ``BANDWIDTH_TB_S``: every
     weight but the routed experts and the embedding once (the embedding's B rows; a tied head reads it whole),
     the routed experts the step actually touched (``expert_counts > 0``, per layer) and each sequence's cached
-    K and V; ``roofline_pct`` = measured / roofline tokens/s.
+    K and V (of a sliding-window layer only the window's); ``roofline_pct`` = measured / roofline tokens/s.
   * prefill: one ``CONTEXT``-token prompt (time to first token: forward + argmax) and ``PREFILL_SEQS`` of
     them in one step (prefill tokens/s).
 serving-bi cases (``--batch-invariant``): the same cases with the step through ``serving.batch_invariant`` (fixed-
@@ -84,6 +87,15 @@ QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_mo
 MOE_1B = QWEN3_30B_A3B | dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
                               head_dim=64, intermediate_size=2816, num_experts=32, num_experts_per_tok=4,
                               moe_intermediate_size=512, vocab_size=32000, max_position_embeddings=8192)
+# GPT-OSS-20B's config.json, the rope keys in the spelling transformers 4.x and 5.x both read (layer_types left to
+# the default alternation, so --layers keeps it).
+GPT_OSS_20B = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24,
+                   num_attention_heads=64, num_key_value_heads=8, head_dim=64, intermediate_size=2880,
+                   num_local_experts=32, num_experts_per_tok=4, vocab_size=201088, rms_norm_eps=1e-5,
+                   sliding_window=128, attention_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0, rope_theta=150000.0,
+                   rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                     original_max_position_embeddings=4096),
+                   max_position_embeddings=131072, tie_word_embeddings=False, hidden_act="silu")
 SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
                     rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
@@ -92,7 +104,7 @@ SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidd
 TINY_MOE = QWEN3_30B_A3B | dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                                 head_dim=16, intermediate_size=96, num_experts=8, num_experts_per_tok=2,
                                 moe_intermediate_size=32, vocab_size=320, max_position_embeddings=256)
-MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B, "moe-1b": MOE_1B, "smollm2-135m": SMOLLM2_135M}
+MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B, "moe-1b": MOE_1B, "gpt-oss-20b": GPT_OSS_20B, "smollm2-135m": SMOLLM2_135M}
 REAL_WEIGHTS = ("smollm2-135m",)
 ENGINES = ("serving", "hf")
 INVARIANT_ENGINE = "serving-bi"  # --batch-invariant: the serving cases in batch-invariant mode
@@ -249,6 +261,8 @@ def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
     context = settings["context"]
     cfg, params, kv, tables = serving_setup(name, hf_config, settings, layers, smollm2_gguf)
     kv_bytes_per_token = sum(x.nbytes for x in jax.tree.leaves(kv)) // (len(tables) * context)
+    # a step reads each layer's last min(context, window) tokens of K and V
+    read_positions = sum(min(context, cfg.window(l) or context) for l in range(cfg.layers)) / cfg.layers
     steps = serving_steps(cfg, batch_invariant)
     rng = np.random.default_rng(0)
 
@@ -270,7 +284,7 @@ def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
         timing, compile_s, counts = measure([SeqChunk(tables[s], context - 1, 1) for s in range(batch)],
                                             settings["decode_steps_per_run"])
         total, experts = weight_bytes_per_step(params, cfg, batch, counts)
-        kv_bytes = batch * context * kv_bytes_per_token
+        kv_bytes = batch * read_positions * kv_bytes_per_token
         roofline_ms = (total + kv_bytes) / (BANDWIDTH_TB_S * 1e9)
         emit(base | dict(case="decode", batch=batch, step_ms=timing.median_ms, p10_ms=timing.p10_ms,
                          p90_ms=timing.p90_ms, compile_s=compile_s, tokens_per_s=batch / (timing.median_ms * 1e-3),

@@ -9,6 +9,10 @@ head_dim]``, v ``[tokens, kv_heads, v_head_dim]``, and sequence s owns rows ``se
 
     out_i = sum_{j in K(i)} softmax_j(scale * q_i . k_j) v_j           (scale defaults to 1/sqrt(head_dim))
 
+A causal sliding ``window`` W narrows K(i) to its last W keys, ``[max(seq_starts[s], i + 1 - W), i + 1)``, and
+attention ``sinks`` [q_heads] (GPT-OSS) give each head's softmax one more logit whose probability is dropped:
+``out_i = sum_j e_j v_j / (sum_j e_j + exp(sinks[h]))``, ``e_j = exp(scale * q_i . k_j)``.
+
 Rows outside every sequence (padding past ``seq_starts[S]``) have no keys and get zeros. ``head_dim`` and
 ``v_head_dim`` may differ (DeepSeek's MLA prefill: 192 and 128); both must be multiples of 16.
 
@@ -21,10 +25,11 @@ FlashAttention-2 (``pallas_kernels.common``: running row max and sum in fp32, ba
 A tile may straddle sequences; the program scans the union of its rows' key ranges in three loops: the masked
 head, the interior tiles that every row sees whole (no mask and no bounds checks: the causal and sequence
 masks cost nothing there), and the masked tail (the diagonal of a causal tile). Tiles of keys outside the
-union (earlier sequences, the causal future) are never read. Triton tensors must have power-of-2 shapes, so a
-head dimension is cut into power-of-2 column spans (192 = 128 + 64) and q.k is a sum of one ``tl.dot`` per
-span, with no padded columns. Causal programs are launched longest first (the last q tile of the token axis
-first), which evens out the tail of the launch.
+union (earlier sequences, the causal future, keys before every row's window) are never read. A sink starts a
+row's online softmax as a first key of value 0 (running max = the sink, sum = 1), so it costs nothing per tile.
+Triton tensors must have power-of-2 shapes, so a head dimension is cut into power-of-2 column spans
+(192 = 128 + 64) and q.k is a sum of one ``tl.dot`` per span, with no padded columns. Causal programs are
+launched longest first (the last q tile of the token axis first), which evens out the tail of the launch.
 
 The softmax, not the MMAs, is on the critical path: both warpgroups of a program meet at a barrier every tile
 (the cp.async pipeline), so they run their fp32 softmax at the same time while the tensor cores wait. Hence
@@ -110,8 +115,9 @@ def fitted_config(head_dim: int, v_head_dim: int, dtype, config: AttentionConfig
 # --------------------------------------------------------------------------- Pallas kernel
 
 
-def _flash_kernel(key_lo_ref, key_hi_ref, q_ref, k_ref, v_ref, o_ref, *, block_q, block_k, group, qk_scale,
-                  k_spans, v_spans, n_q_tiles, approx_exp2):
+def _flash_kernel(key_lo_ref, key_hi_ref, q_ref, k_ref, v_ref, *refs, block_q, block_k, group, qk_scale,
+                  k_spans, v_spans, n_q_tiles, approx_exp2, has_sinks):
+    sinks_ref, o_ref = refs if has_sinks else (None, refs[0])
     tokens = q_ref.shape[0]
     tile = n_q_tiles - 1 - pl.program_id(0)  # the last (longest, when causal) q tiles launch first
     head = pl.program_id(1)
@@ -149,8 +155,11 @@ def _flash_kernel(key_lo_ref, key_hi_ref, q_ref, k_ref, v_ref, o_ref, *, block_q
         return softmax_step(scores, valid, m, l, accs, [load(v_ref, s, w) for s, w in v_spans], scale=qk_scale,
                             approx_exp2=approx_exp2)
 
-    carry = (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
-             [jnp.zeros((block_q, w), jnp.float32) for _, w in v_spans])
+    if has_sinks:  # the sink as a first key of value 0: max = its logit (log2 units), sum = 2^0
+        m0, l0 = jnp.full((block_q,), sinks_ref[head] * LOG2E, jnp.float32), jnp.ones((block_q,), jnp.float32)
+    else:
+        m0, l0 = jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32)
+    carry = (m0, l0, [jnp.zeros((block_q, w), jnp.float32) for _, w in v_spans])
     carry = jax.lax.fori_loop(first, whole_lo, functools.partial(step, masked=True), carry)
     carry = jax.lax.fori_loop(whole_lo, whole_hi, functools.partial(step, masked=False), carry)
     _, l, accs = jax.lax.fori_loop(whole_hi, last, functools.partial(step, masked=True), carry)
@@ -185,8 +194,9 @@ def check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Array
                          f"{seq_starts.dtype}{list(seq_starts.shape)}")
 
 
-def key_ranges(seq_starts: jax.Array, tokens: int, causal: bool) -> tuple[jax.Array, jax.Array]:
-    """Each row's keys ``[key_lo, key_hi)``: int32 ``[tokens]`` each; empty (0, 0) outside every sequence.
+def key_ranges(seq_starts: jax.Array, tokens: int, causal: bool, window: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Each row's keys ``[key_lo, key_hi)``: int32 ``[tokens]`` each; empty (0, 0) outside every sequence; with a
+    causal ``window`` > 0 the row's last ``window`` keys.
 
     ``seq_starts`` is clipped to ``[0, tokens]``, so no key range reaches past the arrays.
     """
@@ -195,14 +205,25 @@ def key_ranges(seq_starts: jax.Array, tokens: int, causal: bool) -> tuple[jax.Ar
     seq = jnp.clip(jnp.searchsorted(seq_starts, rows, side="right") - 1, 0, seq_starts.shape[0] - 2)
     inside = (rows >= seq_starts[0]) & (rows < seq_starts[-1])
     lo = seq_starts[seq]
+    if window:
+        lo = jnp.maximum(lo, rows + 1 - window)
     hi = rows + 1 if causal else seq_starts[seq + 1]
     return jnp.where(inside, lo, 0), jnp.where(inside, hi, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "config", "interpret"))
+def check_window(window: int, sinks: jax.Array | None, q_heads: int, causal: bool) -> None:
+    """Raise ValueError unless ``window`` and ``sinks`` are what :func:`flash_attention` takes."""
+    if not isinstance(window, int) or window < 0 or (window and not causal):
+        raise ValueError(f"window must be an int >= 0 (0: none), and 0 unless causal; got {window!r} with "
+                         f"causal={causal}")
+    if sinks is not None and (sinks.shape != (q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating)):
+        raise ValueError(f"sinks must be float [q_heads={q_heads}], got {sinks.dtype}{list(sinks.shape)}")
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "config", "window", "interpret"))
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Array, *, causal: bool = True,
-                    scale: float | None = None, config: AttentionConfig | None = None,
-                    interpret: bool = False) -> jax.Array:
+                    scale: float | None = None, config: AttentionConfig | None = None, window: int = 0,
+                    sinks: jax.Array | None = None, interpret: bool = False) -> jax.Array:
     """Attention of every packed sequence to itself (module docstring), in one launch.
 
     Args:
@@ -214,12 +235,15 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Ar
       scale: score scale (> 0), default ``1/sqrt(head_dim)``.
       config: launch geometry (:class:`AttentionConfig`); None is ``AttentionConfig()`` fitted to the device's
         shared memory (:func:`fitted_config`). A compiled launch of a config that needs more is a ValueError.
+      window: causal sliding window: a row sees its last ``window`` keys (0: all of them).
+      sinks: float ``[q_heads]``: a sink logit per head in each softmax's denominator (None: none).
 
     Returns:
       ``[tokens, q_heads, v_head_dim]`` in q's dtype; zeros for rows outside every sequence.
     """
     check_inputs(q, k, v, seq_starts)
     tokens, q_heads, head_dim = q.shape
+    check_window(window, sinks, q_heads, causal)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not (math.isfinite(scale) and scale > 0):  # softmax_step takes the row max of the unscaled scores
         raise ValueError(f"scale must be a positive finite number, got {scale}")
@@ -228,11 +252,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Ar
     if not interpret:
         device.check_shared_memory(f"flash_attention of head dims {head_dim}/{v.shape[2]} in {q.dtype}", config,
                                    config.shared_memory_bytes(head_dim, v.shape[2], q.dtype), device.gpu())
-    key_lo, key_hi = key_ranges(seq_starts, tokens, causal)
+    key_lo, key_hi = key_ranges(seq_starts, tokens, causal, window)
     n_q_tiles = pl.cdiv(tokens, config.block_q)
     kernel = functools.partial(_flash_kernel, block_q=config.block_q, block_k=config.block_k,
                                group=q_heads // k.shape[1], qk_scale=scale * LOG2E, k_spans=column_spans(head_dim),
-                               v_spans=column_spans(v.shape[2]), n_q_tiles=n_q_tiles, approx_exp2=not interpret)
+                               v_spans=column_spans(v.shape[2]), n_q_tiles=n_q_tiles, approx_exp2=not interpret,
+                               has_sinks=sinks is not None)
     return pl.pallas_call(
         kernel,
         grid=(n_q_tiles, q_heads),
@@ -240,14 +265,17 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Ar
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="flash_attention_causal" if causal else "flash_attention",
-    )(key_lo, key_hi, q, k, v)
+    )(key_lo, key_hi, q, k, v, *([] if sinks is None else [sinks.astype(jnp.float32)]))
 
 
 def flash_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Array, *,
-                              causal: bool = True, scale: float | None = None) -> jax.Array:
-    """Plain-jnp :func:`flash_attention`: a dense ``[heads, tokens, tokens]`` masked softmax in fp32."""
+                              causal: bool = True, scale: float | None = None, window: int = 0,
+                              sinks: jax.Array | None = None) -> jax.Array:
+    """Plain-jnp :func:`flash_attention`: a dense ``[heads, tokens, tokens]`` masked softmax in fp32 (the sink,
+    if any, one more logit whose probability is dropped)."""
     check_inputs(q, k, v, seq_starts)
     tokens, q_heads, head_dim = q.shape
+    check_window(window, sinks, q_heads, causal)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     rows = jnp.arange(tokens)
     seq = jnp.sum(rows[:, None] >= seq_starts[None, 1:], axis=1)  # sequence index of each row
@@ -255,8 +283,16 @@ def flash_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, seq_star
     mask = (seq[:, None] == seq[None, :]) & inside[:, None] & inside[None, :]
     if causal:
         mask &= rows[None, :] <= rows[:, None]
+    if window:
+        mask &= rows[None, :] > rows[:, None] - window
     group = q_heads // k.shape[1]
     kf = jnp.repeat(k.astype(jnp.float32), group, axis=1)
     vf = jnp.repeat(v.astype(jnp.float32), group, axis=1)
     scores = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), kf, precision="highest") * scale
-    return masked_softmax_values(scores, mask, vf, "hqk,khd->qhd").astype(q.dtype)
+    if sinks is None:
+        return masked_softmax_values(scores, mask, vf, "hqk,khd->qhd").astype(q.dtype)
+    sink = sinks.astype(jnp.float32)[:, None, None]  # [heads, 1, 1]
+    top = jnp.maximum(jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1, keepdims=True), sink)
+    weights = jnp.where(mask, jnp.exp(scores - top), 0.0)
+    probs = weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink - top))
+    return jnp.einsum("hqk,khd->qhd", probs, vf, precision="highest").astype(q.dtype)

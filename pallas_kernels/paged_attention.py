@@ -6,7 +6,13 @@ head_dim]`` (one new token) attends to its first ``lengths[b]`` tokens:
 
     out_{b,h} = sum_{t < lengths[b]} softmax_t(scale * q_{b,h} . k_{b,t,g}) v_{b,t,g}      g = h // group
 
-with ``group = q_heads // kv_heads``; ``lengths[b] = 0`` gives zeros. Absorbed MLA (DeepSeek-V2/V3 decode)
+with ``group = q_heads // kv_heads``; ``lengths[b] = 0`` gives zeros. With a sliding ``window`` W only the
+last W of those tokens are seen (``t >= lengths[b] - W``), and with attention ``sinks`` [q_heads] each head's
+softmax has one more logit, ``sinks[h]``, whose probability is dropped (GPT-OSS):
+
+    out_{b,h} = sum_t e_t v_{b,t,g} / (sum_t e_t + exp(sinks[h]))      e_t = exp(scale * q_{b,h} . k_{b,t,g})
+
+Absorbed MLA (DeepSeek-V2/V3 decode)
 caches one latent row ``[c_kv | k_rope]`` ``[R + P]`` per token (R = 512, P = 64 in V3) shared by all H heads:
 
     scores_{h,t} = q_latent_h . c_kv_t + q_rope_h . k_rope_t          out_h = sum_t softmax_t(scale scores) c_kv_t
@@ -24,7 +30,10 @@ at once with ``tl.dot``, and runs the online softmax of ``common.softmax_step``.
 from HBM once per step per head block: once for GQA, H / block_h times for MLA (L2 serves the repeats).
 Long contexts are split over ``num_splits`` programs (flash-decoding: enough programs to fill the GPU); each
 writes its unnormalized accumulator and its softmax statistics (m, l), and the wrapper combines the splits
-in jnp:  m* = max_s m_s,  out = sum_s 2^(m_s - m*) acc_s / sum_s 2^(m_s - m*) l_s  (0 where the sum is 0).
+in jnp:  m* = max_s m_s,  out = sum_s 2^(m_s - m*) acc_s / sum_s 2^(m_s - m*) l_s  (0 where the sum is 0); a
+sink s_h joins only there, as one more term 2^(s_h log2 e - m*) of the denominator (m* includes it). With a
+window the splits cover only the window: a program's tokens start at ``max(lengths[b] - W, 0)``, so blocks
+wholly before the window are never visited (nor read).
 
 Expected speed (H200): decode is bandwidth-bound; a step streams block_k x (head_dim + v_head_dim) x 2 bytes
 and does 2 x block_h x block_k x (head_dim + v_head_dim) FLOP, 16 FLOP per byte at block_h = 16, far under
@@ -79,7 +88,7 @@ MLA_CONFIG = PagedConfig(block_h=32, block_k=32, num_warps=8, num_stages=2)
 
 
 def _paged_kernel(lengths_ref, tables_ref, q_ref, k_ref, *refs, block_h, block_k, group, head_blocks, page_size,
-                  split_len, qk_scale, k_spans, v_spans, shared_kv):
+                  split_len, qk_scale, k_spans, v_spans, shared_kv, window):
     v_ref, (o_ref, m_ref, l_ref) = (None, refs) if shared_kv else (refs[0], refs[1:])
     kv_head, head_block = pl.program_id(0) // head_blocks, pl.program_id(0) % head_blocks
     b, split = pl.program_id(1), pl.program_id(2)
@@ -87,8 +96,9 @@ def _paged_kernel(lengths_ref, tables_ref, q_ref, k_ref, *refs, block_h, block_k
     head_ok = (h0 + jax.lax.broadcasted_iota(jnp.int32, (block_h,), 0) < group)[:, None]
     qs = [plgpu.load(q_ref.at[b, pl.ds(kv_head * group + h0, block_h), pl.ds(s, w)], mask=head_ok, other=0.0)
           for s, w in k_spans]
-    lo = split * split_len
-    hi = jnp.minimum(lo + split_len, lengths_ref[b])
+    length = lengths_ref[b]
+    lo = (jnp.maximum(length - window, 0) if window else 0) + split * split_len  # splits cover only the window
+    hi = jnp.minimum(lo + split_len, length)
 
     def step(i, carry):
         m, l, accs = carry
@@ -115,29 +125,37 @@ def _paged_kernel(lengths_ref, tables_ref, q_ref, k_ref, *refs, block_h, block_k
     l_ref[split, b, kv_head, pl.ds(h0, block_h)] = l
 
 
-def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """Merge per-split partial results: acc ``[splits, ..., d]``, m and l ``[splits, ...]`` (m in log2 units).
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None = None) -> jax.Array:
+    """Merge per-split partial results: acc ``[splits, ..., d]``, m and l ``[splits, ...]`` (m in log2 units),
+    optionally a sink logit per row (log2 units, broadcast to ``m.shape[1:]``).
 
-    Returns ``sum_s 2^(m_s - m*) acc_s / sum_s 2^(m_s - m*) l_s`` ``[..., d]``, 0 where no split saw a token.
+    Returns ``sum_s 2^(m_s - m*) acc_s / (sum_s 2^(m_s - m*) l_s + 2^(sink - m*))`` ``[..., d]`` with m* the
+    largest of the m_s and the sink; 0 where no split saw a token.
     """
-    weight = jnp.exp2(m - jnp.max(m, axis=0))
+    top = jnp.max(m, axis=0) if sink is None else jnp.maximum(jnp.max(m, axis=0), sink)
+    weight = jnp.exp2(m - top)
     total = jnp.sum(weight * l, axis=0)
+    if sink is not None:
+        total = total + jnp.exp2(sink - top)
     out = jnp.sum(weight[..., None] * acc, axis=0)
     return out * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)[..., None]
 
 
-def _paged_call(q, k_pages, v_pages, block_tables, lengths, *, scale, k_spans, v_spans, config, interpret, name):
+def _paged_call(q, k_pages, v_pages, block_tables, lengths, *, scale, k_spans, v_spans, config, interpret, name,
+                window=0, sinks=None):
     """Run the kernel for q ``[B, q_heads, D]`` over ``k_pages`` ``[pages, page_size, kv_heads, D]`` (and
-    ``v_pages``, or None: the values are the keys' ``v_spans`` columns); returns ``[B, q_heads, Dv]``."""
+    ``v_pages``, or None: the values are the keys' ``v_spans`` columns), within ``window`` (0: all) and with the
+    ``sinks [q_heads]`` (or None); returns ``[B, q_heads, Dv]``."""
     batch, q_heads, _ = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     group, context = q_heads // kv_heads, block_tables.shape[1] * page_size
     block_h = min(config.block_h, max(common.MIN_TILE, pl.next_power_of_2(group)))
     block_k = config.block_k
     head_blocks = pl.cdiv(group, block_h)
+    span = min(context, window) if window else context  # the most tokens one query reads
     splits = config.num_splits or pl.cdiv(TARGET_PROGRAMS, batch * kv_heads * head_blocks)
-    split_len = pl.cdiv(pl.cdiv(context, min(splits, pl.cdiv(context, block_k))), block_k) * block_k
-    splits = pl.cdiv(context, split_len)
+    split_len = pl.cdiv(pl.cdiv(span, min(splits, pl.cdiv(span, block_k))), block_k) * block_k
+    splits = pl.cdiv(span, split_len)
     v_width = sum(w for _, w in v_spans)
     k_width = sum(w for _, w in k_spans)
     if not interpret:  # in flight: num_stages key (and value) tiles; once: the q rows (dot operands)
@@ -149,7 +167,7 @@ def _paged_call(q, k_pages, v_pages, block_tables, lengths, *, scale, k_spans, v
     kernel = functools.partial(_paged_kernel, block_h=block_h, block_k=block_k, group=group,
                                head_blocks=head_blocks, page_size=page_size, split_len=split_len,
                                qk_scale=scale * common.LOG2E, k_spans=k_spans, v_spans=v_spans,
-                               shared_kv=v_pages is None)
+                               shared_kv=v_pages is None, window=window)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(kv_heads * head_blocks, batch, splits),
@@ -160,7 +178,8 @@ def _paged_call(q, k_pages, v_pages, block_tables, lengths, *, scale, k_spans, v
         name=name,
     )(jnp.clip(lengths.astype(jnp.int32), 0, context), block_tables.astype(jnp.int32), q, k_pages,
       *([] if v_pages is None else [v_pages]))
-    out = combine_splits(acc[..., :group, :], m[..., :group], l[..., :group])  # [B, kv_heads, group, Dv]
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kv_heads, group) * common.LOG2E
+    out = combine_splits(acc[..., :group, :], m[..., :group], l[..., :group], sink)  # [B, kv_heads, group, Dv]
     return out.reshape(batch, q_heads, v_width).astype(q.dtype)
 
 
@@ -182,6 +201,13 @@ def _check_tables(batch, block_tables, lengths):
         raise ValueError(f"lengths must be integer [batch={batch}], got {lengths.dtype}{list(lengths.shape)}")
 
 
+def _check_window(window, sinks, q_heads):
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: no sliding window), got {window!r}")
+    if sinks is not None and (sinks.shape != (q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating)):
+        raise ValueError(f"sinks must be float [q_heads={q_heads}], got {sinks.dtype}{list(sinks.shape)}")
+
+
 def _check(q, k_pages, v_pages, block_tables, lengths):
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
@@ -197,10 +223,10 @@ def _check(q, k_pages, v_pages, block_tables, lengths):
     _check_tables(q.shape[0], block_tables, lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "config", "window", "interpret"))
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                     lengths: jax.Array, *, scale: float | None = None, config: PagedConfig = PagedConfig(),
-                    interpret: bool = False) -> jax.Array:
+                    window: int = 0, sinks: jax.Array | None = None, interpret: bool = False) -> jax.Array:
     """One decode step of GQA over a paged KV cache (module docstring).
 
     Args:
@@ -212,15 +238,18 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
       lengths: int ``[batch]``: cached tokens per sequence, clipped to ``[0, max_blocks * page_size]``.
       scale: score scale, default ``1/sqrt(head_dim)``.
       config: launch geometry (:class:`PagedConfig`).
+      window: sliding window W: each sequence sees only its last W tokens (0: all ``lengths[b]``).
+      sinks: float ``[q_heads]``: a sink logit per head in each softmax's denominator (None: none).
 
     Returns:
       ``[batch, q_heads, v_head_dim]`` in q's dtype (zeros where ``lengths`` is 0).
     """
     _check(q, k_pages, v_pages, block_tables, lengths)
+    _check_window(window, sinks, q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     return _paged_call(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                        k_spans=common.column_spans(q.shape[2]), v_spans=common.column_spans(v_pages.shape[3]),
-                       config=config, interpret=interpret, name="paged_attention")
+                       config=config, interpret=interpret, name="paged_attention", window=window, sinks=sinks)
 
 
 def _check_mla(q_latent, q_rope, latent_pages, block_tables, lengths):
@@ -276,16 +305,28 @@ def _length_mask(block_tables, page_size, lengths):
 
 
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-                              lengths: jax.Array, *, scale: float | None = None) -> jax.Array:
-    """Plain-jnp :func:`paged_attention`: gather every sequence's pages, then a dense masked softmax in fp32."""
+                              lengths: jax.Array, *, scale: float | None = None, window: int = 0,
+                              sinks: jax.Array | None = None) -> jax.Array:
+    """Plain-jnp :func:`paged_attention`: gather every sequence's pages, then a dense masked softmax in fp32 (the
+    sink, if any, one more logit whose probability is dropped)."""
     _check(q, k_pages, v_pages, block_tables, lengths)
+    _check_window(window, sinks, q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     group = q.shape[1] // k_pages.shape[2]
     k = jnp.repeat(_gather_pages(k_pages, block_tables), group, axis=2)  # [batch, tokens, q_heads, head_dim]
     v = jnp.repeat(_gather_pages(v_pages, block_tables), group, axis=2)
     scores = jnp.einsum("bhd,bthd->bht", q.astype(jnp.float32), k, precision="highest") * scale
     mask = _length_mask(block_tables, k_pages.shape[1], lengths)
-    return common.masked_softmax_values(scores, mask, v, "bht,bthd->bhd").astype(q.dtype)
+    if window:
+        positions = jnp.arange(block_tables.shape[1] * k_pages.shape[1])
+        mask &= (positions[None, :] >= lengths[:, None] - window)[:, None, :]
+    if sinks is None:
+        return common.masked_softmax_values(scores, mask, v, "bht,bthd->bhd").astype(q.dtype)
+    sink = sinks.astype(jnp.float32)[None, :, None]  # [1, q_heads, 1]
+    top = jnp.maximum(jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1, keepdims=True), sink)
+    weights = jnp.where(mask, jnp.exp(scores - top), 0.0)
+    probs = weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink - top))
+    return jnp.einsum("bht,bthd->bhd", probs, v, precision="highest").astype(q.dtype)
 
 
 def paged_mla_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,

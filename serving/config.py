@@ -1,26 +1,43 @@
 """``ModelConfig``: one frozen, self-validating description of a decoder-only LLM, read from a HF config.json.
 
-One dataclass covers every family the engine serves: Llama (dense), Qwen3-MoE and Mixtral (softmax-routed
-experts), DeepSeek-V3 (multi-head latent attention, sigmoid group-limited routing, shared experts). Fields a
+One dataclass covers every family the engine serves: Llama and Qwen3 (dense), Qwen3-MoE and Mixtral
+(softmax-routed experts), DeepSeek-V3 (multi-head latent attention, sigmoid group-limited routing, shared
+experts), GPT-OSS (softmax-routed experts with biases and a clamped SwiGLU, attention with biases and learned
+sinks). Any of the standard-attention families may have sliding-window layers (``layer_windows``). Fields a
 family does not use keep their neutral defaults (``num_experts=0``, ``kv_lora_rank=0``, ...). Being frozen
 and hashable, a config is a static argument to ``jax.jit``.
+
+``from_hf`` reads every spelling transformers 4.x and 5.x write for these families: expert counts as
+``num_experts`` or ``num_local_experts``, RoPE as ``rope_parameters`` or ``rope_theta`` + ``rope_scaling``
+(``type`` or ``rope_type``), ``head_dim`` absent, null or not hidden / heads, sliding windows as
+``layer_types`` or the older ``use_sliding_window`` / ``max_window_layers``. A key it cannot honour is a
+ValueError naming the key.
 """
 
 import dataclasses
 from typing import Any
 
-FAMILIES = ("llama", "qwen3_moe", "mixtral", "deepseek_v3")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 ROPE_KINDS = ("none", "linear", "llama3", "yarn")
 ROUTERS = ("softmax", "sigmoid")
 
 # HF `architectures[0]` (or `model_type` when a config has no architectures) -> our family.
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GptOssForCausalLM": "gpt_oss",
 }
-HF_MODEL_TYPES = {"llama": "llama", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "deepseek_v3": "deepseek_v3"}
+HF_MODEL_TYPES = {family: family for family in FAMILIES}
+# HF layer_types entries -> whether the layer attends through a sliding window.
+HF_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+# quantization_config.quant_method of the checkpoints `python -m serving quantize` writes (loaders/quantized.py).
+QUANT_METHOD = "apex_jax"
+# GPT-OSS's SwiGLU constants when a config does not name them (transformers' GptOssConfig defaults).
+GPT_OSS_SWIGLU_ALPHA = 1.702
+GPT_OSS_SWIGLU_LIMIT = 7.0
 
 # HF rope_type names -> ours ("default" is plain RoPE).
 HF_ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
@@ -84,6 +101,11 @@ class ModelConfig:
     max_position: int = 4096
     rope: RopeConfig = dataclasses.field(default_factory=lambda: RopeConfig())
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    # Per-layer sliding window W (a query at position p sees keys at positions > p - W); 0: full causal attention.
+    # () : every layer full.
+    layer_windows: tuple[int, ...] = ()
+    attention_bias: bool = False  # q/k/v/o projections with biases (GPT-OSS)
+    attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (GPT-OSS)
     # Mixture of experts (num_experts == 0: every layer dense).
     num_experts: int = 0
     top_k: int = 0
@@ -97,6 +119,10 @@ class ModelConfig:
     first_k_dense: int = 0  # the first k layers are dense (DeepSeek)
     decoder_sparse_step: int = 1  # layer l is MoE when (l + 1) % step == 0 (Qwen3-MoE)
     mlp_only_layers: tuple[int, ...] = ()  # layers forced dense (Qwen3-MoE)
+    # Clamped SwiGLU of the experts (GPT-OSS; 0: plain SwiGLU): gate <= L, |up| <= L,
+    # out = (up + 1) * gate * sigmoid(alpha * gate).
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
     # Multi-head latent attention (kv_lora_rank == 0: standard attention).
     q_lora_rank: int = 0  # 0: q projected directly from the hidden state
     kv_lora_rank: int = 0
@@ -112,6 +138,16 @@ class ModelConfig:
         _check(self.rms_eps > 0, "rms_eps", self.rms_eps, "> 0")
         _check(isinstance(self.rope, RopeConfig), "rope", self.rope, "a RopeConfig")
         _check(isinstance(self.mlp_only_layers, tuple), "mlp_only_layers", self.mlp_only_layers, "a tuple")
+        _check(isinstance(self.layer_windows, tuple) and len(self.layer_windows) in (0, self.layers)
+               and all(isinstance(w, int) and w >= 0 for w in self.layer_windows), "layer_windows",
+               self.layer_windows, f"() or {self.layers} ints >= 0 (0: full attention)")
+        if self.is_mla:
+            _check(not self.layer_windows and not self.attention_sinks and not self.attention_bias,
+                   "layer_windows/attention_sinks/attention_bias",
+                   (self.layer_windows, self.attention_sinks, self.attention_bias),
+                   "unset with latent attention (kv_lora_rank > 0)")
+        _check(self.swiglu_limit >= 0 and (self.swiglu_limit == 0 or self.swiglu_alpha > 0), "swiglu_limit",
+               (self.swiglu_limit, self.swiglu_alpha), "0 (plain SwiGLU) or > 0 with swiglu_alpha > 0")
         if self.is_mla:
             _check(self.qk_nope_head_dim > 0 and self.qk_rope_head_dim > 0 and self.v_head_dim > 0,
                    "qk_nope_head_dim/qk_rope_head_dim/v_head_dim",
@@ -149,6 +185,10 @@ class ModelConfig:
         """Dims of each q/k head that RoPE rotates: all of them, or MLA's qk_rope_head_dim."""
         return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
+    def window(self, layer: int) -> int:
+        """Sliding window of decoder layer ``layer`` (0: full causal attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has a routed-expert MLP (else a dense SwiGLU of size ``intermediate``)."""
         return (self.num_experts > 0 and layer >= self.first_k_dense and layer not in self.mlp_only_layers
@@ -156,16 +196,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "ModelConfig":
-        """Read a HF Hub ``config.json`` dict (Llama, Qwen3-MoE, Mixtral or DeepSeek-V3 causal LMs)."""
+        """Read a HF ``config.json`` dict (the causal LMs of ``HF_ARCHITECTURES``, as transformers 4.x or 5.x
+        writes them; module docstring)."""
         family = _hf_family(config)
         heads = _require(config, "num_attention_heads")
         hidden = _require(config, "hidden_size")
+        layers = _require(config, "num_hidden_layers")
         _reject_unsupported(config, family)
         fields = dict(
             family=family,
             vocab=_require(config, "vocab_size"),
             hidden=hidden,
-            layers=_require(config, "num_hidden_layers"),
+            layers=layers,
             heads=heads,
             kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or hidden // heads,
@@ -174,23 +216,37 @@ class ModelConfig:
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position=config.get("max_position_embeddings", cls.max_position),
             rope=_hf_rope(config, family),
+            layer_windows=_hf_windows(config, family, layers),
         )
-        if family == "qwen3_moe":
+        if family == "qwen3":
+            fields.update(qk_norm=True)
+        elif family == "qwen3_moe":
             fields.update(
                 qk_norm=True,
-                num_experts=_require(config, "num_experts"),
+                num_experts=_require_any(config, "num_experts", "num_local_experts"),
                 top_k=_require(config, "num_experts_per_tok"),
                 moe_intermediate=_require(config, "moe_intermediate_size"),
                 norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-                decoder_sparse_step=config.get("decoder_sparse_step", 1),
+                decoder_sparse_step=config.get("decoder_sparse_step") or 1,
                 mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
             )
         elif family == "mixtral":
             fields.update(
-                num_experts=_require(config, "num_local_experts"),
+                num_experts=_require_any(config, "num_local_experts", "num_experts"),
                 top_k=_require(config, "num_experts_per_tok"),
                 moe_intermediate=fields["intermediate"],
                 norm_topk_prob=True,  # Mixtral always renormalizes its top-k softmax weights
+            )
+        elif family == "gpt_oss":
+            fields.update(
+                attention_bias=bool(config.get("attention_bias", True)),
+                attention_sinks=True,
+                num_experts=_require_any(config, "num_local_experts", "num_experts"),
+                top_k=_require(config, "num_experts_per_tok"),
+                moe_intermediate=fields["intermediate"],
+                norm_topk_prob=True,  # softmax over the k chosen (biased) router logits
+                swiglu_limit=float(config.get("swiglu_limit", GPT_OSS_SWIGLU_LIMIT)),
+                swiglu_alpha=float(config.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA)),
             )
         elif family == "deepseek_v3":
             qk_nope, qk_rope = _require(config, "qk_nope_head_dim"), _require(config, "qk_rope_head_dim")
@@ -226,6 +282,14 @@ def _require(config: dict[str, Any], key: str) -> Any:
     return config[key]
 
 
+def _require_any(config: dict[str, Any], *keys: str) -> Any:
+    """The first of ``keys`` the config sets (transformers versions spell some keys differently)."""
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    raise ValueError(f"config.json has none of {list(keys)} (needed for {_hf_family(config)})")
+
+
 def _hf_family(config: dict[str, Any]) -> str:
     archs = config.get("architectures") or []
     if archs:
@@ -242,16 +306,56 @@ def _hf_family(config: dict[str, Any]) -> str:
 def _reject_unsupported(config: dict[str, Any], family: str) -> None:
     """Features these families can have that the engine does not implement: refuse rather than run them wrong."""
     for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            raise ValueError(f"config.json {key} = {config[key]!r}: biases are not supported (expected false)")
-    window = config.get("sliding_window")
-    if window is not None and (family == "mixtral" or config.get("use_sliding_window")):
-        raise ValueError(f"config.json sliding_window = {window!r}: sliding-window attention is not supported "
-                         "(expected null)")
+        if config.get(key) and not (family == "gpt_oss" and key == "attention_bias"):
+            raise ValueError(f"config.json {key} = {config[key]!r}: biases are not supported for {family} "
+                             "(expected false)")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json hidden_act = {act!r}: only 'silu' (SwiGLU) is supported")
+    quant = config.get("quantization_config")
+    readable = (QUANT_METHOD, "mxfp4") if family == "gpt_oss" else (QUANT_METHOD,)  # mxfp4: dequantized at load
+    if quant is not None and quant.get("quant_method") not in readable:
+        raise ValueError(f"config.json quantization_config.quant_method = {quant.get('quant_method')!r}: only "
+                         f"unquantized checkpoints and quant_method in {list(readable)} load for {family}; "
+                         "expected no quantization_config (dequantize the checkpoint first)")
     if family == "deepseek_v3":
         for key, expected in (("moe_layer_freq", 1), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
             if config.get(key, expected) != expected:
                 raise ValueError(f"config.json {key} = {config[key]!r}: expected {expected!r}")
+
+
+def _hf_windows(config: dict[str, Any], family: str, layers: int) -> tuple[int, ...]:
+    """Per-layer sliding windows (0: full attention) as transformers applies them.
+
+    ``layer_types`` (transformers >= 4.56: "sliding_attention" / "full_attention" per layer) where the family
+    reads it (Qwen3, GPT-OSS), else: Mixtral slides every layer when ``sliding_window`` is set, Qwen3-MoE when
+    ``use_sliding_window`` is also true, Qwen3 the layers >= ``max_window_layers`` when ``use_sliding_window``,
+    GPT-OSS the even layers. A window at least the context changes nothing and is kept as it is.
+    """
+    window = config.get("sliding_window") or 0
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"config.json sliding_window = {window!r}: expected null or an int >= 0")
+    if family in ("qwen3", "qwen3_moe") and not config.get("use_sliding_window"):
+        window = 0  # transformers drops the window of a Qwen3 config without use_sliding_window
+    types = config.get("layer_types")
+    if family in ("llama", "deepseek_v3"):
+        if types and any(t != "full_attention" for t in types):
+            raise ValueError(f"config.json layer_types = {types!r}: {family} layers are all 'full_attention'")
+        return ()
+    if family in ("mixtral", "qwen3_moe"):
+        return (window,) * layers if window else ()
+    if types is not None:
+        if len(types) != layers or any(t not in HF_LAYER_TYPES for t in types):
+            raise ValueError(f"config.json layer_types = {types!r}: expected {layers} (num_hidden_layers) entries "
+                             f"from {list(HF_LAYER_TYPES)}")
+        sliding = [HF_LAYER_TYPES[t] for t in types]
+    elif family == "qwen3":
+        first = config.get("max_window_layers") or 0
+        sliding = [l >= first for l in range(layers)]
+    else:  # gpt_oss
+        sliding = [l % 2 == 0 for l in range(layers)]
+    windows = tuple(window if s else 0 for s in sliding)
+    return windows if any(windows) else ()
 
 
 def _hf_rope(config: dict[str, Any], family: str) -> RopeConfig:

@@ -20,7 +20,8 @@ plain-jnp references), chosen once per op in ``_dispatch`` (by ``jax.lax.platfor
   Within ``paged_only()`` every token goes through ``paged_attention`` with ``position + 1`` keys (a first
   chunk's K/V are written before attention), and the packed kernel with its gathers is not traced: right for
   any batch, and what a step without a first prefill chunk (``all_paged``: decode steps) should run. The
-  runner keys its compiled step on it.
+  runner keys its compiled step on it. A layer's sliding window (static model-config data, ``cfg.window(l)``)
+  and attention sinks (a weight) go to both kernels, which skip the key blocks wholly before a token's window.
 * ``moe``'s three expert matmuls run as ``grouped_matmul`` over the (token, expert) pairs sorted by expert
   (plain weights of the activations' dtype; quantized weights keep ``quantization.linear``); up to
   ``PAIRWISE_MAX_ROWS`` pairs (decode) as two ``gather_matmul`` launches over the pairs unsorted (the SwiGLU
@@ -305,6 +306,23 @@ def swiglu(x: jax.Array, gate: LinearWeight, up: LinearWeight, down: LinearWeigh
     return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
 
 
+def gated_linear_unit(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The experts' activation of their gate and up projections: ``silu(gate) * up``, or with ``cfg.swiglu_limit``
+    L > 0 (GPT-OSS) ``(clip(up, -L, L) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, L)``."""
+    if not cfg.swiglu_limit:
+        return jax.nn.silu(gate) * up
+    limit = cfg.swiglu_limit
+    gate = jnp.minimum(gate, limit)
+    return (jnp.clip(up, -limit, limit) + 1) * gate * jax.nn.sigmoid(cfg.swiglu_alpha * gate)
+
+
+def expert_bias_sum(weights: jax.Array, experts: jax.Array, down_bias: jax.Array) -> jax.Array:
+    """``sum_j w_nj * down_bias[e_nj]``: the experts' output biases weighted as their outputs, ``[N, D]`` fp32
+    (weights ``[N, k]``, experts ``[N, k]``; id E, padding, adds 0)."""
+    rows = jnp.take(down_bias, experts, axis=0, mode="fill", fill_value=0).astype(jnp.float32)  # [N, k, D]
+    return jnp.sum(rows * weights[:, :, None], axis=1)
+
+
 def route(logits: jax.Array, cfg: ModelConfig, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Pick ``cfg.top_k`` experts per token: (gate weights ``[N, k]`` fp32, expert ids ``[N, k]`` int32).
 
@@ -343,22 +361,33 @@ def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
     """Routed-expert SwiGLU: ``y_n = sum_j w_nj * swiglu_{e_nj}(x_n)`` over each token's top-k experts.
 
     params: ``router [D, E]``, ``gate``/``up [E, D, I]``, ``down [E, I, D]``, optionally ``router_bias [E]``
-    (choice-only bias, sigmoid router). x ``[N, D]``; ``valid [N]`` marks real tokens (default all). The N*k
-    (token, expert) pairs run through ``expert_outputs``; a padding token's pairs name no expert (id E): they
-    read no weights and give 0, so padding tokens' outputs are 0.
+    (choice-only bias, sigmoid router), ``router_logit_bias [E]`` (added to the router logits, GPT-OSS) and the
+    expert biases ``gate_bias``/``up_bias [E, I]``, ``down_bias [E, D]`` (GPT-OSS). x ``[N, D]``; ``valid [N]``
+    marks real tokens (default all). The N*k (token, expert) pairs run through ``expert_outputs``; a padding
+    token's pairs name no expert (id E): they read no weights and give 0, so padding tokens' outputs are 0.
     Returns y ``[N, D]`` and the number of valid tokens routed to each expert ``[E]`` int32.
     """
     num_experts = params["router"].shape[-1]
     # Router logits in the activation dtype for softmax routers and fp32 for sigmoid, as in the HF models.
     logits_dtype = jnp.float32 if cfg.router == "sigmoid" else x.dtype
-    logits = jnp.dot(x, params["router"], preferred_element_type=logits_dtype)
+    logits = router_logits(x, params, logits_dtype)
     weights, experts = route(logits, cfg, params.get("router_bias"))
     if valid is not None:
         experts = jnp.where(valid[:, None], experts, num_experts)
-    out = expert_outputs(x, params, experts)  # [N, k, D]
+    out = expert_outputs(x, params, experts, cfg)  # [N, k, D]
     # The weighted sum as one elementwise-and-reduce fusion (an einsum is a batched dot: a matmul launch of its own).
-    y = jnp.sum(out.astype(jnp.float32) * weights[:, :, None], axis=1).astype(x.dtype)
-    return y, expert_counts(experts, num_experts)
+    y = jnp.sum(out.astype(jnp.float32) * weights[:, :, None], axis=1)
+    if "down_bias" in params:
+        y = y + expert_bias_sum(weights, experts, params["down_bias"])
+    return y.astype(x.dtype), expert_counts(experts, num_experts)
+
+
+def router_logits(x: jax.Array, params: dict[str, jax.Array], dtype: jnp.dtype) -> jax.Array:
+    """``x @ router (+ router_logit_bias)``: ``[N, D]`` -> ``[N, E]`` in ``dtype``."""
+    logits = jnp.dot(x, params["router"], preferred_element_type=dtype)
+    if "router_logit_bias" in params:
+        logits = logits + params["router_logit_bias"].astype(dtype)
+    return logits
 
 
 def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
@@ -368,9 +397,9 @@ def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
     return one_hot.sum(axis=0, dtype=jnp.int32)
 
 
-def expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array) -> jax.Array:
+def expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Each token through each of its experts: x ``[N, D]``, experts ``[N, k]`` (id E: none, that output is 0)
-    -> ``[N, k, D]``, the SwiGLU experts of ``moe``'s params.
+    -> ``[N, k, D]``, the SwiGLU experts of ``moe``'s params (their gate/up biases included, not the down bias).
 
     Up to ``PAIRWISE_MAX_ROWS`` (token, expert) pairs of plain weights (decode), the GPU kernel path runs each
     pair as its own row of ``gather_matmul`` (two launches), in pair order: no sort. Otherwise the pairs are
@@ -380,19 +409,22 @@ def expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Arra
     """
     plain = all(isinstance(params[name], jax.Array) and params[name].dtype == x.dtype
                 for name in ("gate", "up", "down")) and x.dtype in attention_kernels.DTYPES
-    if experts.size > PAIRWISE_MAX_ROWS or not plain or kernel_mode() == BATCH_INVARIANT:
-        return _sorted_expert_outputs(x, params, experts)
-    return _dispatch(_gathered_expert_outputs, _sorted_expert_outputs, x, params, experts)
+    swiglu_only = "gate_bias" not in params and not cfg.swiglu_limit  # gather_matmul fuses a plain SwiGLU
+    if experts.size > PAIRWISE_MAX_ROWS or not plain or not swiglu_only or kernel_mode() == BATCH_INVARIANT:
+        return _sorted_expert_outputs(x, params, experts, cfg)
+    return _dispatch(_gathered_expert_outputs, functools.partial(_sorted_expert_outputs, cfg=cfg), x, params,
+                     experts)
 
 
-def _sorted_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array) -> jax.Array:
+def _sorted_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array,
+                           cfg: ModelConfig) -> jax.Array:
     """``expert_outputs`` through the grouped matmuls: the N*k pairs sorted by expert (id E sorts last, past every
     group: zeros), ``expert_swiglu``, and back in pair order."""
     num_tokens, top_k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair indices, grouped by expert
     group_sizes = expert_counts(experts, params["gate"].shape[0])
-    out_sorted = expert_swiglu(x[order // top_k], params, group_sizes)  # [N*k, D]
+    out_sorted = expert_swiglu(x[order // top_k], params, group_sizes, cfg, row_experts=flat[order])  # [N*k, D]
     return jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, top_k, -1)
 
 
@@ -407,14 +439,20 @@ def _gathered_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts
                          interpret=interpret).reshape(num_tokens, top_k, -1)
 
 
-def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: jax.Array,
-                  matmul: Callable[[jax.Array, LinearWeight, jax.Array], jax.Array] | None = None) -> jax.Array:
-    """SwiGLU of rows ``[M, D]`` sorted by expert, each through its expert's ``gate``/``up [E, D, I]`` and
+def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: jax.Array, cfg: ModelConfig,
+                  matmul: Callable[[jax.Array, LinearWeight, jax.Array], jax.Array] | None = None,
+                  row_experts: jax.Array | None = None) -> jax.Array:
+    """SwiGLU (``gated_linear_unit``) of rows ``[M, D]`` sorted by expert, each through its expert's ``gate``/``up
+    [E, D, I]`` (plus ``gate_bias``/``up_bias [E, I]`` of expert ``row_experts [M]`` where params have them) and
     ``down [E, I, D]`` (rows past ``sum(group_sizes)`` come out 0). ``matmul(x, w, group_sizes)`` defaults to
     :func:`expert_matmul`."""
     matmul = matmul or expert_matmul
-    hidden = jax.nn.silu(matmul(rows, params["gate"], group_sizes)) * matmul(rows, params["up"], group_sizes)
-    return matmul(hidden, params["down"], group_sizes)
+    gate, up = matmul(rows, params["gate"], group_sizes), matmul(rows, params["up"], group_sizes)
+    if "gate_bias" in params:
+        def bias(name: str) -> jax.Array:  # id E (no expert) adds 0
+            return jnp.take(params[name], row_experts, axis=0, mode="fill", fill_value=0).astype(gate.dtype)
+        gate, up = gate + bias("gate_bias"), up + bias("up_bias")
+    return matmul(gated_linear_unit(gate, up, cfg), params["down"], group_sizes)
 
 
 def expert_matmul(x: jax.Array, w: LinearWeight, group_sizes: jax.Array) -> jax.Array:
@@ -465,44 +503,53 @@ def _invariant_paged(batch: AttentionBatch, page_size: int,
     return tables, _causal_lengths(batch), dataclasses.replace(config, num_splits=width // split_pages)
 
 
-def _paged_attention_kernels(q, k_pages, v_pages, batch, scale, *, interpret):
+def _paged_attention_kernels(q, k_pages, v_pages, batch, sinks, scale, window, *, interpret):
     """The kernel path of ``paged_attention`` (module docstring): paged rows where ``kv_lens > 0``, else packed;
-    all paged in batch-invariant mode and within ``paged_only``."""
+    all paged in batch-invariant mode and within ``paged_only``. Both kernels take the window and the sinks."""
     if kernel_mode() == BATCH_INVARIANT:
         tables, lengths, config = _invariant_paged(batch, k_pages.shape[1], paged_kernels.PagedConfig())
         return paged_kernels.paged_attention(q, k_pages, v_pages, tables, lengths, scale=scale, config=config,
                                              interpret=interpret)
     if _paged_only.get():
         return paged_kernels.paged_attention(q, k_pages, v_pages, _token_tables(batch), _causal_lengths(batch),
-                                             scale=scale, interpret=interpret)
+                                             scale=scale, window=window, sinks=sinks, interpret=interpret)
     paged = paged_kernels.paged_attention(q, k_pages, v_pages, _token_tables(batch), batch.kv_lens, scale=scale,
-                                          interpret=interpret)
+                                          window=window, sinks=sinks, interpret=interpret)
     packed = attention_kernels.flash_attention(q, _new_rows(k_pages, batch), _new_rows(v_pages, batch),
-                                               batch.chunk_starts, scale=scale, interpret=interpret)
+                                               batch.chunk_starts, scale=scale, window=window, sinks=sinks,
+                                               interpret=interpret)
     return jnp.where((batch.kv_lens > 0)[:, None, None], paged, packed)
 
 
 @_traced_once("scale")
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: AttentionBatch,
-                    scale: float) -> jax.Array:
+                    scale: float, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of N new tokens over their sequences' paged cache: ``paged_attention_reference``'s
-    result, through the Pallas kernels on a GPU (module docstring)."""
+    result, through the Pallas kernels on a GPU (module docstring), within a sliding ``window`` (static, from the
+    model config; 0: none) and with ``sinks [H]`` (a weight; None: none), which both kernels take: each skips the
+    key blocks wholly before a token's window."""
+    if kernel_mode() == BATCH_INVARIANT and (window or sinks is not None):
+        raise ValueError(f"batch-invariant mode: a sliding window (window={window}) or attention sinks (given: "
+                         f"{sinks is not None}) would split a context by its window, not at fixed positions: "
+                         "expected neither")
     supported = _kernel_shapes_ok(q, k_pages, q.shape[-1], v_pages.shape[-1]) and v_pages.dtype == q.dtype
-    return _dispatch(functools.partial(_paged_attention_kernels, scale=scale),
-                     functools.partial(paged_attention_reference, scale=scale),
-                     q, k_pages, v_pages, batch, supported=supported)
+    return _dispatch(functools.partial(_paged_attention_kernels, scale=scale, window=window),
+                     lambda q, k, v, b, sinks: paged_attention_reference(q, k, v, b, scale, window, sinks),
+                     q, k_pages, v_pages, batch, sinks, supported=supported)
 
 
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: AttentionBatch,
-                              scale: float) -> jax.Array:
+                              scale: float, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of N new tokens over their sequences' paged cache (plain-jnp reference).
 
     q ``[N, H, D]``; k_pages ``[num_blocks, block_size, K, D]``, v_pages ``[num_blocks, block_size, K, Dv]``
     (one layer, the new tokens already written); H = K * G (grouped-query heads). Token n of sequence s at
-    position p sees cache positions t with ``t <= p`` and ``t < context_lens[s]``:
-    ``out[n, h] = softmax_t(scale * q[n, h] . k[s, t, h // G]) @ v[s, t, h // G]``, softmax in fp32.
-    Padding tokens (seq id < 0) get zeros. Memory: every token gathers its whole sequence, ``[N, T, K, D]``
-    with T = max_blocks * block_size; the GPU kernel replacing this avoids that.
+    position p sees cache positions t with ``t <= p`` and ``t < context_lens[s]`` (and ``t > p - window`` for a
+    sliding ``window`` > 0): ``out[n, h] = sum_t e_t v[s, t, h // G] / (sum_t e_t + exp(sinks[h]))`` with
+    ``e_t = exp(scale * q[n, h] . k[s, t, h // G])`` in fp32 (the sink term only where ``sinks [H]`` is given:
+    a learned logit that takes part of the probability mass and returns no value). Padding tokens (seq id < 0)
+    get zeros. Memory: every token gathers its whole sequence, ``[N, T, K, D]`` with T = max_blocks *
+    block_size; the GPU kernel replacing this avoids that.
     """
     num_tokens, heads, _ = q.shape
     kv_heads = k_pages.shape[2]
@@ -513,10 +560,16 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     values = v_pages[tables].reshape(num_tokens, -1, kv_heads, v_pages.shape[-1])  # [N, T, K, Dv]
     t = jnp.arange(keys.shape[1])
     visible = (t[None, :] <= batch.positions[:, None]) & (t[None, :] < batch.context_lens[seq][:, None])
+    if window:
+        visible &= t[None, :] > batch.positions[:, None] - window
     qg = q.reshape(num_tokens, kv_heads, heads // kv_heads, -1)  # [N, K, G, D]
     scores = jnp.einsum("nkgd,ntkd->nkgt", qg, keys, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(visible[:, None, None, :], scores, MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # the sink is one more logit in the softmax, whose probability is dropped
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, -1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     out = jnp.einsum("nkgt,ntkd->nkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, heads, -1).astype(q.dtype)

@@ -38,7 +38,7 @@ from serving.config import ModelConfig
 KINDS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, float(jnp.finfo(jnp.float8_e4m3fn).max))}
 # Families whose attention is ``llama.attention`` (projections through ``linear``): their q/k/v/o are
 # quantized; DeepSeek's MLA projections are not routed through ``linear``, so only its MLPs are.
-LINEAR_ATTENTION_FAMILIES = ("llama", "qwen3_moe", "mixtral")
+LINEAR_ATTENTION_FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
 # Attention weight -> its contracted (input) axes: q/k/v ``[D, heads, hd]``, o ``[H, hd, D]``.
 ATTENTION_IN_AXES = {"q": (0,), "k": (0,), "v": (0,), "o": (0, 1)}
 MLP_KEYS = ("mlp", "shared_mlp")  # a layer's SwiGLU MLPs: gate/up ``[.., D, I]``, down ``[.., I, D]``

@@ -63,8 +63,9 @@ DATA, TENSOR, EXPERT = "data", "tensor", "expert"
 AXES = (DATA, TENSOR, EXPERT)  # make_mesh's axis order: "expert" varies fastest (neighbouring devices)
 TOKENS = (DATA, EXPERT)  # the flat token batch is split over both: every device routes its own tokens
 # How moe_expert_parallel sees the expert weights (moe.py's layout): experts over "expert", hidden dim over "tensor".
-EXPERT_SPECS = {"router": P(), "router_bias": P(), "gate": P(EXPERT, None, TENSOR), "up": P(EXPERT, None, TENSOR),
-                "down": P(EXPERT, TENSOR, None)}
+EXPERT_SPECS = {"router": P(), "router_bias": P(), "router_logit_bias": P(), "gate": P(EXPERT, None, TENSOR),
+                "up": P(EXPERT, None, TENSOR), "down": P(EXPERT, TENSOR, None), "gate_bias": P(EXPERT, TENSOR),
+                "up_bias": P(EXPERT, TENSOR), "down_bias": P()}  # down_bias: added after the tensor psum
 
 
 def make_mesh(data: int = 1, tensor: int = 1, expert: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -168,7 +169,7 @@ def _local_moe(x: jax.Array, params: dict[str, jax.Array], valid: jax.Array, *, 
     num_experts, local_experts = params["router"].shape[-1], params["gate"].shape[0]
     capacity = n * min(k, local_experts)  # rows this device may send to one device: never exceeded (docstring)
     logits_dtype = jnp.float32 if cfg.router == "sigmoid" else x.dtype  # as layers.moe
-    logits = jnp.dot(x, params["router"], preferred_element_type=logits_dtype)
+    logits = layers.router_logits(x, params, logits_dtype)
     weights, experts = layers.route(logits, cfg, params.get("router_bias"))
     # (token, expert) pairs sorted by expert, hence by destination device; padding pairs get expert E and sort
     # last, past every device, so the scatters below drop them.
@@ -189,15 +190,18 @@ def _local_moe(x: jax.Array, params: dict[str, jax.Array], valid: jax.Array, *, 
     recv_ids = jax.lax.all_to_all(send_ids, EXPERT, 0, 0, tiled=True)
     recv_order = jnp.argsort(recv_ids, stable=True)
     group_sizes = jnp.bincount(recv_ids, length=local_experts).astype(jnp.int32)
-    rows = recv_rows[recv_order]
+    rows, row_experts = recv_rows[recv_order], recv_ids[recv_order]
     # ragged_dot (quantization.linear), not the Pallas kernel: inside shard_map (check_vma) a pallas_call's out_shape
     # must carry a manual_axis_type, which grouped_matmul does not set (yet).
-    out_sorted = layers.expert_swiglu(rows, params, group_sizes, matmul=lambda x, w, g: linear(x, w, group_sizes=g))
+    out_sorted = layers.expert_swiglu(rows, params, group_sizes, cfg, row_experts=row_experts,
+                                      matmul=lambda x, w, g: linear(x, w, group_sizes=g))
     out = jnp.zeros_like(out_sorted).at[recv_order].set(out_sorted)
     back = jax.lax.all_to_all(out, EXPERT, 0, 0, tiled=True)  # each row back in the slot it was sent from
 
     pair_out = back.at[slot].get(mode="fill", fill_value=0)  # [n*k, D] sorted pairs; padding pairs 0
     pairs = jnp.zeros_like(pair_out).at[order].set(pair_out).reshape(n, k, -1)
     y = jax.lax.psum(jnp.einsum("nkd,nk->nd", pairs.astype(jnp.float32), weights), TENSOR)
+    if "down_bias" in params:  # replicated: each token's k biases, once (after the psum)
+        y = y + layers.expert_bias_sum(weights, jnp.where(valid[:, None], experts, num_experts), params["down_bias"])
     counts = jax.lax.psum(jnp.bincount(flat, length=num_experts), TOKENS)  # padding (expert E) not counted
     return y.astype(x.dtype), counts.astype(jnp.int32)

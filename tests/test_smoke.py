@@ -92,7 +92,8 @@ def test_fused_pc_epoch_matches_the_xla_loop(precision):
         np.testing.assert_allclose(fused_metrics[name], loop_metrics[name], rtol=1e-4, err_msg=name)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss",
+                                  *(pytest.param(n, marks=pytest.mark.slow) for n in ("qwen3", "mixtral_window"))])
 def test_engine_greedy_tokens_match_hf(name):
     prompts, greedy = reference(name)
     engine = Engine(HF / name, dtype=jnp.float32, num_blocks=64, block_size=4, max_running=8, token_budget=64)

@@ -69,7 +69,10 @@ def serve_command(args: argparse.Namespace) -> str:
         check_bind(args.host, api_key)  # before the minutes of loading a model
     except ValueError as e:
         raise SystemExit(f"serve refuses to start: {e}") from None
-    spec, name, path = _spec(args)
+    try:
+        spec, name, path = _spec(args)  # a config.json the engine cannot serve is refused here, naming the key
+    except ValueError as e:
+        raise SystemExit(f"serve refuses to start: {e}") from None
     if not args.in_process:  # the engine core process owns the devices: this one must not take any
         jax.config.update("jax_platforms", "cpu")
     models_root = Path(args.models_root) if args.models_root else None

@@ -76,9 +76,12 @@ class EngineSpec:
         return cls(**fields)
 
     def served_name(self) -> tuple[str, Path | None]:
-        """(the model's default served name, its path or None for the embedded model), checking the path."""
+        """(the model's default served name, its path or None for the embedded model), checking the path and that
+        a HF folder's config.json describes a model the engine serves (``ModelConfig.from_hf``: a ValueError
+        naming the config key it cannot honour), before any weight is read."""
         if self.random_weights:
             config = _config_file(self.model)
+            _check_config(config)
             return config.parent.resolve().name, config.parent
         if self.model == DEFAULT_MODEL:
             return DEFAULT_MODEL, None
@@ -88,6 +91,8 @@ class EngineSpec:
         if path.suffix == ".json":
             raise ValueError(f"--model {self.model!r} is a config without weights: add --random-weights to serve it "
                              "with random weights, or pass a HF folder or a .gguf file")
+        if (path / "config.json").is_file():
+            _check_config(path / "config.json")
         return path.name, path
 
     def build(self) -> Engine:
@@ -133,6 +138,14 @@ def _config_file(model: str) -> Path:
         raise FileNotFoundError(f"--random-weights --model {model!r}: expected a HF config.json file or a folder "
                                 "holding one")
     return config
+
+
+def _check_config(config: Path) -> None:
+    """``ModelConfig.from_hf`` of the file ``config``, its ValueError prefixed with the file."""
+    try:
+        ModelConfig.from_hf(json.loads(config.read_text()))
+    except ValueError as e:
+        raise ValueError(f"--model {str(config.parent)!r}: {e}") from None
 
 
 def _load_random(config: Path, dtype: jnp.dtype) -> LoadedModel:

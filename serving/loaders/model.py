@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from serving import weights
-from serving.config import ModelConfig
+from serving.config import QUANT_METHOD, ModelConfig
 from serving.loaders import quantized
 from serving.loaders.gguf import load_gguf
 from serving.loaders.safetensors import read_checkpoint
@@ -30,9 +30,10 @@ class LoadedModel(NamedTuple):
 
 
 def load_params(path: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelConfig, dict]:
-    """(config, params in ``dtype``) of any supported family, from a HF checkpoint folder; a folder whose
-    config.json has a ``quantization_config`` loads through ``quantized.load_quantized`` (quantized params)."""
-    if quantized.quantization_config(path) is not None:
+    """(config, params in ``dtype``) of any supported family, from a HF checkpoint folder; a folder that
+    ``python -m serving quantize`` wrote loads through ``quantized.load_quantized`` (quantized params); MXFP4
+    experts are dequantized (``read_checkpoint``)."""
+    if (quantized.quantization_config(path) or {}).get("quant_method") == QUANT_METHOD:
         return quantized.load_quantized(path, dtype)
     cfg, tensors = read_checkpoint(path)
     return cfg, model_module(cfg.family).params_from_hf(cfg, tensors, dtype)

@@ -16,13 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from serving.config import ModelConfig
+from serving.config import QUANT_METHOD, ModelConfig
 from serving.loaders.safetensors import read_file
 from serving.models import model_module
 from serving.quantization import KINDS, QuantizedWeight, is_quantized, quantize_params
 
 # ``quantization_config["quant_method"]`` of the folders save_quantized writes (tensors in this repo's layout).
-QUANT_METHOD = "apex_jax"
 FORMAT_VERSION = 1
 SAFETENSORS_FILE = "model.safetensors"
 

@@ -16,6 +16,7 @@ import safetensors
 from safetensors import safe_open
 
 from serving.config import ModelConfig
+from serving.loaders import mxfp4
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,7 +34,8 @@ def read_config(path: str | Path) -> ModelConfig:
 
 
 def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint in ``path`` as numpy arrays (bf16 as ``ml_dtypes.bfloat16``)."""
+    """Every tensor of the checkpoint in ``path`` as numpy arrays (bf16 as ``ml_dtypes.bfloat16``; MXFP4 experts
+    dequantized to float32: ``mxfp4.dequantize_checkpoint``)."""
     folder = Path(path)
     index_file = folder / INDEX_FILE
     if index_file.is_file():
@@ -53,7 +55,7 @@ def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
         if not shard_file.is_file():
             raise FileNotFoundError(f"shard {shard!r} listed in {INDEX_FILE} is missing from {str(path)!r}")
         tensors |= read_file(shard_file, names or None, source=f"shard {shard!r}")
-    return tensors
+    return mxfp4.dequantize_checkpoint(tensors)
 
 
 def read_file(file: str | Path, names: Sequence[str] | None = None, source: str | None = None) -> dict[str, np.ndarray]:

@@ -9,9 +9,11 @@ from types import ModuleType
 
 FAMILY_MODULES = {
     "llama": "serving.models.llama",
+    "qwen3": "serving.models.llama",  # Llama with per-head q/k RMSNorm (cfg.qk_norm)
     "qwen3_moe": "serving.models.moe",
     "mixtral": "serving.models.moe",
     "deepseek_v3": "serving.models.deepseek",
+    "gpt_oss": "serving.models.gpt_oss",
 }
 
 

@@ -1,8 +1,10 @@
-"""Llama: the dense decoder, and the building blocks the other families reuse.
+"""Llama and Qwen3 (dense): the dense decoder, and the building blocks the other families reuse.
 
 Per layer: ``x += attention(rms_norm(x))``, then ``x += swiglu(rms_norm(x))``; logits from a final
 RMSNorm and the (possibly tied) output head. Attention is grouped-query with RoPE, optional per-head q/k
-RMSNorm (Qwen3), over the paged KV cache.
+RMSNorm (Qwen3), over the paged KV cache, each layer with its sliding window (``cfg.window``; 0: full causal),
+and for GPT-OSS with q/k/v/o biases and a learned sink logit per head (``cfg.attention_bias``,
+``cfg.attention_sinks``).
 
 Weights are a pytree of plain arrays in ``x @ W`` layout ([in, out], heads as their own axis); ``layout``
 gives every weight's shape, how it is initialized and its ``PartitionSpec`` over the mesh axes
@@ -83,12 +85,18 @@ def embedding_layout(cfg: ModelConfig) -> dict[str, WeightSpec]:
 
 
 def attention_layout(cfg: ModelConfig) -> dict[str, WeightSpec]:
-    """``q [D, H, hd]``, ``k``/``v [D, K, hd]``, ``o [H, hd, D]`` (+ ``q_norm``/``k_norm [hd]``): heads over tensor."""
+    """``q [D, H, hd]``, ``k``/``v [D, K, hd]``, ``o [H, hd, D]`` (+ ``q_norm``/``k_norm [hd]``; + biases
+    ``q_bias [H, hd]``, ``k_bias``/``v_bias [K, hd]``, ``o_bias [D]``; + ``sinks [H]``): heads over tensor."""
     d, h, k, hd = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim
     layout = {"q": WeightSpec((d, h, hd), P(None, TENSOR, None)), "k": WeightSpec((d, k, hd), P(None, TENSOR, None)),
               "v": WeightSpec((d, k, hd), P(None, TENSOR, None)), "o": WeightSpec((h, hd, d), P(TENSOR, None, None))}
     if cfg.qk_norm:
         layout.update(q_norm=norm(cfg, hd), k_norm=norm(cfg, hd))
+    if cfg.attention_bias:  # o_bias is added once, after the row-parallel o projection's sum: replicated
+        layout.update(q_bias=WeightSpec((h, hd), P(TENSOR, None)), k_bias=WeightSpec((k, hd), P(TENSOR, None)),
+                      v_bias=WeightSpec((k, hd), P(TENSOR, None)), o_bias=WeightSpec((d,), P()))
+    if cfg.attention_sinks:
+        layout["sinks"] = WeightSpec((h,), P(TENSOR))
     return layout
 
 
@@ -139,6 +147,12 @@ def attention_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], prefix: 
     if cfg.qk_norm:
         params.update({n: jnp.asarray(take(tensors, f"{prefix}.{n}.weight", (hd,)), dtype)
                        for n in ("q_norm", "k_norm")})
+    if cfg.attention_bias:
+        params.update({f"{n}_bias": jnp.asarray(take(tensors, f"{prefix}.{n}_proj.bias", (heads * hd,)).reshape(
+            heads, hd), dtype) for n, heads in (("q", h), ("k", k), ("v", k))})
+        params["o_bias"] = jnp.asarray(take(tensors, f"{prefix}.o_proj.bias", (d,)), dtype)
+    if cfg.attention_sinks:
+        params["sinks"] = jnp.asarray(take(tensors, f"{prefix}.sinks", (h,)), dtype)
     return params
 
 
@@ -164,7 +178,8 @@ def norms_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], prefix: str,
 
 
 def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.dtype = jnp.bfloat16) -> dict:
-    """HF ``LlamaForCausalLM`` tensors -> ``init_params``' pytree. Missing or misshapen tensor -> ValueError."""
+    """HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` tensors -> ``init_params``' pytree. Missing or misshapen
+    tensor -> ValueError."""
     layers = []
     for l in range(cfg.layers):
         prefix = f"model.layers.{l}"
@@ -183,16 +198,21 @@ def rope_table(cfg: ModelConfig) -> Rope:
 
 def attention(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, batch: AttentionBatch, kv: PagedKV,
               layer: int, rope: Rope) -> tuple[jax.Array, PagedKV]:
-    """Grouped-query attention of ``x [N, D]`` -> ``[N, D]``: project, (q/k norm), RoPE, write k/v, attend."""
+    """Grouped-query attention of ``x [N, D]`` -> ``[N, D]``: project (+ biases), (q/k norm), RoPE, write k/v,
+    attend within the layer's window (with the sinks)."""
     q, k, v = linear(x, p["q"]), linear(x, p["k"]), linear(x, p["v"])  # [N, D] @ [D, heads, hd]
+    if cfg.attention_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], cfg.rms_eps), rms_norm(k, p["k_norm"], cfg.rms_eps)
     inv_freq, scale = rope
     q = apply_rope(q, batch.positions, inv_freq, scale, cfg.rope.interleaved)
     k = apply_rope(k, batch.positions, inv_freq, scale, cfg.rope.interleaved)
     kv = kv.write(layer, k, v, batch.slot_mapping)
-    out = paged_attention(q, kv.k[layer], kv.v[layer], batch, cfg.head_dim**-0.5)
-    return linear(out, p["o"], axes=2), kv  # [N, H, hd] @ [H, hd, D]
+    out = paged_attention(q, kv.k[layer], kv.v[layer], batch, cfg.head_dim**-0.5, window=cfg.window(layer),
+                          sinks=p.get("sinks"))
+    out = linear(out, p["o"], axes=2)  # [N, H, hd] @ [H, hd, D]
+    return (out + p["o_bias"] if cfg.attention_bias else out), kv
 
 
 def logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:

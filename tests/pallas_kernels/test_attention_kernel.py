@@ -27,7 +27,42 @@ CASES = {
 }
 
 
+# (lengths, window, sinks, dtype): windows shorter than most sequences (key tiles before every row's window are
+# skipped), one longer than every sequence (no effect), sinks alone and with a window.
+WINDOW_CASES = {
+    "window_ragged": ([13, 0, 1, 45, 6], 9, False, jnp.float32),
+    "window_sinks": ([40, 3, 23], 17, True, jnp.float32),
+    "window_past_sequences": ([30, 12], 64, False, jnp.float32),
+    "sinks_only_bf16": ([37, 0, 20], 0, True, jnp.bfloat16),
+}
+
+
 class TestFlashAttention:
+    @pytest.mark.parametrize("case", list(WINDOW_CASES))
+    def test_window_and_sinks_match_reference(self, case):
+        lengths, window, with_sinks, dtype = WINDOW_CASES[case]
+        q, k, v, starts = packed_inputs(len(case), lengths, q_heads=4, kv_heads=2, head_dim=32, pad=(2, 5),
+                                        dtype=dtype)
+        sinks = 2.0 * jax.random.normal(jax.random.key(5), (4,)) if with_sinks else None
+        out = K.flash_attention(q, k, v, starts, config=SMALL, window=window, sinks=sinks, interpret=interpret())
+        want = K.flash_attention_reference(q, k, v, starts, window=window, sinks=sinks)
+        assert_close(out, want)
+        np.testing.assert_array_equal(np.asarray(out[:2]), 0.0)  # rows outside every sequence
+        plain = np.asarray(K.flash_attention_reference(q, k, v, starts), np.float32)
+        if with_sinks or window < max(lengths):  # they change the result, so the check above can fail
+            assert not np.allclose(np.asarray(want, np.float32), plain, atol=1e-3)
+        else:
+            assert_close(out, plain.astype(out.dtype))
+
+    def test_window_row_ignores_earlier_keys(self):
+        """Keys before a row's window are not read: NaN there stays out of the row's output."""
+        q, k, v, starts = packed_inputs(6, [48], q_heads=2, kv_heads=2, head_dim=16)
+        run = functools.partial(K.flash_attention, config=SMALL, window=8, interpret=interpret())
+        out = run(q, k, v, starts)
+        poisoned = run(q, k.at[:16].set(jnp.nan), v.at[:16].set(jnp.nan), starts)
+        np.testing.assert_array_equal(np.asarray(poisoned[32:]), np.asarray(out[32:]))  # windows from key 25 on
+        assert np.isfinite(np.asarray(poisoned[32:])).all()
+
     @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
     @pytest.mark.parametrize("case", list(CASES))
     def test_matches_reference(self, case, causal):
@@ -147,6 +182,13 @@ def test_lowers_for_h200(shape, causal):
     assert "triton" in text and ("flash_attention_causal" in text) == causal
     # Every exp2 of the compiled kernel is the flush-to-zero approximation (common.exp2), none libdevice's.
     assert "ex2.approx.ftz.f32" in text and "__nv_exp2f" not in text
+
+
+def test_window_and_sinks_lower_for_h200():
+    """GPT-OSS-20B's sliding layers' prefill: 64/8 heads d64, a 128-token window, sinks, 4 x 2048 tokens."""
+    args = (abstract((8192, 64, 64)), abstract((8192, 8, 64)), abstract((8192, 8, 64)), abstract((5,), jnp.int32))
+    text = lower_for_h200(lambda *a: K.flash_attention(*a, window=128, sinks=jnp.zeros(64, jnp.bfloat16)), *args)
+    assert "triton" in text and "flash_attention_causal" in text
 
 
 def test_shared_memory_of_a_config_is_checked_against_the_device():

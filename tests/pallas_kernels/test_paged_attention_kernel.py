@@ -52,6 +52,16 @@ GQA_CASES = {
 }
 
 
+# (lengths, window, sinks, config, dtype): windows shorter than some contexts (several blocks skipped), one
+# longer than every context (no effect), sinks alone and with a window; automatic and several splits.
+WINDOW_CASES = {
+    "window_auto_splits": ([0, 3, 17, 48], 7, False, SMALL, jnp.float32),
+    "window_three_splits_sinks": ([9, 40, 1], 20, True, K.PagedConfig(block_k=16, num_splits=3), jnp.float32),
+    "window_past_context": ([30, 12], 64, False, SMALL, jnp.float32),
+    "sinks_only_bf16": ([30, 0, 48], 0, True, K.PagedConfig(block_k=32), jnp.bfloat16),
+}
+
+
 class TestPagedAttention:
     @pytest.mark.parametrize("case", list(GQA_CASES))
     def test_matches_reference(self, case):
@@ -75,8 +85,42 @@ class TestPagedAttention:
                                 interpret=interpret())
         assert_close(out, K.paged_attention_reference(q, k_pages, v_pages, tables, lengths))
 
+    @pytest.mark.parametrize("case", list(WINDOW_CASES))
+    def test_window_and_sinks_match_reference(self, case):
+        lengths, window, with_sinks, config, dtype = WINDOW_CASES[case]
+        args = gqa_inputs(len(case), lengths, q_heads=8, kv_heads=2, head_dim=32, max_blocks=12, dtype=dtype)
+        sinks = 2.0 * jax.random.normal(jax.random.key(7), (8,)) if with_sinks else None
+        out = K.paged_attention(*args, config=config, window=window, sinks=sinks, interpret=interpret())
+        want = K.paged_attention_reference(*args, window=window, sinks=sinks)
+        assert_close(out, want)
+        np.testing.assert_array_equal(np.asarray(out)[np.asarray(lengths) == 0], 0.0)
+        plain = np.asarray(K.paged_attention_reference(*args), np.float32)
+        if with_sinks or 0 < window < max(lengths):  # they change the result, so the check above can fail
+            assert not np.allclose(np.asarray(want, np.float32), plain, atol=1e-3)
+        else:  # a window at least every context changes nothing
+            assert_close(out, plain.astype(out.dtype))
+
+    def test_only_the_window_is_read(self):
+        """NaN in every page row outside each sequence's last ``window`` tokens must not reach the output: blocks
+        before the window are skipped, not masked after reading."""
+        window = 5
+        q, k_pages, v_pages, tables, lengths = gqa_inputs(3, [6, 23, 2], q_heads=4, kv_heads=2, head_dim=16,
+                                                          max_blocks=6)
+        used = np.zeros(k_pages.shape[:2], bool)
+        for b, n in enumerate(np.asarray(lengths)):
+            for t in range(max(n - window, 0), n):
+                used[int(tables[b, t // 4]), t % 4] = True
+        poison = lambda pages: jnp.where(used[:, :, None, None], pages, jnp.nan)
+        out = K.paged_attention(q, poison(k_pages), poison(v_pages), tables, lengths, config=SMALL, window=window,
+                                interpret=interpret())
+        assert_close(out, K.paged_attention_reference(q, k_pages, v_pages, tables, lengths, window=window))
+
     def test_rejects_bad_arguments(self):
         q, k_pages, v_pages, tables, lengths = gqa_inputs(0, [3, 5], q_heads=4, kv_heads=2, head_dim=32)
+        with pytest.raises(ValueError, match="window must be an int >= 0"):
+            K.paged_attention(q, k_pages, v_pages, tables, lengths, window=-1, interpret=True)
+        with pytest.raises(ValueError, match=r"sinks must be float \[q_heads=4\]"):
+            K.paged_attention(q, k_pages, v_pages, tables, lengths, sinks=jnp.zeros(2), interpret=True)
         with pytest.raises(ValueError, match=r"q must be \[batch, q_heads, head_dim\]"):
             K.paged_attention(q[0], k_pages, v_pages, tables, lengths)
         with pytest.raises(ValueError, match="same first three dims"):
@@ -161,6 +205,17 @@ def test_gqa_lowers_for_h200(splits):
             abstract((pages, page_size, kv_heads, 128)), abstract((batch, max_blocks), jnp.int32),
             abstract((batch,), jnp.int32))
     text = lower_for_h200(functools.partial(K.paged_attention, config=K.PagedConfig(num_splits=splits)), *args)
+    assert "triton" in text and "paged_attention" in text
+
+
+def test_gqa_window_and_sinks_lower_for_h200():
+    """GPT-OSS-20B's sliding layers: 64/8 heads d64, a 128-token window and sinks, batch 64 at 2048 tokens."""
+    batch, max_blocks, page_size, kv_heads = 64, 2048 // 16, 16, 8
+    pages = batch * max_blocks + 1
+    args = (abstract((batch, 64, 64)), abstract((pages, page_size, kv_heads, 64)),
+            abstract((pages, page_size, kv_heads, 64)), abstract((batch, max_blocks), jnp.int32),
+            abstract((batch,), jnp.int32))
+    text = lower_for_h200(lambda *a: K.paged_attention(*a, window=128, sinks=jnp.zeros(64, jnp.bfloat16)), *args)
     assert "triton" in text and "paged_attention" in text
 
 

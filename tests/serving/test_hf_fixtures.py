@@ -11,22 +11,24 @@ import pytest
 from helpers import HF
 from safetensors.numpy import load_file
 
-MODELS = ("llama", "qwen3_moe", "mixtral", "deepseek_v3")
-MOE_MODELS = ("qwen3_moe", "mixtral", "deepseek_v3")
+MODELS = ("llama", "qwen3", "qwen3_moe", "mixtral", "mixtral_window", "deepseek_v3", "gpt_oss")
+MOE_MODELS = ("qwen3_moe", "mixtral", "mixtral_window", "deepseek_v3")  # per-expert tensors (GPT-OSS: fused)
+MODEL_TYPES = {"mixtral_window": "mixtral"}
 PAD_ID = 0  # make_hf_fixtures.PAD_ID
 NEW_TOKENS = 32  # make_hf_fixtures.NEW_TOKENS
-MAX_TOTAL_BYTES = 5_000_000
+MAX_TOTAL_BYTES = 6_000_000
 # One bf16 rounding per op over a few layers, plus the odd expert chosen differently: a few percent.
 BF16_RTOL = 0.1
 
 # model: (expert tensor prefix in a layer, the three projections (gate, up, down), config key of the count)
 EXPERTS = {
-    "qwen3_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj"), "num_experts"),
+    "qwen3_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj"), "num_local_experts"),
     "mixtral": ("block_sparse_moe.experts", ("w1", "w3", "w2"), "num_local_experts"),
+    "mixtral_window": ("block_sparse_moe.experts", ("w1", "w3", "w2"), "num_local_experts"),
     "deepseek_v3": ("mlp.experts", ("gate_proj", "up_proj", "down_proj"), "n_routed_experts"),
 }
 EXPERT_WIDTH = {"qwen3_moe": "moe_intermediate_size", "mixtral": "intermediate_size",
-                "deepseek_v3": "moe_intermediate_size"}
+                "mixtral_window": "intermediate_size", "deepseek_v3": "moe_intermediate_size"}
 
 
 def config(model: str) -> dict:
@@ -51,19 +53,11 @@ def moe_layers(model: str) -> list[int]:
     return list(range(c.get("first_k_dense_replace", 0), c["num_hidden_layers"]))
 
 
-def rope_spelling(c: dict) -> str:
-    """"rope_parameters" (transformers >= 5) or "legacy" (top-level rope_theta, optional rope_scaling)."""
-    if "rope_parameters" in c:
-        assert "rope_theta" not in c and "rope_scaling" not in c, "both rope spellings in one config"
-        return "rope_parameters"
-    assert "rope_theta" in c, "no rope_theta in a legacy-spelled config"
-    return "legacy"
-
-
 @pytest.mark.parametrize("model", MODELS)
 def test_config_parses_with_gqa_and_fp32(model):
     c = config(model)
-    assert c["model_type"] == model
+    assert c["model_type"] == MODEL_TYPES.get(model, model)
+    assert c["transformers_version"] == "5.24.0"  # saved as transformers 5 writes it, keys untouched
     assert c["dtype"] == "float32"
     assert c["vocab_size"] > 256 and c["hidden_size"] == 64
     if model == "deepseek_v3":  # MLA: per-head k and v come from one latent, so kv heads == heads
@@ -71,7 +65,8 @@ def test_config_parses_with_gqa_and_fp32(model):
         assert len(set(dims)) == len(dims), f"MLA dims {dims} should be distinct"
         assert c["first_k_dense_replace"] == 1 and c["n_shared_experts"] >= 1
         assert c["routed_scaling_factor"] != 1 and c["topk_group"] < c["n_group"]
-        assert c["rope_scaling"]["type"] == "yarn" and {"mscale", "mscale_all_dim"} <= set(c["rope_scaling"])
+        assert c["rope_parameters"]["rope_type"] == "yarn"
+        assert {"mscale", "mscale_all_dim"} <= set(c["rope_parameters"])
     else:
         assert c["num_key_value_heads"] < c["num_attention_heads"]
 
@@ -151,18 +146,51 @@ def test_deepseek_mla_weight_shapes():
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_lm_head_is_tied_only_in_llama(model):
+def test_lm_head_is_tied_only_in_llama_and_qwen3(model):
     c, weights = config(model), tensors(model)
-    assert c["tie_word_embeddings"] == (model == "llama")
+    assert c["tie_word_embeddings"] == (model in ("llama", "qwen3"))
     assert ("lm_head.weight" in weights) == (not c["tie_word_embeddings"])
     assert weights["model.embed_tokens.weight"].shape == (c["vocab_size"], c["hidden_size"])
 
 
-def test_both_rope_spellings_are_present_with_scaling():
-    spellings = {m: rope_spelling(config(m)) for m in MODELS}
-    assert set(spellings.values()) == {"rope_parameters", "legacy"}
-    assert config("llama")["rope_parameters"]["rope_type"] == "llama3"  # scaling in the new spelling
-    assert config("deepseek_v3")["rope_scaling"]["type"] == "yarn"  # and in the old one
+def test_configs_are_transformers_5_spellings():
+    """No key rewritten after save_pretrained: rope_parameters only, num_local_experts, DeepSeek's derived dims."""
+    for model in MODELS:
+        c = config(model)
+        assert "rope_parameters" in c and "rope_theta" not in c and "rope_scaling" not in c, model
+    assert config("llama")["rope_parameters"]["rope_type"] == "llama3"
+    assert "num_local_experts" in config("qwen3_moe") and "num_experts" not in config("qwen3_moe")
+    assert {"head_dim", "qk_head_dim"} <= set(config("deepseek_v3"))
+
+
+def test_window_fixtures_slide_within_the_test_sequence():
+    """Windows shorter than the longer prompt, so prefill and the 32 greedy steps both cross them."""
+    lengths = reference("mixtral")["lengths"]
+    assert config("mixtral")["sliding_window"] is None
+    for model, types in (("mixtral_window", None), ("qwen3", ["full_attention", "sliding_attention"]),
+                         ("gpt_oss", ["sliding_attention", "full_attention"])):
+        c = config(model)
+        assert c["sliding_window"] < lengths.max(), model
+        assert c.get("layer_types") == types, model
+
+
+def test_gpt_oss_tensors():
+    """Fused experts (gate/up interleaved in one [E, D, 2I] tensor), biases everywhere, a sink per head."""
+    c, weights = config("gpt_oss"), tensors("gpt_oss")
+    e, d, i, h = c["num_local_experts"], c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
+    for l in range(c["num_hidden_layers"]):
+        prefix = f"model.layers.{l}"
+        assert weights[f"{prefix}.mlp.experts.gate_up_proj"].shape == (e, d, 2 * i)
+        assert weights[f"{prefix}.mlp.experts.gate_up_proj_bias"].shape == (e, 2 * i)
+        assert weights[f"{prefix}.mlp.experts.down_proj"].shape == (e, i, d)
+        assert weights[f"{prefix}.mlp.experts.down_proj_bias"].shape == (e, d)
+        assert weights[f"{prefix}.mlp.router.bias"].shape == (e,)
+        sinks = weights[f"{prefix}.self_attn.sinks"]
+        assert sinks.shape == (h,) and sinks.std() > 0.3  # far from 0, so a sink not applied shows
+        biases = [f"{prefix}.self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        biases += [f"{prefix}.mlp.experts.{p}_bias" for p in ("gate_up_proj", "down_proj")]
+        for key in biases:  # HF starts them at 0; random, so a bias not loaded shows
+            assert np.abs(weights[key]).min() > 0, key
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -1,13 +1,17 @@
-"""ModelConfig: reading HF config.json (both rope spellings), validation, layer kinds."""
+"""ModelConfig: reading HF config.json (the spellings of transformers 4.x and 5.x), validation, layer kinds."""
 
 import dataclasses
 import json
+import re
 
 import jax
 import pytest
 from helpers import HF
 
+from serving import __main__ as serving_main
 from serving.config import ModelConfig, RopeConfig
+
+FIXTURES = ("llama", "qwen3", "qwen3_moe", "mixtral", "mixtral_window", "deepseek_v3", "gpt_oss")
 
 
 def hf_config(name: str) -> dict:
@@ -40,10 +44,28 @@ def test_qwen3_moe_fixture_config():
 
 
 def test_mixtral_fixture_config():
-    cfg = ModelConfig.from_hf(hf_config("mixtral"))  # legacy spelling: top-level rope_theta, head_dim null
+    cfg = ModelConfig.from_hf(hf_config("mixtral"))  # head_dim null: hidden / heads
     assert cfg.head_dim == 64 // 4 and cfg.rope == RopeConfig(theta=1e6)
     assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate) == (8, 2, 32)
     assert cfg.norm_topk_prob and not cfg.qk_norm and cfg.rms_eps == 1e-5 and not cfg.tie_embeddings
+    assert cfg.layer_windows == () and ModelConfig.from_hf(hf_config("mixtral_window")).layer_windows == (8, 8)
+
+
+def test_qwen3_fixture_config():
+    cfg = ModelConfig.from_hf(hf_config("qwen3"))
+    assert (cfg.family, cfg.heads, cfg.head_dim, cfg.num_experts) == ("qwen3", 8, 16, 0)
+    assert cfg.qk_norm and cfg.tie_embeddings
+    assert cfg.layer_windows == (0, 8) and [cfg.window(l) for l in range(2)] == [0, 8]  # max_window_layers = 1
+
+
+def test_gpt_oss_fixture_config():
+    cfg = ModelConfig.from_hf(hf_config("gpt_oss"))
+    assert (cfg.family, cfg.num_experts, cfg.top_k, cfg.moe_intermediate) == ("gpt_oss", 8, 2, 32)
+    assert cfg.attention_bias and cfg.attention_sinks and cfg.norm_topk_prob and not cfg.qk_norm
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha) == (7.0, 1.702)
+    assert cfg.layer_windows == (8, 0)  # sliding, full
+    assert cfg.rope == RopeConfig(theta=150000.0, kind="yarn", factor=4.0, original_max_position=64,
+                                  beta_fast=32.0, beta_slow=1.0, truncate=False)
 
 
 def test_deepseek_v3_fixture_config():
@@ -62,24 +84,64 @@ def to_rope_parameters(config: dict) -> dict:
     """The transformers >= 5 spelling of a legacy config: rope_theta and rope_scaling merged into rope_parameters."""
     config = dict(config)
     scaling = dict(config.pop("rope_scaling", None) or {"type": "default"})
-    config["rope_parameters"] = {"rope_type": scaling.pop("type"), "rope_theta": config.pop("rope_theta"), **scaling}
+    kind = scaling.pop("type", None) or scaling.pop("rope_type")
+    config["rope_parameters"] = {"rope_type": kind, "rope_theta": config.pop("rope_theta"), **scaling}
     return config
 
 
-def to_legacy(config: dict) -> dict:
+def to_legacy(config: dict, type_key: str = "rope_type") -> dict:
+    """Top-level rope_theta and a rope_scaling dict whose kind is keyed ``type_key`` ("type": older 4.x configs,
+    DeepSeek-V3's published one); none for plain rope (as Mixtral's published config)."""
     config = dict(config)
     rope = dict(config.pop("rope_parameters"))
     config["rope_theta"] = rope.pop("rope_theta")
-    if rope["rope_type"] != "default":
-        config["rope_scaling"] = rope
+    kind = rope.pop("rope_type")
+    if kind != "default":
+        config["rope_scaling"] = {type_key: kind, **rope}
     return config
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "mixtral", "deepseek_v3"])
-def test_both_rope_spellings_read_the_same(name):
-    config = hf_config(name)
-    other = to_legacy(config) if "rope_parameters" in config else to_rope_parameters(config)
-    assert ModelConfig.from_hf(other) == ModelConfig.from_hf(config)
+def to_transformers4(name: str, config: dict) -> dict:
+    """The fixture's config as transformers 4.x (before 4.56) wrote it: legacy rope keys, Qwen3-MoE's expert count
+    as ``num_experts``, no derived DeepSeek ``head_dim``/``qk_head_dim``, no ``layer_types`` (windows from
+    ``use_sliding_window``/``max_window_layers``, GPT-OSS's alternation)."""
+    config = to_legacy(config, "type" if name == "deepseek_v3" else "rope_type")
+    config.pop("layer_types", None)
+    if name == "qwen3_moe":
+        config["num_experts"] = config.pop("num_local_experts")
+    if name == "deepseek_v3":
+        del config["head_dim"], config["qk_head_dim"]
+    return config
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_transformers_4_and_5_spellings_read_the_same(name):
+    config = hf_config(name)  # as transformers 5 saved it
+    assert "rope_parameters" in config and "rope_theta" not in config
+    legacy = to_transformers4(name, config)
+    assert ModelConfig.from_hf(legacy) == ModelConfig.from_hf(config)
+    assert ModelConfig.from_hf(to_rope_parameters(legacy)) == ModelConfig.from_hf(config)
+
+
+def test_expert_count_in_either_spelling():
+    for name, key in (("qwen3_moe", "num_experts"), ("mixtral", "num_experts"), ("gpt_oss", "num_experts")):
+        config = hf_config(name)
+        config[key] = config.pop("num_local_experts")
+        assert ModelConfig.from_hf(config).num_experts == 8, name
+
+
+def test_qwen3_window_needs_use_sliding_window():
+    config = to_transformers4("qwen3", hf_config("qwen3"))
+    assert ModelConfig.from_hf(config).layer_windows == (0, 8)
+    config.update(use_sliding_window=False, sliding_window=4096)  # as Qwen3's published 4.x configs
+    assert ModelConfig.from_hf(config).layer_windows == ()
+    moe = hf_config("qwen3_moe") | dict(use_sliding_window=True, sliding_window=8)  # every layer
+    assert ModelConfig.from_hf(moe).layer_windows == (8, 8)
+
+
+def test_a_window_at_least_the_context_is_accepted():
+    config = hf_config("mixtral_window") | dict(sliding_window=4096)  # > max_position_embeddings
+    assert ModelConfig.from_hf(config).layer_windows == (4096, 4096)
 
 
 def test_model_type_when_no_architectures():
@@ -90,7 +152,7 @@ def test_model_type_when_no_architectures():
 
 def test_yarn_factor_from_context_ratio_when_missing():
     config = hf_config("deepseek_v3")
-    del config["rope_scaling"]["factor"]  # transformers then uses max_position_embeddings / original
+    del config["rope_parameters"]["factor"]  # transformers then uses max_position_embeddings / original
     assert ModelConfig.from_hf(config).rope.factor == 256 / 64
 
 
@@ -107,7 +169,7 @@ def test_config_is_a_static_jit_argument():
     (lambda c: c.update(architectures=["GPT2LMHeadModel"]), "architectures"),
     (lambda c: (c.pop("architectures"), c.update(model_type="gpt2")), "model_type"),
     (lambda c: c.pop("hidden_size"), "hidden_size"),
-    (lambda c: c.pop("num_experts"), "num_experts"),
+    (lambda c: c.pop("num_local_experts"), "num_local_experts"),
     (lambda c: c.update(num_key_value_heads=3), "kv_heads"),
     (lambda c: c.update(num_experts_per_tok=9), "top_k"),
     (lambda c: c.update(mlp_only_layers=[5]), "mlp_only_layers"),
@@ -115,7 +177,9 @@ def test_config_is_a_static_jit_argument():
     (lambda c: c.update(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}), "factor"),
     (lambda c: c.update(rope_parameters={"rope_type": "default"}), "rope_theta"),
     (lambda c: c.update(attention_bias=True), "attention_bias"),
-    (lambda c: c.update(use_sliding_window=True, sliding_window=4096), "sliding_window"),
+    (lambda c: c.update(use_sliding_window=True, sliding_window=-1), "sliding_window"),
+    (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
+    (lambda c: c.update(quantization_config={"quant_method": "mxfp4"}), "quant_method"),
     (lambda c: c.update(rms_norm_eps=0.0), "rms_eps"),
 ])
 def test_bad_hf_config_names_the_field(edit, message):
@@ -170,3 +234,51 @@ def test_moe_layer_selection():
     assert [small(mlp_only_layers=(0, 2)).is_moe_layer(l) for l in range(4)] == [False, True, False, True]
     assert [small(first_k_dense=3).is_moe_layer(l) for l in range(4)] == [False, False, False, True]
     assert not any(small(num_experts=0, top_k=0).is_moe_layer(l) for l in range(4))
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("gpt_oss", lambda c: c.update(layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
+    ("gpt_oss", lambda c: c.update(layer_types=["full_attention"]), "layer_types"),  # 2 layers
+    ("llama", lambda c: c.update(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
+    ("llama", lambda c: c.update(mlp_bias=True), "mlp_bias"),
+    ("gpt_oss", lambda c: c.update(quantization_config={"quant_method": "gptq"}), "quant_method"),
+    ("llama", lambda c: c.update(quantization_config={"quant_method": "mxfp4"}), "quant_method"),  # GPT-OSS's only
+    ("gpt_oss", lambda c: c.pop("num_local_experts"), "num_local_experts"),
+])
+def test_bad_family_config_names_the_key(name, edit, message):
+    config = hf_config(name)
+    edit(config)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(config)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(layer_windows=(8,)), "layer_windows"),  # 4 layers
+    (dict(layer_windows=(8, 8, -1, 0)), "layer_windows"),
+    (dict(swiglu_limit=7.0), "swiglu_limit"),  # without swiglu_alpha
+])
+def test_bad_attention_fields_raise(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small(**overrides)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(quantization_config={"quant_method": "awq"}), "quantization_config.quant_method = 'awq'"),
+    (lambda c: c.update(layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
+    (lambda c: c.update(architectures=["Gemma3ForCausalLM"]), "architectures"),
+])
+def test_serve_refuses_an_unsupported_config_naming_the_key(tmp_path, edit, message):
+    """``python -m serving serve --model PATH`` stops before reading any weight, naming the folder and the key."""
+    config = hf_config("gpt_oss")
+    edit(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for flags in ([], ["--random-weights"]):
+        with pytest.raises(SystemExit, match=f"serve refuses to start: --model '{tmp_path}': config.json .*"
+                                             f"{re.escape(message)}"):
+            serving_main.main(["serve", "--model", str(tmp_path), *flags])
+
+
+def test_gpt_oss_mxfp4_checkpoints_are_read():
+    """GPT-OSS's published checkpoints: MXFP4 experts (dequantized at load, serving.loaders.mxfp4)."""
+    config = hf_config("gpt_oss") | {"quantization_config": {"quant_method": "mxfp4"}}
+    assert ModelConfig.from_hf(config) == ModelConfig.from_hf(hf_config("gpt_oss"))

@@ -113,6 +113,29 @@ def test_paged_mla_attention_kernels_equal_the_reference_on_a_mixed_batch(dtype,
     assert_close(in_mode("interpret", attend, *args, paged_only=paged_only), in_mode("reference", attend, *args))
 
 
+@PAGED_ONLY
+@pytest.mark.parametrize("window, with_sinks", [(3, False), (0, True), (5, True)])
+def test_window_and_sinks_through_the_kernels_equal_the_reference(window, with_sinks, paged_only):
+    """A sliding-window or sink layer on the mixed batch: both kernels (or the paged one alone) take the window and
+    the sinks; the reference's result."""
+    heads, kv_heads, head_dim = 8, 2, 32
+    q = normal(0, (NUM_TOKENS, heads, head_dim), jnp.float32)
+    k_pages = normal(1, (NUM_BLOCKS, BLOCK, kv_heads, head_dim), jnp.float32)
+    v_pages = normal(2, (NUM_BLOCKS, BLOCK, kv_heads, head_dim), jnp.float32)
+    sinks = normal(3, (heads,), jnp.float32) if with_sinks else None
+    attend = functools.partial(layers.paged_attention, scale=head_dim**-0.5, window=window, sinks=sinks)
+    args = (q, k_pages, v_pages, mixed_batch())
+    expected_kernels = {"paged_attention"} if paged_only else {"paged_attention", "flash_attention_causal"}
+    assert traced_kernels("interpret", attend, *args, paged_only=paged_only) == expected_kernels
+    kernels = in_mode("interpret", attend, *args, paged_only=paged_only)
+    assert_close(kernels, in_mode("reference", attend, *args))
+    plain = in_mode("reference", functools.partial(layers.paged_attention, scale=head_dim**-0.5), *args)
+    assert not np.allclose(kernels[:12], plain[:12], atol=1e-3)  # the window / sinks matter on this batch
+    assert not np.asarray(kernels[12:]).any()
+    with layers.use_kernels(layers.BATCH_INVARIANT), pytest.raises(ValueError, match="batch-invariant mode: a slid"):
+        attend(*args)
+
+
 def test_all_paged_is_true_for_a_batch_without_a_first_prefill_chunk():
     assert not layers.all_paged(mixed_batch())  # it has a first chunk (start 0)
     decode_and_continue = [c for c in CHUNKS if c.start > 0]
@@ -197,7 +220,8 @@ def mixed_steps(name: str) -> list[np.ndarray]:
 
 
 @PAGED_ONLY
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "llama", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "llama", "mixtral", "mixtral_window", "qwen3",
+                                  "gpt_oss"])
 def test_fixture_models_give_the_reference_logits_through_the_kernels(name, paged_only):
     with layers.use_kernels("interpret"), layers.paged_only(paged_only):
         kernels = mixed_steps(name)
@@ -252,6 +276,21 @@ def test_a_whole_decode_step_lowers_to_the_triton_kernels_for_an_h200(name, atte
     assert ('name = "flash_attention_causal"' in text) != paged_only
     assert 'name = "grouped_matmul"' not in text and "stablehlo.sort" not in text  # no sort, no visit plan
     assert "ragged_dot" not in text  # the reference branch is not lowered for cuda
+
+
+def test_a_gpt_oss_decode_step_lowers_to_the_triton_kernels_for_an_h200():
+    """GPT-OSS within paged_only (as the runner traces decode): both layers (sliding + sinks, full + sinks) through
+    the paged kernel; its biased, clamped experts through grouped_matmul (gather_matmul fuses a plain SwiGLU
+    only)."""
+    cfg, params = fixture("gpt_oss", jnp.bfloat16)
+    batch = make_batch([SeqChunk([2, 5, 6], 9, 1), SeqChunk([7], 1, 1)], BLOCK, num_tokens=8, num_seqs=2)
+    kv = jax.eval_shape(lambda: create_cache(cfg, NUM_BLOCKS, jnp.bfloat16))
+    step = functools.partial(model_module(cfg.family).forward, cfg=cfg)
+    with layers.paged_only():
+        text = lower_for_h200(lambda p, t, b, c: step(p, tokens=t, batch=b, kv=c), params,
+                              jax.ShapeDtypeStruct((8,), jnp.int32), batch, kv)
+    assert text.count('name = "paged_attention"') >= cfg.layers and 'name = "grouped_matmul"' in text
+    assert 'name = "flash_attention_causal"' not in text and 'name = "gather_matmul"' not in text
 
 
 # DeepSeek-V3's attention widths (128 heads, R = 512, P = 64, nope 128, v 128) on the fixture's small rest.

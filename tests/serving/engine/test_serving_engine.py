@@ -11,7 +11,7 @@ from helpers.hf import reference
 
 from serving import Engine, SamplingParams
 
-FAMILIES = ("llama", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen3_moe", "mixtral", "qwen3", "mixtral_window", "gpt_oss")  # all but the first: slow
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 

@@ -26,8 +26,12 @@ EXTRA_PROMPT = [5, 6, 7]  # a third, shorter prompt beside the fixture's two: a 
 LOGPROB_ATOL = 1e-5
 # (fixture, (data, tensor, expert)): tensor x expert, all experts on one axis, all three axes for the MoE fixtures;
 # tensor-parallel dense. ~20-25 s each on 2 CPU cores (both engines compile a prefill and a decode step).
-MESHES = [("qwen3_moe", (1, 2, 4)), *(pytest.param(name, axes, marks=pytest.mark.slow) for name, axes in
-                                      [("mixtral", (1, 1, 8)), ("deepseek_v3", (2, 2, 2)), ("llama", (1, 2, 1))])]
+# GPT-OSS on tensor x expert: its expert biases split with the experts (gate/up also over tensor), the down bias added
+# once after the tensor sum, its attention biases and sinks split with the heads.
+MESHES = [("qwen3_moe", (1, 2, 4)), ("gpt_oss", (1, 2, 4)),
+          *(pytest.param(name, axes, marks=pytest.mark.slow) for name, axes in
+            [("mixtral", (1, 1, 8)), ("deepseek_v3", (2, 2, 2)), ("llama", (1, 2, 1)), ("qwen3", (1, 2, 1)),
+             ("mixtral_window", (2, 1, 4))])]
 
 
 def mesh_of(data: int, tensor: int, expert: int) -> jax.sharding.Mesh:

@@ -1,5 +1,5 @@
-"""Llama, Qwen3-MoE and Mixtral against HF transformers' fixtures (tests/fixtures/hf), the safetensors loader,
-and sharded execution on 8 CPU devices."""
+"""Llama, Qwen3, Qwen3-MoE, Mixtral (without and with a sliding window) and GPT-OSS against HF transformers'
+fixtures (tests/fixtures/hf), the safetensors loader, and sharded execution on 8 CPU devices."""
 
 import functools
 import json
@@ -32,13 +32,17 @@ from serving.config import ModelConfig
 from serving.kv_cache import PagedKV, SeqChunk, make_batch
 from serving.loaders import load_params, read_checkpoint
 from serving.loaders.safetensors import read_tensors
-from serving.models import llama, model_module
+from serving.models import gpt_oss, llama, model_module
 from serving.models import moe as moe_model
 
-FAMILIES = ("llama", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "mixtral_window", "gpt_oss")
 # Top-k routing margins (k-th minus (k+1)-th router probability, fp32) under which bf16 rounding (observed to
 # move margins by up to 1.3e-3 here) may pick another expert, in HF's bf16 run or in ours.
 ROUTER_TIE = 3e-3
+# HF's GPT-OSS rounds its attention softmax (sinks included) and RoPE cos/sin to bf16, where we keep fp32: its bf16
+# logits and ours each land ~2.5% from the fp32 ones, on their own sides, so they are up to ~5% apart. Ours are
+# checked against HF's fp32 logits within BF16_RTOL as well.
+BF16_RTOL_VS_HF_BF16 = {"gpt_oss": 6e-2}
 
 
 
@@ -67,7 +71,8 @@ def test_greedy_decode_through_the_paged_cache_matches_hf(name):
 
 def recording_moe(margins: list, x, params, cfg, valid=None):
     """``layers.moe`` that also appends each token's top-k margin (k-th minus (k+1)-th router probability)."""
-    probs = np.sort(np.asarray(jax.nn.softmax(x @ params["router"], axis=-1)), axis=-1)[:, ::-1]
+    logits = layers.router_logits(x, params, jnp.float32)
+    probs = np.sort(np.asarray(jax.nn.softmax(logits, axis=-1)), axis=-1)[:, ::-1]
     margins.append(probs[:, cfg.top_k - 1] - probs[:, cfg.top_k])
     return layers.moe(x, params, cfg, valid)
 
@@ -98,10 +103,14 @@ def test_bf16_logits_close_to_hf_bf16(name):
     logits, _, _ = prefill(name, jnp.bfloat16, [0, 1])
     checked = 0
     for s, (got, margins) in enumerate(zip(logits, router_margins(name), strict=True)):
-        want = ref["logits_bf16"][s, :len(got)]
-        errors = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
         first_tie = int(np.argmax(margins < ROUTER_TIE)) if (margins < ROUTER_TIE).any() else len(got)
-        assert (errors[:first_tie] < BF16_RTOL).all(), f"{name} prompt {s}: per-position errors {errors}"
+        bounds = [("logits_bf16", BF16_RTOL_VS_HF_BF16.get(name, BF16_RTOL))]
+        if name in BF16_RTOL_VS_HF_BF16:
+            bounds.append(("logits", BF16_RTOL))
+        for key, rtol in bounds:
+            want = ref[key][s, :len(got)]
+            errors = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+            assert (errors[:first_tie] < rtol).all(), f"{name} prompt {s} vs HF {key}: per-position errors {errors}"
         checked += first_tie
     assert checked >= 3, f"{name}: only {checked} positions precede a router near-tie"
 
@@ -123,7 +132,7 @@ def test_sharded_params_give_the_one_device_logits(name):
     sharded = jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
                            fixture_params(name, jnp.float32), specs)
     assert sharded["layers"][0]["attn"]["q"].sharding.spec == P(None, "tensor", None)
-    if cfg.num_experts:
+    if cfg.num_experts and cfg.is_moe_layer(0):
         assert sharded["layers"][0]["mlp"]["gate"].sharding.spec == P("expert", None, "tensor")
         assert len(sharded["layers"][0]["mlp"]["gate"].addressable_shards[0].data) == cfg.num_experts // 2
     one_device = prefill(name, jnp.float32, [0, 1])
@@ -181,6 +190,12 @@ def test_random_moe_model_with_dense_layers_runs():
     ("qwen3_moe", "model.layers.1.self_attn.k_norm.weight"),
     ("mixtral", "model.layers.1.block_sparse_moe.gate.weight"),
     ("mixtral", "lm_head.weight"),
+    ("qwen3", "model.layers.1.self_attn.q_norm.weight"),
+    ("gpt_oss", "model.layers.1.self_attn.sinks"),
+    ("gpt_oss", "model.layers.0.self_attn.o_proj.bias"),
+    ("gpt_oss", "model.layers.1.mlp.experts.gate_up_proj"),
+    ("gpt_oss", "model.layers.0.mlp.experts.down_proj_bias"),
+    ("gpt_oss", "model.layers.0.mlp.router.bias"),
 ])
 def test_missing_or_misshapen_tensor_is_named(name, tensor):
     cfg, tensors, _ = fixture(name)
@@ -198,7 +213,9 @@ def test_tied_embeddings_need_no_lm_head():
 
 
 def test_model_module_dispatch():
-    assert model_module("llama") is llama and model_module("mixtral") is moe_model is model_module("qwen3_moe")
+    assert model_module("llama") is llama is model_module("qwen3")
+    assert model_module("mixtral") is moe_model is model_module("qwen3_moe")
+    assert model_module("gpt_oss") is gpt_oss
     with pytest.raises(ValueError, match="'gpt2'"):
         model_module("gpt2")
 
