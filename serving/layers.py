@@ -521,7 +521,7 @@ def _paged_attention_kernels(q, k_pages, v_pages, batch, sinks, scale, window, *
     return jnp.where((batch.kv_lens > 0)[:, None, None], paged, packed)
 
 
-@_traced_once("scale")
+@_traced_once("scale", "window")
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: AttentionBatch,
                     scale: float, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of N new tokens over their sequences' paged cache: ``paged_attention_reference``'s
