@@ -27,7 +27,7 @@ is the scan's divided by their count: what a training epoch pays, without a host
   Hyperparameters (label smoothing, dt) are chosen by the accuracy on a 10k validation split (MNIST's own; the last
   10k training images of Fashion-MNIST) after training on the other 50k; the chosen one is then trained on all 60k
   and tested once on the 10k test set.
-* ``--suite mupc``: muPC's residual nets, 64 or 128 hidden layers (``--hidden-layers``) of 128 relu units, T = L
+* ``--suite mupc``: muPC's residual nets, 64 or 128 hidden layers (``--hidden-layers``) of 128 relu units, T = 2L
   Nesterov settling steps; ``--variants muPC plain`` adds the same depth without muPC.
 
     python benchmarks/pc_mnist.py --epochs 20 --ours-epochs 8   # CPU: results/pc_mnist_cpu.json + .png
@@ -582,13 +582,17 @@ def _plot_pcx(sweep: list[dict], final: dict, name: str, dataset: str = "mnist")
 # --suite mupc: muPC (Innocenti et al. 2025; PCNet(residual=True), pc.networks): H hidden layers of MUPC_WIDTH relu
 # units, H - 1 residual blocks, standard Gaussian weights scaled 1/sqrt(784) (input), 1/sqrt(N L) (blocks) and 1/N
 # (output), a Gaussian output energy (the paper's MSE), inputs standardised with MNIST's mean and std (as the paper's
-# code does), Adam with the lr cosine-decayed to 0 over the run. Settling takes T = L = H + 1 steps (the paper's
-# choice) of Nesterov momentum (pc.settle's "nesterov"): on a 17-layer net and 10k images it reached 88% after one
-# epoch against 79% for Euler at the same T and dt, since momentum carries the output's error down the near-identity
-# chain in ~L steps where gradient steps need ~L^2. dt 0.3 (0.5 diverged) and lr 0.03 (0.01: 85%, 0.1: 68%) won
-# that sweep.
-MUPC_WIDTH, MUPC_HIDDEN_LAYERS = 128, 64
-MUPC_ACTIVATION, MUPC_OUTPUT, MUPC_SOLVER, MUPC_DT, MUPC_LR, MUPC_BATCH = "relu", "gaussian", "nesterov", 0.3, 0.03, 64
+# code does), Adam with the lr cosine-decayed to 0 over the run. Settling is Nesterov momentum (pc.settle's
+# "nesterov"), which carries the output's error down the chain of near-identity blocks in ~L steps where gradient
+# steps need ~L^2: on a 17-layer net (10k images, one epoch) it reached 88% against 79% for Euler at the same T = L and
+# dt. T = MUPC_STEPS_PER_LAYER x L: at T = L the errors of a 64-hidden-layer net's bottom quarter stay below 1e-5 (those
+# layers and the input layer do not learn), at 2L every layer's is >= 1/50 of the top's; one epoch on 10k images then
+# reached 87% instead of 76% (backprop on the same net: 86%). dt 0.3 (0.5 diverged). Adam's lr is MUPC_LR_SCALE /
+# sqrt(L) (Depth-muP scales Adam's lr with 1/sqrt(depth)): 0.03 at L = 17, the best of 0.003 / 0.01 / 0.03 / 0.1 there
+# (PC and backprop alike), 0.015 at L = 65, where backprop took 0.01 over 0.03.
+MUPC_WIDTH, MUPC_HIDDEN_LAYERS, MUPC_STEPS_PER_LAYER = 128, 64, 2
+MUPC_ACTIVATION, MUPC_OUTPUT, MUPC_SOLVER, MUPC_DT, MUPC_BATCH = "relu", "gaussian", "nesterov", 0.3, 64
+MUPC_LR_SCALE = 0.12  # lr = MUPC_LR_SCALE / sqrt(L)
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # pixel mean and std over MNIST's training images
 MUPC_VARIANTS = {"muPC": True, "plain": False}  # impl -> residual (plain: the same depth without muPC, the control)
 
@@ -609,15 +613,15 @@ def mupc_suite(epochs: int, limit: int | None, hidden_layers: int = MUPC_HIDDEN_
     standardise = lambda x: (x - MNIST_MEAN) / MNIST_STD
     train_x, train_y = jax.device_put(standardise(data.train_x[:n])), jax.device_put(data.train_y[:n])
     test_x = standardise(data.test_x)
-    optimizer = optax.adam(optax.cosine_decay_schedule(MUPC_LR, epochs * (n // MUPC_BATCH)))
     probe = mupc_net(hidden_layers, width, True)
-    T = probe.depth
+    T, lr = MUPC_STEPS_PER_LAYER * probe.depth, MUPC_LR_SCALE / probe.depth**0.5
+    optimizer = optax.adam(optax.cosine_decay_schedule(lr, epochs * (n // MUPC_BATCH)))
     name = f"pc_mupc_{hidden_layers}" + ("_cpu" if jax.default_backend() == "cpu" else "")
     config = dict(arch=list(probe.sizes), hidden_layers=hidden_layers, residual_blocks=probe.num_residual,
                   weight_scales=dict(input=probe.weight_scale(0), block=probe.weight_scale(1),
                                      output=probe.weight_scale(probe.depth - 1)),
                   activation=MUPC_ACTIVATION, output=MUPC_OUTPUT, input="linear, standardised", solver=MUPC_SOLVER,
-                  T=T, dt=MUPC_DT, batch=MUPC_BATCH, lr=MUPC_LR, optimizer="adam, lr cosine-decayed to 0 over the run",
+                  T=T, dt=MUPC_DT, batch=MUPC_BATCH, lr=lr, optimizer="adam, lr cosine-decayed to 0 over the run",
                   epochs=epochs, train_images=n, test_images=int(data.test_x.shape[0]), seed=0,
                   time_budget_s=time_budget_s)
     key = jax.random.key(0)

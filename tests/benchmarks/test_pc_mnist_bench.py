@@ -179,8 +179,8 @@ def test_pcx_suite_on_fashion_mnist_holds_out_the_last_training_images(monkeypat
 
 
 def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
-    """The mupc suite's path on 1024 images, 3 hidden layers of 32 (T = L = 4): each variant's epochs, summary and
-    config, muPC's multipliers in it; the JSON is rewritten after every epoch."""
+    """The mupc suite's path on 1024 images, 3 hidden layers of 32 (L = 4, T = 2L = 8): each variant's epochs, summary
+    and config, muPC's multipliers in it; the JSON is rewritten after every epoch."""
     data = pc_mnist.load_dataset("mnist")
     small = Dataset(data.train_x[:1024], data.train_y[:1024], data.test_x[:500], data.test_y[:500])
     written, plotted = [], []
@@ -191,7 +191,7 @@ def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
     assert written == ["pc_mupc_3_cpu"] * 4 and plotted == ["pc_mupc_3_cpu"]
     config = payload["config"]
     assert config["train_images"] == 1024 and config["hidden_layers"] == 3 and config["residual_blocks"] == 2
-    assert config["T"] == 4 and config["solver"] == "nesterov"
+    assert config["T"] == 8 and config["solver"] == "nesterov" and config["lr"] == pytest.approx(0.12 / 2)
     assert config["weight_scales"] == pytest.approx(dict(input=784**-0.5, block=(32 * 4) ** -0.5, output=1 / 32))
     assert [(r["impl"], r["epoch"]) for r in payload["rows"]] == [
         (impl, epoch) for impl in ("muPC", "plain") for epoch in (1, 2)]
