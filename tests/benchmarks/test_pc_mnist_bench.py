@@ -196,13 +196,14 @@ def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
     assert [(r["impl"], r["epoch"]) for r in payload["rows"]] == [
         (impl, epoch) for impl in ("muPC", "plain") for epoch in (1, 2)]
     assert all(r["seconds"] > 0 and np.isfinite(r["energy"]) for r in payload["rows"])
+    assert [r["lr"] for r in payload["rows"]] == pytest.approx([0.06, 0.03] * 2)  # cosine per epoch, peak 0.12/sqrt(4)
     summary = {s["impl"]: s for s in payload["summary"]}
     assert set(summary) == {"muPC", "plain"} and all(s["epochs"] == 2 for s in summary.values())
     assert summary["muPC"]["final_accuracy"] > 0.4  # chance is 0.1; 32 steps of batch 64
 
 
 def test_mupc_suite_stops_within_its_time_budget(monkeypatch):
-    """A budget shorter than one epoch: the first epoch runs, then the suite stops and keeps its rows."""
+    """A budget shorter than one epoch: the first epoch runs (at the peak lr), then the suite stops with its rows."""
     data = pc_mnist.load_dataset("mnist")
     small = Dataset(data.train_x[:256], data.train_y[:256], data.test_x[:100], data.test_y[:100])
     monkeypatch.setattr(pc_mnist, "load_dataset", lambda name: small)
@@ -210,3 +211,4 @@ def test_mupc_suite_stops_within_its_time_budget(monkeypatch):
     monkeypatch.setattr(pc_mnist, "plot", lambda rows, name, title: None)
     payload = pc_mnist.mupc_suite(epochs=5, limit=256, hidden_layers=2, width=8, time_budget_s=1e-3)
     assert [r["epoch"] for r in payload["rows"]] == [1]
+    assert payload["rows"][0]["lr"] == pytest.approx(0.12 / 3**0.5)
