@@ -132,7 +132,7 @@ class PCNet:
         residual blocks of one width together (they share shapes and a_l, so a run's matmuls batch into one)."""
         runs: list[tuple[int, int]] = []
         for l in range(self.depth):
-            start, stop = runs[-1] if runs else (0, 0)
+            start = runs[-1][0] if runs else 0
             if runs and self.is_residual(l) and self.is_residual(start) and self.sizes[start] == self.sizes[l]:
                 runs[-1] = (start, l + 1)
             else:
