@@ -103,7 +103,7 @@ def test_deepity_cpu_suite_times_steady_epochs_against_deepitys_run(monkeypatch)
     monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.setdefault(name, payload))
     monkeypatch.setattr(pc_mnist, "plot", lambda rows, name, title: None)
     monkeypatch.setattr(pc_mnist, "write_mnist_npz", lambda path: path)
-    deepity = [dict(epoch=e, seconds=10.0, test_accuracy=a) for e, a in ((1, 0.2), (2, 0.3), (3, 0.4))]
+    deepity = [dict(epoch=e, seconds=s, test_accuracy=a) for e, s, a in ((1, 12.0, 0.2), (2, 8.0, 0.3), (3, 10.0, 0.4))]
     monkeypatch.setattr(pc_mnist, "run_deepity", lambda epochs, npz, timeout: deepity[:epochs])
     monkeypatch.setattr(pc_mnist, "NET", dataclasses.replace(pc_mnist.NET, sizes=(784, 32, 10)))
     monkeypatch.setattr(pc_mnist, "BATCH", 50)
@@ -113,6 +113,7 @@ def test_deepity_cpu_suite_times_steady_epochs_against_deepitys_run(monkeypatch)
     assert payload["config"]["deepity_total_s"] == 30.0 and payload["config"]["ours_epochs"] == 2
     deepity_row, ours = payload["summary"]
     assert deepity_row["epochs_to_reference"] == 3 and deepity_row["time_vs_deepity_total"] == 1.0
+    assert deepity_row["s_per_epoch"] == 10.0 and deepity_row["compile_s"] is None  # all its epochs count
     mine = [r for r in payload["rows"] if r["impl"] == "pc euler T=3"]
     assert [r["epoch"] for r in mine] == [1, 2] and all(r["warmup_s"] > r["seconds"] for r in mine)
     assert ours["compile_s"] == pytest.approx(mine[0]["warmup_s"] - ours["s_per_epoch"])
