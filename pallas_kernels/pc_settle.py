@@ -93,22 +93,13 @@ Buffers of the "deltas" scheme are double: data written before a slot's n-th bar
 so it is rewritten only after barrier n + 1, which every program passes only after its reads following
 barrier n. The "errors" scheme's phases already separate every rewrite from the last read by a barrier.
 
-Barrier (:func:`_barrier`): an int32 arrival counter per row slot in a zeroed global buffer (input aliased to
-output). A CTA barrier orders the exchange stores of all the program's threads before one thread's
-``atomic_add`` (acq_rel, GPU scope) releases them; the program then spins until the count reaches G x
-(barriers passed), and a second CTA barrier holds its threads until then: the grid-sync pattern of CUDA
-cooperative groups. ``SettleConfig.spin`` picks how it spins: "atomic" re-reads the counter with an atomic add
-of 0 (an acquiring read through L2's atomic unit, which serializes the G spinners' reads of one address),
-"load" with a volatile load followed by a ``fence.acq_rel.gpu`` (plain L2 reads), "relaxed" with volatile loads
-alone and one ``fence.acq_rel.gpu`` after the count showed every arrival (what cooperative groups' grid sync
-does: a strong read that sees the releasing atomics, then an acquire fence, synchronizes with them in PTX's
-memory model; no fence per read).
-The count only grows, so it is never reset. Since a program waits for the other G - 1 of its slot, all R * G
+Barrier (``pallas_kernels.grid_barrier``): an int32 arrival counter per row slot; ``SettleConfig.spin`` picks how
+a program waits ("atomic", "load" or "relaxed"). Since a program waits for the other G - 1 of its slot, all R * G
 programs must be resident at once: :func:`launch_grid` keeps R * G at most the device's SM count (read from
 the device, ``pallas_kernels.device``; a program's weight slices fill much of an SM, so one per SM), or at most
 ``SettleConfig.max_programs``, and a launch of more programs than SMs is a ValueError. Should some program
-still not be resident (another kernel holding SMs), a barrier gives up after BARRIER_SPINS reads (about a
-second) instead of hanging the GPU, and the slot's results come back NaN.
+still not be resident, a barrier gives up after about a second instead of hanging the GPU, and the slot's results
+come back NaN.
 Interpret mode runs programs one after another, where a barrier of G > 1 programs would never open, so it
 always uses G = 1 (each barrier is then passed by its own program).
 
@@ -131,31 +122,18 @@ geometry), and a config that cannot fit is a ValueError naming it and its bytes 
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import device
 from pallas_kernels.common import MIN_TILE
+from pallas_kernels.grid_barrier import SPINS, barrier, broken, exchange_load
 
 MIN_WIDTH = MIN_TILE  # every width, unit group and block_b is at least a tl.dot tile
-# Every exchange-buffer read is volatile (ld.volatile, a relaxed system-scope load on sm_70+): served from L2,
-# never from L1, which is not coherent across SMs. (The ".cg" cache modifier would do too, but jax 0.11.2's
-# Triton lowering cannot emit it: it looks ".cg" up among the names "cg", ... and raises KeyError.)
-exchange_load = functools.partial(plgpu.load, volatile=True)
-# A barrier gives up after BARRIER_SPINS reads (about a second; co-resident programs arrive within
-# microseconds) rather than hang the GPU, and adds BARRIER_BROKEN to its slot's counter: every later barrier of
-# the slot opens at once, and every program of the slot writes NaN results.
-BARRIER_SPINS = 1 << 20
-BARRIER_BROKEN = 1 << 30  # far above any count: G x (2T + L barriers per row tile at most) x tiles per slot
-# spin="load": after each volatile read of the counter, an acquire-release fence at GPU scope, so that no
-# exchange read after the barrier is served before the counter showed every arrival (spin="relaxed": once, after
-# the read that showed it). The value passes through the asm, which keeps the fence after that read.
-ACQUIRE_FENCE = "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;"
 
 
 def _sigmoid_grad(x, fx):
@@ -185,7 +163,7 @@ PRECISIONS = ("float32", "tf32", "bfloat16")
 OUTPUTS = ("gaussian", "cross_entropy")
 
 EXCHANGES = ("deltas", "errors")  # one barrier per Euler step, or two (module docstring, "Design")
-SPINS = ("atomic", "load", "relaxed")  # how a barrier waits (module docstring, "Barrier")
+# SPINS (pallas_kernels.grid_barrier): how a barrier waits.
 OUTPUT_SUMS = ("partials", "kept")  # how every program gets mu_L (module docstring, "The output's prediction")
 
 
@@ -356,54 +334,6 @@ class Settled(NamedTuple):
 # --------------------------------------------------------------------------- Pallas kernel
 
 
-def _spin_atomic(counter_ref, slot):
-    return plgpu.atomic_add(counter_ref, slot, np.int32(0))  # an acquiring read (acq_rel RMW of 0)
-
-
-def _acquire(seen):
-    """The counter value ``seen`` (int32 ``[1]``) passed through ACQUIRE_FENCE: the fence follows its read."""
-    (seen,) = plgpu.elementwise_inline_asm(ACQUIRE_FENCE, args=[seen], constraints="=r,r", pack=1,
-                                           result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
-    return seen
-
-
-def _spin_relaxed(counter_ref, slot):
-    return exchange_load(counter_ref.at[pl.ds(slot, 1)])[0]
-
-
-def _spin_load(counter_ref, slot):
-    return _acquire(exchange_load(counter_ref.at[pl.ds(slot, 1)]))[0]
-
-
-_SPIN_READS = {"atomic": _spin_atomic, "load": _spin_load, "relaxed": _spin_relaxed}
-
-
-def _barrier(counter_ref, slot, passed: jax.Array, *, groups: int, spin: str, interpret: bool) -> jax.Array:
-    """Wait until the ``groups`` programs of row slot ``slot`` have all arrived; returns ``passed + 1``.
-
-    ``passed`` is the number of barriers the slot has passed; the counter reaches ``groups * (passed + 1)``.
-    Interpret mode runs one program at a time with G = 1: it only counts (it has no CTA barrier to lower).
-    """
-    if not interpret:
-        plgpu.debug_barrier()  # a CTA barrier: every thread's exchange stores come before the release below
-    seen = plgpu.atomic_add(counter_ref, slot, np.int32(1)) + 1  # one thread; acq_rel at GPU scope
-    if groups > 1:  # spin until everyone arrived; a lone program waits for no one
-        target = groups * (passed + 1)
-        read = _SPIN_READS[spin]
-        seen, _ = jax.lax.while_loop(lambda c: (c[0] < target) & (c[1] < BARRIER_SPINS),
-                                     lambda c: (read(counter_ref, slot), c[1] + 1), (seen, np.int32(0)))
-        if spin == "relaxed":  # the acquire, once the count showed every arrival
-            seen = _acquire(jnp.broadcast_to(seen, (1,)))[0]
-
-        @pl.when(seen < target)
-        def _give_up():  # a program of the slot never came (not resident): open the slot's barriers for good
-            plgpu.atomic_add(counter_ref, slot, np.int32(BARRIER_BROKEN))
-
-    if not interpret:
-        plgpu.debug_barrier()  # no thread reads the exchange before the acquire above
-    return passed + 1
-
-
 def _softmax(logits, n_valid):
     """Row softmax over the first ``n_valid`` columns; the padded columns get probability 0."""
     column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
@@ -412,24 +342,40 @@ def _softmax(logits, n_valid):
     return p / jnp.sum(p, axis=1, keepdims=True)
 
 
-def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_errors, with_logits, T, activation,
-                      precision, block_b, groups, tiles_per_slot, valid_rows, exchange, spin, output_sum, interpret):
-    # Inputs: dt, mu_1, [target], W_1..W_{L-1}, b_1..b_{L-1}, [Gram_1..Gram_{L-2}], counters. Outputs: x_1..x_L,
-    # [e_1..e_L], [logits at the start, settled logits], counters (aliased), exchanges A_1..A_{L-2} (f(x) or
-    # its change; output_sum "kept": A_{L-1} too), B_2..B_{L-1} (e or the change of x), each [buffers, rows, n],
-    # and (output_sum "partials") the output partials [buffers, G, rows, n_L].
-    # Below, layer k is x_{k+1}: k = 0..L-2 are the hidden layers, k = L-1 the output.
+class _Inputs(NamedTuple):
+    """The kernel's inputs (arrays in the wrapper, refs in the kernel)."""
+
+    dt: Any  # [1]
+    mu1: Any  # [rows, n_1]
+    target: Any  # [rows, n_L], or None (a free output)
+    weights: list  # W_1..W_{L-1}
+    biases: list  # b_1..b_{L-1}
+    grams: list  # W_l W_l^T, l = 1..L-2 ("deltas" exchange), else []
+    counters: Any  # [slots] int32 barrier arrivals, zeroed; aliased to _Outputs.counters
+
+
+class _Outputs(NamedTuple):
+    """The kernel's outputs: results, then the counters and the exchange buffers programs share (each
+    ``[buffers, rows, n]``)."""
+
+    xs: list  # x_1..x_L [rows, n_l]
+    errors: list  # e_1..e_L (with_errors), else []
+    logits: list  # mu_L at the start and settled (with_logits), else []
+    counters: Any
+    activities: list  # A_1..A_{L-2}: f(x) or its change (output_sum "kept": A_{L-1} too)
+    backs: list  # B_2..B_{L-1}: e or the change of x
+    partials: Any  # [buffers, G, rows, n_L] output partials (output_sum "partials"), else None
+
+
+def _pc_settle_kernel(ins: _Inputs, outs: _Outputs, *, n_layers, n_out, clamped, cross_entropy, with_errors,
+                      with_logits, T, activation, precision, block_b, groups, tiles_per_slot, valid_rows, exchange,
+                      spin, output_sum, interpret):
+    # Layer k below is x_{k+1}: k = 0..L-2 are the hidden layers, k = L-1 the output.
     n_w, n_ex, deltas, kept = n_layers - 1, n_layers - 2, exchange == "deltas", output_sum == "kept"
-    dt_ref, mu1_ref, refs = refs[0], refs[1], refs[2:]
-    target_ref, refs = (refs[0], refs[1:]) if clamped else (None, refs)
-    w_refs, b_refs, refs = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
-    gram_refs, refs = (refs[:n_ex], refs[n_ex + 1:]) if deltas else ((), refs[1:])  # (input counters alias)
-    x_out, refs = refs[:n_layers], refs[n_layers:]
-    e_out, refs = (refs[:n_layers], refs[n_layers:]) if with_errors else ((), refs)
-    logits_out, refs = (refs[:2], refs[2:]) if with_logits else ((), refs)
-    counter_ref, refs = refs[0], refs[1:]
-    a_ex, refs = refs[:n_ex + kept], refs[n_ex + kept:]
-    b_ex, partial_ex = refs[:n_ex], (None if kept else refs[n_ex])
+    dt_ref, mu1_ref, target_ref, w_refs, b_refs, gram_refs = ins.dt, ins.mu1, ins.target, ins.weights, ins.biases, \
+        ins.grams
+    x_out, e_out, logits_out, counter_ref = outs.xs, outs.errors, outs.logits, outs.counters
+    a_ex, b_ex, partial_ex = outs.activities, outs.backs, outs.partials
     f, df = ACTIVATIONS[activation]
     dtype, lax_precision = dot_args(precision)
 
@@ -441,7 +387,7 @@ def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_error
     units = [pl.ds(g * (n // groups), n // groups) for n in width[:-1]]  # U_g of each hidden layer
     ex_rows = pl.ds(slot * block_b, block_b)  # this slot's rows of the exchange buffers
     dt = dt_ref[0]
-    sync = functools.partial(_barrier, counter_ref, slot, groups=groups, spin=spin, interpret=interpret)
+    sync = functools.partial(barrier, counter_ref, slot, groups=groups, spin=spin, interpret=interpret)
     # Which of an exchange's buffers the data written before barrier number `passed` goes to (docstring).
     buffer = (lambda passed: passed % 2) if deltas else (lambda passed: jnp.int32(0))
 
@@ -579,9 +525,9 @@ def _pc_settle_kernel(*refs, n_layers, n_out, clamped, cross_entropy, with_error
         x_last = target_ref[rows, :].astype(jnp.float32) if clamped else jnp.zeros((block_b, width[-1]), jnp.float32)
         xs, x_last, es, logits, passed = settle(mu1, x_last, passed)
         checked = lambda value: value
-        if groups > 1:  # a barrier of the slot gave up (see _barrier): its results are NaN, every program's
-            broken = plgpu.atomic_add(counter_ref, slot, np.int32(0)) >= BARRIER_BROKEN
-            checked = lambda value: jnp.where(broken, jnp.nan, value)
+        if groups > 1:  # a barrier of the slot gave up: its results are NaN, every program's
+            gave_up = broken(counter_ref, slot)
+            checked = lambda value: jnp.where(gave_up, jnp.nan, value)
         valid = start + jax.lax.broadcasted_iota(jnp.int32, (block_b, 1), 0) < valid_rows
         results = [(x_out, [*xs, x_last], checked)]
         if with_errors:  # a caller's padding rows get zero errors: they add nothing to weight gradients
@@ -700,48 +646,48 @@ def _pc_settle(weights, biases, mu1, target, dt, *, T, activation, output, preci
     rows, ex_rows = padded_rows(batch, widths, config, interpret=interpret), grid.slots * bb
     deltas = config.exchange == "deltas"
     dtype = dot_args(precision)[0]  # weights and exchanged operands in the matmul dtype: bf16 halves their bytes
-    inputs = [jnp.reshape(dt, (1,)).astype(jnp.float32), _pad2(mu1.astype(jnp.float32), rows, pw[0])]
-    if target is not None:
-        inputs.append(_pad2(target.astype(jnp.float32), rows, pw[-1]))
     padded_weights = [_pad2(w.astype(dtype), pw[l], pw[l + 1]) for l, w in enumerate(weights)]
-    inputs += padded_weights
-    inputs += [jnp.pad(b.astype(jnp.float32), (0, pw[l + 1] - b.shape[0])) for l, b in enumerate(biases)]
-    if deltas:
-        inputs += gram_matrices(padded_weights, precision)
-    inputs.append(jnp.zeros((grid.slots,), jnp.int32))  # barrier arrival counters, one per row slot
-    out_shape = [jax.ShapeDtypeStruct((rows, n), jnp.float32) for n in pw] * (2 if with_errors else 1)
-    out_shape += [jax.ShapeDtypeStruct((rows, pw[-1]), jnp.float32)] * (2 if with_logits else 0)
-    n_results = len(out_shape)
-    out_shape.append(jax.ShapeDtypeStruct((grid.slots,), jnp.int32))
+    inputs = _Inputs(
+        dt=jnp.reshape(dt, (1,)).astype(jnp.float32),
+        mu1=_pad2(mu1.astype(jnp.float32), rows, pw[0]),
+        target=None if target is None else _pad2(target.astype(jnp.float32), rows, pw[-1]),
+        weights=padded_weights,
+        biases=[jnp.pad(b.astype(jnp.float32), (0, pw[l + 1] - b.shape[0])) for l, b in enumerate(biases)],
+        grams=gram_matrices(padded_weights, precision) if deltas else [],
+        counters=jnp.zeros((grid.slots,), jnp.int32))
     buffers = 2 if deltas else 1
     kept = config.output_sum == "kept"
-    out_shape += [jax.ShapeDtypeStruct((buffers, ex_rows, n), dtype) for n in pw[:n_layers - 2 + kept]]  # f(x).. or d
-    out_shape += [jax.ShapeDtypeStruct((buffers, ex_rows, n), dtype) for n in pw[1:n_layers - 1]]  # e_2.. or dx
-    if not kept:
-        out_shape.append(jax.ShapeDtypeStruct((buffers, grid.groups, ex_rows, pw[-1]), jnp.float32))  # partials
-    whole = lambda shape: pl.BlockSpec(shape, lambda r, g: (0,) * len(shape))  # programs index by hand
+    array = lambda *shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)
+    out_shape = _Outputs(
+        xs=[array(rows, n) for n in pw],
+        errors=[array(rows, n) for n in pw] if with_errors else [],
+        logits=[array(rows, pw[-1])] * 2 if with_logits else [],
+        counters=array(grid.slots, dtype=jnp.int32),
+        activities=[array(buffers, ex_rows, n, dtype=dtype) for n in pw[:n_layers - 2 + kept]],
+        backs=[array(buffers, ex_rows, n, dtype=dtype) for n in pw[1:n_layers - 1]],
+        partials=None if kept else array(buffers, grid.groups, ex_rows, pw[-1]))
+    whole = lambda a: pl.BlockSpec(a.shape, lambda r, g: (0,) * len(a.shape))  # programs index by hand
+    flat_index = lambda tree, field: len(jax.tree.leaves(tree[:tree._fields.index(field)]))
     kernel = functools.partial(_pc_settle_kernel, n_layers=n_layers, n_out=widths[-1], clamped=target is not None,
                                cross_entropy=output == "cross_entropy", with_errors=with_errors,
                                with_logits=with_logits, T=T, activation=activation, precision=precision, block_b=bb,
                                groups=grid.groups, tiles_per_slot=grid.tiles_per_slot, valid_rows=valid_rows,
                                exchange=config.exchange, spin=config.spin, output_sum=config.output_sum,
                                interpret=interpret)
-    out = pl.pallas_call(
+    (out,) = pl.pallas_call(  # the kernel gets (inputs, outputs), each a NamedTuple of refs
         kernel,
         grid=(grid.slots, grid.groups),
-        in_specs=[whole(a.shape) for a in inputs],
-        out_specs=[whole(s.shape) for s in out_shape],
-        out_shape=out_shape,
-        input_output_aliases={len(inputs) - 1: n_results},
+        in_specs=(jax.tree.map(whole, inputs),),
+        out_specs=(jax.tree.map(whole, out_shape),),
+        out_shape=(out_shape,),
+        input_output_aliases={flat_index(inputs, "counters"): flat_index(out_shape, "counters")},
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name=f"pc_settle_{n_layers}layers",
-    )(*inputs)
-    result_widths = widths * (2 if with_errors else 1) + [widths[-1]] * (2 if with_logits else 0)
-    results = [o[:batch, :n] for o, n in zip(out[:n_results], result_widths, strict=True)]
-    xs, results = results[:n_layers], results[n_layers:]
-    errors, results = (results[:n_layers], results[n_layers:]) if with_errors else (None, results)
-    return Settled(xs, errors, tuple(results) if with_logits else None)
+    )(inputs)
+    crop = lambda arrays, n_valid: [a[:batch, :n] for a, n in zip(arrays, n_valid, strict=True)]
+    return Settled(crop(out.xs, widths), crop(out.errors, widths) if with_errors else None,
+                   tuple(crop(out.logits, widths[-1:] * 2)) if with_logits else None)
 
 
 def pc_settle_reference(weights: Sequence[jax.Array], biases: Sequence[jax.Array], mu1: jax.Array,

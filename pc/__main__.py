@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--activation", choices=tuple(ACTIVATIONS), default="sigmoid")
     t.add_argument("--output", choices=OUTPUTS, default="cross_entropy", help="energy of the clamped label")
     t.add_argument("--residual", action="store_true",
-                   help="muPC: equal-width hidden layers become residual blocks, branch scale 1/sqrt(blocks)")
+                   help="muPC: equal-width hidden layers become residual blocks; standard Gaussian weights scaled "
+                        "1/sqrt(D) (input), 1/sqrt(N L) (blocks), 1/N (output)")
     t.add_argument("--linear-input", action="store_true",
                    help="feed pixels linearly, mu_1 = x_0 W_0 + b_0 (default: f(x_0), as in Whittington & Bogacz)")
     t.add_argument("--precision", choices=PRECISIONS, default="tf32",

@@ -2,14 +2,26 @@
 
 Layers l = 0..L hold activities x_l ``[batch, n_l]``. Weight layer l (0 <= l < L) predicts layer l + 1:
 
-    plain:     mu_{l+1} = f_l(x_l) @ W_l + b_l
-    residual:  mu_{l+1} = x_l + s * f_l(x_l) @ W_l + b_l,   s = 1 / sqrt(number of residual blocks)
+    plain:     mu_{l+1} = a_l f_l(x_l) @ W_l + b_l
+    residual:  mu_{l+1} = x_l + a_l f_l(x_l) @ W_l + b_l
 
 f_l = f, except f_0 = identity with ``input_activation=False`` (the input enters linearly).
 
-Residual blocks (``residual=True``) are the hidden-to-hidden layers of equal width (1 <= l <= L - 2); the
-first and last weight layers stay plain. The 1/sqrt(depth) branch scale is the depth part of muPC
-(Depth-muP), which keeps the forward pass and the energy O(1) as depth grows, so 64+ layer nets train.
+A plain net (the standard parameterisation) has a_l = 1 and W_l ~ N(0, gain^2 / n_l) (LeCun/He).
+
+``residual=True`` is muPC (Innocenti, Achour & Buckley 2025): W_l ~ N(0, 1) for every layer, the scale moved
+into fixed multipliers that keep each layer's contribution O(1) whatever the width N and the depth L (the number
+of weight layers):
+
+    a_0 = 1 / sqrt(n_0)            input layer (D = n_0 inputs)
+    a_l = 1 / sqrt(N L)            residual block: hidden-to-hidden layers of equal width N = n_l (1 <= l <= L-2)
+    a_l = 1 / sqrt(n_l)            a hidden layer that changes width (no skip connection)
+    a_{L-1} = 1 / n_{L-1}          output layer (1/N: muP's readout, so the logits start near 0)
+
+The 1/sqrt(L) in the blocks keeps the sum of L branches O(1) (Depth-muP); the 1/N readout makes the output's
+update, not its initial value, O(1). The multipliers sit in the forward pass, so the weights' gradients carry
+them too (dE/dW_l = -a_l f_l(x_l)^T e_{l+1}): with Adam, whose steps do not depend on the gradient's scale, every
+layer moves by about the learning rate in W, i.e. by a_l times it in the function.
 
 References:
   Whittington & Bogacz, "An Approximation of the Error Backpropagation Algorithm in a Predictive Coding
@@ -49,8 +61,8 @@ class PCNet:
       activation: f, one of :data:`ACTIVATIONS`.
       output: energy of a clamped output layer: "gaussian" (0.5 ||x_L - mu_L||^2) or "cross_entropy"
         (CE(softmax(mu_L), y)). A free output is always Gaussian.
-      residual: make the equal-width hidden-to-hidden layers residual blocks (muPC).
-      residual_scale: s of the residual branch; None means 1 / sqrt(number of residual blocks).
+      residual: muPC: the equal-width hidden-to-hidden layers become residual blocks and every layer takes
+        muPC's multiplier a_l on standard Gaussian weights (module docstring).
       input_activation: apply f to x_0 too (Whittington & Bogacz).
         False feeds x_0 linearly, mu_1 = x_0 @ W_0 + b_0, as a plain MLP does: on raw pixels this trains
         sigmoid nets far faster (sigmoid squashes [0, 1] pixels into [0.5, 0.73]).
@@ -66,7 +78,6 @@ class PCNet:
     activation: str = "tanh"
     output: str = "gaussian"
     residual: bool = False
-    residual_scale: float | None = None
     input_activation: bool = True
     precision: str = "tf32"
 
@@ -88,8 +99,6 @@ class PCNet:
                              "have none")
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; expected one of {PRECISIONS}")
-        if self.residual_scale is not None and not self.residual_scale > 0:
-            raise ValueError(f"residual_scale must be > 0 or None, got {self.residual_scale}")
 
     @property
     def depth(self) -> int:
@@ -104,12 +113,31 @@ class PCNet:
     def num_residual(self) -> int:
         return sum(self.is_residual(l) for l in range(self.depth))
 
+    def weight_scale(self, l: int) -> float:
+        """a_l, the fixed multiplier of weight layer l (module docstring): 1 in a plain net, muPC's with residual."""
+        if not self.residual:
+            return 1.0
+        n_in = self.sizes[l]
+        if l == 0:
+            return 1.0 / math.sqrt(n_in)
+        if l == self.depth - 1:
+            return 1.0 / n_in
+        if self.is_residual(l):
+            return 1.0 / math.sqrt(n_in * self.depth)
+        return 1.0 / math.sqrt(n_in)
+
     @property
-    def branch_scale(self) -> float:
-        """s, the multiplier of a residual block's branch."""
-        if self.residual_scale is not None:
-            return self.residual_scale
-        return 1.0 / math.sqrt(max(self.num_residual, 1))
+    def layer_runs(self) -> tuple[tuple[int, int], ...]:
+        """The weight layers 0..L-1 as half-open runs ``(start, stop)``: each plain layer alone, consecutive
+        residual blocks of one width together (they share shapes and a_l, so a run's matmuls batch into one)."""
+        runs: list[tuple[int, int]] = []
+        for l in range(self.depth):
+            start = runs[-1][0] if runs else 0
+            if runs and self.is_residual(l) and self.is_residual(start) and self.sizes[start] == self.sizes[l]:
+                runs[-1] = (start, l + 1)
+            else:
+                runs.append((l, l + 1))
+        return tuple(runs)
 
     @property
     def operand_dtype(self) -> jnp.dtype:
@@ -152,25 +180,43 @@ def parse_arch(spec: str) -> tuple[int, ...]:
 
 
 def init_params(key: jax.Array, net: PCNet) -> Params:
-    """W_l ~ N(0, gain^2 / n_l) (LeCun/He by activation), b_l = 0.
+    """W_l ~ N(0, gain^2 / n_l) (LeCun/He by activation), or N(0, 1) with muPC (``net.residual``); b_l = 0.
 
     Returns:
       ``[{"w": [n_l, n_{l+1}], "b": [n_{l+1}]} for l in 0..L-1]``, float32.
     """
     gain = INIT_GAIN.get(net.activation, 1.0)
     keys = jax.random.split(key, net.depth)
-    return [{"w": gain / math.sqrt(n_in) * jax.random.normal(k, (n_in, n_out), jnp.float32),
+    std = lambda n_in: 1.0 if net.residual else gain / math.sqrt(n_in)
+    return [{"w": std(n_in) * jax.random.normal(k, (n_in, n_out), jnp.float32),
              "b": jnp.zeros((n_out,), jnp.float32)}
             for k, n_in, n_out in zip(keys, net.sizes[:-1], net.sizes[1:], strict=True)]
 
 
 def predict(layer: dict[str, jax.Array], x: jax.Array, net: PCNet, l: int,
             fx: jax.Array | None = None) -> jax.Array:
-    """mu_{l+1} ``[batch, n_{l+1}]`` from x_l ``[batch, n_l]`` through weight layer l (``fx``: f_l(x_l) if known)."""
-    branch = net.matmul(net.f(l)(x) if fx is None else fx, layer["w"])
+    """mu_{l+1} ``[batch, n_{l+1}]`` from x_l ``[batch, n_l]`` through weight layer l (``fx``: f_l(x_l) if known).
+
+    Also a whole run of residual blocks l..l+k-1 (:attr:`PCNet.layer_runs`) at once: x ``[k, batch, n]``, ``layer``
+    from :func:`stack_run`, mu ``[k, batch, n]``."""
+    branch = net.weight_scale(l) * net.matmul(net.f(l)(x) if fx is None else fx, layer["w"])
     if net.is_residual(l):
-        return x + net.branch_scale * branch + layer["b"]
+        return x + branch + layer["b"]
     return branch + layer["b"]
+
+
+def stack_run(params: Params, start: int, stop: int) -> dict[str, jax.Array]:
+    """Weight layers start..stop-1 as one layer for :func:`predict`: w ``[k, n, n]``, b ``[k, 1, n]``; a single
+    layer as it is."""
+    if stop - start == 1:
+        return params[start]
+    return {"w": jnp.stack([p["w"] for p in params[start:stop]]),
+            "b": jnp.stack([p["b"] for p in params[start:stop]])[:, None, :]}
+
+
+def stack_layers(xs: list[jax.Array], start: int, stop: int) -> jax.Array:
+    """Activities x_start..x_{stop-1} as ``[k, batch, n]``; a single one as it is ``[batch, n]``."""
+    return xs[start] if stop - start == 1 else jnp.stack(xs[start:stop])
 
 
 def forward(params: Params, x: jax.Array, net: PCNet) -> list[jax.Array]:

@@ -2,8 +2,8 @@
 
 Per minibatch: activities start at the feed-forward pass, the clamped layers are set, settling runs T steps
 (``pc.settle``), then the weights take one optax step on the gradient of the batch-mean energy at the
-settled activities (held constant), which is local: dE/dW_l = -f(x_l)^T e_{l+1} / batch (times s in a
-residual block). Variants:
+settled activities (held constant), which is local: dE/dW_l = -a_l f(x_l)^T e_{l+1} / batch (a_l: the layer's
+multiplier, 1 but in a muPC net, ``PCNet.weight_scale``). Variants:
 
   * "supervised": x_0 = image and x_L = label clamped; hidden layers inferred. The clamped target is the
     one-hot label, or with ``label_smoothing`` eps the soft target (1 - eps) one_hot(y) + eps / n_L (Szegedy

@@ -92,6 +92,37 @@ def test_quick_suite_runs_on_a_tiny_net(monkeypatch):
     assert payload["config"]["xla_flag_sets"] == {f: pc_mnist.XLA_FLAG_SETS[f] for f in ("default", "graphs")}
 
 
+def test_deepity_cpu_suite_times_steady_epochs_against_deepitys_run(monkeypatch):
+    """The CPU suite's path with Deepity's rows given (its worker needs its own venv) and a 784-32-10 net on 400
+    images: our epochs are steady (a warm-up epoch compiles), the time to Deepity's final accuracy is over its whole
+    run, the load is recorded."""
+    data = pc_mnist.load_dataset("mnist")
+    small = Dataset(data.train_x[:400], data.train_y[:400], data.test_x[:200], data.test_y[:200])
+    written = {}
+    monkeypatch.setattr(pc_mnist, "load_dataset", lambda name: small)
+    monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.setdefault(name, payload))
+    monkeypatch.setattr(pc_mnist, "plot", lambda rows, name, title: None)
+    monkeypatch.setattr(pc_mnist, "write_mnist_npz", lambda path: path)
+    deepity = [dict(epoch=e, seconds=s, test_accuracy=a) for e, s, a in ((1, 12.0, 0.2), (2, 8.0, 0.3), (3, 10.0, 0.4))]
+    monkeypatch.setattr(pc_mnist, "run_deepity", lambda epochs, npz, timeout: deepity[:epochs])
+    monkeypatch.setattr(pc_mnist, "NET", dataclasses.replace(pc_mnist.NET, sizes=(784, 32, 10)))
+    monkeypatch.setattr(pc_mnist, "BATCH", 50)
+    monkeypatch.setattr(pc_mnist, "OURS", {"pc euler T=3": ("euler", 3, 0.1)})
+    payload = pc_mnist.deepity_cpu_suite(3, 60, ours_epochs=2)
+    assert written == {"pc_mnist_cpu": payload}
+    assert payload["config"]["deepity_total_s"] == 30.0 and payload["config"]["ours_epochs"] == 2
+    deepity_row, ours = payload["summary"]
+    assert deepity_row["epochs_to_reference"] == 3 and deepity_row["time_vs_deepity_total"] == 1.0
+    assert deepity_row["s_per_epoch"] == 10.0 and deepity_row["compile_s"] is None  # all its epochs count
+    mine = [r for r in payload["rows"] if r["impl"] == "pc euler T=3"]
+    assert [r["epoch"] for r in mine] == [1, 2] and all(r["warmup_s"] > r["seconds"] for r in mine)
+    assert ours["compile_s"] == pytest.approx(mine[0]["warmup_s"] - ours["s_per_epoch"])
+    assert ours["epochs_to_reference"] == 1  # a 784-32-10 net passes 40% within an epoch of 400 images
+    assert ours["time_vs_deepity_total"] == pytest.approx(mine[0]["seconds"] / 30.0)
+    assert isinstance(payload["machine"]["loaded_by_others"], bool)
+    assert set(payload["machine"]["load"]) == {"deepity", "pc euler T=3"}
+
+
 @pytest.mark.slow
 def test_run_variant_trains_in_a_subprocess_under_its_xla_flags():
     """The quick suite's epochs subprocess on the CPU (the plain-XLA loop, 500 images, one epoch) under the
@@ -113,7 +144,7 @@ def test_pcx_suite_chooses_on_validation_and_reports_the_seed_mean(monkeypatch):
     each seed, the mean of their test accuracies the figure."""
     written, plotted = {}, []
     monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.setdefault(name, payload))
-    monkeypatch.setattr(pc_mnist, "_plot_pcx", lambda sweep, final, name: plotted.append(name))
+    monkeypatch.setattr(pc_mnist, "_plot_pcx", lambda sweep, final, name, dataset: plotted.append(name))
     monkeypatch.setattr(pc_mnist, "PCX_GRID", dict(label_smoothing=(0.0, 0.2), dt=(0.05,)))
     payload = pc_mnist.pcx_suite(epochs=1, limit=1024, seeds=(0, 1))
     assert written == {"pc_pcx_cpu": payload} and plotted == ["pc_pcx_cpu"]
@@ -128,25 +159,57 @@ def test_pcx_suite_chooses_on_validation_and_reports_the_seed_mean(monkeypatch):
     assert final["reached_target"] == (final["test_accuracy_mean"] >= pc_mnist.PCX_TARGET_ACCURACY)
 
 
+def test_pcx_suite_on_fashion_mnist_holds_out_the_last_training_images(monkeypatch, tmp_path):
+    """Fashion-MNIST (IDX files in a folder) has no validation split: the last PCX_VALID training images are it;
+    the figure is against pcx's Fashion-MNIST accuracy, in its own result file."""
+    data = pc_mnist.load_dataset("mnist")  # any 784-pixel, 10-class images stand in for Fashion-MNIST's
+    monkeypatch.setattr(pc_mnist, "load_dataset", lambda name, path: Dataset(
+        data.train_x[:1200], data.train_y[:1200], data.test_x[:300], data.test_y[:300]) if (
+            name, path) == ("fashion-mnist", str(tmp_path)) else None)
+    monkeypatch.setattr(pc_mnist, "PCX_VALID", 200)
+    split = pc_mnist.train_valid_test("fashion-mnist", str(tmp_path))
+    np.testing.assert_array_equal(split.valid_x, data.train_x[1000:1200])
+    assert split.train_x.shape == (1000, 784) and split.test_x.shape == (300, 784)
+    written = {}
+    monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.setdefault(name, payload))
+    monkeypatch.setattr(pc_mnist, "_plot_pcx", lambda sweep, final, name, dataset: None)
+    monkeypatch.setattr(pc_mnist, "PCX_GRID", dict(label_smoothing=(0.2,), dt=(0.05,)))
+    payload = pc_mnist.pcx_suite(epochs=1, limit=None, seeds=(0,), dataset="fashion-mnist", data_path=str(tmp_path))
+    assert list(written) == ["pc_pcx_fashion_cpu"] and payload["config"]["dataset"] == "fashion-mnist"
+    assert payload["config"]["train_images"] == 1000 and payload["final"]["target_accuracy"] == 0.899
+
+
 def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
-    """The mupc suite's path on 512 images, 3 hidden layers of 16 and T = 3: each variant's epochs, summary and
-    config, the residual variant muPC's (2 blocks, branch scale 1/sqrt(2))."""
+    """The mupc suite's path on 1024 images, 3 hidden layers of 32 (L = 4, T = 2L = 8): each variant's epochs, summary
+    and config, muPC's multipliers in it; the JSON is rewritten after every epoch."""
     data = pc_mnist.load_dataset("mnist")
     small = Dataset(data.train_x[:1024], data.train_y[:1024], data.test_x[:500], data.test_y[:500])
-    written, plotted = {}, []
+    written, plotted = [], []
     monkeypatch.setattr(pc_mnist, "load_dataset", lambda name: small)
-    monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.setdefault(name, payload))
+    monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.append(name))
     monkeypatch.setattr(pc_mnist, "plot", lambda rows, name, title: plotted.append(name))
-    monkeypatch.setattr(pc_mnist, "MUPC_SIZES", (784, 16, 16, 16, 10))
-    monkeypatch.setattr(pc_mnist, "MUPC_T", 3)
-    payload = pc_mnist.mupc_suite(epochs=2, limit=512)
-    assert written == {"pc_mupc_cpu": payload} and plotted == ["pc_mupc_cpu"]
+    payload = pc_mnist.mupc_suite(epochs=2, limit=1024, hidden_layers=3, width=32, variants=("muPC", "plain"))
+    assert written == ["pc_mupc_3_cpu"] * 4 and plotted == ["pc_mupc_3_cpu"]
     config = payload["config"]
-    assert config["train_images"] == 512 and config["hidden_layers"] == 3 and config["residual_blocks"] == 2
-    assert config["branch_scale"] == pytest.approx(2 ** -0.5)
+    assert config["train_images"] == 1024 and config["hidden_layers"] == 3 and config["residual_blocks"] == 2
+    assert config["T"] == 8 and config["solver"] == "nesterov" and config["lr"] == pytest.approx(0.12 / 2)
+    assert config["weight_scales"] == pytest.approx(dict(input=784**-0.5, block=(32 * 4) ** -0.5, output=1 / 32))
     assert [(r["impl"], r["epoch"]) for r in payload["rows"]] == [
-        (impl, epoch) for impl in pc_mnist.MUPC_VARIANTS for epoch in (1, 2)]
+        (impl, epoch) for impl in ("muPC", "plain") for epoch in (1, 2)]
     assert all(r["seconds"] > 0 and np.isfinite(r["energy"]) for r in payload["rows"])
+    assert [r["lr"] for r in payload["rows"]] == pytest.approx([0.06, 0.03] * 2)  # cosine per epoch, peak 0.12/sqrt(4)
     summary = {s["impl"]: s for s in payload["summary"]}
-    assert set(summary) == set(pc_mnist.MUPC_VARIANTS) and all(s["epochs"] == 2 for s in summary.values())
-    assert summary["muPC residual"]["final_accuracy"] > 0.5  # chance is 0.1
+    assert set(summary) == {"muPC", "plain"} and all(s["epochs"] == 2 for s in summary.values())
+    assert summary["muPC"]["final_accuracy"] > 0.4  # chance is 0.1; 32 steps of batch 64
+
+
+def test_mupc_suite_stops_within_its_time_budget(monkeypatch):
+    """A budget shorter than one epoch: the first epoch runs (at the peak lr), then the suite stops with its rows."""
+    data = pc_mnist.load_dataset("mnist")
+    small = Dataset(data.train_x[:256], data.train_y[:256], data.test_x[:100], data.test_y[:100])
+    monkeypatch.setattr(pc_mnist, "load_dataset", lambda name: small)
+    monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: None)
+    monkeypatch.setattr(pc_mnist, "plot", lambda rows, name, title: None)
+    payload = pc_mnist.mupc_suite(epochs=5, limit=256, hidden_layers=2, width=8, time_budget_s=1e-3)
+    assert [r["epoch"] for r in payload["rows"]] == [1]
+    assert payload["rows"][0]["lr"] == pytest.approx(0.12 / 3**0.5)

@@ -30,7 +30,7 @@ def mnist_subset():
 @pytest.mark.parametrize("output,output_clamped,input_prior", [
     ("gaussian", False, False), ("cross_entropy", True, False), ("gaussian", True, True)])
 def test_closed_form_gradient_equals_autodiff(activation, output, output_clamped, input_prior):
-    net = pc.PCNet((6, 8, 8, 8, 4), activation=activation, output=output, residual=True,
+    net = pc.PCNet((6, 8, 8, 8, 5, 5, 4), activation=activation, output=output, residual=True,  # runs of 2 and 1 blocks
                    input_activation=activation != "relu")
     params = pc.init_params(jax.random.key(0), net)
     params = jax.tree.map(lambda p: p + 0.1, params)  # non-zero biases
@@ -168,9 +168,18 @@ def test_parse_arch_and_net_checks():
     assert pc.parse_arch("784-128*3-10") == (784, 128, 128, 128, 10)
     net = pc.PCNet(pc.parse_arch("784-128*4-10"), residual=True)
     assert [net.is_residual(l) for l in range(net.depth)] == [False, True, True, True, False]
-    assert net.branch_scale == pytest.approx(3**-0.5)
+    # muPC's multipliers: input 1/sqrt(D), blocks 1/sqrt(N L), readout 1/N; a plain net's are 1
+    assert [net.weight_scale(l) for l in range(net.depth)] == pytest.approx(
+        [784**-0.5] + [(128 * 5) ** -0.5] * 3 + [1 / 128])
+    assert net.layer_runs == ((0, 1), (1, 4), (4, 5))
+    assert pc.PCNet((784, 128, 128, 10)).weight_scale(1) == 1.0
     params = pc.init_params(jax.random.key(0), net)
     assert [p["w"].shape for p in params] == [(784, 128)] + [(128, 128)] * 3 + [(128, 10)]
+    stds = [float(jnp.std(p["w"])) for p in params]
+    assert stds == pytest.approx([1.0] * 5, rel=0.15)  # muPC: standard Gaussian weights
+    mixed = pc.PCNet((6, 8, 8, 5, 5, 5, 3), residual=True)  # runs split where the width changes
+    assert mixed.layer_runs == ((0, 1), (1, 2), (2, 3), (3, 5), (5, 6))
+    assert mixed.weight_scale(2) == pytest.approx(8**-0.5)  # a width change: no skip, 1/sqrt(fan-in)
 
 
 _NET = pc.PCNet((4, 5, 3))
