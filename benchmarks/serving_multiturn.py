@@ -10,9 +10,10 @@ requests are in flight. The working set (every conversation's blocks) is larger 
 with the GPU tier alone, earlier turns are evicted and recomputed; with the host tier they are loaded back.
 
 Both engines serve the same model (its params shared) with the same scheduler settings; the tiered one adds
-``--host-cache-gb`` of host memory. Before timing, each engine compiles (``Engine.warm_up`` on an accelerator) and
-runs an untimed round of the workload with other prompts (its step shapes and the tiers' copies compiled). Per
-engine: TTFT (a request's queueing to its first token, over every request: median and p99), prefill tokens
+``--host-cache-gb`` of host memory. Before timing, each engine runs an untimed round of the same workload with
+other prompts (the same lengths: it compiles the step shapes the timed round meets), its tiers' copies once at
+every batch size (``KVTiers.warm_up``), and with ``--warm-up`` the whole ``Engine.warm_up`` first.
+Per engine: TTFT (a request's queueing to its first token, over every request: median and p99), prefill tokens
 computed (prompt tokens the model ran, preemptions' recomputation included: counted from the scheduled chunks),
 prompt tokens served by the cache, output tokens/s over the run, preemptions, the tier counters, and the fraction
 of answers equal to the GPU-only engine's. Ratios: TTFT median and p99 (GPU only / tiered), prefill tokens
@@ -47,7 +48,6 @@ GPU_WORKLOAD = dict(model="moe-1b", users=32, turns=8, system_len=1024, user_len
                     num_blocks=3072, block_size=16, max_running=8, token_budget=1024, host_cache_gb=8.0)
 CPU_WORKLOAD = dict(model="tiny", users=4, turns=3, system_len=24, user_len=8, answer_len=4, num_blocks=24,
                     block_size=4, max_running=2, token_budget=64, host_cache_gb=0.01)
-WARM_TURNS = 2  # turns of the untimed round on an accelerator, where warm_up compiled every step shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,11 +126,11 @@ def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int) -> d
                 output_tokens=output_tokens)
 
 
-def measure(engines: dict[str, Engine], workload: Workload, warm: Workload, vocab: int) -> list[dict]:
-    """One row per engine: an untimed ``warm`` round (other prompts), then the timed workload."""
+def measure(engines: dict[str, Engine], workload: Workload, vocab: int) -> list[dict]:
+    """One row per engine: an untimed round of ``workload`` with other prompts, then the timed one."""
     rows = []
     for mode, engine in engines.items():
-        run_workload(engine, warm, seed=1, vocab=vocab)
+        run_workload(engine, workload, seed=1, vocab=vocab)
         counter = PrefillCounter(engine)
         preemptions = engine.scheduler.num_preemptions
         before = dataclasses.replace(engine.tier_stats) if engine.tier_stats is not None else None
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "max_running", "token_budget"):
         parser.add_argument("--" + key.replace("_", "-"), type=int)
     parser.add_argument("--host-cache-gb", type=float)
-    parser.add_argument("--no-warm-up", action="store_true", help="skip Engine.warm_up (the untimed round stays)")
+    parser.add_argument("--warm-up", action="store_true", help="Engine.warm_up before the untimed round (minutes "
+                        "on a GPU for moe-1b: every step shape)")
     parser.add_argument("--name", default=None, help="results file name (default: serving_multiturn[_cpu])")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
@@ -209,11 +210,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    max_running=settings["max_running"], token_budget=settings["token_budget"], max_model_len=max_len)
     engines = {"gpu": Engine(loaded, **options), "gpu+host": Engine(loaded, host_cache_gb=settings["host_cache_gb"],
                                                                     **options)}
-    if not (on_cpu or args.no_warm_up):
-        for engine in engines.values():
+    for engine in engines.values():
+        if args.warm_up:
             engine.warm_up()
-    warm = workload if on_cpu else dataclasses.replace(workload, turns=min(WARM_TURNS, workload.turns))
-    rows = measure(engines, workload, warm, MODELS[settings["model"]]["vocab_size"])
+        elif engine.tiers is not None:  # the tiers' copies at every batch size, as warm_up runs them
+            engine.runner.kv = engine.tiers.warm_up(engine.runner.kv)
+    rows = measure(engines, workload, MODELS[settings["model"]]["vocab_size"])
     name = args.name or ("serving_multiturn_cpu" if args.cpu else "serving_multiturn")
     print(format_table(rows, ["mode", "requests", "ttft_median_ms", "ttft_p99_ms", "prefill_tokens",
                               "cached_prompt_tokens", "output_tokens_per_s", "preemptions", "same_answers",

@@ -336,7 +336,8 @@ class Engine:
         With speculative decoding every step is a verification: with the n-gram drafter, its scoring forward at
         each shape (paged-only or not) and its verification variants instead of the step and the sampler; other
         drafters' steps are not in the set, nor are penalized requests' (their token histories have widths of
-        their own). XLA compiles them in parallel threads; ``progress(done, total)`` is called after each.
+        their own). With cache tiers, their copies run once at every batch size, with no effect
+        (``KVTiers.warm_up``). XLA compiles them in parallel threads; ``progress(done, total)`` is called after each.
         Returns what was compiled: ("step" | "score" | "chained", StepShape), ("sample" | "verify", S, num_top,
         draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
@@ -372,6 +373,9 @@ class Engine:
                          "verify": lambda n, *v: compile_verify(logits[n], self.speculative.k, *v)}
         if progress is not None:
             progress(1, len(entries))
+        if self.tiers is not None:
+            with runner.on_mesh():
+                runner.kv = self.tiers.warm_up(runner.kv)
         # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (kernel mode)
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
             futures = [pool.submit(contextvars.copy_context().run, compile_entry[kind], *args)

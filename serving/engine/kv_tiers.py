@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -89,10 +90,9 @@ class _Entry:
         return self.data
 
 
-@functools.partial(jax.jit, static_argnames="padded")
-def _gather(kv: Any, blocks: jax.Array, *, padded: int) -> jax.Array:
-    """``[padded, leaves, block_size, *page]``: every cache leaf's rows ``blocks`` (padded), stacked per block."""
-    del padded
+@jax.jit
+def _gather(kv: Any, blocks: jax.Array) -> jax.Array:
+    """``[n, leaves, block_size, *page]``: every cache leaf's rows ``blocks [n]``, stacked per block."""
     return jnp.stack([leaf[blocks] for leaf in jax.tree.leaves(kv)], axis=1)
 
 
@@ -275,7 +275,7 @@ class KVTiers:
         if self._saves:
             blocks = np.full(_bucket(len(self._saves)), 0, np.int32)
             blocks[:len(self._saves)] = [b for b, _ in self._saves]
-            transfer = _Transfer(_gather(kv, blocks, padded=len(blocks)))
+            transfer = _Transfer(_gather(kv, blocks))
             for row, (_, entry) in enumerate(self._saves):
                 entry.transfer, entry.row = transfer, row
             self._transfers.append((transfer, [e for _, e in self._saves]))
@@ -292,6 +292,16 @@ class KVTiers:
             self.stats.host_to_device_bytes += len(self._loads) * self.block_bytes
             self._loads = {}
         self.stats.copy_seconds += time.perf_counter() - start
+        return kv
+
+    def warm_up(self, kv: Any) -> Any:
+        """Run the gather and the scatter once at every batch size ``apply`` can pad to (powers of two up to the
+        GPU's blocks; the scatter's up to the host tier's too), with no effect: the gather's result is dropped and
+        every scattered block is out of range. Returns the cache to use (the scatter donates it)."""
+        for n in (1 << i for i in range(math.ceil(math.log2(self.num_blocks)) + 1)):
+            jax.block_until_ready(_gather(kv, np.zeros(n, np.int32)))
+            if n <= _bucket(min(self.num_blocks, self.host_blocks)):
+                kv = _scatter(kv, np.full(n, self.num_blocks, np.int32), np.zeros((n, *self.block_shape), self.dtype))
         return kv
 
     def drain(self) -> None:
