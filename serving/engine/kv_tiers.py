@@ -84,8 +84,8 @@ class _Entry:
         self.block_hash, self.data, self.transfer, self.row = block_hash, data, None, 0
 
     def array(self) -> np.ndarray:
-        if self.data is None:
-            self.data = self.transfer.result()[self.row]
+        if self.data is None:  # a copy: the batch (and its padding rows) is freed once every row is read
+            self.data = self.transfer.result()[self.row].copy()
             self.transfer = None
         return self.data
 
@@ -314,8 +314,8 @@ class KVTiers:
         """Forget queued copies (the cache they named is gone); what the host and disk hold stays valid, except
         entries whose gather never ran."""
         for _, entry in self._saves:
-            for block_hash in [h for h, e in self._host.items() if e is entry]:
-                del self._host[block_hash]
+            if self._host.get(entry.block_hash) is entry:
+                del self._host[entry.block_hash]
         self._saves, self._loads = [], {}
 
     def _put(self, block_hash: BlockHash, entry: _Entry) -> None:
