@@ -191,3 +191,28 @@ def test_allocator_restores_a_prefix_from_the_host():
     np.testing.assert_array_equal(_block(kv, prefix[0]), original)
     with pytest.raises(ValueError, match="host_blocks=0"):
         KVTiers(kv, host_blocks=0)
+
+
+def test_reset_forgets_queued_copies_and_keeps_what_the_host_holds():
+    kv = _cache()
+    tiers = KVTiers(kv, host_blocks=8)
+    tiers.save(0, b"a")
+    kv = tiers.apply(kv)
+    tiers.save(1, b"b")  # queued: its gather never runs
+    tiers.load(2, tiers.lookup(b"a"))
+    tiers.reset()
+    assert tiers.lookup(b"b") is None and tiers.lookup(b"a") is not None
+    assert tiers.apply(kv) is kv  # nothing queued
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(host_cache_blocks=8, host_cache_gb=1.0), "expected one"),
+    (dict(disk_cache_dir="x"), "without a host tier"),
+    (dict(host_cache_blocks=-1), "host_cache_blocks=-1"),
+    (dict(host_cache_gb=1e-12), "holds no block"),
+])
+def test_bad_tier_options_are_refused(options, match):
+    with pytest.raises(ValueError, match=match):
+        engine(**options)
+    with pytest.raises(ValueError, match="no cache tiers"):
+        engine().persist_cache()
