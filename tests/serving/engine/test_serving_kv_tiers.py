@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import HF
 
-from serving import Engine, SamplingParams
+from serving import Engine, SamplingParams, sharding
 from serving.engine.blocks import BlockAllocator, hash_blocks
 from serving.engine.kv_tiers import SUFFIX, KVTiers
 from serving.kv_cache import PagedKV
@@ -216,3 +216,19 @@ def test_bad_tier_options_are_refused(options, match):
         engine(**options)
     with pytest.raises(ValueError, match="no cache tiers"):
         engine().persist_cache()
+
+
+@pytest.mark.slow  # ~60 s on 2 shared cores: the mesh engine compiles its steps
+@pytest.mark.needs_devices(2)
+@pytest.mark.parametrize("gpu_cached", ["llama"], indirect=True)
+def test_tiers_on_a_tensor_parallel_mesh_keep_the_cache_split_and_the_tokens(gpu_cached):
+    name, reference = gpu_cached
+    mesh = sharding.make_mesh(1, 2, 1, devices=jax.devices()[:2])
+    eng = engine(name, host_cache_blocks=64, mesh=mesh)
+    shardings = [leaf.sharding for leaf in jax.tree.leaves(eng.runner.kv)]
+    for prompt in (PROMPT_A, PROMPT_B):
+        run(eng, prompt)
+    again = run(eng, PROMPT_A)
+    assert eng.tier_stats.host_hits > 0 and again[2] == reference[2] and again[0] == reference[0]
+    for leaf, before in zip(jax.tree.leaves(eng.runner.kv), shardings, strict=True):
+        assert leaf.sharding.is_equivalent_to(before, leaf.ndim)  # gathers and scatters kept the cache split
