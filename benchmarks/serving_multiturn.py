@@ -22,8 +22,8 @@ of answers equal to the GPU-only engine's. Ratios: TTFT median and p99 (GPU only
 Models: ``tiny`` (``serving_decode.TINY_MOE``, random weights, fp32) and ``moe-1b`` (``serving_decode.MOE_1B``,
 random weights, bfloat16 on a GPU); ``--cpu``: tiny, 4 users x 3 turns (seconds; the tests run it).
 
-    python benchmarks/serving_multiturn.py                # GPU: moe-1b, results/serving_multiturn.json + .png
-    python benchmarks/serving_multiturn.py --cpu          # CPU: results/serving_multiturn_cpu.json + .png
+    python -m benchmarks.serving_multiturn                # GPU: moe-1b, results/serving_multiturn.json + .png
+    python -m benchmarks.serving_multiturn --cpu          # CPU: results/serving_multiturn_cpu.json + .png
 """
 
 import argparse
@@ -37,7 +37,7 @@ import numpy as np
 
 from benchmarks.harness import format_table, save_plot, write_results
 from benchmarks.serving_decode import MOE_1B, TINY_MOE
-from serving import Engine, LoadedModel, SamplingParams
+from serving import Engine, LoadedModel, SamplingParams, enable_command_buffers
 from serving.config import ModelConfig
 from serving.models import model_module
 
@@ -227,4 +227,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    enable_command_buffers()
     main()
