@@ -9,15 +9,16 @@ users run as a closed loop: every user's next turn is queued the moment its answ
 requests are in flight. The working set (every conversation's blocks) is larger than the GPU's ``--num-blocks``:
 with the GPU tier alone, earlier turns are evicted and recomputed; with the host tier they are loaded back.
 
-Both engines serve the same model (its params shared) with the same scheduler settings; the tiered one adds
-``--host-cache-gb`` of host memory. Before timing, each engine runs an untimed round of the same workload with
-other prompts (the same lengths: it compiles the step shapes the timed round meets), its tiers' copies once at
-every batch size (``KVTiers.warm_up``), and with ``--warm-up`` the whole ``Engine.warm_up`` first.
-Per engine: TTFT (a request's queueing to its first token, over every request: median and p99), prefill tokens
-computed (prompt tokens the model ran, preemptions' recomputation included: counted from the scheduled chunks),
-prompt tokens served by the cache, output tokens/s over the run, preemptions, the tier counters, and the fraction
-of answers equal to the GPU-only engine's. Ratios: TTFT median and p99 (GPU only / tiered), prefill tokens
-(GPU only / tiered) and throughput (tiered / GPU only).
+One engine serves both modes, so they run the same compiled steps: GPU only (no tiers), then with a host tier of
+``--host-cache-gb`` (a fresh ``KVTiers``); each run starts with an empty GPU prefix cache
+(``Engine.reset_prefix_cache``). Before timing, the engine compiles every step shape and the tiers' copies
+(``Engine.warm_up``, on an accelerator; ``--no-warm-up`` skips it) and each mode runs an untimed round of the same
+workload with other prompts (the same lengths, so the same shapes). Per mode: TTFT (a request's queueing to its
+first token, over every request: median and p99), prefill tokens computed (prompt tokens the model ran,
+preemptions' recomputation included: counted from the scheduled chunks), prompt tokens served by the cache, output
+tokens/s over the run, preemptions, the tier counters, and the fraction of answers equal to the GPU-only run's.
+Ratios: TTFT median and p99 (GPU only / tiered), prefill tokens (GPU only / tiered) and throughput (tiered / GPU
+only).
 
 Models: ``tiny`` (``serving_decode.TINY_MOE``, random weights, fp32) and ``moe-1b`` (``serving_decode.MOE_1B``,
 random weights, bfloat16 on a GPU); ``--cpu``: tiny, 4 users x 3 turns (seconds; the tests run it).
@@ -29,6 +30,7 @@ random weights, bfloat16 on a GPU); ``--cpu``: tiny, 4 users x 3 turns (seconds;
 import argparse
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -39,6 +41,7 @@ from benchmarks.harness import format_table, save_plot, write_results
 from benchmarks.serving_decode import MOE_1B, TINY_MOE
 from serving import Engine, LoadedModel, SamplingParams, enable_command_buffers
 from serving.config import ModelConfig
+from serving.engine.kv_tiers import KVTiers
 from serving.models import model_module
 
 MODELS = {"tiny": TINY_MOE, "moe-1b": MOE_1B}
@@ -65,7 +68,7 @@ class Workload:
 
 
 def load_model(name: str, dtype: jnp.dtype) -> LoadedModel:
-    """``name``'s config with random weights (seeded: both engines and every run serve the same model)."""
+    """``name``'s config with random weights (seeded: every run serves the same model)."""
     cfg = ModelConfig.from_hf(MODELS[name])
     return LoadedModel(cfg, model_module(cfg.family).init_params(cfg, jax.random.key(0), dtype), None, ())
 
@@ -126,14 +129,23 @@ def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int) -> d
                 output_tokens=output_tokens)
 
 
-def measure(engines: dict[str, Engine], workload: Workload, vocab: int) -> list[dict]:
-    """One row per engine: an untimed round of ``workload`` with other prompts, then the timed one."""
-    rows = []
-    for mode, engine in engines.items():
+def use_tiers(engine: Engine, tiers: KVTiers | None) -> None:
+    """Serve with ``tiers`` (None: the GPU tier alone) from an empty GPU prefix cache."""
+    engine.tiers = engine.runner.tiers = tiers
+    engine.reset_prefix_cache()
+
+
+def measure(engine: Engine, modes: dict[str, Callable[[], KVTiers | None]], workload: Workload,
+            vocab: int) -> list[dict]:
+    """One row per mode (its tiers made by ``modes[mode]()``): an untimed round of ``workload`` with other prompts,
+    then the timed one, each from empty caches."""
+    rows, counter = [], PrefillCounter(engine)
+    for mode, make_tiers in modes.items():
+        use_tiers(engine, make_tiers())
         run_workload(engine, workload, seed=1, vocab=vocab)
-        counter = PrefillCounter(engine)
+        use_tiers(engine, make_tiers())
+        counter.tokens = 0
         preemptions = engine.scheduler.num_preemptions
-        before = dataclasses.replace(engine.tier_stats) if engine.tier_stats is not None else None
         result = run_workload(engine, workload, seed=0, vocab=vocab)
         ttft_ms = np.asarray(result["ttft"]) * 1e3
         row = dict(mode=mode, requests=len(result["ttft"]), ttft_median_ms=float(np.median(ttft_ms)),
@@ -141,9 +153,8 @@ def measure(engines: dict[str, Engine], workload: Workload, vocab: int) -> list[
                    cached_prompt_tokens=result["cached_tokens"], output_tokens=result["output_tokens"],
                    seconds=result["seconds"], output_tokens_per_s=result["output_tokens"] / result["seconds"],
                    preemptions=engine.scheduler.num_preemptions - preemptions, answers=result["answers"])
-        if before is not None:
-            after = dataclasses.asdict(engine.tier_stats)
-            row["tiers"] = {k: v - getattr(before, k) for k, v in after.items()}
+        if engine.tier_stats is not None:  # this run's tiers' counters (they start at 0)
+            row["tiers"] = dataclasses.asdict(engine.tier_stats)
         rows.append(row)
     base = rows[0]
     for row in rows:
@@ -158,7 +169,7 @@ def measure(engines: dict[str, Engine], workload: Workload, vocab: int) -> list[
 
 
 def plot(rows: list[dict], name: str, out_dir: str | Path | None = None) -> None:
-    """Bars per engine: TTFT median and p99, prefill tokens computed, output tokens/s."""
+    """Bars per mode: TTFT median and p99, prefill tokens computed, output tokens/s."""
     import matplotlib.pyplot as plt
 
     panels = [("ttft_median_ms", "TTFT median (ms)"), ("ttft_p99_ms", "TTFT p99 (ms)"),
@@ -184,8 +195,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "max_running", "token_budget"):
         parser.add_argument("--" + key.replace("_", "-"), type=int)
     parser.add_argument("--host-cache-gb", type=float)
-    parser.add_argument("--warm-up", action="store_true", help="Engine.warm_up before the untimed round (minutes "
-                        "on a GPU for moe-1b: every step shape)")
+    parser.add_argument("--no-warm-up", action="store_true", help="skip Engine.warm_up (on the CPU it is skipped: "
+                        "the untimed rounds compile what the timed ones meet)")
     parser.add_argument("--name", default=None, help="results file name (default: serving_multiturn[_cpu])")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
@@ -208,14 +219,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     loaded = load_model(settings["model"], dtype)
     options = dict(dtype=dtype, num_blocks=settings["num_blocks"], block_size=settings["block_size"],
                    max_running=settings["max_running"], token_budget=settings["token_budget"], max_model_len=max_len)
-    engines = {"gpu": Engine(loaded, **options), "gpu+host": Engine(loaded, host_cache_gb=settings["host_cache_gb"],
-                                                                    **options)}
-    for engine in engines.values():
-        if args.warm_up:
-            engine.warm_up()
-        elif engine.tiers is not None:  # the tiers' copies at every batch size, as warm_up runs them
-            engine.runner.kv = engine.tiers.warm_up(engine.runner.kv)
-    rows = measure(engines, workload, MODELS[settings["model"]]["vocab_size"])
+    engine = Engine(loaded, host_cache_gb=settings["host_cache_gb"], **options)
+    host_blocks = engine.tiers.host_blocks
+    if not (on_cpu or args.no_warm_up):
+        engine.warm_up()  # every step shape, and the tiers' copies
+    else:
+        engine.runner.kv = engine.tiers.warm_up(engine.runner.kv)
+    modes = {"gpu": lambda: None, "gpu+host": lambda: KVTiers(engine.runner.kv, host_blocks)}
+    rows = measure(engine, modes, workload, MODELS[settings["model"]]["vocab_size"])
     name = args.name or ("serving_multiturn_cpu" if args.cpu else "serving_multiturn")
     print(format_table(rows, ["mode", "requests", "ttft_median_ms", "ttft_p99_ms", "prefill_tokens",
                               "cached_prompt_tokens", "output_tokens_per_s", "preemptions", "same_answers",

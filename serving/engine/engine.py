@@ -302,6 +302,14 @@ class Engine:
         """The prefix-cache tiers' counters (``kv_tiers.TierStats``), None without tiers."""
         return None if self.tiers is None else self.tiers.stats
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every block the GPU prefix cache names (a fresh allocator over the same pages, with the engine's
+        ``tiers``, whose contents stay): the next requests start cold on the GPU. RuntimeError unless idle."""
+        if self.has_unfinished():
+            raise RuntimeError("reset_prefix_cache: the engine has unfinished requests: expected an idle engine")
+        self.allocator = self.scheduler.allocator = BlockAllocator(self.allocator.num_blocks, self.allocator.block_size,
+                                                                   self.tiers)
+
     def persist_cache(self) -> int:
         """Copy every block the GPU prefix cache names to the tiers and wait for the copies (written through to
         the disk tier), so a new engine over the same ``disk_cache_dir`` finds them; returns the blocks named.

@@ -232,3 +232,14 @@ def test_tiers_on_a_tensor_parallel_mesh_keep_the_cache_split_and_the_tokens(gpu
     assert eng.tier_stats.host_hits > 0 and again[2] == reference[2] and again[0] == reference[0]
     for leaf, before in zip(jax.tree.leaves(eng.runner.kv), shardings, strict=True):
         assert leaf.sharding.is_equivalent_to(before, leaf.ndim)  # gathers and scatters kept the cache split
+
+
+def test_reset_prefix_cache_starts_cold_and_needs_an_idle_engine():
+    eng = engine(num_blocks=64)
+    run(eng, PROMPT_A)
+    assert run(eng, PROMPT_A)[2] > 0
+    eng.reset_prefix_cache()
+    assert run(eng, PROMPT_A)[2] == 0
+    eng.add_request(PROMPT_A, PARAMS)
+    with pytest.raises(RuntimeError, match="unfinished requests"):
+        eng.reset_prefix_cache()
