@@ -19,11 +19,23 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs
 rng = np.random.default_rng(0)
 PROMPT_A = rng.integers(3, 320, 26).tolist()
 PROMPT_B = rng.integers(3, 320, 52).tolist()
+# A jit cache miss traces (even when the persistent cache then supplies the executable); a new executable compiles.
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+_events: list[str] | None = None  # the events seen while a test records them
+
+
+def _listen(name: str, duration: float, **_: object) -> None:
+    if _events is not None and name in COMPILE_EVENTS:
+        _events.append(name)
+
+
+jax.monitoring.register_event_duration_secs_listener(_listen)
 
 
 def engine(name: str = "llama", num_blocks: int = SMALL, **kwargs) -> Engine:
-    return Engine(HF / name, dtype=jnp.float32, num_blocks=num_blocks, block_size=BLOCK, max_running=4,
-                  token_budget=64, decode_steps=1, **kwargs)
+    options = dict(dtype=jnp.float32, num_blocks=num_blocks, block_size=BLOCK, max_running=4, token_budget=64,
+                   decode_steps=1) | kwargs
+    return Engine(HF / name, **options)
 
 
 def run(eng: Engine, prompt: list[int], salt: str | None = None):
@@ -243,3 +255,16 @@ def test_reset_prefix_cache_starts_cold_and_needs_an_idle_engine():
     eng.add_request(PROMPT_A, PARAMS)
     with pytest.raises(RuntimeError, match="unfinished requests"):
         eng.reset_prefix_cache()
+
+
+def test_after_warm_up_evictions_and_restores_compile_nothing():
+    global _events
+    eng = engine(host_cache_blocks=64, token_budget=16, compilation_cache=False)
+    eng.warm_up()
+    _events = []
+    try:
+        for prompt in (PROMPT_A, PROMPT_B, PROMPT_A):
+            run(eng, prompt)
+        assert eng.tier_stats.host_hits > 0 and _events == []
+    finally:
+        _events = None
