@@ -46,7 +46,8 @@ from serving.models import model_module
 
 MODELS = {"tiny": TINY_MOE, "moe-1b": MOE_1B}
 MODES = ("gpu", "gpu+host")  # the prefix cache on the GPU alone; with its host tier
-# (users, turns, system, user, answer, num_blocks, block_size, max_running, token_budget, host GB)
+# The GPU workload: 32 users x 8 turns reach 4096 tokens each, a working set of 6208 blocks over 3072 GPU blocks;
+# Engine.warm_up of moe-1b took ~3 minutes cold on an H200 at serving_load's larger token budget (2048).
 GPU_WORKLOAD = dict(model="moe-1b", users=32, turns=8, system_len=1024, user_len=256, answer_len=128,
                     num_blocks=3072, block_size=16, max_running=8, token_budget=1024, host_cache_gb=8.0)
 CPU_WORKLOAD = dict(model="tiny", users=4, turns=3, system_len=24, user_len=8, answer_len=4, num_blocks=24,
