@@ -157,6 +157,12 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                              "itself ~/.cache/apex-jax by default)")
     parser.add_argument("--no-compilation-cache", dest="compilation_cache", action="store_false",
                         help="do not turn the persistent compilation cache on")
+    parser.add_argument("--host-cache-gb", type=float, default=0.0, metavar="GB",
+                        help="host memory for prefix-cache blocks the GPU evicts, loaded back on a hit (0: none)")
+    parser.add_argument("--disk-cache", default=None, metavar="DIR",
+                        help="a folder for prefix-cache blocks under the host tier (needs --host-cache-gb)")
+    parser.add_argument("--persist-disk-cache", action="store_true",
+                        help="at stop, write the GPU's cached blocks to --disk-cache too, for the next start")
     parser.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),
                         help="speculative decoding: n-gram prompt lookup, or a block drafter (--drafter)")
     parser.add_argument("--drafter", default=None, help="block drafter checkpoint (python -m examples.train_drafter)")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from serving.engine.engine import Engine, EngineFullError, StepOutput
+from serving.engine.kv_tiers import TierStats
 from serving.engine.sampling_params import SamplingParams
 from serving.spec_decode import SpecStats
 
@@ -32,7 +33,8 @@ class EngineUnavailableError(RuntimeError):
 
 @dataclasses.dataclass
 class EngineStats:
-    """The engine's load: sequences, cache blocks, expert routing counts, speculative decoding counters."""
+    """The engine's load: sequences, cache blocks, expert routing counts, speculative decoding and cache tier
+    counters."""
 
     waiting: int = 0
     running: int = 0
@@ -41,6 +43,7 @@ class EngineStats:
     kv_block_size: int = 0
     expert_tokens: list[list[int]] = dataclasses.field(default_factory=list)  # [layers][experts]; [] if dense
     spec: SpecStats | None = None  # None without speculative decoding
+    tiers: TierStats | None = None  # the prefix cache's host/disk tiers; None without them
 
     @classmethod
     def of(cls, engine: Engine, experts: bool = True) -> "EngineStats":
@@ -49,15 +52,17 @@ class EngineStats:
         return cls(len(engine.scheduler.waiting), len(engine.scheduler.running),
                    allocator.num_blocks - allocator.num_free, allocator.num_blocks, allocator.block_size,
                    engine.runner.expert_load.tolist() if experts and engine.cfg.num_experts else [],
-                   dataclasses.replace(engine.spec_stats) if engine.speculative is not None else None)
+                   dataclasses.replace(engine.spec_stats) if engine.speculative is not None else None,
+                   dataclasses.replace(engine.tier_stats) if engine.tier_stats is not None else None)
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_wire(cls, fields: dict[str, Any]) -> "EngineStats":
-        spec = fields.get("spec")
-        return cls(**{**fields, "spec": SpecStats(**spec) if spec is not None else None})
+        spec, tiers = fields.get("spec"), fields.get("tiers")
+        return cls(**{**fields, "spec": SpecStats(**spec) if spec is not None else None,
+                      "tiers": TierStats(**tiers) if tiers is not None else None})
 
 
 class Admission:

@@ -78,6 +78,8 @@ def run_core(spec: dict, commands_address: str, events_address: str) -> None:
         return
     send({"kind": ipc.READY})
     EngineCore(engine, commands, send).run()
+    if spec.get("persist_disk_cache"):
+        engine.persist_cache()
     context.destroy(linger=0)
 
 

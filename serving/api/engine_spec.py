@@ -58,10 +58,18 @@ class EngineSpec:
     expert_parallel: int = 1
     prefill_chunk: int | None = None  # None: half the token budget
     compilation_cache: str | bool = True  # a folder, True (the project's cache folder) or False (off)
+    host_cache_gb: float = 0.0  # the prefix cache's host-memory tier (0: none; serving.engine.kv_tiers)
+    disk_cache: str | None = None  # the disk tier's folder under the host tier (None: none)
+    persist_disk_cache: bool = False  # at stop, copy the GPU's cached blocks to the disk tier too
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineSpec.dtype = {self.dtype!r}: expected one of {list(DTYPES)}")
+        if (self.disk_cache is not None or self.persist_disk_cache) and self.host_cache_gb <= 0:
+            raise ValueError(f"--disk-cache {self.disk_cache!r} / --persist-disk-cache need --host-cache-gb > 0 (the "
+                             f"disk tier sits under the host tier), got {self.host_cache_gb}")
+        if self.persist_disk_cache and self.disk_cache is None:
+            raise ValueError("--persist-disk-cache needs --disk-cache DIR")
         if self.speculative is None and (self.drafter or self.num_speculative_tokens):
             raise ValueError("--drafter and --num-speculative-tokens need --speculative (ngram or block)")
 
@@ -103,6 +111,7 @@ class EngineSpec:
                        max_model_len=self.max_model_len, max_queue=self.max_queue,
                        batch_invariant=self.batch_invariant, mesh=self._mesh(), decode_steps=self.decode_steps,
                        prefill_chunk=self.prefill_chunk, compilation_cache=self.compilation_cache,
+                       host_cache_gb=self.host_cache_gb or None, disk_cache_dir=self.disk_cache,
                        speculative=SpecConfig.from_method(self.speculative, self.drafter, self.num_speculative_tokens)
                        if self.speculative else None)
         _, path = self.served_name()

@@ -5,7 +5,8 @@ Counters: requests by route and HTTP status, prompt and generated tokens; with s
 rate: ``rate(serving_spec_accepted_tokens_total[5m]) / rate(serving_spec_draft_tokens_total[5m])``). Gauges,
 read when scraped: waiting and running sequences, the fraction of KV cache blocks in use. Histograms: time to
 first token (from the request's arrival) and the time between a request's successive tokens, whose latest
-samples the dashboard also keeps for percentiles.
+samples the dashboard also keeps for percentiles. With prefix-cache tiers: blocks served per tier, bytes moved and
+copy seconds (``TierCollector``).
 """
 
 import collections
@@ -40,6 +41,33 @@ class SpecCollector:
                                   value=stats.num_accepted_tokens)
 
 
+class TierCollector:
+    """The prefix cache tiers' counters (``EngineStats.tiers``) as Prometheus counters: blocks served by tier,
+    corrupt disk blocks, bytes moved by direction, seconds spent on copies; nothing without tiers."""
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.client.stats(experts=False).tiers
+        if stats is None:
+            return
+        hits = CounterMetricFamily("serving_prefix_cache_hit_blocks", "prefix-cache blocks served, by tier",
+                                   labels=["tier"])
+        for tier in ("gpu", "host", "disk"):
+            hits.add_metric([tier], getattr(stats, f"{tier}_hits"))
+        yield hits
+        yield CounterMetricFamily("serving_prefix_cache_disk_corrupt_blocks", "disk blocks that failed their "
+                                  "checksum (recomputed)", value=stats.disk_corrupt)
+        moved = CounterMetricFamily("serving_prefix_cache_bytes", "prefix-cache bytes moved between tiers",
+                                    labels=["direction"])
+        for direction in ("device_to_host", "host_to_device", "disk_write", "disk_read"):
+            moved.add_metric([direction], getattr(stats, f"{direction}_bytes"))
+        yield moved
+        yield CounterMetricFamily("serving_prefix_cache_copy_seconds", "host seconds spent on tier copies",
+                                  value=stats.copy_seconds)
+
+
 class Metrics:
     """The server's metrics over the engine ``client``'s stats (module docstring)."""
 
@@ -61,6 +89,7 @@ class Metrics:
                                        "of a request", buckets=TOKEN_BUCKETS, registry=r)
         if client.speculative:
             r.register(SpecCollector(client))
+        r.register(TierCollector(client))
         # the latest samples of the two histograms, in seconds (exact percentiles of recent traffic)
         self.recent_ttft: collections.deque[float] = collections.deque(maxlen=RECENT_LATENCIES)
         self.recent_tpot: collections.deque[float] = collections.deque(maxlen=RECENT_LATENCIES)

@@ -10,6 +10,10 @@ full block's k/v are written it is registered under its hash; a later sequence w
 the block (count + 1) instead of recomputing it. A freed block keeps its hash and stays reusable until the
 allocator needs it for new data: blocks that never held a registered hash go first, then cached blocks in
 least-recently-freed order (LRU eviction), which drops their hash. A block with count > 0 is never handed out.
+
+With ``tiers`` (``kv_tiers.KVTiers``), an evicted block's pages are saved to the host (and disk) tier under its
+hash, and a prefix lookup that misses on the GPU continues there: each hit is loaded into a freshly allocated
+block (registered under its hash), while free blocks last.
 """
 
 import collections
@@ -18,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-BlockHash = bytes
+from serving.engine.kv_tiers import BlockHash, KVTiers
 
 
 def hash_block(previous: BlockHash, block_ids: Sequence[int], salt: str | None = None) -> BlockHash:
@@ -46,10 +50,10 @@ class NoFreeBlocks(RuntimeError):
 class BlockAllocator:
     """Blocks ``0 .. num_blocks - 1`` of ``block_size`` tokens: allocate, free, fork, and prefix-cache lookup."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, tiers: KVTiers | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"BlockAllocator: num_blocks={num_blocks}, block_size={block_size}: expected >= 1 each")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.tiers = num_blocks, block_size, tiers
         self.refcount = [0] * num_blocks
         self._uncached = collections.deque(range(num_blocks))  # free blocks holding no registered hash
         self._cached = collections.OrderedDict()  # free blocks with a hash, least recently freed first
@@ -67,7 +71,10 @@ class BlockAllocator:
             block = self._uncached.popleft()
         elif self._cached:
             block, _ = self._cached.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(block)]  # evicted: its old contents are about to be overwritten
+            block_hash = self._hash_of.pop(block)
+            del self._by_hash[block_hash]  # evicted: its old contents are about to be overwritten
+            if self.tiers is not None:
+                self.tiers.save(block, block_hash)
         else:
             raise NoFreeBlocks(f"all {self.num_blocks} blocks are in use")
         self.refcount[block] = 1
@@ -97,17 +104,41 @@ class BlockAllocator:
             self._hash_of[block] = block_hash
 
     def cached_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """Take the blocks of the longest prefix of ``hashes`` that is cached (count + 1 each); returns them."""
+        """Take the blocks of the longest prefix of ``hashes`` that is cached (count + 1 each); returns them. A
+        hash cached in the tiers only is loaded into a new block while one is free."""
         blocks = []
         for block_hash in hashes:
             block = self._by_hash.get(block_hash)
             if block is None:
-                break
+                block = self._restore(block_hash)
+                if block is None:
+                    break
+                blocks.append(block)
+                continue
+            if self.tiers is not None:
+                self.tiers.stats.gpu_hits += 1
             if self.refcount[block] == 0:
                 del self._cached[block]
             self.refcount[block] += 1
             blocks.append(block)
         return blocks
+
+    def _restore(self, block_hash: BlockHash) -> int | None:
+        """A new block (count 1) registered under ``block_hash`` and loaded from the tiers, or None (no tiers, no
+        free block, or a miss)."""
+        if self.tiers is None or self.num_free == 0:
+            return None
+        entry = self.tiers.lookup(block_hash)
+        if entry is None:
+            return None
+        block = self.allocate()
+        self.register(block, block_hash)
+        self.tiers.load(block, entry)
+        return block
+
+    def registered(self) -> list[tuple[int, BlockHash]]:
+        """Every (block, hash) the prefix cache names now, in use or free."""
+        return list(self._hash_of.items())
 
     def is_cached(self, block: int) -> bool:
         return block in self._hash_of

@@ -55,6 +55,7 @@ from apex_data import default_cache_dir
 from serving import sharding
 from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
+from serving.engine.kv_tiers import KVTiers, TierStats, layout_fingerprint
 from serving.engine.request import SequenceState as Seq
 from serving.engine.runner import Dispatched, ModelRunner
 from serving.engine.sampler import SampleRow
@@ -190,6 +191,29 @@ def use_compilation_cache(folder: str | Path | bool = True) -> Path | None:
     return path
 
 
+def _tiers(kv: Any, cfg: ModelConfig, params: Any, dtype: jnp.dtype, block_size: int, host_blocks: int,
+           host_gb: float | None, disk_dir: str | Path | None, disk_blocks: int | None) -> KVTiers | None:
+    """The engine's ``KVTiers`` (``Engine``'s host_cache_* and disk_cache_* arguments), or None without tiers."""
+    if host_gb is not None:
+        if host_blocks:
+            raise ValueError(f"Engine: host_cache_blocks={host_blocks} and host_cache_gb={host_gb}: expected one")
+        if host_gb < 0:
+            raise ValueError(f"Engine: host_cache_gb={host_gb}: expected >= 0")
+        block_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(kv)) // jax.tree.leaves(kv)[0].shape[0]
+        host_blocks = int(host_gb * 2**30 // block_bytes)
+        if host_gb > 0 and host_blocks == 0:
+            raise ValueError(f"Engine: host_cache_gb={host_gb} holds no block of {block_bytes} bytes")
+    if host_blocks < 0:
+        raise ValueError(f"Engine: host_cache_blocks={host_blocks}: expected >= 0 (0: no host tier)")
+    if not host_blocks:
+        if disk_dir is not None:
+            raise ValueError(f"Engine: disk_cache_dir={str(disk_dir)!r} without a host tier: expected "
+                             "host_cache_blocks or host_cache_gb > 0 (the disk tier sits under the host tier)")
+        return None
+    fingerprint = layout_fingerprint(cfg, params, dtype, block_size) if disk_dir is not None else ""
+    return KVTiers(kv, host_blocks, disk_dir, fingerprint, disk_blocks)
+
+
 class Engine:
     """A continuous-batching engine over one model.
 
@@ -220,6 +244,10 @@ class Engine:
         folder, False: not turned on by the engine).
       async_scheduling: dispatch the next decode step before fetching the tokens of the one running (module
         docstring); False: every step waits for its tokens.
+      host_cache_blocks, host_cache_gb: the prefix cache's host-memory tier (``kv_tiers``), in blocks or GiB (one
+        of the two; 0 / None: no tiers): full blocks the GPU evicts are kept there and loaded back on a prefix hit.
+      disk_cache_dir: the disk tier's folder under the host tier (None: none); a new engine of the same model over
+        the same folder reuses its blocks. disk_cache_blocks: the most blocks on disk (None: no bound).
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, dtype: str | jnp.dtype = "auto",
@@ -227,7 +255,9 @@ class Engine:
                  max_model_len: int | None = None, max_queue: int | None = None,
                  speculative: SpecConfig | None = None, batch_invariant: bool = False, mesh: Mesh | None = None,
                  decode_steps: int | None = None, prefill_chunk: int | None = None,
-                 compilation_cache: str | Path | bool = True, async_scheduling: bool = True):
+                 compilation_cache: str | Path | bool = True, async_scheduling: bool = True,
+                 host_cache_blocks: int = 0, host_cache_gb: float | None = None,
+                 disk_cache_dir: str | Path | None = None, disk_cache_blocks: int | None = None):
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"Engine: max_queue={max_queue}: expected None (no limit) or >= 0")
         decode_steps = default_decode_steps() if decode_steps is None else decode_steps
@@ -248,13 +278,16 @@ class Engine:
             sharding.check_mesh(mesh, self.cfg)
             params = sharding.shard_params(params, model_module(self.cfg.family).param_specs(self.cfg), mesh)
         self.max_queue, self.dtype, self.decode_steps = max_queue, dtype, decode_steps
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        kv = create_cache(self.cfg, num_blocks, block_size, dtype, mesh)
+        self.tiers = _tiers(kv, self.cfg, params, dtype, block_size, host_cache_blocks, host_cache_gb,
+                            disk_cache_dir, disk_cache_blocks)
+        self.allocator = BlockAllocator(num_blocks, block_size, self.tiers)
         self.scheduler = Scheduler(self.allocator, max_running, token_budget, prefill_chunk)
         self.max_model_len = min(self.cfg.max_position, max_model_len or self.cfg.max_position,
                                  self.scheduler.capacity)
-        kv = create_cache(self.cfg, num_blocks, block_size, dtype, mesh)
         self.runner = ModelRunner(self.cfg, params, model_module(self.cfg.family).forward, kv, block_size,
                                   batch_invariant=batch_invariant, mesh=mesh, max_seqs=max_running)
+        self.runner.tiers = self.tiers
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
         self._requests: dict[str, tuple[list[int], list[Seq]]] = {}
@@ -263,6 +296,33 @@ class Engine:
         self.spec_stats = SpecStats()
         self.async_scheduling = async_scheduling
         self._inflight: InFlight | None = None
+
+    @property
+    def tier_stats(self) -> TierStats | None:
+        """The prefix-cache tiers' counters (``kv_tiers.TierStats``), None without tiers."""
+        return None if self.tiers is None else self.tiers.stats
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every block the GPU prefix cache names (a fresh allocator over the same pages, with the engine's
+        ``tiers``, whose contents stay): the next requests start cold on the GPU. RuntimeError unless idle."""
+        if self.has_unfinished():
+            raise RuntimeError("reset_prefix_cache: the engine has unfinished requests: expected an idle engine")
+        self.allocator = self.scheduler.allocator = BlockAllocator(self.allocator.num_blocks, self.allocator.block_size,
+                                                                   self.tiers)
+
+    def persist_cache(self) -> int:
+        """Copy every block the GPU prefix cache names to the tiers and wait for the copies (written through to
+        the disk tier), so a new engine over the same ``disk_cache_dir`` finds them; returns the blocks named.
+        ValueError without tiers."""
+        if self.tiers is None:
+            raise ValueError("persist_cache: this engine has no cache tiers (host_cache_blocks=0)")
+        named = self.allocator.registered()
+        for block, block_hash in named:
+            self.tiers.save(block, block_hash)
+        with self.runner.on_mesh():
+            self.runner.kv = self.tiers.apply(self.runner.kv)
+        self.tiers.drain()
+        return len(named)
 
     @classmethod
     def from_default(cls, **kwargs: Any) -> "Engine":
@@ -285,7 +345,8 @@ class Engine:
         With speculative decoding every step is a verification: with the n-gram drafter, its scoring forward at
         each shape (paged-only or not) and its verification variants instead of the step and the sampler; other
         drafters' steps are not in the set, nor are penalized requests' (their token histories have widths of
-        their own). XLA compiles them in parallel threads; ``progress(done, total)`` is called after each.
+        their own). With cache tiers, their copies run once at every batch size, with no effect
+        (``KVTiers.warm_up``). XLA compiles them in parallel threads; ``progress(done, total)`` is called after each.
         Returns what was compiled: ("step" | "score" | "chained", StepShape), ("sample", S, num_top, draw, masked,
         biased), ("verify", S, num_top, draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
@@ -323,6 +384,9 @@ class Engine:
                          "verify": lambda n, *v: compile_verify(logits[n], self.speculative.k, *v)}
         if progress is not None:
             progress(1, len(entries))
+        if self.tiers is not None:
+            with runner.on_mesh():
+                runner.kv = self.tiers.warm_up(runner.kv)
         # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (kernel mode)
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
             futures = [pool.submit(contextvars.copy_context().run, compile_entry[kind], *args)
@@ -454,7 +518,10 @@ class Engine:
             self.scheduler.running.remove(seq)
             seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
             self.scheduler.waiting.insert(0, seq)
-        self.allocator = self.scheduler.allocator = BlockAllocator(self.allocator.num_blocks, self.allocator.block_size)
+        if self.tiers is not None:
+            self.tiers.reset()
+        self.allocator = self.scheduler.allocator = BlockAllocator(self.allocator.num_blocks, self.allocator.block_size,
+                                                                   self.tiers)
         self.runner.kv = create_cache(self.cfg, self.allocator.num_blocks, self.allocator.block_size, self.dtype,
                                       self.runner.mesh)
 

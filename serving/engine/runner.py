@@ -197,6 +197,7 @@ class ModelRunner:
         self.expert_load = np.zeros((cfg.layers, cfg.num_experts), np.int64)
         self.overlap_masks = True
         self.mask_seconds = 0.0
+        self.tiers = None  # a kv_tiers.KVTiers whose queued copies run before each step (set by the engine)
 
     def num_seqs(self, num_tokens: int, real: int) -> int:
         """The padded S of a step of ``real`` sequences with N = ``num_tokens`` (padded)."""
@@ -209,7 +210,11 @@ class ModelRunner:
     def prepare(self, chunks: list[SeqChunk], token_ids: list[list[int]],
                 num_tokens: int | None = None) -> tuple[np.ndarray, AttentionBatch]:
         """Flat tokens ``[N]`` and batch metadata of ``chunks``, padded to the power-of-two buckets (N: to
-        ``num_tokens`` if given, a bucket)."""
+        ``num_tokens`` if given, a bucket). Every device call of a step comes through here first: the cache tiers'
+        queued copies are issued now, so the step reads the blocks they load."""
+        if self.tiers is not None:
+            with self.on_mesh():
+                self.kv = self.tiers.apply(self.kv)
         total = sum(c.count for c in chunks)
         widest = max(len(c.block_table) for c in chunks)
         num_tokens = bucket(total, MIN_TOKENS_BUCKET) if num_tokens is None else num_tokens

@@ -1,0 +1,243 @@
+"""Multi-turn chat through the ``Engine`` with the prefix cache on the GPU alone vs with its host tier
+(``serving.engine.kv_tiers``), side by side in one run, at a load where the GPU's blocks cannot hold every
+conversation.
+
+Workload: ``--users`` conversations of ``--turns`` turns each share one system prompt of ``--system-len`` random
+token ids; turn t sends the whole conversation so far (system prompt, every earlier user message and answer) plus
+a new user message of ``--user-len`` ids, and the answer is ``--answer-len`` greedy tokens (``ignore_eos``). The
+users run as a closed loop: every user's next turn is queued the moment its answer ends, so up to ``--users``
+requests are in flight. The working set (every conversation's blocks) is larger than the GPU's ``--num-blocks``:
+with the GPU tier alone, earlier turns are evicted and recomputed; with the host tier they are loaded back.
+
+One engine serves both modes, so they run the same compiled steps: GPU only (no tiers), then with a host tier of
+``--host-cache-gb`` (a fresh ``KVTiers``); each run starts with an empty GPU prefix cache
+(``Engine.reset_prefix_cache``). Before timing, the engine compiles every step shape and the tiers' copies
+(``Engine.warm_up``, on an accelerator; ``--no-warm-up`` skips it) and each mode runs an untimed round of the same
+workload with other prompts (the same lengths, so the same shapes). Per mode: TTFT (a request's queueing to its
+first token, over every request: median and p99), prefill tokens computed (prompt tokens the model ran,
+preemptions' recomputation included: counted from the scheduled chunks), prompt tokens served by the cache, output
+tokens/s over the run, preemptions, the tier counters, and the fraction of answers equal to the GPU-only run's.
+Ratios: TTFT median and p99 (GPU only / tiered), prefill tokens (GPU only / tiered) and throughput (tiered / GPU
+only).
+
+Models: ``tiny`` (``serving_decode.TINY_MOE``, random weights, fp32) and ``moe-1b`` (``serving_decode.MOE_1B``,
+random weights, bfloat16 on a GPU); ``--cpu``: tiny, 4 users x 3 turns (seconds; the tests run it).
+
+    python -m benchmarks.serving_multiturn                # GPU: moe-1b, results/serving_multiturn.json + .png
+    python -m benchmarks.serving_multiturn --cpu          # CPU: results/serving_multiturn_cpu.json + .png
+"""
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.harness import format_table, save_plot, write_results
+from benchmarks.serving_decode import MOE_1B, TINY_MOE
+from serving import Engine, LoadedModel, SamplingParams, enable_command_buffers
+from serving.config import ModelConfig
+from serving.engine.kv_tiers import KVTiers
+from serving.models import model_module
+
+MODELS = {"tiny": TINY_MOE, "moe-1b": MOE_1B}
+MODES = ("gpu", "gpu+host")  # the prefix cache on the GPU alone; with its host tier
+# The GPU workload: 32 users x 8 turns reach 4096 tokens each, a working set of 6208 blocks over 3072 GPU blocks;
+# Engine.warm_up of moe-1b took ~3 minutes cold on an H200 at serving_load's larger token budget (2048).
+GPU_WORKLOAD = dict(model="moe-1b", users=32, turns=8, system_len=1024, user_len=256, answer_len=128,
+                    num_blocks=3072, block_size=16, max_running=8, token_budget=1024, host_cache_gb=8.0)
+CPU_WORKLOAD = dict(model="tiny", users=4, turns=3, system_len=24, user_len=8, answer_len=4, num_blocks=24,
+                    block_size=4, max_running=2, token_budget=64, host_cache_gb=0.01)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    users: int
+    turns: int
+    system_len: int
+    user_len: int
+    answer_len: int
+
+    def working_set_blocks(self, block_size: int) -> int:
+        """Blocks of every conversation at its end, the shared system prompt once."""
+        private = self.turns * (self.user_len + self.answer_len)
+        return -(-self.system_len // block_size) + self.users * -(-private // block_size)
+
+
+def load_model(name: str, dtype: jnp.dtype) -> LoadedModel:
+    """``name``'s config with random weights (seeded: every run serves the same model)."""
+    cfg = ModelConfig.from_hf(MODELS[name])
+    return LoadedModel(cfg, model_module(cfg.family).init_params(cfg, jax.random.key(0), dtype), None, ())
+
+
+class PrefillCounter:
+    """Prompt tokens the engine's scheduled chunks compute (a chunk's positions before its sequence's prompt end),
+    counted by wrapping ``engine.scheduler.schedule``."""
+
+    def __init__(self, engine: Engine):
+        self.tokens, schedule = 0, engine.scheduler.schedule
+
+        def counted() -> list:
+            chunks = schedule()
+            self.tokens += sum(max(0, min(c.start + c.count, len(c.seq.prompt_ids)) - c.start) for c in chunks)
+            return chunks
+
+        engine.scheduler.schedule = counted
+
+
+def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int) -> dict:
+    """Every user's turns as a closed loop (module docstring): per request its TTFT; the run's wall time, output
+    tokens, prompt tokens served by the cache, and every answer (by user and turn)."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(3, vocab, workload.system_len).tolist()
+    messages = rng.integers(3, vocab, (workload.users, workload.turns, workload.user_len)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=workload.answer_len, ignore_eos=True)
+    history = [list(system) for _ in range(workload.users)]
+    turn, queued, first_token = [0] * workload.users, {}, {}
+    ttft, answers, cached, output_tokens = [], {}, 0, 0
+
+    def submit(user: int) -> None:
+        prompt = history[user] + messages[user][turn[user]]
+        request = engine.add_request(prompt, params, request_id=f"u{user}t{turn[user]}")
+        queued[request] = (user, prompt, time.perf_counter())
+
+    start = time.perf_counter()
+    for user in range(workload.users):
+        submit(user)
+    while queued:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.request_id not in first_token:
+                first_token[out.request_id] = now
+                ttft.append(now - queued[out.request_id][2])
+            if out.finished:
+                user, prompt, _ = queued.pop(out.request_id)
+                result = engine.release(out.request_id)
+                answer = result.outputs[0].token_ids
+                answers[out.request_id] = answer
+                cached += result.num_cached_tokens
+                output_tokens += len(answer)
+                history[user] = prompt + answer
+                turn[user] += 1
+                if turn[user] < workload.turns:
+                    submit(user)
+    return dict(seconds=time.perf_counter() - start, ttft=ttft, answers=answers, cached_tokens=cached,
+                output_tokens=output_tokens)
+
+
+def use_tiers(engine: Engine, tiers: KVTiers | None) -> None:
+    """Serve with ``tiers`` (None: the GPU tier alone) from an empty GPU prefix cache."""
+    engine.tiers = engine.runner.tiers = tiers
+    engine.reset_prefix_cache()
+
+
+def measure(engine: Engine, modes: dict[str, Callable[[], KVTiers | None]], workload: Workload,
+            vocab: int) -> list[dict]:
+    """One row per mode (its tiers made by ``modes[mode]()``): an untimed round of ``workload`` with other prompts,
+    then the timed one, each from empty caches."""
+    rows, counter = [], PrefillCounter(engine)
+    for mode, make_tiers in modes.items():
+        use_tiers(engine, make_tiers())
+        run_workload(engine, workload, seed=1, vocab=vocab)
+        use_tiers(engine, make_tiers())
+        counter.tokens = 0
+        preemptions = engine.scheduler.num_preemptions
+        result = run_workload(engine, workload, seed=0, vocab=vocab)
+        ttft_ms = np.asarray(result["ttft"]) * 1e3
+        row = dict(mode=mode, requests=len(result["ttft"]), ttft_median_ms=float(np.median(ttft_ms)),
+                   ttft_p99_ms=float(np.percentile(ttft_ms, 99)), prefill_tokens=counter.tokens,
+                   cached_prompt_tokens=result["cached_tokens"], output_tokens=result["output_tokens"],
+                   seconds=result["seconds"], output_tokens_per_s=result["output_tokens"] / result["seconds"],
+                   preemptions=engine.scheduler.num_preemptions - preemptions, answers=result["answers"])
+        if engine.tier_stats is not None:  # this run's tiers' counters (they start at 0)
+            row["tiers"] = dataclasses.asdict(engine.tier_stats)
+        rows.append(row)
+    base = rows[0]
+    for row in rows:
+        row["same_answers"] = float(np.mean([row["answers"][k] == base["answers"][k] for k in base["answers"]]))
+        row["ttft_median_speedup"] = base["ttft_median_ms"] / row["ttft_median_ms"]
+        row["ttft_p99_speedup"] = base["ttft_p99_ms"] / row["ttft_p99_ms"]
+        row["prefill_reduction"] = base["prefill_tokens"] / max(row["prefill_tokens"], 1)
+        row["throughput_ratio"] = row["output_tokens_per_s"] / base["output_tokens_per_s"]
+    for row in rows:
+        del row["answers"]
+    return rows
+
+
+def plot(rows: list[dict], name: str, out_dir: str | Path | None = None) -> None:
+    """Bars per mode: TTFT median and p99, prefill tokens computed, output tokens/s."""
+    import matplotlib.pyplot as plt
+
+    panels = [("ttft_median_ms", "TTFT median (ms)"), ("ttft_p99_ms", "TTFT p99 (ms)"),
+              ("prefill_tokens", "prefill tokens computed"), ("output_tokens_per_s", "output tokens/s")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.8))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        values = [r[key] for r in rows]
+        ax.bar([r["mode"] for r in rows], values, color=[f"C{i}" for i in range(len(rows))])
+        for i, v in enumerate(values):
+            ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=9)
+        ax.set_title(title)
+    fig.suptitle(f"{name}: multi-turn chat, prefix cache on the GPU vs with a host tier")
+    fig.tight_layout()
+    save_plot(fig, name, out_dir)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="the tiny model and workload (CPU_WORKLOAD)")
+    parser.add_argument("--model", choices=list(MODELS))
+    for key in ("users", "turns", "system_len", "user_len", "answer_len", "num_blocks", "block_size",
+                "max_running", "token_budget"):
+        parser.add_argument("--" + key.replace("_", "-"), type=int)
+    parser.add_argument("--host-cache-gb", type=float)
+    parser.add_argument("--no-warm-up", action="store_true", help="skip Engine.warm_up (on the CPU it is skipped: "
+                        "the untimed rounds compile what the timed ones meet)")
+    parser.add_argument("--name", default=None, help="results file name (default: serving_multiturn[_cpu])")
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args(argv)
+    settings = dict(CPU_WORKLOAD if args.cpu else GPU_WORKLOAD)
+    settings |= {k: v for k, v in vars(args).items() if k in settings and v is not None}
+    for key, value in settings.items():
+        if key != "model" and value <= 0:
+            parser.error(f"--{key.replace('_', '-')}={value}: expected > 0")
+    workload = Workload(*(settings[k] for k in ("users", "turns", "system_len", "user_len", "answer_len")))
+    max_len = workload.system_len + workload.turns * (workload.user_len + workload.answer_len)
+    if max_len >= MODELS[settings["model"]]["max_position_embeddings"]:
+        parser.error(f"conversations reach {max_len} tokens: expected fewer than the model's "
+                     f"{MODELS[settings['model']]['max_position_embeddings']}")
+    working_set = workload.working_set_blocks(settings["block_size"])
+    if working_set <= settings["num_blocks"]:
+        parser.error(f"the working set ({working_set} blocks) fits the GPU's {settings['num_blocks']} blocks: "
+                     "expected a load where the GPU tier alone evicts")
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = jnp.float32 if on_cpu else jnp.bfloat16
+    loaded = load_model(settings["model"], dtype)
+    options = dict(dtype=dtype, num_blocks=settings["num_blocks"], block_size=settings["block_size"],
+                   max_running=settings["max_running"], token_budget=settings["token_budget"], max_model_len=max_len)
+    engine = Engine(loaded, host_cache_gb=settings["host_cache_gb"], **options)
+    host_blocks = engine.tiers.host_blocks
+    if not (on_cpu or args.no_warm_up):
+        engine.warm_up()  # every step shape, and the tiers' copies
+    else:
+        engine.runner.kv = engine.tiers.warm_up(engine.runner.kv)
+    modes = {"gpu": lambda: None, "gpu+host": lambda: KVTiers(engine.runner.kv, host_blocks)}
+    rows = measure(engine, modes, workload, MODELS[settings["model"]]["vocab_size"])
+    name = args.name or ("serving_multiturn_cpu" if args.cpu else "serving_multiturn")
+    print(format_table(rows, ["mode", "requests", "ttft_median_ms", "ttft_p99_ms", "prefill_tokens",
+                              "cached_prompt_tokens", "output_tokens_per_s", "preemptions", "same_answers",
+                              "ttft_median_speedup", "prefill_reduction", "throughput_ratio"]))
+    write_results(name, dict(benchmark=name, settings=settings, working_set_blocks=working_set, rows=rows),
+                  args.out_dir)
+    plot(rows, name, args.out_dir)
+    return rows
+
+
+if __name__ == "__main__":
+    enable_command_buffers()
+    main()

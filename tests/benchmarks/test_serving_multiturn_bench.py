@@ -1,0 +1,33 @@
+"""benchmarks/serving_multiturn.py --cpu: both engines serve every turn with the same answers, the host tier
+serves blocks the GPU evicted and cuts the prefill tokens computed; a workload that fits the GPU is refused."""
+
+import json
+
+import pytest
+
+from benchmarks import serving_multiturn
+
+
+@pytest.mark.slow  # ~40 s on 2 shared cores (two engines compile their steps)
+def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path):
+    rows = serving_multiturn.main(["--cpu", "--name", "multiturn", "--out-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "multiturn.json").read_text())
+    assert result["rows"] == rows and [r["mode"] for r in rows] == list(serving_multiturn.MODES)
+    assert result["working_set_blocks"] > result["settings"]["num_blocks"]
+    gpu, tiered = rows
+    workload = serving_multiturn.CPU_WORKLOAD
+    for row in rows:
+        assert row["requests"] == workload["users"] * workload["turns"]
+        assert row["output_tokens"] == row["requests"] * workload["answer_len"]
+        assert row["same_answers"] == 1.0  # fp32: restored blocks give the tokens recomputation gives
+    assert "tiers" not in gpu and tiered["tiers"]["host_hits"] > 0 and tiered["tiers"]["saved_blocks"] > 0
+    assert tiered["prefill_tokens"] < gpu["prefill_tokens"]
+    assert tiered["cached_prompt_tokens"] > gpu["cached_prompt_tokens"]
+    assert tiered["prefill_reduction"] == pytest.approx(gpu["prefill_tokens"] / tiered["prefill_tokens"])
+    assert (tmp_path / "multiturn.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv", [["--num-blocks", "4096"], ["--users", "0"], ["--turns", "100"]])
+def test_rejects_a_workload_that_fits_or_is_bad(argv):
+    with pytest.raises(SystemExit):
+        serving_multiturn.main(["--cpu", *argv])
