@@ -14,12 +14,14 @@ Moment storage (the ``codec``):
   * ``int8``: each row of 256 is a block with an fp32 scale s (its absmax, padded by a few parts in a million);
     m as signed int8 codes, v as unsigned uint8 codes (2.03 B/param). The ``power`` map stores
     y = sign(x) |x/s|^(1/2) for m and (v/s)^(1/4) for v, linearly in y, which gives small moments far more
-    resolution than the ``linear`` map (x/s). Codes are stochastically rounded. Rows below ``n_plain_rows``
-    (small tensors) keep fp32 moments.
+    resolution than the ``linear`` map (x/s). Codes are stochastically rounded. Codes and scales cover every row;
+    the first ``n_plain_rows`` rows (small tensors) keep fp32 moments instead, and their codes are left untouched.
+    ``n_plain_rows`` may be traced: a row-sharded buffer holds a different number of them on each shard.
     A block holding a NaN stores a NaN scale, so a NaN is never decoded as a number.
 
 Random bits come from a counter-based hash of (seed, step, stream, element index), so results do not
-depend on the launch geometry: one 32-bit hash rounds m (low bits) and v (high bits: 16 for bf16, 15 for
+depend on the launch geometry (a shard of a buffer passes ``stream_keys(...) + shard_key_offset(first row)`` and
+rounds as the whole buffer would): one 32-bit hash rounds m (low bits) and v (high bits: 16 for bf16, 15 for
 8-bit codes), another the bf16 parameters.
 """
 
@@ -100,6 +102,12 @@ def stream_keys(seed: jax.Array, step: jax.Array, group: int) -> jax.Array:
 def random_bits(index: jax.Array, key: jax.Array) -> jax.Array:
     """uint32 random bits for each element ``index`` (uint32) under ``key``."""
     return fmix32(index * jnp.uint32(_GOLDEN) + key)
+
+
+def shard_key_offset(first_row: jax.Array) -> jax.Array:
+    """What to add to every key so that a buffer starting at row ``first_row`` of a larger one draws the larger
+    buffer's bits: ``random_bits(i, key + offset) = random_bits(first_row * 256 + i, key)`` (mod 2^32)."""
+    return jnp.asarray(first_row).astype(jnp.uint32) * jnp.uint32(ROW) * jnp.uint32(_GOLDEN)
 
 
 TINY = 1e-30  # keeps rsqrt finite at 0 (x * rsqrt(x + TINY) = 0 there); far below any moment that matters
@@ -242,7 +250,7 @@ def store_dense(x, bits, dtype):
 # --------------------------------------------------------------------------- Pallas kernel
 
 
-def _adamw_kernel(hp_ref, key_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_map, apply, n_plain_tiles,
+def _adamw_kernel(hp_ref, key_ref, plain_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_map, apply, has_plain,
                   block_rows):
     n_state = len(refs) // 2  # refs = (*state_in, out_ref, *state_out)
     state_in, out_ref, state_out = refs[:n_state], refs[n_state], refs[n_state + 1:]
@@ -278,29 +286,31 @@ def _adamw_kernel(hp_ref, key_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_
         vq_out[...], vs_out[...] = quantize_rows(v, bits >> 17, signed=False, quant_map=quant_map, sqrt_x=sqrt_v)
         out_ref[...] = finish(p, u, hp, out_ref.dtype, random_bits(index, key_ref[0]), apply)
 
-    if n_plain_tiles == 0:
+    if not has_plain:
         quantized()
         return
-    pl.when(i < n_plain_tiles)(lambda: dense(*state_in[4:], *state_out[4:]))
-    pl.when(i >= n_plain_tiles)(quantized)
+    plain = i * block_rows < plain_ref[0]  # n_plain_rows, a multiple of block_rows
+    pl.when(plain)(lambda: dense(*state_in[4:], *state_out[4:]))
+    pl.when(jnp.logical_not(plain))(quantized)
 
 
-def _state_specs(codec, n_plain_tiles, block_rows):
-    """BlockSpecs of the moment arrays, in the order of the codec's state tuple."""
+def _state_specs(codec, plain_tiles, block_rows):
+    """BlockSpecs of the moment arrays, in the order of the codec's state tuple (``plain_tiles``: tiles of the
+    fp32 plain moment arrays, 0 when there are none)."""
     tile = (block_rows, ROW)
     row_block = pl.BlockSpec(tile, lambda i: (i, 0))
     if codec != "int8":
         return [row_block, row_block]
-    quant = pl.BlockSpec(tile, lambda i: (jnp.maximum(i - n_plain_tiles, 0), 0))
-    scale = pl.BlockSpec((block_rows,), lambda i: (jnp.maximum(i - n_plain_tiles, 0),))
-    specs = [quant, quant, scale, scale]
-    if n_plain_tiles:
-        plain = pl.BlockSpec(tile, lambda i: (jnp.minimum(i, n_plain_tiles - 1), 0))
+    row_scale = pl.BlockSpec((block_rows,), lambda i: (i,))
+    specs = [row_block, row_block, row_scale, row_scale]
+    if plain_tiles:
+        plain = pl.BlockSpec(tile, lambda i: (jnp.minimum(i, plain_tiles - 1), 0))
         specs += [plain, plain]
     return specs
 
 
 def _check(p, g, state, decay, codec, n_plain_rows, quant_map):
+    """Shapes and names; a concrete ``n_plain_rows`` must also fit the plain moment arrays."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
     if quant_map not in QUANT_MAPS:
@@ -309,14 +319,22 @@ def _check(p, g, state, decay, codec, n_plain_rows, quant_map):
         raise ValueError(f"params and grads must both be [rows, {ROW}]; got {p.shape} and {g.shape}")
     if decay.shape != (p.shape[0],):
         raise ValueError(f"decay must be [rows] = [{p.shape[0]}], got {decay.shape}")
-    expected = 6 if codec == "int8" and n_plain_rows else 4 if codec == "int8" else 2
-    if len(state) != expected:
-        raise ValueError(f"codec {codec!r} expects {expected} moment arrays, got {len(state)}")
+    if codec != "int8":
+        if len(state) != 2:
+            raise ValueError(f"codec {codec!r} expects 2 moment arrays (m, v), got {len(state)}")
+        return
+    if len(state) not in (4, 6):
+        raise ValueError(f"codec 'int8' expects 4 or 6 moment arrays, got {len(state)}")
+    if state[0].shape != p.shape or state[2].shape != (p.shape[0],):
+        raise ValueError(f"int8 codes must be {p.shape} and scales ({p.shape[0]},); got {state[0].shape} and "
+                         f"{state[2].shape}")
+    plain_rows = state[4].shape[0] if len(state) == 6 else 0
+    if isinstance(n_plain_rows, int) and not 0 <= n_plain_rows <= plain_rows:
+        raise ValueError(f"n_plain_rows={n_plain_rows} must be in [0, {plain_rows}] (the plain moments' rows)")
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "n_plain_rows", "quant_map", "apply", "out_dtype",
-                                             "config", "interpret"))
-def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int = 0,
+@functools.partial(jax.jit, static_argnames=("codec", "quant_map", "apply", "out_dtype", "config", "interpret"))
+def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int | jax.Array = 0,
                 quant_map: str = "power", apply: bool = True, out_dtype=None,
                 config: BlockConfig | None = None, interpret: bool = False):
     """One AdamW step over a flat buffer in a single launch.
@@ -324,8 +342,10 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
     Args:
       p, g: params and grads, ``[rows, 256]`` (float32 or bfloat16).
       state: moment arrays of ``codec``: ``(m, v)`` for fp32/bf16, ``(m_codes, v_codes, m_scale,
-        v_scale[, m_plain, v_plain])`` for int8, where the codes cover rows ``[n_plain_rows, rows)`` and the
-        fp32 plain moments rows ``[0, n_plain_rows)``.
+        v_scale[, m_plain, v_plain])`` for int8: codes ``[rows, 256]`` and scales ``[rows]`` used on rows
+        ``[n_plain_rows, rows)``, fp32 plain moments ``[plain_rows, 256]`` (``plain_rows <= rows``) on rows
+        ``[0, n_plain_rows)``.
+      n_plain_rows: int or traced int32 scalar in ``[0, plain_rows]``, a multiple of the block rows.
       decay: float32 ``[rows]``, 1 where weight decay applies, else 0.
       hp: per-step scalars (:class:`Hyper`); keys: ``stream_keys(seed, step, group)``.
       apply: True writes the new params over ``p`` (donate it); False returns optax updates.
@@ -338,32 +358,35 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
     _check(p, g, state, decay, codec, n_plain_rows, quant_map)
     config = config or TUNED_BLOCKS[codec]
     rows, r = p.shape[0], config.block_rows
-    if rows % r or n_plain_rows % r:
-        raise ValueError(f"rows ({rows}) and n_plain_rows ({n_plain_rows}) must be multiples of block_rows={r}")
-    n_tiles, n_plain_tiles = rows // r, (n_plain_rows // r if codec == "int8" else 0)
+    plain_rows = state[4].shape[0] if codec == "int8" and len(state) == 6 else 0
+    if rows % r or plain_rows % r or (isinstance(n_plain_rows, int) and n_plain_rows % r):
+        raise ValueError(f"rows ({rows}), the plain moments' rows ({plain_rows}) and n_plain_rows ({n_plain_rows}) "
+                         f"must be multiples of block_rows={r}")
     tile_spec = pl.BlockSpec((r, ROW), lambda i: (i, 0))
-    state_specs = _state_specs(codec, n_plain_tiles, r)
+    state_specs = _state_specs(codec, plain_rows // r, r)
     hp_vec = jnp.stack([jnp.asarray(x, jnp.float32) for x in hp])
     hp_vec = jnp.pad(hp_vec, (0, HP_SLOTS - hp_vec.size))
     out_dtype = p.dtype if apply or out_dtype is None else out_dtype
-    n_fixed = 5  # hp, keys, decay, p, g
+    n_fixed = 6  # hp, keys, plain, decay, p, g
     aliases = {n_fixed + k: 1 + k for k in range(len(state))}
     if apply:
-        aliases[3] = 0
+        aliases[4] = 0
     kernel = functools.partial(_adamw_kernel, codec=codec, quant_map=quant_map, apply=apply,
-                               n_plain_tiles=n_plain_tiles, block_rows=r)
+                               has_plain=plain_rows > 0, block_rows=r)
+    plain = jnp.reshape(jnp.asarray(n_plain_rows, jnp.int32), (1,))
     out, *new_state = pl.pallas_call(
         kernel,
-        grid=(n_tiles,),
+        grid=(rows // r,),
         in_specs=[pl.BlockSpec((HP_SLOTS,), lambda i: (0,)), pl.BlockSpec((4,), lambda i: (0,)),
-                  pl.BlockSpec((r,), lambda i: (i,)), tile_spec, tile_spec, *state_specs],
+                  pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((r,), lambda i: (i,)), tile_spec, tile_spec,
+                  *state_specs],
         out_specs=[tile_spec, *state_specs],
         out_shape=[jax.ShapeDtypeStruct(p.shape, out_dtype), *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state)],
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=f"apexw_{codec}",
-    )(hp_vec, keys, decay, p, g, *state)
+    )(hp_vec, keys, plain, decay, p, g, *state)
     return out, tuple(new_state)
 
 
@@ -385,17 +408,23 @@ def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_
         new_state = (store_dense(m_new, bits[1], m.dtype), store_dense(v_new, bits[2], v.dtype))
         return finish(pf, u, hp, out_dtype, bits[0], apply), new_state
 
-    n = n_plain_rows
     mq, vq, ms, vs = state[:4]
-    m_parts, v_parts = [dequantize_rows(mq, ms, signed=True, quant_map=quant_map)], [
-        dequantize_rows(vq, vs, signed=False, quant_map=quant_map)]
-    if n:
-        m_parts.insert(0, state[4])
-        v_parts.insert(0, state[5])
-    m_new, v_new, sqrt_v, u = adam_direction(pf, gf, jnp.concatenate(m_parts), jnp.concatenate(v_parts), hp, decay,
-                                             fast)
-    mq_new, ms_new = quantize_rows(m_new[n:], bits[1][n:], signed=True, quant_map=quant_map)
-    vq_new, vs_new = quantize_rows(v_new[n:], bits[1][n:] >> 17, signed=False, quant_map=quant_map,
-                                   sqrt_x=sqrt_v[n:])
-    new_state = (mq_new, vq_new, ms_new, vs_new) + ((m_new[:n], v_new[:n]) if n else ())
+    m_old = dequantize_rows(mq, ms, signed=True, quant_map=quant_map)
+    v_old = dequantize_rows(vq, vs, signed=False, quant_map=quant_map)
+    plain = None
+    if len(state) == 6:  # rows below n_plain_rows read and write the fp32 plain moments instead of the codes
+        pad = ((0, p.shape[0] - state[4].shape[0]), (0, 0))
+        plain = jnp.arange(p.shape[0])[:, None] < n_plain_rows
+        m_old = jnp.where(plain, jnp.pad(state[4], pad), m_old)
+        v_old = jnp.where(plain, jnp.pad(state[5], pad), v_old)
+    m_new, v_new, sqrt_v, u = adam_direction(pf, gf, m_old, v_old, hp, decay, fast)
+    mq_new, ms_new = quantize_rows(m_new, bits[1], signed=True, quant_map=quant_map)
+    vq_new, vs_new = quantize_rows(v_new, bits[1] >> 17, signed=False, quant_map=quant_map, sqrt_x=sqrt_v)
+    new_state = (mq_new, vq_new, ms_new, vs_new)
+    if plain is not None:
+        row_plain = plain[:, 0]
+        codes_kept = lambda new, old: jnp.where(row_plain.reshape((-1,) + (1,) * (new.ndim - 1)), old, new)
+        n = state[4].shape[0]
+        new_state = (*(codes_kept(new, old) for new, old in zip(new_state, state[:4], strict=True)),
+                     jnp.where(plain[:n], m_new[:n], state[4]), jnp.where(plain[:n], v_new[:n], state[5]))
     return finish(pf, u, hp, out_dtype, bits[0], apply), new_state
