@@ -9,6 +9,10 @@ Two ways to use the same optimizer (same state, same checkpoints):
 * ``ApexW(...).step(params, grads, state) -> (params, state)``: the fused step for :class:`FlatParams`.
   Under ``jax.jit(..., donate_argnums=(0, 2))`` it updates params and moments in place in one pass, with
   no ``updates`` array; bf16 params are stochastically rounded.
+
+FlatParams laid over a mesh (:class:`apex_jax.RowSharding`) get moments sharded by the same rows, and each
+device runs the update on its own rows under ``shard_map``: nothing is gathered but the updated params of ZeRO-1.
+The random bits are drawn by global element index, so every mesh computes what one device computes.
 """
 
 import dataclasses
@@ -21,8 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from apex_jax.flat import ROWS_ALIGN, FlatLayout, FlatParams
-from pallas_kernels.adamw import ROW, BlockConfig, Hyper, fused_adamw, fused_adamw_reference, stream_keys
+from apex_jax.flat import ROWS_ALIGN, FlatLayout, FlatParams, RowSharding
+from pallas_kernels.adamw import (
+    ROW,
+    BlockConfig,
+    Hyper,
+    fused_adamw,
+    fused_adamw_reference,
+    shard_key_offset,
+    stream_keys,
+)
 
 # The moment dtypes by their short names: the kernel's codec names (``pallas_kernels.adamw``), the result labels of
 # the benchmarks and the spelling a command line may offer (``STATE_DTYPES[args.state_dtype]``).
@@ -40,13 +52,14 @@ class DenseMoments(NamedTuple):
 
 
 class QuantizedMoments(NamedTuple):
-    """8-bit moments of one buffer group: codes and per-256 scales for large leaves, fp32 for small."""
+    """8-bit moments of one buffer group: codes and per-256 scales on every row (unused on the small leaves'
+    rows; none at all when the group holds only small leaves), fp32 moments for the small leaves."""
 
-    mu_codes: jax.Array  # int8 [large_rows, 256]
-    nu_codes: jax.Array  # uint8 [large_rows, 256]
-    mu_scale: jax.Array  # float32 [large_rows]
-    nu_scale: jax.Array  # float32 [large_rows]
-    mu_small: jax.Array  # float32 [small_rows, 256]
+    mu_codes: jax.Array  # int8 [rows, 256] (or [0, 256])
+    nu_codes: jax.Array  # uint8 [rows, 256]
+    mu_scale: jax.Array  # float32 [rows]
+    nu_scale: jax.Array  # float32 [rows]
+    mu_small: jax.Array  # float32 [small_rows, 256]: replicated over a mesh
     nu_small: jax.Array  # float32 [small_rows, 256]
 
 
@@ -124,7 +137,11 @@ class ApexW:
         layout = FlatLayout.of(params)
         self._row_masks(layout, params)  # validates the mask early
         moments = tuple(self._zero_moments(group) for group in layout.groups)
-        return ApexWState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32), moments)
+        counters = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
+        if (sharding := _sharding_of(params)) is not None:
+            moments = tuple(jax.tree.map(jax.device_put, m, _moment_shardings(m, sharding)) for m in moments)
+            counters = jax.device_put(counters, sharding.spec(0, replicated=True))
+        return ApexWState(*counters, moments)
 
     def update(self, updates, state: ApexWState, params=None, **extra_args):
         """optax update: gradients -> (updates to add to params, new state)."""
@@ -150,6 +167,7 @@ class ApexW:
         layout = FlatLayout.of(params)
         self._check_state(layout, state)
         p_flat, g_flat = layout.flatten(params), layout.flatten(grads)
+        sharding = p_flat.sharding
         row_masks = self._row_masks(layout, params)
         count = state.count
         t = optax.safe_increment(count)
@@ -164,7 +182,11 @@ class ApexW:
             outs, moments = [], []
             for k, (group, p, g, mom, rows) in enumerate(
                     zip(layout.groups, p_flat.buffers, g_flat.buffers, state.moments, row_masks, strict=True)):
-                out, mom = self._group_step(group, p, g, mom, rows, hp, stream_keys(self.seed, t, k), apply)
+                keys = stream_keys(self.seed, t, k)
+                if sharding is None:
+                    out, mom = self._group_step(p, g, mom, jnp.asarray(rows), hp, keys, apply, group.small_rows)
+                else:
+                    out, mom = self._sharded_group_step(sharding, group, p, g, mom, rows, hp, keys, apply)
                 outs.append(out)
                 moments.append(mom)
             return tuple(outs), tuple(moments)
@@ -179,29 +201,73 @@ class ApexW:
         else:
             outs, moments = update_all(None)
             new_state = ApexWState(t, state.skipped, moments)
-        out = FlatParams(outs, layout)
+        out = FlatParams(outs, layout, sharding)
         return (out if isinstance(params, FlatParams) else out.tree()), new_state
 
-    def _group_step(self, group, p, g, moments, rows, hp, keys, apply):
-        shape2d = (group.rows, ROW)
+    def _group_step(self, p, g, moments, rows, hp, keys, apply, n_plain):
+        """One buffer (or one shard of it): p, g ``[rows * 256]``, ``n_plain`` (maybe traced) rows of fp32 plain
+        moments first under int8 state -> (new p or updates ``[rows * 256]``, new moments)."""
+        shape2d = (p.size // ROW, ROW)
         p2, g2 = p.reshape(shape2d), g.reshape(shape2d)
-        rows = jnp.asarray(rows)
         call = dict(apply=apply, out_dtype=g.dtype, quant_map=self.quant_map)
         if isinstance(moments, DenseMoments):
-            out, new = self._kernel(p2, g2, tuple(moments), rows, hp, keys, codec=_CODECS[self.state_dtype], **call)
+            out, new = self._kernel(p2, g2, tuple(moments), rows, hp, keys, 0, codec=_CODECS[self.state_dtype],
+                                    **call)
             return out.reshape(-1), DenseMoments(*new)
-        small = group.small_rows
-        if group.rows == small:  # only small leaves: plain fp32 moments
-            out, new = self._kernel(p2, g2, tuple(moments[4:]), rows, hp, keys, codec="fp32", **call)
+        if moments.mu_codes.shape[0] == 0:  # only small leaves: plain fp32 moments
+            out, new = self._kernel(p2, g2, tuple(moments[4:]), rows, hp, keys, 0, codec="fp32", **call)
             return out.reshape(-1), moments._replace(mu_small=new[0], nu_small=new[1])
-        arrays = tuple(moments) if small else tuple(moments[:4])
-        out, new = self._kernel(p2, g2, arrays, rows, hp, keys, codec="int8", n_plain_rows=small, **call)
-        return out.reshape(-1), QuantizedMoments(*new) if small else QuantizedMoments(*new, *moments[4:])
+        has_plain = moments.mu_small.shape[0] > 0
+        arrays = tuple(moments) if has_plain else tuple(moments[:4])
+        out, new = self._kernel(p2, g2, arrays, rows, hp, keys, n_plain if has_plain else 0, codec="int8", **call)
+        return out.reshape(-1), QuantizedMoments(*new) if has_plain else QuantizedMoments(*new, *moments[4:])
 
-    def _kernel(self, *args, **static):
-        xla = lambda *a: fused_adamw_reference(*a, **static)
-        pallas = lambda *a: fused_adamw(*a, config=self.block, interpret=self.implementation == "pallas_interpret",
-                                        **static)
+    def _sharded_group_step(self, sharding: RowSharding, group, p, g, moments, rows, hp, keys, apply):
+        """:meth:`_group_step` on each device's rows under ``shard_map``: moments ``[rows]`` split over
+        ``sharding.axis``, params and grads too (FSDP) or replicated and cut to the device's rows (ZeRO-1: the
+        updated rows are all-gathered); keys shifted to the shard's first element. Small leaves' fp32 moments
+        (replicated) are cut to the shard's rows before and summed back after (one device holds each row)."""
+        axis, local_rows, zero1 = sharding.axis, group.rows // sharding.shards, not sharding.shard_params
+        quantized = isinstance(moments, QuantizedMoments)
+        small = moments.mu_small.shape[0] if quantized else 0
+        window = min(small, local_rows)  # plain rows a shard can hold
+
+        def shard(p, g, moments, rows, hp, keys):
+            first = jax.lax.axis_index(axis) * local_rows
+            mine = lambda x, size=ROW: jax.lax.dynamic_slice_in_dim(x, first * size, local_rows * size)
+            rows = mine(rows, 1)
+            if zero1:
+                p, g = mine(p), mine(g)
+            n_plain = jnp.clip(small - first, 0, local_rows)
+            if window:
+                start = jnp.minimum(first, small)
+                cut = lambda x: jax.lax.dynamic_slice_in_dim(jnp.pad(x, ((0, window), (0, 0))), start, window)
+                moments = moments._replace(mu_small=cut(moments.mu_small), nu_small=cut(moments.nu_small))
+            out, moments = self._group_step(p, g, moments, rows, hp, keys + shard_key_offset(first), apply, n_plain)
+            if window:
+                def back(x):
+                    held = jnp.where((jnp.arange(window) < n_plain)[:, None], x, 0.0)
+                    whole = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((small + window, ROW), x.dtype), held,
+                                                                start, 0)
+                    return jax.lax.psum(whole[:small], axis)
+                moments = moments._replace(mu_small=back(moments.mu_small), nu_small=back(moments.nu_small))
+            if zero1:
+                out = jax.lax.all_gather(out, axis, tiled=True)
+            return out, moments
+
+        P = jax.sharding.PartitionSpec
+        flat_spec = P() if zero1 else P(axis)
+        moment_specs = jax.tree.map(lambda s: s.spec, _moment_shardings(moments, sharding))
+        return jax.shard_map(
+            shard, mesh=sharding.mesh, check_vma=False,
+            in_specs=(flat_spec, flat_spec, moment_specs, P(), P(), P()),
+            out_specs=(flat_spec, moment_specs))(p, g, moments, jnp.asarray(rows), hp, keys)
+
+    def _kernel(self, p, g, state, rows, hp, keys, n_plain, **static):
+        xla = lambda *a: fused_adamw_reference(*a[:-1], n_plain_rows=a[-1], **static)
+        pallas = lambda *a: fused_adamw(*a[:-1], n_plain_rows=a[-1], config=self.block,
+                                        interpret=self.implementation == "pallas_interpret", **static)
+        args = (p, g, state, rows, hp, keys, n_plain)
         if self.implementation is None:
             return jax.lax.platform_dependent(*args, cuda=pallas, default=xla)
         return (xla if self.implementation == "xla" else pallas)(*args)
@@ -218,10 +284,10 @@ class ApexW:
         if self.state_dtype != jnp.int8:
             shape = (group.rows, ROW)
             return DenseMoments(jnp.zeros(shape, self.state_dtype), jnp.zeros(shape, self.state_dtype))
-        large = group.rows - group.small_rows
+        coded = 0 if group.rows == group.small_rows else group.rows
         return QuantizedMoments(
-            jnp.zeros((large, ROW), jnp.int8), jnp.zeros((large, ROW), jnp.uint8),
-            jnp.zeros((large,), jnp.float32), jnp.zeros((large,), jnp.float32),
+            jnp.zeros((coded, ROW), jnp.int8), jnp.zeros((coded, ROW), jnp.uint8),
+            jnp.zeros((coded,), jnp.float32), jnp.zeros((coded,), jnp.float32),
             jnp.zeros((group.small_rows, ROW), jnp.float32), jnp.zeros((group.small_rows, ROW), jnp.float32))
 
     def _row_masks(self, layout: FlatLayout, params):
@@ -259,6 +325,18 @@ def apexw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
     opt = ApexW(learning_rate, b1, b2, eps, weight_decay, mask, state_dtype, quant_map, skip_nonfinite, seed,
                 implementation)
     return optax.GradientTransformationExtraArgs(opt.init, opt.update)
+
+
+def _sharding_of(params) -> RowSharding | None:
+    return params.sharding if isinstance(params, FlatParams) else None
+
+
+def _moment_shardings(moments: DenseMoments | QuantizedMoments, sharding: RowSharding):
+    """NamedShardings of one group's moments: row-sharded, but small leaves' fp32 moments replicated."""
+    specs = [sharding.spec(x.ndim) for x in moments]
+    if isinstance(moments, QuantizedMoments):
+        specs[4:] = [sharding.spec(2, replicated=True)] * 2
+    return type(moments)(*specs)
 
 
 def state_nbytes(state: ApexWState) -> int:
