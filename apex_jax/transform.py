@@ -67,6 +67,7 @@ class ApexWState(NamedTuple):
     count: jax.Array  # int32: steps taken
     skipped: jax.Array  # int32: steps skipped for non-finite gradients
     moments: tuple  # one DenseMoments | QuantizedMoments per dtype group of the layout
+    master: tuple = ()  # master_weights: per dtype group, float32 [rows * 256] params (None for float32 groups)
 
 
 ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
@@ -93,6 +94,9 @@ class ApexW:
       skip_nonfinite: if any gradient is NaN/Inf, leave params and moments bit-identical and count the skip
         (the optax path returns updates of -0.0, which ``optax.apply_updates`` adds without changing a bit).
       seed: seed of the stochastic-rounding hash (with the step and the element index).
+      master_weights: keep a float32 copy of every bf16 (non-fp32) parameter buffer in the state (4 B/param,
+        sharded like the moments); the fused step updates the copy and writes the params as its nearest bf16
+        value. Without it bf16 params are updated in place with stochastic rounding. Fused step only.
       implementation: how the update runs: "pallas" (the fused kernel, compiled; an NVIDIA GPU),
         "pallas_interpret" (the same kernel in the Pallas interpreter, on any platform; slow, for tests) or
         "xla" (``fused_adamw_reference``, the same math in plain jnp). None picks per platform when the step is
@@ -113,6 +117,7 @@ class ApexW:
     seed: int | jax.Array = 0
     implementation: str | None = None
     block: BlockConfig | None = None
+    master_weights: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "state_dtype", _state_dtype(self.state_dtype))
@@ -138,16 +143,24 @@ class ApexW:
         self._row_masks(layout, params)  # validates the mask early
         moments = tuple(self._zero_moments(group) for group in layout.groups)
         counters = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
+        master = ()
+        if self.master_weights:
+            master = tuple(None if group.dtype == "float32" else buffer.astype(jnp.float32)
+                           for group, buffer in zip(layout.groups, layout.flatten(params).buffers, strict=True))
         if (sharding := _sharding_of(params)) is not None:
             moments = tuple(jax.tree.map(jax.device_put, m, _moment_shardings(m, sharding)) for m in moments)
+            master = jax.device_put(master, sharding.spec(1))
             counters = jax.device_put(counters, sharding.spec(0, replicated=True))
-        return ApexWState(*counters, moments)
+        return ApexWState(*counters, moments, master)
 
     def update(self, updates, state: ApexWState, params=None, **extra_args):
         """optax update: gradients -> (updates to add to params, new state)."""
         del extra_args
         if params is None:
             raise ValueError("apexw needs params in update(grads, state, params) (weight decay reads them)")
+        if self.master_weights:
+            raise ValueError("master_weights=True needs the fused step (ApexW.step): optax's apply_updates would "
+                             "add the updates to the bf16 params, not to the float32 copy")
         new, state = self._run(params, updates, state, apply=False)
         return new, state
 
@@ -178,29 +191,37 @@ class ApexW:
             lr, self.b1, self.b2, 1 - self.b1, 1 - self.b2, self.eps, self.weight_decay,
             1 - self.b1 ** t, 1 - self.b2 ** t)))
 
+        masters = state.master or (None,) * len(layout.groups)
+
         def update_all(_):
-            outs, moments = [], []
-            for k, (group, p, g, mom, rows) in enumerate(
-                    zip(layout.groups, p_flat.buffers, g_flat.buffers, state.moments, row_masks, strict=True)):
+            outs, moments, new_masters = [], [], []
+            for k, (group, p, g, mom, rows, master) in enumerate(zip(
+                    layout.groups, p_flat.buffers, g_flat.buffers, state.moments, row_masks, masters, strict=True)):
                 keys = stream_keys(self.seed, t, k)
+                source = p if master is None else master  # the kernel updates the float32 copy when there is one
                 if sharding is None:
-                    out, mom = self._group_step(p, g, mom, jnp.asarray(rows), hp, keys, apply, group.small_rows)
+                    out, mom = self._group_step(source, g, mom, jnp.asarray(rows), hp, keys, apply, group.small_rows)
+                    if master is not None:
+                        master, out = out, out.astype(p.dtype)
                 else:
-                    out, mom = self._sharded_group_step(sharding, group, p, g, mom, rows, hp, keys, apply)
+                    out, mom, master = self._sharded_group_step(sharding, group, source, g, mom, rows, hp, keys,
+                                                                apply, None if master is None else p.dtype)
                 outs.append(out)
                 moments.append(mom)
-            return tuple(outs), tuple(moments)
+                new_masters.append(master)
+            return tuple(outs), tuple(moments), tuple(new_masters) if state.master else ()
 
         if self.skip_nonfinite:
             finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in g_flat.buffers]))
             # updates of -0.0: p + -0.0 is p bit for bit, signaling NaNs aside (+0.0 would turn -0.0 into +0.0)
             unchanged = p_flat.buffers if apply else tuple(jnp.full_like(g, -0.0) for g in g_flat.buffers)
-            outs, moments = jax.lax.cond(finite, update_all, lambda _: (unchanged, state.moments), None)
+            outs, moments, master = jax.lax.cond(finite, update_all,
+                                                 lambda _: (unchanged, state.moments, state.master), None)
             new_state = ApexWState(jnp.where(finite, t, count), state.skipped + (~finite).astype(jnp.int32),
-                                   moments)
+                                   moments, master)
         else:
-            outs, moments = update_all(None)
-            new_state = ApexWState(t, state.skipped, moments)
+            outs, moments, master = update_all(None)
+            new_state = ApexWState(t, state.skipped, moments, master)
         out = FlatParams(outs, layout, sharding)
         return (out if isinstance(params, FlatParams) else out.tree()), new_state
 
@@ -222,12 +243,16 @@ class ApexW:
         out, new = self._kernel(p2, g2, arrays, rows, hp, keys, n_plain if has_plain else 0, codec="int8", **call)
         return out.reshape(-1), QuantizedMoments(*new) if has_plain else QuantizedMoments(*new, *moments[4:])
 
-    def _sharded_group_step(self, sharding: RowSharding, group, p, g, moments, rows, hp, keys, apply):
+    def _sharded_group_step(self, sharding: RowSharding, group, p, g, moments, rows, hp, keys, apply,
+                            params_dtype=None):
         """:meth:`_group_step` on each device's rows under ``shard_map``: moments ``[rows]`` split over
         ``sharding.axis``, params and grads too (FSDP) or replicated and cut to the device's rows (ZeRO-1: the
         updated rows are all-gathered); keys shifted to the shard's first element. Small leaves' fp32 moments
-        (replicated) are cut to the shard's rows before and summed back after (one device holds each row)."""
+        (replicated) are cut to the shard's rows before and summed back after (one device holds each row).
+        With ``params_dtype`` ``p`` is the (always sharded) float32 master copy and the params are its cast.
+        Returns (new params or updates, new moments, new master copy or None)."""
         axis, local_rows, zero1 = sharding.axis, group.rows // sharding.shards, not sharding.shard_params
+        master = params_dtype is not None
         quantized = isinstance(moments, QuantizedMoments)
         small = moments.mu_small.shape[0] if quantized else 0
         window = min(small, local_rows)  # plain rows a shard can hold
@@ -237,7 +262,8 @@ class ApexW:
             mine = lambda x, size=ROW: jax.lax.dynamic_slice_in_dim(x, first * size, local_rows * size)
             rows = mine(rows, 1)
             if zero1:
-                p, g = mine(p), mine(g)
+                g = mine(g)
+                p = p if master else mine(p)
             n_plain = jnp.clip(small - first, 0, local_rows)
             if window:
                 start = jnp.minimum(first, small)
@@ -251,17 +277,21 @@ class ApexW:
                                                                 start, 0)
                     return jax.lax.psum(whole[:small], axis)
                 moments = moments._replace(mu_small=back(moments.mu_small), nu_small=back(moments.nu_small))
+            new_master = None
+            if master:
+                new_master, out = out, out.astype(params_dtype)
             if zero1:
                 out = jax.lax.all_gather(out, axis, tiled=True)
-            return out, moments
+            return out, moments, new_master
 
         P = jax.sharding.PartitionSpec
         flat_spec = P() if zero1 else P(axis)
         moment_specs = jax.tree.map(lambda s: s.spec, _moment_shardings(moments, sharding))
         return jax.shard_map(
             shard, mesh=sharding.mesh, check_vma=False,
-            in_specs=(flat_spec, flat_spec, moment_specs, P(), P(), P()),
-            out_specs=(flat_spec, moment_specs))(p, g, moments, jnp.asarray(rows), hp, keys)
+            in_specs=(P(axis) if master else flat_spec, flat_spec, moment_specs, P(), P(), P()),
+            out_specs=(flat_spec, moment_specs, P(axis) if master else None))(
+                p, g, moments, jnp.asarray(rows), hp, keys)
 
     def _kernel(self, p, g, state, rows, hp, keys, n_plain, **static):
         xla = lambda *a: fused_adamw_reference(*a[:-1], n_plain_rows=a[-1], **static)
@@ -279,6 +309,9 @@ class ApexW:
         if jax.tree.structure(state.moments) != jax.tree.structure(expected) or spec(state.moments) != spec(expected):
             raise ValueError(f"optimizer state does not match state_dtype={self.state_dtype.name} for these params: "
                              f"got {jax.tree.map(lambda x: (x.shape, x.dtype.name), state.moments)}")
+        if bool(state.master) != self.master_weights:
+            raise ValueError(f"optimizer state {'has' if state.master else 'lacks'} a float32 master copy, but "
+                             f"master_weights={self.master_weights}")
 
     def _zero_moments(self, group):
         if self.state_dtype != jnp.int8:

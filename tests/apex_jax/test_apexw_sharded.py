@@ -125,3 +125,34 @@ def test_layout_that_does_not_split_over_the_mesh_raises():
         place(unsharded, RowSharding(jax.make_mesh((8,), ("data",)), "data"))
     with pytest.raises(ValueError, match="mesh axis 'batch' is not in the mesh's axes"):
         RowSharding(jax.make_mesh((8,), ("data",)), "batch")
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.int8], **KIND_IDS)
+@pytest.mark.parametrize("mesh_mode", [None, "fsdp", "zero1"])
+def test_master_weights_follow_the_float32_run(state_dtype, mesh_mode):
+    """bf16 params and bf16 grads with master_weights: the float32 copy in the state follows the run on float32
+    params (same grads, widened) to a few ulps (XLA contracts a * b + c differently when the grads are bf16), and
+    the params are its nearest bf16 value, on one device or a mesh."""
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
+    kwargs = dict(weight_decay=0.1, state_dtype=state_dtype, implementation="pallas_interpret")
+    if mesh_mode is None:
+        flat_of = flatten
+    else:
+        sharding = RowSharding(jax.make_mesh((8,), ("data",)), "data", shard_params=MODES[mesh_mode])
+        flat_of = lambda tree: flatten(tree, sharding)  # noqa: E731
+    flat, state = train(ApexW(1e-2, master_weights=True, **kwargs), params, flat_of)
+    wide = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    ref, _ = train(ApexW(1e-2, **kwargs), wide,
+                   lambda tree: flat_of(jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), tree)))
+    (master,) = state.master  # one bf16 group
+    assert_same(ref.buffers[0], master, exact=False)
+    np.testing.assert_array_equal(np.asarray(flat.buffers[0]), np.asarray(master.astype(jnp.bfloat16)))
+    if mesh_mode is not None:
+        assert tuple(master.sharding.spec) == ("data",)
+
+
+def test_master_weights_refuse_the_optax_path():
+    opt = ApexW(1e-2, master_weights=True, implementation="xla")
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
+    with pytest.raises(ValueError, match="master_weights=True needs the fused step"):
+        opt.update(params, opt.init(params), params)
