@@ -373,8 +373,8 @@ def _moment_shardings(moments: DenseMoments | QuantizedMoments, sharding: RowSha
 
 
 def state_nbytes(state: ApexWState) -> int:
-    """Bytes held by the moments (the optimizer's state memory)."""
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(state.moments))
+    """Bytes held by the optimizer's state: the moments and the float32 master copy, if any."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves((state.moments, state.master)))
 
 
 def _state_dtype(value: jax.typing.DTypeLike) -> np.dtype:

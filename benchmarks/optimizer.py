@@ -31,9 +31,16 @@ BANDWIDTH_TB_S = 4.27  # device-to-device copy on our H200, bytes read + written
 GPU_LAYOUTS = {"4x32M": (4, 32 << 20), "1024x128K": (1024, 128 << 10), "8192x16K": (8192, 16 << 10),
                "4x256M": (4, 256 << 20)}
 CPU_LAYOUTS = {"4x256K": (4, 256 << 10), "128x8K": (128, 8 << 10)}
-FLOOR_BYTES_PER_PARAM = {"fp32": 28.0, "bf16": 20.0, "int8": 16.0 + 16 / 256}
+# The bandwidth floor: bytes a step must move per parameter, params and grads (by precision) + moments (by state).
+# fp32: p read + written, g read (12); bf16: the same at 2 B (6); bf16+master: the fp32 copy read + written, g read
+# at 2 B, the bf16 params written (12). Moments read + written: fp32 16, bf16 8, int8 2 B of codes + 2 scales / 256.
+PARAM_BYTES_PER_PARAM = {"fp32": 12.0, "bf16": 6.0, "bf16+master": 12.0}
+STATE_BYTES_PER_PARAM = {"fp32": 16.0, "bf16": 8.0, "int8": 4.0 + 16 / 256}
+FLOOR_BYTES_PER_PARAM = {kind: PARAM_BYTES_PER_PARAM["fp32"] + b for kind, b in STATE_BYTES_PER_PARAM.items()}
+PRECISIONS = ("bf16", "bf16+master")  # the mixed-precision rows of apexw-fused-mixed
 STATE_KINDS = ("fp32", "bf16", "int8")  # result labels: the keys of apex_jax.STATE_DTYPES (jax loads in workers)
-GROUPS = ("torch", "bnb", "torchao", "optax", "apexw-transform", "apexw-transform-flat", "apexw-fused")
+GROUPS = ("torch", "bnb", "torchao", "optax", "apexw-transform", "apexw-transform-flat", "apexw-fused",
+          "apexw-fused-mixed")
 # Per-leaf XLA paths (optax, and the apexw transform's split + apply_updates per leaf) compile for minutes at 8192
 # leaves: a bound of their own turns such a layout into a timeout row instead of holding up the run.
 TIMEOUT_S = {"optax": 100, "apexw-transform": 120}
@@ -130,6 +137,21 @@ def jax_worker(group: str, n: int, size: int, blocks: dict) -> list[dict]:
             rows.append(_time_compiled(jax.jit(step, donate_argnums=(0, 1)), (params, state), grads,
                                        impl=impl, state=kind, state_bytes_per_param=nbytes / (n * size)))
             params = rows[-1].pop("carry")[0]
+    elif group == "apexw-fused-mixed":  # bf16 params and grads, with and without a float32 master copy
+        to_bf16 = lambda tree: [x.astype(jax.numpy.bfloat16) for x in tree]  # noqa: E731
+        flat, flat_g = apex_jax.flatten(to_bf16(params)), apex_jax.flatten(to_bf16(grads))
+        del params, grads
+        for precision in PRECISIONS:
+            for kind in STATE_KINDS:
+                rows_w = blocks.get(kind, (16, 4))
+                opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(*rows_w),
+                                     master_weights=precision == "bf16+master")
+                state = opt.init(flat)
+                rows.append(_time_compiled(jax.jit(opt.step, donate_argnums=(0, 2)), (flat, state), flat_g,
+                                           impl="apexw fused", state=kind, precision=precision, block=list(rows_w),
+                                           state_bytes_per_param=apex_jax.state_nbytes(state) / (n * size)))
+                flat = rows[-1].pop("carry")[0]
+                del state
     else:
         flat, flat_g = apex_jax.flatten(params), apex_jax.flatten(grads)
         del params, grads
@@ -205,8 +227,8 @@ def finish_rows(rows: list[dict], layout: str, n: int, size: int, bandwidth_tb_s
     out = []
     for row in rows:
         row = dict(layout=layout, n_tensors=n, n_params=n * size, status="ok") | row
-        ms, kind = row.get("step_ms"), row.get("state", "fp32")
-        floor_bytes = FLOOR_BYTES_PER_PARAM[kind] * n * size
+        ms, kind, precision = row.get("step_ms"), row.get("state", "fp32"), row.get("precision", "fp32")
+        floor_bytes = (PARAM_BYTES_PER_PARAM[precision] + STATE_BYTES_PER_PARAM[kind]) * n * size
         row["gb_s"] = floor_bytes / (ms * 1e6) if ms else None
         row["floor_pct"] = 100 * floor_bytes / (bandwidth_tb_s * 1e12) / (ms * 1e-3) if ms and bandwidth_tb_s else None
         out.append(row)
@@ -303,7 +325,7 @@ def main() -> None:
                                      rows=add_speedups(merged)))  # after every case: a cut-short run keeps its rows
     rows = merged
     plot(rows, name)
-    columns = ["layout", "impl", "state", "step_ms", "floor_pct", "speedup_vs_torch_fused",
+    columns = ["layout", "impl", "precision", "state", "step_ms", "floor_pct", "speedup_vs_torch_fused",
                "state_bytes_per_param", "compile_s", "status"]
     print(format_table(rows, columns))
 
