@@ -200,9 +200,10 @@ class ApexW:
                 keys = stream_keys(self.seed, t, k)
                 source = p if master is None else master  # the kernel updates the float32 copy when there is one
                 if sharding is None:
-                    out, mom = self._group_step(source, g, mom, jnp.asarray(rows), hp, keys, apply, group.small_rows)
+                    out, mom, copy = self._group_step(source, g, mom, jnp.asarray(rows), hp, keys, apply,
+                                                      group.small_rows, None if master is None else p.dtype)
                     if master is not None:
-                        master, out = out, out.astype(p.dtype)
+                        master, out = out, copy
                 else:
                     out, mom, master = self._sharded_group_step(sharding, group, source, g, mom, rows, hp, keys,
                                                                 apply, None if master is None else p.dtype)
@@ -225,23 +226,27 @@ class ApexW:
         out = FlatParams(outs, layout, sharding)
         return (out if isinstance(params, FlatParams) else out.tree()), new_state
 
-    def _group_step(self, p, g, moments, rows, hp, keys, apply, n_plain):
+    def _group_step(self, p, g, moments, rows, hp, keys, apply, n_plain, copy_dtype=None):
         """One buffer (or one shard of it): p, g ``[rows * 256]``, ``n_plain`` (maybe traced) rows of fp32 plain
-        moments first under int8 state -> (new p or updates ``[rows * 256]``, new moments)."""
+        moments first under int8 state -> (new p or updates ``[rows * 256]``, new moments, the new p in
+        ``copy_dtype`` or None)."""
         shape2d = (p.size // ROW, ROW)
         p2, g2 = p.reshape(shape2d), g.reshape(shape2d)
-        call = dict(apply=apply, out_dtype=g.dtype, quant_map=self.quant_map)
+        call = dict(apply=apply, out_dtype=g.dtype, quant_map=self.quant_map, copy_dtype=copy_dtype)
         if isinstance(moments, DenseMoments):
-            out, new = self._kernel(p2, g2, tuple(moments), rows, hp, keys, 0, codec=_CODECS[self.state_dtype],
-                                    **call)
-            return out.reshape(-1), DenseMoments(*new)
-        if moments.mu_codes.shape[0] == 0:  # only small leaves: plain fp32 moments
-            out, new = self._kernel(p2, g2, tuple(moments[4:]), rows, hp, keys, 0, codec="fp32", **call)
-            return out.reshape(-1), moments._replace(mu_small=new[0], nu_small=new[1])
-        has_plain = moments.mu_small.shape[0] > 0
-        arrays = tuple(moments) if has_plain else tuple(moments[:4])
-        out, new = self._kernel(p2, g2, arrays, rows, hp, keys, n_plain if has_plain else 0, codec="int8", **call)
-        return out.reshape(-1), QuantizedMoments(*new) if has_plain else QuantizedMoments(*new, *moments[4:])
+            out, new, *copy = self._kernel(p2, g2, tuple(moments), rows, hp, keys, 0,
+                                           codec=_CODECS[self.state_dtype], **call)
+            new = DenseMoments(*new)
+        elif moments.mu_codes.shape[0] == 0:  # only small leaves: plain fp32 moments
+            out, new, *copy = self._kernel(p2, g2, tuple(moments[4:]), rows, hp, keys, 0, codec="fp32", **call)
+            new = moments._replace(mu_small=new[0], nu_small=new[1])
+        else:
+            has_plain = moments.mu_small.shape[0] > 0
+            arrays = tuple(moments) if has_plain else tuple(moments[:4])
+            out, new, *copy = self._kernel(p2, g2, arrays, rows, hp, keys, n_plain if has_plain else 0,
+                                           codec="int8", **call)
+            new = QuantizedMoments(*new) if has_plain else QuantizedMoments(*new, *moments[4:])
+        return out.reshape(-1), new, copy[0].reshape(-1) if copy else None
 
     def _sharded_group_step(self, sharding: RowSharding, group, p, g, moments, rows, hp, keys, apply,
                             params_dtype=None):
@@ -269,7 +274,8 @@ class ApexW:
                 start = jnp.minimum(first, small)
                 cut = lambda x: jax.lax.dynamic_slice_in_dim(jnp.pad(x, ((0, window), (0, 0))), start, window)
                 moments = moments._replace(mu_small=cut(moments.mu_small), nu_small=cut(moments.nu_small))
-            out, moments = self._group_step(p, g, moments, rows, hp, keys + shard_key_offset(first), apply, n_plain)
+            out, moments, copy = self._group_step(p, g, moments, rows, hp, keys + shard_key_offset(first), apply,
+                                                  n_plain, params_dtype)
             if window:
                 def back(x):
                     held = jnp.where((jnp.arange(window) < n_plain)[:, None], x, 0.0)
@@ -279,7 +285,7 @@ class ApexW:
                 moments = moments._replace(mu_small=back(moments.mu_small), nu_small=back(moments.nu_small))
             new_master = None
             if master:
-                new_master, out = out, out.astype(params_dtype)
+                new_master, out = out, copy
             if zero1:
                 out = jax.lax.all_gather(out, axis, tiled=True)
             return out, moments, new_master

@@ -4,7 +4,7 @@ One launch updates a whole parameter buffer, whatever the model's leaf count. Pe
 
     m <- (1 - b1) g + b1 m                 v <- (1 - b2) g^2 + b2 v
     u  = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * decay_row * p
-    p <- p - lr u        (``apply=True``: in place, the fused step)
+    p <- p - lr u        (``apply=True``: in place, the fused step; ``copy_dtype``: also p in that dtype, nearest)
     out = -lr u          (``apply=False``: optax "updates")
 
 Moment storage (the ``codec``):
@@ -251,8 +251,9 @@ def store_dense(x, bits, dtype):
 
 
 def _adamw_kernel(hp_ref, key_ref, plain_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_map, apply, has_plain,
-                  block_rows):
-    n_state = len(refs) // 2  # refs = (*state_in, out_ref, *state_out)
+                  has_copy, block_rows):
+    copy_ref, refs = (refs[-1], refs[:-1]) if has_copy else (None, refs)
+    n_state = len(refs) // 2  # refs = (*state_in, out_ref, *state_out[, copy_ref])
     state_in, out_ref, state_out = refs[:n_state], refs[n_state], refs[n_state + 1:]
     i = pl.program_id(0)
     hp = Hyper(*(hp_ref[k] for k in range(len(Hyper._fields))))
@@ -263,13 +264,19 @@ def _adamw_kernel(hp_ref, key_ref, plain_ref, decay_ref, p_ref, g_ref, *refs, co
     decay = decay_ref[...][:, None]
     fast = codec != "fp32"
 
+    def store_params(u):
+        new = finish(p, u, hp, out_ref.dtype, random_bits(index, key_ref[0]), apply)
+        out_ref[...] = new
+        if has_copy:
+            copy_ref[...] = new.astype(copy_ref.dtype)
+
     def dense(m_ref, v_ref, m_out, v_out):
         m, v, _, u = adam_direction(p, g, m_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32), hp,
                                     decay, fast)
         bits = random_bits(index, key_ref[1])  # low half rounds m, high half rounds v
         m_out[...] = store_dense(m, bits, m_out.dtype)
         v_out[...] = store_dense(v, bits >> 16, v_out.dtype)
-        out_ref[...] = finish(p, u, hp, out_ref.dtype, random_bits(index, key_ref[0]), apply)
+        store_params(u)
 
     if codec != "int8":
         dense(*state_in, *state_out)
@@ -284,7 +291,7 @@ def _adamw_kernel(hp_ref, key_ref, plain_ref, decay_ref, p_ref, g_ref, *refs, co
         bits = random_bits(index, key_ref[1])
         mq_out[...], ms_out[...] = quantize_rows(m, bits, signed=True, quant_map=quant_map)
         vq_out[...], vs_out[...] = quantize_rows(v, bits >> 17, signed=False, quant_map=quant_map, sqrt_x=sqrt_v)
-        out_ref[...] = finish(p, u, hp, out_ref.dtype, random_bits(index, key_ref[0]), apply)
+        store_params(u)
 
     if not has_plain:
         quantized()
@@ -309,8 +316,10 @@ def _state_specs(codec, plain_tiles, block_rows):
     return specs
 
 
-def _check(p, g, state, decay, codec, n_plain_rows, quant_map):
+def _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype):
     """Shapes and names; a concrete ``n_plain_rows`` must also fit the plain moment arrays."""
+    if copy_dtype is not None and not apply:
+        raise ValueError(f"copy_dtype={copy_dtype} needs apply=True (it is a copy of the new params)")
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
     if quant_map not in QUANT_MAPS:
@@ -333,9 +342,10 @@ def _check(p, g, state, decay, codec, n_plain_rows, quant_map):
         raise ValueError(f"n_plain_rows={n_plain_rows} must be in [0, {plain_rows}] (the plain moments' rows)")
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "quant_map", "apply", "out_dtype", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("codec", "quant_map", "apply", "out_dtype", "copy_dtype", "config",
+                                             "interpret"))
 def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int | jax.Array = 0,
-                quant_map: str = "power", apply: bool = True, out_dtype=None,
+                quant_map: str = "power", apply: bool = True, out_dtype=None, copy_dtype=None,
                 config: BlockConfig | None = None, interpret: bool = False):
     """One AdamW step over a flat buffer in a single launch.
 
@@ -350,12 +360,15 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
       hp: per-step scalars (:class:`Hyper`); keys: ``stream_keys(seed, step, group)``.
       apply: True writes the new params over ``p`` (donate it); False returns optax updates.
       out_dtype: dtype of the updates when ``apply=False`` (default: ``p``'s).
+      copy_dtype: with ``apply``, also write the new params rounded to nearest in this dtype (float32 master
+        params in ``p``, their bf16 working copy out: one pass instead of a second read of ``p``).
       config: launch geometry (default: ``TUNED_BLOCKS[codec]``).
 
     Returns:
-      ``(new_params or updates, new_state)`` with ``new_state`` in the order of ``state``.
+      ``(new_params or updates, new_state)`` with ``new_state`` in the order of ``state``, and the copy last
+      when ``copy_dtype`` is given.
     """
-    _check(p, g, state, decay, codec, n_plain_rows, quant_map)
+    _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype)
     config = config or TUNED_BLOCKS[codec]
     rows, r = p.shape[0], config.block_rows
     plain_rows = state[4].shape[0] if codec == "int8" and len(state) == 6 else 0
@@ -372,29 +385,38 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
     if apply:
         aliases[4] = 0
     kernel = functools.partial(_adamw_kernel, codec=codec, quant_map=quant_map, apply=apply,
-                               has_plain=plain_rows > 0, block_rows=r)
+                               has_plain=plain_rows > 0, has_copy=copy_dtype is not None, block_rows=r)
     plain = jnp.reshape(jnp.asarray(n_plain_rows, jnp.int32), (1,))
+    copy = [] if copy_dtype is None else [jax.ShapeDtypeStruct(p.shape, copy_dtype)]
     out, *new_state = pl.pallas_call(
         kernel,
         grid=(rows // r,),
         in_specs=[pl.BlockSpec((HP_SLOTS,), lambda i: (0,)), pl.BlockSpec((4,), lambda i: (0,)),
                   pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((r,), lambda i: (i,)), tile_spec, tile_spec,
                   *state_specs],
-        out_specs=[tile_spec, *state_specs],
-        out_shape=[jax.ShapeDtypeStruct(p.shape, out_dtype), *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state)],
+        out_specs=[tile_spec, *state_specs, *[tile_spec] * len(copy)],
+        out_shape=[jax.ShapeDtypeStruct(p.shape, out_dtype), *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state),
+                   *copy],
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=f"apexw_{codec}",
     )(hp_vec, keys, plain, decay, p, g, *state)
+    if copy:
+        return out, tuple(new_state[:-1]), new_state[-1]
     return out, tuple(new_state)
 
 
 def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int = 0,
-                          quant_map: str = "power", apply: bool = True, out_dtype=None):
+                          quant_map: str = "power", apply: bool = True, out_dtype=None, copy_dtype=None):
     """Plain-jnp :func:`fused_adamw`: same arguments, same math; results agree up to float reordering
     (an 8-bit code may land one step apart where that moves a value across a rounding edge)."""
-    _check(p, g, state, decay, codec, n_plain_rows, quant_map)
+    _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype)
+    out, new_state = _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype)
+    return (out, new_state) if copy_dtype is None else (out, new_state, out.astype(copy_dtype))
+
+
+def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype):
     out_dtype = p.dtype if apply or out_dtype is None else out_dtype
     index = jnp.arange(p.size, dtype=jnp.uint32).reshape(p.shape)
     bits = [random_bits(index, keys[0]), random_bits(index, keys[1])]

@@ -90,6 +90,20 @@ class TestFusedAdamW:
         for a, b in zip(new_state[:4], whole_state[:4], strict=False):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(half(b), np.float32))
 
+    @pytest.mark.parametrize("codec,n_plain", [("fp32", 0), ("int8", 32)])
+    def test_copy_dtype_writes_the_new_params_rounded_to_nearest(self, codec, n_plain):
+        """float32 master params in, their bf16 working copy out of the same pass."""
+        args = inputs(3, codec, n_plain, jnp.float32)
+        out, _, copy = unaliased(K.fused_adamw)(*args, codec=codec, n_plain_rows=n_plain, copy_dtype=jnp.bfloat16,
+                                                interpret=interpret())
+        ref_out, _, ref_copy = K.fused_adamw_reference(*args, codec=codec, n_plain_rows=n_plain,
+                                                       copy_dtype=jnp.bfloat16)
+        assert copy.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(copy), np.asarray(out.astype(jnp.bfloat16)))
+        assert_close(copy, ref_copy, name="copy")
+        with pytest.raises(ValueError, match="copy_dtype=.* needs apply=True"):
+            K.fused_adamw(*args, codec=codec, n_plain_rows=n_plain, apply=False, copy_dtype=jnp.bfloat16)
+
     def test_rejects_bad_arguments(self):
         p, g, state, decay, hp, keys = inputs(0, "fp32", 0, jnp.float32)
         with pytest.raises(ValueError, match="codec"):
@@ -106,7 +120,9 @@ class TestFusedAdamW:
 @pytest.mark.parametrize("p_dtype", [jnp.float32, jnp.bfloat16])
 def test_lowers_for_h200(codec, n_plain, p_dtype):
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs(0, codec, n_plain, p_dtype))
-    text = lower_for_h200(functools.partial(K.fused_adamw, codec=codec, n_plain_rows=n_plain), *args)
+    copy = jnp.bfloat16 if p_dtype == jnp.float32 else None  # the master-weights form: fp32 p, a bf16 copy out
+    text = lower_for_h200(functools.partial(K.fused_adamw, codec=codec, n_plain_rows=n_plain, copy_dtype=copy),
+                          *args)
     assert "triton" in text and "apexw_" + codec in text
 
 
