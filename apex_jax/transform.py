@@ -27,6 +27,8 @@ import optax
 
 from apex_jax.flat import ROWS_ALIGN, FlatLayout, FlatParams, RowSharding
 from pallas_kernels.adamw import (
+    CODE_COLUMNS,
+    QUANTIZED,
     ROW,
     BlockConfig,
     Hyper,
@@ -39,7 +41,7 @@ from pallas_kernels.adamw import (
 # The moment dtypes by their short names: the kernel's codec names (``pallas_kernels.adamw``), the result labels of
 # the benchmarks and the spelling a command line may offer (``STATE_DTYPES[args.state_dtype]``).
 STATE_DTYPES: dict[str, np.dtype] = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16),
-                                     "int8": jnp.dtype(jnp.int8)}
+                                     "int8": jnp.dtype(jnp.int8), "int4": jnp.dtype(jnp.int4)}
 _CODECS = {dtype: name for name, dtype in STATE_DTYPES.items()}
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")  # None picks one per platform: ApexW's docstring
 
@@ -52,11 +54,11 @@ class DenseMoments(NamedTuple):
 
 
 class QuantizedMoments(NamedTuple):
-    """8-bit moments of one buffer group: codes and per-256 scales on every row (unused on the small leaves'
+    """8- or 4-bit moments of one buffer group: codes and per-256 scales on every row (unused on the small leaves'
     rows; none at all when the group holds only small leaves), fp32 moments for the small leaves."""
 
-    mu_codes: jax.Array  # int8 [rows, 256] (or [0, 256])
-    nu_codes: jax.Array  # uint8 [rows, 256]
+    mu_codes: jax.Array  # int8 [rows, 256] (or [0, 256]); int4: uint8 [rows, 128], two codes a byte
+    nu_codes: jax.Array  # uint8 [rows, 256]; int4: [rows, 128]
     mu_scale: jax.Array  # float32 [rows]
     nu_scale: jax.Array  # float32 [rows]
     mu_small: jax.Array  # float32 [small_rows, 256]: replicated over a mesh
@@ -88,9 +90,11 @@ class ApexW:
       weight_decay: decoupled weight decay (>= 0), applied where ``mask`` is True.
       mask: pytree of bools matching params (or a callable params -> such a pytree); None = everywhere.
       state_dtype: the moments' dtype, anything ``jnp.dtype`` reads as ``jnp.float32`` (8 B/param),
-        ``jnp.bfloat16`` (4 B/param, stochastically rounded) or ``jnp.int8`` (int8 m + uint8 v + fp32 scale per
-        256, about 2.03 B/param; leaves under 4096 elements stay fp32). Stored as that ``np.dtype``.
-      quant_map: "power" (default) or "linear" code map for int8 moments (see ``pallas_kernels.adamw``).
+        ``jnp.bfloat16`` (4 B/param, stochastically rounded), ``jnp.int8`` (int8 m + uint8 v + fp32 scale per
+        256, about 2.03 B/param) or ``jnp.int4`` (4-bit m and v, two a byte, + the scales: 1.03 B/param); under
+        8 and 4 bits leaves under 4096 elements stay fp32. Stored as that ``np.dtype``.
+      quant_map: "power" (default) or "linear" code map for int8 moments (see ``pallas_kernels.adamw``); int4
+        has "power" only.
       skip_nonfinite: if any gradient is NaN/Inf, leave params and moments bit-identical and count the skip
         (the optax path returns updates of -0.0, which ``optax.apply_updates`` adds without changing a bit).
       seed: seed of the stochastic-rounding hash (with the step and the element index).
@@ -126,6 +130,8 @@ class ApexW:
                              f"{IMPLEMENTATIONS}")
         if self.quant_map not in ("power", "linear"):
             raise ValueError(f"unknown quant_map {self.quant_map!r}; expected 'power' or 'linear'")
+        if self.state_dtype == jnp.int4 and self.quant_map != "power":
+            raise ValueError(f"int4 moments have only the 'power' quant_map, got {self.quant_map!r}")
         if self.block is not None and self.block.block_rows > ROWS_ALIGN:
             raise ValueError(f"block.block_rows must be <= {ROWS_ALIGN}, got {self.block.block_rows}")
         if not callable(self.learning_rate):
@@ -244,7 +250,7 @@ class ApexW:
             has_plain = moments.mu_small.shape[0] > 0
             arrays = tuple(moments) if has_plain else tuple(moments[:4])
             out, new, *copy = self._kernel(p2, g2, arrays, rows, hp, keys, n_plain if has_plain else 0,
-                                           codec="int8", **call)
+                                           codec=_CODECS[self.state_dtype], **call)
             new = QuantizedMoments(*new) if has_plain else QuantizedMoments(*new, *moments[4:])
         return out.reshape(-1), new, copy[0].reshape(-1) if copy else None
 
@@ -320,12 +326,14 @@ class ApexW:
                              f"master_weights={self.master_weights}")
 
     def _zero_moments(self, group):
-        if self.state_dtype != jnp.int8:
+        if _CODECS[self.state_dtype] not in QUANTIZED:
             shape = (group.rows, ROW)
             return DenseMoments(jnp.zeros(shape, self.state_dtype), jnp.zeros(shape, self.state_dtype))
         coded = 0 if group.rows == group.small_rows else group.rows
+        columns = CODE_COLUMNS[_CODECS[self.state_dtype]]
         return QuantizedMoments(
-            jnp.zeros((coded, ROW), jnp.int8), jnp.zeros((coded, ROW), jnp.uint8),
+            jnp.zeros((coded, columns), jnp.int8 if columns == ROW else jnp.uint8),
+            jnp.zeros((coded, columns), jnp.uint8),
             jnp.zeros((coded,), jnp.float32), jnp.zeros((coded,), jnp.float32),
             jnp.zeros((group.small_rows, ROW), jnp.float32), jnp.zeros((group.small_rows, ROW), jnp.float32))
 
@@ -385,7 +393,7 @@ def state_nbytes(state: ApexWState) -> int:
 
 def _state_dtype(value: jax.typing.DTypeLike) -> np.dtype:
     """``value`` as the ``np.dtype`` it names, which must be one of :data:`STATE_DTYPES`."""
-    expected = "jnp.float32, jnp.bfloat16 or jnp.int8 (or a name or dtype jnp.dtype() reads as one of them)"
+    expected = "jnp.float32, jnp.bfloat16, jnp.int8 or jnp.int4 (or a name or dtype jnp.dtype() reads as one of them)"
     try:
         dtype = jnp.dtype(value)
     except (TypeError, ValueError):  # not a dtype at all (numpy raises either)

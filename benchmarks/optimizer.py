@@ -35,10 +35,10 @@ CPU_LAYOUTS = {"4x256K": (4, 256 << 10), "128x8K": (128, 8 << 10)}
 # fp32: p read + written, g read (12); bf16: the same at 2 B (6); bf16+master: the fp32 copy read + written, g read
 # at 2 B, the bf16 params written (12). Moments read + written: fp32 16, bf16 8, int8 2 B of codes + 2 scales / 256.
 PARAM_BYTES_PER_PARAM = {"fp32": 12.0, "bf16": 6.0, "bf16+master": 12.0}
-STATE_BYTES_PER_PARAM = {"fp32": 16.0, "bf16": 8.0, "int8": 4.0 + 16 / 256}
+STATE_BYTES_PER_PARAM = {"fp32": 16.0, "bf16": 8.0, "int8": 4.0 + 16 / 256, "int4": 2.0 + 16 / 256}
 FLOOR_BYTES_PER_PARAM = {kind: PARAM_BYTES_PER_PARAM["fp32"] + b for kind, b in STATE_BYTES_PER_PARAM.items()}
 PRECISIONS = ("bf16", "bf16+master")  # the mixed-precision rows of apexw-fused-mixed
-STATE_KINDS = ("fp32", "bf16", "int8")  # result labels: the keys of apex_jax.STATE_DTYPES (jax loads in workers)
+STATE_KINDS = ("fp32", "bf16", "int8", "int4")  # the keys of apex_jax.STATE_DTYPES (jax loads in workers)
 GROUPS = ("torch", "bnb", "torchao", "optax", "apexw-transform", "apexw-transform-flat", "apexw-fused",
           "apexw-fused-mixed")
 # Per-leaf XLA paths (optax, and the apexw transform's split + apply_updates per leaf) compile for minutes at 8192

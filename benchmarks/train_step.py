@@ -34,7 +34,7 @@ import apex_jax
 from apex_data.text import python_source_corpus, split_corpus
 from benchmarks.harness import format_table, save_plot, time_jax_steps, write_results
 
-OPTIMIZERS = ("optax.adamw", "apexw-fp32", "apexw-bf16", "apexw-int8")
+OPTIMIZERS = ("optax.adamw", "apexw-fp32", "apexw-bf16", "apexw-int8", "apexw-int4")
 LR, WEIGHT_DECAY = 3e-4, 0.1
 CURVE_TOLERANCE = 0.01  # the bar: final loss within 1% of optax.adamw's
 

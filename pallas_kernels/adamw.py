@@ -18,6 +18,10 @@ Moment storage (the ``codec``):
     the first ``n_plain_rows`` rows (small tensors) keep fp32 moments instead, and their codes are left untouched.
     ``n_plain_rows`` may be traced: a row-sharded buffer holds a different number of them on each shard.
     A block holding a NaN stores a NaN scale, so a NaN is never decoded as a number.
+  * ``int4``: the same blocks and power map at 4 bits, two codes per byte (element 2j in the low nibble, 2j + 1
+    in the high one; 1.03 B/param): m as c in [-7, 7] (stored c + 8), y = c / 7; v as n in [0, 15] standing for
+    y = (n + 1) / 16, so that no v decodes to 0 (a zero v would turn m / (sqrt(v) + eps) into m / eps, the
+    zero-point problem of 4-bit second moments; Li et al. 2023). A v below the first level is stored as it.
 
 Random bits come from a counter-based hash of (seed, step, stream, element index), so results do not
 depend on the launch geometry (a shard of a buffer passes ``stream_keys(...) + shard_key_offset(first row)`` and
@@ -35,7 +39,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 ROW = 256  # elements per row: the quantization block, and the alignment of every leaf in a flat buffer
-CODECS = ("fp32", "bf16", "int8")
+CODECS = ("fp32", "bf16", "int8", "int4")
+QUANTIZED = ("int8", "int4")
+CODE_COLUMNS = {"int8": 256, "int4": 128}  # bytes of codes per 256-element row
 QUANT_MAPS = ("power", "linear")
 INT8_MAX = 127.0  # signed codes in [-127, 127] (symmetric: -128 unused)
 UINT8_MAX = 255.0
@@ -76,7 +82,8 @@ class BlockConfig:
 
 # Fastest launch geometry per codec on an NVIDIA H200 (benchmarks/optimizer.py sweep, 128M params):
 # small tiles with 1-2 warps keep many programs in flight for this purely streaming update.
-TUNED_BLOCKS = {"fp32": BlockConfig(4, 1), "bf16": BlockConfig(4, 1), "int8": BlockConfig(4, 2)}
+TUNED_BLOCKS = {"fp32": BlockConfig(4, 1), "bf16": BlockConfig(4, 1), "int8": BlockConfig(4, 2),
+                "int4": BlockConfig(4, 2)}  # int4: int8's geometry, not swept
 
 
 # --------------------------------------------------------------------------- element math (kernel + reference)
@@ -215,6 +222,71 @@ def dequantize_rows(codes, scale, *, signed: bool, quant_map: str):
     return (c2 * c2) * (scale * (1 / top**4))[:, None]
 
 
+INT4_M_MAX = 7.0  # signed 4-bit m codes in [-7, 7], stored + 8 in a nibble
+INT4_V_LEVELS = 16.0  # 4-bit v code n stands for y = (n + 1) / 16
+
+
+def pack_nibbles(n: jax.Array) -> jax.Array:
+    """uint8 [r, 256] values in [0, 15] -> uint8 [r, 128]: element 2j in the low nibble of byte j, 2j + 1 high."""
+    lo, hi = jnp.split(n.astype(jnp.int32).reshape(n.shape[0], ROW // 2, 2), 2, axis=-1)
+    return (lo | (hi << 4)).reshape(n.shape[0], ROW // 2).astype(jnp.uint8)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+    """Inverse of :func:`pack_nibbles`: uint8 [r, 128] -> int32 [r, 256] in [0, 15]."""
+    b = packed.astype(jnp.int32)
+    return jnp.stack([b & 15, b >> 4], axis=-1).reshape(packed.shape[0], ROW)
+
+
+def quantize_rows_4bit(x, bits, *, signed: bool, sqrt_x=None):
+    """float32 [r, 256] -> (packed codes uint8 [r, 128], scale f32 [r]): :func:`quantize_rows`' power map at 4 bits
+    (the module docstring's int4 levels), stochastically rounded with 15 bits of ``bits``."""
+    if signed:
+        q = x * jax.lax.rsqrt(_abs(x) + TINY)
+    else:
+        q = fast_sqrt(fast_sqrt(x) if sqrt_x is None else sqrt_x)
+    root = row_absmax(q) * SCALE_PAD
+    inv = 1.0 / jnp.where(root > 0, root, 1.0)
+    if signed:
+        t = q * (INT4_M_MAX * inv)[:, None] + (INT4_M_MAX + 1)  # in (1, 15)
+    else:
+        t = jnp.maximum(q * (INT4_V_LEVELS * inv)[:, None] - 1.0, 0.0)  # in [0, 15)
+    codes = pack_nibbles(stochastic_round_to_code(t, bits, signed=False))
+    root2 = root * root
+    return codes, root2 if signed else root2 * root2
+
+
+def dequantize_rows_4bit(packed, scale, *, signed: bool):
+    """Inverse of :func:`quantize_rows_4bit` (up to rounding): [r, 128] packed codes, [r] scale -> float32 [r, 256]:
+    s c |c| / 49 (m, c = nibble - 8) or s ((n + 1) / 16)^4 (v)."""
+    n = jax.lax.bitcast_convert_type(unpack_nibbles(packed) + CODE_MAGIC_BITS, jnp.float32) - CODE_MAGIC
+    if signed:
+        c = n - (INT4_M_MAX + 1)
+        return (c * _abs(c)) * (scale * (1 / INT4_M_MAX**2))[:, None]
+    y2 = (n + 1.0) * (n + 1.0)
+    return (y2 * y2) * (scale * (1 / INT4_V_LEVELS**4))[:, None]
+
+
+def decode_moments(codec, mq, vq, ms, vs, quant_map):
+    """(m, v) float32 [r, 256] from a quantized codec's codes and scales."""
+    if codec == "int4":
+        return dequantize_rows_4bit(mq, ms, signed=True), dequantize_rows_4bit(vq, vs, signed=False)
+    return (dequantize_rows(mq, ms, signed=True, quant_map=quant_map),
+            dequantize_rows(vq, vs, signed=False, quant_map=quant_map))
+
+
+def encode_moments(codec, m, v, sqrt_v, bits, quant_map):
+    """(m codes, v codes, m scale, v scale) of a quantized codec; m rounds with the low 15 of ``bits``, v with
+    bits 17-31."""
+    if codec == "int4":
+        (mq, ms), (vq, vs) = (quantize_rows_4bit(m, bits, signed=True),
+                              quantize_rows_4bit(v, bits >> 17, signed=False, sqrt_x=sqrt_v))
+    else:
+        (mq, ms), (vq, vs) = (quantize_rows(m, bits, signed=True, quant_map=quant_map),
+                              quantize_rows(v, bits >> 17, signed=False, quant_map=quant_map, sqrt_x=sqrt_v))
+    return mq, vq, ms, vs
+
+
 def adam_direction(p, g, m, v, hp: Hyper, decay, fast: bool):
     """New (m, v), sqrt(v) and the AdamW direction u (all float32), in optax's operation order.
 
@@ -278,19 +350,16 @@ def _adamw_kernel(hp_ref, key_ref, plain_ref, decay_ref, p_ref, g_ref, *refs, co
         v_out[...] = store_dense(v, bits >> 16, v_out.dtype)
         store_params(u)
 
-    if codec != "int8":
+    if codec not in QUANTIZED:
         dense(*state_in, *state_out)
         return
 
     def quantized():
-        mq, vq, ms, vs = state_in[:4]
-        m = dequantize_rows(mq[...], ms[...], signed=True, quant_map=quant_map)
-        v = dequantize_rows(vq[...], vs[...], signed=False, quant_map=quant_map)
+        m, v = decode_moments(codec, *(ref[...] for ref in state_in[:4]), quant_map)
         m, v, sqrt_v, u = adam_direction(p, g, m, v, hp, decay, fast)
-        mq_out, vq_out, ms_out, vs_out = state_out[:4]
-        bits = random_bits(index, key_ref[1])
-        mq_out[...], ms_out[...] = quantize_rows(m, bits, signed=True, quant_map=quant_map)
-        vq_out[...], vs_out[...] = quantize_rows(v, bits >> 17, signed=False, quant_map=quant_map, sqrt_x=sqrt_v)
+        encoded = encode_moments(codec, m, v, sqrt_v, random_bits(index, key_ref[1]), quant_map)
+        for ref, value in zip(state_out[:4], encoded, strict=True):
+            ref[...] = value
         store_params(u)
 
     if not has_plain:
@@ -306,10 +375,11 @@ def _state_specs(codec, plain_tiles, block_rows):
     fp32 plain moment arrays, 0 when there are none)."""
     tile = (block_rows, ROW)
     row_block = pl.BlockSpec(tile, lambda i: (i, 0))
-    if codec != "int8":
+    if codec not in QUANTIZED:
         return [row_block, row_block]
+    code_block = pl.BlockSpec((block_rows, CODE_COLUMNS[codec]), lambda i: (i, 0))
     row_scale = pl.BlockSpec((block_rows,), lambda i: (i,))
-    specs = [row_block, row_block, row_scale, row_scale]
+    specs = [code_block, code_block, row_scale, row_scale]
     if plain_tiles:
         plain = pl.BlockSpec(tile, lambda i: (jnp.minimum(i, plain_tiles - 1), 0))
         specs += [plain, plain]
@@ -328,14 +398,17 @@ def _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype
         raise ValueError(f"params and grads must both be [rows, {ROW}]; got {p.shape} and {g.shape}")
     if decay.shape != (p.shape[0],):
         raise ValueError(f"decay must be [rows] = [{p.shape[0]}], got {decay.shape}")
-    if codec != "int8":
+    if codec not in QUANTIZED:
         if len(state) != 2:
             raise ValueError(f"codec {codec!r} expects 2 moment arrays (m, v), got {len(state)}")
         return
+    if codec == "int4" and quant_map != "power":
+        raise ValueError(f"codec 'int4' has only the 'power' quant_map, got {quant_map!r}")
     if len(state) not in (4, 6):
-        raise ValueError(f"codec 'int8' expects 4 or 6 moment arrays, got {len(state)}")
-    if state[0].shape != p.shape or state[2].shape != (p.shape[0],):
-        raise ValueError(f"int8 codes must be {p.shape} and scales ({p.shape[0]},); got {state[0].shape} and "
+        raise ValueError(f"codec {codec!r} expects 4 or 6 moment arrays, got {len(state)}")
+    codes = (p.shape[0], CODE_COLUMNS[codec])
+    if state[0].shape != codes or state[2].shape != (p.shape[0],):
+        raise ValueError(f"{codec} codes must be {codes} and scales ({p.shape[0]},); got {state[0].shape} and "
                          f"{state[2].shape}")
     plain_rows = state[4].shape[0] if len(state) == 6 else 0
     if isinstance(n_plain_rows, int) and not 0 <= n_plain_rows <= plain_rows:
@@ -371,7 +444,7 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
     _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype)
     config = config or TUNED_BLOCKS[codec]
     rows, r = p.shape[0], config.block_rows
-    plain_rows = state[4].shape[0] if codec == "int8" and len(state) == 6 else 0
+    plain_rows = state[4].shape[0] if codec in QUANTIZED and len(state) == 6 else 0
     if rows % r or plain_rows % r or (isinstance(n_plain_rows, int) and n_plain_rows % r):
         raise ValueError(f"rows ({rows}), the plain moments' rows ({plain_rows}) and n_plain_rows ({n_plain_rows}) "
                          f"must be multiples of block_rows={r}")
@@ -424,15 +497,13 @@ def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, app
     pf, gf, decay = p.astype(jnp.float32), g.astype(jnp.float32), decay[:, None]
     fast = codec != "fp32"
 
-    if codec != "int8":
+    if codec not in QUANTIZED:
         m, v = state
         m_new, v_new, _, u = adam_direction(pf, gf, m.astype(jnp.float32), v.astype(jnp.float32), hp, decay, fast)
         new_state = (store_dense(m_new, bits[1], m.dtype), store_dense(v_new, bits[2], v.dtype))
         return finish(pf, u, hp, out_dtype, bits[0], apply), new_state
 
-    mq, vq, ms, vs = state[:4]
-    m_old = dequantize_rows(mq, ms, signed=True, quant_map=quant_map)
-    v_old = dequantize_rows(vq, vs, signed=False, quant_map=quant_map)
+    m_old, v_old = decode_moments(codec, *state[:4], quant_map)
     plain = None
     if len(state) == 6:  # rows below n_plain_rows read and write the fp32 plain moments instead of the codes
         pad = ((0, p.shape[0] - state[4].shape[0]), (0, 0))
@@ -440,9 +511,7 @@ def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, app
         m_old = jnp.where(plain, jnp.pad(state[4], pad), m_old)
         v_old = jnp.where(plain, jnp.pad(state[5], pad), v_old)
     m_new, v_new, sqrt_v, u = adam_direction(pf, gf, m_old, v_old, hp, decay, fast)
-    mq_new, ms_new = quantize_rows(m_new, bits[1], signed=True, quant_map=quant_map)
-    vq_new, vs_new = quantize_rows(v_new, bits[1] >> 17, signed=False, quant_map=quant_map, sqrt_x=sqrt_v)
-    new_state = (mq_new, vq_new, ms_new, vs_new)
+    new_state = encode_moments(codec, m_new, v_new, sqrt_v, bits[1], quant_map)
     if plain is not None:
         row_plain = plain[:, 0]
         codes_kept = lambda new, old: jnp.where(row_plain.reshape((-1,) + (1,) * (new.ndim - 1)), old, new)

@@ -10,7 +10,7 @@ from apex_jax import ApexW, FlatLayout, RowSharding, flatten
 from apex_jax.checkpoint import Checkpointer
 from apex_jax.flat import place
 
-KINDS = (jnp.float32, jnp.bfloat16, jnp.int8)
+KINDS = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.int4)
 KIND_IDS = {"ids": lambda dtype: jnp.dtype(dtype).name}
 MODES = {"fsdp": True, "zero1": False}
 STEPS = 3
@@ -68,7 +68,7 @@ def test_sharded_step_equals_one_device(implementation, state_dtype, mode):
     params = make_params()
     flat, state = train(opt, params, lambda tree: flatten(tree, sharding))
     ref_flat, ref_state = train(opt, params, one_device)
-    exact = implementation == "pallas_interpret" or state_dtype != jnp.int8
+    exact = implementation == "pallas_interpret" or state_dtype not in (jnp.int8, jnp.int4)
     assert_same((ref_flat.buffers, ref_state), (flat.buffers, state), exact)
     assert flat.sharding == sharding
     for buffer in flat.buffers:
@@ -115,7 +115,7 @@ def test_checkpoint_of_sharded_state_restores_onto_another_mesh(tmp_path, state_
     for t in (2, 3):
         flat, state = step(flat, flatten(grads_at(params, t), four), state)
     ref_flat, ref_state = train(opt, params, one_device, steps=4)
-    assert_same((ref_flat.buffers, ref_state), (flat.buffers, state), exact=state_dtype != jnp.int8)
+    assert_same((ref_flat.buffers, ref_state), (flat.buffers, state), exact=state_dtype not in (jnp.int8, jnp.int4))
 
 
 def test_layout_that_does_not_split_over_the_mesh_raises():
