@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -37,6 +38,8 @@ from benchmarks.harness import format_table, save_plot, time_jax_steps, write_re
 OPTIMIZERS = ("optax.adamw", "apexw-fp32", "apexw-bf16", "apexw-int8", "apexw-int4")
 LR, WEIGHT_DECAY = 3e-4, 0.1
 CURVE_TOLERANCE = 0.01  # the issue's bar: final loss within 1% of optax.adamw's
+MEM_FRACTION = 0.95  # of the device memory XLA's allocator may use in each isolated case (its default is 0.75)
+CAPACITY_BATCH = 1  # sequences per step in the capacity search: the optimizer's memory, not activations, decides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +116,24 @@ class Block(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """tokens [batch, seq] -> logits [batch, seq, vocab] (float32), bf16 compute."""
+    """tokens [batch, seq] -> logits [batch, seq, vocab] (float32), bf16 compute.
+
+    The blocks are stacked (every block parameter has a leading [layers] axis) and applied by ``nnx.scan``, so
+    compile time does not grow with depth (the capacity search compiles models of hundreds of layers).
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab, cfg.dim, dtype=jnp.bfloat16, rngs=rngs)
         self.pos = nnx.Param(0.01 * jax.random.normal(rngs.params(), (cfg.seq, cfg.dim))) if (
             cfg.family == "gpt2") else None
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
+
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stacked(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = stacked(rngs)
         self.norm = (nnx.LayerNorm if cfg.family == "gpt2" else nnx.RMSNorm)(cfg.dim, dtype=jnp.bfloat16, rngs=rngs)
         self.head = nnx.Linear(cfg.dim, cfg.vocab, use_bias=False, dtype=jnp.bfloat16, rngs=rngs)
 
@@ -128,9 +141,12 @@ class Decoder(nnx.Module):
         x = self.embed(tokens)
         if self.pos is not None:
             x = x + self.pos[...][: tokens.shape[1]].astype(jnp.bfloat16)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x)).astype(jnp.float32)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def through(x, block):
+            return block(x)
+
+        return self.head(self.norm(through(x, self.blocks))).astype(jnp.float32)
 
 
 def n_params(cfg: ModelConfig) -> int:
@@ -190,7 +206,7 @@ def speed_case(model: str, optimizer: str, cpu: bool) -> dict:
     batch_size = 2 if cpu else BATCH[model]
     carry, step, opt_step = make_trainer(cfg, optimizer)
     batch = jax.random.randint(jax.random.key(1), (batch_size, cfg.seq + 1), 0, cfg.vocab)
-    runs = dict(warmup=1, iters=20, steps_per_run=1) if cpu else dict(warmup=3, iters=20, steps_per_run=5)
+    runs = dict(warmup=1, iters=20, steps_per_run=1) if cpu else dict(warmup=2, iters=20, steps_per_run=2)
     timing, (params, state, _) = time_jax_steps(lambda p, s, _loss: step(p, s, batch), (*carry, None), **runs)
     opt_timing, _ = time_jax_steps(opt_step, (params, state), **runs)
     return dict(model=model, optimizer=optimizer, params=n_params(cfg), batch=batch_size, seq=cfg.seq,
@@ -200,10 +216,11 @@ def speed_case(model: str, optimizer: str, cpu: bool) -> dict:
 
 
 def run_isolated(args: list[str]) -> dict | None:
-    """``python benchmarks/train_step.py args`` in a fresh process (its own device memory); its last stdout line
-    as JSON, or None when it failed (an out-of-memory)."""
+    """``python -m benchmarks.train_step args`` in a fresh process (its own device memory, of which XLA may take
+    ``MEM_FRACTION``); its last stdout line as JSON, or None when it failed (an out-of-memory)."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(MEM_FRACTION))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.train_step", *args], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parent.parent, env=env)
     if proc.returncode:
         print(proc.stderr[-2000:], file=sys.stderr)
         return None
@@ -239,24 +256,27 @@ def trains(cfg: ModelConfig, optimizer: str, batch_size: int) -> bool:
         raise
 
 
-def suite_capacity(cpu: bool, models: list[str], optimizers: list[str], max_layers: int) -> list[dict]:
-    """Binary search of the layer count: the deepest model of each family (width of ``MODELS``) that trains."""
+def suite_capacity(cpu: bool, models: list[str], optimizers: list[str], min_layers: int,
+                   max_layers: int) -> list[dict]:
+    """Binary search of the layer count: the deepest model of each family (width of ``MODELS``) that trains a step
+    of ``CAPACITY_BATCH`` sequences, searched in [min_layers, max_layers] (``min_layers`` assumed to train; a
+    result equal to it or to ``max_layers`` is flagged, the bracket was too narrow)."""
     rows = []
     for model in models:
         cfg = (CPU_MODELS if cpu else MODELS)[model]
         for optimizer in optimizers:
-            low, high = 0, max_layers + 1  # trains at low (0: not yet shown), fails at high
+            low, high = min_layers - 1, max_layers + 1  # trains at low (below min: not yet shown), fails at high
             while high - low > 1:
                 mid = (low + high) // 2
                 trial = dataclasses.replace(cfg, layers=mid)
                 if cpu:
-                    ok = trains(trial, optimizer, 1)
+                    ok = trains(trial, optimizer, CAPACITY_BATCH)
                 else:
                     ok = run_isolated(["--try", f"{model}:{optimizer}:{mid}"]) is not None
                 low, high = (mid, high) if ok else (low, mid)
             deepest = dataclasses.replace(cfg, layers=low)
             rows.append(dict(model=model, optimizer=optimizer, layers=low, params=n_params(deepest) if low else 0,
-                             capped=low == max_layers))
+                             at_bracket_edge=low in (min_layers - 1, max_layers)))
             print(json.dumps(rows[-1]), flush=True)
     for row in rows:
         base = next(r for r in rows if r["model"] == row["model"] and r["optimizer"] == rows[0]["optimizer"])
@@ -317,6 +337,7 @@ def main(argv: list[str] | None = None, out_dir: str | Path | None = None) -> di
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--steps", type=int, help="curves: training steps (default 2000; 40 with --cpu)")
     parser.add_argument("--max-layers", type=int, help="capacity: the search's upper bound (default 256; 4 --cpu)")
+    parser.add_argument("--min-layers", type=int, default=1, help="capacity: a depth known to train (default 1)")
     parser.add_argument("--case", help="internal: one speed row MODEL:OPTIMIZER, printed as JSON")
     parser.add_argument("--try", dest="trial", help="internal: MODEL:OPTIMIZER:LAYERS trains one step, or exit 1")
     args = parser.parse_args(argv)
@@ -327,7 +348,7 @@ def main(argv: list[str] | None = None, out_dir: str | Path | None = None) -> di
     if args.trial:
         model, optimizer, layers = args.trial.split(":")
         cfg = dataclasses.replace(MODELS[model], layers=int(layers))
-        if not trains(cfg, optimizer, BATCH[model]):
+        if not trains(cfg, optimizer, CAPACITY_BATCH):
             sys.exit(1)
         print(json.dumps({"ok": True}))
         return None
@@ -345,9 +366,11 @@ def main(argv: list[str] | None = None, out_dir: str | Path | None = None) -> di
                    "speedup_vs_optax", "peak_saved_bytes_per_param"]
         config = dict(models={m: dataclasses.asdict((CPU_MODELS if args.cpu else MODELS)[m]) for m in models})
     elif args.suite == "capacity":
-        rows = suite_capacity(args.cpu, models, optimizers, args.max_layers or (4 if args.cpu else 256))
-        columns = ["model", "optimizer", "layers", "params", "params_vs_first", "capped"]
-        config = dict(batch=BATCH)
+        max_layers = args.max_layers or (4 if args.cpu else 256)
+        rows = suite_capacity(args.cpu, models, optimizers, args.min_layers, max_layers)
+        columns = ["model", "optimizer", "layers", "params", "params_vs_first", "at_bracket_edge"]
+        config = dict(batch=CAPACITY_BATCH, mem_fraction=MEM_FRACTION,
+                      models={m: dataclasses.asdict((CPU_MODELS if args.cpu else MODELS)[m]) for m in models})
     else:
         steps = args.steps or (40 if args.cpu else 2000)
         rows = suite_curves(args.cpu, optimizers, steps, log_every=max(1, steps // 100))

@@ -38,7 +38,7 @@ def test_capacity_suite_searches_the_layer_count(tmp_path):
     ts.main(["--cpu", "--suite", "capacity", "--models", "llama-1b", "--optimizers", "apexw-int8",
              "--max-layers", "2"], out_dir=tmp_path)
     (row,) = json.loads((tmp_path / "train_step_capacity_cpu.json").read_text())["rows"]
-    assert row["layers"] == 2 and row["capped"] and row["params"] == ts.n_params(
+    assert row["layers"] == 2 and row["at_bracket_edge"] and row["params"] == ts.n_params(
         ts.dataclasses.replace(ts.CPU_MODELS["llama-1b"], layers=2))
 
 
