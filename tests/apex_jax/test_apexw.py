@@ -341,3 +341,19 @@ def test_docstring_example_runs():
 
     failures, _ = doctest.testmod(module, verbose=False)
     assert failures == 0
+
+
+def test_master_weights_skip_a_nonfinite_step_bit_identically():
+    params = make_params(dtype=jnp.bfloat16)
+    opt = ApexW(1e-2, master_weights=True, skip_nonfinite=True, implementation="xla")
+    flat = flatten(params)
+    state = opt.init(flat)
+    flat, state = jax.jit(opt.step)(flat, grads_at(flat, 0), state)
+    bad = grads_at(flat, 1)
+    bad = apex_jax.FlatParams((bad.buffers[0].at[3].set(jnp.nan),), bad.layout)
+    again, skipped = jax.jit(opt.step)(flat, bad, state)
+    assert int(skipped.skipped) == 1 and int(skipped.count) == 1
+    for a, b in zip(jax.tree.leaves((flat, state.master)), jax.tree.leaves((again, skipped.master)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert state.master[0].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(flat.buffers[0]), np.asarray(state.master[0].astype(jnp.bfloat16)))
