@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pallas_kernels.adamw import ROW
 
 ROWS_ALIGN = 16  # each region is a whole number of kernel tiles for every block_rows ApexW accepts (<= 16)
-SMALL_LEAF = 4096  # leaves below this many elements keep fp32 moments under 8-bit state
+SMALL_LEAF = 4096  # leaves below this many elements keep fp32 moments under 8- and 4-bit state
 SHARD_ALIGN = 8  # a sharded layout splits evenly into 1, 2, 4 or 8 shards (and into its own count)
 
 

@@ -234,7 +234,7 @@ class ApexW:
 
     def _group_step(self, p, g, moments, rows, hp, keys, apply, n_plain, copy_dtype=None):
         """One buffer (or one shard of it): p, g ``[rows * 256]``, ``n_plain`` (maybe traced) rows of fp32 plain
-        moments first under int8 state -> (new p or updates ``[rows * 256]``, new moments, the new p in
+        moments first under 8- or 4-bit state -> (new p or updates ``[rows * 256]``, new moments, the new p in
         ``copy_dtype`` or None)."""
         shape2d = (p.size // ROW, ROW)
         p2, g2 = p.reshape(shape2d), g.reshape(shape2d)
