@@ -46,6 +46,8 @@ GROUPS = ("torch", "bnb", "torchao", "optax", "apexw-transform", "apexw-transfor
 TIMEOUT_S = {"optax": 100, "apexw-transform": 120}
 DEFAULT_TIMEOUT_S = 400
 BLOCK_SWEEP = [(2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]  # (block_rows, num_warps)
+# int8 also tries its codes moved as 32-bit words (BlockConfig.word_codes): (block_rows, num_warps, stages, True)
+WORD_CODES_SWEEP = [(2, 1, 1, True), (4, 1, 1, True), (4, 2, 1, True), (8, 2, 1, True), (8, 4, 1, True)]
 LR = 1e-3
 
 
@@ -194,11 +196,11 @@ def sweep_worker(n: int, size: int) -> list[dict]:
     flat_g = apex_jax.flatten([jax.random.normal(jax.random.fold_in(key, n + i), (size,)) for i in range(n)])
     rows = []
     for kind in STATE_KINDS:
-        for block_rows, warps in BLOCK_SWEEP:
-            opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(block_rows, warps))
+        for block in BLOCK_SWEEP + (WORD_CODES_SWEEP if kind == "int8" else []):
+            opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(*block))
             step = jax.jit(lambda p, s, opt=opt: opt.step(p, flat_g, s), donate_argnums=(0, 1))
             timing, (flat, _) = time_jax_steps(step, (flat, opt.init(flat)), steps_per_run=10, warmup=2, iters=20)
-            rows.append(dict(state=kind, block=[block_rows, warps], step_ms=timing.median_ms))
+            rows.append(dict(state=kind, block=list(block), step_ms=timing.median_ms))
     return rows
 
 
@@ -268,7 +270,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="small layouts, JAX groups only, on the CPU")
     parser.add_argument("--layouts", help="comma-separated subset of layouts")
     parser.add_argument("--groups", help=f"comma-separated subset of {GROUPS}")
-    parser.add_argument("--blocks", default="{}", help='launch geometry per kind, e.g. {"int8": [8, 4]}; '
+    parser.add_argument("--blocks", default="{}", help='launch geometry per kind (BlockConfig fields), '
+                        'e.g. {"int8": [4, 2, 1, true]}; '
                         "kinds not given are swept on the GPU")
     parser.add_argument("--kernel-file", help="time ApexW with this version of pallas_kernels/adamw.py instead; "
                         "results go to optimizer_<file stem>.json")
@@ -319,8 +322,9 @@ def main() -> None:
             rows += finish_rows(case, layout, n, size, None if args.cpu else BANDWIDTH_TB_S)
             merged = rows
             if old:  # a partial run replaces its own rows only
-                measured = {(r["layout"], r["impl"], r.get("state")) for r in rows}
-                merged = [r for r in old["rows"] if (r["layout"], r["impl"], r.get("state")) not in measured] + rows
+                key = lambda r: (r["layout"], r["impl"], r.get("state"), r.get("precision"))  # noqa: E731
+                measured = {key(r) for r in rows}
+                merged = [r for r in old["rows"] if key(r) not in measured] + rows
             write_results(name, dict(floor_tb_s=BANDWIDTH_TB_S, block_sweep=sweep or (old or {}).get("block_sweep", []),
                                      rows=add_speedups(merged)))  # after every case: a cut-short run keeps its rows
     rows = merged

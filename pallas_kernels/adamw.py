@@ -65,11 +65,17 @@ class Hyper(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
-    """Launch geometry: a program updates ``block_rows x 256`` elements."""
+    """Launch geometry: a program updates ``block_rows x 256`` elements.
+
+    ``word_codes`` (int8 only) moves the 8-bit codes as 32-bit words, four codes each, split into bytes by shifts
+    in registers: each thread then reads and writes its codes in the same 4-element groups as its float32 params
+    and grads, instead of Triton laying the byte accesses out apart from the float ones. The state is the same.
+    """
 
     block_rows: int = 8
     num_warps: int = 4
     num_stages: int = 1
+    word_codes: bool = False
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps"):
@@ -267,6 +273,29 @@ def dequantize_rows_4bit(packed, scale, *, signed: bool):
     return (y2 * y2) * (scale * (1 / INT4_V_LEVELS**4))[:, None]
 
 
+CODES_PER_WORD = 4
+
+
+def bytes_of_words(words: jax.Array, *, signed: bool) -> jax.Array:
+    """uint32 [r, 64] -> int32 [r, 256]: byte k of word j is element 4j + k (little-endian, as a bitcast of the
+    int8 row), sign-extended when ``signed``. Interleaved by two levels of ``stack`` (Triton joins)."""
+    w = jax.lax.bitcast_convert_type(words, jnp.int32)
+    if signed:  # arithmetic shifts: byte k moved to the top, then down with its sign
+        b = [(w << (24 - 8 * k)) >> 24 for k in range(CODES_PER_WORD)]
+    else:
+        b = [jax.lax.shift_right_logical(w, 8 * k) & 0xFF for k in range(CODES_PER_WORD)]
+    pairs = jnp.stack([jnp.stack([b[0], b[2]], axis=-1), jnp.stack([b[1], b[3]], axis=-1)], axis=-1)
+    return pairs.reshape(words.shape[0], words.shape[1] * CODES_PER_WORD)  # [.., a, c] = b[2a + c]
+
+
+def words_of_bytes(codes: jax.Array) -> jax.Array:
+    """Inverse of :func:`bytes_of_words`: int8|uint8 [r, 256] -> uint32 [r, 64]."""
+    x = codes.astype(jnp.int32).reshape(codes.shape[0], codes.shape[1] // CODES_PER_WORD, 2, 2) & 0xFF
+    low, high = (part.reshape(part.shape[:-1]) for part in jnp.split(x, 2, axis=-1))  # c = 0 | 1: b[2a] | b[2a + 1]
+    (b0, b2), (b1, b3) = ((part.reshape(part.shape[:-1]) for part in jnp.split(h, 2, axis=-1)) for h in (low, high))
+    return jax.lax.bitcast_convert_type(b0 | (b1 << 8) | (b2 << 16) | (b3 << 24), jnp.uint32)
+
+
 def decode_moments(codec, mq, vq, ms, vs, quant_map):
     """(m, v) float32 [r, 256] from a quantized codec's codes and scales."""
     if codec == "int4":
@@ -323,7 +352,7 @@ def store_dense(x, bits, dtype):
 
 
 def _adamw_kernel(hp_ref, key_ref, plain_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_map, apply, has_plain,
-                  has_copy, block_rows):
+                  has_copy, block_rows, word_codes):
     copy_ref, refs = (refs[-1], refs[:-1]) if has_copy else (None, refs)
     n_state = len(refs) // 2  # refs = (*state_in, out_ref, *state_out[, copy_ref])
     state_in, out_ref, state_out = refs[:n_state], refs[n_state], refs[n_state + 1:]
@@ -355,9 +384,14 @@ def _adamw_kernel(hp_ref, key_ref, plain_ref, decay_ref, p_ref, g_ref, *refs, co
         return
 
     def quantized():
-        m, v = decode_moments(codec, *(ref[...] for ref in state_in[:4]), quant_map)
+        mq, vq, ms, vs = (ref[...] for ref in state_in[:4])
+        if word_codes:
+            mq, vq = bytes_of_words(mq, signed=True), bytes_of_words(vq, signed=False)
+        m, v = decode_moments(codec, mq, vq, ms, vs, quant_map)
         m, v, sqrt_v, u = adam_direction(p, g, m, v, hp, decay, fast)
         encoded = encode_moments(codec, m, v, sqrt_v, random_bits(index, key_ref[1]), quant_map)
+        if word_codes:
+            encoded = (words_of_bytes(encoded[0]), words_of_bytes(encoded[1]), *encoded[2:])
         for ref, value in zip(state_out[:4], encoded, strict=True):
             ref[...] = value
         store_params(u)
@@ -370,14 +404,15 @@ def _adamw_kernel(hp_ref, key_ref, plain_ref, decay_ref, p_ref, g_ref, *refs, co
     pl.when(jnp.logical_not(plain))(quantized)
 
 
-def _state_specs(codec, plain_tiles, block_rows):
+def _state_specs(codec, plain_tiles, block_rows, word_codes=False):
     """BlockSpecs of the moment arrays, in the order of the codec's state tuple (``plain_tiles``: tiles of the
-    fp32 plain moment arrays, 0 when there are none)."""
+    fp32 plain moment arrays, 0 when there are none; ``word_codes``: int8 codes as uint32 words)."""
     tile = (block_rows, ROW)
     row_block = pl.BlockSpec(tile, lambda i: (i, 0))
     if codec not in QUANTIZED:
         return [row_block, row_block]
-    code_block = pl.BlockSpec((block_rows, CODE_COLUMNS[codec]), lambda i: (i, 0))
+    columns = CODE_COLUMNS[codec] // (CODES_PER_WORD if word_codes else 1)
+    code_block = pl.BlockSpec((block_rows, columns), lambda i: (i, 0))
     row_scale = pl.BlockSpec((block_rows,), lambda i: (i,))
     specs = [code_block, code_block, row_scale, row_scale]
     if plain_tiles:
@@ -448,8 +483,14 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
     if rows % r or plain_rows % r or (isinstance(n_plain_rows, int) and n_plain_rows % r):
         raise ValueError(f"rows ({rows}), the plain moments' rows ({plain_rows}) and n_plain_rows ({n_plain_rows}) "
                          f"must be multiples of block_rows={r}")
+    if config.word_codes and codec != "int8":
+        raise ValueError(f"BlockConfig.word_codes applies to the int8 codec only, got codec {codec!r}")
+    word_codes = config.word_codes
+    if word_codes:  # a free bitcast in XLA: the same bytes, four to a word
+        state = tuple(jax.lax.bitcast_convert_type(x.reshape(rows, ROW // CODES_PER_WORD, CODES_PER_WORD),
+                                                   jnp.uint32) if k < 2 else x for k, x in enumerate(state))
     tile_spec = pl.BlockSpec((r, ROW), lambda i: (i, 0))
-    state_specs = _state_specs(codec, plain_rows // r, r)
+    state_specs = _state_specs(codec, plain_rows // r, r, word_codes)
     hp_vec = jnp.stack([jnp.asarray(x, jnp.float32) for x in hp])
     hp_vec = jnp.pad(hp_vec, (0, HP_SLOTS - hp_vec.size))
     out_dtype = p.dtype if apply or out_dtype is None else out_dtype
@@ -458,7 +499,8 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
     if apply:
         aliases[4] = 0
     kernel = functools.partial(_adamw_kernel, codec=codec, quant_map=quant_map, apply=apply,
-                               has_plain=plain_rows > 0, has_copy=copy_dtype is not None, block_rows=r)
+                               has_plain=plain_rows > 0, has_copy=copy_dtype is not None, block_rows=r,
+                               word_codes=word_codes)
     plain = jnp.reshape(jnp.asarray(n_plain_rows, jnp.int32), (1,))
     copy = [] if copy_dtype is None else [jax.ShapeDtypeStruct(p.shape, copy_dtype)]
     out, *new_state = pl.pallas_call(
@@ -475,9 +517,11 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
         interpret=interpret,
         name=f"apexw_{codec}",
     )(hp_vec, keys, plain, decay, p, g, *state)
-    if copy:
-        return out, tuple(new_state[:-1]), new_state[-1]
-    return out, tuple(new_state)
+    copy_out = new_state.pop() if copy else None
+    if word_codes:
+        new_state[:2] = [jax.lax.bitcast_convert_type(w, dtype).reshape(rows, ROW)
+                         for w, dtype in zip(new_state[:2], (jnp.int8, jnp.uint8), strict=True)]
+    return (out, tuple(new_state)) if copy_out is None else (out, tuple(new_state), copy_out)
 
 
 def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int = 0,

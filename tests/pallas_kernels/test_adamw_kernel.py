@@ -76,9 +76,12 @@ class TestFusedAdamW:
         args = inputs(1, codec, n_plain, jnp.bfloat16)
         run = functools.partial(K.fused_adamw, *args, codec=codec, n_plain_rows=n_plain, interpret=interpret())
         small = run(config=K.BlockConfig(block_rows=8))
-        large = run(config=K.BlockConfig(block_rows=32, num_warps=8))
-        for a, b in zip(jax.tree.leaves(small), jax.tree.leaves(large), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        others = [run(config=K.BlockConfig(block_rows=32, num_warps=8))]
+        if codec == "int8":  # codes moved as 32-bit words: the same bytes
+            others.append(run(config=K.BlockConfig(block_rows=4, num_warps=2, word_codes=True)))
+        for other in others:
+            for a, b in zip(jax.tree.leaves(small), jax.tree.leaves(other), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     @pytest.mark.parametrize("codec,n_plain", [("bf16", 0), ("int8", 32)])
     def test_a_shard_with_offset_keys_rounds_as_the_whole_buffer(self, codec, n_plain):
@@ -119,6 +122,8 @@ class TestFusedAdamW:
             K.fused_adamw(p[:6], g[:6], (state[0][:6], state[1][:6]), decay[:6], hp, keys, codec="fp32")
         with pytest.raises(ValueError, match="power of 2"):
             K.BlockConfig(block_rows=24)
+        with pytest.raises(ValueError, match="word_codes applies to the int8 codec only"):
+            K.fused_adamw(p, g, state, decay, hp, keys, codec="fp32", config=K.BlockConfig(word_codes=True))
 
 
 @pytest.mark.parametrize("codec,n_plain", CASES)
@@ -126,8 +131,9 @@ class TestFusedAdamW:
 def test_lowers_for_h200(codec, n_plain, p_dtype):
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs(0, codec, n_plain, p_dtype))
     copy = jnp.bfloat16 if p_dtype == jnp.float32 else None  # the master-weights form: fp32 p, a bf16 copy out
-    text = lower_for_h200(functools.partial(K.fused_adamw, codec=codec, n_plain_rows=n_plain, copy_dtype=copy),
-                          *args)
+    config = K.BlockConfig(4, 2, word_codes=True) if codec == "int8" and p_dtype == jnp.float32 else None
+    text = lower_for_h200(functools.partial(K.fused_adamw, codec=codec, n_plain_rows=n_plain, copy_dtype=copy,
+                                            config=config), *args)
     assert "triton" in text and "apexw_" + codec in text
 
 
