@@ -12,7 +12,8 @@ Suites (each fits a 10-minute device command; ``--cpu`` runs tiny models on the 
   library's source (``apex_data.text``), every optimizer from the same init and batches; the final loss of each
   relative to optax.adamw's.
 
-Writes ``benchmarks/results/train_step_{suite}[_cpu].json`` (+ ``.png`` for curves) through the harness.
+Writes ``benchmarks/results/train_step_{suite}[_{models}][_{tag}][_cpu].json`` (+ ``.png`` for curves) through the
+harness (and into ``$OUT`` when set).
 """
 
 import argparse
@@ -338,6 +339,7 @@ def main(argv: list[str] | None = None, out_dir: str | Path | None = None) -> di
     parser.add_argument("--steps", type=int, help="curves: training steps (default 2000; 40 with --cpu)")
     parser.add_argument("--max-layers", type=int, help="capacity: the search's upper bound (default 256; 4 --cpu)")
     parser.add_argument("--min-layers", type=int, default=1, help="capacity: a depth known to train (default 1)")
+    parser.add_argument("--tag", help="appended to the result's name (a run split over several commands)")
     parser.add_argument("--case", help="internal: one speed row MODEL:OPTIMIZER, printed as JSON")
     parser.add_argument("--try", dest="trial", help="internal: MODEL:OPTIMIZER:LAYERS trains one step, or exit 1")
     args = parser.parse_args(argv)
@@ -359,7 +361,8 @@ def main(argv: list[str] | None = None, out_dir: str | Path | None = None) -> di
     for name in models:
         if name not in MODELS:
             parser.error(f"unknown model {name!r}; expected some of {tuple(MODELS)}")
-    name = f"train_step_{args.suite}" + ("_cpu" if args.cpu else "")
+    name = "_".join(["train_step", args.suite, *([] if args.suite == "curves" else ["+".join(models)]),
+                     *([args.tag] if args.tag else []), *(["cpu"] if args.cpu else [])])
     if args.suite == "speed":
         rows = suite_speed(args.cpu, models, optimizers)
         columns = ["model", "optimizer", "step_ms", "tokens_per_s", "optimizer_share", "peak_bytes",

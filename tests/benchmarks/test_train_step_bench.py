@@ -11,7 +11,7 @@ from benchmarks import train_step as ts
 def test_speed_suite_times_every_optimizer_against_optax(tmp_path):
     ts.main(["--cpu", "--suite", "speed", "--models", "gpt2-124m", "--optimizers", "optax.adamw,apexw-int8"],
             out_dir=tmp_path)
-    result = json.loads((tmp_path / "train_step_speed_cpu.json").read_text())
+    result = json.loads((tmp_path / "train_step_speed_gpt2-124m_cpu.json").read_text())
     assert "meta" in result and result["config"]["models"]["gpt2-124m"]["family"] == "gpt2"
     rows = result["rows"]
     assert [r["optimizer"] for r in rows] == ["optax.adamw", "apexw-int8"]
@@ -37,7 +37,7 @@ def test_curves_suite_trains_both_families_of_optimizer_alike(tmp_path):
 def test_capacity_suite_searches_the_layer_count(tmp_path):
     ts.main(["--cpu", "--suite", "capacity", "--models", "llama-1b", "--optimizers", "apexw-int8",
              "--max-layers", "2"], out_dir=tmp_path)
-    (row,) = json.loads((tmp_path / "train_step_capacity_cpu.json").read_text())["rows"]
+    (row,) = json.loads((tmp_path / "train_step_capacity_llama-1b_cpu.json").read_text())["rows"]
     assert row["layers"] == 2 and row["at_bracket_edge"] and row["params"] == ts.n_params(
         ts.dataclasses.replace(ts.CPU_MODELS["llama-1b"], layers=2))
 
