@@ -156,3 +156,28 @@ def test_master_weights_refuse_the_optax_path():
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
     with pytest.raises(ValueError, match="master_weights=True needs the fused step"):
         opt.update(params, opt.init(params), params)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+@pytest.mark.parametrize("mode", MODES)
+def test_training_step_as_the_readme_writes_it(axis_type, mode):
+    """grad through FlatParams.tree() and the fused step under one jit, donated, on either kind of mesh axis: the
+    losses of three steps equal one device's (up to the sharded matmul's summation order)."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    params = {"w": jax.random.normal(jax.random.key(0), (256, 512)), "b": jnp.zeros((512,))}
+    x = jax.random.normal(jax.random.key(1), (64, 256))
+    opt = ApexW(1e-2, state_dtype=jnp.int8, implementation="xla")
+
+    def losses(flat):
+        def train_step(flat, state):
+            loss, grads = jax.value_and_grad(lambda f: jnp.mean((x @ f.tree()["w"] + f.tree()["b"]) ** 2))(flat)
+            return *opt.step(flat, grads, state), loss
+
+        step, state, out = jax.jit(train_step, donate_argnums=(0, 1)), opt.init(flat), []
+        for _ in range(3):
+            flat, state, loss = step(flat, state)
+            out.append(float(loss))
+        return out
+
+    sharded = losses(flatten(params, RowSharding(mesh, "data", shard_params=MODES[mode])))
+    np.testing.assert_allclose(sharded, losses(one_device(params)), rtol=1e-5)
