@@ -58,7 +58,7 @@ def assert_same(expected, actual, exact: bool):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
-@pytest.mark.parametrize("implementation", ["pallas_interpret", "xla"])
+@pytest.mark.parametrize("implementation", ["pallas_interpret", pytest.param("xla", marks=pytest.mark.slow)])
 def test_sharded_step_equals_one_device(implementation, state_dtype, mode):
     """Every shard runs the kernel on its own rows and draws the whole buffer's random bits: the Pallas kernel
     gives one device's params and moments bit for bit, the jnp path within an ulp (int8's fp32 small moments)."""
@@ -91,7 +91,7 @@ def test_zero1_gathers_only_the_updated_params():
     assert "all-reduce" not in hlo.replace("all-reduce-scatter", "")
 
 
-@pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
+@pytest.mark.parametrize("state_dtype", [*KINDS[:3], pytest.param(jnp.int4, marks=pytest.mark.slow)], **KIND_IDS)
 def test_checkpoint_of_sharded_state_restores_onto_another_mesh(tmp_path, state_dtype):
     """Saved from FSDP over 8 devices, restored into ZeRO-1 over the 4-device axis of a 2 x 4 mesh: the steps
     after the restore equal those of an uninterrupted run on one device."""
@@ -128,7 +128,7 @@ def test_layout_that_does_not_split_over_the_mesh_raises():
 
 
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.int8], **KIND_IDS)
-@pytest.mark.parametrize("mesh_mode", [None, "fsdp", "zero1"])
+@pytest.mark.parametrize("mesh_mode", [pytest.param(None, marks=pytest.mark.slow), "fsdp", "zero1"])
 def test_master_weights_follow_the_float32_run(state_dtype, mesh_mode):
     """bf16 params and bf16 grads with master_weights: the float32 copy in the state follows the run on float32
     params (same grads, widened) to a few ulps (XLA contracts a * b + c differently when the grads are bf16), and
