@@ -32,9 +32,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-import apex_jax
-from apex_data.text import python_source_corpus, split_corpus
-from benchmarks.harness import format_table, save_plot, time_jax_steps, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/train_step.py` from anywhere
+
+import apex_jax  # noqa: E402
+from apex_data.text import python_source_corpus, split_corpus  # noqa: E402
+from benchmarks.harness import format_table, save_plot, time_jax_steps, write_results  # noqa: E402
 
 OPTIMIZERS = ("optax.adamw", "apexw-fp32", "apexw-bf16", "apexw-int8", "apexw-int4")
 LR, WEIGHT_DECAY = 3e-4, 0.1
