@@ -1,6 +1,6 @@
 """apex-jax: compact-state fused AdamW (ApexW) for JAX, as an optax transform and a fused flat step."""
 
-from apex_jax.flat import FlatLayout, FlatParams, flatten
+from apex_jax.flat import FlatLayout, FlatParams, RowSharding, flatten
 from apex_jax.transform import (
     IMPLEMENTATIONS,
     STATE_DTYPES,
@@ -21,6 +21,7 @@ __all__ = [
     "FlatLayout",
     "FlatParams",
     "QuantizedMoments",
+    "RowSharding",
     "apexw",
     "flatten",
     "state_nbytes",

@@ -9,6 +9,12 @@ each starting on a 256-element row and each region padded to ``ROWS_ALIGN`` rows
 :class:`FlatParams` is a pytree (its children are the buffers, its layout is static), so ``jax.grad``
 with respect to it returns flat gradients directly: ``FlatParams.tree()`` views the buffers as the
 original pytree through one ``lax.split`` per group, whose transpose is a single concatenate.
+
+Over a mesh (:class:`RowSharding`), each buffer is split into equal blocks of rows along one mesh axis: FSDP
+shards the params too, ZeRO-1 keeps them replicated; the optimizer state is sharded the same way in both, and
+:class:`apex_jax.ApexW` updates each shard where it lives. A sharded layout pads each group to a multiple of
+``ROWS_ALIGN * lcm(SHARD_ALIGN, shards)`` rows, so one layout serves every mesh whose axis size divides
+``SHARD_ALIGN`` (a checkpoint saved on 8 devices restores on 1, 2 or 4).
 """
 
 import dataclasses
@@ -19,11 +25,43 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels.adamw import ROW
 
 ROWS_ALIGN = 16  # each region is a whole number of kernel tiles for every block_rows ApexW accepts (<= 16)
-SMALL_LEAF = 4096  # leaves below this many elements keep fp32 moments under 8-bit state
+SMALL_LEAF = 4096  # leaves below this many elements keep fp32 moments under 8- and 4-bit state
+SHARD_ALIGN = 8  # a sharded layout splits evenly into 1, 2, 4 or 8 shards (and into its own count)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSharding:
+    """Flat buffers split by rows over mesh axis ``axis``.
+
+    ``shard_params=True`` is FSDP: params, gradients and optimizer state all sharded. ``False`` is ZeRO-1: the
+    state is sharded, params stay replicated (gradients are reduce-scattered into the shards and the updated
+    shards all-gathered, by XLA around the step).
+    """
+
+    mesh: Mesh
+    axis: str = "data"
+    shard_params: bool = True
+
+    def __post_init__(self):
+        if self.axis not in self.mesh.shape:
+            raise ValueError(f"mesh axis {self.axis!r} is not in the mesh's axes {tuple(self.mesh.shape)}")
+
+    @property
+    def shards(self) -> int:
+        return self.mesh.shape[self.axis]
+
+    def spec(self, ndim: int, replicated: bool = False) -> NamedSharding:
+        """Rows (dimension 0 of an ``ndim``-dimensional array) over ``axis``, or replicated."""
+        parts = () if replicated else (self.axis,) + (None,) * (ndim - 1)
+        return NamedSharding(self.mesh, PartitionSpec(*parts))
+
+    def params_spec(self) -> NamedSharding:
+        return self.spec(1, replicated=not self.shard_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +106,14 @@ class FlatLayout:
         return hash(self.key)
 
     @classmethod
-    def of(cls, tree) -> "FlatLayout":
-        """Layout of a pytree of arrays (or anything with ``.shape`` and ``.dtype``)."""
+    def of(cls, tree, shards: int = 1) -> "FlatLayout":
+        """Layout of a pytree of arrays (or anything with ``.shape`` and ``.dtype``), each group's rows split
+        evenly into ``shards`` blocks of whole kernel tiles (padded as the module docstring says when > 1)."""
         if isinstance(tree, FlatParams):
             return tree.layout
+        if not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"shards must be a positive int, got {shards!r}")
+        total_align = ROWS_ALIGN * (1 if shards == 1 else math.lcm(SHARD_ALIGN, shards))
         leaves, treedef = jax.tree.flatten(tree)
         if not leaves:
             raise ValueError("cannot lay out an empty pytree: it has no arrays")
@@ -92,6 +134,7 @@ class FlatLayout:
                     cursor += _round_up(math.prod(shapes[i]), ROW)
                 cursor = _round_up(cursor, ROWS_ALIGN * ROW)
                 region_ends.append(cursor // ROW)
+            region_ends[1] = _round_up(region_ends[1], total_align)
             groups.append(Group(dtype, region_ends[1], region_ends[0], tuple(small + large), tuple(offsets)))
         return cls(treedef, shapes, dtypes, tuple(groups))
 
@@ -147,6 +190,10 @@ class FlatLayout:
         if flat.layout != self:
             raise ValueError("FlatParams were made with a different layout than this one")
 
+    def divides(self, shards: int) -> bool:
+        """Whether every group splits into ``shards`` equal blocks of whole ``ROWS_ALIGN``-row tiles."""
+        return all(group.rows % (shards * ROWS_ALIGN) == 0 for group in self.groups)
+
     def _leaves_of(self, tree, what: str = "tree") -> list:
         leaves, treedef = jax.tree.flatten(tree)
         if treedef != self.treedef:
@@ -162,25 +209,48 @@ class FlatLayout:
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class FlatParams:
-    """A model's parameters as one 1-D buffer per dtype; ``tree()`` gives the usual pytree view."""
+    """A model's parameters as one 1-D buffer per dtype; ``tree()`` gives the usual pytree view.
+
+    ``sharding`` (static, like the layout) says how the buffers are laid over a mesh; None: one device.
+    """
 
     buffers: tuple[jax.Array, ...]
     layout: FlatLayout
+    sharding: RowSharding | None = None
 
     def tree(self) -> Any:
         return self.layout.unflatten(self.buffers)
 
     def tree_flatten(self):
-        return self.buffers, self.layout
+        return self.buffers, (self.layout, self.sharding)
 
     @classmethod
-    def tree_unflatten(cls, layout, buffers):
-        return cls(tuple(buffers), layout)
+    def tree_unflatten(cls, aux, buffers):
+        return cls(tuple(buffers), *aux)
 
 
-def flatten(tree) -> FlatParams:
-    """``FlatParams`` holding a copy of ``tree`` (see :class:`FlatLayout`)."""
-    return FlatLayout.of(tree).flatten(tree)
+def flatten(tree, sharding: RowSharding | None = None) -> FlatParams:
+    """``FlatParams`` holding a copy of ``tree`` (see :class:`FlatLayout`), placed by ``sharding``.
+
+    Example (FSDP over 8 devices; ``shard_params=False`` for ZeRO-1)::
+
+        mesh = jax.make_mesh((8,), ("data",))
+        flat = flatten(params, RowSharding(mesh, "data"))   # buffers [rows * 256] sharded by rows
+    """
+    if sharding is None:
+        return FlatLayout.of(tree).flatten(tree)
+    if not isinstance(sharding, RowSharding):
+        raise TypeError(f"sharding must be an apex_jax.RowSharding, got {type(sharding).__name__}")
+    return place(FlatLayout.of(tree, sharding.shards).flatten(tree), sharding)
+
+
+def place(flat: FlatParams, sharding: RowSharding) -> FlatParams:
+    """``flat``'s buffers laid over ``sharding``'s mesh (inside ``jit``: a sharding constraint)."""
+    if not flat.layout.divides(sharding.shards):
+        raise ValueError(f"a layout of {[g.rows for g in flat.layout.groups]} rows per group does not split into "
+                         f"{sharding.shards} shards of whole {ROWS_ALIGN}-row tiles; flatten with that RowSharding")
+    spec = sharding.params_spec()
+    return FlatParams(tuple(jax.device_put(b, spec) for b in flat.buffers), flat.layout, sharding)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -9,6 +9,10 @@ Two ways to use the same optimizer (same state, same checkpoints):
 * ``ApexW(...).step(params, grads, state) -> (params, state)``: the fused step for :class:`FlatParams`.
   Under ``jax.jit(..., donate_argnums=(0, 2))`` it updates params and moments in place in one pass, with
   no ``updates`` array; bf16 params are stochastically rounded.
+
+FlatParams laid over a mesh (:class:`apex_jax.RowSharding`) get moments sharded by the same rows, and each
+device runs the update on its own rows under ``shard_map``: nothing is gathered but the updated params of ZeRO-1.
+The random bits are drawn by global element index, so every mesh computes what one device computes.
 """
 
 import dataclasses
@@ -21,13 +25,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from apex_jax.flat import ROWS_ALIGN, FlatLayout, FlatParams
-from pallas_kernels.adamw import ROW, BlockConfig, Hyper, fused_adamw, fused_adamw_reference, stream_keys
+from apex_jax.flat import ROWS_ALIGN, FlatLayout, FlatParams, RowSharding
+from pallas_kernels.adamw import (
+    CODE_COLUMNS,
+    QUANTIZED,
+    ROW,
+    BlockConfig,
+    Hyper,
+    fused_adamw,
+    fused_adamw_reference,
+    shard_key_offset,
+    stream_keys,
+)
 
 # The moment dtypes by their short names: the kernel's codec names (``pallas_kernels.adamw``), the result labels of
 # the benchmarks and the spelling a command line may offer (``STATE_DTYPES[args.state_dtype]``).
 STATE_DTYPES: dict[str, np.dtype] = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16),
-                                     "int8": jnp.dtype(jnp.int8)}
+                                     "int8": jnp.dtype(jnp.int8), "int4": jnp.dtype(jnp.int4)}
 _CODECS = {dtype: name for name, dtype in STATE_DTYPES.items()}
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")  # None picks one per platform: ApexW's docstring
 
@@ -40,13 +54,14 @@ class DenseMoments(NamedTuple):
 
 
 class QuantizedMoments(NamedTuple):
-    """8-bit moments of one buffer group: codes and per-256 scales for large leaves, fp32 for small."""
+    """8- or 4-bit moments of one buffer group: codes and per-256 scales on every row (unused on the small leaves'
+    rows; none at all when the group holds only small leaves), fp32 moments for the small leaves."""
 
-    mu_codes: jax.Array  # int8 [large_rows, 256]
-    nu_codes: jax.Array  # uint8 [large_rows, 256]
-    mu_scale: jax.Array  # float32 [large_rows]
-    nu_scale: jax.Array  # float32 [large_rows]
-    mu_small: jax.Array  # float32 [small_rows, 256]
+    mu_codes: jax.Array  # int8 [rows, 256] (or [0, 256]); int4: uint8 [rows, 128], two codes a byte
+    nu_codes: jax.Array  # uint8 [rows, 256]; int4: [rows, 128]
+    mu_scale: jax.Array  # float32 [rows]
+    nu_scale: jax.Array  # float32 [rows]
+    mu_small: jax.Array  # float32 [small_rows, 256]: replicated over a mesh
     nu_small: jax.Array  # float32 [small_rows, 256]
 
 
@@ -54,6 +69,7 @@ class ApexWState(NamedTuple):
     count: jax.Array  # int32: steps taken
     skipped: jax.Array  # int32: steps skipped for non-finite gradients
     moments: tuple  # one DenseMoments | QuantizedMoments per dtype group of the layout
+    master: tuple = ()  # master_weights: per dtype group, float32 [rows * 256] params (None for float32 groups)
 
 
 ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
@@ -74,12 +90,17 @@ class ApexW:
       weight_decay: decoupled weight decay (>= 0), applied where ``mask`` is True.
       mask: pytree of bools matching params (or a callable params -> such a pytree); None = everywhere.
       state_dtype: the moments' dtype, anything ``jnp.dtype`` reads as ``jnp.float32`` (8 B/param),
-        ``jnp.bfloat16`` (4 B/param, stochastically rounded) or ``jnp.int8`` (int8 m + uint8 v + fp32 scale per
-        256, about 2.03 B/param; leaves under 4096 elements stay fp32). Stored as that ``np.dtype``.
-      quant_map: "power" (default) or "linear" code map for int8 moments (see ``pallas_kernels.adamw``).
+        ``jnp.bfloat16`` (4 B/param, stochastically rounded), ``jnp.int8`` (int8 m + uint8 v + fp32 scale per
+        256, about 2.03 B/param) or ``jnp.int4`` (4-bit m and v, two a byte, + the scales: 1.03 B/param); under
+        8 and 4 bits leaves under 4096 elements stay fp32. Stored as that ``np.dtype``.
+      quant_map: "power" (default) or "linear" code map for int8 moments (see ``pallas_kernels.adamw``); int4
+        has "power" only.
       skip_nonfinite: if any gradient is NaN/Inf, leave params and moments bit-identical and count the skip
         (the optax path returns updates of -0.0, which ``optax.apply_updates`` adds without changing a bit).
       seed: seed of the stochastic-rounding hash (with the step and the element index).
+      master_weights: keep a float32 copy of every bf16 (non-fp32) parameter buffer in the state (4 B/param,
+        sharded like the moments); the fused step updates the copy and writes the params as its nearest bf16
+        value. Without it bf16 params are updated in place with stochastic rounding. Fused step only.
       implementation: how the update runs: "pallas" (the fused kernel, compiled; an NVIDIA GPU),
         "pallas_interpret" (the same kernel in the Pallas interpreter, on any platform; slow, for tests) or
         "xla" (``fused_adamw_reference``, the same math in plain jnp). None picks per platform when the step is
@@ -100,6 +121,7 @@ class ApexW:
     seed: int | jax.Array = 0
     implementation: str | None = None
     block: BlockConfig | None = None
+    master_weights: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "state_dtype", _state_dtype(self.state_dtype))
@@ -108,6 +130,8 @@ class ApexW:
                              f"{IMPLEMENTATIONS}")
         if self.quant_map not in ("power", "linear"):
             raise ValueError(f"unknown quant_map {self.quant_map!r}; expected 'power' or 'linear'")
+        if self.state_dtype == jnp.int4 and self.quant_map != "power":
+            raise ValueError(f"int4 moments have only the 'power' quant_map, got {self.quant_map!r}")
         if self.block is not None and self.block.block_rows > ROWS_ALIGN:
             raise ValueError(f"block.block_rows must be <= {ROWS_ALIGN}, got {self.block.block_rows}")
         if not callable(self.learning_rate):
@@ -124,13 +148,25 @@ class ApexW:
         layout = FlatLayout.of(params)
         self._row_masks(layout, params)  # validates the mask early
         moments = tuple(self._zero_moments(group) for group in layout.groups)
-        return ApexWState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32), moments)
+        counters = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
+        master = ()
+        if self.master_weights:
+            master = tuple(None if group.dtype == "float32" else buffer.astype(jnp.float32)
+                           for group, buffer in zip(layout.groups, layout.flatten(params).buffers, strict=True))
+        if (sharding := _sharding_of(params)) is not None:
+            moments = tuple(jax.tree.map(jax.device_put, m, _moment_shardings(m, sharding)) for m in moments)
+            master = jax.device_put(master, sharding.spec(1))
+            counters = jax.device_put(counters, sharding.spec(0, replicated=True))
+        return ApexWState(*counters, moments, master)
 
     def update(self, updates, state: ApexWState, params=None, **extra_args):
         """optax update: gradients -> (updates to add to params, new state)."""
         del extra_args
         if params is None:
             raise ValueError("apexw needs params in update(grads, state, params) (weight decay reads them)")
+        if self.master_weights:
+            raise ValueError("master_weights=True needs the fused step (ApexW.step): optax's apply_updates would "
+                             "add the updates to the bf16 params, not to the float32 copy")
         new, state = self._run(params, updates, state, apply=False)
         return new, state
 
@@ -150,6 +186,7 @@ class ApexW:
         layout = FlatLayout.of(params)
         self._check_state(layout, state)
         p_flat, g_flat = layout.flatten(params), layout.flatten(grads)
+        sharding = p_flat.sharding
         row_masks = self._row_masks(layout, params)
         count = state.count
         t = optax.safe_increment(count)
@@ -160,48 +197,119 @@ class ApexW:
             lr, self.b1, self.b2, 1 - self.b1, 1 - self.b2, self.eps, self.weight_decay,
             1 - self.b1 ** t, 1 - self.b2 ** t)))
 
+        masters = state.master or (None,) * len(layout.groups)
+
         def update_all(_):
-            outs, moments = [], []
-            for k, (group, p, g, mom, rows) in enumerate(
-                    zip(layout.groups, p_flat.buffers, g_flat.buffers, state.moments, row_masks, strict=True)):
-                out, mom = self._group_step(group, p, g, mom, rows, hp, stream_keys(self.seed, t, k), apply)
+            outs, moments, new_masters = [], [], []
+            for k, (group, p, g, mom, rows, master) in enumerate(zip(
+                    layout.groups, p_flat.buffers, g_flat.buffers, state.moments, row_masks, masters, strict=True)):
+                keys = stream_keys(self.seed, t, k)
+                source = p if master is None else master  # the kernel updates the float32 copy when there is one
+                if sharding is None:
+                    out, mom, copy = self._group_step(source, g, mom, jnp.asarray(rows), hp, keys, apply,
+                                                      group.small_rows, None if master is None else p.dtype)
+                    if master is not None:
+                        master, out = out, copy
+                else:
+                    out, mom, master = self._sharded_group_step(sharding, group, source, g, mom, rows, hp, keys,
+                                                                apply, None if master is None else p.dtype)
                 outs.append(out)
                 moments.append(mom)
-            return tuple(outs), tuple(moments)
+                new_masters.append(master)
+            return tuple(outs), tuple(moments), tuple(new_masters) if state.master else ()
 
         if self.skip_nonfinite:
             finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in g_flat.buffers]))
             # updates of -0.0: p + -0.0 is p bit for bit, signaling NaNs aside (+0.0 would turn -0.0 into +0.0)
             unchanged = p_flat.buffers if apply else tuple(jnp.full_like(g, -0.0) for g in g_flat.buffers)
-            outs, moments = jax.lax.cond(finite, update_all, lambda _: (unchanged, state.moments), None)
+            outs, moments, master = jax.lax.cond(finite, update_all,
+                                                 lambda _: (unchanged, state.moments, state.master), None)
             new_state = ApexWState(jnp.where(finite, t, count), state.skipped + (~finite).astype(jnp.int32),
-                                   moments)
+                                   moments, master)
         else:
-            outs, moments = update_all(None)
-            new_state = ApexWState(t, state.skipped, moments)
-        out = FlatParams(outs, layout)
+            outs, moments, master = update_all(None)
+            new_state = ApexWState(t, state.skipped, moments, master)
+        out = FlatParams(outs, layout, sharding)
         return (out if isinstance(params, FlatParams) else out.tree()), new_state
 
-    def _group_step(self, group, p, g, moments, rows, hp, keys, apply):
-        shape2d = (group.rows, ROW)
+    def _group_step(self, p, g, moments, rows, hp, keys, apply, n_plain, copy_dtype=None):
+        """One buffer (or one shard of it): p, g ``[rows * 256]``, ``n_plain`` (maybe traced) rows of fp32 plain
+        moments first under 8- or 4-bit state -> (new p or updates ``[rows * 256]``, new moments, the new p in
+        ``copy_dtype`` or None)."""
+        shape2d = (p.size // ROW, ROW)
         p2, g2 = p.reshape(shape2d), g.reshape(shape2d)
-        rows = jnp.asarray(rows)
-        call = dict(apply=apply, out_dtype=g.dtype, quant_map=self.quant_map)
+        call = dict(apply=apply, out_dtype=g.dtype, quant_map=self.quant_map, copy_dtype=copy_dtype)
         if isinstance(moments, DenseMoments):
-            out, new = self._kernel(p2, g2, tuple(moments), rows, hp, keys, codec=_CODECS[self.state_dtype], **call)
-            return out.reshape(-1), DenseMoments(*new)
-        small = group.small_rows
-        if group.rows == small:  # only small leaves: plain fp32 moments
-            out, new = self._kernel(p2, g2, tuple(moments[4:]), rows, hp, keys, codec="fp32", **call)
-            return out.reshape(-1), moments._replace(mu_small=new[0], nu_small=new[1])
-        arrays = tuple(moments) if small else tuple(moments[:4])
-        out, new = self._kernel(p2, g2, arrays, rows, hp, keys, codec="int8", n_plain_rows=small, **call)
-        return out.reshape(-1), QuantizedMoments(*new) if small else QuantizedMoments(*new, *moments[4:])
+            out, new, *copy = self._kernel(p2, g2, tuple(moments), rows, hp, keys, 0,
+                                           codec=_CODECS[self.state_dtype], **call)
+            new = DenseMoments(*new)
+        elif moments.mu_codes.shape[0] == 0:  # only small leaves: plain fp32 moments
+            out, new, *copy = self._kernel(p2, g2, tuple(moments[4:]), rows, hp, keys, 0, codec="fp32", **call)
+            new = moments._replace(mu_small=new[0], nu_small=new[1])
+        else:
+            has_plain = moments.mu_small.shape[0] > 0
+            arrays = tuple(moments) if has_plain else tuple(moments[:4])
+            out, new, *copy = self._kernel(p2, g2, arrays, rows, hp, keys, n_plain if has_plain else 0,
+                                           codec=_CODECS[self.state_dtype], **call)
+            new = QuantizedMoments(*new) if has_plain else QuantizedMoments(*new, *moments[4:])
+        return out.reshape(-1), new, copy[0].reshape(-1) if copy else None
 
-    def _kernel(self, *args, **static):
-        xla = lambda *a: fused_adamw_reference(*a, **static)
-        pallas = lambda *a: fused_adamw(*a, config=self.block, interpret=self.implementation == "pallas_interpret",
-                                        **static)
+    def _sharded_group_step(self, sharding: RowSharding, group, p, g, moments, rows, hp, keys, apply,
+                            params_dtype=None):
+        """:meth:`_group_step` on each device's rows under ``shard_map``: moments ``[rows]`` split over
+        ``sharding.axis``, params and grads too (FSDP) or replicated and cut to the device's rows (ZeRO-1: the
+        updated rows are all-gathered); keys shifted to the shard's first element. Small leaves' fp32 moments
+        (replicated) are cut to the shard's rows before and summed back after (one device holds each row).
+        With ``params_dtype`` ``p`` is the (always sharded) float32 master copy and the params are its cast.
+        Returns (new params or updates, new moments, new master copy or None)."""
+        axis, local_rows, zero1 = sharding.axis, group.rows // sharding.shards, not sharding.shard_params
+        master = params_dtype is not None
+        quantized = isinstance(moments, QuantizedMoments)
+        small = moments.mu_small.shape[0] if quantized else 0
+        window = min(small, local_rows)  # plain rows a shard can hold
+
+        def shard(p, g, moments, rows, hp, keys):
+            first = jax.lax.axis_index(axis) * local_rows
+            mine = lambda x, size=ROW: jax.lax.dynamic_slice_in_dim(x, first * size, local_rows * size)
+            rows = mine(rows, 1)
+            if zero1:
+                g = mine(g)
+                p = p if master else mine(p)
+            n_plain = jnp.clip(small - first, 0, local_rows)
+            if window:
+                start = jnp.minimum(first, small)
+                cut = lambda x: jax.lax.dynamic_slice_in_dim(jnp.pad(x, ((0, window), (0, 0))), start, window)
+                moments = moments._replace(mu_small=cut(moments.mu_small), nu_small=cut(moments.nu_small))
+            out, moments, copy = self._group_step(p, g, moments, rows, hp, keys + shard_key_offset(first), apply,
+                                                  n_plain, params_dtype)
+            if window:
+                def back(x):
+                    held = jnp.where((jnp.arange(window) < n_plain)[:, None], x, 0.0)
+                    whole = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((small + window, ROW), x.dtype), held,
+                                                                start, 0)
+                    return jax.lax.psum(whole[:small], axis)
+                moments = moments._replace(mu_small=back(moments.mu_small), nu_small=back(moments.nu_small))
+            new_master = None
+            if master:
+                new_master, out = out, copy
+            if zero1:
+                out = jax.lax.all_gather(out, axis, tiled=True)
+            return out, moments, new_master
+
+        P = jax.sharding.PartitionSpec
+        flat_spec = P() if zero1 else P(axis)
+        moment_specs = jax.tree.map(lambda s: s.spec, _moment_shardings(moments, sharding))
+        return jax.shard_map(
+            shard, mesh=sharding.mesh, check_vma=False,
+            in_specs=(P(axis) if master else flat_spec, flat_spec, moment_specs, P(), P(), P()),
+            out_specs=(flat_spec, moment_specs, P(axis) if master else None))(
+                p, g, moments, jnp.asarray(rows), hp, keys)
+
+    def _kernel(self, p, g, state, rows, hp, keys, n_plain, **static):
+        xla = lambda *a: fused_adamw_reference(*a[:-1], n_plain_rows=a[-1], **static)
+        pallas = lambda *a: fused_adamw(*a[:-1], n_plain_rows=a[-1], config=self.block,
+                                        interpret=self.implementation == "pallas_interpret", **static)
+        args = (p, g, state, rows, hp, keys, n_plain)
         if self.implementation is None:
             return jax.lax.platform_dependent(*args, cuda=pallas, default=xla)
         return (xla if self.implementation == "xla" else pallas)(*args)
@@ -213,15 +321,20 @@ class ApexW:
         if jax.tree.structure(state.moments) != jax.tree.structure(expected) or spec(state.moments) != spec(expected):
             raise ValueError(f"optimizer state does not match state_dtype={self.state_dtype.name} for these params: "
                              f"got {jax.tree.map(lambda x: (x.shape, x.dtype.name), state.moments)}")
+        if bool(state.master) != self.master_weights:
+            raise ValueError(f"optimizer state {'has' if state.master else 'lacks'} a float32 master copy, but "
+                             f"master_weights={self.master_weights}")
 
     def _zero_moments(self, group):
-        if self.state_dtype != jnp.int8:
+        if _CODECS[self.state_dtype] not in QUANTIZED:
             shape = (group.rows, ROW)
             return DenseMoments(jnp.zeros(shape, self.state_dtype), jnp.zeros(shape, self.state_dtype))
-        large = group.rows - group.small_rows
+        coded = 0 if group.rows == group.small_rows else group.rows
+        columns = CODE_COLUMNS[_CODECS[self.state_dtype]]
         return QuantizedMoments(
-            jnp.zeros((large, ROW), jnp.int8), jnp.zeros((large, ROW), jnp.uint8),
-            jnp.zeros((large,), jnp.float32), jnp.zeros((large,), jnp.float32),
+            jnp.zeros((coded, columns), jnp.int8 if columns == ROW else jnp.uint8),
+            jnp.zeros((coded, columns), jnp.uint8),
+            jnp.zeros((coded,), jnp.float32), jnp.zeros((coded,), jnp.float32),
             jnp.zeros((group.small_rows, ROW), jnp.float32), jnp.zeros((group.small_rows, ROW), jnp.float32))
 
     def _row_masks(self, layout: FlatLayout, params):
@@ -261,14 +374,26 @@ def apexw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
     return optax.GradientTransformationExtraArgs(opt.init, opt.update)
 
 
+def _sharding_of(params) -> RowSharding | None:
+    return params.sharding if isinstance(params, FlatParams) else None
+
+
+def _moment_shardings(moments: DenseMoments | QuantizedMoments, sharding: RowSharding):
+    """NamedShardings of one group's moments: row-sharded, but small leaves' fp32 moments replicated."""
+    specs = [sharding.spec(x.ndim) for x in moments]
+    if isinstance(moments, QuantizedMoments):
+        specs[4:] = [sharding.spec(2, replicated=True)] * 2
+    return type(moments)(*specs)
+
+
 def state_nbytes(state: ApexWState) -> int:
-    """Bytes held by the moments (the optimizer's state memory)."""
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(state.moments))
+    """Bytes held by the optimizer's state: the moments and the float32 master copy, if any."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves((state.moments, state.master)))
 
 
 def _state_dtype(value: jax.typing.DTypeLike) -> np.dtype:
     """``value`` as the ``np.dtype`` it names, which must be one of :data:`STATE_DTYPES`."""
-    expected = "jnp.float32, jnp.bfloat16 or jnp.int8 (or a name or dtype jnp.dtype() reads as one of them)"
+    expected = "jnp.float32, jnp.bfloat16, jnp.int8 or jnp.int4 (or a name or dtype jnp.dtype() reads as one of them)"
     try:
         dtype = jnp.dtype(value)
     except (TypeError, ValueError):  # not a dtype at all (numpy raises either)

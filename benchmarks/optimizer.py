@@ -31,14 +31,23 @@ BANDWIDTH_TB_S = 4.27  # device-to-device copy on our H200, bytes read + written
 GPU_LAYOUTS = {"4x32M": (4, 32 << 20), "1024x128K": (1024, 128 << 10), "8192x16K": (8192, 16 << 10),
                "4x256M": (4, 256 << 20)}
 CPU_LAYOUTS = {"4x256K": (4, 256 << 10), "128x8K": (128, 8 << 10)}
-FLOOR_BYTES_PER_PARAM = {"fp32": 28.0, "bf16": 20.0, "int8": 16.0 + 16 / 256}
-STATE_KINDS = ("fp32", "bf16", "int8")  # result labels: the keys of apex_jax.STATE_DTYPES (jax loads in workers)
-GROUPS = ("torch", "bnb", "torchao", "optax", "apexw-transform", "apexw-transform-flat", "apexw-fused")
+# The bandwidth floor: bytes a step must move per parameter, params and grads (by precision) + moments (by state).
+# fp32: p read + written, g read (12); bf16: the same at 2 B (6); bf16+master: the fp32 copy read + written, g read
+# at 2 B, the bf16 params written (12). Moments read + written: fp32 16, bf16 8, int8 2 B of codes + 2 scales / 256.
+PARAM_BYTES_PER_PARAM = {"fp32": 12.0, "bf16": 6.0, "bf16+master": 12.0}
+STATE_BYTES_PER_PARAM = {"fp32": 16.0, "bf16": 8.0, "int8": 4.0 + 16 / 256, "int4": 2.0 + 16 / 256}
+FLOOR_BYTES_PER_PARAM = {kind: PARAM_BYTES_PER_PARAM["fp32"] + b for kind, b in STATE_BYTES_PER_PARAM.items()}
+PRECISIONS = ("bf16", "bf16+master")  # the mixed-precision rows of apexw-fused-mixed
+STATE_KINDS = ("fp32", "bf16", "int8", "int4")  # the keys of apex_jax.STATE_DTYPES (jax loads in workers)
+GROUPS = ("torch", "bnb", "torchao", "optax", "apexw-transform", "apexw-transform-flat", "apexw-fused",
+          "apexw-fused-mixed")
 # Per-leaf XLA paths (optax, and the apexw transform's split + apply_updates per leaf) compile for minutes at 8192
 # leaves: a bound of their own turns such a layout into a timeout row instead of holding up the run.
 TIMEOUT_S = {"optax": 100, "apexw-transform": 120}
 DEFAULT_TIMEOUT_S = 400
 BLOCK_SWEEP = [(2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]  # (block_rows, num_warps)
+# int8 also tries its codes moved as 32-bit words (BlockConfig.word_codes): (block_rows, num_warps, stages, True)
+WORD_CODES_SWEEP = [(2, 1, 1, True), (4, 1, 1, True), (4, 2, 1, True), (8, 2, 1, True), (8, 4, 1, True)]
 LR = 1e-3
 
 
@@ -130,6 +139,21 @@ def jax_worker(group: str, n: int, size: int, blocks: dict) -> list[dict]:
             rows.append(_time_compiled(jax.jit(step, donate_argnums=(0, 1)), (params, state), grads,
                                        impl=impl, state=kind, state_bytes_per_param=nbytes / (n * size)))
             params = rows[-1].pop("carry")[0]
+    elif group == "apexw-fused-mixed":  # bf16 params and grads, with and without a float32 master copy
+        to_bf16 = lambda tree: [x.astype(jax.numpy.bfloat16) for x in tree]  # noqa: E731
+        flat, flat_g = apex_jax.flatten(to_bf16(params)), apex_jax.flatten(to_bf16(grads))
+        del params, grads
+        for precision in PRECISIONS:
+            for kind in STATE_KINDS:
+                rows_w = blocks.get(kind, (16, 4))
+                opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(*rows_w),
+                                     master_weights=precision == "bf16+master")
+                state = opt.init(flat)
+                rows.append(_time_compiled(jax.jit(opt.step, donate_argnums=(0, 2)), (flat, state), flat_g,
+                                           impl="apexw fused", state=kind, precision=precision, block=list(rows_w),
+                                           state_bytes_per_param=apex_jax.state_nbytes(state) / (n * size)))
+                flat = rows[-1].pop("carry")[0]
+                del state
     else:
         flat, flat_g = apex_jax.flatten(params), apex_jax.flatten(grads)
         del params, grads
@@ -172,11 +196,11 @@ def sweep_worker(n: int, size: int) -> list[dict]:
     flat_g = apex_jax.flatten([jax.random.normal(jax.random.fold_in(key, n + i), (size,)) for i in range(n)])
     rows = []
     for kind in STATE_KINDS:
-        for block_rows, warps in BLOCK_SWEEP:
-            opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(block_rows, warps))
+        for block in BLOCK_SWEEP + (WORD_CODES_SWEEP if kind == "int8" else []):
+            opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(*block))
             step = jax.jit(lambda p, s, opt=opt: opt.step(p, flat_g, s), donate_argnums=(0, 1))
             timing, (flat, _) = time_jax_steps(step, (flat, opt.init(flat)), steps_per_run=10, warmup=2, iters=20)
-            rows.append(dict(state=kind, block=[block_rows, warps], step_ms=timing.median_ms))
+            rows.append(dict(state=kind, block=list(block), step_ms=timing.median_ms))
     return rows
 
 
@@ -205,8 +229,8 @@ def finish_rows(rows: list[dict], layout: str, n: int, size: int, bandwidth_tb_s
     out = []
     for row in rows:
         row = dict(layout=layout, n_tensors=n, n_params=n * size, status="ok") | row
-        ms, kind = row.get("step_ms"), row.get("state", "fp32")
-        floor_bytes = FLOOR_BYTES_PER_PARAM[kind] * n * size
+        ms, kind, precision = row.get("step_ms"), row.get("state", "fp32"), row.get("precision", "fp32")
+        floor_bytes = (PARAM_BYTES_PER_PARAM[precision] + STATE_BYTES_PER_PARAM[kind]) * n * size
         row["gb_s"] = floor_bytes / (ms * 1e6) if ms else None
         row["floor_pct"] = 100 * floor_bytes / (bandwidth_tb_s * 1e12) / (ms * 1e-3) if ms and bandwidth_tb_s else None
         out.append(row)
@@ -246,7 +270,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="small layouts, JAX groups only, on the CPU")
     parser.add_argument("--layouts", help="comma-separated subset of layouts")
     parser.add_argument("--groups", help=f"comma-separated subset of {GROUPS}")
-    parser.add_argument("--blocks", default="{}", help='launch geometry per kind, e.g. {"int8": [8, 4]}; '
+    parser.add_argument("--blocks", default="{}", help='launch geometry per kind (BlockConfig fields), '
+                        'e.g. {"int8": [4, 2, 1, true]}; '
                         "kinds not given are swept on the GPU")
     parser.add_argument("--kernel-file", help="time ApexW with this version of pallas_kernels/adamw.py instead; "
                         "results go to optimizer_<file stem>.json")
@@ -297,13 +322,14 @@ def main() -> None:
             rows += finish_rows(case, layout, n, size, None if args.cpu else BANDWIDTH_TB_S)
             merged = rows
             if old:  # a partial run replaces its own rows only
-                measured = {(r["layout"], r["impl"], r.get("state")) for r in rows}
-                merged = [r for r in old["rows"] if (r["layout"], r["impl"], r.get("state")) not in measured] + rows
+                key = lambda r: (r["layout"], r["impl"], r.get("state"), r.get("precision"))  # noqa: E731
+                measured = {key(r) for r in rows}
+                merged = [r for r in old["rows"] if key(r) not in measured] + rows
             write_results(name, dict(floor_tb_s=BANDWIDTH_TB_S, block_sweep=sweep or (old or {}).get("block_sweep", []),
                                      rows=add_speedups(merged)))  # after every case: a cut-short run keeps its rows
     rows = merged
     plot(rows, name)
-    columns = ["layout", "impl", "state", "step_ms", "floor_pct", "speedup_vs_torch_fused",
+    columns = ["layout", "impl", "precision", "state", "step_ms", "floor_pct", "speedup_vs_torch_fused",
                "state_bytes_per_param", "compile_s", "status"]
     print(format_table(rows, columns))
 

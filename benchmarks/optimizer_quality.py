@@ -50,6 +50,7 @@ APEXW_VARIANTS = {
     "apexw bf16": (jnp.bfloat16, "power"),
     "apexw int8": (jnp.int8, "power"),
     "apexw int8 linear-map": (jnp.int8, "linear"),
+    "apexw int4": (jnp.int4, "power"),
 }
 # Control: optax.adamw with the learning rate scaled by (1 + 1e-6). How far such a perturbation moves the
 # final loss is the noise floor against which every rel_diff_vs_optax should be read.

@@ -4,7 +4,7 @@ One launch updates a whole parameter buffer, whatever the model's leaf count. Pe
 
     m <- (1 - b1) g + b1 m                 v <- (1 - b2) g^2 + b2 v
     u  = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * decay_row * p
-    p <- p - lr u        (``apply=True``: in place, the fused step)
+    p <- p - lr u        (``apply=True``: in place, the fused step; ``copy_dtype``: also p in that dtype, nearest)
     out = -lr u          (``apply=False``: optax "updates")
 
 Moment storage (the ``codec``):
@@ -14,12 +14,18 @@ Moment storage (the ``codec``):
   * ``int8``: each row of 256 is a block with an fp32 scale s (its absmax, padded by a few parts in a million);
     m as signed int8 codes, v as unsigned uint8 codes (2.03 B/param). The ``power`` map stores
     y = sign(x) |x/s|^(1/2) for m and (v/s)^(1/4) for v, linearly in y, which gives small moments far more
-    resolution than the ``linear`` map (x/s). Codes are stochastically rounded. Rows below ``n_plain_rows``
-    (small tensors) keep fp32 moments.
+    resolution than the ``linear`` map (x/s). Codes are stochastically rounded. Codes and scales cover every row;
+    the first ``n_plain_rows`` rows (small tensors) keep fp32 moments instead, and their codes are left untouched.
+    ``n_plain_rows`` may be traced: a row-sharded buffer holds a different number of them on each shard.
     A block holding a NaN stores a NaN scale, so a NaN is never decoded as a number.
+  * ``int4``: the same blocks and power map at 4 bits, two codes per byte (element 2j in the low nibble, 2j + 1
+    in the high one; 1.03 B/param): m as c in [-7, 7] (stored c + 8), y = c / 7; v as n in [0, 15] standing for
+    y = (n + 1) / 16, so that no v decodes to 0 (a zero v would turn m / (sqrt(v) + eps) into m / eps, the
+    zero-point problem of 4-bit second moments; Li et al. 2023). A v below the first level is stored as it.
 
 Random bits come from a counter-based hash of (seed, step, stream, element index), so results do not
-depend on the launch geometry: one 32-bit hash rounds m (low bits) and v (high bits: 16 for bf16, 15 for
+depend on the launch geometry (a shard of a buffer passes ``stream_keys(...) + shard_key_offset(first row)`` and
+rounds as the whole buffer would): one 32-bit hash rounds m (low bits) and v (high bits: 16 for bf16, 15 for
 8-bit codes), another the bf16 parameters.
 """
 
@@ -33,7 +39,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 ROW = 256  # elements per row: the quantization block, and the alignment of every leaf in a flat buffer
-CODECS = ("fp32", "bf16", "int8")
+CODECS = ("fp32", "bf16", "int8", "int4")
+QUANTIZED = ("int8", "int4")
+CODE_COLUMNS = {"int8": 256, "int4": 128}  # bytes of codes per 256-element row
 QUANT_MAPS = ("power", "linear")
 INT8_MAX = 127.0  # signed codes in [-127, 127] (symmetric: -128 unused)
 UINT8_MAX = 255.0
@@ -57,11 +65,17 @@ class Hyper(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
-    """Launch geometry: a program updates ``block_rows x 256`` elements."""
+    """Launch geometry: a program updates ``block_rows x 256`` elements.
+
+    ``word_codes`` (int8 only) moves the 8-bit codes as 32-bit words, four codes each, split into bytes by shifts
+    in registers: each thread then reads and writes its codes in the same 4-element groups as its float32 params
+    and grads, instead of Triton laying the byte accesses out apart from the float ones. The state is the same.
+    """
 
     block_rows: int = 8
     num_warps: int = 4
     num_stages: int = 1
+    word_codes: bool = False
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps"):
@@ -74,7 +88,8 @@ class BlockConfig:
 
 # Fastest launch geometry per codec on an NVIDIA H200 (benchmarks/optimizer.py sweep, 128M params):
 # small tiles with 1-2 warps keep many programs in flight for this purely streaming update.
-TUNED_BLOCKS = {"fp32": BlockConfig(4, 1), "bf16": BlockConfig(4, 1), "int8": BlockConfig(4, 2)}
+TUNED_BLOCKS = {"fp32": BlockConfig(4, 1), "bf16": BlockConfig(4, 1), "int8": BlockConfig(4, 2),
+                "int4": BlockConfig(4, 2)}  # int4: int8's geometry, not swept
 
 
 # --------------------------------------------------------------------------- element math (kernel + reference)
@@ -100,6 +115,12 @@ def stream_keys(seed: jax.Array, step: jax.Array, group: int) -> jax.Array:
 def random_bits(index: jax.Array, key: jax.Array) -> jax.Array:
     """uint32 random bits for each element ``index`` (uint32) under ``key``."""
     return fmix32(index * jnp.uint32(_GOLDEN) + key)
+
+
+def shard_key_offset(first_row: jax.Array) -> jax.Array:
+    """What to add to every key so that a buffer starting at row ``first_row`` of a larger one draws the larger
+    buffer's bits: ``random_bits(i, key + offset) = random_bits(first_row * 256 + i, key)`` (mod 2^32)."""
+    return jnp.asarray(first_row).astype(jnp.uint32) * jnp.uint32(ROW) * jnp.uint32(_GOLDEN)
 
 
 TINY = 1e-30  # keeps rsqrt finite at 0 (x * rsqrt(x + TINY) = 0 there); far below any moment that matters
@@ -207,6 +228,94 @@ def dequantize_rows(codes, scale, *, signed: bool, quant_map: str):
     return (c2 * c2) * (scale * (1 / top**4))[:, None]
 
 
+INT4_M_MAX = 7.0  # signed 4-bit m codes in [-7, 7], stored + 8 in a nibble
+INT4_V_LEVELS = 16.0  # 4-bit v code n stands for y = (n + 1) / 16
+
+
+def pack_nibbles(n: jax.Array) -> jax.Array:
+    """uint8 [r, 256] values in [0, 15] -> uint8 [r, 128]: element 2j in the low nibble of byte j, 2j + 1 high."""
+    lo, hi = jnp.split(n.astype(jnp.int32).reshape(n.shape[0], ROW // 2, 2), 2, axis=-1)
+    return (lo | (hi << 4)).reshape(n.shape[0], ROW // 2).astype(jnp.uint8)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+    """Inverse of :func:`pack_nibbles`: uint8 [r, 128] -> int32 [r, 256] in [0, 15]."""
+    b = packed.astype(jnp.int32)
+    return jnp.stack([b & 15, b >> 4], axis=-1).reshape(packed.shape[0], ROW)
+
+
+def quantize_rows_4bit(x, bits, *, signed: bool, sqrt_x=None):
+    """float32 [r, 256] -> (packed codes uint8 [r, 128], scale f32 [r]): :func:`quantize_rows`' power map at 4 bits
+    (the module docstring's int4 levels), stochastically rounded with 15 bits of ``bits``."""
+    if signed:
+        q = x * jax.lax.rsqrt(_abs(x) + TINY)
+    else:
+        q = fast_sqrt(fast_sqrt(x) if sqrt_x is None else sqrt_x)
+    root = row_absmax(q) * SCALE_PAD
+    inv = 1.0 / jnp.where(root > 0, root, 1.0)
+    if signed:
+        t = q * (INT4_M_MAX * inv)[:, None] + (INT4_M_MAX + 1)  # in (1, 15)
+    else:
+        t = jnp.maximum(q * (INT4_V_LEVELS * inv)[:, None] - 1.0, 0.0)  # in [0, 15)
+    codes = pack_nibbles(stochastic_round_to_code(t, bits, signed=False))
+    root2 = root * root
+    return codes, root2 if signed else root2 * root2
+
+
+def dequantize_rows_4bit(packed, scale, *, signed: bool):
+    """Inverse of :func:`quantize_rows_4bit` (up to rounding): [r, 128] packed codes, [r] scale -> float32 [r, 256]:
+    s c |c| / 49 (m, c = nibble - 8) or s ((n + 1) / 16)^4 (v)."""
+    n = jax.lax.bitcast_convert_type(unpack_nibbles(packed) + CODE_MAGIC_BITS, jnp.float32) - CODE_MAGIC
+    if signed:
+        c = n - (INT4_M_MAX + 1)
+        return (c * _abs(c)) * (scale * (1 / INT4_M_MAX**2))[:, None]
+    y2 = (n + 1.0) * (n + 1.0)
+    return (y2 * y2) * (scale * (1 / INT4_V_LEVELS**4))[:, None]
+
+
+CODES_PER_WORD = 4
+
+
+def bytes_of_words(words: jax.Array, *, signed: bool) -> jax.Array:
+    """uint32 [r, 64] -> int32 [r, 256]: byte k of word j is element 4j + k (little-endian, as a bitcast of the
+    int8 row), sign-extended when ``signed``. Interleaved by two levels of ``stack`` (Triton joins)."""
+    w = jax.lax.bitcast_convert_type(words, jnp.int32)
+    if signed:  # arithmetic shifts: byte k moved to the top, then down with its sign
+        b = [(w << (24 - 8 * k)) >> 24 for k in range(CODES_PER_WORD)]
+    else:
+        b = [jax.lax.shift_right_logical(w, 8 * k) & 0xFF for k in range(CODES_PER_WORD)]
+    pairs = jnp.stack([jnp.stack([b[0], b[2]], axis=-1), jnp.stack([b[1], b[3]], axis=-1)], axis=-1)
+    return pairs.reshape(words.shape[0], words.shape[1] * CODES_PER_WORD)  # [.., a, c] = b[2a + c]
+
+
+def words_of_bytes(codes: jax.Array) -> jax.Array:
+    """Inverse of :func:`bytes_of_words`: int8|uint8 [r, 256] -> uint32 [r, 64]."""
+    x = codes.astype(jnp.int32).reshape(codes.shape[0], codes.shape[1] // CODES_PER_WORD, 2, 2) & 0xFF
+    low, high = (part.reshape(part.shape[:-1]) for part in jnp.split(x, 2, axis=-1))  # c = 0 | 1: b[2a] | b[2a + 1]
+    (b0, b2), (b1, b3) = ((part.reshape(part.shape[:-1]) for part in jnp.split(h, 2, axis=-1)) for h in (low, high))
+    return jax.lax.bitcast_convert_type(b0 | (b1 << 8) | (b2 << 16) | (b3 << 24), jnp.uint32)
+
+
+def decode_moments(codec, mq, vq, ms, vs, quant_map):
+    """(m, v) float32 [r, 256] from a quantized codec's codes and scales."""
+    if codec == "int4":
+        return dequantize_rows_4bit(mq, ms, signed=True), dequantize_rows_4bit(vq, vs, signed=False)
+    return (dequantize_rows(mq, ms, signed=True, quant_map=quant_map),
+            dequantize_rows(vq, vs, signed=False, quant_map=quant_map))
+
+
+def encode_moments(codec, m, v, sqrt_v, bits, quant_map):
+    """(m codes, v codes, m scale, v scale) of a quantized codec; m rounds with the low 15 of ``bits``, v with
+    bits 17-31."""
+    if codec == "int4":
+        (mq, ms), (vq, vs) = (quantize_rows_4bit(m, bits, signed=True),
+                              quantize_rows_4bit(v, bits >> 17, signed=False, sqrt_x=sqrt_v))
+    else:
+        (mq, ms), (vq, vs) = (quantize_rows(m, bits, signed=True, quant_map=quant_map),
+                              quantize_rows(v, bits >> 17, signed=False, quant_map=quant_map, sqrt_x=sqrt_v))
+    return mq, vq, ms, vs
+
+
 def adam_direction(p, g, m, v, hp: Hyper, decay, fast: bool):
     """New (m, v), sqrt(v) and the AdamW direction u (all float32), in optax's operation order.
 
@@ -242,9 +351,10 @@ def store_dense(x, bits, dtype):
 # --------------------------------------------------------------------------- Pallas kernel
 
 
-def _adamw_kernel(hp_ref, key_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_map, apply, n_plain_tiles,
-                  block_rows):
-    n_state = len(refs) // 2  # refs = (*state_in, out_ref, *state_out)
+def _adamw_kernel(hp_ref, key_ref, plain_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_map, apply, has_plain,
+                  has_copy, block_rows, word_codes):
+    copy_ref, refs = (refs[-1], refs[:-1]) if has_copy else (None, refs)
+    n_state = len(refs) // 2  # refs = (*state_in, out_ref, *state_out[, copy_ref])
     state_in, out_ref, state_out = refs[:n_state], refs[n_state], refs[n_state + 1:]
     i = pl.program_id(0)
     hp = Hyper(*(hp_ref[k] for k in range(len(Hyper._fields))))
@@ -255,52 +365,66 @@ def _adamw_kernel(hp_ref, key_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_
     decay = decay_ref[...][:, None]
     fast = codec != "fp32"
 
+    def store_params(u):
+        new = finish(p, u, hp, out_ref.dtype, random_bits(index, key_ref[0]), apply)
+        out_ref[...] = new
+        if has_copy:
+            copy_ref[...] = new.astype(copy_ref.dtype)
+
     def dense(m_ref, v_ref, m_out, v_out):
         m, v, _, u = adam_direction(p, g, m_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32), hp,
                                     decay, fast)
         bits = random_bits(index, key_ref[1])  # low half rounds m, high half rounds v
         m_out[...] = store_dense(m, bits, m_out.dtype)
         v_out[...] = store_dense(v, bits >> 16, v_out.dtype)
-        out_ref[...] = finish(p, u, hp, out_ref.dtype, random_bits(index, key_ref[0]), apply)
+        store_params(u)
 
-    if codec != "int8":
+    if codec not in QUANTIZED:
         dense(*state_in, *state_out)
         return
 
     def quantized():
-        mq, vq, ms, vs = state_in[:4]
-        m = dequantize_rows(mq[...], ms[...], signed=True, quant_map=quant_map)
-        v = dequantize_rows(vq[...], vs[...], signed=False, quant_map=quant_map)
+        mq, vq, ms, vs = (ref[...] for ref in state_in[:4])
+        if word_codes:
+            mq, vq = bytes_of_words(mq, signed=True), bytes_of_words(vq, signed=False)
+        m, v = decode_moments(codec, mq, vq, ms, vs, quant_map)
         m, v, sqrt_v, u = adam_direction(p, g, m, v, hp, decay, fast)
-        mq_out, vq_out, ms_out, vs_out = state_out[:4]
-        bits = random_bits(index, key_ref[1])
-        mq_out[...], ms_out[...] = quantize_rows(m, bits, signed=True, quant_map=quant_map)
-        vq_out[...], vs_out[...] = quantize_rows(v, bits >> 17, signed=False, quant_map=quant_map, sqrt_x=sqrt_v)
-        out_ref[...] = finish(p, u, hp, out_ref.dtype, random_bits(index, key_ref[0]), apply)
+        encoded = encode_moments(codec, m, v, sqrt_v, random_bits(index, key_ref[1]), quant_map)
+        if word_codes:
+            encoded = (words_of_bytes(encoded[0]), words_of_bytes(encoded[1]), *encoded[2:])
+        for ref, value in zip(state_out[:4], encoded, strict=True):
+            ref[...] = value
+        store_params(u)
 
-    if n_plain_tiles == 0:
+    if not has_plain:
         quantized()
         return
-    pl.when(i < n_plain_tiles)(lambda: dense(*state_in[4:], *state_out[4:]))
-    pl.when(i >= n_plain_tiles)(quantized)
+    plain = i * block_rows < plain_ref[0]  # n_plain_rows, a multiple of block_rows
+    pl.when(plain)(lambda: dense(*state_in[4:], *state_out[4:]))
+    pl.when(jnp.logical_not(plain))(quantized)
 
 
-def _state_specs(codec, n_plain_tiles, block_rows):
-    """BlockSpecs of the moment arrays, in the order of the codec's state tuple."""
+def _state_specs(codec, plain_tiles, block_rows, word_codes=False):
+    """BlockSpecs of the moment arrays, in the order of the codec's state tuple (``plain_tiles``: tiles of the
+    fp32 plain moment arrays, 0 when there are none; ``word_codes``: int8 codes as uint32 words)."""
     tile = (block_rows, ROW)
     row_block = pl.BlockSpec(tile, lambda i: (i, 0))
-    if codec != "int8":
+    if codec not in QUANTIZED:
         return [row_block, row_block]
-    quant = pl.BlockSpec(tile, lambda i: (jnp.maximum(i - n_plain_tiles, 0), 0))
-    scale = pl.BlockSpec((block_rows,), lambda i: (jnp.maximum(i - n_plain_tiles, 0),))
-    specs = [quant, quant, scale, scale]
-    if n_plain_tiles:
-        plain = pl.BlockSpec(tile, lambda i: (jnp.minimum(i, n_plain_tiles - 1), 0))
+    columns = CODE_COLUMNS[codec] // (CODES_PER_WORD if word_codes else 1)
+    code_block = pl.BlockSpec((block_rows, columns), lambda i: (i, 0))
+    row_scale = pl.BlockSpec((block_rows,), lambda i: (i,))
+    specs = [code_block, code_block, row_scale, row_scale]
+    if plain_tiles:
+        plain = pl.BlockSpec(tile, lambda i: (jnp.minimum(i, plain_tiles - 1), 0))
         specs += [plain, plain]
     return specs
 
 
-def _check(p, g, state, decay, codec, n_plain_rows, quant_map):
+def _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype):
+    """Shapes and names; a concrete ``n_plain_rows`` must also fit the plain moment arrays."""
+    if copy_dtype is not None and not apply:
+        raise ValueError(f"copy_dtype={copy_dtype} needs apply=True (it is a copy of the new params)")
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
     if quant_map not in QUANT_MAPS:
@@ -309,69 +433,107 @@ def _check(p, g, state, decay, codec, n_plain_rows, quant_map):
         raise ValueError(f"params and grads must both be [rows, {ROW}]; got {p.shape} and {g.shape}")
     if decay.shape != (p.shape[0],):
         raise ValueError(f"decay must be [rows] = [{p.shape[0]}], got {decay.shape}")
-    expected = 6 if codec == "int8" and n_plain_rows else 4 if codec == "int8" else 2
-    if len(state) != expected:
-        raise ValueError(f"codec {codec!r} expects {expected} moment arrays, got {len(state)}")
+    if codec not in QUANTIZED:
+        if len(state) != 2:
+            raise ValueError(f"codec {codec!r} expects 2 moment arrays (m, v), got {len(state)}")
+        return
+    if codec == "int4" and quant_map != "power":
+        raise ValueError(f"codec 'int4' has only the 'power' quant_map, got {quant_map!r}")
+    if len(state) not in (4, 6):
+        raise ValueError(f"codec {codec!r} expects 4 or 6 moment arrays, got {len(state)}")
+    codes = (p.shape[0], CODE_COLUMNS[codec])
+    if state[0].shape != codes or state[2].shape != (p.shape[0],):
+        raise ValueError(f"{codec} codes must be {codes} and scales ({p.shape[0]},); got {state[0].shape} and "
+                         f"{state[2].shape}")
+    plain_rows = state[4].shape[0] if len(state) == 6 else 0
+    if isinstance(n_plain_rows, int) and not 0 <= n_plain_rows <= plain_rows:
+        raise ValueError(f"n_plain_rows={n_plain_rows} must be in [0, {plain_rows}] (the plain moments' rows)")
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "n_plain_rows", "quant_map", "apply", "out_dtype",
-                                             "config", "interpret"))
-def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int = 0,
-                quant_map: str = "power", apply: bool = True, out_dtype=None,
+@functools.partial(jax.jit, static_argnames=("codec", "quant_map", "apply", "out_dtype", "copy_dtype", "config",
+                                             "interpret"))
+def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int | jax.Array = 0,
+                quant_map: str = "power", apply: bool = True, out_dtype=None, copy_dtype=None,
                 config: BlockConfig | None = None, interpret: bool = False):
     """One AdamW step over a flat buffer in a single launch.
 
     Args:
       p, g: params and grads, ``[rows, 256]`` (float32 or bfloat16).
       state: moment arrays of ``codec``: ``(m, v)`` for fp32/bf16, ``(m_codes, v_codes, m_scale,
-        v_scale[, m_plain, v_plain])`` for int8, where the codes cover rows ``[n_plain_rows, rows)`` and the
-        fp32 plain moments rows ``[0, n_plain_rows)``.
+        v_scale[, m_plain, v_plain])`` for int8: codes ``[rows, 256]`` and scales ``[rows]`` used on rows
+        ``[n_plain_rows, rows)``, fp32 plain moments ``[plain_rows, 256]`` (``plain_rows <= rows``) on rows
+        ``[0, n_plain_rows)``.
+      n_plain_rows: int or traced int32 scalar in ``[0, plain_rows]``, a multiple of the block rows.
       decay: float32 ``[rows]``, 1 where weight decay applies, else 0.
       hp: per-step scalars (:class:`Hyper`); keys: ``stream_keys(seed, step, group)``.
       apply: True writes the new params over ``p`` (donate it); False returns optax updates.
       out_dtype: dtype of the updates when ``apply=False`` (default: ``p``'s).
+      copy_dtype: with ``apply``, also write the new params rounded to nearest in this dtype (float32 master
+        params in ``p``, their bf16 working copy out: one pass instead of a second read of ``p``).
       config: launch geometry (default: ``TUNED_BLOCKS[codec]``).
 
     Returns:
-      ``(new_params or updates, new_state)`` with ``new_state`` in the order of ``state``.
+      ``(new_params or updates, new_state)`` with ``new_state`` in the order of ``state``, and the copy last
+      when ``copy_dtype`` is given.
     """
-    _check(p, g, state, decay, codec, n_plain_rows, quant_map)
+    _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype)
     config = config or TUNED_BLOCKS[codec]
     rows, r = p.shape[0], config.block_rows
-    if rows % r or n_plain_rows % r:
-        raise ValueError(f"rows ({rows}) and n_plain_rows ({n_plain_rows}) must be multiples of block_rows={r}")
-    n_tiles, n_plain_tiles = rows // r, (n_plain_rows // r if codec == "int8" else 0)
+    plain_rows = state[4].shape[0] if codec in QUANTIZED and len(state) == 6 else 0
+    if rows % r or plain_rows % r or (isinstance(n_plain_rows, int) and n_plain_rows % r):
+        raise ValueError(f"rows ({rows}), the plain moments' rows ({plain_rows}) and n_plain_rows ({n_plain_rows}) "
+                         f"must be multiples of block_rows={r}")
+    if config.word_codes and codec != "int8":
+        raise ValueError(f"BlockConfig.word_codes applies to the int8 codec only, got codec {codec!r}")
+    word_codes = config.word_codes
+    if word_codes:  # a free bitcast in XLA: the same bytes, four to a word
+        state = tuple(jax.lax.bitcast_convert_type(x.reshape(rows, ROW // CODES_PER_WORD, CODES_PER_WORD),
+                                                   jnp.uint32) if k < 2 else x for k, x in enumerate(state))
     tile_spec = pl.BlockSpec((r, ROW), lambda i: (i, 0))
-    state_specs = _state_specs(codec, n_plain_tiles, r)
+    state_specs = _state_specs(codec, plain_rows // r, r, word_codes)
     hp_vec = jnp.stack([jnp.asarray(x, jnp.float32) for x in hp])
     hp_vec = jnp.pad(hp_vec, (0, HP_SLOTS - hp_vec.size))
     out_dtype = p.dtype if apply or out_dtype is None else out_dtype
-    n_fixed = 5  # hp, keys, decay, p, g
+    n_fixed = 6  # hp, keys, plain, decay, p, g
     aliases = {n_fixed + k: 1 + k for k in range(len(state))}
     if apply:
-        aliases[3] = 0
+        aliases[4] = 0
     kernel = functools.partial(_adamw_kernel, codec=codec, quant_map=quant_map, apply=apply,
-                               n_plain_tiles=n_plain_tiles, block_rows=r)
+                               has_plain=plain_rows > 0, has_copy=copy_dtype is not None, block_rows=r,
+                               word_codes=word_codes)
+    plain = jnp.reshape(jnp.asarray(n_plain_rows, jnp.int32), (1,))
+    copy = [] if copy_dtype is None else [jax.ShapeDtypeStruct(p.shape, copy_dtype)]
     out, *new_state = pl.pallas_call(
         kernel,
-        grid=(n_tiles,),
+        grid=(rows // r,),
         in_specs=[pl.BlockSpec((HP_SLOTS,), lambda i: (0,)), pl.BlockSpec((4,), lambda i: (0,)),
-                  pl.BlockSpec((r,), lambda i: (i,)), tile_spec, tile_spec, *state_specs],
-        out_specs=[tile_spec, *state_specs],
-        out_shape=[jax.ShapeDtypeStruct(p.shape, out_dtype), *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state)],
+                  pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((r,), lambda i: (i,)), tile_spec, tile_spec,
+                  *state_specs],
+        out_specs=[tile_spec, *state_specs, *[tile_spec] * len(copy)],
+        out_shape=[jax.ShapeDtypeStruct(p.shape, out_dtype), *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state),
+                   *copy],
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=f"apexw_{codec}",
-    )(hp_vec, keys, decay, p, g, *state)
-    return out, tuple(new_state)
+    )(hp_vec, keys, plain, decay, p, g, *state)
+    copy_out = new_state.pop() if copy else None
+    if word_codes:
+        new_state[:2] = [jax.lax.bitcast_convert_type(w, dtype).reshape(rows, ROW)
+                         for w, dtype in zip(new_state[:2], (jnp.int8, jnp.uint8), strict=True)]
+    return (out, tuple(new_state)) if copy_out is None else (out, tuple(new_state), copy_out)
 
 
 def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int = 0,
-                          quant_map: str = "power", apply: bool = True, out_dtype=None):
+                          quant_map: str = "power", apply: bool = True, out_dtype=None, copy_dtype=None):
     """Plain-jnp :func:`fused_adamw`: same arguments, same math; results agree up to float reordering
     (an 8-bit code may land one step apart where that moves a value across a rounding edge)."""
-    _check(p, g, state, decay, codec, n_plain_rows, quant_map)
+    _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype)
+    out, new_state = _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype)
+    return (out, new_state) if copy_dtype is None else (out, new_state, out.astype(copy_dtype))
+
+
+def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype):
     out_dtype = p.dtype if apply or out_dtype is None else out_dtype
     index = jnp.arange(p.size, dtype=jnp.uint32).reshape(p.shape)
     bits = [random_bits(index, keys[0]), random_bits(index, keys[1])]
@@ -379,23 +541,25 @@ def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_
     pf, gf, decay = p.astype(jnp.float32), g.astype(jnp.float32), decay[:, None]
     fast = codec != "fp32"
 
-    if codec != "int8":
+    if codec not in QUANTIZED:
         m, v = state
         m_new, v_new, _, u = adam_direction(pf, gf, m.astype(jnp.float32), v.astype(jnp.float32), hp, decay, fast)
         new_state = (store_dense(m_new, bits[1], m.dtype), store_dense(v_new, bits[2], v.dtype))
         return finish(pf, u, hp, out_dtype, bits[0], apply), new_state
 
-    n = n_plain_rows
-    mq, vq, ms, vs = state[:4]
-    m_parts, v_parts = [dequantize_rows(mq, ms, signed=True, quant_map=quant_map)], [
-        dequantize_rows(vq, vs, signed=False, quant_map=quant_map)]
-    if n:
-        m_parts.insert(0, state[4])
-        v_parts.insert(0, state[5])
-    m_new, v_new, sqrt_v, u = adam_direction(pf, gf, jnp.concatenate(m_parts), jnp.concatenate(v_parts), hp, decay,
-                                             fast)
-    mq_new, ms_new = quantize_rows(m_new[n:], bits[1][n:], signed=True, quant_map=quant_map)
-    vq_new, vs_new = quantize_rows(v_new[n:], bits[1][n:] >> 17, signed=False, quant_map=quant_map,
-                                   sqrt_x=sqrt_v[n:])
-    new_state = (mq_new, vq_new, ms_new, vs_new) + ((m_new[:n], v_new[:n]) if n else ())
+    m_old, v_old = decode_moments(codec, *state[:4], quant_map)
+    plain = None
+    if len(state) == 6:  # rows below n_plain_rows read and write the fp32 plain moments instead of the codes
+        pad = ((0, p.shape[0] - state[4].shape[0]), (0, 0))
+        plain = jnp.arange(p.shape[0])[:, None] < n_plain_rows
+        m_old = jnp.where(plain, jnp.pad(state[4], pad), m_old)
+        v_old = jnp.where(plain, jnp.pad(state[5], pad), v_old)
+    m_new, v_new, sqrt_v, u = adam_direction(pf, gf, m_old, v_old, hp, decay, fast)
+    new_state = encode_moments(codec, m_new, v_new, sqrt_v, bits[1], quant_map)
+    if plain is not None:
+        row_plain = plain[:, 0]
+        codes_kept = lambda new, old: jnp.where(row_plain.reshape((-1,) + (1,) * (new.ndim - 1)), old, new)
+        n = state[4].shape[0]
+        new_state = (*(codes_kept(new, old) for new, old in zip(new_state, state[:4], strict=True)),
+                     jnp.where(plain[:n], m_new[:n], state[4]), jnp.where(plain[:n], v_new[:n], state[5]))
     return finish(pf, u, hp, out_dtype, bits[0], apply), new_state

@@ -10,7 +10,7 @@ import apex_jax
 from apex_jax import ApexW, apexw, flatten
 from pallas_kernels.testing import inspect_lowered, lower_for_h200
 
-KINDS = (jnp.float32, jnp.bfloat16, jnp.int8)  # every state dtype of ApexW
+KINDS = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.int4)  # every state dtype of ApexW
 KIND_IDS = {"ids": lambda dtype: jnp.dtype(dtype).name}
 CODECS = {dtype: name for name, dtype in apex_jax.STATE_DTYPES.items()}  # the kernel's name of each kind
 # The XLA path everywhere, and the Pallas kernel (interpreted on CPU) once per kind.
@@ -74,19 +74,19 @@ def test_fp32_equals_optax_adamw_step_by_step(implementation):
 
 @pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
 def test_compact_kinds_track_fp32(state_dtype):
-    """bf16 and int8 moments follow the fp32 trajectory closely over 30 steps."""
+    """bf16, int8 and int4 moments follow the fp32 trajectory closely over 30 steps."""
     ours, _ = run_steps(apexw(1e-2, state_dtype=state_dtype, implementation="xla"), make_params(), 30)
     exact, _ = run_steps(optax.adamw(1e-2), make_params(), 30)
     drift = rel_max(exact[-1][0], ours[-1][0])
-    assert drift < {jnp.float32: 1e-6, jnp.bfloat16: 2e-2, jnp.int8: 5e-2}[state_dtype], drift
+    assert drift < {jnp.float32: 1e-6, jnp.bfloat16: 2e-2, jnp.int8: 5e-2, jnp.int4: 0.15}[state_dtype], drift
 
 
 @pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
 def test_pallas_kernel_and_reference_agree_through_the_transform(state_dtype):
     ref, _ = run_steps(apexw(1e-2, state_dtype=state_dtype, implementation="xla"), make_params(), 4)
     pallas, _ = run_steps(apexw(1e-2, state_dtype=state_dtype, implementation="pallas_interpret"), make_params(), 4)
-    # int8: a code may round one step apart where float reordering moves a value across an edge
-    assert rel_max(ref[-1][0], pallas[-1][0]) < (1e-4 if state_dtype == jnp.int8 else 1e-5)
+    # 8 and 4 bits: a code may round one step apart where float reordering moves a value across an edge
+    assert rel_max(ref[-1][0], pallas[-1][0]) < (1e-4 if state_dtype in (jnp.int8, jnp.int4) else 1e-5)
 
 
 # Exactly representable in fp32 (1 - b and b^t too), so the injected (traced) and the constant value agree.
@@ -129,7 +129,7 @@ def test_state_bytes_per_param(state_dtype):
     big = {"w": jnp.zeros((1024, 1024)), "b": jnp.zeros((1024,))}
     state = apexw(1e-3, state_dtype=state_dtype).init(big)
     per_param = apex_jax.state_nbytes(state) / apex_jax.FlatLayout.of(big).n_params
-    expected = {jnp.float32: 8.0, jnp.bfloat16: 4.0, jnp.int8: 2.1}[state_dtype]
+    expected = {jnp.float32: 8.0, jnp.bfloat16: 4.0, jnp.int8: 2.1, jnp.int4: 1.1}[state_dtype]
     assert per_param <= expected * 1.02  # padding to 64-row tiles only
     if state_dtype == jnp.int8:
         assert per_param <= 2.1
@@ -275,7 +275,8 @@ def test_sharded_params_over_8_devices():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(state_dtype="int4"), "state_dtype"),
+    (dict(state_dtype="int16"), "state_dtype"),
+    (dict(state_dtype=jnp.int4, quant_map="linear"), "int4 moments have only the .power. quant_map"),
     (dict(learning_rate=-1.0), "learning_rate"),
     (dict(b1=1.0), "b1"),
     (dict(b2=-0.1), "b2"),
@@ -285,7 +286,7 @@ def test_sharded_params_over_8_devices():
                                   r"'xla'\)"),
     (dict(state_dtype="fp32"), r"'fp32' is not a dtype \(the short name 'fp32' means apex_jax.STATE_DTYPES"),
     (dict(state_dtype=jnp.float16), r"state_dtype <class 'jax.numpy.float16'> is float16; expected jnp.float32, "
-                                    "jnp.bfloat16 or jnp.int8"),
+                                    "jnp.bfloat16, jnp.int8 or jnp.int4"),
 ])
 def test_bad_arguments_raise_value_error(bad, match):
     args = dict(learning_rate=1e-3) | bad
@@ -340,3 +341,19 @@ def test_docstring_example_runs():
 
     failures, _ = doctest.testmod(module, verbose=False)
     assert failures == 0
+
+
+def test_master_weights_skip_a_nonfinite_step_bit_identically():
+    params = make_params(dtype=jnp.bfloat16)
+    opt = ApexW(1e-2, master_weights=True, skip_nonfinite=True, implementation="xla")
+    flat = flatten(params)
+    state = opt.init(flat)
+    flat, state = jax.jit(opt.step)(flat, grads_at(flat, 0), state)
+    bad = grads_at(flat, 1)
+    bad = apex_jax.FlatParams((bad.buffers[0].at[3].set(jnp.nan),), bad.layout)
+    again, skipped = jax.jit(opt.step)(flat, bad, state)
+    assert int(skipped.skipped) == 1 and int(skipped.count) == 1
+    for a, b in zip(jax.tree.leaves((flat, state.master)), jax.tree.leaves((again, skipped.master)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert state.master[0].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(flat.buffers[0]), np.asarray(state.master[0].astype(jnp.bfloat16)))

@@ -12,7 +12,7 @@ from apex_jax import ApexW, ApexWState, DenseMoments, FlatParams, QuantizedMomen
 from apex_jax.checkpoint import Checkpointer
 from apex_jax.flat import SMALL_LEAF
 
-KINDS = (jnp.float32, jnp.bfloat16, jnp.int8)  # every state dtype of ApexW
+KINDS = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.int4)  # every state dtype of ApexW
 PARAMS_DTYPES = ("float32", "bfloat16", "mixed")  # mixed: one buffer group (and moments entry) per dtype
 FORMS = ("tree", "flat")  # tree: apexw through optax on a dict; flat: the fused ApexW.step on FlatParams
 STEPS_BEFORE_SAVE = 3  # real steps first, so the saved moments (and int8 scales) are not zeros
@@ -94,9 +94,10 @@ def test_round_trip_is_bit_exact_and_resumes_bit_identically(tmp_path, state_dty
     params, state = train(state_dtype, form, *initial(state_dtype, params_dtype, form), range(STEPS_BEFORE_SAVE))
     assert int(state.count) == STEPS_BEFORE_SAVE
     assert all(np.any(np.asarray(m) != 0) for m in jax.tree.leaves(state.moments) if np.size(m))
-    expected_moments = QuantizedMoments if state_dtype == jnp.int8 else DenseMoments
+    quantized = state_dtype in (jnp.int8, jnp.int4)
+    expected_moments = QuantizedMoments if quantized else DenseMoments
     assert moment_types(state) == [expected_moments] * (2 if params_dtype == "mixed" else 1)
-    if state_dtype == jnp.int8:  # both regions of QuantizedMoments are in the checkpoint
+    if quantized:  # both regions of QuantizedMoments are in the checkpoint
         assert all(m.mu_codes.size and m.mu_small.size for m in state.moments)
     saved = {"params": params, "opt_state": state}
     saved_bits = bits(saved)
@@ -124,7 +125,8 @@ def test_round_trip_is_bit_exact_and_resumes_bit_identically(tmp_path, state_dty
     (jnp.float32, jnp.bfloat16, r"opt_state\.moments\.0\.nu: saved \(\d+, 256\) float32, target \(\d+, 256\) bfloat16"),
     (jnp.int8, jnp.float32, r"opt_state\.moments\.0\.mu_codes: saved \(\d+, 256\) int8, target missing"),
     (jnp.bfloat16, jnp.int8, r"opt_state\.moments\.0\.mu: saved \(\d+, 256\) bfloat16, target missing"),
-], ids=["bf16-fp32", "fp32-bf16", "int8-fp32", "bf16-int8"])
+    (jnp.int8, jnp.int4, r"opt_state\.moments\.0\.mu_codes: saved \(\d+, 256\) int8, target \(\d+, 128\) uint8"),
+], ids=["bf16-fp32", "fp32-bf16", "int8-fp32", "bf16-int8", "int8-int4"])
 @pytest.mark.parametrize("form", FORMS)
 def test_restoring_another_state_kind_raises(tmp_path, saved_kind, target_kind, message, form):
     params, state = initial(saved_kind, "float32", form)

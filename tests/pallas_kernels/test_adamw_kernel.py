@@ -11,7 +11,7 @@ from pallas_kernels import adamw as K
 from pallas_kernels.testing import assert_close, interpret, lower_for_h200, unaliased
 
 ROWS = 128
-CASES = [("fp32", 0), ("bf16", 0), ("int8", 0), ("int8", 32)]
+CASES = [("fp32", 0), ("bf16", 0), ("int8", 0), ("int8", 32), ("int4", 0), ("int4", 32)]
 
 
 def hyper(step=3, lr=1e-2, b1=0.9, b2=0.999, wd=0.1):
@@ -28,8 +28,11 @@ def random_state(key, codec, n_plain, rows=ROWS):
     if codec == "bf16":
         return m.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     bits = K.random_bits(jnp.arange(rows * K.ROW, dtype=jnp.uint32).reshape(rows, K.ROW), jnp.uint32(7))
-    mq, ms = K.quantize_rows(m[n_plain:], bits[n_plain:], signed=True, quant_map="power")
-    vq, vs = K.quantize_rows(v[n_plain:], bits[n_plain:], signed=False, quant_map="power")
+    if codec == "int4":
+        (mq, ms), (vq, vs) = K.quantize_rows_4bit(m, bits, signed=True), K.quantize_rows_4bit(v, bits, signed=False)
+    else:  # codes cover every row
+        mq, ms = K.quantize_rows(m, bits, signed=True, quant_map="power")
+        vq, vs = K.quantize_rows(v, bits, signed=False, quant_map="power")
     return (mq, vq, ms, vs) + ((m[:n_plain], v[:n_plain]) if n_plain else ())
 
 
@@ -41,8 +44,10 @@ def inputs(seed, codec, n_plain, p_dtype, rows=ROWS):
     return p, g, random_state(ks, codec, n_plain, rows), decay, hyper(), K.stream_keys(seed, 3, 0)
 
 
-def assert_codes_close(actual, expected, name):
-    """8-bit codes may differ by one step where float reordering moves a value across a rounding edge."""
+def assert_codes_close(actual, expected, name, codec="int8"):
+    """Codes may differ by one step where float reordering moves a value across a rounding edge."""
+    if codec == "int4":
+        actual, expected = K.unpack_nibbles(actual), K.unpack_nibbles(expected)
     diff = np.abs(np.asarray(actual, np.int32) - np.asarray(expected, np.int32))
     assert diff.max() <= 1 and (diff > 0).mean() < 1e-3, f"{name}: {int((diff > 0).sum())} codes differ"
 
@@ -58,8 +63,11 @@ class TestFusedAdamW:
         ref_out, ref_state = K.fused_adamw_reference(*args, **static)
         assert_close(out, ref_out, name="params" if apply else "updates")
         for k, (a, e) in enumerate(zip(state, ref_state, strict=True)):
+            if k < 4 and codec in K.QUANTIZED:  # codes and scales of plain rows are never written (poisoned here)
+                np.testing.assert_array_equal(np.asarray(e[:n_plain]), np.asarray(args[2][k][:n_plain]))
+                a, e = a[n_plain:], e[n_plain:]
             if jnp.issubdtype(a.dtype, jnp.integer):
-                assert_codes_close(a, e, f"state[{k}]")
+                assert_codes_close(a, e, f"state[{k}]", codec)
             else:
                 assert_close(a, e, name=f"state[{k}]")
 
@@ -68,9 +76,41 @@ class TestFusedAdamW:
         args = inputs(1, codec, n_plain, jnp.bfloat16)
         run = functools.partial(K.fused_adamw, *args, codec=codec, n_plain_rows=n_plain, interpret=interpret())
         small = run(config=K.BlockConfig(block_rows=8))
-        large = run(config=K.BlockConfig(block_rows=32, num_warps=8))
-        for a, b in zip(jax.tree.leaves(small), jax.tree.leaves(large), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        others = [run(config=K.BlockConfig(block_rows=32, num_warps=8))]
+        if codec == "int8":  # codes moved as 32-bit words: the same bytes
+            others.append(run(config=K.BlockConfig(block_rows=4, num_warps=2, word_codes=True)))
+        for other in others:
+            for a, b in zip(jax.tree.leaves(small), jax.tree.leaves(other), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    @pytest.mark.parametrize("codec,n_plain", [("bf16", 0), ("int8", 32)])
+    def test_a_shard_with_offset_keys_rounds_as_the_whole_buffer(self, codec, n_plain):
+        """Rows [64, 128) run alone, keys shifted by shard_key_offset(64) and (int8) a traced count of plain rows
+        (none there: the plain rows all lie in the first half) give the whole buffer's result on those rows."""
+        p, g, state, decay, hp, keys = inputs(2, codec, n_plain, jnp.bfloat16)
+        whole_out, whole_state = K.fused_adamw(p, g, state, decay, hp, keys, codec=codec, n_plain_rows=n_plain,
+                                               interpret=interpret())
+        half = lambda x: x[64:] if x.shape[0] == ROWS else x  # plain moments are whole on every shard
+        shard = jax.jit(lambda n, *a: K.fused_adamw(*a, codec=codec, n_plain_rows=n, interpret=interpret()))
+        out, new_state = shard(jnp.int32(0), half(p), half(g), tuple(half(x) for x in state), half(decay), hp,
+                               keys + K.shard_key_offset(64))
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(whole_out[64:], np.float32))
+        for a, b in zip(new_state[:4], whole_state[:4], strict=False):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(half(b), np.float32))
+
+    @pytest.mark.parametrize("codec,n_plain", [("fp32", 0), ("int8", 32)])
+    def test_copy_dtype_writes_the_new_params_rounded_to_nearest(self, codec, n_plain):
+        """float32 master params in, their bf16 working copy out of the same pass."""
+        args = inputs(3, codec, n_plain, jnp.float32)
+        out, _, copy = unaliased(K.fused_adamw)(*args, codec=codec, n_plain_rows=n_plain, copy_dtype=jnp.bfloat16,
+                                                interpret=interpret())
+        ref_out, _, ref_copy = K.fused_adamw_reference(*args, codec=codec, n_plain_rows=n_plain,
+                                                       copy_dtype=jnp.bfloat16)
+        assert copy.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(copy), np.asarray(out.astype(jnp.bfloat16)))
+        assert_close(copy, ref_copy, name="copy")
+        with pytest.raises(ValueError, match="copy_dtype=.* needs apply=True"):
+            K.fused_adamw(*args, codec=codec, n_plain_rows=n_plain, apply=False, copy_dtype=jnp.bfloat16)
 
     def test_rejects_bad_arguments(self):
         p, g, state, decay, hp, keys = inputs(0, "fp32", 0, jnp.float32)
@@ -82,13 +122,18 @@ class TestFusedAdamW:
             K.fused_adamw(p[:6], g[:6], (state[0][:6], state[1][:6]), decay[:6], hp, keys, codec="fp32")
         with pytest.raises(ValueError, match="power of 2"):
             K.BlockConfig(block_rows=24)
+        with pytest.raises(ValueError, match="word_codes applies to the int8 codec only"):
+            K.fused_adamw(p, g, state, decay, hp, keys, codec="fp32", config=K.BlockConfig(word_codes=True))
 
 
 @pytest.mark.parametrize("codec,n_plain", CASES)
 @pytest.mark.parametrize("p_dtype", [jnp.float32, jnp.bfloat16])
 def test_lowers_for_h200(codec, n_plain, p_dtype):
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs(0, codec, n_plain, p_dtype))
-    text = lower_for_h200(functools.partial(K.fused_adamw, codec=codec, n_plain_rows=n_plain), *args)
+    copy = jnp.bfloat16 if p_dtype == jnp.float32 else None  # the master-weights form: fp32 p, a bf16 copy out
+    config = K.BlockConfig(4, 2, word_codes=True) if codec == "int8" and p_dtype == jnp.float32 else None
+    text = lower_for_h200(functools.partial(K.fused_adamw, codec=codec, n_plain_rows=n_plain, copy_dtype=copy,
+                                            config=config), *args)
     assert "triton" in text and "apexw_" + codec in text
 
 
@@ -194,3 +239,32 @@ def test_hash_streams_differ_and_are_deterministic():
     np.testing.assert_array_equal(keys, K.stream_keys(5, 10, 0))
     assert not np.array_equal(keys, K.stream_keys(5, 11, 0))
     assert not np.array_equal(keys, K.stream_keys(6, 10, 0))
+
+
+def test_nibbles_round_trip_and_int4_levels():
+    n = jax.random.randint(jax.random.key(0), (4, K.ROW), 0, 16).astype(jnp.uint8)
+    packed = K.pack_nibbles(n)
+    assert packed.shape == (4, K.ROW // 2) and packed.dtype == jnp.uint8
+    np.testing.assert_array_equal(np.asarray(K.unpack_nibbles(packed)), np.asarray(n, np.int32))
+    assert int(packed[0, 0]) == int(n[0, 0]) | int(n[0, 1]) << 4  # element 2j low, 2j + 1 high
+    # v never decodes to 0 (the first level is 1/16^4 of the scale), and a row's largest v decodes within a level
+    v = jnp.exp(jax.random.uniform(jax.random.key(1), (4, K.ROW), minval=-30, maxval=-2))
+    codes, scale = K.quantize_rows_4bit(v, K.random_bits(jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape),
+                                                             jnp.uint32(5)), signed=False)
+    decoded = K.dequantize_rows_4bit(codes, scale, signed=False)
+    assert bool(jnp.all(decoded > 0))
+    assert bool(jnp.all(decoded >= scale[:, None] / 16**4 * (1 - 1e-6)))
+
+
+def test_int4_codes_are_unbiased():
+    """Stochastic rounding is unbiased on the code's axis: over many draws, the mean of y = sign(m) sqrt(|m| / s)
+    decoded from the 4-bit codes tracks the exact y (levels 1/7 apart)."""
+    m = 0.1 * jax.random.normal(jax.random.key(2), (1, K.ROW))
+    draws = []
+    for seed in range(200):
+        bits = K.random_bits(jnp.arange(K.ROW, dtype=jnp.uint32)[None], jnp.uint32(seed * 7919))
+        codes, scale = K.quantize_rows_4bit(m, bits, signed=True)
+        decoded = K.dequantize_rows_4bit(codes, scale, signed=True)
+        draws.append(jnp.sign(decoded) * jnp.sqrt(jnp.abs(decoded) / scale[:, None]))
+    exact = jnp.sign(m) * jnp.sqrt(jnp.abs(m) / scale[:, None])
+    assert float(jnp.max(jnp.abs(jnp.mean(jnp.stack(draws), 0) - exact))) < 0.02

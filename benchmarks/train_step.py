@@ -1,0 +1,392 @@
+"""A whole training step (forward, backward, optimizer) of GPT-2- and Llama-style decoders in Flax NNX, with
+optax.adamw and ApexW (fp32, bf16, int8 state; the fused flat step), side by side in one run.
+
+Suites (each fits a 10-minute device command; ``--cpu`` runs tiny models on the host, as CI does):
+
+* ``speed``: GPT-2 small (124M) and a ~1B Llama, bf16 compute, fp32 params: step time, tokens/s, the optimizer's
+  share of the step (the optimizer alone, timed the same way), peak device memory (``memory_stats()``; each case in
+  its own process on a GPU so the peaks do not mix) and the ratios to optax.adamw.
+* ``capacity``: the deepest model of a family (width fixed) that trains one step in one device, per optimizer,
+  found by binary search over the layer count (each try a process of its own: an out-of-memory kills only it).
+* ``curves``: loss curves over ``--steps`` steps (2000 on a GPU) of a small byte-level model on the standard
+  library's source (``apex_data.text``), every optimizer from the same init and batches; the final loss of each
+  relative to optax.adamw's.
+
+Writes ``benchmarks/results/train_step_{suite}[_{models}][_{tag}][_cpu].json`` (+ ``.png`` for curves) through the
+harness (and into ``$OUT`` when set).
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/train_step.py` from anywhere
+
+import apex_jax  # noqa: E402
+from apex_data.text import python_source_corpus, split_corpus  # noqa: E402
+from benchmarks.harness import format_table, save_plot, time_jax_steps, write_results  # noqa: E402
+
+OPTIMIZERS = ("optax.adamw", "apexw-fp32", "apexw-bf16", "apexw-int8", "apexw-int4")
+LR, WEIGHT_DECAY = 3e-4, 0.1
+CURVE_TOLERANCE = 0.01  # the issue's bar: final loss within 1% of optax.adamw's
+MEM_FRACTION = 0.95  # of the device memory XLA's allocator may use in each isolated case (its default is 0.75)
+CAPACITY_BATCH = 1  # sequences per step in the capacity search: the optimizer's memory, not activations, decides
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder: ``gpt2`` (LayerNorm, GELU MLP, learned positions, biases) or ``llama`` (RMSNorm, SwiGLU, RoPE)."""
+
+    family: str
+    vocab: int
+    dim: int
+    layers: int
+    heads: int
+    hidden: int
+    seq: int
+
+    def __post_init__(self):
+        if self.family not in ("gpt2", "llama"):
+            raise ValueError(f"family must be 'gpt2' or 'llama', got {self.family!r}")
+        if self.dim % self.heads:
+            raise ValueError(f"dim {self.dim} must be a multiple of heads {self.heads}")
+
+
+MODELS = {
+    "gpt2-124m": ModelConfig("gpt2", 50304, 768, 12, 12, 3072, 1024),
+    "llama-1b": ModelConfig("llama", 32000, 2048, 16, 16, 5632, 2048),
+}
+CPU_MODELS = {
+    "gpt2-124m": ModelConfig("gpt2", 512, 64, 2, 4, 256, 64),
+    "llama-1b": ModelConfig("llama", 512, 64, 2, 4, 192, 64),
+}
+BATCH = {"gpt2-124m": 16, "llama-1b": 4}
+CURVE_MODEL = ModelConfig("llama", 256, 256, 4, 4, 704, 256)
+CPU_CURVE_MODEL = ModelConfig("llama", 256, 32, 1, 2, 96, 32)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def rope(x: jax.Array) -> jax.Array:
+    """Rotary position embedding of ``x`` [batch, seq, heads, head_dim] (rotate-half form, base 10000)."""
+    seq, half = x.shape[1], x.shape[-1] // 2
+    freq = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq
+    cos, sin = jnp.cos(angle)[None, :, None].astype(x.dtype), jnp.sin(angle)[None, :, None].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        gpt2 = cfg.family == "gpt2"
+        norm = (lambda: nnx.LayerNorm(cfg.dim, dtype=jnp.bfloat16, rngs=rngs)) if gpt2 else (
+            lambda: nnx.RMSNorm(cfg.dim, dtype=jnp.bfloat16, rngs=rngs))
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=gpt2, dtype=jnp.bfloat16, rngs=rngs)  # noqa: E731
+        self.cfg = cfg
+        self.norm1, self.norm2 = norm(), norm()
+        self.qkv, self.proj = linear(cfg.dim, 3 * cfg.dim), linear(cfg.dim, cfg.dim)
+        self.up = linear(cfg.dim, cfg.hidden if gpt2 else 2 * cfg.hidden)
+        self.down = linear(cfg.hidden, cfg.dim)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, s, _ = x.shape
+        q, k, v = jnp.split(self.qkv(self.norm1(x)).reshape(b, s, 3 * cfg.heads, cfg.dim // cfg.heads), 3, axis=2)
+        if cfg.family == "llama":
+            q, k = rope(q), rope(k)
+        x = x + self.proj(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, s, cfg.dim))
+        h = self.up(self.norm2(x))
+        if cfg.family == "gpt2":
+            h = jax.nn.gelu(h)
+        else:
+            gate, up = jnp.split(h, 2, axis=-1)
+            h = jax.nn.silu(gate) * up
+        return x + self.down(h)
+
+
+class Decoder(nnx.Module):
+    """tokens [batch, seq] -> logits [batch, seq, vocab] (float32), bf16 compute.
+
+    The blocks are stacked (every block parameter has a leading [layers] axis) and applied by ``nnx.scan``, so
+    compile time does not grow with depth (the capacity search compiles models of hundreds of layers).
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab, cfg.dim, dtype=jnp.bfloat16, rngs=rngs)
+        self.pos = nnx.Param(0.01 * jax.random.normal(rngs.params(), (cfg.seq, cfg.dim))) if (
+            cfg.family == "gpt2") else None
+
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stacked(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = stacked(rngs)
+        self.norm = (nnx.LayerNorm if cfg.family == "gpt2" else nnx.RMSNorm)(cfg.dim, dtype=jnp.bfloat16, rngs=rngs)
+        self.head = nnx.Linear(cfg.dim, cfg.vocab, use_bias=False, dtype=jnp.bfloat16, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        if self.pos is not None:
+            x = x + self.pos[...][: tokens.shape[1]].astype(jnp.bfloat16)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def through(x, block):
+            return block(x)
+
+        return self.head(self.norm(through(x, self.blocks))).astype(jnp.float32)
+
+
+def n_params(cfg: ModelConfig) -> int:
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
+    del graphdef
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+
+
+# --------------------------------------------------------------------------- training steps
+
+
+def make_trainer(cfg: ModelConfig, optimizer: str, seed: int = 0):
+    """(carry, step, opt_step): ``carry = step(*carry, batch)`` is one jitted training step with donated params and
+    state; ``opt_step`` is the optimizer update alone (grads = params), for the optimizer's share."""
+    graphdef, params = nnx.split(Decoder(cfg, nnx.Rngs(seed)), nnx.Param)
+
+    def loss_of(tree, batch):
+        logits = nnx.merge(graphdef, tree)(batch[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    if optimizer == "optax.adamw":
+        tx = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
+
+        def step(p, s, batch):
+            loss, grads = jax.value_and_grad(loss_of)(p, batch)
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, loss
+
+        def opt_step(p, s):
+            updates, s = tx.update(p, s, p)
+            return optax.apply_updates(p, updates), s
+
+        return (params, tx.init(params)), jax.jit(step, donate_argnums=(0, 1)), jax.jit(opt_step,
+                                                                                        donate_argnums=(0, 1))
+    if not optimizer.startswith("apexw-"):
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
+    opt = apex_jax.ApexW(LR, weight_decay=WEIGHT_DECAY, state_dtype=apex_jax.STATE_DTYPES[optimizer[6:]])
+    flat = apex_jax.flatten(params)
+
+    def fused_step(f, s, batch):
+        loss, grads = jax.value_and_grad(lambda f: loss_of(f.tree(), batch))(f)
+        f, s = opt.step(f, grads, s)
+        return f, s, loss
+
+    return (flat, opt.init(flat)), jax.jit(fused_step, donate_argnums=(0, 1)), jax.jit(
+        lambda f, s: opt.step(f, f, s), donate_argnums=(0, 1))
+
+
+def peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else int(stats.get("peak_bytes_in_use", 0))
+
+
+def speed_case(model: str, optimizer: str, cpu: bool) -> dict:
+    """One (model, optimizer) row: step and optimizer times, tokens/s, peak memory."""
+    cfg = (CPU_MODELS if cpu else MODELS)[model]
+    batch_size = 2 if cpu else BATCH[model]
+    carry, step, opt_step = make_trainer(cfg, optimizer)
+    batch = jax.random.randint(jax.random.key(1), (batch_size, cfg.seq + 1), 0, cfg.vocab)
+    runs = dict(warmup=1, iters=20, steps_per_run=1) if cpu else dict(warmup=2, iters=20, steps_per_run=2)
+    timing, (params, state, _) = time_jax_steps(lambda p, s, _loss: step(p, s, batch), (*carry, None), **runs)
+    opt_timing, _ = time_jax_steps(opt_step, (params, state), **runs)
+    return dict(model=model, optimizer=optimizer, params=n_params(cfg), batch=batch_size, seq=cfg.seq,
+                step_ms=timing.median_ms, tokens_per_s=batch_size * cfg.seq / (timing.median_ms * 1e-3),
+                optimizer_ms=opt_timing.median_ms, optimizer_share=opt_timing.median_ms / timing.median_ms,
+                peak_bytes=peak_bytes())
+
+
+def run_isolated(args: list[str]) -> dict | None:
+    """``python -m benchmarks.train_step args`` in a fresh process (its own device memory, of which XLA may take
+    ``MEM_FRACTION``); its last stdout line as JSON, or None when it failed (an out-of-memory)."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(MEM_FRACTION))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.train_step", *args], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, env=env)
+    if proc.returncode:
+        print(proc.stderr[-2000:], file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def suite_speed(cpu: bool, models: list[str], optimizers: list[str]) -> list[dict]:
+    rows = []
+    for model in models:
+        for optimizer in optimizers:
+            row = speed_case(model, optimizer, cpu) if cpu else run_isolated(["--case", f"{model}:{optimizer}"])
+            rows.append(row or dict(model=model, optimizer=optimizer, status="failed"))
+            print(json.dumps(rows[-1]), flush=True)
+    for row in rows:
+        base = next((r for r in rows if r["model"] == row["model"] and r["optimizer"] == "optax.adamw"), None)
+        if base and "step_ms" in base and "step_ms" in row:
+            row["speedup_vs_optax"] = base["step_ms"] / row["step_ms"]
+            if base["peak_bytes"] and row["peak_bytes"]:
+                row["peak_saved_bytes_per_param"] = (base["peak_bytes"] - row["peak_bytes"]) / row["params"]
+    return rows
+
+
+def trains(cfg: ModelConfig, optimizer: str, batch_size: int) -> bool:
+    """One training step of ``cfg`` completes (False on an out-of-memory)."""
+    try:
+        carry, step, _ = make_trainer(cfg, optimizer)
+        batch = jnp.zeros((batch_size, cfg.seq + 1), jnp.int32)
+        jax.block_until_ready(step(*carry, batch))
+        return True
+    except Exception as err:  # XlaRuntimeError RESOURCE_EXHAUSTED, or jaxlib's OOM at allocation
+        if "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower():
+            return False
+        raise
+
+
+def suite_capacity(cpu: bool, models: list[str], optimizers: list[str], min_layers: int,
+                   max_layers: int) -> list[dict]:
+    """Binary search of the layer count: the deepest model of each family (width of ``MODELS``) that trains a step
+    of ``CAPACITY_BATCH`` sequences, searched in [min_layers, max_layers] (``min_layers`` assumed to train; a
+    result equal to it or to ``max_layers`` is flagged, the bracket was too narrow)."""
+    rows = []
+    for model in models:
+        cfg = (CPU_MODELS if cpu else MODELS)[model]
+        for optimizer in optimizers:
+            low, high = min_layers - 1, max_layers + 1  # trains at low (below min: not yet shown), fails at high
+            while high - low > 1:
+                mid = (low + high) // 2
+                trial = dataclasses.replace(cfg, layers=mid)
+                if cpu:
+                    ok = trains(trial, optimizer, CAPACITY_BATCH)
+                else:
+                    ok = run_isolated(["--try", f"{model}:{optimizer}:{mid}"]) is not None
+                low, high = (mid, high) if ok else (low, mid)
+            deepest = dataclasses.replace(cfg, layers=low)
+            rows.append(dict(model=model, optimizer=optimizer, layers=low, params=n_params(deepest) if low else 0,
+                             at_bracket_edge=low in (min_layers - 1, max_layers)))
+            print(json.dumps(rows[-1]), flush=True)
+    for row in rows:
+        base = next(r for r in rows if r["model"] == row["model"] and r["optimizer"] == rows[0]["optimizer"])
+        row["params_vs_first"] = row["params"] / base["params"] if base["params"] else None
+    return rows
+
+
+def suite_curves(cpu: bool, optimizers: list[str], steps: int, log_every: int) -> list[dict]:
+    """Loss curves from one init and one batch order per optimizer; final loss (mean of the last tenth of the
+    logged losses) relative to optax.adamw's."""
+    cfg = CPU_CURVE_MODEL if cpu else CURVE_MODEL
+    batch_size = 4 if cpu else 32
+    train_bytes, _ = split_corpus(python_source_corpus(2_000_000 if cpu else None))
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, len(train_bytes) - cfg.seq - 1, (steps, batch_size))
+    rows = []
+    for optimizer in optimizers:
+        carry, step, _ = make_trainer(cfg, optimizer)
+        params, state, losses = *carry, []
+        start_time = time.perf_counter()
+        for t in range(steps):
+            batch = jnp.asarray(np.stack([train_bytes[s:s + cfg.seq + 1] for s in starts[t]]).astype(np.int32))
+            params, state, loss = step(params, state, batch)
+            if (t + 1) % log_every == 0:
+                losses.append(float(loss))
+        tail = max(1, len(losses) // 10)
+        rows.append(dict(optimizer=optimizer, steps=list(range(log_every, steps + 1, log_every)), loss=losses,
+                         final_loss=float(np.mean(losses[-tail:])), seconds=time.perf_counter() - start_time))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("loss", "steps")}), flush=True)
+    base = next((r for r in rows if r["optimizer"] == "optax.adamw"), rows[0])
+    for row in rows:
+        row["rel_diff_vs_optax"] = row["final_loss"] / base["final_loss"] - 1
+        row["within_tolerance"] = abs(row["rel_diff_vs_optax"]) <= CURVE_TOLERANCE
+    return rows
+
+
+def plot_curves(rows: list[dict], name: str, out_dir) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for row in rows:
+        ax.plot(row["steps"], row["loss"], label=f"{row['optimizer']} ({100 * row['rel_diff_vs_optax']:+.2f}%)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_title("byte-level Llama-style decoder on the Python standard library")
+    ax.legend()
+    save_plot(fig, name, out_dir)
+
+
+def main(argv: list[str] | None = None, out_dir: str | Path | None = None) -> dict | None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=("speed", "capacity", "curves"), default="speed")
+    parser.add_argument("--cpu", action="store_true", help="tiny models on the host (what CI runs)")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--steps", type=int, help="curves: training steps (default 2000; 40 with --cpu)")
+    parser.add_argument("--max-layers", type=int, help="capacity: the search's upper bound (default 256; 4 --cpu)")
+    parser.add_argument("--min-layers", type=int, default=1, help="capacity: a depth known to train (default 1)")
+    parser.add_argument("--tag", help="appended to the result's name (a run split over several commands)")
+    parser.add_argument("--case", help="internal: one speed row MODEL:OPTIMIZER, printed as JSON")
+    parser.add_argument("--try", dest="trial", help="internal: MODEL:OPTIMIZER:LAYERS trains one step, or exit 1")
+    args = parser.parse_args(argv)
+    if args.case:
+        model, optimizer = args.case.split(":")
+        print(json.dumps(speed_case(model, optimizer, cpu=False)))
+        return None
+    if args.trial:
+        model, optimizer, layers = args.trial.split(":")
+        cfg = dataclasses.replace(MODELS[model], layers=int(layers))
+        if not trains(cfg, optimizer, CAPACITY_BATCH):
+            sys.exit(1)
+        print(json.dumps({"ok": True}))
+        return None
+    models, optimizers = args.models.split(","), args.optimizers.split(",")
+    for name in optimizers:
+        if name not in OPTIMIZERS:
+            parser.error(f"unknown optimizer {name!r}; expected some of {OPTIMIZERS}")
+    for name in models:
+        if name not in MODELS:
+            parser.error(f"unknown model {name!r}; expected some of {tuple(MODELS)}")
+    name = "_".join(["train_step", args.suite, *([] if args.suite == "curves" else ["+".join(models)]),
+                     *([args.tag] if args.tag else []), *(["cpu"] if args.cpu else [])])
+    if args.suite == "speed":
+        rows = suite_speed(args.cpu, models, optimizers)
+        columns = ["model", "optimizer", "step_ms", "tokens_per_s", "optimizer_share", "peak_bytes",
+                   "speedup_vs_optax", "peak_saved_bytes_per_param"]
+        config = dict(models={m: dataclasses.asdict((CPU_MODELS if args.cpu else MODELS)[m]) for m in models})
+    elif args.suite == "capacity":
+        max_layers = args.max_layers or (4 if args.cpu else 256)
+        rows = suite_capacity(args.cpu, models, optimizers, args.min_layers, max_layers)
+        columns = ["model", "optimizer", "layers", "params", "params_vs_first", "at_bracket_edge"]
+        config = dict(batch=CAPACITY_BATCH, mem_fraction=MEM_FRACTION,
+                      models={m: dataclasses.asdict((CPU_MODELS if args.cpu else MODELS)[m]) for m in models})
+    else:
+        steps = args.steps or (40 if args.cpu else 2000)
+        rows = suite_curves(args.cpu, optimizers, steps, log_every=max(1, steps // 100))
+        columns = ["optimizer", "final_loss", "rel_diff_vs_optax", "within_tolerance", "seconds"]
+        config = dict(model=dataclasses.asdict(CPU_CURVE_MODEL if args.cpu else CURVE_MODEL), steps=steps, lr=LR)
+        plot_curves(rows, name, out_dir)
+    payload = dict(benchmark=name, suite=args.suite, config=config, rows=rows)
+    write_results(name, payload, out_dir)
+    print(format_table(rows, columns))
+    return payload
+
+
+if __name__ == "__main__":
+    main()

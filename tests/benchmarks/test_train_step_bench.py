@@ -1,0 +1,47 @@
+"""benchmarks/train_step.py in its --cpu mode: every suite runs the real training steps of tiny NNX decoders and
+writes the schema the GPU run writes."""
+
+import json
+
+import pytest
+
+from benchmarks import train_step as ts
+
+
+def test_speed_suite_times_every_optimizer_against_optax(tmp_path):
+    ts.main(["--cpu", "--suite", "speed", "--models", "gpt2-124m", "--optimizers", "optax.adamw,apexw-int8"],
+            out_dir=tmp_path)
+    result = json.loads((tmp_path / "train_step_speed_gpt2-124m_cpu.json").read_text())
+    assert "meta" in result and result["config"]["models"]["gpt2-124m"]["family"] == "gpt2"
+    rows = result["rows"]
+    assert [r["optimizer"] for r in rows] == ["optax.adamw", "apexw-int8"]
+    for row in rows:
+        assert row["step_ms"] > 0 and row["tokens_per_s"] > 0 and 0 < row["optimizer_share"]
+        assert row["params"] == ts.n_params(ts.CPU_MODELS["gpt2-124m"])
+    assert rows[0]["speedup_vs_optax"] == 1.0
+
+
+def test_curves_suite_trains_both_families_of_optimizer_alike(tmp_path):
+    """20 steps from one init and one batch order: the loss falls, and ApexW's final loss stays near optax's."""
+    ts.main(["--cpu", "--suite", "curves", "--steps", "20", "--optimizers", "optax.adamw,apexw-bf16"],
+            out_dir=tmp_path)
+    result = json.loads((tmp_path / "train_step_curves_cpu.json").read_text())
+    assert (tmp_path / "train_step_curves_cpu.png").exists()
+    for row in result["rows"]:
+        assert len(row["loss"]) == len(row["steps"]) == 20
+        assert row["loss"][-1] < row["loss"][0]
+        assert abs(row["rel_diff_vs_optax"]) < 0.02
+
+
+@pytest.mark.slow
+def test_capacity_suite_searches_the_layer_count(tmp_path):
+    ts.main(["--cpu", "--suite", "capacity", "--models", "llama-1b", "--optimizers", "apexw-int8",
+             "--max-layers", "2"], out_dir=tmp_path)
+    (row,) = json.loads((tmp_path / "train_step_capacity_llama-1b_cpu.json").read_text())["rows"]
+    assert row["layers"] == 2 and row["at_bracket_edge"] and row["params"] == ts.n_params(
+        ts.dataclasses.replace(ts.CPU_MODELS["llama-1b"], layers=2))
+
+
+def test_unknown_optimizer_is_a_usage_error():
+    with pytest.raises(SystemExit):
+        ts.main(["--cpu", "--optimizers", "sgd"])
