@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import HF
+from helpers.engine import compile_events
 
 from serving import Engine, SamplingParams, sharding
 from serving.engine.blocks import BlockAllocator, hash_blocks
@@ -19,17 +20,6 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs
 rng = np.random.default_rng(0)
 PROMPT_A = rng.integers(3, 320, 26).tolist()
 PROMPT_B = rng.integers(3, 320, 52).tolist()
-# A jit cache miss traces (even when the persistent cache then supplies the executable); a new executable compiles.
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
-_events: list[str] | None = None  # the events seen while a test records them
-
-
-def _listen(name: str, duration: float, **_: object) -> None:
-    if _events is not None and name in COMPILE_EVENTS:
-        _events.append(name)
-
-
-jax.monitoring.register_event_duration_secs_listener(_listen)
 
 
 def engine(name: str = "llama", num_blocks: int = SMALL, **kwargs) -> Engine:
@@ -258,13 +248,9 @@ def test_reset_prefix_cache_starts_cold_and_needs_an_idle_engine():
 
 
 def test_after_warm_up_evictions_and_restores_compile_nothing():
-    global _events
     eng = engine(host_cache_blocks=64, token_budget=16, compilation_cache=False)
     eng.warm_up()
-    _events = []
-    try:
+    with compile_events() as events:
         for prompt in (PROMPT_A, PROMPT_B, PROMPT_A):
             run(eng, prompt)
-        assert eng.tier_stats.host_hits > 0 and _events == []
-    finally:
-        _events = None
+    assert eng.tier_stats.host_hits > 0 and events == []

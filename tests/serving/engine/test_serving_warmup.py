@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import pytest
 from helpers import HF, REPO
+from helpers.engine import compile_events
 from helpers.server import model_folder
 
 from serving.engine import engine as engine_module
@@ -20,18 +21,6 @@ from serving.engine.runner import BLOCKS_BUCKET_BASE, MIN_BLOCKS_BUCKET, MIN_TOK
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.spec_decode import SpecConfig
 from serving.structured import ConstraintSpec
-
-# A jit cache miss traces (even when the persistent cache then supplies the executable); a new executable compiles.
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
-_events: list[str] | None = None  # the events seen while a test records them
-
-
-def _listen(name: str, duration: float, **_: object) -> None:
-    if _events is not None and name in COMPILE_EVENTS:
-        _events.append(name)
-
-
-jax.monitoring.register_event_duration_secs_listener(_listen)
 
 
 def test_buckets_are_every_value_bucket_takes():
@@ -62,16 +51,12 @@ def test_only_decode_steps_are_paged_only(folder):
 
 
 def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
-    global _events
     eng = Engine(folder, dtype="float32", num_blocks=32, block_size=4, max_running=4, token_budget=16,
                  max_model_len=64, decode_steps=2, compilation_cache=False)
     seen = []
-    _events = []
-    try:
+    with compile_events() as events:
         done = eng.warm_up(lambda i, n: seen.append((i, n)))
-        assert len(_events) >= len(done)  # the listener sees them: each entry traced and compiled
-    finally:
-        _events = None
+    assert len(events) >= len(done)  # the listener sees them: each entry traced and compiled
     widths = buckets(16, MIN_BLOCKS_BUCKET, BLOCKS_BUCKET_BASE)
     steps = [StepShape(n, 4, w, False) for n in buckets(16, MIN_TOKENS_BUCKET) for w in widths]
     samplers = [("sample", 4, top, draw, masked, biased) for top in (0, MAX_LOGPROBS) for draw in (False, True)
@@ -81,8 +66,7 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
     assert done == [("step", s) for s in steps] + samplers + [("chained", decode)] + decodes
     assert seen == [(i + 1, len(done)) for i in range(len(done))]
 
-    _events = []
-    try:
+    with compile_events() as events:
         texts = ["The quick brown fox jumps over the lazy dog", "Hi",
                  "Once upon a time", "a"]
         greedy = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
@@ -94,43 +78,33 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
         eng.generate([texts[1]], greedy)
         eng.generate(texts[:2], [SamplingParams(temperature=0.0, max_tokens=5, logit_bias=((7, 5.0),)),
                                  SamplingParams(temperature=0.9, max_tokens=5, seed=4, logit_bias=((3, -100.0),) * 2)])
-        assert _events == []
-    finally:
-        _events = None
+    assert events == []
 
 
 def test_with_ngram_speculation_warm_up_compiles_every_verification(folder):
-    global _events
     eng = Engine(folder, dtype="float32", num_blocks=32, block_size=4, max_running=2, token_budget=16,
                  max_model_len=64, speculative=SpecConfig.from_method("ngram", k=3), compilation_cache=False)
     done = eng.warm_up()
     assert [kind for kind, *_ in done] == ["score"] * 4 + ["verify"] * 8
-    _events = []
-    try:
+    with compile_events() as events:
         texts = ["ab ab ab ab ab ab ab ab", "the cat the cat the cat"]  # n-grams recur: drafts are proposed
         eng.generate(texts, [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                              SamplingParams(temperature=0.7, max_tokens=12, seed=2, logprobs=1)])
         eng.generate(texts[:1], SamplingParams(temperature=0.0, max_tokens=5, constraint=ConstraintSpec.regex("a+")))
-        assert eng.spec_stats.num_draft_tokens > 0 and _events == []
-    finally:
-        _events = None
+    assert eng.spec_stats.num_draft_tokens > 0 and events == []
 
 
 @pytest.mark.needs_devices(8)
 def test_on_a_mesh_warm_up_leaves_nothing_to_compile():
-    global _events
     from serving import sharding
 
     mesh = sharding.make_mesh(2, 2, 2, devices=jax.devices()[:8])
     eng = Engine(HF / "qwen3_moe", dtype="float32", num_blocks=32, block_size=4, max_running=2, token_budget=8,
                  max_model_len=32, mesh=mesh, compilation_cache=False)
     eng.warm_up()
-    _events = []
-    try:
+    with compile_events() as events:
         eng.generate([[5, 6, 7], [9, 10, 11, 12, 13]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-        assert _events == []
-    finally:
-        _events = None
+    assert events == []
 
 
 def test_dtype_auto_and_decode_steps_follow_the_backend():
