@@ -7,6 +7,10 @@
   ``~/.cache/apex-jax`` but its ``jax-compilation`` folder: the datasets and weights fetched before are read as
   before, and the compilation cache the engine tests write (and anything fetched for the first time) is removed
   with the folder at the end of the session.
+* JAX's persistent compilation cache off (``JAX_ENABLE_COMPILATION_CACHE=false`` unless set), in this process and
+  the engine cores it spawns: the engines turn it on by default, and then every compile of a test process would be
+  serialized to disk, which costs time and, for one sharded CPU executable in a clean-clone run, crashed the
+  worker inside XLA's ``serialize``. The test of the cache itself runs its processes with it on.
 * the tests/ root on ``sys.path``, so every folder imports the shared helpers as ``helpers.<module>``.
 * the marker ``needs_devices(n, backend=None)``: the test skips, saying why, when ``jax.device_count(backend) < n``
   (a GPU machine with fewer chips, or an ``XLA_FLAGS`` with a smaller count).
@@ -37,6 +41,8 @@ def session_cache_dir() -> Path:
             (folder / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
     return folder
 
+
+os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
 # Made once, by the first process (the xdist controller); its workers inherit the variable and leave it alone.
 _OWN_CACHE = None if os.environ.get("APEX_JAX_CACHE") else session_cache_dir()

@@ -152,7 +152,7 @@ def test_a_restart_reads_every_compile_back_from_the_persistent_cache(tmp_path):
     cache = tmp_path / "jax-cache"
 
     def start() -> dict:
-        env = os.environ | {"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+        env = os.environ | {"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "true"}
         env.pop("XLA_FLAGS", None)
         run = subprocess.run([sys.executable, "-c", STARTUP, str(HF / "llama"), str(cache)], capture_output=True,
                              text=True, env=env, cwd=REPO, timeout=600)
