@@ -62,9 +62,11 @@ class ModelInfo:
     encode = Engine.encode  # the engine's own rules (it reads only ``tokenizer`` and ``cfg.vocab``)
 
     def load(self, info: dict[str, Any]) -> None:
-        cfg = info["cfg"]
-        self.cfg = ModelConfig(**{**cfg, "rope": RopeConfig(**cfg["rope"]),
-                                  "mlp_only_layers": tuple(cfg["mlp_only_layers"])})
+        def tuples(fields: dict) -> dict:  # msgpack gives lists back for the config's tuples
+            return {name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()}
+
+        cfg = tuples(info["cfg"])
+        self.cfg = ModelConfig(**{**cfg, "rope": RopeConfig(**tuples(cfg["rope"]))})
         self.eos_ids, self.max_model_len = tuple(info["eos_ids"]), info["max_model_len"]
         t = info["tokenizer"]
         self.tokenizer = None if t is None else Tokenizer(

@@ -22,7 +22,7 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-from helpers import REPO
+from helpers import HF, REPO
 from helpers.server import BLOCK, LLAMA, MODEL_NAME, make_engine, model_folder, write_tokenizer
 
 from serving.api import ipc
@@ -411,3 +411,21 @@ def test_sampling_params_cross_the_wire_whole():
     params = SamplingParams(n=2, max_tokens=5, temperature=0.5, stop=("x",), logit_bias=((7, 100.0), (3, -2.5)),
                             seed=3)
     assert ipc.params_from_wire(ipc.unpack(ipc.pack(ipc.params_to_wire(params)))) == params
+
+
+@pytest.mark.parametrize("fixture", ["qwen3", "gpt_oss", "qwen3_moe", "deepseek_v3"])
+def test_the_front_end_rebuilds_every_model_config_from_the_wire(fixture):
+    """The core sends its ModelConfig as msgpack plain data (tuples come back as lists): the front end's copy equals
+    it, windows, sinks and dense-layer lists included."""
+    import dataclasses
+    import json
+
+    from serving.api import ipc
+    from serving.api.process_engine import ModelInfo
+    from serving.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(json.loads((HF / fixture / "config.json").read_text()))
+    info = ModelInfo()
+    info.load(ipc.unpack(ipc.pack({"cfg": ipc.plain(dataclasses.asdict(cfg)), "eos_ids": [2], "max_model_len": 64,
+                                    "tokenizer": None})))
+    assert info.cfg == cfg
