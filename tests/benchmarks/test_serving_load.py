@@ -156,14 +156,14 @@ def test_random_weights_from_a_config_folder_and_refusals(tmp_path):
     assert engine.runner.params["embed"].shape == checkpoint_embed.shape
     assert not np.allclose(engine.runner.params["embed"], checkpoint_embed)  # random, not the checkpoint's
 
-    with pytest.raises(ValueError, match="--random-weights with --model 'smollm2'.*config.json"):
+    with pytest.raises(SystemExit, match="refuses to start: --random-weights with --model 'smollm2'.*config.json"):
         serving_main(["serve", "--model", "smollm2", "--random-weights"])
     with pytest.raises(FileNotFoundError, match="'.*model.safetensors'.*config.json"):
         serving_main(["serve", "--model", str(folder / "model.safetensors"), "--random-weights"])
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="empty'.*a folder holding one"):
         serving_main(["serve", "--model", str(tmp_path / "empty"), "--random-weights"])
-    with pytest.raises(ValueError, match="config without weights: add --random-weights"):
+    with pytest.raises(SystemExit, match="serve refuses to start: .*config without weights: add --random-weights"):
         serving_main(["serve", "--model", str(folder / "config.json")])
 
 
