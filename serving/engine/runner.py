@@ -70,7 +70,9 @@ BLOCKS_BUCKET_BASE = 4
 
 def bucket(n: int, minimum: int = 1, base: int = 2) -> int:
     """The least ``minimum * base**e`` >= n (e >= 0; ``minimum`` a power of two, ``base`` a power of two)."""
-    value = minimum if minimum & (minimum - 1) == 0 else 1 << (minimum - 1).bit_length()
+    if minimum < 1 or minimum & (minimum - 1):
+        raise ValueError(f"bucket: minimum {minimum} is not a power of two")
+    value = minimum
     while value < n:
         value *= base
     return value

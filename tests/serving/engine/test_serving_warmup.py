@@ -28,6 +28,8 @@ def test_buckets_are_every_value_bucket_takes():
     assert buckets(5) == [1, 2, 4, 8]
     assert buckets(16, 16, 4) == [16] and buckets(17, 16, 4) == [16, 64] and buckets(256, 16, 4) == [16, 64, 256]
     assert [bucket(n, 16, 4) for n in (1, 16, 17, 64, 65)] == [16, 16, 64, 64, 256]
+    with pytest.raises(ValueError, match="minimum 12 is not a power of two"):
+        bucket(5, 12)
 
 
 @pytest.fixture(scope="module")
