@@ -112,7 +112,8 @@ def test_paged_mla_attention_kernels_equal_the_reference_on_a_mixed_batch(dtype,
     attend = functools.partial(layers.paged_mla_attention, scale=(rank + rope) ** -0.5)
     expected_kernels = {"paged_mla_attention"} | (set() if paged_only else {"flash_attention_causal"})
     assert traced_kernels(layers.INTERPRET, attend, *args, paged_only=paged_only) == expected_kernels
-    assert_close(in_mode(layers.INTERPRET, attend, *args, paged_only=paged_only), in_mode(layers.REFERENCE, attend, *args))
+    assert_close(in_mode(layers.INTERPRET, attend, *args, paged_only=paged_only),
+                 in_mode(layers.REFERENCE, attend, *args))
 
 
 @PAGED_ONLY
@@ -311,3 +312,40 @@ def test_mla_at_deepseek_v3_width_lowers_for_an_h200(chunks):
     text = lower_for_h200(lambda p, t, b, c: module.forward(p, cfg, t, b, c), params,
                           jax.ShapeDtypeStruct(batch.positions.shape, jnp.int32), batch, kv)
     assert 'name = "paged_mla_attention"' in text and 'name = "flash_attention_causal"' in text
+
+
+# A Llama-like layer's attention at real width (32/8 heads, d128, bf16) on a prefill of two prompts.
+WIDE = dict(heads=32, kv_heads=8, head_dim=128)
+
+
+def wide_attention_args():
+    chunks = [SeqChunk(list(range(16)), 0, 48), SeqChunk(list(range(16, 32)), 0, 40)]
+    batch = make_batch(chunks, 16, num_tokens=128, num_seqs=2, max_blocks=16)
+    q = jax.ShapeDtypeStruct((128, WIDE["heads"], WIDE["head_dim"]), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((32, 16, WIDE["kv_heads"], WIDE["head_dim"]), jnp.bfloat16)
+    return q, pages, pages, batch
+
+
+@pytest.mark.parametrize("kernels, window, mosaic", [
+    (layers.DEFAULT, 0, True),  # the fastest measured on an H200: Mosaic GPU flash attention
+    (layers.DEFAULT, 64, False),  # Mosaic has no sliding window: the Triton kernel
+    (layers.KernelPolicy(flash_attention="triton"), 0, False),  # as the policy says
+    (layers.KernelPolicy(flash_attention=("mosaic", "triton")), 0, True),
+], ids=["default", "default_window", "triton", "chain"])
+def test_a_prefill_lowers_to_the_flash_kernel_the_policy_picks_for_an_h200(kernels, window, mosaic):
+    """The packed prefill of first chunks through the implementation the policy resolves to on an H200; the paged
+    part through the Triton kernel either way."""
+    attend = functools.partial(layers.paged_attention, scale=WIDE["head_dim"] ** -0.5, window=window,
+                               kernels=kernels)
+    text = lower_for_h200(attend, *wide_attention_args())
+    assert 'name = "paged_attention"' in text
+    assert ("flash_attention_mgpu_causal" in text) == mosaic
+    assert ('name = "flash_attention_causal"' in text) != mosaic
+
+
+def test_a_policy_asking_for_what_cannot_serve_the_call_is_a_value_error():
+    attend = functools.partial(layers.paged_attention, scale=WIDE["head_dim"] ** -0.5, window=64,
+                               kernels=layers.KernelPolicy(flash_attention="mosaic"))
+    with pytest.raises(ValueError, match="flash_attention: implementation='mosaic' cannot serve this call: it has "
+                                         r"no sliding window \(window=64\)"):
+        lower_for_h200(attend, *wide_attention_args())
