@@ -21,11 +21,12 @@ GPU and, in a process lowering for a GPU it has not got, behind ``jax.lax.platfo
   values read back from their just-written slots. Both kernels see all N tokens; a token not theirs costs a
   program with no key to read. The documented price of this split: a chunk continuing a cached prefix reads
   its context once per token (from L2 mostly: its tokens are neighbouring programs), not once per chunk.
-  With ``KernelPolicy.paged_only`` every token goes through ``paged_attention`` with ``position + 1`` keys (a first
-  chunk's K/V are written before attention), and the packed kernel with its gathers is not traced: right for
-  any batch, and what a step without a first prefill chunk (``all_paged``: decode steps) should run. The
+  With ``KernelPolicy.paged_only`` every token goes through ``paged_attention`` with ``position + 1`` keys (a
+  first chunk's K/V are written before attention), and the packed kernel with its gathers is not traced: right
+  for any batch, and what a step without a first prefill chunk (``all_paged``: decode steps) should run. The
   runner keys its compiled step on it. A layer's sliding window (static model-config data, ``cfg.window(l)``)
-  and attention sinks (a weight) go to both kernels, which skip the key blocks wholly before a token's window.
+  and attention sinks (a weight) go to both ops, whose Triton kernels skip the key blocks wholly before a
+  token's window (the Mosaic flash attention has neither, so such a layer's prefill runs the Triton one).
 * ``moe``'s three expert matmuls run as ``grouped_matmul`` over the (token, expert) pairs sorted by expert
   (plain weights of the activations' dtype; quantized weights keep ``quantization.linear``); up to
   ``PAIRWISE_MAX_ROWS`` pairs (decode) as two ``gather_matmul`` launches over the pairs unsorted (the SwiGLU

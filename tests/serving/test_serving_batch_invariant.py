@@ -225,8 +225,8 @@ class LogitsRecorder:
     def __init__(self, forward):
         self.forward, self.logits, self.prompts = forward, {}, []
 
-    def __call__(self, params, cfg, tokens, batch, kv):
-        logits, kv, counts = self.forward(params, cfg, tokens, batch, kv)
+    def __call__(self, params, cfg, tokens, batch, kv, kernels=layers.DEFAULT):
+        logits, kv, counts = self.forward(params, cfg, tokens, batch, kv, kernels=kernels)
         jax.debug.callback(self.record, batch.seq_ids, batch.positions, logits)
         return logits, kv, counts
 
