@@ -49,11 +49,11 @@ from apex_jax import apexw
 from examples.train_drafter.prompts import chat_prompts
 from serving import layers
 from serving.config import ModelConfig
-from serving.engine.engine import DTYPES, Engine, Prompt
 from serving.engine.runner import ModelRunner
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import AttentionBatch, PagedKV, SeqChunk
+from serving.llm_engine import DTYPES, Engine, Prompt
 from serving.models import llama, model_module
 from serving.spec_decode import BlockDrafter, SpecConfig, block_model
 from serving.spec_decode.block_model import BlockDrafterConfig

@@ -16,9 +16,9 @@ from helpers.engine import compile_events
 from helpers.server import model_folder
 
 from serving.engine import engine as engine_module
-from serving.engine.engine import Engine
 from serving.engine.runner import BLOCKS_BUCKET_BASE, MIN_BLOCKS_BUCKET, MIN_TOKENS_BUCKET, StepShape, bucket, buckets
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.llm_engine import Engine
 from serving.spec_decode import SpecConfig
 from serving.structured import ConstraintSpec
 
@@ -137,7 +137,7 @@ STARTUP = """
 import collections, json, sys, jax
 events = collections.Counter()
 jax.monitoring.register_event_listener(lambda name, **_: events.update([name.rsplit("/", 1)[-1]]))
-from serving.engine.engine import Engine
+from serving.llm_engine import Engine
 eng = Engine(sys.argv[1], num_blocks=8, block_size=4, max_running=1, token_budget=8, max_model_len=32,
              compilation_cache=sys.argv[2])
 events.clear()

@@ -1,6 +1,6 @@
 """``Engine``: add requests, step, stream outputs; ``generate`` runs a batch of prompts to completion.
 
-Each ``step`` is one scheduler decision and one device call (``runner.py``); outputs carry each sequence's new
+Each ``step`` is one scheduler decision and one device call (``engine/runner.py``); outputs carry each sequence's new
 token, its text delta (stop strings cut), and, when the sequence is done, why. A request with
 ``SamplingParams.n = k`` runs as k sequences (sample i seeded with seed + i).
 
@@ -61,11 +61,11 @@ from serving.engine.runner import Dispatched, ModelRunner
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.engine.scheduler import ScheduledChunk, Scheduler
-from serving.engine.spec_step import VerifyChunk, compile_score, compile_verify, verify_step
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.loaders import LoadedModel, load_model
 from serving.models import model_module
 from serving.spec_decode import DraftRequest, NgramDrafter, Proposal, SpecConfig, SpecStats, grammar_drafts
+from serving.spec_decode.step import VerifyChunk, compile_score, compile_verify, verify_step
 from serving.structured import compile_constraint
 
 SEED_RANGE = 2**32  # seeds are uint32
