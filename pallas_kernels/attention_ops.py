@@ -73,7 +73,10 @@ def chain(op: str, implementation: Implementation, *, interpret: bool = False) -
     target's architecture). Raises ValueError for a name ``op`` does not have or an empty chain."""
     if implementation is None:
         chains = DEFAULT_CHAINS[op]
-        gpu = _target_gpu(interpret)
+        try:
+            gpu = _target_gpu(interpret)
+        except ValueError:  # a GPU the arch table does not know: its kernels say why they cannot launch
+            return chains["gpu"]
         if gpu is None:
             return chains["cpu"]
         return chains.get(gpu.arch.name, chains["gpu"])

@@ -13,8 +13,9 @@ from helpers.kernels import abstract, packed_inputs
 from pallas_kernels import attention as triton_flash
 from pallas_kernels import attention_mgpu as mosaic_flash
 from pallas_kernels import attention_ops as ops
+from pallas_kernels import device
 from pallas_kernels import paged_attention as triton_paged
-from pallas_kernels.testing import H200, TRITON_CALL_TARGET, assert_close, interpret, lower_for_gpu, on_gpu
+from pallas_kernels.testing import H200, TRITON_CALL_TARGET, assert_close, interpret, lower_for_gpu
 
 A100 = jax.sharding.AbstractDevice(device_kind="NVIDIA A100-SXM4-80GB", num_cores=108, platform="cuda")
 L4 = jax.sharding.AbstractDevice(device_kind="NVIDIA L4", num_cores=58, platform="cuda")
@@ -106,8 +107,8 @@ def test_paged_ops_have_triton_and_xla():
         ops.chain("paged_attention", ())
 
 
-@pytest.mark.skipif(on_gpu(), reason="a GPU process always has a launch target")
-def test_with_no_gpu_none_is_the_reference_and_a_kernel_needs_interpret():
+def test_with_no_gpu_none_is_the_reference_and_a_kernel_needs_interpret(monkeypatch):
+    monkeypatch.setattr(device, "target", lambda: None)  # no GPU to launch on (as on a CPU), on any machine
     assert choose_flash() == ops.Choice("flash_attention", "xla")
     with pytest.raises(ValueError, match="implementation='triton' cannot serve this call: no NVIDIA GPU to launch "
                                          "on .* interpret=True"):
@@ -190,3 +191,12 @@ def test_paged_splits_follow_the_sm_count_of_the_device():
         text = lower_for_gpu(gpu, lambda *a: ops.paged_attention(*a, implementation="triton"), *args)
         grids[gpu.num_cores] = int(re.search(r"grid_z = (\d+)", text).group(1))
     assert grids == {132: 8, 58: 4}
+
+
+def test_a_gpu_the_arch_table_lacks_falls_back_to_the_reference_saying_why():
+    unknown = jax.sharding.AbstractDevice(device_kind="NVIDIA Z9", num_cores=10, platform="cuda")
+    with on(unknown):
+        choice = choose_flash()
+        assert choice.implementation == "xla"
+        assert [name for name, _ in choice.skipped] == ["triton"]
+        assert "unknown GPU kind 'NVIDIA Z9'" in choice.skipped[0][1]

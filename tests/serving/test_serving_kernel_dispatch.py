@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from helpers import HF
 
-from pallas_kernels.testing import TRITON_CALL_TARGET, assert_close, lower_for_h200
+from pallas_kernels import device
+from pallas_kernels.testing import TRITON_CALL_TARGET, assert_close, lower_for_h200, on_gpu
 from serving import SamplingParams, layers
 from serving.config import ModelConfig
 from serving.engine import runner as runner_module
@@ -349,3 +350,22 @@ def test_a_policy_asking_for_what_cannot_serve_the_call_is_a_value_error():
     with pytest.raises(ValueError, match="flash_attention: implementation='mosaic' cannot serve this call: it has "
                                          r"no sliding window \(window=64\)"):
         lower_for_h200(attend, *wide_attention_args())
+
+
+@pytest.mark.skipif(not on_gpu(), reason="the default policy runs the kernels only on a GPU (the H200 lowering tests "
+                                         "above check its choice on a CPU)")
+@pytest.mark.parametrize("window", [0, 3], ids=["no_window", "window"])
+def test_the_default_policy_compiled_on_the_gpu_gives_the_reference(window):
+    """The mixed batch at d128 in bf16 through the default policy, compiled: on a Hopper the first chunk's prefill
+    runs the Mosaic GPU flash attention (Triton with a window), the rest the paged Triton kernel."""
+    heads, kv_heads, head_dim = 8, 2, 128
+    q = normal(0, (NUM_TOKENS, heads, head_dim), jnp.bfloat16)
+    k_pages = normal(1, (NUM_BLOCKS, BLOCK, kv_heads, head_dim), jnp.bfloat16)
+    v_pages = normal(2, (NUM_BLOCKS, BLOCK, kv_heads, head_dim), jnp.bfloat16)
+    attend = functools.partial(layers.paged_attention, scale=head_dim**-0.5, window=window)
+    args = (q, k_pages, v_pages, mixed_batch())
+    text = jax.jit(functools.partial(attend, kernels=layers.DEFAULT)).lower(*args).as_text()
+    mosaic = device.gpu().arch.name == "sm_90" and not window
+    assert ("flash_attention_mgpu_causal" in text) == mosaic
+    assert ('name = "flash_attention_causal"' in text) != mosaic and 'name = "paged_attention"' in text
+    assert_close(in_mode(layers.DEFAULT, attend, *args), in_mode(layers.REFERENCE, attend, *args))

@@ -15,7 +15,7 @@ from helpers import HF, REPO
 from helpers.engine import compile_events
 from helpers.server import model_folder
 
-from serving.engine import engine as engine_module
+from serving import llm_engine as engine_module
 from serving.engine.runner import BLOCKS_BUCKET_BASE, MIN_BLOCKS_BUCKET, MIN_TOKENS_BUCKET, StepShape, bucket, buckets
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.llm_engine import Engine
