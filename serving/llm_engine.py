@@ -391,7 +391,7 @@ class Engine:
         if self.tiers is not None:
             with runner.on_mesh():
                 runner.kv = self.tiers.warm_up(runner.kv)
-        # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (kernel mode)
+        # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (jax settings)
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
             futures = [pool.submit(contextvars.copy_context().run, compile_entry[kind], *args)
                        for kind, *args in entries[1:]]
