@@ -139,8 +139,10 @@ class KernelPolicy:
 
 
 DEFAULT = KernelPolicy()  # the fastest measured on the launch target
-REFERENCE = KernelPolicy("xla", "xla", "xla", "xla")  # the plain-jnp references everywhere
-INTERPRET = KernelPolicy("triton", "triton", "triton", "triton", interpret=True)  # the Triton kernels, interpreted
+REFERENCE = KernelPolicy(flash_attention="xla", paged_attention="xla", paged_mla_attention="xla",
+                         experts="xla")  # the plain-jnp references everywhere
+INTERPRET = KernelPolicy(flash_attention="triton", paged_attention="triton", paged_mla_attention="triton",
+                         experts="triton", interpret=True)  # the Triton kernels in Pallas' interpreter
 BATCH_INVARIANT = KernelPolicy(batch_invariant=True)  # module docstring
 
 
