@@ -30,8 +30,8 @@ hf cases (``hf_worker``): ``AutoModelForCausalLM.from_config`` (random bf16 weig
 B prompts of ``CONTEXT`` random tokens: time to first token = ``generate(max_new_tokens=1)``; decode tokens/s
 = B * HF_NEW_TOKENS / (T(1 + HF_NEW_TOKENS tokens) - T(1 token)), greedy, default (dynamic) cache.
 
-Decode steps without a prefill chunk are traced in ``serving.layers.paged_only()``, as the engine's runner traces
-them (every token through the paged attention kernel, no packed prefill kernel).
+Decode steps without a prefill chunk are traced with ``serving.layers.KernelPolicy(paged_only=True)``, as the
+engine's runner traces them (every token through the paged attention kernel, no packed prefill kernel).
 
 ``--profile``: no timing rows; for each decode batch (``--batches``) of the serving engine, ``PROFILE_STEPS`` decode
 steps traced with ``jax.profiler`` (CUPTI on a GPU), and per step: wall time (untraced), the GPU kernels' summed
@@ -191,12 +191,13 @@ def serving_setup(name: str, hf_config: dict, settings: dict, layers: int | None
 
 def serving_steps(cfg, batch_invariant: bool = False, gather_config=None) -> dict:
     """The jitted step ``(params, kv, packed, *, sizes) -> (kv, greedy tokens [S], expert counts)`` for a batch with
-    and without a first prefill chunk (keys False and True: traced in ``layers.paged_only()``, as the runner does),
+    and without a first prefill chunk (keys False and True: traced with ``KernelPolicy.paged_only``, as the runner
+    does),
     the cache donated; ``packed`` is ``kv_cache.pack_step``'s one buffer (one host-to-device copy a step, as the
     runner's) for the static ``sizes = (N, S, max_blocks)``; ``batch_invariant``: through
-    ``serving.batch_invariant.invariant``; ``gather_config``: the decode experts' ``gather_matmul`` geometry
-    (``layers.use_gather_config``; default ``grouped_matmul.GATHER_CONFIG``)."""
-    import contextlib
+    ``serving.batch_invariant.invariant`` (policy ``layers.BATCH_INVARIANT``); ``gather_config``: the decode
+    experts' ``gather_matmul`` geometry (``KernelPolicy.gather_config``; default ``grouped_matmul.GATHER_CONFIG``)."""
+    import dataclasses
 
     import jax
     import jax.numpy as jnp
@@ -210,9 +211,12 @@ def serving_steps(cfg, batch_invariant: bool = False, gather_config=None) -> dic
 
     def step(params, kv, packed, *, sizes, paged_only):
         tokens, batch, last = unpack_step(packed, *sizes)
-        geometry = layers.use_gather_config(gather_config) if gather_config else contextlib.nullcontext()
-        with layers.paged_only(paged_only), geometry:
-            logits, kv, counts = forward(params, cfg, tokens, batch, kv)
+        if batch_invariant:
+            kernels = layers.BATCH_INVARIANT
+        else:
+            kernels = dataclasses.replace(layers.DEFAULT, paged_only=paged_only,
+                                          **({"gather_config": gather_config} if gather_config else {}))
+        logits, kv, counts = forward(params, cfg, tokens, batch, kv, kernels=kernels)
         return kv, jnp.argmax(logits[last], axis=-1), counts
 
     def jitted(paged_only):

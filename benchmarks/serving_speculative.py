@@ -29,7 +29,7 @@ from benchmarks.harness import format_table, save_plot, write_results
 from examples.train_drafter.prompts import chat_prompts
 from examples.train_drafter.train import TrainConfig
 from serving import SamplingParams, enable_command_buffers
-from serving.engine.engine import Engine, Prompt
+from serving.llm_engine import Engine, Prompt
 from serving.spec_decode import DraftModelDrafter, NgramDrafter, SpecConfig
 
 PROMPTS = [

@@ -31,7 +31,7 @@ import pytest
 
 HOST_DEVICES = 8
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-COMPILATION_CACHE = "jax-compilation"  # serving.engine.engine.COMPILATION_CACHE (not imported: jax must wait)
+COMPILATION_CACHE = "jax-compilation"  # serving.llm_engine.COMPILATION_CACHE (not imported: jax must wait)
 
 if DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DEVICE_COUNT_FLAG}={HOST_DEVICES}".strip()

@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from serving.api.engine_client import OK, Admission, EngineStats, EngineUnavailableError, OnStep
-from serving.engine.engine import Engine, RequestResult, StepError, StepOutput
 from serving.engine.sampling_params import SamplingParams
+from serving.llm_engine import Engine, RequestResult, StepError, StepOutput
 
 STOP_TIMEOUT_S = 30.0  # how long ``stop`` waits for a step in progress to end
 

@@ -24,7 +24,7 @@ shape, not of answers): ``--model`` names the config file or the folder holding 
 family's ``init_params`` (seed ``engine_spec.RANDOM_WEIGHTS_SEED``) in ``--dtype``, and a ``tokenizer.json``
 beside the config is used when there is one (without it, prompts must be token ids on ``/v1/completions``).
 
-Defaults are the engine's (``serving.engine.engine``): ``--dtype auto`` (bfloat16 on a GPU, float32 on the CPU),
+Defaults are the engine's (``serving.llm_engine``): ``--dtype auto`` (bfloat16 on a GPU, float32 on the CPU),
 ``--decode-steps`` by backend (``DECODE_STEPS``), ``--prefill-chunk`` half the token budget, and JAX's persistent
 compilation cache in ``jax-compilation`` under ``$APEX_JAX_CACHE`` (default ``~/.cache/apex-jax``).
 
@@ -43,7 +43,7 @@ import jax
 from serving.api.engine_spec import DEFAULT_MODEL, DTYPES, EngineSpec
 from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, check_bind
 from serving.api.server import Server, create_app, serve
-from serving.engine.engine import Engine
+from serving.llm_engine import Engine
 from serving.spec_decode import SPECULATIVE_METHODS
 
 API_KEY_ENV = "SERVING_API_KEY"

@@ -19,9 +19,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from serving.engine.engine import Engine, EngineFullError, StepOutput
 from serving.engine.kv_tiers import TierStats
 from serving.engine.sampling_params import SamplingParams
+from serving.llm_engine import Engine, EngineFullError, StepOutput
 from serving.spec_decode import SpecStats
 
 OK = "ok"  # the status of a client that serves

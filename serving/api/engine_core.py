@@ -26,8 +26,8 @@ import zmq
 from serving.api import ipc
 from serving.api.engine_client import EngineStats
 from serving.api.engine_spec import EngineSpec
-from serving.engine.engine import Engine, StepError
 from serving.engine.sampling_params import SamplingParams
+from serving.llm_engine import Engine, StepError
 
 EXPERT_STATS_S = 0.5  # the [layers, experts] counts ride on a step event at most this often (and when idle)
 PARENT_GONE_EXIT = 3  # the exit code of a core whose server process died

@@ -23,15 +23,15 @@ from jax.sharding import Mesh
 
 from serving import sharding
 from serving.config import ModelConfig
-from serving.engine.engine import DTYPES as ENGINE_DTYPES
-from serving.engine.engine import Engine, resolve_dtype
+from serving.llm_engine import DTYPES as ENGINE_DTYPES
+from serving.llm_engine import Engine, resolve_dtype
 from serving.loaders.model import LoadedModel, eos_from_folder
 from serving.models import model_module
 from serving.spec_decode import SpecConfig
 from serving.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct
-DTYPES = ("auto", *ENGINE_DTYPES)  # names Engine takes (serving.engine.engine.resolve_dtype)
+DTYPES = ("auto", *ENGINE_DTYPES)  # names Engine takes (serving.llm_engine.resolve_dtype)
 RANDOM_WEIGHTS_SEED = 0  # random weights: the same on every run, so runs compare
 
 
@@ -49,7 +49,7 @@ class EngineSpec:
     token_budget: int = 512
     max_model_len: int | None = None
     batch_invariant: bool = False
-    decode_steps: int | None = None  # None: by backend (serving.engine.engine.DECODE_STEPS)
+    decode_steps: int | None = None  # None: by backend (serving.llm_engine.DECODE_STEPS)
     speculative: str | None = None  # a method of serving.spec_decode.SPECULATIVE_METHODS
     drafter: str | None = None  # the block drafter's checkpoint
     num_speculative_tokens: int | None = None

@@ -23,8 +23,8 @@ from serving.api.engine_client import OK, EngineClient, EngineUnavailableError
 from serving.api.errors import APIError, overloaded, sse_error
 from serving.api.metrics import Metrics
 from serving.api.security import resolve_model_path
-from serving.engine.engine import EngineFullError, RequestResult, StepError
 from serving.engine.sampling_params import SamplingParams
+from serving.llm_engine import EngineFullError, RequestResult, StepError
 
 DISCONNECT_POLL_S = 0.05  # how often a non-streaming request checks that its client is still there (cheap)
 # JSON nesting a body may have: a pydantic model's tool schema nests ~10-20 deep; Python's parser and every

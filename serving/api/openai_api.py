@@ -39,8 +39,8 @@ from serving.api import tools as tool_calls
 from serving.api.async_engine import RequestStream
 from serving.api.errors import APIError
 from serving.api.frontend import Frontend, StrictModel
-from serving.engine.engine import Completion, RequestResult
 from serving.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, SamplingParams
+from serving.llm_engine import Completion, RequestResult
 from serving.structured import ConstraintSpec, InvalidConstraintError, compile_constraint
 
 MAX_N = 16  # samples per request: more is refused before it can take the whole batch

@@ -40,9 +40,9 @@ from serving.api.engine_client import OK, Admission, EngineStats, EngineUnavaila
 from serving.api.engine_core import run_core
 from serving.api.engine_spec import EngineSpec
 from serving.config import ModelConfig, RopeConfig
-from serving.engine.engine import Completion, Engine, EngineFullError, RequestResult, StepError, StepOutput
 from serving.engine.request import SequenceState
 from serving.engine.sampling_params import SamplingParams
+from serving.llm_engine import Completion, Engine, EngineFullError, RequestResult, StepError, StepOutput
 from serving.tokenizer import Tokenizer
 
 STOP_TIMEOUT_S = 30.0  # how long ``stop`` waits for the core to end before terminating it

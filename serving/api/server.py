@@ -42,7 +42,7 @@ from serving.api.openai_api import OpenAIRoutes
 from serving.api.process_engine import ProcessEngine
 from serving.api.responses_api import ResponsesRoutes
 from serving.api.security import BODY_READ_TIMEOUT_S, DEFAULT_HOST, MAX_BODY_BYTES, GuardMiddleware, check_api_key
-from serving.engine.engine import Engine
+from serving.llm_engine import Engine
 
 STARTUP_TIMEOUT_S = 60.0  # how long ``Server.start`` waits for uvicorn to listen
 POLL_S = 0.01

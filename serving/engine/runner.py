@@ -11,15 +11,16 @@ token of every sequence (the logits at its chunk's last token), their logprobs, 
 counts, which the runner sums into ``expert_load [layers, experts]``. The attention kernels' metadata
 (``kv_lens``, ``chunk_starts``) comes with the batch from ``make_batch``, on the host, once per step, and goes to
 the device with the tokens and last indices as one buffer (``kv_cache.pack_step``: one copy per step); the
-compiled step is keyed on ``layers.kernel_mode()`` (kernels on a GPU, or as ``layers.use_kernels`` says) and on
-whether it is a decode step (one token per sequence after its cached context). A decode step's tokens are fed on
-the device as an ``[S]`` vector (the previous step's samples, or the host's tokens), so that one executable per
-shape serves every decode step, and it is traced in ``layers.paged_only()``, with no packed prefill attention
-(only where the kernels are traced, ``layers.traces_kernels``: the references read the pages either way). A runner
-made with ``batch_invariant=True`` runs both calls through ``serving.batch_invariant`` (kernel mode
-``layers.BATCH_INVARIANT``): a sequence's logits, tokens and logprobs are then bitwise the same in any batch and
-any chunking. A runner made with a ``mesh`` (its params and cache already placed on it, ``serving.sharding``) runs
-both calls under ``jax.set_mesh(mesh)``, so the MoE layers go expert-parallel, with the packed buffer replicated.
+compiled step is keyed on the runner's ``kernels`` (a ``layers.KernelPolicy``: which implementation each layer
+runs) and on whether it is a decode step (one token per sequence after its cached context). A decode step's tokens
+are fed on the device as an ``[S]`` vector (the previous step's samples, or the host's tokens), so that one
+executable per shape serves every decode step, and it is traced with ``KernelPolicy.paged_only``, with no packed
+prefill attention (only where the kernels are traced, ``layers.traces_kernels``: the references read the pages
+either way). A runner made with ``batch_invariant=True`` runs both calls through ``serving.batch_invariant``
+(policy ``layers.BATCH_INVARIANT``): a sequence's logits, tokens and logprobs are then bitwise the same in any
+batch and any chunking. A runner made with a ``mesh`` (its params and cache already placed on it,
+``serving.sharding``) runs both calls under ``jax.set_mesh(mesh)``, so the MoE layers go expert-parallel, with the
+packed buffer replicated.
 
 A multi-step decode (``ModelRunner.decode``) runs ``steps`` forward + sample iterations in one jitted call
 (``lax.scan``): a batch where every sequence decodes one token, its blocks for all ``steps`` tokens already in its
@@ -40,6 +41,7 @@ mask. A step without constrained rows does no mask work and sends no mask.
 """
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
@@ -91,7 +93,7 @@ def blocks_bucket(n: int) -> int:
 
 class StepShape(NamedTuple):
     """The static sizes of one compiled forward step: N tokens, S sequences, W block-table columns, and whether it
-    is traced in ``layers.paged_only``."""
+    is traced with ``KernelPolicy.paged_only``."""
 
     num_tokens: int
     num_seqs: int
@@ -107,11 +109,11 @@ class StepResult(NamedTuple):
     expert_counts: np.ndarray  # [layers, experts] tokens routed to each expert this step
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "forward", "cfg", "kernels", "paged_only"), donate_argnames="kv")
+@functools.partial(jax.jit, static_argnames=("sizes", "forward", "cfg", "kernels"), donate_argnames="kv")
 def _step(params: dict, kv: Any, packed: jax.Array, previous: jax.Array | None = None, *, sizes: tuple[int, int, int],
-          forward: Callable, cfg: ModelConfig, kernels: str, paged_only: bool) -> tuple[jax.Array, Any, jax.Array]:
-    """forward over the step's tokens ``[N]`` (traced in kernel mode ``kernels``, within
-    ``layers.paged_only(paged_only)``): the logits ``[S, V]`` at each chunk's last flat index, the updated cache,
+          forward: Callable, cfg: ModelConfig, kernels: layers.KernelPolicy) -> tuple[jax.Array, Any, jax.Array]:
+    """forward over the step's tokens ``[N]`` (its layers run as the policy ``kernels`` says): the logits
+    ``[S, V]`` at each chunk's last flat index, the updated cache,
     and the expert counts ``[layers, experts]``. ``packed``: ``kv_cache.pack_step``'s buffer of the tokens, batch and
     last indices for ``sizes = (N, S, max_blocks)``; with ``previous`` (the ``[S]`` tokens a step sampled, still on
     the device), the packed tokens are rows of it and each real token is ``previous[row]``."""
@@ -120,12 +122,11 @@ def _step(params: dict, kv: Any, packed: jax.Array, previous: jax.Array | None =
         tokens = jnp.where(batch.seq_ids >= 0, previous[tokens], 0)
 
     def model(params, tokens, batch, kv):
-        return forward(params, cfg, tokens, batch, kv)
+        return forward(params, cfg, tokens, batch, kv, kernels=kernels)
 
-    if kernels == layers.BATCH_INVARIANT:  # every matmul and sum at a fixed geometry (serving.batch_invariant)
+    if kernels.batch_invariant:  # every matmul and sum at a fixed geometry (serving.batch_invariant)
         model = batch_invariant.invariant(model)
-    with layers.use_kernels(kernels), layers.paged_only(paged_only):
-        logits, kv, expert_counts = model(params, tokens, batch, kv)
+    logits, kv, expert_counts = model(params, tokens, batch, kv)
     return logits[last], kv, expert_counts
 
 
@@ -140,9 +141,9 @@ class DecodeResult(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("sizes", "steps", "block_size", "forward", "cfg", "kernels", "draw",
                                              "num_top"), donate_argnames="kv")
 def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBatch, *, sizes: tuple[int, int, int],
-                  steps: int, block_size: int, forward: Callable, cfg: ModelConfig, kernels: str, draw: bool,
-                  num_top: int) -> tuple[SampleResult, Any, jax.Array]:
-    """``steps`` decode iterations of forward (kernel mode ``kernels``, ``layers.paged_only``) + ``sample``: the
+                  steps: int, block_size: int, forward: Callable, cfg: ModelConfig, kernels: layers.KernelPolicy,
+                  draw: bool, num_top: int) -> tuple[SampleResult, Any, jax.Array]:
+    """``steps`` decode iterations of forward (policy ``kernels``, paged only) + ``sample``: the
     samples (tokens ``[steps, S]``, their logprobs and top ``num_top``), the updated cache and the expert counts
     ``[layers, experts]`` summed over the steps. ``packed``: ``pack_step``'s buffer of a batch with one paged token
     per sequence, ``sizes = (N, S, max_blocks)``."""
@@ -151,8 +152,8 @@ def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBa
 
     def one_step(carry, _):
         kv, tokens, batch, sampling, counts = carry
-        with layers.use_kernels(kernels), layers.paged_only():
-            logits, kv, step_counts = forward(params, cfg, tokens, batch, kv)
+        logits, kv, step_counts = forward(params, cfg, tokens, batch, kv,
+                                          kernels=dataclasses.replace(kernels, paged_only=True))
         result = sample(logits[last], sampling, num_top=num_top, draw=draw)
         tokens = jnp.where(real, result.tokens[jnp.maximum(batch.seq_ids, 0)], 0)
         carry = kv, tokens, next_decode_batch(batch, block_size), advance(sampling, result.tokens), counts + step_counts
@@ -186,13 +187,18 @@ class ModelRunner:
     them before it is dispatched (the same tokens; for comparison). ``mask_seconds`` sums the host time spent
     computing masks. ``mesh``: the mesh params and kv are placed on (None: one device). ``max_seqs``: the most
     sequences a step holds; given, S is padded to ``min(N, bucket(max_seqs))`` (module docstring), else to
-    ``bucket(S)``.
+    ``bucket(S)``. ``kernels``: which implementation each layer runs (``layers.KernelPolicy``; default the fastest
+    measured on the launch target); ``batch_invariant=True`` replaces it with ``layers.BATCH_INVARIANT``.
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, forward: Callable, kv: Any, block_size: int,
-                 batch_invariant: bool = False, mesh: Mesh | None = None, max_seqs: int | None = None):
+                 batch_invariant: bool = False, mesh: Mesh | None = None, max_seqs: int | None = None,
+                 kernels: layers.KernelPolicy = layers.DEFAULT):
+        if not isinstance(kernels, layers.KernelPolicy):
+            raise TypeError(f"ModelRunner: kernels={kernels!r}: expected a layers.KernelPolicy")
         self.cfg, self.params, self.forward, self.kv, self.block_size = cfg, params, forward, kv, block_size
-        self.batch_invariant = batch_invariant  # every step in kernel mode layers.BATCH_INVARIANT (module docstring)
+        self.batch_invariant = batch_invariant  # every step with policy layers.BATCH_INVARIANT (module docstring)
+        self.kernels = layers.BATCH_INVARIANT if batch_invariant else kernels
         self.mesh, self.max_seqs = mesh, max_seqs
         self.expert_load = np.zeros((cfg.layers, cfg.num_experts), np.int64)
         self.overlap_masks = True
@@ -242,10 +248,9 @@ class ModelRunner:
     def _replicated(self) -> NamedSharding | None:
         return None if self.mesh is None else NamedSharding(self.mesh, P())
 
-    @property
-    def kernels(self) -> str:
-        """The kernel mode steps are traced in."""
-        return layers.BATCH_INVARIANT if self.batch_invariant else layers.kernel_mode()
+    def step_kernels(self, paged_only: bool) -> layers.KernelPolicy:
+        """The policy a step is traced with: the runner's ``kernels``, every token paged where ``paged_only``."""
+        return dataclasses.replace(self.kernels, paged_only=paged_only)
 
     def _is_decode(self, chunks: list[SeqChunk], previous: "Dispatched | None") -> bool:
         """Whether the step runs as a decode step: one token per chunk, each after its cached context, fed on the
@@ -254,7 +259,7 @@ class ModelRunner:
         return previous is not None or (not self.batch_invariant and all(c.count == 1 and c.start > 0 for c in chunks))
 
     def _paged_only(self, decode: bool) -> bool:
-        """Trace the step in ``layers.paged_only``: a decode step, with kernels that read the flag. Other steps,
+        """Trace the step with ``KernelPolicy.paged_only``: a decode step, with kernels that read the flag. Other steps,
         all-paged ones included (chunks continuing a cached prefix), take the general path, right for any batch:
         a paged-only twin of every prefill shape would double the shapes to compile for a saving of one unused
         packed attention."""
@@ -288,8 +293,8 @@ class ModelRunner:
         packed = self._packed(tokens, batch, last)
         with self.on_mesh():
             logits, self.kv, counts = _step(self.params, self.kv, packed, fed, sizes=sizes, forward=self.forward,
-                                            cfg=self.cfg, kernels=self.kernels,
-                                            paged_only=self._paged_only(decode))  # returns at once; the device computes
+                                            cfg=self.cfg, kernels=self.step_kernels(
+                                                self._paged_only(decode)))  # returns at once; the device computes
             if self.overlap_masks:
                 bitmask = self._masks(rows, num_seqs)
             result = self._sampler(logits, sampling_batch(rows, num_seqs, token_bitmask=bitmask), num_top=num_top,
@@ -328,7 +333,7 @@ class ModelRunner:
             result, self.kv, counts = _decode_steps(
                 self.params, self.kv, packed, sampling_batch(rows, num_seqs),
                 sizes=(len(tokens), num_seqs, batch.block_tables.shape[1]), steps=steps, block_size=self.block_size,
-                forward=self.forward, cfg=self.cfg, kernels=layers.kernel_mode(),
+                forward=self.forward, cfg=self.cfg, kernels=self.kernels,
                 draw=any(r.params.temperature > 0 for r in rows), num_top=num_top)
         result, counts = jax.device_get((result, counts))
         self.expert_load += counts
@@ -361,7 +366,7 @@ class ModelRunner:
         with self.on_mesh():
             compiled = _step.lower(self.params, self.kv, self._packed_like(shape), previous,
                                    sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), forward=self.forward,
-                                   cfg=self.cfg, kernels=self.kernels, paged_only=shape.paged_only).compile()
+                                   cfg=self.cfg, kernels=self.step_kernels(shape.paged_only)).compile()
         info = compiled.out_info[0]
         return jax.ShapeDtypeStruct(info.shape, info.dtype,
                                     sharding=None if self.mesh is None else compiled.output_shardings[0])
@@ -383,7 +388,7 @@ class ModelRunner:
             _decode_steps.lower(self.params, self.kv, self._packed_like(shape), sampling_batch([], shape.num_seqs),
                                 sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), steps=steps,
                                 block_size=self.block_size, forward=self.forward, cfg=self.cfg,
-                                kernels=layers.kernel_mode(), draw=draw, num_top=num_top).compile()
+                                kernels=self.kernels, draw=draw, num_top=num_top).compile()
 
     def _masks(self, rows: list[SampleRow], num_seqs: int) -> np.ndarray | None:
         """``[num_seqs, ceil(V / 32)]`` int32 allowed tokens of ``rows``, or None when no row is constrained (that

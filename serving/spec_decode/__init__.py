@@ -3,9 +3,10 @@
 ``protocol.py`` says what a drafter is; ``verify.py`` the acceptance rule that keeps the target's output
 distribution; the drafters are ``ngram.py`` (prompt lookup in the sequence's own history), ``draft_model.py`` (a
 smaller model on its own paged cache) and ``block_drafter.py`` (all k tokens in one pass from the target's hidden
-states, the network in ``block_model.py``); ``config.py`` holds ``SpecConfig``, what an ``Engine`` is given. The
-engine runs the verification pass (``serving.engine.spec_step``); this package imports only the engine's
-building blocks (allocator, runner, sampler), never the engine itself.
+states, the network in ``block_model.py``); ``config.py`` holds ``SpecConfig``, what an ``Engine`` is given;
+``step.py`` the verification pass over the target's runner, which ``serving.llm_engine.Engine`` runs. Imports run
+one way: ``serving.llm_engine`` -> this package -> the engine's parts (``serving.engine``: allocator, runner,
+sampler), which import nothing of it.
 """
 
 from serving.spec_decode.block_drafter import BlockDrafter

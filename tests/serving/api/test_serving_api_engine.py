@@ -10,9 +10,9 @@ from helpers import HF
 
 from serving import SamplingParams
 from serving.engine.blocks import BlockAllocator
-from serving.engine.engine import ABORT, Engine, EngineFullError, StepError
 from serving.engine.request import SequenceState
 from serving.engine.scheduler import Scheduler
+from serving.llm_engine import ABORT, Engine, EngineFullError, StepError
 
 LLAMA = HF / "llama"
 BLOCK = 4

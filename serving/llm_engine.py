@@ -1,6 +1,6 @@
 """``Engine``: add requests, step, stream outputs; ``generate`` runs a batch of prompts to completion.
 
-Each ``step`` is one scheduler decision and one device call (``runner.py``); outputs carry each sequence's new
+Each ``step`` is one scheduler decision and one device call (``engine/runner.py``); outputs carry each sequence's new
 token, its text delta (stop strings cut), and, when the sequence is done, why. A request with
 ``SamplingParams.n = k`` runs as k sequences (sample i seeded with seed + i).
 
@@ -52,7 +52,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from apex_data import default_cache_dir
-from serving import sharding
+from serving import layers, sharding
 from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
 from serving.engine.kv_tiers import KVTiers, TierStats, layout_fingerprint
@@ -61,11 +61,11 @@ from serving.engine.runner import Dispatched, ModelRunner
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.engine.scheduler import ScheduledChunk, Scheduler
-from serving.engine.spec_step import VerifyChunk, compile_score, compile_verify, verify_step
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.loaders import LoadedModel, load_model
 from serving.models import model_module
 from serving.spec_decode import DraftRequest, NgramDrafter, Proposal, SpecConfig, SpecStats, grammar_drafts
+from serving.spec_decode.step import VerifyChunk, compile_score, compile_verify, verify_step
 from serving.structured import compile_constraint
 
 SEED_RANGE = 2**32  # seeds are uint32
@@ -248,6 +248,8 @@ class Engine:
         of the two; 0 / None: no tiers): full blocks the GPU evicts are kept there and loaded back on a prefix hit.
       disk_cache_dir: the disk tier's folder under the host tier (None: none); a new engine of the same model over
         the same folder reuses its blocks. disk_cache_blocks: the most blocks on disk (None: no bound).
+      kernels: which implementation each layer runs (``layers.KernelPolicy``; default: the fastest measured on the
+        device); replaced by ``layers.BATCH_INVARIANT`` with ``batch_invariant``.
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, dtype: str | jnp.dtype = "auto",
@@ -257,7 +259,8 @@ class Engine:
                  decode_steps: int | None = None, prefill_chunk: int | None = None,
                  compilation_cache: str | Path | bool = True, async_scheduling: bool = True,
                  host_cache_blocks: int = 0, host_cache_gb: float | None = None,
-                 disk_cache_dir: str | Path | None = None, disk_cache_blocks: int | None = None):
+                 disk_cache_dir: str | Path | None = None, disk_cache_blocks: int | None = None,
+                 kernels: layers.KernelPolicy = layers.DEFAULT):
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"Engine: max_queue={max_queue}: expected None (no limit) or >= 0")
         decode_steps = default_decode_steps() if decode_steps is None else decode_steps
@@ -286,7 +289,8 @@ class Engine:
         self.max_model_len = min(self.cfg.max_position, max_model_len or self.cfg.max_position,
                                  self.scheduler.capacity)
         self.runner = ModelRunner(self.cfg, params, model_module(self.cfg.family).forward, kv, block_size,
-                                  batch_invariant=batch_invariant, mesh=mesh, max_seqs=max_running)
+                                  batch_invariant=batch_invariant, mesh=mesh, max_seqs=max_running,
+                                  kernels=kernels)
         self.runner.tiers = self.tiers
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
@@ -388,7 +392,7 @@ class Engine:
         if self.tiers is not None:
             with runner.on_mesh():
                 runner.kv = self.tiers.warm_up(runner.kv)
-        # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (kernel mode).
+        # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (jax settings).
         # XLA:CPU compiles one at a time: in jaxlib 0.11.2 it segfaulted with two threads compiling at once.
         threads = 1 if jax.default_backend() == "cpu" else max(1, os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
