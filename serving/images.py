@@ -236,3 +236,82 @@ class MultimodalInputs(NamedTuple):
     embeds: jax.Array | np.ndarray | None = None  # [N, D]
     image_mask: jax.Array | np.ndarray | None = None  # [N] bool
     deepstack: jax.Array | np.ndarray | None = None  # [L, N, D]
+
+
+@dataclasses.dataclass(eq=False)
+class RequestImages:
+    """A request's images placed in its prompt: where their tokens are, the prompt's multimodal positions, and
+    (once the prefill encodes them, ``encoded``) their decoder-token embeddings, shared by the request's samples."""
+
+    images: list[ImageInput]
+    spans: list[tuple[int, int]]  # each image's (first, end) placeholder positions
+    rope_positions: np.ndarray  # [prompt length, 3] int32
+    rope_delta: int  # what every token after the prompt adds to its position on the three axes
+    embeds: np.ndarray | None = None  # [M, D] every image's tokens in prompt order (M = the spans' total)
+    deepstack: np.ndarray | None = None  # [L, M, D]
+
+    @classmethod
+    def place(cls, prompt_ids: Sequence[int], images: Sequence[ImageInput], vision: VisionConfig) -> "RequestImages":
+        """The images of the expanded prompt ``prompt_ids`` (ValueError unless each has its run of placeholders)."""
+        spans = image_spans(list(prompt_ids), images, vision)
+        positions, delta = rope_positions(len(prompt_ids), spans, [i.grid for i in images], vision.spatial_merge_size)
+        return cls(list(images), spans, positions, delta)
+
+    @property
+    def encoded(self) -> bool:
+        return self.embeds is not None
+
+    def salt(self, first: int, end: int) -> str:
+        """The digests of the images with tokens in positions [first, end), comma-separated ("" for none)."""
+        return ",".join(i.digest for i, (a, b) in zip(self.images, self.spans, strict=True) if a < end and b > first)
+
+    def rows(self, start: int, count: int) -> np.ndarray:
+        """``[count]`` the row of ``embeds`` of each position in [start, start + count); -1 for a text token."""
+        rows = np.full(count, -1, np.int64)
+        offset = 0
+        for a, b in self.spans:
+            lo, hi = max(a, start), min(b, start + count)
+            if lo < hi:
+                rows[lo - start:hi - start] = offset + np.arange(lo - a, hi - a)
+            offset += b - a
+        return rows
+
+    def rope_shift(self, start: int, count: int) -> np.ndarray:
+        """``[count, 3]``: the multimodal position minus the cache position of each position from ``start``."""
+        positions = np.arange(start, start + count)
+        shift = np.full((count, 3), self.rope_delta, np.int32)
+        inside = positions < len(self.rope_positions)
+        shift[inside] = self.rope_positions[positions[inside]] - positions[inside, None]
+        return shift
+
+
+def step_inputs(parts: Sequence[tuple[RequestImages | None, int, int]], num_tokens: int, hidden: int,
+                num_deepstack: int) -> MultimodalInputs | None:
+    """The ``MultimodalInputs`` of a step whose chunks are ``parts`` ((images or None, start, count) each, their
+    tokens flat in order, padded to ``num_tokens``); None when no chunk has images. Image rows come from the
+    encoded ``RequestImages`` (a chunk holding image tokens of images not encoded: ValueError)."""
+    if all(images is None for images, _, _ in parts):
+        return None
+    shift = np.zeros((num_tokens, 3), np.int32)
+    rows, flat = [], 0
+    for images, start, count in parts:
+        if images is not None:
+            shift[flat:flat + count] = images.rope_shift(start, count)
+            chunk_rows = images.rows(start, count)
+            if (chunk_rows >= 0).any():
+                if not images.encoded:
+                    raise ValueError(f"a step holds image tokens at positions {start}..{start + count - 1} of "
+                                     "images not encoded yet: expected the prefill to encode them first")
+                rows.append((images, flat, chunk_rows))
+        flat += count
+    if not rows:
+        return MultimodalInputs(shift)
+    embeds = np.zeros((num_tokens, hidden), rows[0][0].embeds.dtype)
+    deepstack = np.zeros((num_deepstack, num_tokens, hidden), embeds.dtype)
+    mask = np.zeros(num_tokens, bool)
+    for images, flat, chunk_rows in rows:
+        inside = np.flatnonzero(chunk_rows >= 0)
+        embeds[flat + inside] = images.embeds[chunk_rows[inside]]
+        deepstack[:, flat + inside] = images.deepstack[:, chunk_rows[inside]]
+        mask[flat + inside] = True
+    return MultimodalInputs(shift, embeds, mask, deepstack)
