@@ -80,6 +80,13 @@ class ImageProcessorConfig:
                    image_std=tuple(raw.get("image_std", cls.image_std)),
                    rescale_factor=raw.get("rescale_factor", cls.rescale_factor))
 
+    @classmethod
+    def for_vision(cls, vision: VisionConfig) -> "ImageProcessorConfig":
+        """The default settings with the patch geometry of the encoder ``vision`` (a model without its
+        ``preprocessor_config.json``, e.g. random weights)."""
+        return cls(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                   merge_size=vision.spatial_merge_size)
+
     def check(self, vision: VisionConfig) -> None:
         """ValueError unless the patches this config cuts are those the encoder ``vision`` takes."""
         for name, mine, theirs in (("patch_size", self.patch_size, vision.patch_size),

@@ -69,7 +69,7 @@ from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.engine.scheduler import ScheduledChunk, Scheduler
 from serving.engine.spec_step import VerifyChunk, compile_score, compile_verify, verify_step
-from serving.images import ImageInput, RequestImages, expand_placeholders
+from serving.images import ImageInput, ImageProcessorConfig, RequestImages, expand_placeholders
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.loaders import LoadedModel, load_model
 from serving.models import model_module
@@ -281,7 +281,10 @@ class Engine:
         self.compilation_cache = use_compilation_cache(compilation_cache)
         dtype = resolve_dtype(dtype, model)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
-        self.cfg, params, self.tokenizer, self.eos_ids = loaded
+        self.cfg, params, self.tokenizer, self.eos_ids = loaded[:4]
+        # How the front end cuts an image into patches: the checkpoint's settings, else the encoder's defaults.
+        self.image_processor = loaded.image_processor or (ImageProcessorConfig.for_vision(self.cfg.vision)
+                                                          if self.cfg.vision else None)
         if mesh is not None:
             sharding.check_mesh(mesh, self.cfg)
             params = sharding.shard_params(params, model_module(self.cfg.family).param_specs(self.cfg), mesh)
