@@ -37,7 +37,7 @@ from serving.api import tools as tool_calls
 from serving.api.async_engine import RequestStream
 from serving.api.errors import APIError
 from serving.api.frontend import Frontend, StrictModel
-from serving.api.images import ImageCollector
+from serving.api.images import ImageCollector, ImageOptions
 from serving.engine.engine import Completion
 from serving.images import ImageInput
 from serving.structured import ConstraintSpec, InvalidConstraintError, compile_constraint
@@ -151,10 +151,11 @@ def _content(parts: list[dict[str, str]]) -> str | list[dict[str, str]]:
     return parts
 
 
-def chat_messages(body: PromptRequest, images: ImageCollector) -> list[dict[str, Any]]:
+def chat_messages(body: PromptRequest, images: ImageCollector | None = None) -> list[dict[str, Any]]:
     """The conversation as chat-template messages: the system prompt first, ``tool_use`` blocks written into
     the assistant's text as calls, each ``tool_result`` block a ``tool`` message of its own, ``image`` blocks as
-    image parts (their images collected into ``images``)."""
+    image parts (their images collected into ``images``; None: image blocks refused)."""
+    images = images or ImageCollector(ImageOptions(), None, body.model)
     messages = [] if body.system is None else [{"role": "system", "content": _text(body.system)}]
     for i, m in enumerate(body.messages):
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
