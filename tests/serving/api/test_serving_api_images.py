@@ -5,19 +5,27 @@ model saying it has no vision encoder."""
 import base64
 import functools
 import io
+import time
 
 import anthropic
+import httpx
 import numpy as np
 import openai
 import PIL.Image
 import pytest
 from helpers.server import LLAMA, VL, VL_MODEL_NAME, make_engine, running_server, vl_model_folder, write_tokenizer
 
+from serving.api import ipc
+from serving.api.engine_core import model_info
+from serving.api.engine_spec import EngineSpec
 from serving.api.images import ImageOptions
+from serving.api.process_engine import ModelInfo
+from serving.api.server import Server, create_app
 from serving.images import ImageProcessorConfig, expand_placeholders, preprocess
 
 OPTIONS = ImageOptions(max_images=2, max_bytes=64 * 1024)
 TEXT = "What is in the picture?"
+READY_WITHIN_S = 240  # spawn, import jax, load the fixture, on 2 busy cores
 
 
 @functools.cache
@@ -125,3 +133,39 @@ def test_a_text_model_says_it_has_no_vision_encoder(tmp_path):
             anthropic_client.messages.create(model="tiny-llama", max_tokens=2, messages=[{"role": "user", "content": [
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                              "data": png(raw_images()[0])}}]}])
+
+
+def test_images_and_the_model_cross_the_core_process_wire(vl_server):
+    """What ``ProcessEngine`` sends the core (the images' patches) and gets back (the config with its encoder, the
+    processor settings) comes through msgpack unchanged."""
+    _, engine = vl_server
+    processor = ImageProcessorConfig.from_folder(VL)
+    images = [preprocess(PIL.Image.fromarray(x), processor) for x in raw_images()]
+    back = ipc.images_from_wire(ipc.unpack(ipc.pack(ipc.images_to_wire(images))))
+    for original, copy in zip(images, back, strict=True):
+        np.testing.assert_array_equal(copy.pixels, original.pixels)
+        assert (copy.grid, copy.digest) == (original.grid, original.digest)
+    with pytest.raises(ValueError, match="bytes"):
+        ipc.images_from_wire([[b"\0" * 12, [2, 2], [1, 2, 2], "x"]])
+    info = ModelInfo()
+    info.load(ipc.unpack(ipc.pack(model_info(engine))))
+    assert info.cfg == engine.cfg and info.cfg.vision is not None
+    assert info.image_processor == engine.image_processor == processor
+
+
+@pytest.mark.slow
+def test_images_through_the_engine_core_process(vl_server, tmp_path):
+    """The default server (engine in its own process): the same greedy answer as the in-process engine's."""
+    server, _ = vl_server
+    expected = openai_chat(server.url, data_url(raw_images()[1])).choices[0].message.content
+    spec = EngineSpec(str(vl_model_folder(tmp_path)), dtype="float32", num_blocks=512, block_size=4, max_running=8,
+                      token_budget=64, max_model_len=1024)
+    with Server(create_app(spec, VL_MODEL_NAME, image_options=OPTIONS)) as process_server:
+        deadline = time.monotonic() + READY_WITHIN_S
+        while httpx.get(f"{process_server.url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "the engine core did not get ready"
+            time.sleep(0.2)
+        answer = openai_chat(process_server.url, data_url(raw_images()[1]))
+        assert answer.choices[0].message.content == expected
+        with pytest.raises(openai.BadRequestError, match="remote image URLs are not fetched"):
+            openai_chat(process_server.url, "http://127.0.0.1:1/cat.png")

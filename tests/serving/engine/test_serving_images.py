@@ -50,6 +50,7 @@ def engine():
     return Engine(VL, dtype=jnp.float32, num_blocks=64, block_size=4, max_running=4, token_budget=8, decode_steps=4)
 
 
+@pytest.mark.slow
 def test_greedy_matches_hf_with_chunked_prefill_and_one_encoder_call(engine, monkeypatch):
     calls = []
     encode = engine.runner.encode_images
