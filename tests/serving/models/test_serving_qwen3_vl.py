@@ -2,6 +2,7 @@
 raw images, the encoder, and the decoder's logits and greedy tokens with the images in the prompt."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 from helpers.hf import BLOCK, FP32_RTOL, HF, MAX_BLOCKS, SEQS, TABLES, empty_cache, fixture, fixture_params
 
 from pallas_kernels.testing import assert_close
+from serving.config import ModelConfig
 from serving.images import ImageProcessorConfig, MultimodalInputs, image_spans, preprocess, rope_positions
 from serving.kv_cache import SeqChunk, make_batch
 from serving.models import qwen3_vl_moe, vision
@@ -146,3 +148,33 @@ def test_hub_expert_layout_loads_the_same_params():
     with pytest.raises(ValueError, match="down_proj"):
         qwen3_vl_moe.params_from_hf(cfg, {**tensors, "model.language_model.layers.1.mlp.experts.down_proj":
                                           np.zeros((8, 24, 24), np.float32)}, jnp.float32)
+
+
+def test_config_reads_the_decoder_from_text_config_and_the_encoder_from_vision_config():
+    raw = json.loads((HF / NAME / "config.json").read_text())
+    cfg = ModelConfig.from_hf(raw)
+    assert (cfg.family, cfg.hidden, cfg.layers, cfg.num_experts, cfg.moe_intermediate) == (NAME, 32, 2, 8, 24)
+    assert cfg.mrope_section == (2, 3, 3) and cfg.norm_topk_prob  # Qwen3-VL's router always renormalizes
+    assert not cfg.tie_embeddings and raw["text_config"]["tie_word_embeddings"]  # the top level decides
+    assert (cfg.vision.depth, cfg.vision.hidden, cfg.vision.deepstack_layers, cfg.vision.image_token_id) == \
+        (3, 16, (0, 1), 310)
+    text = raw["text_config"]
+    for bad, match in (
+            ({**raw, "text_config": {**text, "rope_parameters": {**text["rope_parameters"],
+                                                                   "mrope_interleaved": False}}}, "mrope_interleaved"),
+            ({**raw, "vision_config": {**raw["vision_config"], "hidden_act": "quick_gelu"}}, "hidden_act"),
+            ({k: v for k, v in raw.items() if k != "vision_config"}, "'vision_config'"),
+            ({**raw, "vision_config": {**raw["vision_config"], "out_hidden_size": 48}}, "out_hidden"),
+            ({**raw, "text_config": {**text, "rope_parameters": {**text["rope_parameters"],
+                                                                   "mrope_section": [2, 2, 2]}}}, "mrope_section")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf(bad)
+
+
+def test_rope_positions_follow_hf_get_rope_index():
+    """Text before the image counts 0..2, the image's 2 x 3 merged tokens take (3 + frame, 3 + row, 3 + column),
+    the text after it resumes at 3 + max(2, 3); later tokens shift by max + 1 - length."""
+    positions, delta = rope_positions(10, [(3, 9)], [(1, 4, 6)], 2)
+    assert positions[:3].tolist() == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
+    assert positions[3:9].tolist() == [[3, 3, 3], [3, 3, 4], [3, 3, 5], [3, 4, 3], [3, 4, 4], [3, 4, 5]]
+    assert positions[9].tolist() == [6, 6, 6] and delta == 7 - 10
