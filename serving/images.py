@@ -2,11 +2,12 @@
 and the per-step inputs a vision-language model's forward pass reads (``MultimodalInputs``).
 
 Preprocessing follows the checkpoint's ``preprocessor_config.json`` (Qwen2-VL's image processor, which Qwen3-VL
-uses): the image in RGB is resized with Pillow's bicubic filter to the size ``smart_resize`` picks (each side a
-multiple of ``patch_size * merge_size``, the pixel count within [``size.shortest_edge``, ``size.longest_edge``],
-the aspect ratio kept), scaled by ``rescale_factor``, normalized by ``image_mean`` / ``image_std``, and cut into
-``patch_size`` squares in merge-block order, each repeated ``temporal_patch_size`` times (a still image is a
-one-frame video): ``[patches, channels * temporal_patch_size * patch_size^2]`` and the grid ``(1, h, w)``.
+uses): the image in RGB (transparency composited onto white) is resized with Pillow's bicubic filter to the size
+``smart_resize`` picks (each side a multiple of ``patch_size * merge_size``, the pixel count within
+[``size.shortest_edge``, ``size.longest_edge``], the aspect ratio kept), scaled by ``rescale_factor``, normalized by
+``image_mean`` / ``image_std``, and cut into ``patch_size`` squares in merge-block order, each repeated
+``temporal_patch_size`` times (a still image is a one-frame video): ``[patches, channels * temporal_patch_size *
+patch_size^2]`` and the grid ``(1, h, w)``.
 
 A prompt holds an image as ``<|vision_start|>``, one ``image_token_id`` per merged block (``h * w /
 merge_size^2``), ``<|vision_end|>``: the chat template writes ``<|vision_start|><|image_pad|><|vision_end|>`` per
@@ -126,9 +127,17 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
+def to_rgb(image: PIL.Image.Image) -> PIL.Image.Image:
+    """``image`` in RGB, any transparency composited onto white (as HF's ``convert_to_rgb``)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        background = PIL.Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return PIL.Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
+    return image.convert("RGB")
+
+
 def preprocess(image: PIL.Image.Image, config: ImageProcessorConfig) -> ImageInput:
     """``image`` -> patches as the checkpoint's processor cuts them (module docstring)."""
-    rgb = image.convert("RGB")
+    rgb = to_rgb(image)
     digest = hashlib.sha256(f"{rgb.size}".encode() + rgb.tobytes()).hexdigest()
     p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
     height, width = smart_resize(rgb.height, rgb.width, p * m, config.min_pixels, config.max_pixels)

@@ -178,3 +178,13 @@ def test_rope_positions_follow_hf_get_rope_index():
     assert positions[:3].tolist() == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
     assert positions[3:9].tolist() == [[3, 3, 3], [3, 3, 4], [3, 3, 5], [3, 4, 3], [3, 4, 4], [3, 4, 5]]
     assert positions[9].tolist() == [6, 6, 6] and delta == 7 - 10
+
+
+def test_transparency_is_composited_onto_white():
+    """As HF's convert_to_rgb: a fully transparent pixel reads as white, whatever color it stores."""
+    processor = ImageProcessorConfig.from_folder(HF / NAME)
+    rgba = np.zeros((32, 32, 4), np.uint8)
+    rgba[..., 0] = 200  # red, alpha 0
+    white = np.full((32, 32, 3), 255, np.uint8)
+    got = preprocess(PIL.Image.fromarray(rgba, "RGBA"), processor)
+    np.testing.assert_array_equal(got.pixels, preprocess(PIL.Image.fromarray(white), processor).pixels)
