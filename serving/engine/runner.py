@@ -415,7 +415,7 @@ class ModelRunner:
         step after another (its tokens on the device); returns the logits it gives the sampler."""
         previous = jax.ShapeDtypeStruct((shape.num_seqs,), jnp.int32, sharding=self._replicated) if chained else None
         with self.on_mesh():
-            compiled = _step.lower(self.params, self.kv, self._packed_like(shape), previous,
+            compiled = _step.lower(self.params, self.kv, self._packed_like(shape), previous, None,
                                    sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), forward=self.forward,
                                    cfg=self.cfg, kernels=self.kernels, paged_only=shape.paged_only).compile()
         info = compiled.out_info[0]
@@ -437,7 +437,7 @@ class ModelRunner:
         """Compile ``decode``'s ``steps``-token call for a decode batch of ``shape``."""
         with self.on_mesh():
             _decode_steps.lower(self.params, self.kv, self._packed_like(shape), sampling_batch([], shape.num_seqs),
-                                sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), steps=steps,
+                                None, sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), steps=steps,
                                 block_size=self.block_size, forward=self.forward, cfg=self.cfg,
                                 kernels=layers.kernel_mode(), draw=draw, num_top=num_top).compile()
 
