@@ -175,8 +175,7 @@ class Frontend:
     def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str,
                cache_salt: str | None = None, images: list[ImageInput] | None = None) -> RequestStream:
         try:
-            stream = self.async_engine.submit(prompt_ids, params, prefix, cache_salt,
-                                              **({"images": images} if images else {}))
+            stream = self.async_engine.submit(prompt_ids, params, prefix, cache_salt, images)
         except (EngineFullError, EngineUnavailableError) as e:
             raise overloaded(str(e)) from None
         if self.metrics is not None:
