@@ -230,9 +230,9 @@ def test_cache_salt_is_passed_to_the_engine(url, served, monkeypatch):
     _, engine = served
     add_request, salts = engine.add_request, []
 
-    def recording_add_request(prompt, params, request_id, cache_salt=None):
+    def recording_add_request(prompt, params, request_id, cache_salt=None, images=()):
         salts.append(cache_salt)
-        return add_request(prompt, params, request_id, cache_salt)
+        return add_request(prompt, params, request_id, cache_salt, images)
 
     monkeypatch.setattr(engine, "add_request", recording_add_request)
     assert post(url, CHAT, chat(cache_salt="tenant-a")).status_code == 200
