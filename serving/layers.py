@@ -282,14 +282,26 @@ def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[np.ndarray, float]:
     return inv_freq.astype(np.float32), scale
 
 
+def mrope_axes(section: tuple[int, ...], num_freqs: int) -> np.ndarray:
+    """Which position axis (0: temporal, 1: height, 2: width) each of ``num_freqs`` rotary frequencies turns with
+    under Qwen3-VL's interleaved multimodal RoPE: ``t, h, w, t, h, w, ...`` while height (``section[1]``) and width
+    (``section[2]``) frequencies last, temporal after. ``[num_freqs]`` int32."""
+    axes = np.zeros(num_freqs, np.int32)
+    for axis in (1, 2):
+        axes[axis:section[axis] * 3:3] = axis
+    return axes
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0,
                interleaved: bool = False) -> jax.Array:
-    """Rotate ``x [N, heads, dim]`` by angles ``positions[n] * inv_freq[i]`` (fp32), cos/sin times ``scale``.
+    """Rotate ``x [N, heads, dim]`` by angles ``positions[n] * inv_freq[i]`` (fp32), cos/sin times ``scale``;
+    ``positions`` ``[N]``, or ``[N, dim/2]`` a position per frequency (multimodal and 2D RoPE).
 
     Halves (``interleaved=False``, HF Llama layout): pair (x[i], x[i + dim/2]); interleaved: pair (x[2i], x[2i+1]).
     Each pair (a, b) -> (a cos - b sin, b cos + a sin).
     """
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [N, dim/2]
+    positions = positions.astype(jnp.float32)
+    angles = (positions[:, None] if positions.ndim == 1 else positions) * jnp.asarray(inv_freq)[None, :]
     cos, sin = (jnp.cos(angles) * scale)[:, None, :], (jnp.sin(angles) * scale)[:, None, :]
     x32 = x.astype(jnp.float32)
     if interleaved:

@@ -20,6 +20,13 @@ nothing waits to be admitted, every sequence decodes and none is constrained or 
 mask or history needs the one before it on the host); a sequence that the step before finished has its token
 dropped. The tokens are those of synchronous steps: each is sampled from the same batch row, seed and position.
 
+Images (vision-language models; ``add_request(images=...)``): the prompt holds each image's placeholder tokens
+(``images.expand_placeholders``); the first step that schedules a prefill chunk of such a request runs the image
+encoder once over the images of every such request in the step (``ModelRunner.encode_images``), and the request
+keeps the embeddings, so later chunks, a preempted request's recompute and its n samples reuse them. Placeholder
+tokens are prompt tokens: the token budget and chunked prefill schedule them as any other. A full block holding
+image tokens is named in the prefix cache by its tokens and its images' digests (``SequenceState.block_salt``).
+
 Nothing need compile while serving: ``warm_up`` compiles every step shape the scheduler and runner can produce
 (``ModelRunner.step_shapes``: N tokens and W block-table columns over their buckets, S a function of
 N), each with the sampler variants a step may ask for, and the multi-step decodes; with JAX's persistent
@@ -61,6 +68,7 @@ from serving.engine.runner import Dispatched, ModelRunner
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.engine.scheduler import ScheduledChunk, Scheduler
+from serving.images import ImageInput, ImageProcessorConfig, RequestImages, expand_placeholders
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.loaders import LoadedModel, load_model
 from serving.models import model_module
@@ -276,7 +284,10 @@ class Engine:
         self.compilation_cache = use_compilation_cache(compilation_cache)
         dtype = resolve_dtype(dtype, model)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
-        self.cfg, params, self.tokenizer, self.eos_ids = loaded
+        self.cfg, params, self.tokenizer, self.eos_ids = loaded[:4]
+        # How the front end cuts an image into patches: the checkpoint's settings, else the encoder's defaults.
+        self.image_processor = loaded.image_processor or (ImageProcessorConfig.for_vision(self.cfg.vision)
+                                                          if self.cfg.vision else None)
         if mesh is not None:
             sharding.check_mesh(mesh, self.cfg)
             params = sharding.shard_params(params, model_module(self.cfg.family).param_specs(self.cfg), mesh)
@@ -288,9 +299,10 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, max_running, token_budget, prefill_chunk)
         self.max_model_len = min(self.cfg.max_position, max_model_len or self.cfg.max_position,
                                  self.scheduler.capacity)
-        self.runner = ModelRunner(self.cfg, params, model_module(self.cfg.family).forward, kv, block_size,
-                                  batch_invariant=batch_invariant, mesh=mesh, max_seqs=max_running,
-                                  kernels=kernels)
+        module = model_module(self.cfg.family)
+        self.runner = ModelRunner(self.cfg, params, module.forward, kv, block_size, batch_invariant=batch_invariant,
+                                  mesh=mesh, max_seqs=max_running, kernels=kernels,
+                                  encode=getattr(module, "encode_images", None))
         self.runner.tiers = self.tiers
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
@@ -418,10 +430,18 @@ class Engine:
         return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, images: Sequence[ImageInput] = ()) -> str:
         """Queue a request; returns its id. Its samples end with "length" at ``max_model_len`` tokens if
-        max_tokens does not stop them first; a prompt of ``max_model_len`` tokens or more -> ValueError."""
+        max_tokens does not stop them first; a prompt of ``max_model_len`` tokens or more -> ValueError.
+        ``images``: preprocessed images (``images.preprocess``), in the order the prompt holds their placeholder
+        runs, or one placeholder each (as the chat template writes them; expanded here). ValueError for a model
+        without an image encoder, or a prompt holding neither."""
         params = params or SamplingParams()
+        if images and self.cfg.vision is None:
+            raise ValueError(f"this model ({self.cfg.family}) has no vision encoder: it reads text only, expected no "
+                             "images")
+        if images and self.drafter is not None:
+            raise ValueError("speculative decoding does not take images: expected a request without images")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -434,6 +454,11 @@ class Engine:
                 raise EngineFullError(f"{unfinished} sequences are unfinished and {params.n} more would exceed "
                                       f"max_running + max_queue = {limit}")
         ids = self.encode(prompt)
+        placed = None
+        if images:
+            if ids.count(self.cfg.vision.image_token_id) == len(images):  # one placeholder each: the chat template's
+                ids = expand_placeholders(ids, images, self.cfg.vision)
+            placed = RequestImages.place(ids, images, self.cfg.vision)
         constraint = None
         if params.constraint is not None:  # compiled before queueing: an invalid one raises InvalidConstraintError
             if self.tokenizer is None:
@@ -442,7 +467,7 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(SEED_RANGE))
         seqs = [Seq(next(self._ids), request_id, i, list(ids), params, (seed + i) % SEED_RANGE, self.eos_ids,
                     self.max_model_len, self.tokenizer.decode_stream() if self.tokenizer else None, cache_salt,
-                    matcher=constraint.matcher() if constraint else None)
+                    matcher=constraint.matcher() if constraint else None, images=placed)
                 for i in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)
@@ -496,6 +521,7 @@ class Engine:
             return []
 
         def run() -> list[StepOutput]:
+            self._encode_images(chunks)
             if drafted is not None:
                 return self._run_speculative(chunks, *drafted)
             multi = self._multi_step(chunks)
@@ -532,13 +558,25 @@ class Engine:
         self.runner.kv = create_cache(self.cfg, self.allocator.num_blocks, self.allocator.block_size, self.dtype,
                                       self.runner.mesh)
 
+    def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
+        """Encode, in one call, the images of every request in ``chunks`` not encoded yet."""
+        pending = list({id(c.seq.images): c.seq.images for c in chunks
+                        if c.seq.images is not None and not c.seq.images.encoded}.values())
+        if pending:
+            self.runner.encode_images(pending)
+
+    def _images(self, seqs: Sequence[Seq]) -> list[RequestImages | None] | None:
+        """The step's per-chunk images for the runner, None when no sequence has any."""
+        images = [s.images for s in seqs]
+        return None if all(i is None for i in images) else images
+
     def _run(self, chunks: list) -> list[StepOutput]:
         seqs = [c.seq for c in chunks]
         rows = [_sample_row(s) for s in seqs]
         wants_top = any(c.samples and c.seq.params.logprobs for c in chunks)
         step = self.runner.dispatch([SeqChunk(c.seq.block_table, c.start, c.count) for c in chunks],
                                     [c.seq.tokens[c.start:c.start + c.count] for c in chunks],
-                                    rows, MAX_LOGPROBS if wants_top else 0)
+                                    rows, MAX_LOGPROBS if wants_top else 0, images=self._images(seqs))
         if self.async_scheduling and not self.runner.batch_invariant and all(
                 c.count == 1 and c.samples and c.start > 0 and c.seq.matcher is None
                 and not c.seq.params.uses_penalties for c in chunks):
@@ -570,7 +608,8 @@ class Engine:
         step = self.runner.dispatch(
             [SeqChunk(s.block_table, p, 1) for s, p in zip(chained, positions, strict=True)], [[i] for i in rows],
             [SampleRow(s.params, s.seed, len(s.output_ids) + 1, s.prompt_ids, s.output_ids) for s in chained],
-            MAX_LOGPROBS if any(s.params.logprobs for s in chained) else 0, previous=previous)
+            MAX_LOGPROBS if any(s.params.logprobs for s in chained) else 0, previous=previous,
+            images=self._images(chained))
         return InFlight(chained, positions, step)
 
     def _advance(self, inflight: InFlight) -> list[StepOutput]:
@@ -604,7 +643,8 @@ class Engine:
         result = self.runner.decode([SeqChunk(s.block_table, c.start, 1) for s, c in zip(seqs, chunks, strict=True)],
                                     [s.tokens[c.start:c.start + 1] for s, c in zip(seqs, chunks, strict=True)],
                                     [_sample_row(s) for s in seqs], chunks[0].count,
-                                    MAX_LOGPROBS if any(s.params.logprobs for s in seqs) else 0)
+                                    MAX_LOGPROBS if any(s.params.logprobs for s in seqs) else 0,
+                                    images=self._images(seqs))
 
         def logprobs(i: int, j: int) -> dict:
             n = chunks[i].seq.params.logprobs

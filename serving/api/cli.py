@@ -41,6 +41,7 @@ from pathlib import Path
 import jax
 
 from serving.api.engine_spec import DEFAULT_MODEL, DTYPES, EngineSpec
+from serving.api.images import ImageOptions
 from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, check_bind
 from serving.api.server import Server, create_app, serve
 from serving.llm_engine import Engine
@@ -76,8 +77,10 @@ def serve_command(args: argparse.Namespace) -> str:
     if not args.in_process:  # the engine core process owns the devices: this one must not take any
         jax.config.update("jax_platforms", "cpu")
     models_root = Path(args.models_root) if args.models_root else None
+    images = ImageOptions(max_images=args.max_images, max_bytes=args.max_image_bytes,
+                          allow_remote=args.allow_remote_images)
     app = create_app(spec.build() if args.in_process else spec, name, model_path=path, models_root=models_root,
-                     api_key=api_key, max_body_bytes=args.max_body_bytes)
+                     api_key=api_key, max_body_bytes=args.max_body_bytes, image_options=images)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (API key {'required' if api_key else 'off'})")
     serve(app, args.host, args.port, api_key, args.log_level)
     return "server stopped"
@@ -190,6 +193,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     s.add_argument("--models-root", default=None, help="folder under which clients may name the model by path")
     s.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch http(s) image URLs of requests (default: refused with a 400; the server makes no "
+                        "outbound requests)")
+    s.add_argument("--max-images", type=int, default=ImageOptions.max_images, help="images per request; more: 413")
+    s.add_argument("--max-image-bytes", type=int, default=ImageOptions.max_bytes,
+                   help="encoded bytes per image; more: 413 (base64 images also count against --max-body-bytes)")
     s.add_argument("--in-process", action="store_true",
                    help="run the engine on a thread of the server's process (default: an engine core process of "
                         "its own, so HTTP, tokenization and JSON do not share a GIL with the scheduler)")

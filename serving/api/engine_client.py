@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from serving.engine.kv_tiers import TierStats
 from serving.engine.sampling_params import SamplingParams
+from serving.images import ImageInput
 from serving.llm_engine import Engine, EngineFullError, StepOutput
 from serving.spec_decode import SpecStats
 
@@ -107,6 +108,6 @@ class EngineClient(Protocol):
     def stats(self, experts: bool = True) -> EngineStats: ...
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str = "req-",
-               cache_salt: str | None = None) -> Any: ...
+               cache_salt: str | None = None, images: list[ImageInput] | None = None) -> Any: ...
 
     def abort(self, request_id: str) -> None: ...

@@ -23,9 +23,10 @@ from jax.sharding import Mesh
 
 from serving import sharding
 from serving.config import ModelConfig
+from serving.images import PROCESSOR_FILE
 from serving.llm_engine import DTYPES as ENGINE_DTYPES
 from serving.llm_engine import Engine, resolve_dtype
-from serving.loaders.model import LoadedModel, eos_from_folder
+from serving.loaders.model import LoadedModel, eos_from_folder, image_processor_from_folder
 from serving.models import model_module
 from serving.spec_decode import SpecConfig
 from serving.tokenizer import Tokenizer
@@ -163,4 +164,5 @@ def _load_random(config: Path, dtype: jnp.dtype) -> LoadedModel:
     params = model_module(cfg.family).init_params(cfg, jax.random.key(RANDOM_WEIGHTS_SEED), dtype)
     folder = config.parent
     tokenizer = Tokenizer.from_hf_folder(folder) if (folder / "tokenizer.json").is_file() else None
-    return LoadedModel(cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else eos_from_folder(folder))
+    return LoadedModel(cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else eos_from_folder(folder),
+                       image_processor_from_folder(cfg, folder) if (folder / PROCESSOR_FILE).is_file() else None)

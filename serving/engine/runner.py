@@ -22,6 +22,12 @@ batch and any chunking. A runner made with a ``mesh`` (its params and cache alre
 ``serving.sharding``) runs both calls under ``jax.set_mesh(mesh)``, so the MoE layers go expert-parallel, with the
 packed buffer replicated.
 
+A vision-language model's steps also take ``images.MultimodalInputs`` (``images.step_inputs`` of the chunks'
+``RequestImages``: the tokens' multimodal RoPE shifts and, in a prefill chunk over an image, its rows), given to the
+forward pass as ``mm``; a step without images passes none (the text families' own trace). ``encode_images`` runs
+the image encoder once over every image of the requests it is given (patches padded to a power-of-two bucket, one
+compile per bucket) and keeps each request's embeddings on the host, where the steps' rows are cut from them.
+
 A multi-step decode (``ModelRunner.decode``) runs ``steps`` forward + sample iterations in one jitted call
 (``lax.scan``): a batch where every sequence decodes one token, its blocks for all ``steps`` tokens already in its
 block table; each iteration's sampled tokens are the next one's inputs, the batch moves one position on
@@ -57,7 +63,9 @@ from jax.sharding import PartitionSpec as P
 from serving import batch_invariant, kv_cache, layers
 from serving.config import ModelConfig
 from serving.engine.sampler import SampleResult, SampleRow, SamplingBatch, advance, sample, sampling_batch, with_room
+from serving.images import MultimodalInputs, RequestImages, step_inputs
 from serving.kv_cache import AttentionBatch, SeqChunk, make_batch, next_decode_batch, pack_step, unpack_step
+from serving.models.vision import patch_layout
 from serving.structured import fill_token_bitmask
 
 MIN_TOKENS_BUCKET = 8  # the smallest padded N: decode batches of up to 8 sequences share one compile
@@ -68,6 +76,7 @@ MIN_BLOCKS_BUCKET = 16
 # length, so a wider table costs one int32 row per sequence, while every width bucket multiplies the shapes to
 # compile before serving.
 BLOCKS_BUCKET_BASE = 4
+MIN_PATCHES_BUCKET = 64  # the smallest padded patch count of an encoder call (a multiple of every merge unit)
 
 
 def bucket(n: int, minimum: int = 1, base: int = 2) -> int:
@@ -110,19 +119,22 @@ class StepResult(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "forward", "cfg", "kernels"), donate_argnames="kv")
-def _step(params: dict, kv: Any, packed: jax.Array, previous: jax.Array | None = None, *, sizes: tuple[int, int, int],
-          forward: Callable, cfg: ModelConfig, kernels: layers.KernelPolicy) -> tuple[jax.Array, Any, jax.Array]:
+def _step(params: dict, kv: Any, packed: jax.Array, previous: jax.Array | None = None,
+          mm: MultimodalInputs | None = None, *, sizes: tuple[int, int, int], forward: Callable, cfg: ModelConfig,
+          kernels: layers.KernelPolicy) -> tuple[jax.Array, Any, jax.Array]:
     """forward over the step's tokens ``[N]`` (its layers run as the policy ``kernels`` says): the logits
     ``[S, V]`` at each chunk's last flat index, the updated cache,
     and the expert counts ``[layers, experts]``. ``packed``: ``kv_cache.pack_step``'s buffer of the tokens, batch and
     last indices for ``sizes = (N, S, max_blocks)``; with ``previous`` (the ``[S]`` tokens a step sampled, still on
-    the device), the packed tokens are rows of it and each real token is ``previous[row]``."""
+    the device), the packed tokens are rows of it and each real token is ``previous[row]``; ``mm``: a
+    vision-language step's image inputs."""
     tokens, batch, last = unpack_step(packed, *sizes)
     if previous is not None:
         tokens = jnp.where(batch.seq_ids >= 0, previous[tokens], 0)
 
     def model(params, tokens, batch, kv):
-        return forward(params, cfg, tokens, batch, kv, kernels=kernels)
+        extra = () if mm is None else (mm,)
+        return forward(params, cfg, tokens, batch, kv, *extra, kernels=kernels)
 
     if kernels.batch_invariant:  # every matmul and sum at a fixed geometry (serving.batch_invariant)
         model = batch_invariant.invariant(model)
@@ -140,19 +152,22 @@ class DecodeResult(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("sizes", "steps", "block_size", "forward", "cfg", "kernels", "draw",
                                              "num_top"), donate_argnames="kv")
-def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBatch, *, sizes: tuple[int, int, int],
-                  steps: int, block_size: int, forward: Callable, cfg: ModelConfig, kernels: layers.KernelPolicy,
-                  draw: bool, num_top: int) -> tuple[SampleResult, Any, jax.Array]:
+def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBatch,
+                  mm: MultimodalInputs | None = None, *, sizes: tuple[int, int, int], steps: int, block_size: int,
+                  forward: Callable, cfg: ModelConfig, kernels: layers.KernelPolicy, draw: bool,
+                  num_top: int) -> tuple[SampleResult, Any, jax.Array]:
     """``steps`` decode iterations of forward (policy ``kernels``, paged only) + ``sample``: the
     samples (tokens ``[steps, S]``, their logprobs and top ``num_top``), the updated cache and the expert counts
     ``[layers, experts]`` summed over the steps. ``packed``: ``pack_step``'s buffer of a batch with one paged token
-    per sequence, ``sizes = (N, S, max_blocks)``."""
+    per sequence, ``sizes = (N, S, max_blocks)``; ``mm``: the tokens' multimodal RoPE shifts (constant as the
+    positions move on)."""
     tokens, batch, last = unpack_step(packed, *sizes)
     real = batch.seq_ids >= 0
+    extra = () if mm is None else (mm,)
 
     def one_step(carry, _):
         kv, tokens, batch, sampling, counts = carry
-        logits, kv, step_counts = forward(params, cfg, tokens, batch, kv,
+        logits, kv, step_counts = forward(params, cfg, tokens, batch, kv, *extra,
                                           kernels=dataclasses.replace(kernels, paged_only=True))
         result = sample(logits[last], sampling, num_top=num_top, draw=draw)
         tokens = jnp.where(real, result.tokens[jnp.maximum(batch.seq_ids, 0)], 0)
@@ -163,6 +178,12 @@ def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBa
     (kv, *_, counts), sampled = jax.lax.scan(one_step, (kv, tokens, batch, with_room(sampling, steps), counts),
                                              length=steps)
     return sampled, kv, counts
+
+
+@functools.partial(jax.jit, static_argnames=("encode", "cfg"))
+def _encode(params: dict, pixels: jax.Array, layout: Any, *, encode: Callable,
+            cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    return encode(params, cfg, pixels, layout)
 
 
 @functools.partial(jax.jit, static_argnames=("num_top", "draw"))
@@ -189,14 +210,16 @@ class ModelRunner:
     sequences a step holds; given, S is padded to ``min(N, bucket(max_seqs))`` (module docstring), else to
     ``bucket(S)``. ``kernels``: which implementation each layer runs (``layers.KernelPolicy``; default the fastest
     measured on the launch target); ``batch_invariant=True`` replaces it with ``layers.BATCH_INVARIANT``.
+    ``encode``: a vision-language model's ``encode_images`` (None: no image encoder).
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, forward: Callable, kv: Any, block_size: int,
                  batch_invariant: bool = False, mesh: Mesh | None = None, max_seqs: int | None = None,
-                 kernels: layers.KernelPolicy = layers.DEFAULT):
+                 kernels: layers.KernelPolicy = layers.DEFAULT, encode: Callable | None = None):
         if not isinstance(kernels, layers.KernelPolicy):
             raise TypeError(f"ModelRunner: kernels={kernels!r}: expected a layers.KernelPolicy")
         self.cfg, self.params, self.forward, self.kv, self.block_size = cfg, params, forward, kv, block_size
+        self.encode = encode
         self.batch_invariant = batch_invariant  # every step with policy layers.BATCH_INVARIANT (module docstring)
         self.kernels = layers.BATCH_INVARIANT if batch_invariant else kernels
         self.mesh, self.max_seqs = mesh, max_seqs
@@ -230,6 +253,36 @@ class ModelRunner:
         tokens = np.zeros(batch.positions.shape, np.int32)
         tokens[:total] = np.concatenate(token_ids)
         return tokens, batch
+
+    def encode_images(self, requests: list[RequestImages]) -> None:
+        """Run the image encoder once over every image of ``requests`` (their patches in one call, each image its
+        own attention segment) and keep each request's tokens and DeepStack features on it (host arrays)."""
+        if self.encode is None:
+            raise ValueError(f"model family {self.cfg.family!r} has no image encoder: expected requests without "
+                             "images")
+        images = [image for request in requests for image in request.images]
+        total = sum(len(image.pixels) for image in images)
+        layout = patch_layout(self.cfg.vision, [image.grid for image in images], bucket(total, MIN_PATCHES_BUCKET))
+        pixels = np.zeros((len(layout.segments), self.cfg.vision.patch_dim), np.float32)
+        pixels[:total] = np.concatenate([image.pixels for image in images])
+        with self.on_mesh():
+            tokens, deepstack = _encode(self.params, self._placed(pixels), jax.tree.map(self._placed, tuple(layout)),
+                                        encode=self.encode, cfg=self.cfg)
+        tokens, deepstack = jax.device_get((tokens, deepstack))
+        first = 0
+        for request in requests:
+            count = sum(end - start for start, end in request.spans)
+            request.embeds, request.deepstack = tokens[first:first + count], deepstack[:, first:first + count]
+            first += count
+
+    def _multimodal(self, images: list[RequestImages | None] | None, chunks: list[SeqChunk],
+                    num_tokens: int) -> MultimodalInputs | None:
+        """The step's ``MultimodalInputs`` (placed as its inputs are), None without images."""
+        if images is None:
+            return None
+        mm = step_inputs([(i, c.start, c.count) for i, c in zip(images, chunks, strict=True)], num_tokens,
+                         self.cfg.hidden, len(self.cfg.vision.deepstack_layers) if self.cfg.vision else 0)
+        return None if mm is None else jax.tree.map(self._placed, mm)
 
     def on_mesh(self) -> contextlib.AbstractContextManager:
         """The context device calls on the runner's params and cache run in: ``jax.set_mesh(mesh)``, or nothing
@@ -266,12 +319,14 @@ class ModelRunner:
         return decode and not self.batch_invariant and layers.traces_kernels(self.kernels)
 
     def run(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
-            num_top: int = 0) -> StepResult:
-        """Run ``chunks`` (with their new ``token_ids``) and sample one token per chunk from ``rows``."""
-        return self.fetch(self.dispatch(chunks, token_ids, rows, num_top))
+            num_top: int = 0, images: list[RequestImages | None] | None = None) -> StepResult:
+        """Run ``chunks`` (with their new ``token_ids``; with their ``images``, one entry or None per chunk) and
+        sample one token per chunk from ``rows``."""
+        return self.fetch(self.dispatch(chunks, token_ids, rows, num_top, images=images))
 
     def dispatch(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow], num_top: int = 0,
-                 previous: Dispatched | None = None) -> Dispatched:
+                 previous: Dispatched | None = None,
+                 images: list[RequestImages | None] | None = None) -> Dispatched:
         """``run``'s device calls, not waited for. With ``previous`` (a decode step still on the device), the
         chunks are decode chunks whose ``token_ids`` are rows of the tokens ``previous`` samples, padded as it is."""
         decode = self._is_decode(chunks, previous)
@@ -291,8 +346,9 @@ class ModelRunner:
         bitmask = None if self.overlap_masks else self._masks(rows, num_seqs)
         sizes = (len(tokens), num_seqs, batch.block_tables.shape[1])
         packed = self._packed(tokens, batch, last)
+        mm = self._multimodal(images, chunks, len(tokens))
         with self.on_mesh():
-            logits, self.kv, counts = _step(self.params, self.kv, packed, fed, sizes=sizes, forward=self.forward,
+            logits, self.kv, counts = _step(self.params, self.kv, packed, fed, mm, sizes=sizes, forward=self.forward,
                                             cfg=self.cfg, kernels=self.step_kernels(
                                                 self._paged_only(decode)))  # returns at once; the device computes
             if self.overlap_masks:
@@ -312,7 +368,7 @@ class ModelRunner:
         return _invariant_sample if self.batch_invariant else sample
 
     def decode(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
-               steps: int, num_top: int = 0) -> DecodeResult:
+               steps: int, num_top: int = 0, images: list[RequestImages | None] | None = None) -> DecodeResult:
         """``steps`` tokens per sequence in one device call (module docstring), with the logprobs of each and its
         top ``num_top``: ``chunks`` are one token each (``count = 1``, ``start > 0``) with blocks for ``steps``
         tokens; ``rows`` unconstrained. Not in batch-invariant mode."""
@@ -329,9 +385,10 @@ class ModelRunner:
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.arange(len(chunks))
         packed = self._packed(tokens, batch, last)
+        mm = self._multimodal(images, chunks, len(tokens))
         with self.on_mesh():
             result, self.kv, counts = _decode_steps(
-                self.params, self.kv, packed, sampling_batch(rows, num_seqs),
+                self.params, self.kv, packed, sampling_batch(rows, num_seqs), mm,
                 sizes=(len(tokens), num_seqs, batch.block_tables.shape[1]), steps=steps, block_size=self.block_size,
                 forward=self.forward, cfg=self.cfg, kernels=self.kernels,
                 draw=any(r.params.temperature > 0 for r in rows), num_top=num_top)
@@ -364,7 +421,7 @@ class ModelRunner:
         step after another (its tokens on the device); returns the logits it gives the sampler."""
         previous = jax.ShapeDtypeStruct((shape.num_seqs,), jnp.int32, sharding=self._replicated) if chained else None
         with self.on_mesh():
-            compiled = _step.lower(self.params, self.kv, self._packed_like(shape), previous,
+            compiled = _step.lower(self.params, self.kv, self._packed_like(shape), previous, None,
                                    sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), forward=self.forward,
                                    cfg=self.cfg, kernels=self.step_kernels(shape.paged_only)).compile()
         info = compiled.out_info[0]
@@ -386,7 +443,7 @@ class ModelRunner:
         """Compile ``decode``'s ``steps``-token call for a decode batch of ``shape``."""
         with self.on_mesh():
             _decode_steps.lower(self.params, self.kv, self._packed_like(shape), sampling_batch([], shape.num_seqs),
-                                sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), steps=steps,
+                                None, sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), steps=steps,
                                 block_size=self.block_size, forward=self.forward, cfg=self.cfg,
                                 kernels=self.kernels, draw=draw, num_top=num_top).compile()
 

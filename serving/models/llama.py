@@ -197,17 +197,21 @@ def rope_table(cfg: ModelConfig) -> Rope:
 
 
 def attention(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, batch: AttentionBatch, kv: PagedKV,
-              layer: int, rope: Rope, kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, PagedKV]:
+              layer: int, rope: Rope, kernels: KernelPolicy = DEFAULT,
+              rope_positions: jax.Array | None = None) -> tuple[jax.Array, PagedKV]:
     """Grouped-query attention of ``x [N, D]`` -> ``[N, D]``: project (+ biases), (q/k norm), RoPE, write k/v,
-    attend within the layer's window (with the sinks), through the implementations ``kernels`` picks."""
+    attend within the layer's window (with the sinks), through the implementations ``kernels`` picks. RoPE turns
+    by ``rope_positions`` (``[N]`` or a position per frequency ``[N, hd/2]``, multimodal RoPE) where given, else by
+    the cache positions ``batch.positions``."""
     q, k, v = linear(x, p["q"]), linear(x, p["k"]), linear(x, p["v"])  # [N, D] @ [D, heads, hd]
     if cfg.attention_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], cfg.rms_eps), rms_norm(k, p["k_norm"], cfg.rms_eps)
     inv_freq, scale = rope
-    q = apply_rope(q, batch.positions, inv_freq, scale, cfg.rope.interleaved)
-    k = apply_rope(k, batch.positions, inv_freq, scale, cfg.rope.interleaved)
+    positions = batch.positions if rope_positions is None else rope_positions
+    q = apply_rope(q, positions, inv_freq, scale, cfg.rope.interleaved)
+    k = apply_rope(k, positions, inv_freq, scale, cfg.rope.interleaved)
     kv = kv.write(layer, k, v, batch.slot_mapping)
     out = paged_attention(q, kv.k[layer], kv.v[layer], batch, cfg.head_dim**-0.5, window=cfg.window(layer),
                           sinks=p.get("sinks"), kernels=kernels)

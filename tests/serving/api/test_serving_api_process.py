@@ -374,7 +374,7 @@ def core(folder) -> EngineCore:
 
 
 def add(request_id: str, prompt_ids: list[int], **params) -> list:
-    return [ipc.ADD, request_id, prompt_ids, ipc.params_to_wire(SamplingParams(**params)), None]
+    return [ipc.ADD, request_id, prompt_ids, ipc.params_to_wire(SamplingParams(**params)), None, []]
 
 
 def test_core_turn_refuses_steps_and_aborts(core):
@@ -394,10 +394,10 @@ def test_core_turn_refuses_steps_and_aborts(core):
 def test_core_turn_fails_only_the_requests_of_a_failed_step(core, monkeypatch):
     dispatch = core.engine.runner.dispatch
 
-    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None):
+    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None, images=None):
         if any(list(r.prompt_ids) == [9, 9, 9] for r in rows):
             raise RuntimeError("injected device failure")
-        return dispatch(chunks, token_ids, rows, num_top, previous)
+        return dispatch(chunks, token_ids, rows, num_top, previous, images)
 
     monkeypatch.setattr(core.engine.runner, "dispatch", failing_dispatch)
     event = core.turn([add("poisoned", [9, 9, 9], max_tokens=3)])
@@ -413,10 +413,10 @@ def test_sampling_params_cross_the_wire_whole():
     assert ipc.params_from_wire(ipc.unpack(ipc.pack(ipc.params_to_wire(params)))) == params
 
 
-@pytest.mark.parametrize("fixture", ["qwen3", "gpt_oss", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("fixture", ["qwen3", "gpt_oss", "qwen3_moe", "deepseek_v3", "qwen3_vl_moe"])
 def test_the_front_end_rebuilds_every_model_config_from_the_wire(fixture):
     """The core sends its ModelConfig as msgpack plain data (tuples come back as lists): the front end's copy equals
-    it, windows, sinks and dense-layer lists included."""
+    it, windows, sinks, dense-layer lists and an image encoder included."""
     import dataclasses
     import json
 
@@ -427,5 +427,5 @@ def test_the_front_end_rebuilds_every_model_config_from_the_wire(fixture):
     cfg = ModelConfig.from_hf(json.loads((HF / fixture / "config.json").read_text()))
     info = ModelInfo()
     info.load(ipc.unpack(ipc.pack({"cfg": ipc.plain(dataclasses.asdict(cfg)), "eos_ids": [2], "max_model_len": 64,
-                                    "tokenizer": None})))
+                                    "tokenizer": None, "image_processor": None})))
     assert info.cfg == cfg
