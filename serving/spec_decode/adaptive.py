@@ -1,0 +1,158 @@
+"""Adaptive speculation: per step, how many tokens to draft for each decoding sequence (0: none), from each
+sequence's measured acceptance and what a verification pass costs against a plain decode step at this batch size.
+
+Model. Sequence s accepts each draft token with probability ``a_s`` independently until its first rejection, so
+d drafts emit ``1 + a_s + .. + a_s^d`` tokens in expectation: draft j adds ``a_s^j``. A verification pass over
+N tokens costs ``verify(N)`` seconds; a plain decode step of B sequences costs ``decode(B)`` seconds per token of
+each (a multi-step decode shares its dispatch over its steps). With B decoding sequences, the m drafts of highest
+``a_s^j`` (which takes a prefix of each sequence's j = 1, 2, ..) give
+
+    rate(m) = (B + sum of their a_s^j) / verify(B + m)       tokens per second, against   B / decode(B)
+
+so the plan drafts the best m, or nothing unless ``rate(m) >= min_speedup * B / decode(B)``. Under load ``verify``
+grows with m while ``decode`` does not, and the plan drafts less, then nothing: speculation does not slow a loaded
+server down by more than the model's error.
+
+Measurement. ``a_s`` is an exponential moving average over verification steps of accepted / tried draft tokens
+(tried: those accepted plus the rejected one), starting at ``prior``; while a sequence is not drafted its estimate
+relaxes towards ``prior`` (``recovery`` per step), so a sequence whose text turned repetitive is tried again.
+``CostModel`` gives ``verify`` and ``decode`` from a linear prior (``step_seconds + token_seconds * N``, plus
+``dispatch_seconds`` per device call) until the engine's measured step times replace it, per power-of-two size
+bucket (``observe``; each bucket's first sample, a compile, is skipped).
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+EMA_WEIGHT = 0.3  # of the newest step in the acceptance and cost averages (about the last 3 steps)
+PRIOR_ACCEPTANCE = 0.5  # a new sequence's acceptance estimate
+RECOVERY = 0.02  # per undrafted step: the fraction of the way an estimate relaxes back to the prior
+MIN_SPEEDUP = 1.05  # a plan must promise this over a plain step (the model's error margin)
+
+
+def size_bucket(n: int) -> int:
+    """The power of two >= n: step sizes whose times the cost model shares."""
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+@dataclasses.dataclass
+class CostModel:
+    """Seconds of a verification pass over N tokens and of a plain decode step of B sequences (per token of each).
+
+    Prior: a device call costs ``dispatch_seconds`` (host work, shared by the ``decode_steps`` steps of a multi-step
+    decode) plus ``step_seconds + token_seconds * N`` on the device. ``observe`` replaces the prior per size bucket
+    with an average of measured times.
+    """
+
+    dispatch_seconds: float = 2e-4
+    step_seconds: float = 1e-3
+    token_seconds: float = 2e-6
+    measured: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
+    samples: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("dispatch_seconds", "step_seconds", "token_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"CostModel.{name} = {getattr(self, name)!r}: expected >= 0 seconds")
+
+    def verify(self, num_tokens: int) -> float:
+        """Seconds of a verification pass (one device call) over ``num_tokens`` tokens."""
+        prior = self.dispatch_seconds + self.step_seconds + self.token_seconds * num_tokens
+        return self.measured.get(("verify", size_bucket(num_tokens)), prior)
+
+    def decode(self, batch: int, decode_steps: int = 1) -> float:
+        """Seconds per token of each of ``batch`` sequences in a plain decode of ``decode_steps`` steps per call."""
+        prior = self.dispatch_seconds / decode_steps + self.step_seconds + self.token_seconds * batch
+        return self.measured.get(("decode", size_bucket(batch)), prior)
+
+    def observe(self, kind: str, size: int, seconds: float) -> None:
+        """A measured step: ``kind`` "verify" (size: tokens, seconds: the pass) or "decode" (size: sequences,
+        seconds: per token of each); averaged per size bucket, the bucket's first sample (a compile) skipped."""
+        if kind not in ("verify", "decode"):
+            raise ValueError(f"CostModel.observe: kind={kind!r}: expected 'verify' or 'decode'")
+        key = kind, size_bucket(size)
+        count = self.samples.get(key, 0)
+        self.samples[key] = count + 1
+        if count == 1:
+            self.measured[key] = seconds
+        elif count > 1:
+            self.measured[key] += EMA_WEIGHT * (seconds - self.measured[key])
+
+
+@dataclasses.dataclass
+class AdaptivePolicy:
+    """Chooses each step's draft lengths (module docstring); ``max_k``: the most drafts per sequence."""
+
+    max_k: int
+    cost: CostModel = dataclasses.field(default_factory=CostModel)
+    prior: float = PRIOR_ACCEPTANCE
+    ema: float = EMA_WEIGHT
+    recovery: float = RECOVERY
+    min_speedup: float = MIN_SPEEDUP
+    accepted: dict[int, float] = dataclasses.field(default_factory=dict)  # seq_id -> EMA of accepted drafts
+    tried: dict[int, float] = dataclasses.field(default_factory=dict)  # seq_id -> EMA of tried drafts
+
+    def __post_init__(self):
+        checks = (("max_k", self.max_k >= 1, ">= 1"), ("prior", 0 <= self.prior < 1, "in [0, 1)"),
+                  ("ema", 0 < self.ema <= 1, "in (0, 1]"), ("recovery", 0 <= self.recovery <= 1, "in [0, 1]"),
+                  ("min_speedup", self.min_speedup > 0, "> 0"))
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"AdaptivePolicy.{name} = {getattr(self, name)!r}: expected {expected}")
+
+    def acceptance(self, seq_id: int) -> float:
+        """The estimate of ``a_s``: the chance that each draft token is accepted."""
+        tried = self.tried.get(seq_id, 1.0)
+        return min(self.accepted.get(seq_id, self.prior) / tried, 1 - 1e-6) if tried > 0 else self.prior
+
+    def rate(self, seq_ids: Sequence[int], drafts: Sequence[int]) -> float:
+        """Expected tokens per second of a verification pass with ``drafts[i]`` tokens for ``seq_ids[i]``."""
+        emitted = sum(sum(self.acceptance(s) ** j for j in range(d + 1)) for s, d in zip(seq_ids, drafts, strict=True))
+        return emitted / self.cost.verify(len(seq_ids) + sum(drafts))
+
+    def plain_rate(self, batch: int, decode_steps: int = 1) -> float:
+        """Tokens per second of plain decode steps of ``batch`` sequences."""
+        return batch / self.cost.decode(batch, decode_steps)
+
+    def plan(self, seq_ids: Sequence[int], limits: Sequence[int] | None = None, decode_steps: int = 1) -> list[int]:
+        """Drafts per sequence for this step (all 0: a plain step), each at most ``limits[i]`` (default max_k);
+        the sequences left at 0 relax towards the prior."""
+        limits = [self.max_k] * len(seq_ids) if limits is None else [min(n, self.max_k) for n in limits]
+        gains = sorted(((self.acceptance(s) ** j, i, j) for i, s in enumerate(seq_ids)
+                        for j in range(1, limits[i] + 1)), key=lambda g: (-g[0], g[1], g[2]))
+        batch = len(seq_ids)
+        emitted = batch + np.cumsum([0.0] + [g[0] for g in gains])
+        rates = emitted / np.array([self.cost.verify(batch + m) for m in range(len(gains) + 1)])
+        best = int(np.argmax(rates))  # the first of equal rates: fewer drafts
+        drafts = [0] * batch
+        if best > 0 and rates[best] >= self.min_speedup * self.plain_rate(batch, decode_steps):
+            for _, i, _ in gains[:best]:
+                drafts[i] += 1
+        for s, d in zip(seq_ids, drafts, strict=True):
+            if d == 0:
+                self._relax(s)
+        return drafts
+
+    def worth(self, seq_ids: Sequence[int], drafts: Sequence[int], decode_steps: int = 1) -> bool:
+        """Whether a verification pass with these (proposed) drafts beats plain decode steps."""
+        return any(drafts) and (self.rate(seq_ids, drafts)
+                                >= self.min_speedup * self.plain_rate(len(seq_ids), decode_steps))
+
+    def update(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
+        """A verification step of ``seq_id`` kept ``num_accepted`` of its ``num_drafts`` drafts."""
+        if num_drafts == 0:
+            return
+        tried = num_accepted + (num_accepted < num_drafts)
+        for table, sample, start in ((self.accepted, num_accepted, self.prior), (self.tried, tried, 1.0)):
+            table[seq_id] = table.get(seq_id, start) + self.ema * (sample - table.get(seq_id, start))
+
+    def _relax(self, seq_id: int) -> None:
+        if seq_id in self.accepted:
+            self.accepted[seq_id] += self.recovery * (self.prior * self.tried[seq_id] - self.accepted[seq_id])
+
+    def release(self, seq_id: int) -> None:
+        self.accepted.pop(seq_id, None)
+        self.tried.pop(seq_id, None)
