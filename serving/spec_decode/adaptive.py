@@ -18,7 +18,8 @@ Measurement. ``a_s`` is an exponential moving average over verification steps of
 relaxes towards ``prior`` (``recovery`` per step), so a sequence whose text turned repetitive is tried again.
 ``CostModel`` gives ``verify`` and ``decode`` from a linear prior (``step_seconds + token_seconds * N``, plus
 ``dispatch_seconds`` per device call) until the engine's measured step times replace it, per power-of-two size
-bucket (``observe``; each bucket's first sample, a compile, is skipped).
+bucket (``observe``; each bucket's first sample, a compile, is skipped, as are later samples ``OUTLIER`` times
+the average: a new shape compiling).
 """
 
 import dataclasses
@@ -31,6 +32,7 @@ EMA_WEIGHT = 0.3  # of the newest step in the acceptance and cost averages (abou
 PRIOR_ACCEPTANCE = 0.5  # a new sequence's acceptance estimate
 RECOVERY = 0.02  # per undrafted step: the fraction of the way an estimate relaxes back to the prior
 MIN_SPEEDUP = 1.05  # a plan must promise this over a plain step (the model's error margin)
+OUTLIER = 4.0  # a measured step this many times its bucket's average is a compile or a hiccup: not averaged in
 
 
 def size_bucket(n: int) -> int:
@@ -44,12 +46,13 @@ class CostModel:
 
     Prior: a device call costs ``dispatch_seconds`` (host work, shared by the ``decode_steps`` steps of a multi-step
     decode) plus ``step_seconds + token_seconds * N`` on the device. ``observe`` replaces the prior per size bucket
-    with an average of measured times.
+    with an average of measured times (``online``; False: the prior stays, e.g. for a reproducible plan).
     """
 
     dispatch_seconds: float = 2e-4
     step_seconds: float = 1e-3
     token_seconds: float = 2e-6
+    online: bool = True
     measured: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
     samples: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
 
@@ -73,12 +76,14 @@ class CostModel:
         seconds: per token of each); averaged per size bucket, the bucket's first sample (a compile) skipped."""
         if kind not in ("verify", "decode"):
             raise ValueError(f"CostModel.observe: kind={kind!r}: expected 'verify' or 'decode'")
+        if not self.online:
+            return
         key = kind, size_bucket(size)
         count = self.samples.get(key, 0)
         self.samples[key] = count + 1
         if count == 1:
             self.measured[key] = seconds
-        elif count > 1:
+        elif count > 1 and seconds < OUTLIER * self.measured[key]:
             self.measured[key] += EMA_WEIGHT * (seconds - self.measured[key])
 
 

@@ -70,8 +70,7 @@ class SpecConfig:
         """A fresh ``AdaptivePolicy`` for one engine (its own copy of ``cost``), or None unless ``adaptive``."""
         if not self.adaptive:
             return None
-        cost = CostModel(self.cost.dispatch_seconds, self.cost.step_seconds, self.cost.token_seconds,
-                         dict(self.cost.measured), dict(self.cost.samples))
+        cost = dataclasses.replace(self.cost, measured=dict(self.cost.measured), samples=dict(self.cost.samples))
         return AdaptivePolicy(self.k, cost)
 
     def build_all(self, cfg: ModelConfig, params: dict) -> dict[str, Drafter]:
