@@ -12,7 +12,8 @@ most frequent next token among the occurrences still on the path, with
 
 extended while ``P >= min_token_prob`` and for at most ``floor(factor * L) + offset`` tokens (a longer match earns a
 longer draft: ArcticInference's adaptive draft length). Its score ``sum_d P(draft_1..d)`` is the expected number
-of accepted tokens under those frequencies; the draft of the best-scoring suffix length wins, over the sequence's
+of accepted tokens under those frequencies; the draft of the best-scoring suffix length wins (lengths walked
+longest first, skipping those whose set is less than twice the last one walked), over the sequence's
 own context (prompt + output, indexed incrementally) and the global store of finished outputs (a bounded buffer:
 the oldest half is dropped when full). Drafts are deterministic (q one-hot), so verification is lossless as for
 n-gram lookup. Costs are numpy gathers over at most ``max_candidates`` occurrences per source and step.
@@ -84,6 +85,10 @@ class SuffixIndex:
 def greedy_walk(continuations: np.ndarray, max_len: int, min_token_prob: float) -> tuple[list[int], float]:
     """(the draft, its score ``sum_d P(draft_1..d)``) of the continuation tree of ``continuations [C, >= max_len]``
     (module docstring; ties go to the smaller token id)."""
+    head = continuations[0, :max_len]
+    if (continuations[:, :max_len] == head).all():  # one continuation (a verbatim copy): every token certain
+        draft = head[:np.argmax(head == SEPARATOR) if (head == SEPARATOR).any() else max_len].tolist()
+        return draft, float(len(draft))
     alive = np.ones(len(continuations), bool)
     draft, prob, score = [], 1.0, 0.0
     for d in range(max_len):
@@ -133,14 +138,17 @@ class SuffixDrafter:
         best: tuple[list[int], float] = ([], 0.0)
         if not len(positions):
             return best
-        follow = index.continuations(positions, k)
+        follow, walked = index.continuations(positions, k), 0
         for length in sorted(set(lengths.tolist()), reverse=True):  # each suffix length's occurrence set
-            if length < self.key_len:
-                continue
-            max_len = min(k, int(self.factor * length) + self.offset)
-            draft, score = greedy_walk(follow[lengths >= length], max_len, self.min_token_prob)
+            rows = follow[lengths >= length]
+            if length < self.key_len or len(rows) < 2 * walked:  # a set less than twice the last one walked:
+                continue  # its walk differs little (bounds the walks per step by log2(max_candidates) + 1)
+            max_len, walked = min(k, int(self.factor * length) + self.offset), len(rows)
+            draft, score = greedy_walk(rows, max_len, self.min_token_prob)
             if score > best[1]:
                 best = draft, score
+            if score == k:  # k certain tokens: no set scores more
+                break
         return best
 
     def lookup(self, seq_id: int, token_ids: Sequence[int], k: int) -> list[int]:
