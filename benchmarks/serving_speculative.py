@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> None:
             "matmul_precision": args.matmul_precision, "max_tokens": args.max_tokens, "ngram_k": NGRAM_K,
             "suffix_k": SUFFIX_K, "decode_steps": DECODE_STEPS, "drafter": args.drafter, "rows": rows,
             "skipped": skipped}
-    for prompts_name in sets:
-        for concurrency in levels:
+    for concurrency in levels:  # concurrency 1 of every set first: the rows a --time-budget must keep
+        for prompts_name in sets:
             prompts = prompt_set(prompts_name, max(args.prompts, concurrency))
             group, reference = [], None
             for name, (make, decode_steps) in configs(args.drafter, names).items():
