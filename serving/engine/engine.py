@@ -4,8 +4,8 @@ Each ``step`` is one scheduler decision and one device call (``runner.py``); out
 token, its text delta (stop strings cut), and, when the sequence is done, why. A request with
 ``SamplingParams.n = k`` runs as k sequences (sample i seeded with seed + i).
 
-With ``decode_steps = n > 1``, a step where every sequence decodes (no prefill chunk, no constrained row; not with
-speculative decoding or in batch-invariant mode) samples n tokens per sequence in its one device call where every
+With ``decode_steps = n > 1``, a step where every sequence decodes (no prefill chunk, no constrained row, no drafts;
+not in batch-invariant mode) samples n tokens per sequence in its one device call where every
 sequence has room for n (``Scheduler.reserve_ahead``; else a single step: one multi-step shape to compile;
 ``ModelRunner.decode``), with their logprobs where asked for.
 They are appended one by one, as n single steps would append them (stop conditions, streaming, block hashing), one
@@ -242,17 +242,21 @@ class Engine:
       max_model_len: context length (default: the model's max_position), at most the cache's
         num_blocks * block_size tokens: a sequence the cache cannot hold whole could never finish.
       max_queue: the most sequences waiting beyond ``max_running`` (None: no limit).
-      speculative: draft tokens and verify them in each decode step (``serving.spec_decode``); acceptance
-        counters in ``spec_stats``. Outputs are unchanged (greedy: identical; sampled: the same distribution).
+      speculative: draft tokens and verify them in one pass (``serving.spec_decode``); acceptance counters in
+        ``spec_stats``. Outputs are unchanged (greedy: identical; sampled: the same distribution). A step where no
+        sequence got drafts (none found, the request's ``SamplingParams.speculative`` is "off", or the adaptive
+        policy chose none) is a plain step, multi-step and dispatched ahead as without speculation; with a drafter
+        that reads the target's hidden states (``HiddenStateDrafter``) every step is a verification.
       batch_invariant: every step through ``serving.batch_invariant`` (fixed-geometry Pallas kernels, in Pallas'
         interpreter off a GPU): a sequence's logits are bitwise the same alone or in any batch and chunking.
-        Plain bf16/fp32 weights on one device; not with ``speculative``.
+        Plain bf16/fp32 weights on one device; verification passes too (greedy drafted tokens are the plain ones).
       mesh: a ``sharding.make_mesh`` mesh to run on (None: one device): params split by the model's
         ``param_specs``, the cache by ``sharding.cache_spec``, steps under ``jax.set_mesh`` (the MoE layers
         expert-parallel). The same tokens as on one device; not with ``speculative`` or ``batch_invariant``.
       decode_steps: the most tokens a decode-only step samples per sequence in one device call (module
         docstring; 1: one per step; None: ``default_decode_steps()``, by backend). The same tokens as single
-        steps; other steps, and every step with ``speculative`` or ``batch_invariant``, sample one.
+        steps; other steps (prefill, constrained, verification), and every step with ``batch_invariant``, sample
+        one.
       compilation_cache: JAX's persistent compilation cache folder (``use_compilation_cache``; True: the default
         folder, False: not turned on by the engine).
       async_scheduling: dispatch the next decode step before fetching the tokens of the one running (module
