@@ -124,7 +124,7 @@ def run(model: LoadedModel, spec: SpecConfig | None, decode_steps: int, concurre
     outputs = [r.outputs[0].token_ids for r in results]
     stats = engine.spec_stats
     return {"tokens": sum(map(len, outputs)), "seconds": seconds, "tokens_per_s": sum(map(len, outputs)) / seconds,
-            "mean_acceptance_length": stats.mean_acceptance_length if spec else 1.0,
+            "mean_acceptance_length": stats.mean_acceptance_length if stats.num_steps else 1.0,
             "acceptance_rate": stats.acceptance_rate if spec else None, "drafted_steps": stats.num_steps,
             "outputs": outputs}
 

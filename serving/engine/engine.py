@@ -76,6 +76,7 @@ from serving.spec_decode import (
     SpecConfig,
     SpecStats,
     SuffixDrafter,
+    adaptive,
     grammar_drafts,
     merge_proposals,
 )
@@ -503,10 +504,10 @@ class Engine:
         If the step raises, the requests it ran are aborted (the others keep their place) and ``StepError``
         names them; a cache the failed device call consumed is rebuilt (``_reset_cache``).
         """
-        start, self._measure = time.perf_counter(), None
+        start, traced, self._measure = time.perf_counter(), adaptive.traces(), None
         outputs = self._step()
-        if self.spec_policy is not None and self._measure is not None:  # the cost model learns this step's time
-            kind, size, per_step = self._measure
+        if self.spec_policy is not None and self._measure is not None and adaptive.traces() == traced:
+            kind, size, per_step = self._measure  # the cost model learns the time of a step that compiled nothing
             self.spec_policy.cost.observe(kind, size, (time.perf_counter() - start) / per_step)
         return outputs
 

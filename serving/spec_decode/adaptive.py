@@ -18,21 +18,39 @@ Measurement. ``a_s`` is an exponential moving average over verification steps of
 relaxes towards ``prior`` (``recovery`` per step), so a sequence whose text turned repetitive is tried again.
 ``CostModel`` gives ``verify`` and ``decode`` from a linear prior (``step_seconds + token_seconds * N``, plus
 ``dispatch_seconds`` per device call) until the engine's measured step times replace it, per power-of-two size
-bucket (``observe``; each bucket's first sample, a compile, is skipped, as are later samples ``OUTLIER`` times
-the average: a new shape compiling).
+bucket (``observe``). The engine measures only steps that traced nothing (``traces``: a step that compiled is not
+a step's cost); a faster sample replaces the estimate at once, a slower one moves it by ``EMA_WEIGHT`` and one
+``OUTLIER`` times the estimate (a hiccup) is ignored, so an estimate too high, which would stop the very steps
+that measure it, does not last.
 """
 
 import dataclasses
 import math
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 EMA_WEIGHT = 0.3  # of the newest step in the acceptance and cost averages (about the last 3 steps)
 PRIOR_ACCEPTANCE = 0.5  # a new sequence's acceptance estimate
 RECOVERY = 0.02  # per undrafted step: the fraction of the way an estimate relaxes back to the prior
 MIN_SPEEDUP = 1.05  # a plan must promise this over a plain step (the model's error margin)
-OUTLIER = 4.0  # a measured step this many times its bucket's average is a compile or a hiccup: not averaged in
+OUTLIER = 4.0  # a measured step this many times its bucket's estimate is a hiccup: not averaged in
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"  # every jit cache miss traces (then compiles or loads)
+_traced = [0]  # trace events in this process
+
+
+def _count_trace(name: str, _: float, **__: object) -> None:
+    if name == TRACE_EVENT:
+        _traced[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_trace)
+
+
+def traces() -> int:
+    """Trace events so far in this process: a step during which it changed compiled (or loaded) something."""
+    return _traced[0]
 
 
 def size_bucket(n: int) -> int:
@@ -72,19 +90,20 @@ class CostModel:
         return self.measured.get(("decode", size_bucket(batch)), prior)
 
     def observe(self, kind: str, size: int, seconds: float) -> None:
-        """A measured step: ``kind`` "verify" (size: tokens, seconds: the pass) or "decode" (size: sequences,
-        seconds: per token of each); averaged per size bucket, the bucket's first sample (a compile) skipped."""
+        """A measured step (one that compiled nothing): ``kind`` "verify" (size: tokens, seconds: the pass) or
+        "decode" (size: sequences, seconds: per token of each), folded into its size bucket's estimate (module
+        docstring)."""
         if kind not in ("verify", "decode"):
             raise ValueError(f"CostModel.observe: kind={kind!r}: expected 'verify' or 'decode'")
         if not self.online:
             return
         key = kind, size_bucket(size)
-        count = self.samples.get(key, 0)
-        self.samples[key] = count + 1
-        if count == 1:
+        self.samples[key] = self.samples.get(key, 0) + 1
+        estimate = self.measured.get(key)
+        if estimate is None or seconds <= estimate:
             self.measured[key] = seconds
-        elif count > 1 and seconds < OUTLIER * self.measured[key]:
-            self.measured[key] += EMA_WEIGHT * (seconds - self.measured[key])
+        elif seconds < OUTLIER * estimate:
+            self.measured[key] = estimate + EMA_WEIGHT * (seconds - estimate)
 
 
 @dataclasses.dataclass
