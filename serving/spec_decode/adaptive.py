@@ -14,8 +14,10 @@ grows with m while ``decode`` does not, and the plan drafts less, then nothing: 
 server down by more than the model's error.
 
 Measurement. ``a_s`` is an exponential moving average over verification steps of accepted / tried draft tokens
-(tried: those accepted plus the rejected one), starting at ``prior``; while a sequence is not drafted its estimate
-relaxes towards ``prior`` (``recovery`` per step), so a sequence whose text turned repetitive is tried again.
+(tried: those accepted plus the rejected one). A new sequence starts from the pooled estimate, the same average
+over every sequence's steps (the server's recent acceptance), which starts at ``prior``. While a sequence is not
+drafted its estimate relaxes towards the pooled one, and while no sequence is, the pooled one relaxes towards
+``prior`` (``recovery`` per step), so drafting is tried again where text turned repetitive.
 ``CostModel`` gives ``verify`` and ``decode`` from a linear prior (``step_seconds + token_seconds * N``, plus
 ``dispatch_seconds`` per device call) until the engine's measured step times replace it, per power-of-two size
 bucket (``observe``). The engine measures only steps that traced nothing (``traces``: a step that compiled is not
@@ -118,6 +120,7 @@ class AdaptivePolicy:
     min_speedup: float = MIN_SPEEDUP
     accepted: dict[int, float] = dataclasses.field(default_factory=dict)  # seq_id -> EMA of accepted drafts
     tried: dict[int, float] = dataclasses.field(default_factory=dict)  # seq_id -> EMA of tried drafts
+    pooled: list[float] = dataclasses.field(default_factory=list)  # [accepted, tried] EMAs over every sequence
 
     def __post_init__(self):
         checks = (("max_k", self.max_k >= 1, ">= 1"), ("prior", 0 <= self.prior < 1, "in [0, 1)"),
@@ -126,11 +129,17 @@ class AdaptivePolicy:
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"AdaptivePolicy.{name} = {getattr(self, name)!r}: expected {expected}")
+        self.pooled = self.pooled or [self.prior, 1.0]
+
+    def pooled_acceptance(self) -> float:
+        """The estimate a new sequence starts from: acceptance over every sequence's recent steps."""
+        return min(self.pooled[0] / self.pooled[1], 1 - 1e-6)
 
     def acceptance(self, seq_id: int) -> float:
         """The estimate of ``a_s``: the chance that each draft token is accepted."""
-        tried = self.tried.get(seq_id, 1.0)
-        return min(self.accepted.get(seq_id, self.prior) / tried, 1 - 1e-6) if tried > 0 else self.prior
+        if seq_id not in self.tried:
+            return self.pooled_acceptance()
+        return min(self.accepted[seq_id] / self.tried[seq_id], 1 - 1e-6)
 
     def rate(self, seq_ids: Sequence[int], drafts: Sequence[int]) -> float:
         """Expected tokens per second of a verification pass with ``drafts[i]`` tokens for ``seq_ids[i]``."""
@@ -143,7 +152,7 @@ class AdaptivePolicy:
 
     def plan(self, seq_ids: Sequence[int], limits: Sequence[int] | None = None, decode_steps: int = 1) -> list[int]:
         """Drafts per sequence for this step (all 0: a plain step), each at most ``limits[i]`` (default max_k);
-        the sequences left at 0 relax towards the prior."""
+        the sequences left at 0 relax towards the pooled estimate, which relaxes towards the prior if all are."""
         limits = [self.max_k] * len(seq_ids) if limits is None else [min(n, self.max_k) for n in limits]
         gains = sorted(((self.acceptance(s) ** j, i, j) for i, s in enumerate(seq_ids)
                         for j in range(1, limits[i] + 1)), key=lambda g: (-g[0], g[1], g[2]))
@@ -156,8 +165,10 @@ class AdaptivePolicy:
             for _, i, _ in gains[:best]:
                 drafts[i] += 1
         for s, d in zip(seq_ids, drafts, strict=True):
-            if d == 0:
-                self._relax(s)
+            if d == 0 and s in self.tried:
+                self.accepted[s] += self.recovery * (self.pooled_acceptance() * self.tried[s] - self.accepted[s])
+        if not any(drafts):
+            self.pooled[0] += self.recovery * (self.prior * self.pooled[1] - self.pooled[0])
         return drafts
 
     def worth(self, seq_ids: Sequence[int], drafts: Sequence[int], decode_steps: int = 1) -> bool:
@@ -170,12 +181,12 @@ class AdaptivePolicy:
         if num_drafts == 0:
             return
         tried = num_accepted + (num_accepted < num_drafts)
-        for table, sample, start in ((self.accepted, num_accepted, self.prior), (self.tried, tried, 1.0)):
-            table[seq_id] = table.get(seq_id, start) + self.ema * (sample - table.get(seq_id, start))
-
-    def _relax(self, seq_id: int) -> None:
-        if seq_id in self.accepted:
-            self.accepted[seq_id] += self.recovery * (self.prior * self.tried[seq_id] - self.accepted[seq_id])
+        if seq_id not in self.tried:
+            self.accepted[seq_id], self.tried[seq_id] = self.pooled_acceptance(), 1.0
+        self.accepted[seq_id] += self.ema * (num_accepted - self.accepted[seq_id])
+        self.tried[seq_id] += self.ema * (tried - self.tried[seq_id])
+        self.pooled[0] += self.ema * (num_accepted - self.pooled[0])
+        self.pooled[1] += self.ema * (tried - self.pooled[1])
 
     def release(self, seq_id: int) -> None:
         self.accepted.pop(seq_id, None)

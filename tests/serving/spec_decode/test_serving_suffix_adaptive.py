@@ -149,10 +149,17 @@ def test_multi_step_decode_raises_the_bar_a_verification_must_clear():
     assert policy.plan([0], decode_steps=8) == [0]  # 8 steps share a dispatch: plain decode wins
 
 
-def test_an_undrafted_sequence_relaxes_back_to_the_prior_and_is_tried_again():
+def test_new_sequences_start_from_the_servers_recent_acceptance():
+    policy = history(AdaptivePolicy(4, FLAT), 0, [(4, 4)] * 8)
+    assert policy.acceptance(1) == policy.pooled_acceptance() > 0.9  # never drafted: the pooled estimate
+    history(policy, 2, [(4, 0)] * 8)
+    assert policy.acceptance(1) < 0.5 and policy.acceptance(0) > 0.9  # pooled: the latest steps weigh most
+
+
+def test_an_undrafted_sequence_relaxes_back_and_is_tried_again():
     policy = history(AdaptivePolicy(4, FLAT, recovery=0.2), 0, [(4, 0)] * 8)
     low = policy.acceptance(0)
-    plans = [policy.plan([0]) for _ in range(40)]
+    plans = [policy.plan([0]) for _ in range(40)]  # nobody drafted: the pooled estimate relaxes to the prior
     assert plans[0] == [0]
     tried = next(i for i, p in enumerate(plans) if p != [0])
     assert 0 < tried < 40 and low < policy.acceptance(0) < policy.prior
@@ -165,8 +172,9 @@ def test_acceptance_is_an_average_of_accepted_over_tried_drafts():
     assert policy.accepted[7] == pytest.approx(0.75) and policy.tried[7] == pytest.approx(1.5)
     policy.update(7, 4, 4)  # all accepted: tried 4
     assert policy.acceptance(7) == pytest.approx((0.75 + 0.5 * 3.25) / (1.5 + 0.5 * 2.5))
+    assert policy.pooled_acceptance() == policy.acceptance(7)  # the only sequence so far
     policy.release(7)
-    assert policy.acceptance(7) == 0.5
+    assert policy.acceptance(7) == policy.pooled_acceptance()
     assert not policy.worth([7], [0])
 
 
