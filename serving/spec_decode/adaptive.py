@@ -66,7 +66,9 @@ class CostModel:
 
     Prior: a device call costs ``dispatch_seconds`` (host work, shared by the ``decode_steps`` steps of a multi-step
     decode) plus ``step_seconds + token_seconds * N`` on the device. ``observe`` replaces the prior per size bucket
-    with an average of measured times (``online``; False: the prior stays, e.g. for a reproducible plan).
+    with an average of measured times (``online``; False: the prior stays, e.g. for a reproducible plan); a bucket
+    not measured yet takes the prior times ``scale``, the average ratio of measured to prior times, so that a
+    measured verification is weighed against a decode step on the same machine's scale.
     """
 
     dispatch_seconds: float = 2e-4
@@ -75,21 +77,27 @@ class CostModel:
     online: bool = True
     measured: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
     samples: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
+    scale: float = 1.0
 
     def __post_init__(self):
         for name in ("dispatch_seconds", "step_seconds", "token_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CostModel.{name} = {getattr(self, name)!r}: expected >= 0 seconds")
 
+    def prior(self, kind: str, size: int, decode_steps: int = 1) -> float:
+        """The prior's seconds of a step of ``kind`` (``verify``'s or ``decode``'s) and ``size``, unscaled."""
+        dispatch = self.dispatch_seconds / (decode_steps if kind == "decode" else 1)
+        return dispatch + self.step_seconds + self.token_seconds * size
+
     def verify(self, num_tokens: int) -> float:
         """Seconds of a verification pass (one device call) over ``num_tokens`` tokens."""
-        prior = self.dispatch_seconds + self.step_seconds + self.token_seconds * num_tokens
-        return self.measured.get(("verify", size_bucket(num_tokens)), prior)
+        key = "verify", size_bucket(num_tokens)
+        return self.measured[key] if key in self.measured else self.scale * self.prior("verify", num_tokens)
 
     def decode(self, batch: int, decode_steps: int = 1) -> float:
         """Seconds per token of each of ``batch`` sequences in a plain decode of ``decode_steps`` steps per call."""
-        prior = self.dispatch_seconds / decode_steps + self.step_seconds + self.token_seconds * batch
-        return self.measured.get(("decode", size_bucket(batch)), prior)
+        key = "decode", size_bucket(batch)
+        return self.measured[key] if key in self.measured else self.scale * self.prior("decode", batch, decode_steps)
 
     def observe(self, kind: str, size: int, seconds: float) -> None:
         """A measured step (one that compiled nothing): ``kind`` "verify" (size: tokens, seconds: the pass) or
@@ -100,11 +108,15 @@ class CostModel:
         if not self.online:
             return
         key = kind, size_bucket(size)
-        self.samples[key] = self.samples.get(key, 0) + 1
         estimate = self.measured.get(key)
+        if estimate is not None and seconds >= OUTLIER * estimate:  # a hiccup
+            return
+        ratio = seconds / max(self.prior(kind, size), 1e-12)
+        self.scale = ratio if not self.samples else self.scale + EMA_WEIGHT * (ratio - self.scale)
+        self.samples[key] = self.samples.get(key, 0) + 1
         if estimate is None or seconds <= estimate:
             self.measured[key] = seconds
-        elif seconds < OUTLIER * estimate:
+        else:
             self.measured[key] = estimate + EMA_WEIGHT * (seconds - estimate)
 
 

@@ -188,7 +188,9 @@ def test_the_cost_model_replaces_its_prior_with_measured_times_per_size_bucket()
     cost.observe("verify", 16, 4e-3)  # slower: part of the way
     cost.observe("verify", 16, 1.0)  # a hiccup: ignored
     assert cost.verify(10) == pytest.approx(2e-3 + 0.3 * 2e-3)
-    assert cost.verify(17) == pytest.approx(1e-4 + 1e-3 + 1.7e-4)  # other buckets keep the prior
+    scale = cost.scale  # the measured times are 2-4x the prior's: unmeasured buckets are scaled alike
+    assert 2 < scale < 4 and cost.verify(17) == pytest.approx(scale * (1e-4 + 1e-3 + 1.7e-4))
+    assert cost.decode(8, decode_steps=4) == pytest.approx(scale * (2.5e-5 + 1e-3 + 8e-5))
     fixed = CostModel(online=False)
     for _ in range(3):
         fixed.observe("decode", 4, 1.0)
