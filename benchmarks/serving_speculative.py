@@ -13,12 +13,13 @@ over the request's context and the finished outputs, k = 8), both adaptive (``Ad
 none, from measured acceptance and step times) with ``decode_steps`` 8 between verifications, ``suffix_static``
 (k = 8 drafts every step) and, with ``--drafter DIR``, ``block`` (``BlockDrafter``, adaptive lengths). One
 ``LoadedModel`` serves every engine. Each configuration runs twice untimed (compiles; the second time with the
-prompts' prefixes cached, as in the timed run; the suffix drafter's global store then holds the outputs of those
-runs, as a server's would) and once timed. Reported: output tokens/s, ``speedup`` over the best baseline, mean
-acceptance length (tokens per drafted sequence-step), acceptance rate, ``drafted_steps`` (sequence-steps with
-drafts), and ``identical_outputs``: prompts whose tokens equal ``none_d1``'s (true fp32 matmuls by default:
-``--matmul-precision``). JSON is rewritten after every row (a run cut short keeps its rows); ``--time-budget``
-skips the rows left once it is spent.
+prompts' prefixes cached, as in the timed run; the adaptive policy keeps what it measured, as a server would) and
+once timed. The suffix drafter's global store is emptied before each pass: it never holds the outputs of the
+prompts it drafts for from an earlier pass (within a pass a finished request's output does serve later ones, as
+on a server). Reported: output tokens/s, ``speedup`` over the best baseline, mean acceptance length (tokens per
+drafted sequence-step), acceptance rate, ``drafted_steps`` (sequence-steps with drafts), and ``identical_outputs``:
+prompts whose tokens equal ``none_d1``'s (true fp32 matmuls by default: ``--matmul-precision``). JSON is rewritten
+after every row (a run cut short keeps its rows); ``--time-budget`` skips the rows left once it is spent.
 
 Run: ``python -m benchmarks.serving_speculative`` (SmolLM2-135M-Instruct; CPU: writes
 ``results/serving_speculative_cpu.json`` and .png; on a GPU pass ``--name serving_speculative``). ``--model`` takes
@@ -26,6 +27,7 @@ a HF folder or GGUF file with a tokenizer instead.
 """
 
 import argparse
+import gc
 import random
 import time
 from collections.abc import Callable
@@ -115,14 +117,18 @@ def run(model: LoadedModel, spec: SpecConfig | None, decode_steps: int, concurre
     """Two untimed passes over ``prompts``, then a timed one: tokens/s and the speculation counters."""
     engine = Engine(model, max_running=concurrency, decode_steps=decode_steps, speculative=spec, **ENGINE_OPTIONS)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    for _ in range(2):
-        engine.generate(prompts, params)
-    engine.spec_stats = type(engine.spec_stats)()
-    start = time.perf_counter()
-    results = engine.generate(prompts, params)
-    seconds = time.perf_counter() - start
+    for _ in range(3):  # the last pass is timed
+        for drafter in engine.drafters.values():
+            if isinstance(drafter, SuffixDrafter):
+                drafter.clear()
+        engine.spec_stats = type(engine.spec_stats)()
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        seconds = time.perf_counter() - start
     outputs = [r.outputs[0].token_ids for r in results]
     stats = engine.spec_stats
+    del engine, results
+    gc.collect()  # the engine's cache freed before the next one's
     return {"tokens": sum(map(len, outputs)), "seconds": seconds, "tokens_per_s": sum(map(len, outputs)) / seconds,
             "mean_acceptance_length": stats.mean_acceptance_length if stats.num_steps else 1.0,
             "acceptance_rate": stats.acceptance_rate if spec else None, "drafted_steps": stats.num_steps,

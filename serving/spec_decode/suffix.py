@@ -187,3 +187,9 @@ class SuffixDrafter:
 
     def release(self, seq_id: int) -> None:
         self.local.pop(seq_id, None)
+
+    def clear(self) -> None:
+        """Forget every finished output (the global store) and every sequence's index."""
+        self.local.clear()
+        self.documents.clear()
+        self.store = SuffixIndex(self.key_len)

@@ -74,6 +74,8 @@ def test_the_global_store_drafts_from_finished_outputs_and_keeps_the_newest_when
     assert drafter.store.size <= 24
     assert drafter.lookup(2, [99, 10, 11, 12], 8) == []
     assert drafter.lookup(3, [99, 150, 151], 8) == [152, 153]
+    drafter.clear()
+    assert drafter.store.size == 0 and not drafter.documents and not drafter.local
     own = SuffixDrafter(global_tokens=0)
     own.learn([10, 11, 12, 13])
     assert own.store.size == 0
