@@ -43,8 +43,10 @@ browser:
 test: $(STAMP) browser
 	$(PY) -m ruff check .
 	# Two worker processes, each taking whole files (module fixtures stay shared): the suite takes about half as long
-	# on 2 cores, and no single process accumulates every compiled executable of the suite.
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+	# on 2 cores, and no single process accumulates every compiled executable of the suite. A worker that dies
+	# (a crash, or a test past its timeout: pytest-timeout's thread method dumps every stack and exits) ends the run
+	# at once: xdist's file scheduler stalls after replacing a worker, waiting for files nobody runs.
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --max-worker-restart=0
 
 # The core of every part, not marked slow: the optimizer and its checkpoints, the datasets, a Pallas kernel in
 # interpret mode and lowered for an H200, the PC core, the serving layers, loaders, scheduler, sampler and engine

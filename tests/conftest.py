@@ -11,6 +11,10 @@
   the engine cores it spawns: the engines turn it on by default, and then every compile of a test process would be
   serialized to disk, which costs time and, for one sharded CPU executable in a clean-clone run, crashed the
   worker inside XLA's ``serialize``. The test of the cache itself runs its processes with it on.
+* XLA compiles one at a time in each test process (a lock around JAX's ``backend_compile_and_load``): XLA:CPU in
+  jaxlib 0.11.2 segfaulted in a suite run with two threads compiling at once (the engine's warm-up pool; an
+  in-process server's engine thread compiles beside the test's own thread too). The engine compiles serially on
+  a CPU itself (``Engine.warm_up``); this covers every other thread a test starts.
 * the tests/ root on ``sys.path``, so every folder imports the shared helpers as ``helpers.<module>``.
 * the marker ``needs_devices(n, backend=None)``: the test skips, saying why, when ``jax.device_count(backend) < n``
   (a GPU machine with fewer chips, or an ``XLA_FLAGS`` with a smaller count).
@@ -20,6 +24,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -48,6 +53,21 @@ os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 _OWN_CACHE = None if os.environ.get("APEX_JAX_CACHE") else session_cache_dir()
 if _OWN_CACHE is not None:
     os.environ["APEX_JAX_CACHE"] = str(_OWN_CACHE)
+
+
+def _compile_one_at_a_time() -> None:
+    from jax._src import compiler
+
+    compile_and_load, lock = compiler.backend_compile_and_load, threading.Lock()
+
+    def serialized(*args, **kwargs):
+        with lock:
+            return compile_and_load(*args, **kwargs)
+
+    compiler.backend_compile_and_load = serialized
+
+
+_compile_one_at_a_time()
 
 TESTS = str(Path(__file__).resolve().parent)
 if TESTS not in sys.path:

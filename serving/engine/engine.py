@@ -364,8 +364,8 @@ class Engine:
         both sets, the verification's being its scoring forward at each shape (paged-only or not) and its
         verification variants; a model drafter's steps are not in the set (nothing is compiled), nor are penalized
         requests' verifications (their token histories have widths of their own). With cache tiers, their copies
-        run once at every batch size, with no effect (``KVTiers.warm_up``). XLA compiles them in parallel threads;
-        ``progress(done, total)`` is called after each.
+        run once at every batch size, with no effect (``KVTiers.warm_up``). XLA compiles them in parallel threads
+        (one on a CPU); ``progress(done, total)`` is called after each.
         Returns what was compiled: ("step" | "score" | "chained", StepShape), ("sample", S, num_top, draw, masked,
         biased), ("verify", S, num_top, draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
@@ -408,8 +408,10 @@ class Engine:
         if self.tiers is not None:
             with runner.on_mesh():
                 runner.kv = self.tiers.warm_up(runner.kv)
-        # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (kernel mode)
-        with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+        # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (kernel mode).
+        # XLA:CPU compiles one at a time: in jaxlib 0.11.2 it segfaulted with two threads compiling at once.
+        threads = 1 if jax.default_backend() == "cpu" else max(1, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             futures = [pool.submit(contextvars.copy_context().run, compile_entry[kind], *args)
                        for kind, *args in entries if tuple((kind, *args)) not in compiled]
             for done, future in enumerate(concurrent.futures.as_completed(futures), start=len(compiled) + 1):
