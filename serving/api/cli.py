@@ -167,10 +167,16 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--persist-disk-cache", action="store_true",
                         help="at stop, write the GPU's cached blocks to --disk-cache too, for the next start")
     parser.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),
-                        help="speculative decoding: n-gram prompt lookup, or a block drafter (--drafter)")
+                        help="speculative decoding: n-gram prompt lookup, suffix drafting (own context and recent "
+                        "outputs), or a block drafter (--drafter); a request may name another with its "
+                        "'speculative' field ('ngram', 'suffix', 'off'). Draft lengths adapt to measured "
+                        "acceptance and load")
     parser.add_argument("--drafter", default=None, help="block drafter checkpoint (python -m examples.train_drafter)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="draft tokens per step (default: 4 for ngram, the drafter's trained block for block)")
+                        help="draft tokens per step (default: 4 for ngram, 8 for suffix, the drafter's trained "
+                        "block for block)")
+    parser.add_argument("--static-speculation", action="store_true",
+                        help="draft --num-speculative-tokens every step instead of adapting to acceptance and load")
     parallel = parser.add_argument_group(
         "parallelism", "a data x tensor x expert mesh over every device of this host: the product of the three must "
         "equal their number (all 1: one device). One host only (serving.sharding; a multi-host mesh, through "

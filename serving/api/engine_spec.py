@@ -54,6 +54,7 @@ class EngineSpec:
     speculative: str | None = None  # a method of serving.spec_decode.SPECULATIVE_METHODS
     drafter: str | None = None  # the block drafter's checkpoint
     num_speculative_tokens: int | None = None
+    static_speculation: bool = False  # draft k tokens every step (False: the adaptive policy chooses, or none)
     data_parallel: int = 1
     tensor_parallel: int = 1
     expert_parallel: int = 1
@@ -71,8 +72,9 @@ class EngineSpec:
                              f"disk tier sits under the host tier), got {self.host_cache_gb}")
         if self.persist_disk_cache and self.disk_cache is None:
             raise ValueError("--persist-disk-cache needs --disk-cache DIR")
-        if self.speculative is None and (self.drafter or self.num_speculative_tokens):
-            raise ValueError("--drafter and --num-speculative-tokens need --speculative (ngram or block)")
+        if self.speculative is None and (self.drafter or self.num_speculative_tokens or self.static_speculation):
+            raise ValueError("--drafter, --num-speculative-tokens and --static-speculation need --speculative "
+                             "(ngram, suffix or block)")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -113,7 +115,8 @@ class EngineSpec:
                        batch_invariant=self.batch_invariant, mesh=self._mesh(), decode_steps=self.decode_steps,
                        prefill_chunk=self.prefill_chunk, compilation_cache=self.compilation_cache,
                        host_cache_gb=self.host_cache_gb or None, disk_cache_dir=self.disk_cache,
-                       speculative=SpecConfig.from_method(self.speculative, self.drafter, self.num_speculative_tokens)
+                       speculative=SpecConfig.from_method(self.speculative, self.drafter, self.num_speculative_tokens,
+                                                          adaptive=not self.static_speculation)
                        if self.speculative else None)
         _, path = self.served_name()
         if self.random_weights:

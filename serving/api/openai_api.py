@@ -1,7 +1,8 @@
 """OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
 
 Sampling fields map onto ``SamplingParams`` (``max_completion_tokens`` or ``max_tokens``; ``top_k``, ``min_p``,
-``repetition_penalty`` and ``ignore_eos`` are accepted as extensions, ``top_k = -1`` meaning off). Streams are
+``repetition_penalty``, ``ignore_eos`` and ``speculative`` (a drafter of the server's speculative decoding for this
+request, or "off") are accepted as extensions, ``top_k = -1`` meaning off). Streams are
 SSE ``data: {chunk}`` lines ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk
 with the usage. Logprobs: ``logprobs`` + ``top_logprobs`` (chat), ``logprobs`` = k (completions).
 ``logit_bias`` (token id -> bias in [-100, 100]) is added to the logits in the sampler.
@@ -144,6 +145,7 @@ class SamplingFields(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     logit_bias: dict[str, float] | None = pydantic.Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    speculative: str | None = pydantic.Field(None, min_length=1)  # the drafter for this request, or "off"
 
 
 class ChatRequest(SamplingFields):
@@ -187,7 +189,7 @@ def _sampling(frontend: Frontend, body: SamplingFields, prompt_ids: list[int], m
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, seed=body.seed, logprobs=logprobs,
         stop=[body.stop] if isinstance(body.stop, str) else body.stop, ignore_eos=body.ignore_eos,
-        constraint=constraint, logit_bias=bias)
+        constraint=constraint, logit_bias=bias, speculative=body.speculative)
 
 
 def _part_text(part: ContentPart, where: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from serving import layers
+from serving import batch_invariant, layers
 from serving.config import ModelConfig
 from serving.engine.runner import ModelRunner, StepShape
 from serving.engine.sampler import SampleRow, SamplingBatch, sampling_batch
@@ -30,9 +30,15 @@ def _score_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, rows: jax.
                 kernels: layers.KernelPolicy) -> tuple[jax.Array, Any, jax.Array, jax.Array | None]:
     """The target's forward over ``tokens [N]`` (its layers as the policy ``kernels`` says): its logits at the flat
     indices ``rows`` ``[S * (k + 1), V]``, the cache, the expert counts and, when ``hidden_layers`` names any, the
-    hidden states after them ``[N, len(hidden_layers), D]``."""
-    logits, kv, expert_counts, *hidden = forward(params, cfg, tokens, batch, kv, kernels=kernels,
-                                                 **({"hidden_layers": hidden_layers} if hidden_layers else {}))
+    hidden states after them ``[N, len(hidden_layers), D]``. In batch-invariant mode a position's logits are those a
+    one-token step gives."""
+    def model(params, tokens, batch, kv):
+        return forward(params, cfg, tokens, batch, kv, kernels=kernels,
+                       **({"hidden_layers": hidden_layers} if hidden_layers else {}))
+
+    if kernels.batch_invariant:
+        model = batch_invariant.invariant(model)
+    logits, kv, expert_counts, *hidden = model(params, tokens, batch, kv)
     return logits[rows], kv, expert_counts, hidden[0] if hidden_layers else None
 
 

@@ -81,11 +81,12 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
     assert events == []
 
 
-def test_with_ngram_speculation_warm_up_compiles_every_verification(folder):
+def test_with_ngram_speculation_warm_up_compiles_every_verification_and_plain_step(folder):
     eng = Engine(folder, dtype="float32", num_blocks=32, block_size=4, max_running=2, token_budget=16,
                  max_model_len=64, speculative=SpecConfig.from_method("ngram", k=3), compilation_cache=False)
     done = eng.warm_up()
-    assert [kind for kind, *_ in done] == ["score"] * 4 + ["verify"] * 8
+    kinds = [kind for kind, *_ in done]  # steps without drafts are plain ones: both sets
+    assert kinds.count("score") == 4 and kinds.count("verify") == 8 and {"step", "sample", "chained"} <= set(kinds)
     with compile_events() as events:
         texts = ["ab ab ab ab ab ab ab ab", "the cat the cat the cat"]  # n-grams recur: drafts are proposed
         eng.generate(texts, [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
