@@ -424,10 +424,8 @@ class Engine:
         if self.tiers is not None:
             with runner.on_mesh():
                 runner.kv = self.tiers.warm_up(runner.kv)
-        # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (jax settings).
-        # XLA:CPU compiles one at a time: in jaxlib 0.11.2 it segfaulted with two threads compiling at once.
-        threads = 1 if jax.default_backend() == "cpu" else max(1, os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (jax settings)
+        with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
             futures = [pool.submit(contextvars.copy_context().run, compile_entry[kind], *args)
                        for kind, *args in entries if tuple((kind, *args)) not in compiled]
             for done, future in enumerate(concurrent.futures.as_completed(futures), start=len(compiled) + 1):

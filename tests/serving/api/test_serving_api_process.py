@@ -38,6 +38,9 @@ READY_WITHIN_S = 240  # spawn, import jax, load the fixture, on 2 busy cores
 FREED_WITHIN_S = 2.0  # the abort's round trip: a step in progress, then the core's acknowledgement
 FAST_503_S = 0.1
 LONG_TOKENS = 300
+# Most of the 1024-token context: the tiny model decoded 300 tokens in under 0.5 s on an idle CPU, so a client that
+# disconnects (after DISCONNECT_AFTER_S, or mid-stream) leaves most of them ungenerated on any machine.
+DISCONNECT_TOKENS, DISCONNECT_AFTER_S = 1000, 0.2
 CHAT = "/v1/chat/completions"
 OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
              "additionalProperties": False}
@@ -217,7 +220,7 @@ def test_metrics_and_dashboard_follow_the_core(url):
 @pytest.mark.parametrize("route", [CHAT, "/v1/messages"])
 def test_a_client_that_disconnects_mid_stream_frees_the_core_s_blocks(url, route):
     generated = metric(url, "serving_generated_tokens_total")
-    body = chat(max_tokens=LONG_TOKENS, stream=True, ignore_eos=True)
+    body = chat(max_tokens=DISCONNECT_TOKENS, stream=True, ignore_eos=True)
     with httpx.stream("POST", f"{url}{route}", json=body, timeout=TIMEOUT_S) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(8)]
@@ -225,12 +228,7 @@ def test_a_client_that_disconnects_mid_stream_frees_the_core_s_blocks(url, route
         assert s["running"] == 1 and s["kv_blocks_used"] > 0
     assert any(line.startswith("data: ") for line in received)
     wait_until_idle(url, FREED_WITHIN_S)
-    assert metric(url, "serving_generated_tokens_total") - generated < LONG_TOKENS
-
-
-# Most of the 1024-token context: the tiny model decoded 300 tokens in under 0.5 s on an idle CPU, so a client
-# that gives up after DISCONNECT_AFTER_S leaves most of them ungenerated on any machine.
-DISCONNECT_TOKENS, DISCONNECT_AFTER_S = 1000, 0.2
+    assert metric(url, "serving_generated_tokens_total") - generated < DISCONNECT_TOKENS
 
 
 def test_a_non_streaming_client_that_disconnects_is_aborted(url):
