@@ -51,7 +51,7 @@ test: $(STAMP) browser
 # The core of every part, not marked slow: the optimizer and its checkpoints, the datasets, a Pallas kernel in
 # interpret mode and lowered for an H200, the PC core, the serving layers, loaders, scheduler, sampler and engine
 # against HF's greedy tokens, both HTTP APIs, and one smoke test per part (tests/test_smoke.py).
-FAST_TESTS := tests/test_smoke.py tests/apex_jax/test_apexw.py tests/apex_jax/test_checkpoint.py \
+FAST_TESTS := tests/test_smoke.py tests/test_import_graph.py tests/apex_jax/test_apexw.py tests/apex_jax/test_checkpoint.py \
 	tests/apex_data/test_data.py tests/pallas_kernels/test_adamw_kernel.py tests/pallas_kernels/test_pallas_matmul.py \
 	tests/pallas_kernels/test_pallas_device.py tests/pc/test_pc_core.py tests/pc/test_pc_variants.py \
 	tests/serving/test_serving_package.py tests/serving/test_serving_config.py tests/serving/test_serving_layers.py \

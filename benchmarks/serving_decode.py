@@ -11,6 +11,9 @@ Models (``MODELS``, HF config dicts; ``ModelConfig.from_hf`` reads the same dict
   * gpt-oss-20b: GPT-OSS-20B's shape (24 layers alternating a 128-token sliding window and full attention, hidden
     2880, 64/8 heads d64 with biases and sinks, 32 experts top-4 with biases, intermediate 2880, vocab 201088:
     20.9B parameters), random bf16 weights (42 GB).
+  * qwen3-vl-30b-a3b: Qwen3-VL-30B-A3B's shape: the qwen3-30b-a3b decoder with interleaved multimodal RoPE and
+    DeepStack, behind the 27-block ViT (hidden 1152, 16 heads, patches of 16, 2 x 2 merge), random bf16 weights.
+    Its extra case is image prefill (below); HF runs only that case for it.
   * smollm2-135m: SmolLM2-135M-Instruct with its real weights (the embedded GGUF, dequantized to bf16; on an
     offline machine pass ``--smollm2-gguf`` or set ``$APEX_JAX_SMOLLM2_WHEEL``); HF runs its config, random.
 
@@ -23,6 +26,11 @@ host (the device step alone: no scheduler or host work between steps):
     K and V (of a sliding-window layer only the window's); ``roofline_pct`` = measured / roofline tokens/s.
   * prefill: one ``CONTEXT``-token prompt (time to first token: forward + argmax) and ``PREFILL_SEQS`` of
     them in one step (prefill tokens/s).
+  * image-prefill (models with an image encoder): one ``IMAGE_SIDE``-pixel square random image (1024 decoder
+    tokens at 1024 pixels) inside a ``CONTEXT``-token prompt, as the engine runs it: ``ModelRunner.encode_images``
+    (the encoder, its output back on the host) then ``ModelRunner.run`` (the prefill step with the image rows and
+    greedy sampling); tokens/s = CONTEXT / (encoder + prefill), ``encoder_ms`` and ``prefill_ms`` apart. HF: one
+    forward of ``Qwen3VLMoeForConditionalGeneration`` over the same patches and prompt (``logits_to_keep=1``).
 serving-bi cases (``--batch-invariant``): the same cases with the step through ``serving.batch_invariant`` (fixed-
 geometry Pallas matmuls, sums and attention splits: logits independent of the batch); ``overhead_vs_serving`` =
 its step time over the serving row's (same model, depth, case and batch).
@@ -30,8 +38,8 @@ hf cases (``hf_worker``): ``AutoModelForCausalLM.from_config`` (random bf16 weig
 B prompts of ``CONTEXT`` random tokens: time to first token = ``generate(max_new_tokens=1)``; decode tokens/s
 = B * HF_NEW_TOKENS / (T(1 + HF_NEW_TOKENS tokens) - T(1 token)), greedy, default (dynamic) cache.
 
-Decode steps without a prefill chunk are traced in ``serving.layers.paged_only()``, as the engine's runner traces
-them (every token through the paged attention kernel, no packed prefill kernel).
+Decode steps without a prefill chunk are traced with ``serving.layers.KernelPolicy(paged_only=True)``, as the
+engine's runner traces them (every token through the paged attention kernel, no packed prefill kernel).
 
 ``--profile``: no timing rows; for each decode batch (``--batches``) of the serving engine, ``PROFILE_STEPS`` decode
 steps traced with ``jax.profiler`` (CUPTI on a GPU), and per step: wall time (untraced), the GPU kernels' summed
@@ -51,7 +59,9 @@ after every case, and a subset run (``--models``, ``--engines``, ``--layers``) r
     python benchmarks/serving_decode.py                                  # GPU: results/serving_decode.json + png
     python benchmarks/serving_decode.py --models qwen3-30b-a3b --engines serving --layers 8
     python benchmarks/serving_decode.py --models moe-1b --engines serving --batch-invariant   # + serving-bi rows
+    python benchmarks/serving_decode.py --models qwen3-vl-30b-a3b --layers 8   # + image-prefill rows (both engines)
     python benchmarks/serving_decode.py --cpu                            # tiny model, CPU, seconds
+    python benchmarks/serving_decode.py --cpu --models tiny-vl-moe       # a tiny VL model's rows, image prefill too
     python benchmarks/serving_decode.py --profile --models qwen3-30b-a3b --layers 8 --batches 1,64
     python benchmarks/serving_decode.py --profile --models qwen3-30b-a3b --layers 8 --batches 1,8 --gather-configs sweep
 """
@@ -100,17 +110,43 @@ SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidd
                     num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
                     rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
                     hidden_act="silu")
-# The --cpu model: the test fixtures' Qwen3-MoE dims, random weights.
+# Qwen3-VL-30B-A3B's config.json as transformers 5 writes it (the decoder in text_config, the ViT in vision_config).
+QWEN3_VL_30B_A3B = dict(
+    architectures=["Qwen3VLMoeForConditionalGeneration"], model_type="qwen3_vl_moe", tie_word_embeddings=False,
+    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+    text_config={k: v for k, v in QWEN3_30B_A3B.items() if k not in ("architectures", "model_type", "rope_theta",
+                                                                      "norm_topk_prob", "tie_word_embeddings")}
+    | dict(model_type="qwen3_vl_moe_text", max_position_embeddings=262144,
+           rope_parameters=dict(rope_type="default", rope_theta=5e6, mrope_section=[24, 20, 20],
+                                mrope_interleaved=True)),
+    vision_config=dict(model_type="qwen3_vl_moe_vision", depth=27, hidden_size=1152, intermediate_size=4304,
+                       num_heads=16, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                       out_hidden_size=2048, num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
+                       hidden_act="gelu_pytorch_tanh"))
+# The --cpu models: the test fixtures' Qwen3-MoE dims, random weights (the default); and a tiny Qwen3-VL-MoE of the
+# same decoder (--models tiny-vl-moe).
 TINY_MOE = QWEN3_30B_A3B | dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                                 head_dim=16, intermediate_size=96, num_experts=8, num_experts_per_tok=2,
                                 moe_intermediate_size=32, vocab_size=320, max_position_embeddings=256)
-MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B, "moe-1b": MOE_1B, "gpt-oss-20b": GPT_OSS_20B, "smollm2-135m": SMOLLM2_135M}
+TINY_VL_MOE = QWEN3_VL_30B_A3B | dict(
+    image_token_id=310, video_token_id=311, vision_start_token_id=312, vision_end_token_id=313,
+    text_config={k: v for k, v in TINY_MOE.items() if k not in ("architectures", "model_type", "rope_theta",
+                                                                 "norm_topk_prob", "tie_word_embeddings")}
+    | dict(rope_parameters=dict(rope_type="default", rope_theta=5e6, mrope_section=[2, 3, 3])),
+    vision_config=QWEN3_VL_30B_A3B["vision_config"] | dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                                                           out_hidden_size=64, num_position_embeddings=16,
+                                                           deepstack_visual_indexes=[0]))
+MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B, "moe-1b": MOE_1B, "gpt-oss-20b": GPT_OSS_20B, "smollm2-135m": SMOLLM2_135M,
+          "qwen3-vl-30b-a3b": QWEN3_VL_30B_A3B}
+CPU_MODELS = {"tiny-moe": TINY_MOE, "tiny-vl-moe": TINY_VL_MOE}
 REAL_WEIGHTS = ("smollm2-135m",)
 ENGINES = ("serving", "hf")
 INVARIANT_ENGINE = "serving-bi"  # --batch-invariant: the serving cases in batch-invariant mode
 # Per mode: context length, decode batches, prompts in the prefill-throughput step, timed runs.
-SETTINGS = {"gpu": dict(context=2048, batches=(1, 8, 64), prefill_seqs=4, decode_steps_per_run=10, iters=20),
-            "cpu": dict(context=64, batches=(1, 2), prefill_seqs=1, decode_steps_per_run=1, iters=20)}
+# image_side: the image-prefill case's square image, in pixels.
+SETTINGS = {"gpu": dict(context=2048, batches=(1, 8, 64), prefill_seqs=4, decode_steps_per_run=10, iters=20,
+                        image_side=1024),
+            "cpu": dict(context=64, batches=(1, 2), prefill_seqs=1, decode_steps_per_run=1, iters=20, image_side=32)}
 HF_NEW_TOKENS = 32  # decode tokens per HF generate call (after the first)
 HF_RUNS = 3  # generate calls per timing (median): each prefills B x CONTEXT tokens
 # per (model, engine) subprocess; the device tool allows 600 s a command
@@ -124,6 +160,43 @@ GATHER_SWEEP = ("64x128x4x4", "32x128x4x4", "32x256x4x3", "16x256x4x3", "64x256x
 
 
 # ----------------------------------------------------------------------------- serving (JAX) worker
+
+
+def num_layers(hf_config: dict) -> int:
+    """The decoder's layer count (a vision-language config keeps it in ``text_config``)."""
+    return hf_config.get("text_config", hf_config)["num_hidden_layers"]
+
+
+def with_layers(hf_config: dict, layers: int | None) -> dict:
+    """``hf_config`` with ``layers`` decoder layers (None: as it is)."""
+    if not layers:
+        return hf_config
+    if "text_config" in hf_config:
+        return hf_config | dict(text_config=hf_config["text_config"] | dict(num_hidden_layers=layers))
+    return hf_config | dict(num_hidden_layers=layers)
+
+
+def image_prompt(cfg, context: int, side: int, rng) -> tuple[list[int], object]:
+    """(a ``context``-token prompt holding one random ``side`` x ``side`` image's placeholder tokens between random
+    text, that image preprocessed as ``serving.images`` does, at most side^2 pixels)."""
+    import dataclasses
+
+    import numpy as np
+    import PIL.Image
+
+    from serving.images import ImageProcessorConfig, preprocess
+
+    vision = cfg.vision
+    processor = dataclasses.replace(ImageProcessorConfig.for_vision(vision), min_pixels=1, max_pixels=side * side)
+    image = preprocess(PIL.Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)), processor)
+    count = image.num_tokens(vision.spatial_merge_size)
+    if count + 2 >= context:
+        raise ValueError(f"an image of {count} tokens does not fit a {context}-token prompt")
+    text = rng.integers(0, min(vision.image_token_id, vision.vision_start_token_id, cfg.vocab), context - count - 2)
+    half = len(text) // 2
+    ids = [*text[:half].tolist(), vision.vision_start_token_id, *[vision.image_token_id] * count,
+           vision.vision_end_token_id, *text[half:].tolist()]
+    return ids, image
 
 
 def load_serving_model(name: str, hf_config: dict, dtype, smollm2_gguf: str | None):
@@ -158,7 +231,7 @@ def weight_bytes_per_step(params: dict, cfg, batch: int, expert_counts) -> tuple
     for name, leaf in params.items():
         if name == "embed" and not cfg.tie_embeddings:
             total += batch * leaf.shape[1] * leaf.dtype.itemsize
-        elif name != "layers":
+        elif name not in ("layers", "vision"):  # the image encoder does not run in a decode step
             total += leaf.nbytes
     for layer, lp in enumerate(params["layers"]):
         for key, group in lp.items():
@@ -179,9 +252,7 @@ def serving_setup(name: str, hf_config: dict, settings: dict, layers: int | None
 
     from serving.kv_cache import PagedKV
 
-    if layers:
-        hf_config = hf_config | dict(num_hidden_layers=layers)
-    cfg, params = load_serving_model(name, hf_config, jnp.bfloat16, smollm2_gguf)
+    cfg, params = load_serving_model(name, with_layers(hf_config, layers), jnp.bfloat16, smollm2_gguf)
     blocks_per_seq = settings["context"] // BLOCK_SIZE
     max_seqs = max(max(settings["batches"]), settings["prefill_seqs"])
     kv = PagedKV.create(cfg, max_seqs * blocks_per_seq, BLOCK_SIZE, jnp.bfloat16)
@@ -191,12 +262,13 @@ def serving_setup(name: str, hf_config: dict, settings: dict, layers: int | None
 
 def serving_steps(cfg, batch_invariant: bool = False, gather_config=None) -> dict:
     """The jitted step ``(params, kv, packed, *, sizes) -> (kv, greedy tokens [S], expert counts)`` for a batch with
-    and without a first prefill chunk (keys False and True: traced in ``layers.paged_only()``, as the runner does),
+    and without a first prefill chunk (keys False and True: traced with ``KernelPolicy.paged_only``, as the runner
+    does),
     the cache donated; ``packed`` is ``kv_cache.pack_step``'s one buffer (one host-to-device copy a step, as the
     runner's) for the static ``sizes = (N, S, max_blocks)``; ``batch_invariant``: through
-    ``serving.batch_invariant.invariant``; ``gather_config``: the decode experts' ``gather_matmul`` geometry
-    (``layers.use_gather_config``; default ``grouped_matmul.GATHER_CONFIG``)."""
-    import contextlib
+    ``serving.batch_invariant.invariant`` (policy ``layers.BATCH_INVARIANT``); ``gather_config``: the decode
+    experts' ``gather_matmul`` geometry (``KernelPolicy.gather_config``; default ``grouped_matmul.GATHER_CONFIG``)."""
+    import dataclasses
 
     import jax
     import jax.numpy as jnp
@@ -210,9 +282,12 @@ def serving_steps(cfg, batch_invariant: bool = False, gather_config=None) -> dic
 
     def step(params, kv, packed, *, sizes, paged_only):
         tokens, batch, last = unpack_step(packed, *sizes)
-        geometry = layers.use_gather_config(gather_config) if gather_config else contextlib.nullcontext()
-        with layers.paged_only(paged_only), geometry:
-            logits, kv, counts = forward(params, cfg, tokens, batch, kv)
+        if batch_invariant:
+            kernels = layers.BATCH_INVARIANT
+        else:
+            kernels = dataclasses.replace(layers.DEFAULT, paged_only=paged_only,
+                                          **({"gather_config": gather_config} if gather_config else {}))
+        logits, kv, counts = forward(params, cfg, tokens, batch, kv, kernels=kernels)
         return kv, jnp.argmax(logits[last], axis=-1), counts
 
     def jitted(paged_only):
@@ -299,6 +374,47 @@ def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
                          p90_ms=timing.p90_ms, compile_s=compile_s, ttft_ms=timing.median_ms if seqs == 1 else None,
                          tokens_per_s=seqs * context / (timing.median_ms * 1e-3),
                          ms_per_layer=timing.median_ms / cfg.layers))
+    if cfg.vision is not None and not batch_invariant:
+        emit(base | image_prefill(cfg, params, kv, tables, settings, rng))
+
+
+def image_prefill(cfg, params, kv, tables, settings: dict, rng) -> dict:
+    """The image-prefill row (module docstring): the engine's runner encodes the image, then prefills the prompt
+    holding it (``kv`` is the runner's from here on)."""
+    import statistics
+
+    from serving.engine.runner import ModelRunner
+    from serving.engine.sampler import SampleRow
+    from serving.engine.sampling_params import SamplingParams
+    from serving.images import RequestImages
+    from serving.kv_cache import SeqChunk
+    from serving.models import model_module
+
+    context = settings["context"]
+    ids, image = image_prompt(cfg, context, settings["image_side"], rng)
+    module = model_module(cfg.family)
+    runner = ModelRunner(cfg, params, module.forward, kv, BLOCK_SIZE, encode=module.encode_images)
+    placed = RequestImages.place(ids, [image], cfg.vision)
+    rows = [SampleRow(SamplingParams(temperature=0, max_tokens=1), 0, 0, ids, [])]
+
+    def once() -> tuple[float, float]:
+        placed.embeds = placed.deepstack = None  # encoded afresh each time
+        start = time.perf_counter()
+        runner.encode_images([placed])
+        encoded = time.perf_counter()
+        runner.run([SeqChunk(tables[0], 0, context)], [ids], rows, images=[placed])
+        return (encoded - start) * 1e3, (time.perf_counter() - encoded) * 1e3
+
+    start = time.perf_counter()
+    once()
+    compile_s = time.perf_counter() - start
+    times = [once() for _ in range(settings["iters"])]
+    encoder_ms, prefill_ms = (statistics.median(t[i] for t in times) for i in range(2))
+    total = statistics.median(sum(t) for t in times)
+    return dict(case="image-prefill", batch=1, step_ms=total, ttft_ms=total, encoder_ms=encoder_ms,
+                prefill_ms=prefill_ms, compile_s=compile_s, image_side=settings["image_side"],
+                image_tokens=image.num_tokens(cfg.vision.spatial_merge_size), patches=len(image.pixels),
+                tokens_per_s=context / (total * 1e-3), ms_per_layer=prefill_ms / cfg.layers)
 
 
 # ----------------------------------------------------------------------------- --profile
@@ -440,12 +556,13 @@ def hf_worker(name: str, hf_config: dict, mode: str, layers: int | None):
 
     settings = SETTINGS[mode]
     context = settings["context"]
-    if layers:
-        hf_config = hf_config | dict(num_hidden_layers=layers)
+    hf_config = with_layers(hf_config, layers)
     config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
     torch.set_default_dtype(torch.bfloat16)  # built in bf16 directly: the fp32 30B model would not fit
+    vision = "vision_config" in hf_config
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+        model = auto.from_config(config).eval()
     if (dtype := next(model.parameters()).dtype) != torch.bfloat16:
         raise RuntimeError(f"HF {name}: built in {dtype}, expected bfloat16 (torch's default dtype)")
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -463,8 +580,11 @@ def hf_worker(name: str, hf_config: dict, mode: str, layers: int | None):
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
 
-    base = dict(model=name, engine="hf", layers=config.num_hidden_layers, context=context, weights="random",
+    base = dict(model=name, engine="hf", layers=num_layers(hf_config), context=context, weights="random",
                 transformers=transformers.__version__)
+    if vision:
+        emit(base | hf_image_prefill(model, hf_config, settings))
+        return
     for batch in settings["batches"]:
         ids = torch.randint(0, config.vocab_size, (batch, context), device="cuda", generator=generator)
         timed_generate(ids, 2, runs=1)  # warm-up
@@ -475,6 +595,37 @@ def hf_worker(name: str, hf_config: dict, mode: str, layers: int | None):
                          tokens_per_s=batch / (decode_ms * 1e-3),
                          prefill_tokens_per_s=batch * context / (first_ms * 1e-3),
                          ms_per_layer=decode_ms / config.num_hidden_layers))
+
+
+def hf_image_prefill(model, hf_config: dict, settings: dict) -> dict:
+    """HF's image-prefill row: one forward of the model over the same image's patches and prompt as ours."""
+    import statistics
+
+    import numpy as np
+    import torch
+
+    from serving.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(hf_config)
+    ids, image = image_prompt(cfg, settings["context"], settings["image_side"], np.random.default_rng(0))
+    inputs = dict(input_ids=torch.tensor([ids], device="cuda"),
+                  pixel_values=torch.from_numpy(image.pixels).to("cuda", torch.bfloat16),
+                  image_grid_thw=torch.tensor([image.grid], device="cuda"),
+                  mm_token_type_ids=(torch.tensor([ids], device="cuda") == cfg.vision.image_token_id).int())
+
+    def once() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model(**inputs, logits_to_keep=1)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    once()
+    total = statistics.median(once() for _ in range(HF_RUNS))
+    return dict(case="image-prefill", batch=1, step_ms=total, ttft_ms=total, image_side=settings["image_side"],
+                image_tokens=image.num_tokens(cfg.vision.spatial_merge_size),
+                tokens_per_s=settings["context"] / (total * 1e-3))
 
 
 def emit(row: dict) -> None:
@@ -503,7 +654,7 @@ def run_case(name: str, engine: str, args: argparse.Namespace, timeout: float) -
     print(f"  {name:<16} {engine:<8} {time.perf_counter() - start:7.1f} s  {status or 'ok'}", flush=True)
     rows = [dict(json.loads(line), status="ok") for line in stdout.splitlines() if line.startswith("{")]
     if status:
-        layers = args.layers or (TINY_MOE if args.cpu else MODELS[name])["num_hidden_layers"]
+        layers = args.layers or num_layers((CPU_MODELS if args.cpu else MODELS)[name])
         rows.append(dict(model=name, engine=engine, layers=layers, case="-", status=status))
     return rows
 
@@ -513,11 +664,16 @@ def add_speedups(rows: list[dict]) -> list[dict]:
     ``overhead_vs_serving`` of every serving-bi row: its step time over the serving row's, same case too."""
     hf = {(r["model"], r["layers"], r["batch"]): r["tokens_per_s"] for r in rows
           if r["engine"] == "hf" and r.get("case") == "decode" and r.get("tokens_per_s")}
+    hf_images = {(r["model"], r["layers"]): r["tokens_per_s"] for r in rows
+                 if r["engine"] == "hf" and r.get("case") == "image-prefill" and r.get("tokens_per_s")}
     serving = {(r["model"], r["layers"], r["case"], r["batch"]): r["step_ms"] for r in rows
                if r["engine"] == "serving" and r.get("step_ms")}
     for r in rows:
         base = hf.get((r["model"], r.get("layers"), r.get("batch")))
         if r["engine"] in ("serving", INVARIANT_ENGINE) and r.get("case") == "decode":
+            r["speedup_vs_hf"] = r["tokens_per_s"] / base if base else None
+        if r["engine"] == "serving" and r.get("case") == "image-prefill":
+            base = hf_images.get((r["model"], r["layers"]))
             r["speedup_vs_hf"] = r["tokens_per_s"] / base if base else None
         if r["engine"] == INVARIANT_ENGINE and r.get("step_ms"):
             plain = serving.get((r["model"], r["layers"], r["case"], r["batch"]))
@@ -574,8 +730,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--worker", choices=(*ENGINES, INVARIANT_ENGINE), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     mode = "cpu" if args.cpu else "gpu"
-    models = {"tiny-moe": TINY_MOE} if args.cpu else MODELS
-    names = args.models.split(",") if args.models else list(models)
+    models = CPU_MODELS if args.cpu else MODELS
+    names = args.models.split(",") if args.models else list(models)[:1] if args.cpu else list(models)
     engines = list(dict.fromkeys(args.engines.split(",") + ([INVARIANT_ENGINE] if args.batch_invariant else [])))
     if unknown := (set(names) - set(models)) | (set(engines) - {*ENGINES, INVARIANT_ENGINE}):
         parser.error(f"unknown models/engines {sorted(unknown)}: expected models in {list(models)}, engines in "
@@ -636,8 +792,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                             layers_override=args.layers, rows=merged), out_dir=out_dir)
     plot(merged, result_name, out_dir)
     columns = ["model", "engine", "layers", "case", "batch", "step_ms", "tokens_per_s", "roofline_tokens_per_s",
-               "roofline_pct", "speedup_vs_hf", "overhead_vs_serving", "ttft_ms", "ms_per_layer", "compile_s",
-               "status"]
+               "roofline_pct", "speedup_vs_hf", "overhead_vs_serving", "ttft_ms", "encoder_ms", "ms_per_layer",
+               "compile_s", "status"]
     print(format_table(merged, columns))
     return merged
 

@@ -1,25 +1,36 @@
-"""Speculative decoding on SmolLM2-135M-Instruct: tokens/s with and without drafting, and acceptance length.
+"""Speculative decoding through the ``Engine``: each drafter against the best non-speculative setting of the same
+build, in the same run, at concurrency 1, 16 and 64.
 
-Chat prompts: the 8 below (half of them ask to repeat or extend repetitive text, where prompt lookup shines)
-and ``--held-out`` of ``examples.train_drafter.prompts``' held-out chats (the ones ``examples.train_drafter`` never
-trains on, same seed). At each concurrency c the engine (``max_running=c``) answers all of them greedily, for
-each drafter: none (the baseline), ``NgramDrafter`` (prompt lookup), ``DraftModelDrafter.from_target``
-(self-speculative: the target's first layers) and, given ``--drafter DIR`` (a checkpoint of
-``python -m examples.train_drafter``), ``BlockDrafter`` (a whole block of tokens in one pass from the target's
-hidden states; k = its trained block unless ``--block-k``). Each configuration runs twice untimed (compiles;
-the second time with the prompts' prefixes cached, as in the timed run) and once timed. Reported: output
-tokens/s, speed-up over the baseline, mean acceptance length (tokens emitted per drafted sequence-step),
-acceptance rate, and ``identical_outputs``: the prompts whose speculative output equals the baseline's tokens
-(true fp32 matmuls by default: ``--matmul-precision``).
+Prompt sets (greedy, ``--max-tokens`` each):
+  * ``chat``: the held-out chats of ``examples.train_drafter.prompts`` (the ones ``examples.train_drafter`` never
+    trains on, same seed), which no drafter has seen;
+  * ``agentic``: code editing with the file in the prompt (``agentic_prompts``: a Python module built from a
+    seeded generator, and an edit to make, answered with the whole file), built offline and deterministically.
+At concurrency c the engine (``max_running=c``) answers ``max(--prompts, c)`` prompts of the set (cycled), for
+each configuration: ``none_d1`` and ``none_d8`` (no drafting, ``decode_steps`` 1 and 8: the baseline is the faster
+of the two), then the drafters of ``--drafters``: ``ngram`` (prompt lookup, k = 4) and ``suffix`` (suffix drafting
+over the request's context and the finished outputs, k = 8), both adaptive (``AdaptivePolicy``: draft lengths, or
+none, from measured acceptance and step times) with ``decode_steps`` 8 between verifications, ``suffix_static``
+(k = 8 drafts every step) and, with ``--drafter DIR``, ``block`` (``BlockDrafter``, adaptive lengths). One
+``LoadedModel`` serves every engine. Each configuration runs twice untimed (compiles; the second time with the
+prompts' prefixes cached, as in the timed run; the adaptive policy keeps what it measured, as a server would) and
+once timed. The suffix drafter's global store is emptied before each pass: it never holds the outputs of the
+prompts it drafts for from an earlier pass (within a pass a finished request's output does serve later ones, as
+on a server). Reported: output tokens/s, ``speedup`` over the best baseline, mean acceptance length (tokens per
+drafted sequence-step), acceptance rate, ``drafted_steps`` (sequence-steps with drafts), and ``identical_outputs``:
+prompts whose tokens equal ``none_d1``'s (true fp32 matmuls by default: ``--matmul-precision``). JSON is rewritten
+after every row (a run cut short keeps its rows); ``--time-budget`` skips the rows left once it is spent.
 
-Run: ``python -m benchmarks.serving_speculative`` (CPU: writes ``results/serving_speculative_cpu.json`` and .png; on a
-GPU pass ``--name serving_speculative`` and larger ``--max-tokens`` and ``--held-out``). ``--drafters
-none,block --drafter DIR`` runs only those rows.
+Run: ``python -m benchmarks.serving_speculative`` (SmolLM2-135M-Instruct; CPU: writes
+``results/serving_speculative_cpu.json`` and .png; on a GPU pass ``--name serving_speculative``). ``--model`` takes
+a HF folder or GGUF file with a tokenizer instead.
 """
 
 import argparse
-import functools
+import gc
+import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -29,90 +40,127 @@ from benchmarks.harness import format_table, save_plot, write_results
 from examples.train_drafter.prompts import chat_prompts
 from examples.train_drafter.train import TrainConfig
 from serving import SamplingParams, enable_command_buffers
-from serving.engine.engine import Engine, Prompt
-from serving.spec_decode import DraftModelDrafter, NgramDrafter, SpecConfig
+from serving.llm_engine import Engine, Prompt
+from serving.loaders import LoadedModel, load_model
+from serving.spec_decode import NgramDrafter, SpecConfig, SuffixDrafter
 
-PROMPTS = [
-    "Repeat this list exactly three times: apple, banana, cherry, date, elderberry, fig, grape.",
-    "What is the capital of France? Answer in one sentence.",
-    "Write the numbers from 1 to 40, separated by commas.",
-    "Explain in two sentences why the sky is blue.",
-    "Copy this sentence twice: The quick brown fox jumps over the lazy dog.",
-    "Name three programming languages and one feature of each.",
-    "Write a Python function that returns the sum of a list, then write it again with a docstring.",
-    "Give a short definition of photosynthesis.",
-]
-CONCURRENCIES = (1, 16)
-K = 4  # draft tokens per step
-DRAFT_LAYERS = 8  # of SmolLM2-135M's 30: the self-speculative draft model's depth
-NGRAM = 3
+CONCURRENCIES = (1, 16, 64)
+PROMPT_SETS = ("chat", "agentic")
+BASELINES = {"none_d1": 1, "none_d8": 8}  # decode_steps of the non-speculative rows
+DECODE_STEPS = 8  # between a drafting engine's verifications
+NGRAM_K, SUFFIX_K = 4, 8
 HELD_OUT = TrainConfig().num_eval_prompts  # train_drafter's held-out chats (same seed)
+DRAFTERS = ("ngram", "suffix", "suffix_static")
+ENGINE_OPTIONS = dict(num_blocks=2048, block_size=16, token_budget=1024)
+
+NAMES = ["total", "count", "items", "values", "limit", "offset", "result", "buffer", "scale", "width", "height",
+         "index", "weights", "prices", "scores", "names"]
+VERBS = ["compute", "update", "merge", "filter", "normalize", "parse", "render", "validate", "collect", "resize"]
+OPS = ["+", "-", "*", "max", "min"]
 
 
-def drafters(k: int, draft_layers: int, drafter: str | None = None,
-             block_k: int | None = None) -> dict[str, SpecConfig | None]:
-    """The configurations by row name: none, ngram, self_spec_<L>l, and block with a ``drafter`` checkpoint."""
-    configs = {"none": None,
-               "ngram": SpecConfig(NgramDrafter(n=NGRAM), k=k),
-               f"self_spec_{draft_layers}l": SpecConfig(functools.partial(DraftModelDrafter.from_target,
-                                                                          num_layers=draft_layers), k=k)}
+def code_file(rng: random.Random, num_functions: int = 6) -> str:
+    """A small Python module of ``num_functions`` functions, each a loop over a list with a docstring."""
+    lines = ['"""Utilities generated for the speculative decoding benchmark."""', "", f"LIMIT = {rng.randint(5, 50)}",
+             ""]
+    for _ in range(num_functions):
+        verb, a, b = rng.choice(VERBS), *rng.sample(NAMES, 2)
+        op = rng.choice(OPS)
+        step = f"{b} = {op}({b}, x)" if op in ("max", "min") else f"{b} = {b} {op} x"
+        lines += ["", f"def {verb}_{a}({a}, {b}=0):", f'    """{verb.capitalize()} the {a} into {b}."""',
+                  f"    for x in {a}[:LIMIT]:", f"        {step}", f"    return {b}", ""]
+    return "\n".join(lines)
+
+
+def agentic_prompts(count: int, seed: int = 0) -> list[Prompt]:
+    """``count`` code-editing chats: a generated module and one edit, to be answered with the whole file."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        source = code_file(rng)
+        old = rng.choice([line.split("(")[0][4:] for line in source.splitlines() if line.startswith("def ")])
+        task = rng.choice([f"Rename the function `{old}` to `{old}_v2`.", "Change LIMIT to 100.",
+                           "Add the type hint `list` to every first argument.",
+                           f"Add a comment above `{old}` saying what it returns."])
+        prompts.append([{"role": "user", "content": f"{task} Reply with the whole updated file only.\n\n```python\n"
+                                                    f"{source}\n```"}])
+    return prompts
+
+
+def prompt_set(name: str, count: int) -> list[Prompt]:
+    """``count`` prompts of set ``name`` (the held-out chats cycled when more are asked for)."""
+    if name == "agentic":
+        return agentic_prompts(count)
+    chats = chat_prompts(HELD_OUT)[1]
+    return [chats[i % len(chats)] for i in range(count)]
+
+
+Configs = dict[str, tuple[Callable[[], SpecConfig | None], int]]
+
+
+def configs(drafter: str | None, names: tuple[str, ...]) -> Configs:
+    """(a maker of the speculative config: a fresh drafter per engine, decode_steps) by row name: the baselines,
+    then ``names`` (and ``block``)."""
+    rows: Configs = {name: (lambda: None, steps) for name, steps in BASELINES.items()}
+    make = {"ngram": lambda: SpecConfig(NgramDrafter(), k=NGRAM_K, name="ngram", adaptive=True),
+            "suffix": lambda: SpecConfig(SuffixDrafter(), k=SUFFIX_K, name="suffix", adaptive=True),
+            "suffix_static": lambda: SpecConfig(SuffixDrafter(), k=SUFFIX_K, name="suffix")}
+    for name in names:
+        rows[name] = make[name], DECODE_STEPS if name != "suffix_static" else 1
     if drafter is not None:
-        configs["block"] = SpecConfig.from_method("block", drafter, block_k)
-    return configs
+        rows["block"] = lambda: SpecConfig.from_method("block", drafter, adaptive=True), 1
+    return rows
 
 
-def benchmark_prompts(held_out: int) -> list[Prompt]:
-    """The fixed PROMPTS, then the last ``held_out`` held-out chats of ``examples.train_drafter.prompts``."""
-    chats = chat_prompts(HELD_OUT)[1][-held_out:] if held_out else []
-    return [[{"role": "user", "content": p}] for p in PROMPTS] + chats
-
-
-def run(spec: SpecConfig | None, concurrency: int, prompts: list[Prompt], max_tokens: int) -> dict:
-    engine = Engine.from_default(dtype=jnp.float32, num_blocks=512, block_size=16, max_running=concurrency,
-                                 token_budget=1024, speculative=spec)
+def run(model: LoadedModel, spec: SpecConfig | None, decode_steps: int, concurrency: int, prompts: list[Prompt],
+        max_tokens: int) -> dict:
+    """Two untimed passes over ``prompts``, then a timed one: tokens/s and the speculation counters."""
+    engine = Engine(model, max_running=concurrency, decode_steps=decode_steps, speculative=spec, **ENGINE_OPTIONS)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    for _ in range(2):  # compiles the shapes this load visits: the second run's prefills hit the prefix cache, as
-        engine.generate(prompts, params)  # the timed run's do, and are shorter (other shapes)
-    if engine.speculative:
+    for _ in range(3):  # the last pass is timed
+        for drafter in engine.drafters.values():
+            if isinstance(drafter, SuffixDrafter):
+                drafter.clear()
         engine.spec_stats = type(engine.spec_stats)()
-    start = time.perf_counter()
-    results = engine.generate(prompts, params)
-    seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        seconds = time.perf_counter() - start
     outputs = [r.outputs[0].token_ids for r in results]
     stats = engine.spec_stats
+    del engine, results
+    gc.collect()  # the engine's cache freed before the next one's
     return {"tokens": sum(map(len, outputs)), "seconds": seconds, "tokens_per_s": sum(map(len, outputs)) / seconds,
-            "mean_acceptance_length": stats.mean_acceptance_length if spec else 1.0,
-            "acceptance_rate": stats.acceptance_rate if spec else None, "outputs": outputs}
+            "mean_acceptance_length": stats.mean_acceptance_length if stats.num_steps else 1.0,
+            "acceptance_rate": stats.acceptance_rate if spec else None, "drafted_steps": stats.num_steps,
+            "outputs": outputs}
 
 
-def plot(rows: list[dict], name: str, out_dir: str | Path | None = None, *, k: int) -> None:
-    """Per drafter, one bar per concurrency: speed-up over no drafting (labelled with tokens/s) and mean
-    acceptance length (at most ``k + 1``: every draft token accepted, plus the target's own)."""
+def plot(rows: list[dict], name: str, out_dir: str | Path | None = None) -> None:
+    """Per prompt set, per drafter, one bar per concurrency: speed-up over the best non-speculative setting
+    (labelled with tokens/s and mean acceptance length)."""
     import matplotlib.pyplot as plt
 
-    drafted = [r for r in rows if r["drafter"] != "none"]
+    drafted = [r for r in rows if r["drafter"] not in BASELINES and r["speedup"] is not None]
     if not drafted:
         return
-    names = list(dict.fromkeys(r["drafter"] for r in drafted))
-    levels = sorted({r["concurrency"] for r in drafted})
-    width = 0.8 / len(levels)
-    fig, (speed, accept) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for i, level in enumerate(levels):
-        mine = {r["drafter"]: r for r in drafted if r["concurrency"] == level}
-        x = [j + (i - (len(levels) - 1) / 2) * width for j, n in enumerate(names) if n in mine]
-        present = [mine[n] for n in names if n in mine]
-        bars = speed.bar(x, [r["speedup"] for r in present], width, color=f"C{i}", label=f"concurrency {level}")
-        speed.bar_label(bars, [f"x{r['speedup']:.2f}\n{r['tokens_per_s']:.0f} tok/s" for r in present], fontsize=8)
-        bars = accept.bar(x, [r["mean_acceptance_length"] for r in present], width, color=f"C{i}",
-                          label=f"concurrency {level}")
-        accept.bar_label(bars, [f"{r['mean_acceptance_length']:.2f}" for r in present], fontsize=8)
-    speed.axhline(1, color="k", ls="--", lw=1, label="no drafting")
-    speed.set(ylabel="output tokens/s over no drafting", title="speed-up (higher is better)")
-    accept.axhline(k + 1, color="k", ls=":", lw=1, label=f"every draft accepted (k={k})")
-    accept.set(ylabel="tokens per drafted sequence-step", title="mean acceptance length")
-    for ax in (speed, accept):
+    sets = list(dict.fromkeys(r["prompts"] for r in drafted))
+    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.5), squeeze=False)
+    for ax, prompts in zip(axes[0], sets, strict=True):
+        mine = [r for r in drafted if r["prompts"] == prompts]
+        names = list(dict.fromkeys(r["drafter"] for r in mine))
+        levels = sorted({r["concurrency"] for r in mine})
+        width = 0.8 / len(levels)
+        for i, level in enumerate(levels):
+            at = {r["drafter"]: r for r in mine if r["concurrency"] == level}
+            x = [j + (i - (len(levels) - 1) / 2) * width for j, n in enumerate(names) if n in at]
+            present = [at[n] for n in names if n in at]
+            bars = ax.bar(x, [r["speedup"] for r in present], width, color=f"C{i}", label=f"concurrency {level}")
+            ax.bar_label(bars, [f"x{r['speedup']:.2f}\n{r['tokens_per_s']:.0f}/s\nacc {r['mean_acceptance_length']:.2f}"
+                                for r in present], fontsize=7)
+        ax.axhline(1, color="k", ls="--", lw=1, label="best of decode_steps 1, 8")
         ax.set_xticks(range(len(names)), names)
-        ax.margins(y=0.2)
+        ax.set(ylabel="output tokens/s over the best non-speculative", title=f"{prompts} prompts")
+        ax.margins(y=0.25)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("Speculative decoding, greedy")
@@ -120,55 +168,68 @@ def plot(rows: list[dict], name: str, out_dir: str | Path | None = None, *, k: i
     save_plot(fig, name, out_dir)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--held-out", type=int, default=0, help="held-out drafter chats added to the 8 prompts")
-    parser.add_argument("--k", type=int, default=K)
-    parser.add_argument("--draft-layers", type=int, default=DRAFT_LAYERS)
+    parser.add_argument("--model", default=None, help="a HF folder or GGUF with a tokenizer (default: SmolLM2)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per run at least (max with concurrency)")
+    parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCIES)))
+    parser.add_argument("--sets", default=",".join(PROMPT_SETS))
+    parser.add_argument("--drafters", default=",".join(DRAFTERS), help=f"among {DRAFTERS}")
     parser.add_argument("--drafter", default=None, help="a block drafter checkpoint folder (adds the block row)")
-    parser.add_argument("--block-k", type=int, default=None, help="block drafter's k (default: its trained block)")
-    parser.add_argument("--drafters", default=None, help="comma-separated rows to run (default: all; none always)")
+    parser.add_argument("--time-budget", type=float, default=None, help="seconds; rows left after it are skipped")
     parser.add_argument("--name", default="serving_speculative_cpu")
+    parser.add_argument("--out-dir", default=None)
     parser.add_argument("--matmul-precision", default="highest", choices=("default", "high", "highest"),
                         help="float32 matmuls: 'highest' is true fp32; the GPU default (TF32) rounds each batch shape "
                              "differently, so greedy outputs can part at near-ties")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     jax.config.update("jax_default_matmul_precision", args.matmul_precision)
-    configs = drafters(args.k, args.draft_layers, args.drafter, args.block_k)
-    if args.drafters:
-        wanted = {"none", *args.drafters.split(",")}
-        unknown = sorted(wanted - set(configs))
-        if unknown:
-            parser.error(f"--drafters: unknown {unknown}; expected names among {sorted(configs)}")
-        configs = {name: spec for name, spec in configs.items() if name in wanted}
-    if not 0 <= args.held_out <= HELD_OUT:
-        parser.error(f"--held-out {args.held_out}: expected 0 .. {HELD_OUT} (train_drafter's held-out chats)")
-    prompts = benchmark_prompts(args.held_out)
-    rows = []
-    for concurrency in CONCURRENCIES:
-        baseline = None
-        for name, spec in configs.items():
-            result = run(spec, concurrency, prompts, args.max_tokens)
-            baseline = baseline or result
-            rows.append({"drafter": name, "concurrency": concurrency, "tokens": result["tokens"],
-                         "seconds": round(result["seconds"], 3), "tokens_per_s": round(result["tokens_per_s"], 2),
-                         "speedup": round(result["tokens_per_s"] / baseline["tokens_per_s"], 3),
-                         "mean_acceptance_length": round(result["mean_acceptance_length"], 3),
-                         "acceptance_rate": None if result["acceptance_rate"] is None else
-                         round(result["acceptance_rate"], 3),
-                         "identical_outputs": sum(o == b for o, b in zip(result["outputs"], baseline["outputs"],
-                                                                          strict=True))})
-            print(format_table(rows[-1:], list(rows[-1])), flush=True)
-    columns = ["drafter", "concurrency", "tokens", "tokens_per_s", "speedup", "mean_acceptance_length",
-               "acceptance_rate", "identical_outputs"]
+    names = tuple(n for n in args.drafters.split(",") if n)
+    sets = tuple(s for s in args.sets.split(",") if s)
+    if unknown := sorted(set(names) - set(DRAFTERS)) + sorted(set(sets) - set(PROMPT_SETS)):
+        parser.error(f"unknown drafters or prompt sets {unknown}: expected among {DRAFTERS} and {PROMPT_SETS}")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    start = time.perf_counter()
+    model = load_model(args.model, jnp.float32)
+    if model.tokenizer is None:
+        parser.error(f"--model {args.model!r} has no tokenizer: the prompts are chats")
+    rows, skipped = [], []
+    meta = {"device": jax.devices()[0].device_kind, "model": args.model or "SmolLM2-135M-Instruct",
+            "matmul_precision": args.matmul_precision, "max_tokens": args.max_tokens, "ngram_k": NGRAM_K,
+            "suffix_k": SUFFIX_K, "decode_steps": DECODE_STEPS, "drafter": args.drafter, "rows": rows,
+            "skipped": skipped}
+    for concurrency in levels:  # concurrency 1 of every set first: the rows a --time-budget must keep
+        for prompts_name in sets:
+            prompts = prompt_set(prompts_name, max(args.prompts, concurrency))
+            group, reference = [], None
+            for name, (make, decode_steps) in configs(args.drafter, names).items():
+                if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
+                    skipped.append({"prompts": prompts_name, "concurrency": concurrency, "drafter": name})
+                    continue
+                result = run(model, make(), decode_steps, concurrency, prompts, args.max_tokens)
+                reference = reference or result["outputs"]
+                group.append({"prompts": prompts_name, "drafter": name, "concurrency": concurrency,
+                              "decode_steps": decode_steps, "num_prompts": len(prompts), "tokens": result["tokens"],
+                              "seconds": round(result["seconds"], 3), "tokens_per_s": round(result["tokens_per_s"], 2),
+                              "speedup": None, "mean_acceptance_length": round(result["mean_acceptance_length"], 3),
+                              "acceptance_rate": None if result["acceptance_rate"] is None else
+                              round(result["acceptance_rate"], 3), "drafted_steps": result["drafted_steps"],
+                              "identical_outputs": sum(o == b for o, b in zip(result["outputs"], reference,
+                                                                               strict=True))})
+                best = max((r["tokens_per_s"] for r in group if r["drafter"] in BASELINES), default=None)
+                for row in group:  # over the best baseline so far (final once both baselines ran, first)
+                    row["speedup"] = None if best is None else round(row["tokens_per_s"] / best, 3)
+                print(format_table(group[-1:], list(group[-1])), flush=True)
+                write_results(args.name, meta | {"rows": rows + group}, args.out_dir)
+            rows += group
+    columns = ["prompts", "drafter", "concurrency", "tokens_per_s", "speedup", "mean_acceptance_length",
+               "acceptance_rate", "identical_outputs", "num_prompts"]
     print(format_table(rows, columns))
-    write_results(args.name, {"device": jax.devices()[0].device_kind, "k": args.k, "draft_layers": args.draft_layers,
-                              "drafter": args.drafter, "matmul_precision": args.matmul_precision,
-                              "block_k": configs["block"].k if "block" in configs else None,
-                              "max_tokens": args.max_tokens, "prompts": [p[0]["content"] for p in prompts],
-                              "rows": rows})
-    plot(rows, args.name, k=args.k)
+    if skipped:
+        print(f"skipped (--time-budget {args.time_budget} s): {skipped}")
+    write_results(args.name, meta, args.out_dir)
+    plot(rows, args.name, args.out_dir)
 
 
 if __name__ == "__main__":

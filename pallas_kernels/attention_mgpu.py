@@ -88,6 +88,25 @@ class MosaicAttentionConfig:
         return DTYPE.itemsize * (COMPUTE_WGS * per_wg + self.stages * self.block_k * (head_dim + v_head_dim))
 
 
+def fitted_config(head_dim: int, v_head_dim: int, config: MosaicAttentionConfig = MosaicAttentionConfig(), *,
+                  gpu: device.Gpu | None = None) -> MosaicAttentionConfig:
+    """``config`` if a block fits ``gpu``'s shared memory (default the launch target), else with fewer stages (down
+    to 2) and then smaller key tiles (down to one wgmma's ``WGMMA_ROWS``): the first that fits (192/128 head dims
+    take ``block_k`` 64). Raises ValueError naming the bytes if none does."""
+    gpu = gpu or device.gpu()
+    candidate = config
+    while candidate.smem_bytes(head_dim, v_head_dim) > gpu.arch.shared_per_block:
+        if candidate.stages > 2:
+            candidate = dataclasses.replace(candidate, stages=candidate.stages - 1)
+        elif candidate.block_k > WGMMA_ROWS:
+            candidate = dataclasses.replace(candidate, block_k=candidate.block_k // 2)
+        else:
+            break
+    device.check_shared_memory(f"flash_attention_mgpu of head dims {head_dim}/{v_head_dim}", candidate,
+                               candidate.smem_bytes(head_dim, v_head_dim), gpu)
+    return candidate
+
+
 def tile_steps(key_lo: jax.Array, key_hi: jax.Array, block_q: int, block_k: int) -> jax.Array:
     """The key tiles each block walks: int32 ``[blocks, 2 + 2 COMPUTE_WGS]``.
 
@@ -243,7 +262,7 @@ def _smem(shape):
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "config", "interpret"))
 def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Array, *, causal: bool = True,
-                         scale: float | None = None, config: MosaicAttentionConfig = MosaicAttentionConfig(),
+                         scale: float | None = None, config: MosaicAttentionConfig | None = None,
                          interpret: bool = False) -> jax.Array:
     """:func:`pallas_kernels.attention.flash_attention` as a Mosaic GPU kernel (module docstring), bfloat16 only.
 
@@ -254,7 +273,9 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: j
       seq_starts: int ``[S+1]``: sequence s is rows ``seq_starts[s]:seq_starts[s+1]`` (nondecreasing).
       causal: a row attends to its sequence's keys up to itself (True) or to all of them.
       scale: score scale (> 0), default ``1/sqrt(head_dim)``.
-      config: launch geometry (:class:`MosaicAttentionConfig`).
+      config: launch geometry (:class:`MosaicAttentionConfig`); None is ``MosaicAttentionConfig()`` fitted to the
+        device's shared memory (:func:`fitted_config`). A compiled launch of a config that needs more is a
+        ValueError.
       interpret: run Pallas' GPU interpreter (on a CPU) instead of compiling.
 
     Returns:
@@ -268,6 +289,8 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: j
     for name, width in (("head_dim", head_dim), ("v_head_dim", v_head_dim)):
         if width % SWIZZLE_COLS:
             raise ValueError(f"{name} must be a multiple of {SWIZZLE_COLS} (one swizzled TMA tile), got {width}")
+    if config is None:
+        config = MosaicAttentionConfig() if interpret else fitted_config(head_dim, v_head_dim)
     if not interpret:
         device.check_shared_memory(f"flash_attention_mgpu of head dims {head_dim}/{v_head_dim}", config,
                                    config.smem_bytes(head_dim, v_head_dim), device.gpu())

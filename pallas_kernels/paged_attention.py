@@ -52,8 +52,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common, device
 
-H200_SMS = 132
-TARGET_PROGRAMS = 2 * H200_SMS  # automatic splits aim for two resident programs per SM
+PROGRAMS_PER_SM = 2  # automatic splits aim for two resident programs per SM of the launch target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +62,7 @@ class PagedConfig:
     block_h: q heads per program (at least one 16-row tl.dot tile; a GQA group smaller than that is padded).
     block_k: cached tokens per step, gathered across pages.
     num_splits: programs per sequence along its context (flash-decoding); None picks enough splits to give
-      the GPU ``TARGET_PROGRAMS`` programs.
+      the GPU ``PROGRAMS_PER_SM`` programs per SM (its SM count read from the device: ``device.gpu().cores``).
     """
 
     block_h: int = 16
@@ -141,6 +140,14 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array |
     return out * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)[..., None]
 
 
+def shared_memory_bytes(config: PagedConfig, k_width: int, v_width: int | None, group: int, dtype) -> int:
+    """Shared memory a program uses: ``num_stages`` gathered key (and value, unless ``v_width`` is None: values
+    read from the keys' columns) tiles in flight and its q rows (dot operands); ``group`` q heads a kv head."""
+    block_h = min(config.block_h, max(common.MIN_TILE, pl.next_power_of_2(group)))
+    gathered = k_width + (v_width or 0)
+    return (config.num_stages * config.block_k * gathered + block_h * k_width) * jnp.dtype(dtype).itemsize
+
+
 def _paged_call(q, k_pages, v_pages, block_tables, lengths, *, scale, k_spans, v_spans, config, interpret, name,
                 window=0, sinks=None):
     """Run the kernel for q ``[B, q_heads, D]`` over ``k_pages`` ``[pages, page_size, kv_heads, D]`` (and
@@ -153,16 +160,15 @@ def _paged_call(q, k_pages, v_pages, block_tables, lengths, *, scale, k_spans, v
     block_k = config.block_k
     head_blocks = pl.cdiv(group, block_h)
     span = min(context, window) if window else context  # the most tokens one query reads
-    splits = config.num_splits or pl.cdiv(TARGET_PROGRAMS, batch * kv_heads * head_blocks)
+    gpu = device.gpu()
+    splits = config.num_splits or pl.cdiv(PROGRAMS_PER_SM * gpu.cores, batch * kv_heads * head_blocks)
     split_len = pl.cdiv(pl.cdiv(span, min(splits, pl.cdiv(span, block_k))), block_k) * block_k
     splits = pl.cdiv(span, split_len)
     v_width = sum(w for _, w in v_spans)
     k_width = sum(w for _, w in k_spans)
-    if not interpret:  # in flight: num_stages key (and value) tiles; once: the q rows (dot operands)
-        gathered = k_width + (0 if v_pages is None else v_width)
-        need = (config.num_stages * block_k * gathered + block_h * k_width) * q.dtype.itemsize
-        device.check_shared_memory(f"{name} of head dims {k_width}/{v_width} in {q.dtype}", config, need,
-                                   device.gpu())
+    if not interpret:
+        need = shared_memory_bytes(config, k_width, None if v_pages is None else v_width, group, q.dtype)
+        device.check_shared_memory(f"{name} of head dims {k_width}/{v_width} in {q.dtype}", config, need, gpu)
     partial = (splits, batch, kv_heads, head_blocks * block_h)
     kernel = functools.partial(_paged_kernel, block_h=block_h, block_k=block_k, group=group,
                                head_blocks=head_blocks, page_size=page_size, split_len=split_len,
@@ -201,14 +207,16 @@ def _check_tables(batch, block_tables, lengths):
         raise ValueError(f"lengths must be integer [batch={batch}], got {lengths.dtype}{list(lengths.shape)}")
 
 
-def _check_window(window, sinks, q_heads):
+def check_window(window, sinks, q_heads):
+    """Raise ValueError unless ``window`` and ``sinks`` are what :func:`paged_attention` takes."""
     if not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0 (0: no sliding window), got {window!r}")
     if sinks is not None and (sinks.shape != (q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating)):
         raise ValueError(f"sinks must be float [q_heads={q_heads}], got {sinks.dtype}{list(sinks.shape)}")
 
 
-def _check(q, k_pages, v_pages, block_tables, lengths):
+def check_inputs(q, k_pages, v_pages, block_tables, lengths):
+    """Raise ValueError unless the operands are what :func:`paged_attention` takes."""
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
     if k_pages.ndim != 4 or v_pages.ndim != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
@@ -244,15 +252,16 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     Returns:
       ``[batch, q_heads, v_head_dim]`` in q's dtype (zeros where ``lengths`` is 0).
     """
-    _check(q, k_pages, v_pages, block_tables, lengths)
-    _check_window(window, sinks, q.shape[1])
+    check_inputs(q, k_pages, v_pages, block_tables, lengths)
+    check_window(window, sinks, q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     return _paged_call(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                        k_spans=common.column_spans(q.shape[2]), v_spans=common.column_spans(v_pages.shape[3]),
                        config=config, interpret=interpret, name="paged_attention", window=window, sinks=sinks)
 
 
-def _check_mla(q_latent, q_rope, latent_pages, block_tables, lengths):
+def check_mla_inputs(q_latent, q_rope, latent_pages, block_tables, lengths):
+    """Raise ValueError unless the operands are what :func:`paged_mla_attention` takes."""
     if q_latent.ndim != 3 or q_rope.ndim != 3 or q_latent.shape[:2] != q_rope.shape[:2]:
         raise ValueError(f"q_latent [batch, heads, R] and q_rope [batch, heads, P] must agree on batch and heads, "
                          f"got {q_latent.shape} and {q_rope.shape}")
@@ -284,7 +293,7 @@ def paged_mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: ja
     Returns:
       ``[batch, heads, R]`` in q_latent's dtype: softmax-weighted c_kv, to be projected by W_UV.
     """
-    _check_mla(q_latent, q_rope, latent_pages, block_tables, lengths)
+    check_mla_inputs(q_latent, q_rope, latent_pages, block_tables, lengths)
     rank, rope = q_latent.shape[2], q_rope.shape[2]
     q = jnp.concatenate([q_latent, q_rope], axis=2)
     v_spans = common.column_spans(rank)
@@ -309,8 +318,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                               sinks: jax.Array | None = None) -> jax.Array:
     """Plain-jnp :func:`paged_attention`: gather every sequence's pages, then a dense masked softmax in fp32 (the
     sink, if any, one more logit whose probability is dropped)."""
-    _check(q, k_pages, v_pages, block_tables, lengths)
-    _check_window(window, sinks, q.shape[1])
+    check_inputs(q, k_pages, v_pages, block_tables, lengths)
+    check_window(window, sinks, q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     group = q.shape[1] // k_pages.shape[2]
     k = jnp.repeat(_gather_pages(k_pages, block_tables), group, axis=2)  # [batch, tokens, q_heads, head_dim]
@@ -332,7 +341,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 def paged_mla_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
                                   block_tables: jax.Array, lengths: jax.Array, *, scale: float) -> jax.Array:
     """Plain-jnp :func:`paged_mla_attention`."""
-    _check_mla(q_latent, q_rope, latent_pages, block_tables, lengths)
+    check_mla_inputs(q_latent, q_rope, latent_pages, block_tables, lengths)
     rank = q_latent.shape[2]
     latent = _gather_pages(latent_pages, block_tables)  # [batch, tokens, R + P]
     c_kv, k_rope = latent[..., :rank], latent[..., rank:]

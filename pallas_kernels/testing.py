@@ -109,7 +109,13 @@ def lower_for_h200(fn, *args, **kwargs) -> str:
     Every Triton module in the result must pass the MLIR verifier (:func:`verify_triton_modules`).
     ``args`` may be arrays or ``jax.ShapeDtypeStruct``s.
     """
-    mesh = jax.sharding.AbstractMesh((), (), abstract_device=H200)
+    return lower_for_gpu(H200, fn, *args, **kwargs)
+
+
+def lower_for_gpu(gpu: jax.sharding.AbstractDevice, fn, *args, **kwargs) -> str:
+    """:func:`lower_for_h200` for the abstract NVIDIA GPU ``gpu`` (its kind and SM count: the launch target the
+    kernels read, ``pallas_kernels.device.target``)."""
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=gpu)
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(fn, **kwargs).trace(*args).lower(lowering_platforms=("cuda",))
     verify_triton_modules(lowered.compiler_ir("stablehlo"))

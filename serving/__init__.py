@@ -19,7 +19,7 @@ COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,
 # public name -> the module that defines it
 _EXPORTS = {
     "ConstraintSpec": "serving.structured",
-    "Engine": "serving.engine.engine",
+    "Engine": "serving.llm_engine",
     "LoadedModel": "serving.loaders.model",
     "SamplingParams": "serving.engine.sampling_params",
     "SpecConfig": "serving.spec_decode.config",
@@ -30,8 +30,8 @@ __all__ = ["COMMAND_BUFFER_FLAGS", "ConstraintSpec", "Engine", "LoadedModel", "S
            "enable_command_buffers", "load_model"]
 
 if TYPE_CHECKING:
-    from serving.engine.engine import Engine
     from serving.engine.sampling_params import SamplingParams
+    from serving.llm_engine import Engine
     from serving.loaders.model import LoadedModel, load_model
     from serving.spec_decode.config import SpecConfig
     from serving.structured import ConstraintSpec

@@ -23,7 +23,7 @@ from pathlib import Path
 from serving import enable_command_buffers, quantization, weights
 from serving.api import cli as api_cli
 from serving.config import ModelConfig
-from serving.engine.engine import DTYPES
+from serving.llm_engine import DTYPES
 from serving.loaders import quantized
 from serving.loaders.gguf import load_gguf
 from serving.loaders.safetensors import read_tensors

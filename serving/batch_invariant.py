@@ -14,9 +14,10 @@ choice from a serving step:
   log-softmax denominators, the top-k weight sums, the split combine of paged attention) is the same matmul
   against a column of ones, ``[rows, C] @ [C, 1]`` (``ROW_SUM_CONFIG``), so no fusion or tiling choice of XLA
   can reorder a row's sum. max, argmax, top-k and sort need no care: they are exact in any order.
-* kernels: the step is traced in kernel mode ``layers.BATCH_INVARIANT``: every token attends over the paged
-  cache in fixed, position-aligned key blocks and splits (also prefill tokens, whose K/V are written before
-  attention), and the MoE experts run ``grouped_matmul`` with one fixed geometry (``layers`` docstring).
+* kernels: the step's layers run with policy ``layers.BATCH_INVARIANT`` (the caller passes it to the model, as
+  the runner does): every token attends over the paged cache in fixed, position-aligned key blocks and splits
+  (also prefill tokens, whose K/V are written before attention), and the MoE experts run ``grouped_matmul`` with
+  one fixed geometry (``layers`` docstring).
 
 Mechanism: the step is traced to a jaxpr and evaluated again with those two primitives replaced; calls
 (``jit``, ``custom_jvp``/``custom_vjp``, ``remat``) are inlined and the branches and bodies of ``cond``,
@@ -38,7 +39,6 @@ from jax.extend.core import Jaxpr, Literal, primitives
 
 from pallas_kernels.common import DTYPES
 from pallas_kernels.matmul import MatmulConfig, matmul
-from serving import layers
 
 MATMUL_CONFIG = MatmulConfig()  # every projection of every step, whatever its row count
 ROW_SUM_CONFIG = MatmulConfig(block_n=16)  # a row sum has one column: the narrowest tl.dot tile
@@ -51,15 +51,14 @@ _REFUSED = {"ragged_dot_general": "ragged_dot (quantized expert weights)",
 
 
 def invariant(fn: Callable) -> Callable:
-    """``fn`` traced in kernel mode ``layers.BATCH_INVARIANT`` with its float ``dot_general`` and ``reduce_sum``
-    replaced by the fixed-geometry Pallas matmul (module docstring). Call it where ``fn`` would be called (under
-    ``jax.jit``); the arguments are pytrees of arrays."""
+    """``fn`` with its float ``dot_general`` and ``reduce_sum`` replaced by the fixed-geometry Pallas matmul (module
+    docstring; the layers inside ``fn`` run with policy ``layers.BATCH_INVARIANT``, which the caller passes). Call it
+    where ``fn`` would be called (under ``jax.jit``); the arguments are pytrees of arrays."""
 
     @functools.wraps(fn)
     def wrapped(*args: Any) -> Any:
-        with layers.use_kernels(layers.BATCH_INVARIANT):
-            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-            out = _eval(closed, closed.consts, jax.tree.leaves(args))
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        out = _eval(closed, closed.consts, jax.tree.leaves(args))
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
     return wrapped

@@ -3,21 +3,23 @@
 One dataclass covers every family the engine serves: Llama and Qwen3 (dense), Qwen3-MoE and Mixtral
 (softmax-routed experts), DeepSeek-V3 (multi-head latent attention, sigmoid group-limited routing, shared
 experts), GPT-OSS (softmax-routed experts with biases and a clamped SwiGLU, attention with biases and learned
-sinks). Any of the standard-attention families may have sliding-window layers (``layer_windows``). Fields a
-family does not use keep their neutral defaults (``num_experts=0``, ``kv_lora_rank=0``, ...). Being frozen
-and hashable, a config is a static argument to ``jax.jit``.
+sinks), Qwen3-VL-MoE (the Qwen3-MoE decoder with interleaved multimodal RoPE, ``mrope_section``, behind a ViT image
+encoder described by ``VisionConfig``). Any of the standard-attention families may have sliding-window layers
+(``layer_windows``). Fields a family does not use keep their neutral defaults (``num_experts=0``,
+``kv_lora_rank=0``, ``vision=None``, ...). Being frozen and hashable, a config is a static argument to ``jax.jit``.
 
 ``from_hf`` reads every spelling transformers 4.x and 5.x write for these families: expert counts as
 ``num_experts`` or ``num_local_experts``, RoPE as ``rope_parameters`` or ``rope_theta`` + ``rope_scaling``
 (``type`` or ``rope_type``), ``head_dim`` absent, null or not hidden / heads, sliding windows as
-``layer_types`` or the older ``use_sliding_window`` / ``max_window_layers``. A key it cannot honour is a
-ValueError naming the key.
+``layer_types`` or the older ``use_sliding_window`` / ``max_window_layers``; a vision-language config's decoder
+from its ``text_config`` and its encoder from ``vision_config``. A key it cannot honour is a ValueError naming the
+key.
 """
 
 import dataclasses
 from typing import Any
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_vl_moe")
 ROPE_KINDS = ("none", "linear", "llama3", "yarn")
 ROUTERS = ("softmax", "sigmoid")
 
@@ -29,6 +31,7 @@ HF_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
 }
 HF_MODEL_TYPES = {family: family for family in FAMILIES}
 # HF layer_types entries -> whether the layer attends through a sliding window.
@@ -85,6 +88,62 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """A Qwen3-VL ViT image encoder and the token ids that place its output in a prompt.
+
+    Pixels come as patches of ``in_channels x temporal_patch_size x patch_size x patch_size`` values (a still image
+    repeats its frame over the temporal patch); ``depth`` pre-LayerNorm blocks of width ``hidden`` (``heads`` heads,
+    2D RoPE over each patch's (row, column), a GELU MLP of width ``intermediate``) plus a learned position table
+    of ``num_position_embeddings`` (a square grid, bilinearly resampled to each image's grid); the merger maps each
+    ``spatial_merge_size``^2 block of patches to one decoder token of width ``out_hidden``, and one more merger per
+    ``deepstack_layers`` entry maps that block's output to features added to decoder layer i's output (DeepStack).
+    """
+
+    depth: int
+    hidden: int
+    intermediate: int
+    heads: int
+    out_hidden: int
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    num_position_embeddings: int = 2304
+    deepstack_layers: tuple[int, ...] = ()
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6  # the LayerNorms' (HF fixes it at 1e-6)
+    image_token_id: int = 0
+    vision_start_token_id: int = 0
+    vision_end_token_id: int = 0
+
+    def __post_init__(self):
+        for name in ("depth", "hidden", "intermediate", "heads", "out_hidden", "patch_size", "temporal_patch_size",
+                     "spatial_merge_size", "in_channels", "num_position_embeddings"):
+            _check(getattr(self, name) > 0, f"vision.{name}", getattr(self, name), "> 0")
+        _check(self.hidden % self.heads == 0 and (self.hidden // self.heads) % 4 == 0, "vision.heads", self.heads,
+               f"a divisor of hidden={self.hidden} leaving a head dim divisible by 4 (2D RoPE over row and column)")
+        side = round(self.num_position_embeddings ** 0.5)
+        _check(side * side == self.num_position_embeddings, "vision.num_position_embeddings",
+               self.num_position_embeddings, "a square (the learned position grid)")
+        _check(isinstance(self.deepstack_layers, tuple) and all(0 <= l < self.depth for l in self.deepstack_layers),
+               "vision.deepstack_layers", self.deepstack_layers, f"a tuple of block indices in [0, {self.depth})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch: ``in_channels * temporal_patch_size * patch_size^2``."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per decoder token: ``spatial_merge_size^2``."""
+        return self.spatial_merge_size ** 2
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes and hyperparameters of one model. Dims: ``hidden`` = D, ``heads`` = H, ``kv_heads`` = K."""
 
@@ -129,6 +188,11 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Multimodal RoPE (Qwen3-VL; () : plain RoPE): rotary frequency i turns with a token's temporal, height or width
+    # position, interleaved t, h, w, t, h, w, ... with sections[1] and sections[2] frequencies for h and w
+    # (``layers.mrope_axes``). Text tokens have equal positions on the three axes (plain RoPE).
+    mrope_section: tuple[int, ...] = ()
+    vision: VisionConfig | None = None  # the image encoder of a vision-language model
 
     def __post_init__(self):
         _check(self.family in FAMILIES, "family", self.family, f"one of {FAMILIES}")
@@ -156,6 +220,16 @@ class ModelConfig:
                    f"qk_nope_head_dim + qk_rope_head_dim = {self.qk_nope_head_dim + self.qk_rope_head_dim}")
         _check(self.q_lora_rank >= 0, "q_lora_rank", self.q_lora_rank, ">= 0")
         _check(self.rope_dim % 2 == 0, "rope dim", self.rope_dim, "even")
+        if self.mrope_section:
+            _check(len(self.mrope_section) == 3 and sum(self.mrope_section) == self.rope_dim // 2, "mrope_section",
+                   self.mrope_section, f"3 frequency counts (t, h, w) summing to rope dim / 2 = {self.rope_dim // 2}")
+        _check(self.vision is None or isinstance(self.vision, VisionConfig), "vision", self.vision,
+               "None or a VisionConfig")
+        if self.vision is not None:
+            _check(self.vision.out_hidden == self.hidden, "vision.out_hidden", self.vision.out_hidden,
+                   f"the decoder's hidden={self.hidden}")
+            _check(len(self.vision.deepstack_layers) <= self.layers, "vision.deepstack_layers",
+                   self.vision.deepstack_layers, f"at most layers={self.layers} entries (one per decoder layer)")
         if self.num_experts == 0:
             return
         _check(self.num_experts > 0, "num_experts", self.num_experts, ">= 0")
@@ -196,9 +270,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "ModelConfig":
-        """Read a HF ``config.json`` dict (the causal LMs of ``HF_ARCHITECTURES``, as transformers 4.x or 5.x
-        writes them; module docstring)."""
+        """Read a HF ``config.json`` dict (the models of ``HF_ARCHITECTURES``, as transformers 4.x or 5.x writes
+        them; module docstring)."""
         family = _hf_family(config)
+        vision = None
+        if family == "qwen3_vl_moe":
+            vision = _hf_vision(config)
+            # The decoder's keys are the text_config's; the output head is tied as the top level says.
+            config = {**_require(config, "text_config"), "architectures": config.get("architectures"),
+                      "model_type": family, "tie_word_embeddings": config.get("tie_word_embeddings", False)}
         heads = _require(config, "num_attention_heads")
         hidden = _require(config, "hidden_size")
         layers = _require(config, "num_hidden_layers")
@@ -220,7 +300,7 @@ class ModelConfig:
         )
         if family == "qwen3":
             fields.update(qk_norm=True)
-        elif family == "qwen3_moe":
+        elif family in ("qwen3_moe", "qwen3_vl_moe"):
             fields.update(
                 qk_norm=True,
                 num_experts=_require_any(config, "num_experts", "num_local_experts"),
@@ -230,6 +310,9 @@ class ModelConfig:
                 decoder_sparse_step=config.get("decoder_sparse_step") or 1,
                 mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
             )
+            if family == "qwen3_vl_moe":
+                # Its router always renormalizes the top-k weights (no norm_topk_prob key).
+                fields.update(vision=vision, mrope_section=_hf_mrope(config), norm_topk_prob=True)
         elif family == "mixtral":
             fields.update(
                 num_experts=_require_any(config, "num_local_experts", "num_experts"),
@@ -324,6 +407,46 @@ def _reject_unsupported(config: dict[str, Any], family: str) -> None:
                 raise ValueError(f"config.json {key} = {config[key]!r}: expected {expected!r}")
 
 
+def _hf_vision(config: dict[str, Any]) -> VisionConfig:
+    """A Qwen3-VL ``vision_config`` (and the top-level image token ids) -> ``VisionConfig``."""
+    vision = _require(config, "vision_config")
+
+    def need(key: str) -> Any:
+        if vision.get(key) is None:
+            raise ValueError(f"config.json vision_config has no {key!r} (needed for qwen3_vl_moe)")
+        return vision[key]
+
+    act = vision.get("hidden_act", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"config.json vision_config hidden_act = {act!r}: only 'gelu_pytorch_tanh' is supported")
+    rope = vision.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ValueError(f"config.json vision_config rope_parameters rope_type = {rope['rope_type']!r}: expected "
+                         "'axial'")
+    sizes = {key: need(key) for key in ("patch_size", "temporal_patch_size")}
+    for key, size in sizes.items():
+        if not isinstance(size, int):
+            raise ValueError(f"config.json vision_config {key} = {size!r}: expected one int (square patches)")
+    return VisionConfig(
+        depth=need("depth"), hidden=need("hidden_size"), intermediate=need("intermediate_size"),
+        heads=need("num_heads"), out_hidden=need("out_hidden_size"), **sizes,
+        spatial_merge_size=need("spatial_merge_size"), in_channels=vision.get("in_channels", 3),
+        num_position_embeddings=need("num_position_embeddings"),
+        deepstack_layers=tuple(vision.get("deepstack_visual_indexes") or ()),
+        rope_theta=float(rope.get("rope_theta", 10000.0)), image_token_id=_require(config, "image_token_id"),
+        vision_start_token_id=_require(config, "vision_start_token_id"),
+        vision_end_token_id=_require(config, "vision_end_token_id"))
+
+
+def _hf_mrope(config: dict[str, Any]) -> tuple[int, ...]:
+    """Qwen3-VL's ``rope_parameters.mrope_section`` (interleaved; transformers' default [24, 20, 20])."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if params.get("mrope_interleaved") is False:
+        raise ValueError("config.json rope_parameters mrope_interleaved = false: only Qwen3-VL's interleaved "
+                         "multimodal RoPE is supported (expected true)")
+    return tuple(params.get("mrope_section") or (24, 20, 20))
+
+
 def _hf_windows(config: dict[str, Any], family: str, layers: int) -> tuple[int, ...]:
     """Per-layer sliding windows (0: full attention) as transformers applies them.
 
@@ -335,14 +458,14 @@ def _hf_windows(config: dict[str, Any], family: str, layers: int) -> tuple[int, 
     window = config.get("sliding_window") or 0
     if not isinstance(window, int) or window < 0:
         raise ValueError(f"config.json sliding_window = {window!r}: expected null or an int >= 0")
-    if family in ("qwen3", "qwen3_moe") and not config.get("use_sliding_window"):
+    if family in ("qwen3", "qwen3_moe", "qwen3_vl_moe") and not config.get("use_sliding_window"):
         window = 0  # transformers drops the window of a Qwen3 config without use_sliding_window
     types = config.get("layer_types")
     if family in ("llama", "deepseek_v3"):
         if types and any(t != "full_attention" for t in types):
             raise ValueError(f"config.json layer_types = {types!r}: {family} layers are all 'full_attention'")
         return ()
-    if family in ("mixtral", "qwen3_moe"):
+    if family in ("mixtral", "qwen3_moe", "qwen3_vl_moe"):
         return (window,) * layers if window else ()
     if types is not None:
         if len(types) != layers or any(t not in HF_LAYER_TYPES for t in types):

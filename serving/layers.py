@@ -5,8 +5,12 @@ attention over the paged KV cache (standard, and absorbed latent attention over 
 ``paged_attention`` and ``paged_mla_attention`` are the functions a faster version replaces whole
 (expert-parallel all-to-all; a Pallas GPU kernel): keep their signatures.
 
-GPU kernels: on an NVIDIA GPU these three run the Pallas kernels of ``pallas_kernels`` (elsewhere their
-plain-jnp references), chosen once per op in ``_dispatch`` (by ``jax.lax.platform_dependent`` off a GPU):
+GPU kernels: which implementation each of these three runs is a static policy, :class:`KernelPolicy`, passed to
+them as ``kernels`` (a jit static argument; the runner's compiled step is keyed on it). The attention
+implementations are those of ``pallas_kernels.attention_ops`` (its ``implementation=``: None picks the fastest
+measured on the launch target: Mosaic GPU flash attention on a Hopper where it takes the call, the Triton kernels
+on other NVIDIA GPUs, the plain-jnp references with no GPU); ``_dispatch`` runs the kernels compiled on an NVIDIA
+GPU and, in a process lowering for a GPU it has not got, behind ``jax.lax.platform_dependent``:
 
 * attention of an ``AttentionBatch`` is split by the metadata ``make_batch`` derives on the host. Tokens that
   read their context from the pages (``kv_lens > 0``: decode tokens, and chunks continuing a cached prefix)
@@ -17,26 +21,27 @@ plain-jnp references), chosen once per op in ``_dispatch`` (by ``jax.lax.platfor
   values read back from their just-written slots. Both kernels see all N tokens; a token not theirs costs a
   program with no key to read. The documented price of this split: a chunk continuing a cached prefix reads
   its context once per token (from L2 mostly: its tokens are neighbouring programs), not once per chunk.
-  Within ``paged_only()`` every token goes through ``paged_attention`` with ``position + 1`` keys (a first
-  chunk's K/V are written before attention), and the packed kernel with its gathers is not traced: right for
-  any batch, and what a step without a first prefill chunk (``all_paged``: decode steps) should run. The
+  With ``KernelPolicy.paged_only`` every token goes through ``paged_attention`` with ``position + 1`` keys (a
+  first chunk's K/V are written before attention), and the packed kernel with its gathers is not traced: right
+  for any batch, and what a step without a first prefill chunk (``all_paged``: decode steps) should run. The
   runner keys its compiled step on it. A layer's sliding window (static model-config data, ``cfg.window(l)``)
-  and attention sinks (a weight) go to both kernels, which skip the key blocks wholly before a token's window.
+  and attention sinks (a weight) go to both ops, whose Triton kernels skip the key blocks wholly before a
+  token's window (the Mosaic flash attention has neither, so such a layer's prefill runs the Triton one).
 * ``moe``'s three expert matmuls run as ``grouped_matmul`` over the (token, expert) pairs sorted by expert
   (plain weights of the activations' dtype; quantized weights keep ``quantization.linear``); up to
   ``PAIRWISE_MAX_ROWS`` pairs (decode) as two ``gather_matmul`` launches over the pairs unsorted (the SwiGLU
   hidden with gate and up together, then down), each pair a row read with its expert's weights: no sort,
-  visit plan or unsort kernels, and no copy of x per pair (``repeat=k``). ``use_gather_config`` picks their
-  geometry (sweeps).
+  visit plan or unsort kernels, and no copy of x per pair (``repeat=k``). ``KernelPolicy.gather_config`` is
+  their geometry (sweeps).
 
 A shape or dtype a kernel does not take (head dims not a multiple of 16, mixed dtypes) runs the reference.
-``use_kernels("interpret")`` runs the kernels in Pallas' interpreter on any platform (tests) and
-``use_kernels("reference")`` the references everywhere; the mode is read when a function is traced, so a
-jitted caller must key its cache on ``kernel_mode()`` (as ``engine.runner`` does).
+``INTERPRET`` runs the Triton kernels in Pallas' interpreter on any platform (tests) and ``REFERENCE`` the
+references everywhere.
 
-Batch-invariant mode (``use_kernels(BATCH_INVARIANT)``, set by ``serving.batch_invariant.invariant``, which also
-pins the step's matmuls and sums): the kernels always, compiled on a GPU and interpreted elsewhere (a shape
-they do not take is a ValueError, never the reference), with no launch geometry chosen by the batch:
+Batch-invariant mode (``KernelPolicy(batch_invariant=True)``, ``BATCH_INVARIANT``; the runner also pins the step's
+matmuls and sums with ``serving.batch_invariant.invariant``): the kernels always, compiled on a GPU and interpreted
+elsewhere (a shape they do not take is a ValueError, never the reference), with no launch geometry chosen by the
+batch:
 
 * every real token, prefill ones included, attends through ``paged_attention`` over the cache (its chunk's
   K/V are written first) with ``position + 1`` keys, walked in ``block_k`` blocks aligned to position 0 and
@@ -51,13 +56,10 @@ they do not take is a ValueError, never the reference), with no launch geometry 
   per row (top-k is exact; its softmax sum is pinned by ``invariant``).
 """
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
-import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -65,6 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import attention as attention_kernels
+from pallas_kernels import attention_ops, device
 from pallas_kernels import paged_attention as paged_kernels
 from pallas_kernels.grouped_matmul import (
     DECODE_CONFIG,
@@ -78,8 +81,6 @@ from serving.kv_cache import AttentionBatch
 from serving.quantization import LinearWeight, linear
 
 MASKED = -1e30  # score of a key a query may not see: finite, so a fully masked (padding) row stays NaN-free
-BATCH_INVARIANT = "batch_invariant"  # the kernels with no geometry chosen by the batch (module docstring)
-KERNEL_MODES = ("auto", "interpret", "reference", BATCH_INVARIANT)  # module docstring
 # MLA's packed prefill has R + P = 576-wide rows: the paged MLA kernel's accumulator size (32 x 512 fp32 at 8 warps).
 MLA_FLASH_CONFIG = attention_kernels.AttentionConfig(block_q=32, block_k=32, num_warps=8, num_stages=2)
 # Batch-invariant attention splits a context every 512 positions: 4 programs per kv head at 2048 tokens of context,
@@ -90,59 +91,68 @@ INVARIANT_GROUPED_CONFIG = DECODE_CONFIG
 # Up to this many (token, expert) pairs (8 decode tokens at top-8) the expert kernels take the pairs unsorted, a row
 # each (gather_matmul): no sort, visit plan or unsort kernels; pairs sharing an expert read it from L2 mostly.
 PAIRWISE_MAX_ROWS = 64
-
-_kernel_mode = contextvars.ContextVar("serving_kernel_mode", default="auto")
-_paged_only = contextvars.ContextVar("serving_paged_only", default=False)
-_gather_config = contextvars.ContextVar("serving_gather_config", default=GATHER_CONFIG)
+EXPERT_IMPLEMENTATIONS = ("triton", "xla")  # grouped_matmul / gather_matmul (Pallas Triton), or ragged_dot
 
 
-@contextlib.contextmanager
-def _scoped(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
-    """``var`` set to ``value`` within the block, restored after it."""
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
+@dataclasses.dataclass(frozen=True)
+class KernelPolicy:
+    """Which implementation each op of a serving step runs. Frozen and hashable: a static argument of the jitted
+    functions that read it (``moe``, ``paged_attention``, ``paged_mla_attention``, the runner's step), so a compiled
+    step is keyed on all of it.
+
+    flash_attention, paged_attention, paged_mla_attention: the ``implementation`` of those
+      ``pallas_kernels.attention_ops`` ops (the packed prefill of first chunks, the paged GQA and MLA attention): a
+      name, a tuple of names (a fallback chain) or None (the fastest measured on the launch target: Mosaic GPU
+      flash attention on a Hopper where it takes the call, the Triton kernels on other NVIDIA GPUs, the jnp
+      references with no GPU).
+    experts: "triton" (``grouped_matmul`` / ``gather_matmul``), "xla" (``ragged_dot``) or None (the kernels where
+      there is a GPU to launch on, or interpreted).
+    interpret: the Pallas kernels run in Pallas' interpreter (tests on a CPU).
+    batch_invariant: batch-invariant mode (module docstring): the kernels, compiled on a GPU and interpreted
+      elsewhere, with no launch geometry chosen by the batch; the implementations above are not read.
+    paged_only: every token attends through the paged kernel, no packed flash attention (module docstring).
+    gather_config: the geometry of the decode experts' ``gather_matmul`` launches (sweeps).
+    """
+
+    flash_attention: attention_ops.Implementation = None
+    paged_attention: attention_ops.Implementation = None
+    paged_mla_attention: attention_ops.Implementation = None
+    experts: str | None = None
+    interpret: bool = False
+    batch_invariant: bool = False
+    paged_only: bool = False
+    gather_config: GroupedMatmulConfig = GATHER_CONFIG
+
+    def __post_init__(self):
+        for op in ("flash_attention", "paged_attention", "paged_mla_attention"):
+            value = getattr(self, op)
+            if not (value is None or isinstance(value, str) or isinstance(value, tuple)):
+                raise TypeError(f"KernelPolicy.{op}={value!r}: expected None, a name or a tuple of names "
+                                f"(hashable: the policy is a jit static argument)")
+            if value is not None:
+                attention_ops.chain(op, value)  # a ValueError for a name the op does not have
+        if self.experts is not None and self.experts not in EXPERT_IMPLEMENTATIONS:
+            raise ValueError(f"KernelPolicy.experts={self.experts!r}: expected None or one of "
+                             f"{EXPERT_IMPLEMENTATIONS}")
+        if not isinstance(self.gather_config, GroupedMatmulConfig):
+            raise TypeError(f"KernelPolicy.gather_config={self.gather_config!r}: expected a GroupedMatmulConfig")
 
 
-@contextlib.contextmanager
-def use_kernels(mode: str) -> Iterator[None]:
-    """Within the block, trace ``moe`` and the attention functions with kernel mode ``mode`` (module docstring)."""
-    if mode not in KERNEL_MODES:
-        raise ValueError(f"use_kernels: mode={mode!r}: expected one of {KERNEL_MODES}")
-    with _scoped(_kernel_mode, mode):
-        yield
+DEFAULT = KernelPolicy()  # the fastest measured on the launch target
+REFERENCE = KernelPolicy(flash_attention="xla", paged_attention="xla", paged_mla_attention="xla",
+                         experts="xla")  # the plain-jnp references everywhere
+INTERPRET = KernelPolicy(flash_attention="triton", paged_attention="triton", paged_mla_attention="triton",
+                         experts="triton", interpret=True)  # the Triton kernels in Pallas' interpreter
+BATCH_INVARIANT = KernelPolicy(batch_invariant=True)  # module docstring
 
 
-def kernel_mode() -> str:
-    """The kernel mode functions are traced with now: "auto" unless inside ``use_kernels``."""
-    return _kernel_mode.get()
-
-
-@contextlib.contextmanager
-def paged_only(enabled: bool = True) -> Iterator[None]:
-    """Within the block (if ``enabled``), trace attention's kernel path with every token through the paged kernel,
-    no packed ``flash_attention`` (module docstring). Right for any batch; meant for those where ``all_paged``."""
-    with _scoped(_paged_only, enabled):
-        yield
-
-
-@contextlib.contextmanager
-def use_gather_config(config: GroupedMatmulConfig) -> Iterator[None]:
-    """Within the block, trace the decode experts' ``gather_matmul`` launches with geometry ``config`` (default
-    ``grouped_matmul.GATHER_CONFIG``; for sweeps: a jitted caller keys its cache on it, as ``kernel_mode``)."""
-    if not isinstance(config, GroupedMatmulConfig):
-        raise TypeError(f"use_gather_config: config={config!r}: expected a GroupedMatmulConfig")
-    with _scoped(_gather_config, config):
-        yield
-
-
-def traces_kernels(mode: str) -> bool:
-    """Whether functions traced in kernel mode ``mode`` on this process's default backend take the kernel path,
-    where ``paged_only`` changes what is traced (the references read every token's context from the pages
-    either way, so elsewhere a jitted caller need not key its cache on it)."""
-    return mode in ("interpret", BATCH_INVARIANT) or (mode == "auto" and jax.default_backend() == "gpu")
+def traces_kernels(kernels: KernelPolicy) -> bool:
+    """Whether the attention functions traced with ``kernels`` here take the kernel path, where ``paged_only``
+    changes what is traced (the references read every token's context from the pages either way, so elsewhere a
+    jitted caller need not key its cache on it)."""
+    if kernels.interpret or kernels.batch_invariant:
+        return True
+    return device.target() is not None and attention_ops.chain("paged_attention", kernels.paged_attention) != ("xla",)
 
 
 def all_paged(batch: AttentionBatch) -> bool:
@@ -152,15 +162,18 @@ def all_paged(batch: AttentionBatch) -> bool:
     return bool((kv_lens[seq_ids >= 0] > 0).all())
 
 
-def _dispatch(kernel: Callable, reference: Callable, *args: Any, supported: bool = True) -> jax.Array:
-    """``kernel(*args, interpret=...)`` on an NVIDIA GPU, ``reference(*args)`` elsewhere (or where not
-    ``supported``); ``use_kernels`` overrides the choice. Batch-invariant mode: the kernel everywhere.
+def _dispatch(kernels: KernelPolicy, use_kernel: bool, kernel: Callable, reference: Callable, *args: Any,
+              supported: bool = True) -> jax.Array:
+    """``kernel(*args, interpret=...)`` where the policy ``kernels`` picks a kernel for the call (``use_kernel``)
+    and the kernels take its operands (``supported``), else ``reference(*args)``. Batch-invariant mode: the kernel
+    always (a ValueError where it does not take the operands).
 
-    In a process whose default backend is an NVIDIA GPU the kernel is traced alone; elsewhere the choice is
-    ``lax.platform_dependent``'s at lowering (both branches traced), so a CPU process can lower a step for a GPU."""
-    mode = kernel_mode()
-    compiled = functools.partial(kernel, interpret=False)
-    if mode == BATCH_INVARIANT:
+    Compiled in a process whose default backend is an NVIDIA GPU; interpreted with ``kernels.interpret`` (and in
+    batch-invariant mode with no GPU to launch on); in a process lowering for a GPU it has not got (an abstract
+    launch target, ``pallas_kernels.device.target``) ``lax.platform_dependent`` chooses at lowering between the
+    compiled kernel (cuda) and the reference (or, batch-invariant, the interpreted kernel)."""
+    compiled, interpreted = functools.partial(kernel, interpret=False), functools.partial(kernel, interpret=True)
+    if kernels.batch_invariant:
         if not supported:
             operands = ", ".join(f"{a.dtype}{list(a.shape)}" for a in args if isinstance(a, jax.Array))
             raise ValueError(f"batch-invariant mode runs the Pallas kernels, which do not take {operands}: expected "
@@ -168,11 +181,13 @@ def _dispatch(kernel: Callable, reference: Callable, *args: Any, supported: bool
                              f"{attention_kernels.MIN_TILE}")
         if _on_nvidia_gpu():
             return compiled(*args)
-        return jax.lax.platform_dependent(*args, cuda=compiled, default=functools.partial(kernel, interpret=True))
-    if mode == "reference" or not supported:
+        if device.target() is None:
+            return interpreted(*args)
+        return jax.lax.platform_dependent(*args, cuda=compiled, default=interpreted)
+    if not (use_kernel and supported):
         return reference(*args)
-    if mode == "interpret":
-        return kernel(*args, interpret=True)
+    if kernels.interpret:
+        return interpreted(*args)
     if _on_nvidia_gpu():
         return compiled(*args)
     return jax.lax.platform_dependent(*args, cuda=compiled, default=reference)
@@ -184,34 +199,23 @@ def _on_nvidia_gpu() -> bool:
     return jax.default_backend() == "gpu" and jax.devices()[0].device_kind.startswith("NVIDIA")
 
 
+def _experts_use_kernels(kernels: KernelPolicy) -> bool:
+    """Whether ``kernels`` runs the experts through the Pallas matmuls (``KernelPolicy.experts``)."""
+    if kernels.experts is not None:
+        return kernels.experts == "triton"
+    return kernels.interpret or device.target() is not None
+
+
 def _traced_once(*static: str) -> Callable[[Callable], Callable]:
-    """Decorator: ``fn`` under ``jax.jit`` (arguments ``static`` static), its cache keyed on the kernel context too
-    (``kernel_mode``, ``paged_only``, the gather geometry: what tracing it reads besides its arguments).
+    """Decorator: ``fn`` under ``jax.jit`` with arguments ``static`` and its ``kernels`` policy static.
 
     A forward pass calls such a function once per layer with the same shapes; JAX then traces and lowers it once
     per step shape instead of once per layer, and XLA inlines the calls, so the compiled step is the same. For
     the attention and MoE functions (their kernel paths, and off a GPU their references too) that is most of
-    the Python time of tracing a step, which bounds how fast a server
-    compiles its step shapes (``Engine.warm_up``) and how fast it restarts from the compilation cache, where
-    every step is still traced and lowered to find its cache key."""
-    def wrap(fn: Callable) -> Callable:
-        signature = inspect.signature(fn)
-
-        @functools.partial(jax.jit, static_argnames=(*static, "context"))
-        def traced(context: tuple, **arguments: Any) -> Any:
-            mode, paged, gather = context
-            with use_kernels(mode), paged_only(paged), use_gather_config(gather):
-                return fn(**arguments)
-
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return traced(context=(_kernel_mode.get(), _paged_only.get(), _gather_config.get()), **bound.arguments)
-
-        return call
-
-    return wrap
+    the Python time of tracing a step, which bounds how fast a server compiles its step shapes
+    (``Engine.warm_up``) and how fast it restarts from the compilation cache, where every step is still traced
+    and lowered to find its cache key."""
+    return functools.partial(jax.jit, static_argnames=(*static, "kernels"))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -278,14 +282,26 @@ def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[np.ndarray, float]:
     return inv_freq.astype(np.float32), scale
 
 
+def mrope_axes(section: tuple[int, ...], num_freqs: int) -> np.ndarray:
+    """Which position axis (0: temporal, 1: height, 2: width) each of ``num_freqs`` rotary frequencies turns with
+    under Qwen3-VL's interleaved multimodal RoPE: ``t, h, w, t, h, w, ...`` while height (``section[1]``) and width
+    (``section[2]``) frequencies last, temporal after. ``[num_freqs]`` int32."""
+    axes = np.zeros(num_freqs, np.int32)
+    for axis in (1, 2):
+        axes[axis:section[axis] * 3:3] = axis
+    return axes
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0,
                interleaved: bool = False) -> jax.Array:
-    """Rotate ``x [N, heads, dim]`` by angles ``positions[n] * inv_freq[i]`` (fp32), cos/sin times ``scale``.
+    """Rotate ``x [N, heads, dim]`` by angles ``positions[n] * inv_freq[i]`` (fp32), cos/sin times ``scale``;
+    ``positions`` ``[N]``, or ``[N, dim/2]`` a position per frequency (multimodal and 2D RoPE).
 
     Halves (``interleaved=False``, HF Llama layout): pair (x[i], x[i + dim/2]); interleaved: pair (x[2i], x[2i+1]).
     Each pair (a, b) -> (a cos - b sin, b cos + a sin).
     """
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [N, dim/2]
+    positions = positions.astype(jnp.float32)
+    angles = (positions[:, None] if positions.ndim == 1 else positions) * jnp.asarray(inv_freq)[None, :]
     cos, sin = (jnp.cos(angles) * scale)[:, None, :], (jnp.sin(angles) * scale)[:, None, :]
     x32 = x.astype(jnp.float32)
     if interleaved:
@@ -356,14 +372,15 @@ def route(logits: jax.Array, cfg: ModelConfig, bias: jax.Array | None = None) ->
 
 
 @_traced_once("cfg")
-def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
-        valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig, valid: jax.Array | None = None, *,
+        kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, jax.Array]:
     """Routed-expert SwiGLU: ``y_n = sum_j w_nj * swiglu_{e_nj}(x_n)`` over each token's top-k experts.
 
     params: ``router [D, E]``, ``gate``/``up [E, D, I]``, ``down [E, I, D]``, optionally ``router_bias [E]``
     (choice-only bias, sigmoid router), ``router_logit_bias [E]`` (added to the router logits, GPT-OSS) and the
     expert biases ``gate_bias``/``up_bias [E, I]``, ``down_bias [E, D]`` (GPT-OSS). x ``[N, D]``; ``valid [N]``
-    marks real tokens (default all). The N*k (token, expert) pairs run through ``expert_outputs``; a padding
+    marks real tokens (default all); ``kernels``: which implementations run (:class:`KernelPolicy`). The N*k
+    (token, expert) pairs run through ``expert_outputs``; a padding
     token's pairs name no expert (id E): they read no weights and give 0, so padding tokens' outputs are 0.
     Returns y ``[N, D]`` and the number of valid tokens routed to each expert ``[E]`` int32.
     """
@@ -374,7 +391,7 @@ def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
     weights, experts = route(logits, cfg, params.get("router_bias"))
     if valid is not None:
         experts = jnp.where(valid[:, None], experts, num_experts)
-    out = expert_outputs(x, params, experts, cfg)  # [N, k, D]
+    out = expert_outputs(x, params, experts, cfg, kernels)  # [N, k, D]
     # The weighted sum as one elementwise-and-reduce fusion (an einsum is a batched dot: a matmul launch of its own).
     y = jnp.sum(out.astype(jnp.float32) * weights[:, :, None], axis=1)
     if "down_bias" in params:
@@ -397,7 +414,8 @@ def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
     return one_hot.sum(axis=0, dtype=jnp.int32)
 
 
-def expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array, cfg: ModelConfig) -> jax.Array:
+def expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array, cfg: ModelConfig,
+                   kernels: KernelPolicy = DEFAULT) -> jax.Array:
     """Each token through each of its experts: x ``[N, D]``, experts ``[N, k]`` (id E: none, that output is 0)
     -> ``[N, k, D]``, the SwiGLU experts of ``moe``'s params (their gate/up biases included, not the down bias).
 
@@ -410,30 +428,33 @@ def expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Arra
     plain = all(isinstance(params[name], jax.Array) and params[name].dtype == x.dtype
                 for name in ("gate", "up", "down")) and x.dtype in attention_kernels.DTYPES
     swiglu_only = "gate_bias" not in params and not cfg.swiglu_limit  # gather_matmul fuses a plain SwiGLU
-    if experts.size > PAIRWISE_MAX_ROWS or not plain or not swiglu_only or kernel_mode() == BATCH_INVARIANT:
-        return _sorted_expert_outputs(x, params, experts, cfg)
-    return _dispatch(_gathered_expert_outputs, functools.partial(_sorted_expert_outputs, cfg=cfg), x, params,
-                     experts)
+    sorted_outputs = functools.partial(_sorted_expert_outputs, cfg=cfg, kernels=kernels)
+    if experts.size > PAIRWISE_MAX_ROWS or not plain or not swiglu_only or kernels.batch_invariant:
+        return sorted_outputs(x, params, experts)
+    return _dispatch(kernels, _experts_use_kernels(kernels),
+                     functools.partial(_gathered_expert_outputs, config=kernels.gather_config), sorted_outputs, x,
+                     params, experts)
 
 
-def _sorted_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array,
-                           cfg: ModelConfig) -> jax.Array:
+def _sorted_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array, cfg: ModelConfig,
+                           kernels: KernelPolicy) -> jax.Array:
     """``expert_outputs`` through the grouped matmuls: the N*k pairs sorted by expert (id E sorts last, past every
     group: zeros), ``expert_swiglu``, and back in pair order."""
     num_tokens, top_k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair indices, grouped by expert
     group_sizes = expert_counts(experts, params["gate"].shape[0])
-    out_sorted = expert_swiglu(x[order // top_k], params, group_sizes, cfg, row_experts=flat[order])  # [N*k, D]
+    out_sorted = expert_swiglu(x[order // top_k], params, group_sizes, cfg, row_experts=flat[order],
+                               kernels=kernels)  # [N*k, D]
     return jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, top_k, -1)
 
 
 def _gathered_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Array, *,
-                             interpret: bool) -> jax.Array:
+                             config: GroupedMatmulConfig, interpret: bool) -> jax.Array:
     """``expert_outputs`` with pair n*k + j (token n, its j-th expert) one row of ``gather_matmul`` (no sort): the
     SwiGLU hidden in one launch (gate and up together), then down."""
     num_tokens, top_k = experts.shape
-    ids, config = experts.reshape(-1), _gather_config.get()
+    ids = experts.reshape(-1)
     hidden = gather_matmul(x, params["gate"], ids, params["up"], repeat=top_k, config=config, interpret=interpret)
     return gather_matmul(hidden, params["down"], ids, config=config,
                          interpret=interpret).reshape(num_tokens, top_k, -1)
@@ -441,12 +462,12 @@ def _gathered_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts
 
 def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: jax.Array, cfg: ModelConfig,
                   matmul: Callable[[jax.Array, LinearWeight, jax.Array], jax.Array] | None = None,
-                  row_experts: jax.Array | None = None) -> jax.Array:
+                  row_experts: jax.Array | None = None, kernels: KernelPolicy = DEFAULT) -> jax.Array:
     """SwiGLU (``gated_linear_unit``) of rows ``[M, D]`` sorted by expert, each through its expert's ``gate``/``up
     [E, D, I]`` (plus ``gate_bias``/``up_bias [E, I]`` of expert ``row_experts [M]`` where params have them) and
     ``down [E, I, D]`` (rows past ``sum(group_sizes)`` come out 0). ``matmul(x, w, group_sizes)`` defaults to
-    :func:`expert_matmul`."""
-    matmul = matmul or expert_matmul
+    :func:`expert_matmul` with policy ``kernels``."""
+    matmul = matmul or functools.partial(expert_matmul, kernels=kernels)
     gate, up = matmul(rows, params["gate"], group_sizes), matmul(rows, params["up"], group_sizes)
     if "gate_bias" in params:
         def bias(name: str) -> jax.Array:  # id E (no expert) adds 0
@@ -455,15 +476,17 @@ def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: ja
     return matmul(gated_linear_unit(gate, up, cfg), params["down"], group_sizes)
 
 
-def expert_matmul(x: jax.Array, w: LinearWeight, group_sizes: jax.Array) -> jax.Array:
+def expert_matmul(x: jax.Array, w: LinearWeight, group_sizes: jax.Array,
+                  kernels: KernelPolicy = DEFAULT) -> jax.Array:
     """Grouped matmul ``x [M, in]`` (rows sorted by expert) times ``w [E, in, out]`` -> ``[M, out]``, row r by its
-    expert's matrix: ``grouped_matmul`` on a GPU for a plain weight of x's dtype, else ``quantization.linear``
-    (``ragged_dot``; quantized weights)."""
+    expert's matrix: ``grouped_matmul`` for a plain weight of x's dtype where ``kernels`` runs the expert kernels,
+    else ``quantization.linear`` (``ragged_dot``; quantized weights)."""
     plain = isinstance(w, jax.Array) and w.dtype == x.dtype and x.dtype in attention_kernels.DTYPES
     if not plain:
         return linear(x, w, group_sizes=group_sizes)
-    config = INVARIANT_GROUPED_CONFIG if kernel_mode() == BATCH_INVARIANT else None
-    return _dispatch(lambda x, w, g, interpret: grouped_matmul(x, w, g, config=config, interpret=interpret),
+    config = INVARIANT_GROUPED_CONFIG if kernels.batch_invariant else None
+    return _dispatch(kernels, _experts_use_kernels(kernels),
+                     lambda x, w, g, interpret: grouped_matmul(x, w, g, config=config, interpret=interpret),
                      lambda x, w, g: linear(x, w, group_sizes=g), x, w, group_sizes)
 
 
@@ -503,37 +526,52 @@ def _invariant_paged(batch: AttentionBatch, page_size: int,
     return tables, _causal_lengths(batch), dataclasses.replace(config, num_splits=width // split_pages)
 
 
-def _paged_attention_kernels(q, k_pages, v_pages, batch, sinks, scale, window, *, interpret):
+def _paged_attention_kernels(q, k_pages, v_pages, batch, sinks, scale, window, kernels, *, interpret):
     """The kernel path of ``paged_attention`` (module docstring): paged rows where ``kv_lens > 0``, else packed;
     all paged in batch-invariant mode and within ``paged_only``. Both kernels take the window and the sinks."""
-    if kernel_mode() == BATCH_INVARIANT:
+    if kernels.batch_invariant:
         tables, lengths, config = _invariant_paged(batch, k_pages.shape[1], paged_kernels.PagedConfig())
-        return paged_kernels.paged_attention(q, k_pages, v_pages, tables, lengths, scale=scale, config=config,
-                                             interpret=interpret)
-    if _paged_only.get():
-        return paged_kernels.paged_attention(q, k_pages, v_pages, _token_tables(batch), _causal_lengths(batch),
-                                             scale=scale, window=window, sinks=sinks, interpret=interpret)
-    paged = paged_kernels.paged_attention(q, k_pages, v_pages, _token_tables(batch), batch.kv_lens, scale=scale,
-                                          window=window, sinks=sinks, interpret=interpret)
-    packed = attention_kernels.flash_attention(q, _new_rows(k_pages, batch), _new_rows(v_pages, batch),
-                                               batch.chunk_starts, scale=scale, window=window, sinks=sinks,
-                                               interpret=interpret)
-    return jnp.where((batch.kv_lens > 0)[:, None, None], paged, packed)
+        return attention_ops.paged_attention(q, k_pages, v_pages, tables, lengths, scale=scale,
+                                             implementation="triton", config=config, interpret=interpret)
+    paged = functools.partial(attention_ops.paged_attention, q, k_pages, v_pages, _token_tables(batch), scale=scale,
+                              window=window, sinks=sinks, implementation=kernels.paged_attention,
+                              interpret=interpret)
+    if kernels.paged_only:
+        return paged(_causal_lengths(batch))
+    packed = attention_ops.flash_attention(q, _new_rows(k_pages, batch), _new_rows(v_pages, batch),
+                                           batch.chunk_starts, scale=scale, window=window, sinks=sinks,
+                                           implementation=kernels.flash_attention, interpret=interpret)
+    return jnp.where((batch.kv_lens > 0)[:, None, None], paged(batch.kv_lens), packed)
+
+
+def _attention_uses_kernels(kernels: KernelPolicy, paged: attention_ops.Choice,
+                            packed: Callable[[], attention_ops.Choice]) -> bool:
+    """Whether the attention of a step takes the kernel path: the paged op's choice ``paged`` or (unless
+    ``paged_only``) the packed prefill's, ``packed()``, is a Pallas kernel."""
+    return paged.implementation != "xla" or (not kernels.paged_only and packed().implementation != "xla")
 
 
 @_traced_once("scale", "window")
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: AttentionBatch,
-                    scale: float, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
+                    scale: float, window: int = 0, sinks: jax.Array | None = None, *,
+                    kernels: KernelPolicy = DEFAULT) -> jax.Array:
     """Causal attention of N new tokens over their sequences' paged cache: ``paged_attention_reference``'s
-    result, through the Pallas kernels on a GPU (module docstring), within a sliding ``window`` (static, from the
-    model config; 0: none) and with ``sinks [H]`` (a weight; None: none), which both kernels take: each skips the
-    key blocks wholly before a token's window."""
-    if kernel_mode() == BATCH_INVARIANT and (window or sinks is not None):
+    result, through the implementations ``kernels`` picks (module docstring), within a sliding ``window`` (static,
+    from the model config; 0: none) and with ``sinks [H]`` (a weight; None: none), which both kernels take: each
+    skips the key blocks wholly before a token's window."""
+    if kernels.batch_invariant and (window or sinks is not None):
         raise ValueError(f"batch-invariant mode: a sliding window (window={window}) or attention sinks (given: "
                          f"{sinks is not None}) would split a context by its window, not at fixed positions: "
                          "expected neither")
     supported = _kernel_shapes_ok(q, k_pages, q.shape[-1], v_pages.shape[-1]) and v_pages.dtype == q.dtype
-    return _dispatch(functools.partial(_paged_attention_kernels, scale=scale, window=window),
+    use_kernels = supported and not kernels.batch_invariant and _attention_uses_kernels(
+        kernels, attention_ops.choose_paged_attention(q, k_pages, v_pages, implementation=kernels.paged_attention,
+                                                      interpret=kernels.interpret),
+        lambda: attention_ops.choose_flash_attention(q, k_pages, v_pages, window=window, sinks=sinks,
+                                                     implementation=kernels.flash_attention,
+                                                     interpret=kernels.interpret))
+    return _dispatch(kernels, use_kernels,
+                     functools.partial(_paged_attention_kernels, scale=scale, window=window, kernels=kernels),
                      lambda q, k, v, b, sinks: paged_attention_reference(q, k, v, b, scale, window, sinks),
                      q, k_pages, v_pages, batch, sinks, supported=supported)
 
@@ -575,36 +613,44 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     return out.reshape(num_tokens, heads, -1).astype(q.dtype)
 
 
-def _paged_mla_attention_kernels(q_latent, q_rope, latent_pages, batch, scale, *, interpret):
+def _paged_mla_attention_kernels(q_latent, q_rope, latent_pages, batch, scale, kernels, *, interpret):
     """The kernel path of ``paged_mla_attention``: as ``_paged_attention_kernels``, one kv head of width R + P."""
-    if kernel_mode() == BATCH_INVARIANT:
+    if kernels.batch_invariant:
         tables, lengths, config = _invariant_paged(batch, latent_pages.shape[1], paged_kernels.MLA_CONFIG)
-        return paged_kernels.paged_mla_attention(q_latent, q_rope, latent_pages, tables, lengths, scale=scale,
-                                                 config=config, interpret=interpret)
-    if _paged_only.get():
-        return paged_kernels.paged_mla_attention(q_latent, q_rope, latent_pages, _token_tables(batch),
-                                                 _causal_lengths(batch), scale=scale, interpret=interpret)
+        return attention_ops.paged_mla_attention(q_latent, q_rope, latent_pages, tables, lengths, scale=scale,
+                                                 implementation="triton", config=config, interpret=interpret)
+    paged = functools.partial(attention_ops.paged_mla_attention, q_latent, q_rope, latent_pages, _token_tables(batch),
+                              scale=scale, implementation=kernels.paged_mla_attention, interpret=interpret)
+    if kernels.paged_only:
+        return paged(_causal_lengths(batch))
     rank = q_latent.shape[-1]
-    paged = paged_kernels.paged_mla_attention(q_latent, q_rope, latent_pages, _token_tables(batch), batch.kv_lens,
-                                              scale=scale, interpret=interpret)
     latent = _new_rows(latent_pages, batch)[:, None, :]  # [N, 1, R + P]
-    packed = attention_kernels.flash_attention(jnp.concatenate([q_latent, q_rope], axis=-1), latent,
-                                               latent[..., :rank], batch.chunk_starts, scale=scale,
-                                               config=MLA_FLASH_CONFIG, interpret=interpret)
-    return jnp.where((batch.kv_lens > 0)[:, None, None], paged, packed)
+    packed = attention_ops.flash_attention(jnp.concatenate([q_latent, q_rope], axis=-1), latent, latent[..., :rank],
+                                           batch.chunk_starts, scale=scale, implementation=kernels.flash_attention,
+                                           triton_config=MLA_FLASH_CONFIG, interpret=interpret)
+    return jnp.where((batch.kv_lens > 0)[:, None, None], paged(batch.kv_lens), packed)
 
 
 @_traced_once("scale")
 def paged_mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array, batch: AttentionBatch,
-                        scale: float) -> jax.Array:
+                        scale: float, *, kernels: KernelPolicy = DEFAULT) -> jax.Array:
     """Absorbed multi-head latent attention of N new tokens over their sequences' latent cache: the math of
-    ``paged_mla_attention_reference``, through the Pallas kernels on a GPU (module docstring)."""
+    ``paged_mla_attention_reference``, through the implementations ``kernels`` picks (module docstring)."""
     rank, rope = q_latent.shape[-1], q_rope.shape[-1]
     if latent_pages.shape[-1] != rank + rope:
         raise ValueError(f"paged_mla_attention: latent_pages {latent_pages.shape}: expected last dim R + P = "
                          f"{rank} + {rope}")
     supported = _kernel_shapes_ok(q_latent, latent_pages, rank, rope) and q_rope.dtype == q_latent.dtype
-    return _dispatch(functools.partial(_paged_mla_attention_kernels, scale=scale),
+    use_kernels = supported and not kernels.batch_invariant and _attention_uses_kernels(
+        kernels, attention_ops.choose_paged_mla_attention(q_latent, q_rope, latent_pages,
+                                                          implementation=kernels.paged_mla_attention,
+                                                          interpret=kernels.interpret),
+        lambda: attention_ops.choose_flash_attention(
+            jax.ShapeDtypeStruct((*q_latent.shape[:-1], rank + rope), q_latent.dtype), latent_pages,
+            jax.ShapeDtypeStruct((*latent_pages.shape[:-1], rank), latent_pages.dtype),
+            implementation=kernels.flash_attention, triton_config=MLA_FLASH_CONFIG, interpret=kernels.interpret))
+    return _dispatch(kernels, use_kernels,
+                     functools.partial(_paged_mla_attention_kernels, scale=scale, kernels=kernels),
                      functools.partial(paged_mla_attention_reference, scale=scale),
                      q_latent, q_rope, latent_pages, batch, supported=supported)
 

@@ -124,14 +124,15 @@ def cache_spec(cfg: ModelConfig) -> P:
     return P() if cfg.is_mla else P(None, None, TENSOR, None)
 
 
-def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig,
-        valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def moe(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig, valid: jax.Array | None = None,
+        kernels: layers.KernelPolicy = layers.DEFAULT) -> tuple[jax.Array, jax.Array]:
     """The MoE layer the models call: ``moe_expert_parallel`` over the ``jax.set_mesh`` mesh when it has an
-    ``"expert"`` axis, else ``layers.moe``. Same arguments and results as ``layers.moe``."""
+    ``"expert"`` axis (its local experts run ``ragged_dot``), else ``layers.moe`` with policy ``kernels``. Same
+    arguments and results as ``layers.moe``."""
     mesh = jax.sharding.get_abstract_mesh()
     if EXPERT in mesh.axis_names:
         return moe_expert_parallel(x, params, cfg, valid, mesh)
-    return layers.moe(x, params, cfg, valid)
+    return layers.moe(x, params, cfg, valid, kernels=kernels)
 
 
 def moe_expert_parallel(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig, valid: jax.Array | None,

@@ -11,27 +11,27 @@
   the engine cores it spawns: the engines turn it on by default, and then every compile of a test process would be
   serialized to disk, which costs time and, for one sharded CPU executable in a clean-clone run, crashed the
   worker inside XLA's ``serialize``. The test of the cache itself runs its processes with it on.
-* XLA compiles one at a time in each test process (a lock around JAX's ``backend_compile_and_load``): XLA:CPU in
-  jaxlib 0.11.2 segfaulted in a suite run with two threads compiling at once (the engine's warm-up pool; an
-  in-process server's engine thread compiles beside the test's own thread too). The engine compiles serially on
-  a CPU itself (``Engine.warm_up``); this covers every other thread a test starts.
+* every module's compiled executables released when it ends (``jax.clear_caches()`` then a collection): XLA:CPU
+  maps each executable's code into memory (~20 mappings each), and a worker that kept all of a suite's executables
+  passed Linux's limit of 65530 mappings per process (``vm.max_map_count``) late in the run; the next compile or
+  serialize then segfaulted inside XLA.
 * the tests/ root on ``sys.path``, so every folder imports the shared helpers as ``helpers.<module>``.
 * the marker ``needs_devices(n, backend=None)``: the test skips, saying why, when ``jax.device_count(backend) < n``
   (a GPU machine with fewer chips, or an ``XLA_FLAGS`` with a smaller count).
 """
 
+import gc
 import os
 import shutil
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
 
 HOST_DEVICES = 8
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-COMPILATION_CACHE = "jax-compilation"  # serving.engine.engine.COMPILATION_CACHE (not imported: jax must wait)
+COMPILATION_CACHE = "jax-compilation"  # serving.llm_engine.COMPILATION_CACHE (not imported: jax must wait)
 
 if DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DEVICE_COUNT_FLAG}={HOST_DEVICES}".strip()
@@ -55,20 +55,6 @@ if _OWN_CACHE is not None:
     os.environ["APEX_JAX_CACHE"] = str(_OWN_CACHE)
 
 
-def _compile_one_at_a_time() -> None:
-    from jax._src import compiler
-
-    compile_and_load, lock = compiler.backend_compile_and_load, threading.Lock()
-
-    def serialized(*args, **kwargs):
-        with lock:
-            return compile_and_load(*args, **kwargs)
-
-    compiler.backend_compile_and_load = serialized
-
-
-_compile_one_at_a_time()
-
 TESTS = str(Path(__file__).resolve().parent)
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
@@ -88,3 +74,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(f"needs {needed} {backend or 'default-backend'} devices, has {have}; on a CPU "
                         f"{DEVICE_COUNT_FLAG}={needed} in XLA_FLAGS (tests/conftest.py sets {HOST_DEVICES} unless "
                         f"XLA_FLAGS names a count: XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+    """After each module (and its own module fixtures, set up after this one), drop JAX's caches of compiled
+    executables and collect them: their code mappings go back to the process (module docstring)."""
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+        gc.collect()

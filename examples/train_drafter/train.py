@@ -49,11 +49,11 @@ from apex_jax import apexw
 from examples.train_drafter.prompts import chat_prompts
 from serving import layers
 from serving.config import ModelConfig
-from serving.engine.engine import DTYPES, Engine, Prompt
 from serving.engine.runner import ModelRunner
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import SamplingParams
 from serving.kv_cache import AttentionBatch, PagedKV, SeqChunk
+from serving.llm_engine import DTYPES, Engine, Prompt
 from serving.models import llama, model_module
 from serving.spec_decode import BlockDrafter, SpecConfig, block_model
 from serving.spec_decode.block_model import BlockDrafterConfig
@@ -68,6 +68,8 @@ GENERATION_TOKEN_BUDGET = 1024
 MAX_SEQS_PER_PASS = 256  # sequences packed into one teacher-forced pass at most
 MIN_TRAIN_SHARE = 0.1  # of the time budget, for training however long the data took
 FINAL_LR_SHARE = 0.1  # the cosine schedule ends at this share of the peak learning rate
+
+PAGED_ONLY = layers.KernelPolicy(paged_only=True)  # decode tokens only: the paged kernel for every token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +158,8 @@ def _decode_loop(params: dict, kv: Any, first: jax.Array, positions: jax.Array, 
         slots = tables[rows, pos // block_size] * block_size + pos % block_size
         # every token a sequence of its own that reads its keys from the pages (kv_lens = context = pos + 1)
         batch = AttentionBatch(pos, rows, slots, tables, pos + 1, pos + 1, jnp.arange(rows.size + 1, dtype=jnp.int32))
-        with layers.paged_only():  # decode tokens only: no packed flash attention
-            logits, kv, _ = forward(params, cfg, token, batch, kv)
+        # decode tokens only: every token through the paged kernel, no packed flash attention
+        logits, kv, _ = forward(params, cfg, token, batch, kv, kernels=PAGED_ONLY)
         token = (jnp.argmax(logits, axis=-1) if temperature == 0 else
                  jax.random.categorical(jax.random.fold_in(key, i), logits / temperature)).astype(jnp.int32)
         return kv, token, out.at[:, i].set(token)

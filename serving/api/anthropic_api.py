@@ -12,6 +12,9 @@ tools. With tools offered, a streamed answer sends its text as it comes (text bl
 whole (a tool_use block with its input as one input_json_delta). An answer with calls that ``max_tokens`` cut
 keeps the calls it completed, with stop_reason "max_tokens".
 
+Images: ``image`` blocks with a base64 ``source`` (``serving.api.images``) for a vision-language model; the chat
+template gets such a message as ``{"type": "image"}`` and ``{"type": "text", "text"}`` parts and writes each
+image's placeholder.
 Structured output: ``output_config.format`` (or the beta's ``output_format``) ``{"type": "json_schema",
 "schema"}`` constrains the text to the schema (``serving.structured``). ``POST /v1/messages/count_tokens`` counts
 the prompt a request would make.
@@ -34,7 +37,9 @@ from serving.api import tools as tool_calls
 from serving.api.async_engine import RequestStream
 from serving.api.errors import APIError
 from serving.api.frontend import Frontend, StrictModel
-from serving.engine.engine import Completion
+from serving.api.images import ImageCollector, ImageOptions
+from serving.images import ImageInput
+from serving.llm_engine import Completion
 from serving.structured import ConstraintSpec, InvalidConstraintError, compile_constraint
 
 MAX_STOP_SEQUENCES = 16
@@ -60,19 +65,24 @@ class ToolResultBlock(StrictModel):
     is_error: bool = False
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, pydantic.Field(discriminator="type")]
-BLOCK_TYPES = ("text", "tool_use", "tool_result")
+class ImageBlock(StrictModel):
+    type: Literal["image"]
+    source: dict[str, Any]  # {"type": "base64", "media_type", "data"} (serving.api.images)
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ImageBlock, pydantic.Field(discriminator="type")]
+BLOCK_TYPES = ("text", "tool_use", "tool_result", "image")
 
 
 def _readable_blocks(content: Any) -> Any:
-    """``content`` unchanged if every block is one this text-only model reads; a ValueError naming the first
-    other block type (image, document, thinking, ...) so that the 400 says what is not supported."""
+    """``content`` unchanged if every block is of a type this server reads; a ValueError naming the first other
+    block type (document, thinking, ...) so that the 400 says what is not supported."""
     if isinstance(content, list):
         for block in content:
             kind = block.get("type") if isinstance(block, dict) else None
             if isinstance(kind, str) and kind not in BLOCK_TYPES:
-                raise ValueError(f"content blocks of type {kind!r} are not supported: this model reads text only "
-                                 f"(expected one of {BLOCK_TYPES})")
+                raise ValueError(f"content blocks of type {kind!r} are not supported (expected one of "
+                                 f"{BLOCK_TYPES})")
             if kind == "tool_result":
                 _readable_blocks(block.get("content"))
     return content
@@ -134,30 +144,43 @@ def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "".join(block.text for block in content)
 
 
-def chat_messages(body: PromptRequest) -> list[dict[str, str]]:
+def _content(parts: list[dict[str, str]]) -> str | list[dict[str, str]]:
+    """A message's parts as the chat template takes them: one string when all are text, else the parts."""
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def chat_messages(body: PromptRequest, images: ImageCollector | None = None) -> list[dict[str, Any]]:
     """The conversation as chat-template messages: the system prompt first, ``tool_use`` blocks written into
-    the assistant's text as calls, each ``tool_result`` block a ``tool`` message of its own."""
+    the assistant's text as calls, each ``tool_result`` block a ``tool`` message of its own, ``image`` blocks as
+    image parts (their images collected into ``images``; None: image blocks refused)."""
+    images = images or ImageCollector(ImageOptions(), None, body.model)
     messages = [] if body.system is None else [{"role": "system", "content": _text(body.system)}]
     for i, m in enumerate(body.messages):
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
-        text = None  # the message's text since its last tool result
+        parts = None  # the message's parts since its last tool result
         for j, block in enumerate(blocks):
+            where = f"messages.{i}.content.{j}"
             expected = {"tool_use": "assistant", "tool_result": "user"}.get(block.type, m.role)
             if m.role != expected:
-                raise APIError(400, f"messages.{i}.content.{j}: {block.type} blocks go in {expected} messages, "
-                               f"got one in a {m.role} message", f"messages.{i}.content.{j}")
+                raise APIError(400, f"{where}: {block.type} blocks go in {expected} messages, got one in a {m.role} "
+                               "message", where)
             if isinstance(block, ToolResultBlock):
-                if text is not None:
-                    messages.append({"role": m.role, "content": text})
-                    text = None
+                if parts is not None:
+                    messages.append({"role": m.role, "content": _content(parts)})
+                    parts = None
                 result = _text(block.content)
                 messages.append({"role": "tool", "content": TOOL_ERROR_PREFIX + result if block.is_error else result})
             elif isinstance(block, ToolUseBlock):
-                text = (text or "") + tool_calls.tool_call_text(block.name, block.input)
+                parts = (parts or []) + [{"type": "text", "text": tool_calls.tool_call_text(block.name, block.input)}]
+            elif isinstance(block, ImageBlock):
+                images.anthropic_source(block.source, where)
+                parts = (parts or []) + [{"type": "image"}]
             else:
-                text = (text or "") + block.text
-        if text is not None or not blocks:
-            messages.append({"role": m.role, "content": text or ""})
+                parts = (parts or []) + [{"type": "text", "text": block.text}]
+        if parts is not None or not blocks:
+            messages.append({"role": m.role, "content": _content(parts or [])})
     return messages
 
 
@@ -220,9 +243,10 @@ class AnthropicRoutes:
             raise APIError(400, f"{field}: {e}", field) from None
         return spec
 
-    def _prompt(self, body: PromptRequest) -> tuple[list[int], set[str] | None, list[dict[str, Any]] | None, bool]:
-        """(prompt ids, the tool names a call may use or None, the tools a forced choice calls or None, whether
-        parallel calls are allowed)."""
+    def _prompt(self, body: PromptRequest
+                ) -> tuple[list[int], set[str] | None, list[dict[str, Any]] | None, bool, list[ImageInput]]:
+        """(prompt ids with the images' placeholders expanded, the tool names a call may use or None, the tools a
+        forced choice calls or None, whether parallel calls are allowed, the images in prompt order)."""
         if self.engine.tokenizer is None or self.engine.tokenizer.chat_template is None:
             raise APIError(400, "this model has no chat template")
         choice = body.tool_choice or ToolChoice(type="auto")
@@ -230,11 +254,13 @@ class AnthropicRoutes:
             raise APIError(400, "tool_choice of type 'tool' needs the tool's name", "tool_choice.name")
         mode = {"auto": "auto", "none": "none", "any": "required", "tool": "required"}[choice.type]
         offered = [t.model_dump(exclude_none=True) for t in body.tools or []]
-        messages, allowed, forced = tool_calls.offer_tools(chat_messages(body), offered, mode,
+        images = self.frontend.image_collector()
+        messages, allowed, forced = tool_calls.offer_tools(chat_messages(body, images), offered, mode,
                                                            choice.name if choice.type == "tool" else None)
         disable = choice.disable_parallel_tool_use
         parallel = disable is False if choice.type == "tool" else not disable
-        return self.frontend.encode(messages), allowed, forced, parallel
+        prompt_ids = self.frontend.place_images(self.frontend.encode(messages), images.images)
+        return prompt_ids, allowed, forced, parallel, images.images
 
     async def count_tokens(self, request: Request) -> Response:
         """``{"input_tokens": n}``: the prompt's length as ``/v1/messages`` would build it (tools included)."""
@@ -248,11 +274,11 @@ class AnthropicRoutes:
         f.check_room()
         body = await f.parse(request, MessagesRequest)
         f.check_model(body.model)
-        prompt_ids, allowed, forced, parallel = self._prompt(body)
+        prompt_ids, allowed, forced, parallel, images = self._prompt(body)
         params = f.sampling_params(prompt_ids, body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                    top_k=body.top_k, stop=body.stop_sequences,
                                    constraint=self._constraint(body, forced, parallel))
-        stream = f.submit(prompt_ids, params, "msg_")
+        stream = f.submit(prompt_ids, params, "msg_", images=images)
         stops = body.stop_sequences or []
         if body.stream:
             return f.sse(request, stream, self._events(stream, body.model, len(prompt_ids), stops, allowed))

@@ -22,8 +22,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from serving.api.engine_client import OK, Admission, EngineStats, EngineUnavailableError, OnStep
-from serving.engine.engine import Engine, RequestResult, StepError, StepOutput
 from serving.engine.sampling_params import SamplingParams
+from serving.images import ImageInput
+from serving.llm_engine import Engine, RequestResult, StepError, StepOutput
 
 STOP_TIMEOUT_S = 30.0  # how long ``stop`` waits for a step in progress to end
 
@@ -78,6 +79,7 @@ class _Submit:
     params: SamplingParams
     stream: RequestStream
     cache_salt: str | None
+    images: list[ImageInput] | None = None
 
 
 class AsyncEngine:
@@ -127,14 +129,15 @@ class AsyncEngine:
             self._thread.join(STOP_TIMEOUT_S)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str = "req-",
-               cache_salt: str | None = None) -> RequestStream:
+               cache_salt: str | None = None, images: list[ImageInput] | None = None) -> RequestStream:
         """Queue a request (call on the event loop); ``EngineFullError`` at once when there is no room.
-        ``cache_salt``: the prefix cache shares blocks only among requests with the same salt."""
+        ``cache_salt``: the prefix cache shares blocks only among requests with the same salt; ``images``: the
+        prompt's preprocessed images (``Engine.add_request``)."""
         if not self.is_alive():
             raise EngineUnavailableError("the engine thread is not running")
         self._admission.admit(params.n)
         stream = RequestStream(f"{prefix}{uuid.uuid4().hex}", params.n, asyncio.get_running_loop())
-        self._commands.put(_Submit(prompt_ids, params, stream, cache_salt))
+        self._commands.put(_Submit(prompt_ids, params, stream, cache_salt, images))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -155,7 +158,8 @@ class AsyncEngine:
             return
         stream = command.stream
         try:
-            self.engine.add_request(command.prompt_ids, command.params, stream.request_id, command.cache_salt)
+            self.engine.add_request(command.prompt_ids, command.params, stream.request_id, command.cache_salt,
+                                    command.images or ())
         except Exception as e:  # refused (ValueError, EngineFullError) or worse: only this request fails
             self._admission.release(stream.n)
             stream.put(e)

@@ -24,7 +24,7 @@ shape, not of answers): ``--model`` names the config file or the folder holding 
 family's ``init_params`` (seed ``engine_spec.RANDOM_WEIGHTS_SEED``) in ``--dtype``, and a ``tokenizer.json``
 beside the config is used when there is one (without it, prompts must be token ids on ``/v1/completions``).
 
-Defaults are the engine's (``serving.engine.engine``): ``--dtype auto`` (bfloat16 on a GPU, float32 on the CPU),
+Defaults are the engine's (``serving.llm_engine``): ``--dtype auto`` (bfloat16 on a GPU, float32 on the CPU),
 ``--decode-steps`` by backend (``DECODE_STEPS``), ``--prefill-chunk`` half the token budget, and JAX's persistent
 compilation cache in ``jax-compilation`` under ``$APEX_JAX_CACHE`` (default ``~/.cache/apex-jax``).
 
@@ -41,9 +41,10 @@ from pathlib import Path
 import jax
 
 from serving.api.engine_spec import DEFAULT_MODEL, DTYPES, EngineSpec
+from serving.api.images import ImageOptions
 from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, check_bind
 from serving.api.server import Server, create_app, serve
-from serving.engine.engine import Engine
+from serving.llm_engine import Engine
 from serving.spec_decode import SPECULATIVE_METHODS
 
 API_KEY_ENV = "SERVING_API_KEY"
@@ -76,8 +77,10 @@ def serve_command(args: argparse.Namespace) -> str:
     if not args.in_process:  # the engine core process owns the devices: this one must not take any
         jax.config.update("jax_platforms", "cpu")
     models_root = Path(args.models_root) if args.models_root else None
+    images = ImageOptions(max_images=args.max_images, max_bytes=args.max_image_bytes,
+                          allow_remote=args.allow_remote_images)
     app = create_app(spec.build() if args.in_process else spec, name, model_path=path, models_root=models_root,
-                     api_key=api_key, max_body_bytes=args.max_body_bytes)
+                     api_key=api_key, max_body_bytes=args.max_body_bytes, image_options=images)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (API key {'required' if api_key else 'off'})")
     serve(app, args.host, args.port, api_key, args.log_level)
     return "server stopped"
@@ -164,10 +167,16 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--persist-disk-cache", action="store_true",
                         help="at stop, write the GPU's cached blocks to --disk-cache too, for the next start")
     parser.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),
-                        help="speculative decoding: n-gram prompt lookup, or a block drafter (--drafter)")
+                        help="speculative decoding: n-gram prompt lookup, suffix drafting (own context and recent "
+                        "outputs), or a block drafter (--drafter); a request may name another with its "
+                        "'speculative' field ('ngram', 'suffix', 'off'). Draft lengths adapt to measured "
+                        "acceptance and load")
     parser.add_argument("--drafter", default=None, help="block drafter checkpoint (python -m examples.train_drafter)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="draft tokens per step (default: 4 for ngram, the drafter's trained block for block)")
+                        help="draft tokens per step (default: 4 for ngram, 8 for suffix, the drafter's trained "
+                        "block for block)")
+    parser.add_argument("--static-speculation", action="store_true",
+                        help="draft --num-speculative-tokens every step instead of adapting to acceptance and load")
     parallel = parser.add_argument_group(
         "parallelism", "a data x tensor x expert mesh over every device of this host: the product of the three must "
         "equal their number (all 1: one device). One host only (serving.sharding; a multi-host mesh, through "
@@ -190,6 +199,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     s.add_argument("--models-root", default=None, help="folder under which clients may name the model by path")
     s.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch http(s) image URLs of requests (default: refused with a 400; the server makes no "
+                        "outbound requests)")
+    s.add_argument("--max-images", type=int, default=ImageOptions.max_images, help="images per request; more: 413")
+    s.add_argument("--max-image-bytes", type=int, default=ImageOptions.max_bytes,
+                   help="encoded bytes per image; more: 413 (base64 images also count against --max-body-bytes)")
     s.add_argument("--in-process", action="store_true",
                    help="run the engine on a thread of the server's process (default: an engine core process of "
                         "its own, so HTTP, tokenization and JSON do not share a GIL with the scheduler)")

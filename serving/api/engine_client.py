@@ -19,9 +19,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from serving.engine.engine import Engine, EngineFullError, StepOutput
 from serving.engine.kv_tiers import TierStats
 from serving.engine.sampling_params import SamplingParams
+from serving.images import ImageInput
+from serving.llm_engine import Engine, EngineFullError, StepOutput
 from serving.spec_decode import SpecStats
 
 OK = "ok"  # the status of a client that serves
@@ -107,6 +108,6 @@ class EngineClient(Protocol):
     def stats(self, experts: bool = True) -> EngineStats: ...
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str = "req-",
-               cache_salt: str | None = None) -> Any: ...
+               cache_salt: str | None = None, images: list[ImageInput] | None = None) -> Any: ...
 
     def abort(self, request_id: str) -> None: ...

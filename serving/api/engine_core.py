@@ -26,8 +26,8 @@ import zmq
 from serving.api import ipc
 from serving.api.engine_client import EngineStats
 from serving.api.engine_spec import EngineSpec
-from serving.engine.engine import Engine, StepError
 from serving.engine.sampling_params import SamplingParams
+from serving.llm_engine import Engine, StepError
 
 EXPERT_STATS_S = 0.5  # the [layers, experts] counts ride on a step event at most this often (and when idle)
 PARENT_GONE_EXIT = 3  # the exit code of a core whose server process died
@@ -39,6 +39,7 @@ def model_info(engine: Engine) -> dict:
     tokenizer = engine.tokenizer
     return {"cfg": ipc.plain(dataclasses.asdict(engine.cfg)), "eos_ids": list(engine.eos_ids),
             "max_model_len": engine.max_model_len,
+            "image_processor": None if engine.image_processor is None else dataclasses.asdict(engine.image_processor),
             "tokenizer": None if tokenizer is None else {
                 "json": tokenizer.hf.to_str(), "chat_template": tokenizer.chat_template,
                 "special_tokens": tokenizer.special_tokens, "eos_token_ids": list(tokenizer.eos_token_ids)}}
@@ -129,10 +130,10 @@ class EngineCore:
                 self.engine.abort(request_id)
             event["aborted"].append(request_id)
             return
-        _, request_id, prompt_ids, params, cache_salt = command
+        _, request_id, prompt_ids, params, cache_salt, images = command
         try:
             params = ipc.params_from_wire(params)
-            self.engine.add_request(prompt_ids, params, request_id, cache_salt)
+            self.engine.add_request(prompt_ids, params, request_id, cache_salt, ipc.images_from_wire(images))
         except Exception as e:  # refused (ValueError, EngineFullError) or worse: only this request fails
             kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
             event["refused"].append([request_id, kind, str(e)])

@@ -23,15 +23,16 @@ from jax.sharding import Mesh
 
 from serving import sharding
 from serving.config import ModelConfig
-from serving.engine.engine import DTYPES as ENGINE_DTYPES
-from serving.engine.engine import Engine, resolve_dtype
-from serving.loaders.model import LoadedModel, eos_from_folder
+from serving.images import PROCESSOR_FILE
+from serving.llm_engine import DTYPES as ENGINE_DTYPES
+from serving.llm_engine import Engine, resolve_dtype
+from serving.loaders.model import LoadedModel, eos_from_folder, image_processor_from_folder
 from serving.models import model_module
 from serving.spec_decode import SpecConfig
 from serving.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct
-DTYPES = ("auto", *ENGINE_DTYPES)  # names Engine takes (serving.engine.engine.resolve_dtype)
+DTYPES = ("auto", *ENGINE_DTYPES)  # names Engine takes (serving.llm_engine.resolve_dtype)
 RANDOM_WEIGHTS_SEED = 0  # random weights: the same on every run, so runs compare
 
 
@@ -49,10 +50,11 @@ class EngineSpec:
     token_budget: int = 512
     max_model_len: int | None = None
     batch_invariant: bool = False
-    decode_steps: int | None = None  # None: by backend (serving.engine.engine.DECODE_STEPS)
+    decode_steps: int | None = None  # None: by backend (serving.llm_engine.DECODE_STEPS)
     speculative: str | None = None  # a method of serving.spec_decode.SPECULATIVE_METHODS
     drafter: str | None = None  # the block drafter's checkpoint
     num_speculative_tokens: int | None = None
+    static_speculation: bool = False  # draft k tokens every step (False: the adaptive policy chooses, or none)
     data_parallel: int = 1
     tensor_parallel: int = 1
     expert_parallel: int = 1
@@ -70,8 +72,9 @@ class EngineSpec:
                              f"disk tier sits under the host tier), got {self.host_cache_gb}")
         if self.persist_disk_cache and self.disk_cache is None:
             raise ValueError("--persist-disk-cache needs --disk-cache DIR")
-        if self.speculative is None and (self.drafter or self.num_speculative_tokens):
-            raise ValueError("--drafter and --num-speculative-tokens need --speculative (ngram or block)")
+        if self.speculative is None and (self.drafter or self.num_speculative_tokens or self.static_speculation):
+            raise ValueError("--drafter, --num-speculative-tokens and --static-speculation need --speculative "
+                             "(ngram, suffix or block)")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -112,7 +115,8 @@ class EngineSpec:
                        batch_invariant=self.batch_invariant, mesh=self._mesh(), decode_steps=self.decode_steps,
                        prefill_chunk=self.prefill_chunk, compilation_cache=self.compilation_cache,
                        host_cache_gb=self.host_cache_gb or None, disk_cache_dir=self.disk_cache,
-                       speculative=SpecConfig.from_method(self.speculative, self.drafter, self.num_speculative_tokens)
+                       speculative=SpecConfig.from_method(self.speculative, self.drafter, self.num_speculative_tokens,
+                                                          adaptive=not self.static_speculation)
                        if self.speculative else None)
         _, path = self.served_name()
         if self.random_weights:
@@ -163,4 +167,5 @@ def _load_random(config: Path, dtype: jnp.dtype) -> LoadedModel:
     params = model_module(cfg.family).init_params(cfg, jax.random.key(RANDOM_WEIGHTS_SEED), dtype)
     folder = config.parent
     tokenizer = Tokenizer.from_hf_folder(folder) if (folder / "tokenizer.json").is_file() else None
-    return LoadedModel(cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else eos_from_folder(folder))
+    return LoadedModel(cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else eos_from_folder(folder),
+                       image_processor_from_folder(cfg, folder) if (folder / PROCESSOR_FILE).is_file() else None)

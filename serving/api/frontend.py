@@ -21,10 +21,12 @@ from starlette.responses import StreamingResponse
 from serving.api.async_engine import RequestStream
 from serving.api.engine_client import OK, EngineClient, EngineUnavailableError
 from serving.api.errors import APIError, overloaded, sse_error
+from serving.api.images import ImageCollector, ImageOptions
 from serving.api.metrics import Metrics
 from serving.api.security import resolve_model_path
-from serving.engine.engine import EngineFullError, RequestResult, StepError
 from serving.engine.sampling_params import SamplingParams
+from serving.images import ImageInput, expand_placeholders
+from serving.llm_engine import EngineFullError, RequestResult, StepError
 
 DISCONNECT_POLL_S = 0.05  # how often a non-streaming request checks that its client is still there (cheap)
 # JSON nesting a body may have: a pydantic model's tool schema nests ~10-20 deep; Python's parser and every
@@ -84,11 +86,14 @@ class Frontend:
       model_name: the name clients use (``/v1/models`` lists it).
       model_path: the served checkpoint's path, or None (the embedded default model).
       models_root: a folder under which clients may also name the served model by its path, or None.
+      image_options: the limits on image inputs, and whether remote image URLs are fetched.
     """
 
     def __init__(self, async_engine: EngineClient, model_name: str, model_path: Path | None = None,
-                 models_root: Path | None = None, metrics: Metrics | None = None):
+                 models_root: Path | None = None, metrics: Metrics | None = None,
+                 image_options: ImageOptions | None = None):
         self.async_engine, self.engine = async_engine, async_engine.model
+        self.image_options = image_options or ImageOptions()
         self.model_name, self.models_root = model_name, models_root
         self.model_path = model_path.resolve() if model_path is not None else None
         self.metrics = metrics
@@ -131,6 +136,20 @@ class Frontend:
             raise APIError(400, "the prompt is empty: expected at least one token", "prompt")
         return ids
 
+    def image_collector(self) -> ImageCollector:
+        """A collector of one request's image parts, with this server's limits and the model's processor."""
+        return ImageCollector(self.image_options, getattr(self.engine, "image_processor", None), self.model_name)
+
+    def place_images(self, prompt_ids: list[int], images: list[ImageInput]) -> list[int]:
+        """``prompt_ids`` with each image's one placeholder (as the chat template writes it) repeated to the image's
+        token count; 400 when the template did not write one per image."""
+        if not images:
+            return prompt_ids
+        try:
+            return expand_placeholders(prompt_ids, images, self.engine.cfg.vision)
+        except ValueError as e:
+            raise APIError(400, f"cannot place the images in the prompt: {e}", "messages") from None
+
     def sampling_params(self, prompt_ids: list[int], max_tokens: int | None, **fields: Any) -> SamplingParams:
         """``SamplingParams`` for a prompt: ``max_tokens`` defaults to the rest of the context, and prompt +
         max_tokens must fit it; 400 naming the field otherwise. The context is the engine's ``max_model_len``:
@@ -154,9 +173,9 @@ class Frontend:
             raise APIError(400, str(e).removeprefix("SamplingParams."), str(e).split(" ")[0].split(".")[-1]) from None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str,
-               cache_salt: str | None = None) -> RequestStream:
+               cache_salt: str | None = None, images: list[ImageInput] | None = None) -> RequestStream:
         try:
-            stream = self.async_engine.submit(prompt_ids, params, prefix, cache_salt)
+            stream = self.async_engine.submit(prompt_ids, params, prefix, cache_salt, images)
         except (EngineFullError, EngineUnavailableError) as e:
             raise overloaded(str(e)) from None
         if self.metrics is not None:

@@ -5,7 +5,8 @@ connects): commands go front end -> core, events core -> front end. Only plain d
 str, lists, dicts, None; never pickle), so a message is decoded without running anything it names.
 
 Commands (lists, first item the kind):
-  ``["add", request_id, prompt_ids, params, cache_salt]``  params: ``params_to_wire(SamplingParams)``
+  ``["add", request_id, prompt_ids, params, cache_salt, images]``  params: ``params_to_wire(SamplingParams)``,
+      images: ``images_to_wire`` (each image's float32 patches as bytes, their shape, grid and digest)
   ``["abort", request_id]``
   ``["stop"]``
 Events (dicts with a "kind"):
@@ -23,8 +24,10 @@ import dataclasses
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from serving.engine.sampling_params import SamplingParams
+from serving.images import ImageInput
 from serving.structured import ConstraintSpec
 
 ADD, ABORT, STOP = "add", "abort", "stop"
@@ -42,6 +45,22 @@ def unpack(data: bytes) -> Any:
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     """``params`` as a dict of plain fields (the constraint as ``{"kind", "value"}`` or None)."""
     return dataclasses.asdict(params)
+
+
+def images_to_wire(images: list[ImageInput]) -> list[list[Any]]:
+    """Preprocessed images as plain data: ``[patches as float32 bytes, [rows, cols], grid, digest]`` each."""
+    return [[np.ascontiguousarray(i.pixels, np.float32).tobytes(), list(i.pixels.shape), list(i.grid), i.digest]
+            for i in images]
+
+
+def images_from_wire(wire: list[list[Any]]) -> list[ImageInput]:
+    """``images_to_wire``'s images back (a byte count that does not match the shape: ValueError)."""
+    images = []
+    for data, shape, grid, digest in wire:
+        if len(data) != 4 * shape[0] * shape[1]:
+            raise ValueError(f"image patches of {len(data)} bytes: expected float32 {shape}")
+        images.append(ImageInput(np.frombuffer(data, np.float32).reshape(shape), tuple(grid), digest))
+    return images
 
 
 def params_from_wire(fields: dict[str, Any]) -> SamplingParams:

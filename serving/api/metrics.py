@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from serving.api.async_engine import RequestStream
 from serving.api.engine_client import EngineClient
-from serving.engine.engine import StepOutput
+from serving.llm_engine import StepOutput
 
 # Bucket edges in seconds: first tokens wait for a prefill (and maybe a queue), later ones for one decode step.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -1,7 +1,8 @@
 """OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
 
 Sampling fields map onto ``SamplingParams`` (``max_completion_tokens`` or ``max_tokens``; ``top_k``, ``min_p``,
-``repetition_penalty`` and ``ignore_eos`` are accepted as extensions, ``top_k = -1`` meaning off). Streams are
+``repetition_penalty``, ``ignore_eos`` and ``speculative`` (a drafter of the server's speculative decoding for this
+request, or "off") are accepted as extensions, ``top_k = -1`` meaning off). Streams are
 SSE ``data: {chunk}`` lines ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk
 with the usage. Logprobs: ``logprobs`` + ``top_logprobs`` (chat), ``logprobs`` = k (completions).
 ``logit_bias`` (token id -> bias in [-100, 100]) is added to the logits in the sampler.
@@ -39,8 +40,10 @@ from serving.api import tools as tool_calls
 from serving.api.async_engine import RequestStream
 from serving.api.errors import APIError
 from serving.api.frontend import Frontend, StrictModel
-from serving.engine.engine import Completion, RequestResult
+from serving.api.images import ImageCollector
 from serving.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, SamplingParams
+from serving.images import ImageInput
+from serving.llm_engine import Completion, RequestResult
 from serving.structured import ConstraintSpec, InvalidConstraintError, compile_constraint
 
 MAX_N = 16  # samples per request: more is refused before it can take the whole batch
@@ -50,13 +53,19 @@ MAX_PROMPTS = 64  # prompts in one completions request (lm-eval-harness sends ba
 SCORE_CONCURRENCY = 8  # one-token requests a prompt's scoring runs at once
 
 
+class ImageURL(StrictModel):
+    url: str
+    detail: str | None = None  # "auto" | "low" | "high": the image is preprocessed as the model's processor says
+
+
 class ContentPart(StrictModel):
-    """A part of a message's content; only text parts (and an assistant's refusal) are read: any other type
-    (image_url, input_audio, file) is refused by ``_part_text`` with a message naming it."""
+    """A part of a message's content: text (and an assistant's refusal), and ``image_url`` for a vision-language
+    model (``serving.api.images``); any other type (input_audio, file) is refused by ``_part_text`` naming it."""
 
     type: str
     text: str | None = None
     refusal: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(StrictModel):
@@ -136,6 +145,7 @@ class SamplingFields(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     logit_bias: dict[str, float] | None = pydantic.Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    speculative: str | None = pydantic.Field(None, min_length=1)  # the drafter for this request, or "off"
 
 
 class ChatRequest(SamplingFields):
@@ -179,15 +189,15 @@ def _sampling(frontend: Frontend, body: SamplingFields, prompt_ids: list[int], m
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, seed=body.seed, logprobs=logprobs,
         stop=[body.stop] if isinstance(body.stop, str) else body.stop, ignore_eos=body.ignore_eos,
-        constraint=constraint, logit_bias=bias)
+        constraint=constraint, logit_bias=bias, speculative=body.speculative)
 
 
 def _part_text(part: ContentPart, where: str) -> str:
-    """The text of a content part; 400 naming ``where`` for a part this text-only model cannot read."""
+    """The text of a text or refusal part; 400 naming ``where`` for a part of another type."""
     field = {"text": "text", "refusal": "refusal"}.get(part.type)
     if field is None:
-        raise APIError(400, f"{where}: content parts of type {part.type!r} are not supported: this model reads "
-                       f"text only (expected type 'text')", where)
+        raise APIError(400, f"{where}: content parts of type {part.type!r} are not supported (expected type 'text', "
+                       f"or 'image_url' for a vision-language model)", where)
     text = getattr(part, field)
     if text is None:
         raise APIError(400, f"{where}: a {part.type!r} part needs its {field!r} string", where)
@@ -267,28 +277,50 @@ class OpenAIRoutes:
 
     # --- chat -------------------------------------------------------------------------------------------------
 
-    def _chat_prompt(self, body: ChatRequest) -> tuple[list[int], set[str] | None, list[dict[str, Any]] | None]:
-        """Prompt ids, the tool names a call may use (None: no tool calling), and the tools a forced
-        ``tool_choice`` makes the output call (None: not forced)."""
+    def _chat_prompt(self, body: ChatRequest
+                     ) -> tuple[list[int], set[str] | None, list[dict[str, Any]] | None, list[ImageInput]]:
+        """Prompt ids (each image's placeholder expanded), the tool names a call may use (None: no tool calling),
+        the tools a forced ``tool_choice`` makes the output call (None: not forced), and the images in prompt
+        order. A message with image parts goes to the chat template as a list of ``{"type": "image"}`` and
+        ``{"type": "text", "text"}`` parts, and the template writes each image's placeholder."""
         if self.engine.tokenizer is None or self.engine.tokenizer.chat_template is None:
             raise APIError(400, "this model has no chat template: use /v1/completions")
-        messages = []
+        messages, images = [], self.frontend.image_collector()
         for i, m in enumerate(body.messages):
-            content = m.content if isinstance(m.content, str) or m.content is None else \
-                "".join(_part_text(part, f"messages.{i}.content.{j}") for j, part in enumerate(m.content))
+            if isinstance(m.content, str) or m.content is None:
+                content = m.content
+            elif any(part.type == "image_url" for part in m.content):
+                content = [self._multimodal_part(part, images, f"messages.{i}.content.{j}")
+                           for j, part in enumerate(m.content)]
+            else:
+                content = "".join(_part_text(part, f"messages.{i}.content.{j}") for j, part in enumerate(m.content))
             calls = "".join(tool_calls.tool_call_text(c.function.name, c.function.arguments,
                                                       f"messages.{i}.tool_calls.{j}.function.arguments")
                             for j, c in enumerate(m.tool_calls or []))
             if content is None and not calls:
                 raise APIError(400, f"messages[{i}] has neither content nor tool_calls", f"messages.{i}.content")
-            messages.append({"role": "system" if m.role == "developer" else m.role,
-                             "content": (content or "") + calls})
+            if isinstance(content, list):
+                content += [{"type": "text", "text": calls}] if calls else []
+            else:
+                content = (content or "") + calls
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
         choice, name = body.tool_choice or "auto", None
         if isinstance(choice, NamedToolChoice):
             choice, name = "required", choice.function.name
         offered = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
         messages, allowed, forced = tool_calls.offer_tools(messages, offered, choice, name)
-        return self.frontend.encode(messages), allowed, forced
+        prompt_ids = self.frontend.place_images(self.frontend.encode(messages), images.images)
+        return prompt_ids, allowed, forced, images.images
+
+    @staticmethod
+    def _multimodal_part(part: ContentPart, images: ImageCollector, where: str) -> dict[str, str]:
+        """A content part as the chat template reads it; an ``image_url`` part's image collected."""
+        if part.type != "image_url":
+            return {"type": "text", "text": _part_text(part, where)}
+        if part.image_url is None:
+            raise APIError(400, f"{where}: an 'image_url' part needs its 'image_url' object with a 'url'", where)
+        images.openai_part(part.image_url.url, where)
+        return {"type": "image"}
 
     def _constraint(self, body: SamplingFields, forced: list[dict[str, Any]] | None = None,
                     parallel: bool = True) -> ConstraintSpec | None:
@@ -340,13 +372,13 @@ class OpenAIRoutes:
         body = await f.parse(request, ChatRequest)
         f.check_model(body.model)
         check_fields(body, self.engine.cfg.vocab)
-        prompt_ids, allowed, forced = self._chat_prompt(body)
+        prompt_ids, allowed, forced, images = self._chat_prompt(body)
         named = isinstance(body.tool_choice, NamedToolChoice)
         parallel = body.parallel_tool_calls is True if named else body.parallel_tool_calls is not False
         constraint = self._constraint(body, forced, parallel)
         top = body.top_logprobs or 0 if body.logprobs else None
         params = _sampling(f, body, prompt_ids, body.max_completion_tokens or body.max_tokens, top, constraint)
-        stream = f.submit(prompt_ids, params, "chatcmpl-", body.cache_salt)
+        stream = f.submit(prompt_ids, params, "chatcmpl-", body.cache_salt, images)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return f.sse(request, stream, self._chat_events(stream, body, allowed, usage))

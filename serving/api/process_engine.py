@@ -39,10 +39,11 @@ from serving.api.async_engine import RequestStream
 from serving.api.engine_client import OK, Admission, EngineStats, EngineUnavailableError, OnStep
 from serving.api.engine_core import run_core
 from serving.api.engine_spec import EngineSpec
-from serving.config import ModelConfig, RopeConfig
-from serving.engine.engine import Completion, Engine, EngineFullError, RequestResult, StepError, StepOutput
+from serving.config import ModelConfig, RopeConfig, VisionConfig
 from serving.engine.request import SequenceState
 from serving.engine.sampling_params import SamplingParams
+from serving.images import ImageInput, ImageProcessorConfig
+from serving.llm_engine import Completion, Engine, EngineFullError, RequestResult, StepError, StepOutput
 from serving.tokenizer import Tokenizer
 
 STOP_TIMEOUT_S = 30.0  # how long ``stop`` waits for the core to end before terminating it
@@ -53,12 +54,14 @@ log = logging.getLogger(__name__)
 
 class ModelInfo:
     """The served model as the routes read it (``EngineClient.model``), filled from the core's ``loaded`` event:
-    ``cfg``, ``tokenizer`` (None before, or for a model without one), ``eos_ids``, ``max_model_len``."""
+    ``cfg``, ``tokenizer`` (None before, or for a model without one), ``eos_ids``, ``max_model_len``,
+    ``image_processor`` (a vision-language model's)."""
 
     cfg: ModelConfig | None = None
     tokenizer: Tokenizer | None = None
     eos_ids: tuple[int, ...] = ()
     max_model_len: int | None = None
+    image_processor: ImageProcessorConfig | None = None
     encode = Engine.encode  # the engine's own rules (it reads only ``tokenizer`` and ``cfg.vocab``)
 
     def load(self, info: dict[str, Any]) -> None:
@@ -66,7 +69,10 @@ class ModelInfo:
             return {name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()}
 
         cfg = tuples(info["cfg"])
-        self.cfg = ModelConfig(**{**cfg, "rope": RopeConfig(**tuples(cfg["rope"]))})
+        vision = None if cfg["vision"] is None else VisionConfig(**tuples(cfg["vision"]))
+        self.cfg = ModelConfig(**{**cfg, "rope": RopeConfig(**tuples(cfg["rope"])), "vision": vision})
+        processor = info["image_processor"]
+        self.image_processor = None if processor is None else ImageProcessorConfig(**tuples(processor))
         self.eos_ids, self.max_model_len = tuple(info["eos_ids"]), info["max_model_len"]
         t = info["tokenizer"]
         self.tokenizer = None if t is None else Tokenizer(
@@ -178,7 +184,7 @@ class ProcessEngine:
         self._state, self._detail = STOPPED, {"error": "the server stopped"}
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str = "req-",
-               cache_salt: str | None = None) -> RequestStream:
+               cache_salt: str | None = None, images: list[ImageInput] | None = None) -> RequestStream:
         """Send a request to the core (call on the event loop); ``EngineFullError`` at once when there is no room,
         ``EngineUnavailableError`` while the core is not ready."""
         if self._state != OK:
@@ -192,7 +198,8 @@ class ProcessEngine:
                             tokenizer.decode_stream() if tokenizer is not None else None) for i in range(params.n)]
         self._requests[request_id] = _Request(stream, list(prompt_ids), samples, [None] * params.n,
                                               [[] for _ in range(params.n)] if params.logprobs is not None else None)
-        if not self._send([ipc.ADD, request_id, list(prompt_ids), ipc.params_to_wire(params), cache_salt]):
+        if not self._send([ipc.ADD, request_id, list(prompt_ids), ipc.params_to_wire(params), cache_salt,
+                           ipc.images_to_wire(images or [])]):
             self._release(request_id)
             raise EngineUnavailableError("the engine core is not connected (it exited)")
         return stream

@@ -32,7 +32,7 @@ from serving.api import tools as tool_calls
 from serving.api.async_engine import RequestStream
 from serving.api.errors import APIError
 from serving.api.frontend import Frontend, StrictModel
-from serving.engine.engine import Completion
+from serving.llm_engine import Completion
 from serving.structured import ConstraintSpec, InvalidConstraintError, compile_constraint
 
 MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]

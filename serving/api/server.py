@@ -37,12 +37,13 @@ from serving.api.engine_client import OK
 from serving.api.engine_spec import EngineSpec
 from serving.api.errors import APIError, error_response
 from serving.api.frontend import Frontend
+from serving.api.images import ImageOptions
 from serving.api.metrics import Metrics
 from serving.api.openai_api import OpenAIRoutes
 from serving.api.process_engine import ProcessEngine
 from serving.api.responses_api import ResponsesRoutes
 from serving.api.security import BODY_READ_TIMEOUT_S, DEFAULT_HOST, MAX_BODY_BYTES, GuardMiddleware, check_api_key
-from serving.engine.engine import Engine
+from serving.llm_engine import Engine
 
 STARTUP_TIMEOUT_S = 60.0  # how long ``Server.start`` waits for uvicorn to listen
 POLL_S = 0.01
@@ -83,7 +84,8 @@ class _CountRequests:
 
 def create_app(engine: Engine | EngineSpec, model_name: str, *, model_path: Path | None = None,
                models_root: Path | None = None, api_key: str | None = None, max_queue: int | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_READ_TIMEOUT_S) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_READ_TIMEOUT_S,
+               image_options: ImageOptions | None = None) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; the engine runs while the app does (lifespan): an ``Engine``
     on a thread of this process, an ``EngineSpec`` built and run in an engine core process.
 
@@ -93,6 +95,8 @@ def create_app(engine: Engine | EngineSpec, model_name: str, *, model_path: Path
       body_timeout_s: a request whose body stops arriving for this long gets a 408.
       max_queue: sequences admitted beyond the engine's max_running (default: the engine's max_queue; with
         an ``EngineSpec``, its own).
+      image_options: limits on image inputs and whether remote image URLs are fetched (default: ``ImageOptions()``,
+        no fetching).
     """
     check_api_key(api_key)  # a blank key is refused before an engine starts
     if isinstance(engine, EngineSpec):
@@ -103,7 +107,7 @@ def create_app(engine: Engine | EngineSpec, model_name: str, *, model_path: Path
         async_engine = AsyncEngine(engine, max_queue)
     metrics = Metrics(async_engine)
     async_engine.on_step = metrics.on_step
-    frontend = Frontend(async_engine, model_name, model_path, models_root, metrics)
+    frontend = Frontend(async_engine, model_name, model_path, models_root, metrics, image_options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -5,7 +5,9 @@ Prefix caching: a FULL block of a sequence is named by a chained hash over every
 
     hash_i = SHA-256(hash_{i-1} || token ids of block i || salt)        (hash_{-1} = b"")
 
-so equal hashes mean equal token prefixes (and equal salts: a per-request salt keeps tenants apart). Once a
+so equal hashes mean equal token prefixes (and equal salts: a per-request salt keeps tenants apart; a block holding
+image placeholder tokens has its images' digests in its salt, as equal placeholders of other pixels hold other
+k/v). Once a
 full block's k/v are written it is registered under its hash; a later sequence with the same prefix takes
 the block (count + 1) instead of recomputing it. A freed block keeps its hash and stays reusable until the
 allocator needs it for new data: blocks that never held a registered hash go first, then cached blocks in
@@ -18,7 +20,7 @@ block (registered under its hash), while free blocks last.
 
 import collections
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -31,14 +33,16 @@ def hash_block(previous: BlockHash, block_ids: Sequence[int], salt: str | None =
     return hashlib.sha256(previous + np.asarray(block_ids, np.int64).tobytes() + salt_bytes).digest()
 
 
-def hash_blocks(token_ids: Sequence[int], block_size: int, salt: str | None = None,
+def hash_blocks(token_ids: Sequence[int], block_size: int, salt: str | None | Callable[[int], str | None] = None,
                 num_blocks: int | None = None) -> list[BlockHash]:
-    """Chained hashes of the first ``num_blocks`` (default: all) full blocks of ``token_ids``."""
+    """Chained hashes of the first ``num_blocks`` (default: all) full blocks of ``token_ids``; ``salt``: one for
+    every block, or block i's as ``salt(i)``."""
     full = len(token_ids) // block_size
     count = full if num_blocks is None else min(num_blocks, full)
     hashes, previous = [], b""
     for i in range(count):
-        previous = hash_block(previous, token_ids[i * block_size:(i + 1) * block_size], salt)
+        previous = hash_block(previous, token_ids[i * block_size:(i + 1) * block_size],
+                              salt(i) if callable(salt) else salt)
         hashes.append(previous)
     return hashes
 

@@ -9,6 +9,7 @@ give the next one, so a sequence with ``len(tokens) - num_computed == 1`` is dec
 import dataclasses
 
 from serving.engine.sampling_params import SamplingParams
+from serving.images import RequestImages
 from serving.structured import ConstraintMatcher
 from serving.tokenizer import Detokenizer
 
@@ -38,6 +39,13 @@ class SequenceState:
     finish_reason: str | None = None
     draft_ids: list[int] = dataclasses.field(default_factory=list)  # speculative tokens to verify this step
     matcher: ConstraintMatcher | None = None  # structured-output state (params.constraint), advanced by append
+    images: RequestImages | None = None  # the prompt's images (vision-language models), shared by the n samples
+
+    def block_salt(self, block: int, block_size: int) -> str | None:
+        """The prefix-cache salt of full block ``block``: ``cache_salt``, and the digests of the images whose
+        placeholder tokens it holds (``blocks.hash_block``)."""
+        digests = self.images.salt(block * block_size, (block + 1) * block_size) if self.images else ""
+        return f"{self.cache_salt or ''}|images:{digests}" if digests else self.cache_salt
 
     @property
     def tokens(self) -> list[int]:

@@ -11,15 +11,22 @@ token of every sequence (the logits at its chunk's last token), their logprobs, 
 counts, which the runner sums into ``expert_load [layers, experts]``. The attention kernels' metadata
 (``kv_lens``, ``chunk_starts``) comes with the batch from ``make_batch``, on the host, once per step, and goes to
 the device with the tokens and last indices as one buffer (``kv_cache.pack_step``: one copy per step); the
-compiled step is keyed on ``layers.kernel_mode()`` (kernels on a GPU, or as ``layers.use_kernels`` says) and on
-whether it is a decode step (one token per sequence after its cached context). A decode step's tokens are fed on
-the device as an ``[S]`` vector (the previous step's samples, or the host's tokens), so that one executable per
-shape serves every decode step, and it is traced in ``layers.paged_only()``, with no packed prefill attention
-(only where the kernels are traced, ``layers.traces_kernels``: the references read the pages either way). A runner
-made with ``batch_invariant=True`` runs both calls through ``serving.batch_invariant`` (kernel mode
-``layers.BATCH_INVARIANT``): a sequence's logits, tokens and logprobs are then bitwise the same in any batch and
-any chunking. A runner made with a ``mesh`` (its params and cache already placed on it, ``serving.sharding``) runs
-both calls under ``jax.set_mesh(mesh)``, so the MoE layers go expert-parallel, with the packed buffer replicated.
+compiled step is keyed on the runner's ``kernels`` (a ``layers.KernelPolicy``: which implementation each layer
+runs) and on whether it is a decode step (one token per sequence after its cached context). A decode step's tokens
+are fed on the device as an ``[S]`` vector (the previous step's samples, or the host's tokens), so that one
+executable per shape serves every decode step, and it is traced with ``KernelPolicy.paged_only``, with no packed
+prefill attention (only where the kernels are traced, ``layers.traces_kernels``: the references read the pages
+either way). A runner made with ``batch_invariant=True`` runs both calls through ``serving.batch_invariant``
+(policy ``layers.BATCH_INVARIANT``): a sequence's logits, tokens and logprobs are then bitwise the same in any
+batch and any chunking. A runner made with a ``mesh`` (its params and cache already placed on it,
+``serving.sharding``) runs both calls under ``jax.set_mesh(mesh)``, so the MoE layers go expert-parallel, with the
+packed buffer replicated.
+
+A vision-language model's steps also take ``images.MultimodalInputs`` (``images.step_inputs`` of the chunks'
+``RequestImages``: the tokens' multimodal RoPE shifts and, in a prefill chunk over an image, its rows), given to the
+forward pass as ``mm``; a step without images passes none (the text families' own trace). ``encode_images`` runs
+the image encoder once over every image of the requests it is given (patches padded to a power-of-two bucket, one
+compile per bucket) and keeps each request's embeddings on the host, where the steps' rows are cut from them.
 
 A multi-step decode (``ModelRunner.decode``) runs ``steps`` forward + sample iterations in one jitted call
 (``lax.scan``): a batch where every sequence decodes one token, its blocks for all ``steps`` tokens already in its
@@ -40,6 +47,7 @@ mask. A step without constrained rows does no mask work and sends no mask.
 """
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
@@ -55,7 +63,9 @@ from jax.sharding import PartitionSpec as P
 from serving import batch_invariant, kv_cache, layers
 from serving.config import ModelConfig
 from serving.engine.sampler import SampleResult, SampleRow, SamplingBatch, advance, sample, sampling_batch, with_room
+from serving.images import MultimodalInputs, RequestImages, step_inputs
 from serving.kv_cache import AttentionBatch, SeqChunk, make_batch, next_decode_batch, pack_step, unpack_step
+from serving.models.vision import patch_layout
 from serving.structured import fill_token_bitmask
 
 MIN_TOKENS_BUCKET = 8  # the smallest padded N: decode batches of up to 8 sequences share one compile
@@ -66,6 +76,7 @@ MIN_BLOCKS_BUCKET = 16
 # length, so a wider table costs one int32 row per sequence, while every width bucket multiplies the shapes to
 # compile before serving.
 BLOCKS_BUCKET_BASE = 4
+MIN_PATCHES_BUCKET = 64  # the smallest padded patch count of an encoder call (a multiple of every merge unit)
 
 
 def bucket(n: int, minimum: int = 1, base: int = 2) -> int:
@@ -93,7 +104,7 @@ def blocks_bucket(n: int) -> int:
 
 class StepShape(NamedTuple):
     """The static sizes of one compiled forward step: N tokens, S sequences, W block-table columns, and whether it
-    is traced in ``layers.paged_only``."""
+    is traced with ``KernelPolicy.paged_only``."""
 
     num_tokens: int
     num_seqs: int
@@ -109,25 +120,27 @@ class StepResult(NamedTuple):
     expert_counts: np.ndarray  # [layers, experts] tokens routed to each expert this step
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "forward", "cfg", "kernels", "paged_only"), donate_argnames="kv")
-def _step(params: dict, kv: Any, packed: jax.Array, previous: jax.Array | None = None, *, sizes: tuple[int, int, int],
-          forward: Callable, cfg: ModelConfig, kernels: str, paged_only: bool) -> tuple[jax.Array, Any, jax.Array]:
-    """forward over the step's tokens ``[N]`` (traced in kernel mode ``kernels``, within
-    ``layers.paged_only(paged_only)``): the logits ``[S, V]`` at each chunk's last flat index, the updated cache,
+@functools.partial(jax.jit, static_argnames=("sizes", "forward", "cfg", "kernels"), donate_argnames="kv")
+def _step(params: dict, kv: Any, packed: jax.Array, previous: jax.Array | None = None,
+          mm: MultimodalInputs | None = None, *, sizes: tuple[int, int, int], forward: Callable, cfg: ModelConfig,
+          kernels: layers.KernelPolicy) -> tuple[jax.Array, Any, jax.Array]:
+    """forward over the step's tokens ``[N]`` (its layers run as the policy ``kernels`` says): the logits
+    ``[S, V]`` at each chunk's last flat index, the updated cache,
     and the expert counts ``[layers, experts]``. ``packed``: ``kv_cache.pack_step``'s buffer of the tokens, batch and
     last indices for ``sizes = (N, S, max_blocks)``; with ``previous`` (the ``[S]`` tokens a step sampled, still on
-    the device), the packed tokens are rows of it and each real token is ``previous[row]``."""
+    the device), the packed tokens are rows of it and each real token is ``previous[row]``; ``mm``: a
+    vision-language step's image inputs."""
     tokens, batch, last = unpack_step(packed, *sizes)
     if previous is not None:
         tokens = jnp.where(batch.seq_ids >= 0, previous[tokens], 0)
 
     def model(params, tokens, batch, kv):
-        return forward(params, cfg, tokens, batch, kv)
+        extra = () if mm is None else (mm,)
+        return forward(params, cfg, tokens, batch, kv, *extra, kernels=kernels)
 
-    if kernels == layers.BATCH_INVARIANT:  # every matmul and sum at a fixed geometry (serving.batch_invariant)
+    if kernels.batch_invariant:  # every matmul and sum at a fixed geometry (serving.batch_invariant)
         model = batch_invariant.invariant(model)
-    with layers.use_kernels(kernels), layers.paged_only(paged_only):
-        logits, kv, expert_counts = model(params, tokens, batch, kv)
+    logits, kv, expert_counts = model(params, tokens, batch, kv)
     return logits[last], kv, expert_counts
 
 
@@ -141,20 +154,23 @@ class DecodeResult(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("sizes", "steps", "block_size", "forward", "cfg", "kernels", "draw",
                                              "num_top"), donate_argnames="kv")
-def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBatch, *, sizes: tuple[int, int, int],
-                  steps: int, block_size: int, forward: Callable, cfg: ModelConfig, kernels: str, draw: bool,
+def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBatch,
+                  mm: MultimodalInputs | None = None, *, sizes: tuple[int, int, int], steps: int, block_size: int,
+                  forward: Callable, cfg: ModelConfig, kernels: layers.KernelPolicy, draw: bool,
                   num_top: int) -> tuple[SampleResult, Any, jax.Array]:
-    """``steps`` decode iterations of forward (kernel mode ``kernels``, ``layers.paged_only``) + ``sample``: the
+    """``steps`` decode iterations of forward (policy ``kernels``, paged only) + ``sample``: the
     samples (tokens ``[steps, S]``, their logprobs and top ``num_top``), the updated cache and the expert counts
     ``[layers, experts]`` summed over the steps. ``packed``: ``pack_step``'s buffer of a batch with one paged token
-    per sequence, ``sizes = (N, S, max_blocks)``."""
+    per sequence, ``sizes = (N, S, max_blocks)``; ``mm``: the tokens' multimodal RoPE shifts (constant as the
+    positions move on)."""
     tokens, batch, last = unpack_step(packed, *sizes)
     real = batch.seq_ids >= 0
+    extra = () if mm is None else (mm,)
 
     def one_step(carry, _):
         kv, tokens, batch, sampling, counts = carry
-        with layers.use_kernels(kernels), layers.paged_only():
-            logits, kv, step_counts = forward(params, cfg, tokens, batch, kv)
+        logits, kv, step_counts = forward(params, cfg, tokens, batch, kv, *extra,
+                                          kernels=dataclasses.replace(kernels, paged_only=True))
         result = sample(logits[last], sampling, num_top=num_top, draw=draw)
         tokens = jnp.where(real, result.tokens[jnp.maximum(batch.seq_ids, 0)], 0)
         carry = kv, tokens, next_decode_batch(batch, block_size), advance(sampling, result.tokens), counts + step_counts
@@ -164,6 +180,12 @@ def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBa
     (kv, *_, counts), sampled = jax.lax.scan(one_step, (kv, tokens, batch, with_room(sampling, steps), counts),
                                              length=steps)
     return sampled, kv, counts
+
+
+@functools.partial(jax.jit, static_argnames=("encode", "cfg"))
+def _encode(params: dict, pixels: jax.Array, layout: Any, *, encode: Callable,
+            cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    return encode(params, cfg, pixels, layout)
 
 
 @functools.partial(jax.jit, static_argnames=("num_top", "draw"))
@@ -188,13 +210,20 @@ class ModelRunner:
     them before it is dispatched (the same tokens; for comparison). ``mask_seconds`` sums the host time spent
     computing masks. ``mesh``: the mesh params and kv are placed on (None: one device). ``max_seqs``: the most
     sequences a step holds; given, S is padded to ``min(N, bucket(max_seqs))`` (module docstring), else to
-    ``bucket(S)``.
+    ``bucket(S)``. ``kernels``: which implementation each layer runs (``layers.KernelPolicy``; default the fastest
+    measured on the launch target); ``batch_invariant=True`` replaces it with ``layers.BATCH_INVARIANT``.
+    ``encode``: a vision-language model's ``encode_images`` (None: no image encoder).
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, forward: Callable, kv: Any, block_size: int,
-                 batch_invariant: bool = False, mesh: Mesh | None = None, max_seqs: int | None = None):
+                 batch_invariant: bool = False, mesh: Mesh | None = None, max_seqs: int | None = None,
+                 kernels: layers.KernelPolicy = layers.DEFAULT, encode: Callable | None = None):
+        if not isinstance(kernels, layers.KernelPolicy):
+            raise TypeError(f"ModelRunner: kernels={kernels!r}: expected a layers.KernelPolicy")
         self.cfg, self.params, self.forward, self.kv, self.block_size = cfg, params, forward, kv, block_size
-        self.batch_invariant = batch_invariant  # every step in kernel mode layers.BATCH_INVARIANT (module docstring)
+        self.encode = encode
+        self.batch_invariant = batch_invariant  # every step with policy layers.BATCH_INVARIANT (module docstring)
+        self.kernels = layers.BATCH_INVARIANT if batch_invariant else kernels
         self.mesh, self.max_seqs = mesh, max_seqs
         self.expert_load = np.zeros((cfg.layers, cfg.num_experts), np.int64)
         self.overlap_masks = True
@@ -227,6 +256,36 @@ class ModelRunner:
         tokens[:total] = np.concatenate(token_ids)
         return tokens, batch
 
+    def encode_images(self, requests: list[RequestImages]) -> None:
+        """Run the image encoder once over every image of ``requests`` (their patches in one call, each image its
+        own attention segment) and keep each request's tokens and DeepStack features on it (host arrays)."""
+        if self.encode is None:
+            raise ValueError(f"model family {self.cfg.family!r} has no image encoder: expected requests without "
+                             "images")
+        images = [image for request in requests for image in request.images]
+        total = sum(len(image.pixels) for image in images)
+        layout = patch_layout(self.cfg.vision, [image.grid for image in images], bucket(total, MIN_PATCHES_BUCKET))
+        pixels = np.zeros((len(layout.segments), self.cfg.vision.patch_dim), np.float32)
+        pixels[:total] = np.concatenate([image.pixels for image in images])
+        with self.on_mesh():
+            tokens, deepstack = _encode(self.params, self._placed(pixels), jax.tree.map(self._placed, tuple(layout)),
+                                        encode=self.encode, cfg=self.cfg)
+        tokens, deepstack = jax.device_get((tokens, deepstack))
+        first = 0
+        for request in requests:
+            count = sum(end - start for start, end in request.spans)
+            request.embeds, request.deepstack = tokens[first:first + count], deepstack[:, first:first + count]
+            first += count
+
+    def _multimodal(self, images: list[RequestImages | None] | None, chunks: list[SeqChunk],
+                    num_tokens: int) -> MultimodalInputs | None:
+        """The step's ``MultimodalInputs`` (placed as its inputs are), None without images."""
+        if images is None:
+            return None
+        mm = step_inputs([(i, c.start, c.count) for i, c in zip(images, chunks, strict=True)], num_tokens,
+                         self.cfg.hidden, len(self.cfg.vision.deepstack_layers) if self.cfg.vision else 0)
+        return None if mm is None else jax.tree.map(self._placed, mm)
+
     def on_mesh(self) -> contextlib.AbstractContextManager:
         """The context device calls on the runner's params and cache run in: ``jax.set_mesh(mesh)``, or nothing
         without a mesh."""
@@ -244,10 +303,9 @@ class ModelRunner:
     def _replicated(self) -> NamedSharding | None:
         return None if self.mesh is None else NamedSharding(self.mesh, P())
 
-    @property
-    def kernels(self) -> str:
-        """The kernel mode steps are traced in."""
-        return layers.BATCH_INVARIANT if self.batch_invariant else layers.kernel_mode()
+    def step_kernels(self, paged_only: bool) -> layers.KernelPolicy:
+        """The policy a step is traced with: the runner's ``kernels``, every token paged where ``paged_only``."""
+        return dataclasses.replace(self.kernels, paged_only=paged_only)
 
     def _is_decode(self, chunks: list[SeqChunk], previous: "Dispatched | None") -> bool:
         """Whether the step runs as a decode step: one token per chunk, each after its cached context, fed on the
@@ -256,19 +314,21 @@ class ModelRunner:
         return previous is not None or (not self.batch_invariant and all(c.count == 1 and c.start > 0 for c in chunks))
 
     def _paged_only(self, decode: bool) -> bool:
-        """Trace the step in ``layers.paged_only``: a decode step, with kernels that read the flag. Other steps,
+        """Trace the step with ``KernelPolicy.paged_only``: a decode step, with kernels that read the flag. Other steps,
         all-paged ones included (chunks continuing a cached prefix), take the general path, right for any batch:
         a paged-only twin of every prefill shape would double the shapes to compile for a saving of one unused
         packed attention."""
         return decode and not self.batch_invariant and layers.traces_kernels(self.kernels)
 
     def run(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
-            num_top: int = 0) -> StepResult:
-        """Run ``chunks`` (with their new ``token_ids``) and sample one token per chunk from ``rows``."""
-        return self.fetch(self.dispatch(chunks, token_ids, rows, num_top))
+            num_top: int = 0, images: list[RequestImages | None] | None = None) -> StepResult:
+        """Run ``chunks`` (with their new ``token_ids``; with their ``images``, one entry or None per chunk) and
+        sample one token per chunk from ``rows``."""
+        return self.fetch(self.dispatch(chunks, token_ids, rows, num_top, images=images))
 
     def dispatch(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow], num_top: int = 0,
-                 previous: Dispatched | None = None) -> Dispatched:
+                 previous: Dispatched | None = None,
+                 images: list[RequestImages | None] | None = None) -> Dispatched:
         """``run``'s device calls, not waited for. With ``previous`` (a decode step still on the device), the
         chunks are decode chunks whose ``token_ids`` are rows of the tokens ``previous`` samples, padded as it is."""
         decode = self._is_decode(chunks, previous)
@@ -288,10 +348,11 @@ class ModelRunner:
         bitmask = None if self.overlap_masks else self._masks(rows, num_seqs)
         sizes = (len(tokens), num_seqs, batch.block_tables.shape[1])
         packed = self._packed(tokens, batch, last)
+        mm = self._multimodal(images, chunks, len(tokens))
         with self.on_mesh():
-            logits, self.kv, counts = _step(self.params, self.kv, packed, fed, sizes=sizes, forward=self.forward,
-                                            cfg=self.cfg, kernels=self.kernels,
-                                            paged_only=self._paged_only(decode))  # returns at once; the device computes
+            logits, self.kv, counts = _step(self.params, self.kv, packed, fed, mm, sizes=sizes, forward=self.forward,
+                                            cfg=self.cfg, kernels=self.step_kernels(
+                                                self._paged_only(decode)))  # returns at once; the device computes
             if self.overlap_masks:
                 bitmask = self._masks(rows, num_seqs)
             result = self._sampler(logits, sampling_batch(rows, num_seqs, token_bitmask=bitmask), num_top=num_top,
@@ -309,7 +370,7 @@ class ModelRunner:
         return _invariant_sample if self.batch_invariant else sample
 
     def decode(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
-               steps: int, num_top: int = 0) -> DecodeResult:
+               steps: int, num_top: int = 0, images: list[RequestImages | None] | None = None) -> DecodeResult:
         """``steps`` tokens per sequence in one device call (module docstring), with the logprobs of each and its
         top ``num_top``: ``chunks`` are one token each (``count = 1``, ``start > 0``) with blocks for ``steps``
         tokens; ``rows`` unconstrained. Not in batch-invariant mode."""
@@ -326,11 +387,12 @@ class ModelRunner:
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.arange(len(chunks))
         packed = self._packed(tokens, batch, last)
+        mm = self._multimodal(images, chunks, len(tokens))
         with self.on_mesh():
             result, self.kv, counts = _decode_steps(
-                self.params, self.kv, packed, sampling_batch(rows, num_seqs),
+                self.params, self.kv, packed, sampling_batch(rows, num_seqs), mm,
                 sizes=(len(tokens), num_seqs, batch.block_tables.shape[1]), steps=steps, block_size=self.block_size,
-                forward=self.forward, cfg=self.cfg, kernels=layers.kernel_mode(),
+                forward=self.forward, cfg=self.cfg, kernels=self.kernels,
                 draw=any(r.params.temperature > 0 for r in rows), num_top=num_top)
         result, counts = jax.device_get((result, counts))
         self.expert_load += counts
@@ -361,9 +423,9 @@ class ModelRunner:
         step after another (its tokens on the device); returns the logits it gives the sampler."""
         previous = jax.ShapeDtypeStruct((shape.num_seqs,), jnp.int32, sharding=self._replicated) if chained else None
         with self.on_mesh():
-            compiled = _step.lower(self.params, self.kv, self._packed_like(shape), previous,
+            compiled = _step.lower(self.params, self.kv, self._packed_like(shape), previous, None,
                                    sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), forward=self.forward,
-                                   cfg=self.cfg, kernels=self.kernels, paged_only=shape.paged_only).compile()
+                                   cfg=self.cfg, kernels=self.step_kernels(shape.paged_only)).compile()
         info = compiled.out_info[0]
         return jax.ShapeDtypeStruct(info.shape, info.dtype,
                                     sharding=None if self.mesh is None else compiled.output_shardings[0])
@@ -383,9 +445,9 @@ class ModelRunner:
         """Compile ``decode``'s ``steps``-token call for a decode batch of ``shape``."""
         with self.on_mesh():
             _decode_steps.lower(self.params, self.kv, self._packed_like(shape), sampling_batch([], shape.num_seqs),
-                                sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), steps=steps,
+                                None, sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), steps=steps,
                                 block_size=self.block_size, forward=self.forward, cfg=self.cfg,
-                                kernels=layers.kernel_mode(), draw=draw, num_top=num_top).compile()
+                                kernels=self.kernels, draw=draw, num_top=num_top).compile()
 
     def _masks(self, rows: list[SampleRow], num_seqs: int) -> np.ndarray | None:
         """``[num_seqs, ceil(V / 32)]`` int32 allowed tokens of ``rows``, or None when no row is constrained (that

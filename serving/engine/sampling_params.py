@@ -21,7 +21,8 @@ class SamplingParams:
     top n (from the model's raw distribution, before penalties and temperature). ``constraint`` restricts the
     output to a JSON schema, regex or choice (``serving.structured``): disallowed tokens are masked out.
     ``logit_bias`` ``((token_id, bias), ...)`` adds each bias (in [-100, 100]) to its token's logit before the
-    penalties, as OpenAI's ``logit_bias`` does.
+    penalties, as OpenAI's ``logit_bias`` does. ``speculative`` names the drafter of an engine with speculative
+    decoding for this request ("off": none; None: the engine's own; ``Engine.add_request`` checks the name).
     """
 
     n: int = 1
@@ -40,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     constraint: ConstraintSpec | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    speculative: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
@@ -58,7 +60,9 @@ class SamplingParams:
                   ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS and all(
                       t >= 0 and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias),
                    f"at most {MAX_LOGIT_BIAS_TOKENS} token ids >= 0 with biases in [-{MAX_LOGIT_BIAS:g}, "
-                   f"{MAX_LOGIT_BIAS:g}]"))
+                   f"{MAX_LOGIT_BIAS:g}]"),
+                  ("speculative", self.speculative is None or (isinstance(self.speculative, str) and self.speculative),
+                   "None or a drafter name"))
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: expected {expected}")

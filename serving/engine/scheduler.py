@@ -230,7 +230,8 @@ class Scheduler:
 
     def _take_cached_prefix(self, seq: SequenceState) -> None:
         """Start a waiting ``seq`` from its longest cached prefix, keeping at least its last token to compute."""
-        hashes = hash_blocks(seq.tokens, self.block_size, seq.cache_salt, (seq.num_tokens - 1) // self.block_size)
+        hashes = hash_blocks(seq.tokens, self.block_size, lambda i: seq.block_salt(i, self.block_size),
+                             (seq.num_tokens - 1) // self.block_size)
         seq.block_table = self.allocator.cached_prefix(hashes)
         seq.block_hashes = hashes[:len(seq.block_table)]
         seq.num_computed = seq.num_cached_tokens = len(seq.block_table) * self.block_size
@@ -242,5 +243,5 @@ class Scheduler:
             tokens = seq.tokens if tokens is None else tokens
             previous = seq.block_hashes[-1] if seq.block_hashes else b""
             seq.block_hashes.append(hash_block(previous, tokens[i * self.block_size:(i + 1) * self.block_size],
-                                               seq.cache_salt))
+                                               seq.block_salt(i, self.block_size)))
             self.allocator.register(seq.block_table[i], seq.block_hashes[-1])

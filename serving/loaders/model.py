@@ -1,8 +1,8 @@
 """A model ready to serve (``LoadedModel``) from a GGUF file, a HF checkpoint folder or the embedded default.
 
 ``load_model`` reads the config, the params of its family (``models.model_module``) in the dtype asked for, and the
-tokenizer and eos ids that come with the checkpoint; a folder whose config.json has a ``quantization_config``
-holds quantized params (``quantized.py``).
+tokenizer and eos ids that come with the checkpoint (and a vision-language model's image processor settings); a
+folder whose config.json has a ``quantization_config`` holds quantized params (``quantized.py``).
 """
 
 import json
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from serving import weights
 from serving.config import QUANT_METHOD, ModelConfig
+from serving.images import ImageProcessorConfig
 from serving.loaders import quantized
 from serving.loaders.gguf import load_gguf
 from serving.loaders.safetensors import read_checkpoint
@@ -27,6 +28,7 @@ class LoadedModel(NamedTuple):
     params: dict
     tokenizer: Tokenizer | None
     eos_ids: tuple[int, ...]
+    image_processor: ImageProcessorConfig | None = None  # a vision-language model's (None: the default for its cfg)
 
 
 def load_params(path: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelConfig, dict]:
@@ -49,6 +51,16 @@ def eos_from_folder(path: Path) -> tuple[int, ...]:
     return ()
 
 
+def image_processor_from_folder(cfg: ModelConfig, path: Path) -> ImageProcessorConfig | None:
+    """A vision-language model's ``preprocessor_config.json`` settings, checked against its encoder; None for a
+    text model."""
+    if cfg.vision is None:
+        return None
+    processor = ImageProcessorConfig.from_folder(path)
+    processor.check(cfg.vision)
+    return processor
+
+
 def load_model(model: str | Path | None = None, dtype: jnp.dtype = jnp.float32) -> LoadedModel:
     """The model of a GGUF file, a HF folder, or (None) the embedded SmolLM2-135M-Instruct, params in ``dtype``."""
     path = Path(model) if model is not None else weights.default_model_gguf()
@@ -59,4 +71,5 @@ def load_model(model: str | Path | None = None, dtype: jnp.dtype = jnp.float32) 
         return LoadedModel(cfg, params, checkpoint.tokenizer, checkpoint.tokenizer.eos_token_ids)
     cfg, params = load_params(path, dtype)
     tokenizer = Tokenizer.from_hf_folder(path) if (path / "tokenizer.json").is_file() else None
-    return LoadedModel(cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else eos_from_folder(path))
+    return LoadedModel(cfg, params, tokenizer, tokenizer.eos_token_ids if tokenizer else eos_from_folder(path),
+                       image_processor_from_folder(cfg, path))

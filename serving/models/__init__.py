@@ -14,6 +14,7 @@ FAMILY_MODULES = {
     "mixtral": "serving.models.moe",
     "deepseek_v3": "serving.models.deepseek",
     "gpt_oss": "serving.models.gpt_oss",
+    "qwen3_vl_moe": "serving.models.qwen3_vl_moe",  # + ``encode_images`` and ``forward(..., mm)``
 }
 
 

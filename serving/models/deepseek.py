@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from serving.config import ModelConfig
 from serving.kv_cache import AttentionBatch, PagedLatentKV
-from serving.layers import apply_rope, paged_mla_attention, rms_norm, swiglu, yarn_mscale
+from serving.layers import DEFAULT, KernelPolicy, apply_rope, paged_mla_attention, rms_norm, swiglu, yarn_mscale
 from serving.models import llama
 from serving.models import moe as moe_model
 from serving.models.llama import Rope, WeightSpec
@@ -169,8 +169,9 @@ def softmax_scale(cfg: ModelConfig) -> float:
 
 
 def attention(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, batch: AttentionBatch, kv: PagedLatentKV,
-              layer: int, rope: Rope) -> tuple[jax.Array, PagedLatentKV]:
-    """Absorbed MLA of ``x [N, D]`` -> ``[N, D]``: project, RoPE, write ``[c_kv | k_rope]``, attend (docstring)."""
+              layer: int, rope: Rope, kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, PagedLatentKV]:
+    """Absorbed MLA of ``x [N, D]`` -> ``[N, D]``: project, RoPE, write ``[c_kv | k_rope]``, attend (docstring)
+    through the implementations ``kernels`` picks."""
     nope, rank = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank:
         q = jnp.einsum("nq,qhk->nhk", rms_norm(x @ p["q_a"], p["q_a_norm"], LORA_NORM_EPS), p["q_b"])
@@ -183,14 +184,16 @@ def attention(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, batch: At
     k_rope = apply_rope(kv_a[:, None, rank:], batch.positions, inv_freq, rope_scale, cfg.rope.interleaved)[:, 0]
     kv = kv.write(layer, jnp.concatenate([c_kv, k_rope], axis=-1), batch.slot_mapping)
     q_latent = jnp.einsum("nhk,rhk->nhr", q[..., :nope], p["w_uk"])  # q_nope W_UK^T: [N, H, R]
-    latent_out = paged_mla_attention(q_latent, q_rope, kv.latent[layer], batch, softmax_scale(cfg))  # [N, H, R]
+    latent_out = paged_mla_attention(q_latent, q_rope, kv.latent[layer], batch, softmax_scale(cfg),
+                                     kernels=kernels)  # [N, H, R]
     out = jnp.einsum("nhr,rhv->nhv", latent_out, p["w_uv"])
     return jnp.einsum("nhv,hvd->nd", out, p["o"]), kv
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch,
-            kv: PagedLatentKV) -> tuple[jax.Array, PagedLatentKV, jax.Array]:
-    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, updated cache, expert counts ``[layers, E]`` int32).
+            kv: PagedLatentKV, kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, PagedLatentKV, jax.Array]:
+    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, updated cache, expert counts ``[layers, E]`` int32), through the
+    implementations ``kernels`` picks (``layers.KernelPolicy``).
 
     ``expert_counts[l, e]``: real (non-padding) tokens routed to expert e in layer l (0 on dense layers).
     """
@@ -202,11 +205,11 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionB
     x = params["embed"][tokens]
     counts = []
     for l, lp in enumerate(params["layers"]):
-        h, kv = attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_eps), batch, kv, l, rope)
+        h, kv = attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_eps), batch, kv, l, rope, kernels)
         x = x + h
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps)
         if cfg.is_moe_layer(l):
-            h_out, layer_counts = moe(h, lp["mlp"], cfg, valid)
+            h_out, layer_counts = moe(h, lp["mlp"], cfg, valid, kernels)
             if "shared_mlp" in lp:
                 h_out = h_out + swiglu(h, **lp["shared_mlp"])
         else:

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from serving.config import ModelConfig
 from serving.kv_cache import AttentionBatch, PagedKV
+from serving.layers import DEFAULT, KernelPolicy
 from serving.models import llama, moe
 from serving.models.llama import WeightSpec
 from serving.sharding import EXPERT, TENSOR
@@ -85,7 +86,7 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch,
-            kv: PagedKV) -> tuple[jax.Array, PagedKV, jax.Array]:
+            kv: PagedKV, kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, PagedKV, jax.Array]:
     """Tokens ``[N]`` -> (logits ``[N, V]`` float32, updated cache, expert counts ``[layers, E]`` int32): the
     decoder of ``moe.forward``, whose attention and MoE layers read the biases, sinks and windows above."""
-    return moe.forward(params, cfg, tokens, batch, kv)
+    return moe.forward(params, cfg, tokens, batch, kv, kernels)

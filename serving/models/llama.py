@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from serving.config import ModelConfig
 from serving.kv_cache import AttentionBatch, PagedKV
-from serving.layers import apply_rope, paged_attention, rms_norm, rope_frequencies, swiglu
+from serving.layers import DEFAULT, KernelPolicy, apply_rope, paged_attention, rms_norm, rope_frequencies, swiglu
 from serving.quantization import linear
 from serving.sharding import TENSOR  # mesh axes that split weights ("data" splits only activations)
 
@@ -197,20 +197,24 @@ def rope_table(cfg: ModelConfig) -> Rope:
 
 
 def attention(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, batch: AttentionBatch, kv: PagedKV,
-              layer: int, rope: Rope) -> tuple[jax.Array, PagedKV]:
+              layer: int, rope: Rope, kernels: KernelPolicy = DEFAULT,
+              rope_positions: jax.Array | None = None) -> tuple[jax.Array, PagedKV]:
     """Grouped-query attention of ``x [N, D]`` -> ``[N, D]``: project (+ biases), (q/k norm), RoPE, write k/v,
-    attend within the layer's window (with the sinks)."""
+    attend within the layer's window (with the sinks), through the implementations ``kernels`` picks. RoPE turns
+    by ``rope_positions`` (``[N]`` or a position per frequency ``[N, hd/2]``, multimodal RoPE) where given, else by
+    the cache positions ``batch.positions``."""
     q, k, v = linear(x, p["q"]), linear(x, p["k"]), linear(x, p["v"])  # [N, D] @ [D, heads, hd]
     if cfg.attention_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], cfg.rms_eps), rms_norm(k, p["k_norm"], cfg.rms_eps)
     inv_freq, scale = rope
-    q = apply_rope(q, batch.positions, inv_freq, scale, cfg.rope.interleaved)
-    k = apply_rope(k, batch.positions, inv_freq, scale, cfg.rope.interleaved)
+    positions = batch.positions if rope_positions is None else rope_positions
+    q = apply_rope(q, positions, inv_freq, scale, cfg.rope.interleaved)
+    k = apply_rope(k, positions, inv_freq, scale, cfg.rope.interleaved)
     kv = kv.write(layer, k, v, batch.slot_mapping)
     out = paged_attention(q, kv.k[layer], kv.v[layer], batch, cfg.head_dim**-0.5, window=cfg.window(layer),
-                          sinks=p.get("sinks"))
+                          sinks=p.get("sinks"), kernels=kernels)
     out = linear(out, p["o"], axes=2)  # [N, H, hd] @ [H, hd, D]
     return (out + p["o_bias"] if cfg.attention_bias else out), kv
 
@@ -222,15 +226,16 @@ def logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch, kv: PagedKV,
-            hidden_layers: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
+            hidden_layers: tuple[int, ...] = (), kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, ...]:
     """Tokens ``[N]`` -> (logits ``[N, V]`` float32, updated cache, expert counts ``[layers, 0]`` (no experts)),
     and when ``hidden_layers`` names any, the hidden states after those layers ``[N, len(hidden_layers), D]``
-    (layer ``cfg.layers``: the final RMSNorm's input)."""
+    (layer ``cfg.layers``: the final RMSNorm's input). ``kernels``: the implementations the layers run
+    (``layers.KernelPolicy``)."""
     rope = rope_table(cfg)
     x = params["embed"][tokens]
     after = []  # after[l]: the hidden states after layer l + 1
     for l, lp in enumerate(params["layers"]):
-        h, kv = attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_eps), batch, kv, l, rope)
+        h, kv = attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_eps), batch, kv, l, rope, kernels)
         x = x + h
         x = x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_eps), **lp["mlp"])
         after.append(x)

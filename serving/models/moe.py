@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from serving.config import ModelConfig
 from serving.kv_cache import AttentionBatch, PagedKV
-from serving.layers import rms_norm, swiglu
+from serving.layers import DEFAULT, KernelPolicy, rms_norm, swiglu
 from serving.models import llama
 from serving.models.llama import WeightSpec
 from serving.sharding import EXPERT, TENSOR, moe
@@ -85,8 +85,9 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch,
-            kv: PagedKV) -> tuple[jax.Array, PagedKV, jax.Array]:
-    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, updated cache, expert counts ``[layers, E]`` int32).
+            kv: PagedKV, kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, PagedKV, jax.Array]:
+    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, updated cache, expert counts ``[layers, E]`` int32), through the
+    implementations ``kernels`` picks (``layers.KernelPolicy``).
 
     ``expert_counts[l, e]``: real (non-padding) tokens routed to expert e in layer l (0 on dense layers).
     """
@@ -95,11 +96,12 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionB
     x = params["embed"][tokens]
     counts = []
     for l, lp in enumerate(params["layers"]):
-        h, kv = llama.attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_eps), batch, kv, l, rope)
+        h, kv = llama.attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_eps), batch, kv, l, rope,
+                                kernels)
         x = x + h
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps)
         if cfg.is_moe_layer(l):
-            h, layer_counts = moe(h, lp["mlp"], cfg, valid)
+            h, layer_counts = moe(h, lp["mlp"], cfg, valid, kernels)
         else:
             h, layer_counts = swiglu(h, **lp["mlp"]), jnp.zeros(cfg.num_experts, jnp.int32)
         x = x + h

@@ -21,14 +21,13 @@ from serving.spec_decode.protocol import DraftRequest, Proposal
 from serving.spec_decode.verify import draw_drafts
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg", "sample", "paged_only"), donate_argnames="kv")
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "sample", "kernels"), donate_argnames="kv")
 def _draft_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, last: jax.Array, sampling: SamplingBatch, *,
                 forward: Callable, cfg: ModelConfig, sample: bool,
-                paged_only: bool) -> tuple[jax.Array, jax.Array | None, Any]:
-    """Draft model forward (within ``layers.paged_only(paged_only)``), then one draft token per sequence ``[S]``
+                kernels: layers.KernelPolicy) -> tuple[jax.Array, jax.Array | None, Any]:
+    """Draft model forward (its layers as the policy ``kernels`` says), then one draft token per sequence ``[S]``
     (and its distribution q ``[S, V]``)."""
-    with layers.paged_only(paged_only):
-        logits, kv, _ = forward(params, cfg, tokens, batch, kv)
+    logits, kv, _ = forward(params, cfg, tokens, batch, kv, kernels=kernels)
     return *draw_drafts(logits[last], sampling, sample), kv
 
 
@@ -132,5 +131,5 @@ class DraftModelDrafter:
         drafted, q, self.runner.kv = _draft_step(self.runner.params, self.runner.kv, tokens, batch, last,
                                                  sampling_batch(rows, num_seqs), forward=self.runner.forward,
                                                  cfg=self.runner.cfg, sample=self.sample,
-                                                 paged_only=layers.all_paged(batch))
+                                                 kernels=self.runner.step_kernels(layers.all_paged(batch)))
         return np.asarray(drafted)[:len(chunks)].tolist(), q

@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from serving.config import ModelConfig
 from serving.engine.sampling_params import SamplingParams
@@ -55,6 +57,29 @@ class HiddenSpan(NamedTuple):
     row: int
     position: int
     count: int
+
+
+def merge_proposals(proposals: Sequence[Proposal], k: int, vocab: int) -> Proposal:
+    """Several drafters' proposals (each for its own requests) as one, requests in order: q ``[R', k, V]`` (R' the
+    requests rounded up to a power of two, as one drafter's) has a deterministic drafter's rows one-hot at its
+    tokens; None when no drafter sampled. A single proposal is returned as it is."""
+    if len(proposals) == 1:
+        return proposals[0]
+    tokens = [t for p in proposals for t in p.tokens]
+    if all(p.probs is None for p in proposals):
+        return Proposal(tokens)
+    parts = []
+    for p in proposals:
+        if p.probs is None:
+            padded = np.zeros((len(p.tokens), k), np.int32)
+            for i, drafts in enumerate(p.tokens):
+                padded[i, :len(drafts)] = drafts
+            parts.append(jax.nn.one_hot(padded, vocab, dtype=jnp.float32))
+        else:
+            parts.append(p.probs[:len(p.tokens)].astype(jnp.float32))
+    rows = 1 << max(0, (len(tokens) - 1).bit_length())
+    probs = jnp.concatenate(parts)
+    return Proposal(tokens, jnp.pad(probs, ((0, rows - probs.shape[0]), (0, 0), (0, 0))))
 
 
 @runtime_checkable

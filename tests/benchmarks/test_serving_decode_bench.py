@@ -150,7 +150,8 @@ def test_a_case_past_its_time_limit_costs_its_rows_not_the_run(tmp_path):
 def test_the_benchmark_models_lower_to_the_triton_kernels_for_an_h200(name, case):
     """One layer of each benchmark model at its real width: B=64 decode (paged only, as the benchmark traces it) and
     a 2048-token prefill lower for an H200, every Triton module passing the MLIR verifier (the GPU run's compile
-    errors, caught on a CPU)."""
+    errors, caught on a CPU). The prefill runs the Mosaic GPU flash attention, or the Triton one where the layer
+    has sinks or a window."""
     cfg = ModelConfig.from_hf(serving_decode.MODELS[name] | dict(num_hidden_layers=1))
     module = model_module(cfg.family)
     context, blocks = 2048, 2048 // serving_decode.BLOCK_SIZE
@@ -160,13 +161,16 @@ def test_the_benchmark_models_lower_to_the_triton_kernels_for_an_h200(name, case
     chunks = ([SeqChunk(t, context - 1, 1) for t in tables] if case == "decode" else [SeqChunk(tables[0], 0, context)])
     batch = make_batch(chunks, serving_decode.BLOCK_SIZE)
     assert layers.all_paged(batch) == (case == "decode")
-    with layers.paged_only(case == "decode"):
-        text = lower_for_h200(lambda p, t, b, c: module.forward(p, cfg, t, b, c), params,
-                              jax.ShapeDtypeStruct(batch.positions.shape, jnp.int32), batch, kv)
-    kernels = {"paged_attention", "flash_attention_causal", "grouped_matmul"}  # 512 expert pairs: grouped
-    expected = {"paged_attention"} | ({"flash_attention_causal"} if case == "prefill" else set()) | (
-        {"grouped_matmul"} if cfg.num_experts else set())
-    assert {k for k in kernels if f'name = "{k}"' in text} == expected
+    policy = layers.KernelPolicy(paged_only=case == "decode")
+    text = lower_for_h200(lambda p, t, b, c: module.forward(p, cfg, t, b, c, kernels=policy), params,
+                          jax.ShapeDtypeStruct(batch.positions.shape, jnp.int32), batch, kv)
+    triton = cfg.attention_sinks or any(cfg.layer_windows)
+    flash = 'name = "flash_attention_causal"' if triton else "flash_attention_mgpu_causal"
+    kernels = {'name = "paged_attention"', 'name = "flash_attention_causal"', "flash_attention_mgpu_causal",
+               'name = "grouped_matmul"'}  # 512 expert pairs: grouped
+    expected = {'name = "paged_attention"'} | ({flash} if case == "prefill" else set()) | (
+        {'name = "grouped_matmul"'} if cfg.num_experts else set())
+    assert {k for k in kernels if k in text} == expected
 
 
 def decode_layer_ops(num_layers: int) -> collections.Counter:
@@ -178,9 +182,9 @@ def decode_layer_ops(num_layers: int) -> collections.Counter:
     params = jax.eval_shape(lambda: module.init_params(cfg, jax.random.key(0), jnp.bfloat16))
     kv = jax.eval_shape(lambda: PagedKV.create(cfg, blocks, serving_decode.BLOCK_SIZE, jnp.bfloat16))
     batch = make_batch([SeqChunk(list(range(blocks)), 2047, 1)], serving_decode.BLOCK_SIZE)
-    with layers.paged_only():
-        text = lower_for_h200(lambda p, t, b, c: module.forward(p, cfg, t, b, c), params,
-                              jax.ShapeDtypeStruct((1,), jnp.int32), batch, kv)
+    policy = layers.KernelPolicy(paged_only=True)
+    text = lower_for_h200(lambda p, t, b, c: module.forward(p, cfg, t, b, c, kernels=policy), params,
+                          jax.ShapeDtypeStruct((1,), jnp.int32), batch, kv)
     return executed_ops(text)
 
 

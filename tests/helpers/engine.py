@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import jax
 
 from serving import SamplingParams
-from serving.engine.engine import Engine
 from serving.engine.request import SequenceState
 from serving.engine.scheduler import Scheduler
+from serving.llm_engine import Engine
 
 BLOCK = 4
 EOS = 2

@@ -1,5 +1,6 @@
 """Shared by the API tests (no tests here): the tiny Llama fixture with a byte-level tokenizer and a chat
-template written for it, and a server on loopback."""
+template written for it, the tiny Qwen3-VL-MoE fixture with one whose template writes image placeholders, and a
+server on loopback."""
 
 import contextlib
 import json
@@ -22,21 +23,44 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MODEL_NAME = "tiny-llama"
 BLOCK = 4
+VL = HF / "qwen3_vl_moe"
+VL_MODEL_NAME = "tiny-qwen3-vl"
+# Qwen3-VL's markers at the ids of the fixture's config (image_token_id 310, video 311, vision start 312, end 313).
+VISION_MARKERS = {310: "<|image_pad|>", 311: "<|video_pad|>", 312: "<|vision_start|>", 313: "<|vision_end|>"}
+# Qwen3-VL's template reduced to what the tests use: a message's content is a string or a list of parts, an image
+# part written as <|vision_start|><|image_pad|><|vision_end|>.
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_tokenizer(folder: Path) -> None:
+def write_tokenizer(folder: Path, markers: dict[int, str] | None = None, chat_template: str = CHAT_TEMPLATE) -> None:
     """A byte-level tokenizer of exactly VOCAB ids: specials, the 256 bytes, chat markers, then filler words
-    (so every id the random model samples decodes)."""
+    (so every id the random model samples decodes), special ``markers`` at their ids among the fillers."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {token: i for i, token in enumerate(SPECIALS + sorted(alphabet))}
     hf = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS + CHAT_MARKERS])
-    hf.add_tokens([AddedToken(f" w{i}", normalized=False) for i in range(VOCAB - hf.get_vocab_size())])
+    fillers = 0
+
+    def fill_to(size: int) -> None:
+        nonlocal fillers
+        count = size - hf.get_vocab_size()
+        hf.add_tokens([AddedToken(f" w{fillers + i}", normalized=False) for i in range(count)])
+        fillers += count
+
+    for token_id, marker in sorted((markers or {}).items()):
+        fill_to(token_id)
+        hf.add_special_tokens([AddedToken(marker, special=True, normalized=False)])
+        assert hf.token_to_id(marker) == token_id
+    fill_to(VOCAB)
     assert hf.get_vocab_size() == VOCAB
     hf.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE}
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": chat_template}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
@@ -48,6 +72,14 @@ def model_folder(root: Path) -> Path:
     return folder
 
 
+def vl_model_folder(root: Path) -> Path:
+    """The Qwen3-VL-MoE fixture plus its tokenizer and chat template, copied under ``root``."""
+    folder = root / VL_MODEL_NAME
+    shutil.copytree(VL, folder)
+    write_tokenizer(folder, VISION_MARKERS, VL_CHAT_TEMPLATE)
+    return folder
+
+
 def make_engine(folder: Path, **kwargs) -> Engine:
     options = dict(dtype=jnp.float32, num_blocks=512, block_size=BLOCK, max_running=8, token_budget=64,
                    max_model_len=1024) | kwargs
@@ -55,8 +87,8 @@ def make_engine(folder: Path, **kwargs) -> Engine:
 
 
 @contextlib.contextmanager
-def running_server(engine: Engine, **kwargs) -> Iterator[tuple[Server, object]]:
+def running_server(engine: Engine, name: str = MODEL_NAME, **kwargs) -> Iterator[tuple[Server, object]]:
     """(server, app) on a free loopback port, stopped on exit."""
-    app = create_app(engine, MODEL_NAME, **kwargs)
+    app = create_app(engine, name, **kwargs)
     with Server(app) as server:
         yield server, app

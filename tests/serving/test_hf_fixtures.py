@@ -221,3 +221,19 @@ def test_reference_shapes_and_values(model):
 def test_fixtures_are_small():
     total = sum(f.stat().st_size for f in HF.rglob("*") if f.is_file())
     assert total < MAX_TOTAL_BYTES, f"{total} bytes of fixtures"
+
+
+def test_vision_language_fixture():
+    """Qwen3-VL-MoE as save_pretrained writes it: fp32, fused experts, the processor config beside it, and a
+    reference of two prompts with one image each whose placeholder runs match the images' grids."""
+    c, weights, ref = config("qwen3_vl_moe"), tensors("qwen3_vl_moe"), reference("qwen3_vl_moe")
+    assert c["transformers_version"] == "5.24.0" and c["architectures"] == ["Qwen3VLMoeForConditionalGeneration"]
+    assert all(a.dtype == np.float32 and np.isfinite(a).all() for a in weights.values())
+    assert {k for k in weights if k.endswith("experts.gate_up_proj")} and (HF / "qwen3_vl_moe" /
+                                                                           "preprocessor_config.json").is_file()
+    merge = c["vision_config"]["spatial_merge_size"] ** 2
+    assert ref["pixel_values"].shape[0] == ref["image_grid_thw"].prod(-1).sum()
+    for b, n in enumerate(ref["lengths"]):
+        ids = ref["input_ids"][b, :n]
+        assert (ids == c["image_token_id"]).sum() == ref["image_grid_thw"][b].prod() // merge
+        assert ref["greedy"][b, 0] == ref["logits"][b, n - 1].argmax()

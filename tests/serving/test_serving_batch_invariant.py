@@ -97,15 +97,17 @@ def step_inputs(name: str, chunks: list[SeqChunk], **sizes):
     return fixture_params(name, DTYPE), np.zeros(len(batch.positions), np.int32), batch, empty_cache(cfg, DTYPE)
 
 
-def model_step(name: str):
+def model_step(name: str, kernels: layers.KernelPolicy = layers.BATCH_INVARIANT):
+    """The fixture's forward with its layers run as ``kernels`` says (default: batch-invariant)."""
     cfg = fixture(name)[0]
-    return lambda params, tokens, batch, kv: model_module(cfg.family).forward(params, cfg, tokens, batch, kv)
+    return lambda params, tokens, batch, kv: model_module(cfg.family).forward(params, cfg, tokens, batch, kv,
+                                                                              kernels=kernels)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_no_float_matmul_or_sum_is_left_outside_the_kernels(name):
     args = step_inputs(name, [SeqChunk([3, 4, 5], 0, 9), SeqChunk([7, 8], 5, 1)])
-    assert float_ops_outside_kernels(jax.make_jaxpr(model_step(name))(*args)) != []  # the check has teeth
+    assert float_ops_outside_kernels(jax.make_jaxpr(model_step(name, layers.REFERENCE))(*args)) != []  # has teeth
     assert float_ops_outside_kernels(jax.make_jaxpr(invariant(model_step(name)))(*args)) == []
 
 
@@ -132,7 +134,8 @@ def test_attention_of_a_token_does_not_depend_on_the_table_width_or_the_batch(mo
     k_pages, v_pages = (jax.random.normal(k, (80, BLOCK, kv_heads, dim)).astype(DTYPE) for k in keys[:2])
     table = list(range(40, 66))  # 26 blocks: 104 positions
     probe = jax.random.normal(keys[2], (heads, dim)).astype(DTYPE)
-    attend = jax.jit(invariant(lambda q, k, v, batch: layers.paged_attention(q, k, v, batch, dim**-0.5)))
+    attend = jax.jit(invariant(lambda q, k, v, batch: layers.paged_attention(q, k, v, batch, dim**-0.5,
+                                                                             kernels=layers.BATCH_INVARIANT)))
 
     alone = make_batch([SeqChunk(table, 100, 1)], BLOCK, max_blocks=32)
     out_alone = attend(probe[None], k_pages, v_pages, alone)
@@ -164,7 +167,7 @@ BATCHED_TABLES = {PROBE: [17, 3, 29, 8], 1: [5, 22, 11], 2: [30, 0, 14], 3: [9, 
 
 @functools.cache
 def jitted_step(name: str, batch_invariant: bool):
-    return jax.jit(invariant(model_step(name)) if batch_invariant else model_step(name))
+    return jax.jit(invariant(model_step(name)) if batch_invariant else model_step(name, layers.REFERENCE))
 
 
 def run_schedule(name: str, schedule, tables, batch_invariant: bool = True, **sizes) -> dict:
@@ -198,8 +201,7 @@ def test_logits_are_bitwise_equal_alone_and_chunked_in_a_batch(name):
     batched = run_schedule(name, BATCHED, BATCHED_TABLES, **BATCHED_SIZES)
     for position in range(LENGTHS[PROBE]):
         assert_bitwise_equal(batched[PROBE, position], alone[PROBE, position], f"{name} position {position}")
-    with layers.use_kernels("reference"):  # and they are the model's logits
-        reference = run_schedule(name, ALONE, ALONE_TABLES, batch_invariant=False, **ALONE_SIZES)
+    reference = run_schedule(name, ALONE, ALONE_TABLES, batch_invariant=False, **ALONE_SIZES)  # the model's logits
     positions = sorted(reference)
     assert_close(np.stack([alone[p] for p in positions]), np.stack([reference[p] for p in positions]), rtol=BF16_RTOL)
 
@@ -208,9 +210,8 @@ def test_control_without_batch_invariant_mode_the_batch_changes_the_bits():
     """The same schedules through the plain-jnp path (XLA's own matmuls, ragged_dot and sums; decode steps alone
     with one token, not padded to 13): the probe's logits in the batch do differ in their bits, so the test above
     would see it. (An observation of XLA:CPU, where it holds at the decode positions; on a GPU far more differs.)"""
-    with layers.use_kernels("reference"):
-        alone = run_schedule("qwen3_moe", ALONE, ALONE_TABLES, batch_invariant=False)
-        batched = run_schedule("qwen3_moe", BATCHED, BATCHED_TABLES, batch_invariant=False, **BATCHED_SIZES)
+    alone = run_schedule("qwen3_moe", ALONE, ALONE_TABLES, batch_invariant=False)
+    batched = run_schedule("qwen3_moe", BATCHED, BATCHED_TABLES, batch_invariant=False, **BATCHED_SIZES)
     assert any((bits(batched[PROBE, p]) != bits(alone[PROBE, p])).any() for p in range(LENGTHS[PROBE]))
 
 
@@ -224,8 +225,8 @@ class LogitsRecorder:
     def __init__(self, forward):
         self.forward, self.logits, self.prompts = forward, {}, []
 
-    def __call__(self, params, cfg, tokens, batch, kv):
-        logits, kv, counts = self.forward(params, cfg, tokens, batch, kv)
+    def __call__(self, params, cfg, tokens, batch, kv, kernels=layers.DEFAULT):
+        logits, kv, counts = self.forward(params, cfg, tokens, batch, kv, kernels=kernels)
         jax.debug.callback(self.record, batch.seq_ids, batch.positions, logits)
         return logits, kv, counts
 
@@ -241,9 +242,9 @@ class LogitsRecorder:
         """Route ``engine``'s steps through this recorder (the sequences' prompts name their rows)."""
         dispatch = engine.runner.dispatch
 
-        def recorded_dispatch(chunks, token_ids, rows, num_top=0, previous=None):
+        def recorded_dispatch(chunks, token_ids, rows, num_top=0, previous=None, images=None):
             self.prompts = [tuple(r.prompt_ids) for r in rows]
-            return dispatch(chunks, token_ids, rows, num_top, previous)
+            return dispatch(chunks, token_ids, rows, num_top, previous, images)
 
         engine.runner.forward, engine.runner.dispatch = self, recorded_dispatch
         return engine
@@ -300,9 +301,9 @@ def test_refuses_what_it_cannot_make_invariant():
     q, pages = jnp.ones((5, 2, 8), DTYPE), jnp.ones((4, BLOCK, 1, 8), DTYPE)  # head_dim 8: no kernel takes it
     with pytest.raises(ValueError, match=r"batch-invariant mode runs the Pallas kernels, which do not take "
                                          r"bfloat16\[5, 2, 8\]"):
-        jax.make_jaxpr(invariant(lambda q, p, b: layers.paged_attention(q, p, p, b, 1.0)))(q, pages, batch)
-    with pytest.raises(ValueError, match="batch_invariant=True with speculative decoding"):
-        Engine(HF / "llama", batch_invariant=True, speculative=SpecConfig(lambda cfg, params: None))
+        jax.make_jaxpr(invariant(lambda q, p, b: layers.paged_attention(q, p, p, b, 1.0,
+                                                                         kernels=layers.BATCH_INVARIANT)))(
+            q, pages, batch)
 
 
 def test_cli_flag_makes_a_batch_invariant_engine():
@@ -328,7 +329,8 @@ def test_a_benchmark_layer_lowers_for_an_h200_with_no_xla_matmul_left(case):
     chunks = [SeqChunk(t, context - 1, 1) for t in tables] if case == "decode" else [SeqChunk(tables[0], 0, context)]
     batch = make_batch(chunks, serving_decode.BLOCK_SIZE)
     tokens = jax.ShapeDtypeStruct(batch.positions.shape, jnp.int32)
-    text = lower_for_h200(invariant(lambda p, t, b, kv: module.forward(p, cfg, t, b, kv)), params, tokens, batch, kv)
+    step = invariant(lambda p, t, b, kv: module.forward(p, cfg, t, b, kv, kernels=layers.BATCH_INVARIANT))
+    text = lower_for_h200(step, params, tokens, batch, kv)
     assert "stablehlo.dot_general" not in text
     assert all(kernel in text for kernel in ("matmul", "grouped_matmul", "paged_attention"))
 
@@ -350,3 +352,18 @@ def test_benchmark_overhead_is_the_step_time_over_the_serving_rows():
     assert rows[1]["overhead_vs_serving"] == 1.5
     assert rows[2]["overhead_vs_serving"] is None  # no serving prefill row to compare with
     assert "overhead_vs_serving" not in rows[0]
+
+
+@pytest.mark.slow  # verification shapes compile too, with the kernels in Pallas' interpreter
+def test_speculative_greedy_tokens_equal_the_plain_batch_invariant_engines():
+    """Verification passes are traced in kernel mode BATCH_INVARIANT as well, so a drafted position's logits are
+    those a one-token step gives: greedy tokens with suffix drafting (drafts accepted) are the plain engine's."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 320, 10).tolist() * 2, rng.integers(3, 320, 7).tolist()]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    options = dict(dtype=DTYPE, num_blocks=64, block_size=BLOCK, max_running=4, token_budget=32, batch_invariant=True)
+    plain = Engine(HF / "llama", **options).generate(prompts, params)
+    engine = Engine(HF / "llama", speculative=SpecConfig.from_method("suffix", k=4), **options)
+    drafted = engine.generate(prompts, params)
+    assert [r.outputs[0].token_ids for r in drafted] == [r.outputs[0].token_ids for r in plain]
+    assert engine.spec_stats.num_accepted_tokens > 0

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from helpers import HF
 
-from pallas_kernels.testing import TRITON_CALL_TARGET, assert_close, lower_for_h200
+from pallas_kernels import device
+from pallas_kernels.testing import TRITON_CALL_TARGET, assert_close, lower_for_h200, on_gpu
 from serving import SamplingParams, layers
 from serving.config import ModelConfig
 from serving.engine import runner as runner_module
@@ -54,21 +55,23 @@ def normal(seed: int, shape, dtype) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), dtype)
 
 
-def in_mode(mode: str, fn, *args, paged_only: bool = False):
-    """``jax.jit(fn)(*args)`` traced in kernel mode ``mode`` (a fresh jit: the mode is read while tracing)."""
-    with layers.use_kernels(mode), layers.paged_only(paged_only):
-        return jax.jit(fn)(*args)
+def policy(base: layers.KernelPolicy, paged_only: bool = False) -> layers.KernelPolicy:
+    return dataclasses.replace(base, paged_only=paged_only)
 
 
-def traced_kernels(mode: str, fn, *args, paged_only: bool = False) -> set[str]:
-    """The names of the Pallas kernels ``fn(*args)`` runs, traced in kernel mode ``mode``."""
-    with layers.use_kernels(mode), layers.paged_only(paged_only):
-        jaxpr = str(jax.make_jaxpr(fn)(*args))
+def in_mode(kernels: layers.KernelPolicy, fn, *args, paged_only: bool = False):
+    """``jax.jit(fn)(*args)`` with its layers run as the policy ``kernels`` says (``paged_only`` set)."""
+    return jax.jit(functools.partial(fn, kernels=policy(kernels, paged_only)))(*args)
+
+
+def traced_kernels(kernels: layers.KernelPolicy, fn, *args, paged_only: bool = False) -> set[str]:
+    """The names of the Pallas kernels ``fn(*args)`` runs with policy ``kernels``."""
+    jaxpr = str(jax.make_jaxpr(functools.partial(fn, kernels=policy(kernels, paged_only)))(*args))
     return set(re.findall(r"pallas_call\[.*?\bname=(\w+)", jaxpr, flags=re.DOTALL))
 
 
-def runs_a_pallas_kernel(mode: str, fn, *args) -> bool:
-    return bool(traced_kernels(mode, fn, *args))
+def runs_a_pallas_kernel(kernels: layers.KernelPolicy, fn, *args) -> bool:
+    return bool(traced_kernels(kernels, fn, *args))
 
 
 def test_make_batch_splits_tokens_between_the_paged_and_packed_kernels():
@@ -79,7 +82,7 @@ def test_make_batch_splits_tokens_between_the_paged_and_packed_kernels():
     np.testing.assert_array_equal(batch.chunk_starts, [0, 1, 7, 8, 9, 10, 11, 12] + [12] * 9)
 
 
-# Within layers.paged_only() every token attends through the paged kernel (first prefill chunks too): no packed
+# With KernelPolicy.paged_only every token attends through the paged kernel (first prefill chunks too): no packed
 # flash_attention, and the same result on any batch.
 PAGED_ONLY = pytest.mark.parametrize("paged_only", [False, True], ids=["split", "paged_only"])
 
@@ -94,9 +97,9 @@ def test_paged_attention_kernels_equal_the_reference_on_a_mixed_batch(dtype, pag
     attend = functools.partial(layers.paged_attention, scale=head_dim**-0.5)
     args = (q, k_pages, v_pages, mixed_batch())
     expected_kernels = {"paged_attention"} if paged_only else {"paged_attention", "flash_attention_causal"}
-    assert traced_kernels("interpret", attend, *args, paged_only=paged_only) == expected_kernels
-    kernels = in_mode("interpret", attend, *args, paged_only=paged_only)
-    assert_close(kernels, in_mode("reference", attend, *args))
+    assert traced_kernels(layers.INTERPRET, attend, *args, paged_only=paged_only) == expected_kernels
+    kernels = in_mode(layers.INTERPRET, attend, *args, paged_only=paged_only)
+    assert_close(kernels, in_mode(layers.REFERENCE, attend, *args))
     assert float(jnp.abs(kernels[:12].astype(jnp.float32)).min(axis=(1, 2)).max()) > 0  # real tokens attend
     assert not np.asarray(kernels[12:], np.float32).any()  # padding tokens give zeros, as in the reference
 
@@ -109,8 +112,9 @@ def test_paged_mla_attention_kernels_equal_the_reference_on_a_mixed_batch(dtype,
             normal(2, (NUM_BLOCKS, BLOCK, rank + rope), dtype), mixed_batch())
     attend = functools.partial(layers.paged_mla_attention, scale=(rank + rope) ** -0.5)
     expected_kernels = {"paged_mla_attention"} | (set() if paged_only else {"flash_attention_causal"})
-    assert traced_kernels("interpret", attend, *args, paged_only=paged_only) == expected_kernels
-    assert_close(in_mode("interpret", attend, *args, paged_only=paged_only), in_mode("reference", attend, *args))
+    assert traced_kernels(layers.INTERPRET, attend, *args, paged_only=paged_only) == expected_kernels
+    assert_close(in_mode(layers.INTERPRET, attend, *args, paged_only=paged_only),
+                 in_mode(layers.REFERENCE, attend, *args))
 
 
 @PAGED_ONLY
@@ -126,14 +130,14 @@ def test_window_and_sinks_through_the_kernels_equal_the_reference(window, with_s
     attend = functools.partial(layers.paged_attention, scale=head_dim**-0.5, window=window, sinks=sinks)
     args = (q, k_pages, v_pages, mixed_batch())
     expected_kernels = {"paged_attention"} if paged_only else {"paged_attention", "flash_attention_causal"}
-    assert traced_kernels("interpret", attend, *args, paged_only=paged_only) == expected_kernels
-    kernels = in_mode("interpret", attend, *args, paged_only=paged_only)
-    assert_close(kernels, in_mode("reference", attend, *args))
-    plain = in_mode("reference", functools.partial(layers.paged_attention, scale=head_dim**-0.5), *args)
+    assert traced_kernels(layers.INTERPRET, attend, *args, paged_only=paged_only) == expected_kernels
+    kernels = in_mode(layers.INTERPRET, attend, *args, paged_only=paged_only)
+    assert_close(kernels, in_mode(layers.REFERENCE, attend, *args))
+    plain = in_mode(layers.REFERENCE, functools.partial(layers.paged_attention, scale=head_dim**-0.5), *args)
     assert not np.allclose(kernels[:12], plain[:12], atol=1e-3)  # the window / sinks matter on this batch
     assert not np.asarray(kernels[12:]).any()
-    with layers.use_kernels(layers.BATCH_INVARIANT), pytest.raises(ValueError, match="batch-invariant mode: a slid"):
-        attend(*args)
+    with pytest.raises(ValueError, match="batch-invariant mode: a slid"):
+        attend(*args, kernels=layers.BATCH_INVARIANT)
 
 
 def test_all_paged_is_true_for_a_batch_without_a_first_prefill_chunk():
@@ -146,7 +150,7 @@ def test_unsupported_head_dims_run_the_reference():
     q = normal(0, (NUM_TOKENS, 4, 8), jnp.float32)  # head_dim 8: not a multiple of a 16-wide tl.dot tile
     pages = normal(1, (NUM_BLOCKS, BLOCK, 2, 8), jnp.float32)
     attend = functools.partial(layers.paged_attention, scale=1.0)
-    assert not runs_a_pallas_kernel("interpret", attend, q, pages, pages, mixed_batch())
+    assert not runs_a_pallas_kernel(layers.INTERPRET, attend, q, pages, pages, mixed_batch())
 
 
 def moe_config() -> ModelConfig:
@@ -165,12 +169,12 @@ def test_moe_expert_kernels_equal_ragged_dot(dtype, tokens, kernel):
     x = normal(4, (tokens, d), dtype)
     valid = jnp.arange(tokens) < tokens - 3  # three padding tokens: their pairs read no expert
 
-    def run(x, params, valid):
-        return layers.moe(x, params, cfg, valid)
+    def run(x, params, valid, kernels):
+        return layers.moe(x, params, cfg, valid, kernels=kernels)
 
-    assert traced_kernels("interpret", run, x, params, valid) == {kernel}
-    (y, counts), (y_ref, counts_ref) = (in_mode("interpret", run, x, params, valid),
-                                        in_mode("reference", run, x, params, valid))
+    assert traced_kernels(layers.INTERPRET, run, x, params, valid) == {kernel}
+    (y, counts), (y_ref, counts_ref) = (in_mode(layers.INTERPRET, run, x, params, valid),
+                                        in_mode(layers.REFERENCE, run, x, params, valid))
     assert_close(y, y_ref)
     assert float(jnp.abs(y[:-3].astype(jnp.float32)).min(axis=1).max()) > 0
     assert not np.asarray(y[-3:], np.float32).any()  # padding tokens come out 0 in both paths
@@ -181,15 +185,19 @@ def test_moe_expert_kernels_equal_ragged_dot(dtype, tokens, kernel):
 def test_quantized_experts_keep_the_ragged_dot_path():
     w = quantize(normal(0, (4, 32, 16), jnp.float32), "int8")
     x, sizes = normal(1, (10, 32), jnp.float32), jnp.array([3, 0, 5, 2], jnp.int32)
-    assert not runs_a_pallas_kernel("interpret", layers.expert_matmul, x, w, sizes)
-    assert runs_a_pallas_kernel("interpret", layers.expert_matmul, x, normal(0, (4, 32, 16), jnp.float32), sizes)
+    assert not runs_a_pallas_kernel(layers.INTERPRET, layers.expert_matmul, x, w, sizes)
+    assert runs_a_pallas_kernel(layers.INTERPRET, layers.expert_matmul, x, normal(0, (4, 32, 16), jnp.float32), sizes)
 
 
-def test_use_kernels_rejects_an_unknown_mode():
-    with pytest.raises(ValueError, match="'triton'.*expected one of"):
-        with layers.use_kernels("triton"):
-            pass
-    assert layers.kernel_mode() == "auto"
+def test_kernel_policy_rejects_what_no_op_has():
+    with pytest.raises(ValueError, match="paged_attention: implementation='mosaic': expected None, one of "
+                                         r"\('triton', 'xla'\)"):
+        layers.KernelPolicy(paged_attention="mosaic")
+    with pytest.raises(TypeError, match="expected None, a name or a tuple of names"):
+        layers.KernelPolicy(flash_attention=["mosaic", "xla"])  # a list is not hashable: no jit static argument
+    with pytest.raises(ValueError, match="KernelPolicy.experts='cudnn'"):
+        layers.KernelPolicy(experts="cudnn")
+    assert hash(layers.KernelPolicy(flash_attention=("mosaic", "triton"))) is not None
 
 
 # --------------------------------------------------------------------------- fixture models
@@ -201,7 +209,7 @@ def fixture(name: str, dtype: jnp.dtype = jnp.float32):
     return cfg, model_module(cfg.family).params_from_hf(cfg, tensors, dtype)
 
 
-def mixed_steps(name: str) -> list[np.ndarray]:
+def mixed_steps(name: str, kernels: layers.KernelPolicy) -> list[np.ndarray]:
     """Two fp32 steps of fixture ``name`` over one cache: prefills (one whole, one first chunk), then a decode
     token, the second prompt's continuing chunk and a third prompt's whole prefill. Returns both steps' logits."""
     cfg, params = fixture(name)
@@ -209,7 +217,7 @@ def mixed_steps(name: str) -> list[np.ndarray]:
     tables = [[2, 5, 11], [7, 0, 9, 4], [1, 3]]
     steps = [[SeqChunk(tables[0], 0, 7), SeqChunk(tables[1], 0, 5)],
              [SeqChunk(tables[0], 7, 1), SeqChunk(tables[1], 5, 6), SeqChunk(tables[2], 0, 3)]]
-    forward = jax.jit(model_module(cfg.family).forward, static_argnums=1)  # fresh: traced in the caller's mode
+    forward = jax.jit(functools.partial(model_module(cfg.family).forward, kernels=kernels), static_argnums=1)
     kv = create_cache(cfg, NUM_BLOCKS, jnp.float32)
     out = []
     for chunks in steps:
@@ -223,31 +231,28 @@ def mixed_steps(name: str) -> list[np.ndarray]:
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "llama", "mixtral", "mixtral_window", "qwen3",
                                   "gpt_oss"])
 def test_fixture_models_give_the_reference_logits_through_the_kernels(name, paged_only):
-    with layers.use_kernels("interpret"), layers.paged_only(paged_only):
-        kernels = mixed_steps(name)
-    with layers.use_kernels("reference"):
-        reference = mixed_steps(name)
+    kernels = mixed_steps(name, policy(layers.INTERPRET, paged_only))
+    reference = mixed_steps(name, layers.REFERENCE)
     for step, (got, want) in enumerate(zip(kernels, reference, strict=True)):
         assert_close(got, want, rtol=LOGITS_RTOL, name=f"{name} step {step} logits")
 
 
 @pytest.mark.slow  # 7-25 s on 2 shared cores: the runner compiles its step in both modes
-def test_runner_keys_its_compiled_step_on_the_kernel_mode():
-    """The same model through the runner in both modes: each mode compiles its own steps; the same tokens."""
+def test_runner_keys_its_compiled_step_on_the_kernel_policy():
+    """The same model through the runner with two policies: each compiles its own steps; the same tokens."""
     cfg, params = fixture("qwen3_moe")
     prompt = [5, 17, 42, 9, 3, 11]
     greedy = SampleRow(SamplingParams(temperature=0.0), 0, 0, prompt, [])
     results, compiles = {}, {}
-    for mode in ("reference", "interpret"):
+    for mode, kernels in (("reference", layers.REFERENCE), ("interpret", layers.INTERPRET)):
         before = runner_module._step._cache_size()
         runner = ModelRunner(cfg, params, model_module(cfg.family).forward, create_cache(cfg, 16, jnp.float32),
-                             BLOCK)
-        with layers.use_kernels(mode):
-            first = runner.run([SeqChunk([0, 1], 0, 6)], [prompt], [greedy])
-            second = runner.run([SeqChunk([0, 1], 6, 1)], [[int(first.tokens[0])]], [greedy])
+                             BLOCK, kernels=kernels)
+        first = runner.run([SeqChunk([0, 1], 0, 6)], [prompt], [greedy])
+        second = runner.run([SeqChunk([0, 1], 6, 1)], [[int(first.tokens[0])]], [greedy])
         results[mode] = (first, second)
         compiles[mode] = runner_module._step._cache_size() - before
-    # Same shapes, so without the mode in its key the interpret run would reuse the reference compile. (Interpret
+    # Same shapes, so without the policy in its key the interpret run would reuse the reference compile. (Interpret
     # mode's first run also changes jax's tracing context once, so it may compile once more.)
     assert compiles["reference"] >= 1 and compiles["interpret"] >= 1
     for a, b in zip(results["reference"], results["interpret"], strict=True):
@@ -262,15 +267,14 @@ def test_runner_keys_its_compiled_step_on_the_kernel_mode():
 @pytest.mark.parametrize("name, attention", [("qwen3_moe", "paged_attention"), ("deepseek_v3", "paged_mla_attention")])
 def test_a_whole_decode_step_lowers_to_the_triton_kernels_for_an_h200(name, attention, paged_only):
     """A decode step (8 padded tokens: at most 24 expert pairs) lowers to the paged kernel and gather_matmul, with
-    no sort; within paged_only (as the runner traces it) without the packed prefill kernel."""
+    no sort; paged only (as the runner traces it) without the packed prefill kernel."""
     cfg, params = fixture(name, jnp.bfloat16)
     batch = make_batch([SeqChunk([2, 5], 6, 1), SeqChunk([7], 1, 1)], BLOCK, num_tokens=8, num_seqs=2)
     assert layers.all_paged(batch)
     kv = jax.eval_shape(lambda: create_cache(cfg, NUM_BLOCKS, jnp.bfloat16))
-    step = functools.partial(model_module(cfg.family).forward, cfg=cfg)
-    with layers.paged_only(paged_only):
-        text = lower_for_h200(lambda p, t, b, c: step(p, tokens=t, batch=b, kv=c), params,
-                              jax.ShapeDtypeStruct((8,), jnp.int32), batch, kv)
+    step = functools.partial(model_module(cfg.family).forward, cfg=cfg, kernels=policy(layers.DEFAULT, paged_only))
+    text = lower_for_h200(lambda p, t, b, c: step(p, tokens=t, batch=b, kv=c), params,
+                          jax.ShapeDtypeStruct((8,), jnp.int32), batch, kv)
     assert TRITON_CALL_TARGET in text
     assert f'name = "{attention}"' in text and 'name = "gather_matmul"' in text
     assert ('name = "flash_attention_causal"' in text) != paged_only
@@ -279,16 +283,15 @@ def test_a_whole_decode_step_lowers_to_the_triton_kernels_for_an_h200(name, atte
 
 
 def test_a_gpt_oss_decode_step_lowers_to_the_triton_kernels_for_an_h200():
-    """GPT-OSS within paged_only (as the runner traces decode): both layers (sliding + sinks, full + sinks) through
+    """GPT-OSS paged only (as the runner traces decode): both layers (sliding + sinks, full + sinks) through
     the paged kernel; its biased, clamped experts through grouped_matmul (gather_matmul fuses a plain SwiGLU
     only)."""
     cfg, params = fixture("gpt_oss", jnp.bfloat16)
     batch = make_batch([SeqChunk([2, 5, 6], 9, 1), SeqChunk([7], 1, 1)], BLOCK, num_tokens=8, num_seqs=2)
     kv = jax.eval_shape(lambda: create_cache(cfg, NUM_BLOCKS, jnp.bfloat16))
-    step = functools.partial(model_module(cfg.family).forward, cfg=cfg)
-    with layers.paged_only():
-        text = lower_for_h200(lambda p, t, b, c: step(p, tokens=t, batch=b, kv=c), params,
-                              jax.ShapeDtypeStruct((8,), jnp.int32), batch, kv)
+    step = functools.partial(model_module(cfg.family).forward, cfg=cfg, kernels=policy(layers.DEFAULT, True))
+    text = lower_for_h200(lambda p, t, b, c: step(p, tokens=t, batch=b, kv=c), params,
+                          jax.ShapeDtypeStruct((8,), jnp.int32), batch, kv)
     assert text.count('name = "paged_attention"') >= cfg.layers and 'name = "grouped_matmul"' in text
     assert 'name = "flash_attention_causal"' not in text and 'name = "gather_matmul"' not in text
 
@@ -310,3 +313,59 @@ def test_mla_at_deepseek_v3_width_lowers_for_an_h200(chunks):
     text = lower_for_h200(lambda p, t, b, c: module.forward(p, cfg, t, b, c), params,
                           jax.ShapeDtypeStruct(batch.positions.shape, jnp.int32), batch, kv)
     assert 'name = "paged_mla_attention"' in text and 'name = "flash_attention_causal"' in text
+
+
+# A Llama-like layer's attention at real width (32/8 heads, d128, bf16) on a prefill of two prompts.
+WIDE = dict(heads=32, kv_heads=8, head_dim=128)
+
+
+def wide_attention_args():
+    chunks = [SeqChunk(list(range(16)), 0, 48), SeqChunk(list(range(16, 32)), 0, 40)]
+    batch = make_batch(chunks, 16, num_tokens=128, num_seqs=2, max_blocks=16)
+    q = jax.ShapeDtypeStruct((128, WIDE["heads"], WIDE["head_dim"]), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((32, 16, WIDE["kv_heads"], WIDE["head_dim"]), jnp.bfloat16)
+    return q, pages, pages, batch
+
+
+@pytest.mark.parametrize("kernels, window, mosaic", [
+    (layers.DEFAULT, 0, True),  # the fastest measured on an H200: Mosaic GPU flash attention
+    (layers.DEFAULT, 64, False),  # Mosaic has no sliding window: the Triton kernel
+    (layers.KernelPolicy(flash_attention="triton"), 0, False),  # as the policy says
+    (layers.KernelPolicy(flash_attention=("mosaic", "triton")), 0, True),
+], ids=["default", "default_window", "triton", "chain"])
+def test_a_prefill_lowers_to_the_flash_kernel_the_policy_picks_for_an_h200(kernels, window, mosaic):
+    """The packed prefill of first chunks through the implementation the policy resolves to on an H200; the paged
+    part through the Triton kernel either way."""
+    attend = functools.partial(layers.paged_attention, scale=WIDE["head_dim"] ** -0.5, window=window,
+                               kernels=kernels)
+    text = lower_for_h200(attend, *wide_attention_args())
+    assert 'name = "paged_attention"' in text
+    assert ("flash_attention_mgpu_causal" in text) == mosaic
+    assert ('name = "flash_attention_causal"' in text) != mosaic
+
+
+def test_a_policy_asking_for_what_cannot_serve_the_call_is_a_value_error():
+    attend = functools.partial(layers.paged_attention, scale=WIDE["head_dim"] ** -0.5, window=64,
+                               kernels=layers.KernelPolicy(flash_attention="mosaic"))
+    with pytest.raises(ValueError, match="flash_attention: implementation='mosaic' cannot serve this call: it has "
+                                         r"no sliding window \(window=64\)"):
+        lower_for_h200(attend, *wide_attention_args())
+
+
+@pytest.mark.skipif(not on_gpu(), reason="the default policy runs the kernels only on a GPU (the H200 lowering tests "
+                                         "above check its choice on a CPU)")
+@pytest.mark.parametrize("window", [0, 3], ids=["no_window", "window"])
+def test_the_default_policy_compiled_on_the_gpu_gives_the_reference(window):
+    """The mixed batch at d128 in bf16 through the default policy, compiled: on a Hopper the first chunk's prefill
+    runs the Mosaic GPU flash attention (Triton with a window), the rest the paged Triton kernel."""
+    heads, kv_heads, head_dim = 8, 2, 128
+    q = normal(0, (NUM_TOKENS, heads, head_dim), jnp.bfloat16)
+    k_pages = normal(1, (NUM_BLOCKS, BLOCK, kv_heads, head_dim), jnp.bfloat16)
+    v_pages = normal(2, (NUM_BLOCKS, BLOCK, kv_heads, head_dim), jnp.bfloat16)
+    attend = functools.partial(layers.paged_attention, scale=head_dim**-0.5, window=window)
+    args = (q, k_pages, v_pages, mixed_batch())
+    text = jax.jit(functools.partial(attend, kernels=layers.DEFAULT)).lower(*args).as_text()
+    mosaic = device.gpu().arch.name == "sm_90" and not window
+    assert ("flash_attention_mgpu_causal" in text) == mosaic
+    assert ('name = "flash_attention_causal"' in text) != mosaic and 'name = "paged_attention"' in text
+    assert_close(in_mode(layers.DEFAULT, attend, *args), in_mode(layers.REFERENCE, attend, *args))

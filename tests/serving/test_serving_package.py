@@ -8,8 +8,8 @@ import pytest
 from helpers import REPO
 
 import serving
-from serving.engine.engine import Engine
 from serving.engine.sampling_params import SamplingParams
+from serving.llm_engine import Engine
 from serving.loaders.model import LoadedModel, load_model
 from serving.spec_decode.config import SpecConfig
 from serving.structured import ConstraintSpec

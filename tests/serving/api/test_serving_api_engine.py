@@ -10,9 +10,9 @@ from helpers import HF
 
 from serving import SamplingParams
 from serving.engine.blocks import BlockAllocator
-from serving.engine.engine import ABORT, Engine, EngineFullError, StepError
 from serving.engine.request import SequenceState
 from serving.engine.scheduler import Scheduler
+from serving.llm_engine import ABORT, Engine, EngineFullError, StepError
 
 LLAMA = HF / "llama"
 BLOCK = 4
@@ -102,12 +102,12 @@ def test_a_failing_step_fails_only_its_requests_and_the_engine_recovers(referenc
     dispatch = eng.runner.dispatch
     poison = [7, 7, 7, 7, 7]
 
-    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None):
+    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None, images=None):
         if any(r.prompt_ids == poison for r in rows):
             if consume_cache:
                 jax.tree.map(lambda a: a.delete(), eng.runner.kv)
             raise RuntimeError("injected device failure")
-        return dispatch(chunks, token_ids, rows, num_top, previous)
+        return dispatch(chunks, token_ids, rows, num_top, previous, images)
 
     monkeypatch.setattr(eng.runner, "dispatch", failing_dispatch)
     cached = eng.generate([prompts[1]], GREEDY)[0].outputs[0].token_ids  # fills the prefix cache

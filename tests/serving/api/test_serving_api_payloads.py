@@ -132,7 +132,7 @@ BAD = {
     "content a number": (CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "content"),
     "content neither text nor calls": (CHAT, chat(messages=[{"role": "user"}]), 400, "neither content"),
     "image part": (CHAT, chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400, "'image_url'"),
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400, "has no vision encoder"),
     "image after text": (CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]),
                          400, "text only"),
@@ -205,7 +205,7 @@ BAD = {
     "anthropic unknown role": (MESSAGES_ROUTE, messages(messages=[{"role": "robot", "content": "x"}]), 400,
                                "robot"),
     "anthropic image block": (MESSAGES_ROUTE, messages(messages=[{"role": "user", "content": [
-        {"type": "image", "source": {}}]}]), 400, "'image'"),
+        {"type": "image", "source": {}}]}]), 400, "has no vision encoder"),
     "anthropic document block": (MESSAGES_ROUTE, messages(messages=[{"role": "user", "content": [
         {"type": "document", "source": {}}]}]), 400, "'document'"),
     "anthropic image in a tool result": (MESSAGES_ROUTE, messages(messages=[
@@ -234,7 +234,7 @@ BAD = {
         "type": "json_schema", "schema": "nope"}}), 400, "schema"),
     "count_tokens without messages": (COUNT_TOKENS, {"model": MODEL_NAME}, 400, "messages"),
     "count_tokens image block": (COUNT_TOKENS, {"model": MODEL_NAME, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {}}]}]}, 400, "'image'"),
+        {"type": "image", "source": {}}]}]}, 400, "has no vision encoder"),
     "count_tokens unknown model": (COUNT_TOKENS, {"model": "claude-9", "messages": [{"role": "user", "content": "x"}]},
                                    404, "claude-9"),
     # Responses

@@ -38,6 +38,9 @@ READY_WITHIN_S = 240  # spawn, import jax, load the fixture, on 2 busy cores
 FREED_WITHIN_S = 2.0  # the abort's round trip: a step in progress, then the core's acknowledgement
 FAST_503_S = 0.1
 LONG_TOKENS = 300
+# Most of the 1024-token context: the tiny model decoded 300 tokens in under 0.5 s on an idle CPU, so a client that
+# disconnects (after DISCONNECT_AFTER_S, or mid-stream) leaves most of them ungenerated on any machine.
+DISCONNECT_TOKENS, DISCONNECT_AFTER_S = 1000, 0.2
 CHAT = "/v1/chat/completions"
 OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
              "additionalProperties": False}
@@ -217,7 +220,7 @@ def test_metrics_and_dashboard_follow_the_core(url):
 @pytest.mark.parametrize("route", [CHAT, "/v1/messages"])
 def test_a_client_that_disconnects_mid_stream_frees_the_core_s_blocks(url, route):
     generated = metric(url, "serving_generated_tokens_total")
-    body = chat(max_tokens=LONG_TOKENS, stream=True, ignore_eos=True)
+    body = chat(max_tokens=DISCONNECT_TOKENS, stream=True, ignore_eos=True)
     with httpx.stream("POST", f"{url}{route}", json=body, timeout=TIMEOUT_S) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(8)]
@@ -225,12 +228,7 @@ def test_a_client_that_disconnects_mid_stream_frees_the_core_s_blocks(url, route
         assert s["running"] == 1 and s["kv_blocks_used"] > 0
     assert any(line.startswith("data: ") for line in received)
     wait_until_idle(url, FREED_WITHIN_S)
-    assert metric(url, "serving_generated_tokens_total") - generated < LONG_TOKENS
-
-
-# Most of the 1024-token context: the tiny model decoded 300 tokens in under 0.5 s on an idle CPU, so a client
-# that gives up after DISCONNECT_AFTER_S leaves most of them ungenerated on any machine.
-DISCONNECT_TOKENS, DISCONNECT_AFTER_S = 1000, 0.2
+    assert metric(url, "serving_generated_tokens_total") - generated < DISCONNECT_TOKENS
 
 
 def test_a_non_streaming_client_that_disconnects_is_aborted(url):
@@ -374,7 +372,7 @@ def core(folder) -> EngineCore:
 
 
 def add(request_id: str, prompt_ids: list[int], **params) -> list:
-    return [ipc.ADD, request_id, prompt_ids, ipc.params_to_wire(SamplingParams(**params)), None]
+    return [ipc.ADD, request_id, prompt_ids, ipc.params_to_wire(SamplingParams(**params)), None, []]
 
 
 def test_core_turn_refuses_steps_and_aborts(core):
@@ -394,10 +392,10 @@ def test_core_turn_refuses_steps_and_aborts(core):
 def test_core_turn_fails_only_the_requests_of_a_failed_step(core, monkeypatch):
     dispatch = core.engine.runner.dispatch
 
-    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None):
+    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None, images=None):
         if any(list(r.prompt_ids) == [9, 9, 9] for r in rows):
             raise RuntimeError("injected device failure")
-        return dispatch(chunks, token_ids, rows, num_top, previous)
+        return dispatch(chunks, token_ids, rows, num_top, previous, images)
 
     monkeypatch.setattr(core.engine.runner, "dispatch", failing_dispatch)
     event = core.turn([add("poisoned", [9, 9, 9], max_tokens=3)])
@@ -413,10 +411,10 @@ def test_sampling_params_cross_the_wire_whole():
     assert ipc.params_from_wire(ipc.unpack(ipc.pack(ipc.params_to_wire(params)))) == params
 
 
-@pytest.mark.parametrize("fixture", ["qwen3", "gpt_oss", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("fixture", ["qwen3", "gpt_oss", "qwen3_moe", "deepseek_v3", "qwen3_vl_moe"])
 def test_the_front_end_rebuilds_every_model_config_from_the_wire(fixture):
     """The core sends its ModelConfig as msgpack plain data (tuples come back as lists): the front end's copy equals
-    it, windows, sinks and dense-layer lists included."""
+    it, windows, sinks, dense-layer lists and an image encoder included."""
     import dataclasses
     import json
 
@@ -427,5 +425,5 @@ def test_the_front_end_rebuilds_every_model_config_from_the_wire(fixture):
     cfg = ModelConfig.from_hf(json.loads((HF / fixture / "config.json").read_text()))
     info = ModelInfo()
     info.load(ipc.unpack(ipc.pack({"cfg": ipc.plain(dataclasses.asdict(cfg)), "eos_ids": [2], "max_model_len": 64,
-                                    "tokenizer": None})))
+                                    "tokenizer": None, "image_processor": None})))
     assert info.cfg == cfg

@@ -230,9 +230,9 @@ def test_cache_salt_is_passed_to_the_engine(url, served, monkeypatch):
     _, engine = served
     add_request, salts = engine.add_request, []
 
-    def recording_add_request(prompt, params, request_id, cache_salt=None):
+    def recording_add_request(prompt, params, request_id, cache_salt=None, images=()):
         salts.append(cache_salt)
-        return add_request(prompt, params, request_id, cache_salt)
+        return add_request(prompt, params, request_id, cache_salt, images)
 
     monkeypatch.setattr(engine, "add_request", recording_add_request)
     assert post(url, CHAT, chat(cache_salt="tenant-a")).status_code == 200
@@ -248,10 +248,10 @@ def test_an_engine_exception_fails_only_its_request_and_the_server_recovers(url,
     dispatch = engine.runner.dispatch
     poison = [3, 1, 4, 1, 5, 9, 2, 6]
 
-    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None):
+    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None, images=None):
         if any(list(r.prompt_ids) == poison for r in rows):
             raise RuntimeError("injected device failure")
-        return dispatch(chunks, token_ids, rows, num_top, previous)
+        return dispatch(chunks, token_ids, rows, num_top, previous, images)
 
     monkeypatch.setattr(engine.runner, "dispatch", failing_dispatch)
     body = {"model": MODEL_NAME, "prompt": poison, "max_tokens": 4, "stream": stream}

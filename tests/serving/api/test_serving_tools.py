@@ -197,9 +197,9 @@ def script(monkeypatch, text: str) -> None:
     output is constrained to exactly ``text``, so the routes parse and stream a real engine output."""
     submit = Frontend.submit
 
-    def scripted(self, prompt_ids, params, prefix, cache_salt=None):
+    def scripted(self, prompt_ids, params, prefix, cache_salt=None, images=None):
         return submit(self, prompt_ids, dataclasses.replace(params, constraint=ConstraintSpec.regex(re.escape(text))),
-                      prefix, cache_salt)
+                      prefix, cache_salt, images)
 
     monkeypatch.setattr(Frontend, "submit", scripted)
 
@@ -293,9 +293,9 @@ def test_a_named_function_gives_one_call_unless_parallel_calls_are_asked_for(oai
     seen = []
     submit = Frontend.submit
 
-    def recording(self, prompt_ids, params, prefix, cache_salt=None):
+    def recording(self, prompt_ids, params, prefix, cache_salt=None, images=None):
         seen.append(json.loads(params.constraint.value))
-        return submit(self, prompt_ids, params, prefix, cache_salt)
+        return submit(self, prompt_ids, params, prefix, cache_salt, images)
 
     monkeypatch.setattr(Frontend, "submit", recording)
     named = {"type": "function", "function": {"name": "time"}}

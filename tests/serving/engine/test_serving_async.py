@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from helpers.engine import BLOCK, CACHES, GREEDY, PENALIZED, SAMPLED, drive, prompts_of
 
-from serving.engine.engine import Engine
 from serving.engine.sampling_params import SamplingParams
+from serving.llm_engine import Engine
 
 
 @pytest.fixture(scope="module")

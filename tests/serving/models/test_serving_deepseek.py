@@ -77,10 +77,10 @@ def routing_margin(x: np.ndarray, params: dict, cfg: ModelConfig) -> np.ndarray:
     return np.minimum(group_margin, eligible[:, cfg.top_k - 1] - eligible[:, cfg.top_k])
 
 
-def recording_moe(margins: list, x, params, cfg, valid=None):
+def recording_moe(margins: list, x, params, cfg, valid=None, kernels=layers.DEFAULT):
     """``layers.moe`` that also appends each token's routing margin."""
     margins.append(routing_margin(x, params, cfg))
-    return layers.moe(x, params, cfg, valid)
+    return layers.moe(x, params, cfg, valid, kernels=kernels)
 
 
 def router_margins() -> list[np.ndarray]:

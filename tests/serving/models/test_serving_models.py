@@ -69,12 +69,12 @@ def test_greedy_decode_through_the_paged_cache_matches_hf(name):
                                       err_msg=f"{name} prompt {s}")
 
 
-def recording_moe(margins: list, x, params, cfg, valid=None):
+def recording_moe(margins: list, x, params, cfg, valid=None, kernels=layers.DEFAULT):
     """``layers.moe`` that also appends each token's top-k margin (k-th minus (k+1)-th router probability)."""
     logits = layers.router_logits(x, params, jnp.float32)
     probs = np.sort(np.asarray(jax.nn.softmax(logits, axis=-1)), axis=-1)[:, ::-1]
     margins.append(probs[:, cfg.top_k - 1] - probs[:, cfg.top_k])
-    return layers.moe(x, params, cfg, valid)
+    return layers.moe(x, params, cfg, valid, kernels=kernels)
 
 
 def router_margins(name: str) -> list[np.ndarray]:

@@ -396,5 +396,5 @@ def test_serve_command_line_builds_the_block_drafter(tmp_path):
     args = parser().parse_args(options + ["--speculative", "block", "--drafter", str(checkpoint),
                                           "--num-speculative-tokens", "2"])
     assert api_cli._engine(args)[0].speculative.k == 2
-    with pytest.raises(ValueError, match="--drafter and --num-speculative-tokens need --speculative"):
+    with pytest.raises(ValueError, match="--drafter, --num-speculative-tokens and --static-speculation need --spec"):
         api_cli._engine(parser().parse_args(options + ["--drafter", str(checkpoint)]))

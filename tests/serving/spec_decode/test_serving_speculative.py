@@ -18,7 +18,7 @@ from helpers.server import model_folder
 from scipy import stats
 
 from serving import Engine, SamplingParams
-from serving.engine import engine as engine_module
+from serving import llm_engine as engine_module
 from serving.engine.sampler import SampleRow, sampling_batch
 from serving.spec_decode import (
     NO_DRAFT,

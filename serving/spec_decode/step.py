@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from serving import layers
+from serving import batch_invariant, layers
 from serving.config import ModelConfig
 from serving.engine.runner import ModelRunner, StepShape
 from serving.engine.sampler import SampleRow, SamplingBatch, sampling_batch
@@ -24,16 +24,21 @@ from serving.spec_decode.verify import VerifyResult, verify
 from serving.structured import fill_draft_bitmask
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg", "hidden_layers", "paged_only"), donate_argnames="kv")
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "hidden_layers", "kernels"), donate_argnames="kv")
 def _score_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, rows: jax.Array, *, forward: Callable,
                 cfg: ModelConfig, hidden_layers: tuple[int, ...],
-                paged_only: bool) -> tuple[jax.Array, Any, jax.Array, jax.Array | None]:
-    """The target's forward over ``tokens [N]`` (within ``layers.paged_only(paged_only)``): its logits at the flat
+                kernels: layers.KernelPolicy) -> tuple[jax.Array, Any, jax.Array, jax.Array | None]:
+    """The target's forward over ``tokens [N]`` (its layers as the policy ``kernels`` says): its logits at the flat
     indices ``rows`` ``[S * (k + 1), V]``, the cache, the expert counts and, when ``hidden_layers`` names any, the
-    hidden states after them ``[N, len(hidden_layers), D]``."""
-    with layers.paged_only(paged_only):
-        logits, kv, expert_counts, *hidden = forward(params, cfg, tokens, batch, kv,
-                                                     **({"hidden_layers": hidden_layers} if hidden_layers else {}))
+    hidden states after them ``[N, len(hidden_layers), D]``. In batch-invariant mode a position's logits are those a
+    one-token step gives."""
+    def model(params, tokens, batch, kv):
+        return forward(params, cfg, tokens, batch, kv, kernels=kernels,
+                       **({"hidden_layers": hidden_layers} if hidden_layers else {}))
+
+    if kernels.batch_invariant:
+        model = batch_invariant.invariant(model)
+    logits, kv, expert_counts, *hidden = model(params, tokens, batch, kv)
     return logits[rows], kv, expert_counts, hidden[0] if hidden_layers else None
 
 
@@ -92,7 +97,7 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
     logits, runner.kv, counts, hidden = _score_step(
         runner.params, runner.kv, tokens, batch, rows.reshape(-1), forward=runner.forward, cfg=runner.cfg,
         hidden_layers=observer.hidden_layers if observer else (),
-        paged_only=layers.all_paged(batch))  # returns at once; the device computes
+        kernels=runner.step_kernels(layers.all_paged(batch)))  # returns at once; the device computes
     if runner.overlap_masks:
         bitmask = _draft_masks(runner, chunks, k, num_seqs)
     result = _verify_rows(logits, sampling_batch(sample_rows, num_seqs * (k + 1), token_bitmask=bitmask),
@@ -115,7 +120,7 @@ def compile_score(runner: ModelRunner, shape: StepShape, k: int) -> jax.ShapeDty
     batch = AttentionBatch(*(np.zeros(size, np.int32) for size in step_shapes(n, s, w)[1:-1]))
     compiled = _score_step.lower(runner.params, runner.kv, np.zeros(n, np.int32), batch,
                                  np.zeros(s * (k + 1), np.int32), forward=runner.forward, cfg=runner.cfg,
-                                 hidden_layers=(), paged_only=shape.paged_only).compile()
+                                 hidden_layers=(), kernels=runner.step_kernels(shape.paged_only)).compile()
     info = compiled.out_info[0]
     return jax.ShapeDtypeStruct(info.shape, info.dtype)
 

@@ -1,11 +1,11 @@
 """``Engine``: add requests, step, stream outputs; ``generate`` runs a batch of prompts to completion.
 
-Each ``step`` is one scheduler decision and one device call (``runner.py``); outputs carry each sequence's new
+Each ``step`` is one scheduler decision and one device call (``engine/runner.py``); outputs carry each sequence's new
 token, its text delta (stop strings cut), and, when the sequence is done, why. A request with
 ``SamplingParams.n = k`` runs as k sequences (sample i seeded with seed + i).
 
-With ``decode_steps = n > 1``, a step where every sequence decodes (no prefill chunk, no constrained row; not with
-speculative decoding or in batch-invariant mode) samples n tokens per sequence in its one device call where every
+With ``decode_steps = n > 1``, a step where every sequence decodes (no prefill chunk, no constrained row, no drafts;
+not in batch-invariant mode) samples n tokens per sequence in its one device call where every
 sequence has room for n (``Scheduler.reserve_ahead``; else a single step: one multi-step shape to compile;
 ``ModelRunner.decode``), with their logprobs where asked for.
 They are appended one by one, as n single steps would append them (stop conditions, streaming, block hashing), one
@@ -19,6 +19,13 @@ ahead holds every sequence that has room for its token (``Scheduler.reserve_next
 nothing waits to be admitted, every sequence decodes and none is constrained or penalized (their next token's
 mask or history needs the one before it on the host); a sequence that the step before finished has its token
 dropped. The tokens are those of synchronous steps: each is sampled from the same batch row, seed and position.
+
+Images (vision-language models; ``add_request(images=...)``): the prompt holds each image's placeholder tokens
+(``images.expand_placeholders``); the first step that schedules a prefill chunk of such a request runs the image
+encoder once over the images of every such request in the step (``ModelRunner.encode_images``), and the request
+keeps the embeddings, so later chunks, a preempted request's recompute and its n samples reuse them. Placeholder
+tokens are prompt tokens: the token budget and chunked prefill schedule them as any other. A full block holding
+image tokens is named in the prefix cache by its tokens and its images' digests (``SequenceState.block_salt``).
 
 Nothing need compile while serving: ``warm_up`` compiles every step shape the scheduler and runner can produce
 (``ModelRunner.step_shapes``: N tokens and W block-table columns over their buckets, S a function of
@@ -42,6 +49,7 @@ import dataclasses
 import itertools
 import json
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -52,7 +60,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from apex_data import default_cache_dir
-from serving import sharding
+from serving import layers, sharding
 from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
 from serving.engine.kv_tiers import KVTiers, TierStats, layout_fingerprint
@@ -61,11 +69,25 @@ from serving.engine.runner import Dispatched, ModelRunner
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.engine.scheduler import ScheduledChunk, Scheduler
-from serving.engine.spec_step import VerifyChunk, compile_score, compile_verify, verify_step
+from serving.images import ImageInput, ImageProcessorConfig, RequestImages, expand_placeholders
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.loaders import LoadedModel, load_model
 from serving.models import model_module
-from serving.spec_decode import DraftRequest, NgramDrafter, Proposal, SpecConfig, SpecStats, grammar_drafts
+from serving.spec_decode import (
+    OFF,
+    Drafter,
+    DraftRequest,
+    HiddenStateDrafter,
+    NgramDrafter,
+    Proposal,
+    SpecConfig,
+    SpecStats,
+    SuffixDrafter,
+    adaptive,
+    grammar_drafts,
+    merge_proposals,
+)
+from serving.spec_decode.step import VerifyChunk, compile_score, compile_verify, verify_step
 from serving.structured import compile_constraint
 
 SEED_RANGE = 2**32  # seeds are uint32
@@ -229,17 +251,21 @@ class Engine:
       max_model_len: context length (default: the model's max_position), at most the cache's
         num_blocks * block_size tokens: a sequence the cache cannot hold whole could never finish.
       max_queue: the most sequences waiting beyond ``max_running`` (None: no limit).
-      speculative: draft tokens and verify them in each decode step (``serving.spec_decode``); acceptance
-        counters in ``spec_stats``. Outputs are unchanged (greedy: identical; sampled: the same distribution).
+      speculative: draft tokens and verify them in one pass (``serving.spec_decode``); acceptance counters in
+        ``spec_stats``. Outputs are unchanged (greedy: identical; sampled: the same distribution). A step where no
+        sequence got drafts (none found, the request's ``SamplingParams.speculative`` is "off", or the adaptive
+        policy chose none) is a plain step, multi-step and dispatched ahead as without speculation; with a drafter
+        that reads the target's hidden states (``HiddenStateDrafter``) every step is a verification.
       batch_invariant: every step through ``serving.batch_invariant`` (fixed-geometry Pallas kernels, in Pallas'
         interpreter off a GPU): a sequence's logits are bitwise the same alone or in any batch and chunking.
-        Plain bf16/fp32 weights on one device; not with ``speculative``.
+        Plain bf16/fp32 weights on one device; verification passes too (greedy drafted tokens are the plain ones).
       mesh: a ``sharding.make_mesh`` mesh to run on (None: one device): params split by the model's
         ``param_specs``, the cache by ``sharding.cache_spec``, steps under ``jax.set_mesh`` (the MoE layers
         expert-parallel). The same tokens as on one device; not with ``speculative`` or ``batch_invariant``.
       decode_steps: the most tokens a decode-only step samples per sequence in one device call (module
         docstring; 1: one per step; None: ``default_decode_steps()``, by backend). The same tokens as single
-        steps; other steps, and every step with ``speculative`` or ``batch_invariant``, sample one.
+        steps; other steps (prefill, constrained, verification), and every step with ``batch_invariant``, sample
+        one.
       compilation_cache: JAX's persistent compilation cache folder (``use_compilation_cache``; True: the default
         folder, False: not turned on by the engine).
       async_scheduling: dispatch the next decode step before fetching the tokens of the one running (module
@@ -248,6 +274,8 @@ class Engine:
         of the two; 0 / None: no tiers): full blocks the GPU evicts are kept there and loaded back on a prefix hit.
       disk_cache_dir: the disk tier's folder under the host tier (None: none); a new engine of the same model over
         the same folder reuses its blocks. disk_cache_blocks: the most blocks on disk (None: no bound).
+      kernels: which implementation each layer runs (``layers.KernelPolicy``; default: the fastest measured on the
+        device); replaced by ``layers.BATCH_INVARIANT`` with ``batch_invariant``.
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, dtype: str | jnp.dtype = "auto",
@@ -257,15 +285,13 @@ class Engine:
                  decode_steps: int | None = None, prefill_chunk: int | None = None,
                  compilation_cache: str | Path | bool = True, async_scheduling: bool = True,
                  host_cache_blocks: int = 0, host_cache_gb: float | None = None,
-                 disk_cache_dir: str | Path | None = None, disk_cache_blocks: int | None = None):
+                 disk_cache_dir: str | Path | None = None, disk_cache_blocks: int | None = None,
+                 kernels: layers.KernelPolicy = layers.DEFAULT):
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"Engine: max_queue={max_queue}: expected None (no limit) or >= 0")
         decode_steps = default_decode_steps() if decode_steps is None else decode_steps
         if decode_steps < 1:
             raise ValueError(f"Engine: decode_steps={decode_steps}: expected >= 1 (1: one token per step)")
-        if batch_invariant and speculative is not None:
-            raise ValueError("Engine: batch_invariant=True with speculative decoding: expected one of the two "
-                             "(speculative verification steps do not run in batch-invariant mode)")
         if mesh is not None and (speculative is not None or batch_invariant):
             raise ValueError(f"Engine: a mesh {dict(mesh.shape)} with "
                              f"{'speculative decoding' if speculative else 'batch_invariant=True'}: expected one "
@@ -273,7 +299,10 @@ class Engine:
         self.compilation_cache = use_compilation_cache(compilation_cache)
         dtype = resolve_dtype(dtype, model)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
-        self.cfg, params, self.tokenizer, self.eos_ids = loaded
+        self.cfg, params, self.tokenizer, self.eos_ids = loaded[:4]
+        # How the front end cuts an image into patches: the checkpoint's settings, else the encoder's defaults.
+        self.image_processor = loaded.image_processor or (ImageProcessorConfig.for_vision(self.cfg.vision)
+                                                          if self.cfg.vision else None)
         if mesh is not None:
             sharding.check_mesh(mesh, self.cfg)
             params = sharding.shard_params(params, model_module(self.cfg.family).param_specs(self.cfg), mesh)
@@ -285,14 +314,19 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, max_running, token_budget, prefill_chunk)
         self.max_model_len = min(self.cfg.max_position, max_model_len or self.cfg.max_position,
                                  self.scheduler.capacity)
-        self.runner = ModelRunner(self.cfg, params, model_module(self.cfg.family).forward, kv, block_size,
-                                  batch_invariant=batch_invariant, mesh=mesh, max_seqs=max_running)
+        module = model_module(self.cfg.family)
+        self.runner = ModelRunner(self.cfg, params, module.forward, kv, block_size, batch_invariant=batch_invariant,
+                                  mesh=mesh, max_seqs=max_running, kernels=kernels,
+                                  encode=getattr(module, "encode_images", None))
         self.runner.tiers = self.tiers
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
         self._requests: dict[str, tuple[list[int], list[Seq]]] = {}
         self.speculative = speculative
-        self.drafter = speculative.build(self.cfg, params) if speculative else None
+        self.drafters: dict[str, Drafter] = speculative.build_all(self.cfg, params) if speculative else {}
+        self.drafter = self.drafters[speculative.name] if speculative else None  # the default drafter
+        self.spec_policy = speculative.policy() if speculative else None
+        self._measure: tuple[str, int, int] | None = None  # this step's kind, size and tokens per sequence
         self.spec_stats = SpecStats()
         self.async_scheduling = async_scheduling
         self._inflight: InFlight | None = None
@@ -342,12 +376,12 @@ class Engine:
           only n a multi-step decode runs; fewer tokens left run single steps), with and without logprobs,
           greedy and drawing.
 
-        With speculative decoding every step is a verification: with the n-gram drafter, its scoring forward at
-        each shape (paged-only or not) and its verification variants instead of the step and the sampler; other
-        drafters' steps are not in the set, nor are penalized requests' (their token histories have widths of
-        their own). With cache tiers, their copies run once at every batch size, with no effect
-        (``KVTiers.warm_up``). XLA compiles them in parallel threads (one on a CPU); ``progress(done, total)`` is called
-        after each.
+        With a model-free drafter (n-gram, suffix) a step is a verification where anything was drafted, else plain:
+        both sets, the verification's being its scoring forward at each shape (paged-only or not) and its
+        verification variants; a model drafter's steps are not in the set (nothing is compiled), nor are penalized
+        requests' verifications (their token histories have widths of their own). With cache tiers, their copies
+        run once at every batch size, with no effect (``KVTiers.warm_up``). XLA compiles them in parallel threads
+        (one on a CPU); ``progress(done, total)`` is called after each.
         Returns what was compiled: ("step" | "score" | "chained", StepShape), ("sample", S, num_top, draw, masked,
         biased), ("verify", S, num_top, draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
@@ -358,43 +392,43 @@ class Engine:
         masked = (False, True) if self.tokenizer is not None else (False,)
         samplers = [(num_top, draw, m) for (num_top, draw), m in itertools.product(top_draw, masked)]
         decode_shapes = runner.step_shapes(self.scheduler.token_budget, max_blocks, decode_only=True)
-        plain = not runner.batch_invariant and self.drafter is None
+        if self.drafter is not None and not isinstance(self.drafter, NgramDrafter | SuffixDrafter):
+            return []  # a model drafter's own calls are not in the set
+        plain = not runner.batch_invariant
         decodes = [("chained", shape) for shape in decode_shapes] if plain else []
         if self.decode_steps > 1 and plain:
             decodes += [("decode", shape, self.decode_steps, *v) for shape in decode_shapes for v in top_draw]
         num_seqs = sorted({shape.num_seqs for shape in shapes})
-        forward, sampler, rows = ("step", "sample", 1)
-        if self.drafter is not None:  # every step is a verification
-            if not isinstance(self.drafter, NgramDrafter):
-                return []
-            forward, sampler, rows = ("score", "verify", self.speculative.k + 1)
-            shapes = sorted({shape._replace(paged_only=p) for shape in shapes for p in (False, True)})
-        else:
-            samplers = [(*variant, biased) for variant in samplers for biased in (False, True)]
-        # the sampler's logits [S * rows, V]: what the first forward gives, at each S
-        first = (runner.compile_step(shapes[0]) if forward == "step"
-                 else compile_score(runner, shapes[0], self.speculative.k))
-        logits = {n: jax.ShapeDtypeStruct((n * rows, *first.shape[1:]), first.dtype, sharding=first.sharding)
-                  for n in num_seqs}
-        entries = ([(forward, shape) for shape in shapes] + [(sampler, n, *v) for n in num_seqs for v in samplers]
-                   + decodes)
+        # each sampler's logits [S * rows, V]: what the first forward of its kind gives, at each S
+        first = {"step": runner.compile_step(shapes[0])}
+        logits = {"sample": {n: jax.ShapeDtypeStruct((n, *first["step"].shape[1:]), first["step"].dtype,
+                                                     sharding=first["step"].sharding) for n in num_seqs}}
+        entries = ([("step", shape) for shape in shapes]
+                   + [("sample", n, *v, biased) for n in num_seqs for v in samplers for biased in (False, True)])
+        if self.drafter is not None:  # a step with drafts is a verification: its scoring forward and verifier too
+            rows = self.speculative.k + 1
+            scores = sorted({shape._replace(paged_only=p) for shape in shapes for p in (False, True)})
+            first["score"] = compile_score(runner, scores[0], self.speculative.k)
+            logits["verify"] = {n: jax.ShapeDtypeStruct((n * rows, *first["score"].shape[1:]), first["score"].dtype,
+                                                        sharding=first["score"].sharding) for n in num_seqs}
+            entries += [("score", shape) for shape in scores] + [("verify", n, *v) for n in num_seqs for v in samplers]
+        entries += decodes
+        compiled = {("step", shapes[0])} | ({("score", scores[0])} if self.drafter is not None else set())
         compile_entry = {"step": runner.compile_step, "decode": runner.compile_decode,
                          "chained": lambda shape: runner.compile_step(shape, chained=True),
-                         "sample": lambda n, *variant: runner.compile_sample(logits[n], *variant),
+                         "sample": lambda n, *variant: runner.compile_sample(logits["sample"][n], *variant),
                          "score": lambda shape: compile_score(runner, shape, self.speculative.k),
-                         "verify": lambda n, *v: compile_verify(logits[n], self.speculative.k, *v)}
+                         "verify": lambda n, *v: compile_verify(logits["verify"][n], self.speculative.k, *v)}
         if progress is not None:
-            progress(1, len(entries))
+            progress(len(compiled), len(entries))
         if self.tiers is not None:
             with runner.on_mesh():
                 runner.kv = self.tiers.warm_up(runner.kv)
-        # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (kernel mode).
-        # XLA:CPU compiles one at a time: in jaxlib 0.11.2 it segfaulted with two threads compiling at once.
-        threads = 1 if jax.default_backend() == "cpu" else max(1, os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        # XLA compiles in parallel threads (tracing holds the GIL); each task in the caller's context (jax settings)
+        with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
             futures = [pool.submit(contextvars.copy_context().run, compile_entry[kind], *args)
-                       for kind, *args in entries[1:]]
-            for done, future in enumerate(concurrent.futures.as_completed(futures), start=2):
+                       for kind, *args in entries if tuple((kind, *args)) not in compiled]
+            for done, future in enumerate(concurrent.futures.as_completed(futures), start=len(compiled) + 1):
                 future.result()
                 if progress is not None:
                     progress(done, len(entries))
@@ -414,10 +448,18 @@ class Engine:
         return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, images: Sequence[ImageInput] = ()) -> str:
         """Queue a request; returns its id. Its samples end with "length" at ``max_model_len`` tokens if
-        max_tokens does not stop them first; a prompt of ``max_model_len`` tokens or more -> ValueError."""
+        max_tokens does not stop them first; a prompt of ``max_model_len`` tokens or more -> ValueError.
+        ``images``: preprocessed images (``images.preprocess``), in the order the prompt holds their placeholder
+        runs, or one placeholder each (as the chat template writes them; expanded here). ValueError for a model
+        without an image encoder, or a prompt holding neither."""
         params = params or SamplingParams()
+        if images and self.cfg.vision is None:
+            raise ValueError(f"this model ({self.cfg.family}) has no vision encoder: it reads text only, expected no "
+                             "images")
+        if images and self.drafter is not None:
+            raise ValueError("speculative decoding does not take images: expected a request without images")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -429,7 +471,16 @@ class Engine:
             if unfinished + params.n > limit:
                 raise EngineFullError(f"{unfinished} sequences are unfinished and {params.n} more would exceed "
                                       f"max_running + max_queue = {limit}")
+        if params.speculative not in (None, OFF) and params.speculative not in self.drafters:
+            raise ValueError(f"SamplingParams.speculative = {params.speculative!r}: expected None, {OFF!r} or one "
+                             f"of this engine's drafters {sorted(self.drafters)}"
+                             + ("" if self.drafters else " (none: Engine(speculative=...) offers them)"))
         ids = self.encode(prompt)
+        placed = None
+        if images:
+            if ids.count(self.cfg.vision.image_token_id) == len(images):  # one placeholder each: the chat template's
+                ids = expand_placeholders(ids, images, self.cfg.vision)
+            placed = RequestImages.place(ids, images, self.cfg.vision)
         constraint = None
         if params.constraint is not None:  # compiled before queueing: an invalid one raises InvalidConstraintError
             if self.tokenizer is None:
@@ -438,7 +489,7 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(SEED_RANGE))
         seqs = [Seq(next(self._ids), request_id, i, list(ids), params, (seed + i) % SEED_RANGE, self.eos_ids,
                     self.max_model_len, self.tokenizer.decode_stream() if self.tokenizer else None, cache_salt,
-                    matcher=constraint.matcher() if constraint else None)
+                    matcher=constraint.matcher() if constraint else None, images=placed)
                 for i in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)
@@ -463,6 +514,7 @@ class Engine:
             if not seq.finished:
                 self.scheduler.abort(seq)
                 seq.finish_reason = ABORT
+                self._forget(seq)
         return True
 
     def release(self, request_id: str) -> RequestResult:
@@ -481,17 +533,26 @@ class Engine:
         If the step raises, the requests it ran are aborted (the others keep their place) and ``StepError``
         names them; a cache the failed device call consumed is rebuilt (``_reset_cache``).
         """
+        start, traced, self._measure = time.perf_counter(), adaptive.traces(), None
+        outputs = self._step()
+        if self.spec_policy is not None and self._measure is not None and adaptive.traces() == traced:
+            kind, size, per_step = self._measure  # the cost model learns the time of a step that compiled nothing
+            self.spec_policy.cost.observe(kind, size, (time.perf_counter() - start) / per_step)
+        return outputs
+
+    def _step(self) -> list[StepOutput]:
         if self._inflight is not None:
             inflight = self._inflight
             outputs = self._guarded(inflight.seqs, lambda: self._advance(inflight))
             if outputs or self._inflight is not None:
                 return outputs  # else every sequence it ran had finished: schedule afresh
-        drafted = self._propose() if self.drafter is not None else None
+        drafted = self._propose() if self.drafters else None
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
 
         def run() -> list[StepOutput]:
+            self._encode_images(chunks)
             if drafted is not None:
                 return self._run_speculative(chunks, *drafted)
             multi = self._multi_step(chunks)
@@ -528,13 +589,27 @@ class Engine:
         self.runner.kv = create_cache(self.cfg, self.allocator.num_blocks, self.allocator.block_size, self.dtype,
                                       self.runner.mesh)
 
+    def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
+        """Encode, in one call, the images of every request in ``chunks`` not encoded yet."""
+        pending = list({id(c.seq.images): c.seq.images for c in chunks
+                        if c.seq.images is not None and not c.seq.images.encoded}.values())
+        if pending:
+            self.runner.encode_images(pending)
+
+    def _images(self, seqs: Sequence[Seq]) -> list[RequestImages | None] | None:
+        """The step's per-chunk images for the runner, None when no sequence has any."""
+        images = [s.images for s in seqs]
+        return None if all(i is None for i in images) else images
+
     def _run(self, chunks: list) -> list[StepOutput]:
         seqs = [c.seq for c in chunks]
         rows = [_sample_row(s) for s in seqs]
         wants_top = any(c.samples and c.seq.params.logprobs for c in chunks)
         step = self.runner.dispatch([SeqChunk(c.seq.block_table, c.start, c.count) for c in chunks],
                                     [c.seq.tokens[c.start:c.start + c.count] for c in chunks],
-                                    rows, MAX_LOGPROBS if wants_top else 0)
+                                    rows, MAX_LOGPROBS if wants_top else 0, images=self._images(seqs))
+        if all(c.count == 1 and c.samples and c.start > 0 for c in chunks):
+            self._measure = ("decode", len(chunks), 1)
         if self.async_scheduling and not self.runner.batch_invariant and all(
                 c.count == 1 and c.samples and c.start > 0 and c.seq.matcher is None
                 and not c.seq.params.uses_penalties for c in chunks):
@@ -554,19 +629,21 @@ class Engine:
     def _chain(self, seqs: list[Seq], previous: Dispatched) -> InFlight | None:
         """Dispatch the decode step after ``previous`` (still on the device, ``seqs`` in its rows, none of them
         constrained or penalized) for those of ``seqs`` still running with room for its token; None when a sequence
-        waits to be admitted, none has room, or their blocks are not free."""
+        waits to be admitted, none has room, their blocks are not free, or the next step should draft
+        (``_drafts_next``)."""
         if self.scheduler.waiting:
             return None
         rows = [i for i, s in enumerate(seqs) if s in self.scheduler.running
                 and min(s.params.max_tokens - len(s.output_ids), s.max_len - s.num_tokens) >= 2]
         chained = [seqs[i] for i in rows]
-        if not chained or not self.scheduler.reserve_next(chained):
+        if not chained or self._drafts_next(chained) or not self.scheduler.reserve_next(chained):
             return None
         positions = [s.num_computed + 1 for s in chained]  # one past the token the previous step computes
         step = self.runner.dispatch(
             [SeqChunk(s.block_table, p, 1) for s, p in zip(chained, positions, strict=True)], [[i] for i in rows],
             [SampleRow(s.params, s.seed, len(s.output_ids) + 1, s.prompt_ids, s.output_ids) for s in chained],
-            MAX_LOGPROBS if any(s.params.logprobs for s in chained) else 0, previous=previous)
+            MAX_LOGPROBS if any(s.params.logprobs for s in chained) else 0, previous=previous,
+            images=self._images(chained))
         return InFlight(chained, positions, step)
 
     def _advance(self, inflight: InFlight) -> list[StepOutput]:
@@ -575,6 +652,7 @@ class Engine:
         self._inflight = self._chain(inflight.seqs, inflight.step)
         result = self.runner.fetch(inflight.step)
         rows = [i for i, s in enumerate(inflight.seqs) if s in self.scheduler.running]
+        self._measure = ("decode", len(inflight.seqs), 1)
         for i in rows:
             if inflight.seqs[i].num_computed != inflight.positions[i]:
                 raise RuntimeError(f"sequence {inflight.seqs[i].seq_id} is at {inflight.seqs[i].num_computed}: "
@@ -600,7 +678,9 @@ class Engine:
         result = self.runner.decode([SeqChunk(s.block_table, c.start, 1) for s, c in zip(seqs, chunks, strict=True)],
                                     [s.tokens[c.start:c.start + 1] for s, c in zip(seqs, chunks, strict=True)],
                                     [_sample_row(s) for s in seqs], chunks[0].count,
-                                    MAX_LOGPROBS if any(s.params.logprobs for s in seqs) else 0)
+                                    MAX_LOGPROBS if any(s.params.logprobs for s in seqs) else 0,
+                                    images=self._images(seqs))
+        self._measure = ("decode", len(chunks), chunks[0].count)
 
         def logprobs(i: int, j: int) -> dict:
             n = chunks[i].seq.params.logprobs
@@ -627,28 +707,85 @@ class Engine:
                 last = j == len(texts) - 1
                 outputs.append(StepOutput(seq.request_id, seq.index, seq.output_ids[first + j], text,
                                           seq.finished and last, seq.finish_reason if last else None, entry))
+            if seq.finished:
+                self._forget(seq, learn=True)
         return outputs
 
-    def _propose(self) -> tuple[list[Seq], Proposal]:
-        """Drafts for every running sequence that is decoding (``draft_ids``), at most k and never past its
-        max_tokens or the context length; a constrained sequence's end where its grammar rejects one
-        (``grammar_drafts``)."""
+    def _forget(self, seq: Seq, learn: bool = False) -> None:
+        """Release a finished or aborted sequence from the drafters and the policy; a finished one's output goes
+        to the suffix drafter's global store (``learn``)."""
+        for drafter in self.drafters.values():
+            if learn and isinstance(drafter, SuffixDrafter):
+                drafter.learn(seq.output_ids)
+            drafter.release(seq.seq_id)
+        if self.spec_policy is not None:
+            self.spec_policy.release(seq.seq_id)
+
+    def _drafter_name(self, seq: Seq) -> str | None:
+        """The drafter ``seq`` asks for (``SamplingParams.speculative``; None: the engine's own), None for "off"."""
+        name = seq.params.speculative
+        return None if name == OFF else name or self.speculative.name
+
+    def _room(self, seq: Seq) -> int:
+        """The drafts ``seq`` may take: at most k, never past its max_tokens or the context length."""
+        return max(0, min(self.speculative.k, seq.params.max_tokens - len(seq.output_ids) - 1,
+                          seq.max_len - seq.num_tokens - 1))
+
+    def _observes(self) -> bool:
+        """Whether the engine's drafter reads every verification pass's hidden states (``HiddenStateDrafter``):
+        every step is then a verification, drafted or not (a plain step would leave it blind)."""
+        return isinstance(self.drafter, HiddenStateDrafter)
+
+    def _drafts_next(self, seqs: list[Seq]) -> bool:
+        """Whether the step after the one in flight (``seqs`` decoding) should be a verification step: some sequence
+        has a drafter and the policy (if adaptive) would draft for it, or a drafter observes every pass."""
+        names = [self._drafter_name(s) for s in seqs] if self.drafters else []
+        if not any(n is not None for n in names):
+            return False
+        if self._observes() or self.spec_policy is None:
+            return True
+        limits = [0 if n is None else self._room(s) for s, n in zip(seqs, names, strict=True)]
+        return any(self.spec_policy.plan([s.seq_id for s in seqs], limits, self.decode_steps))
+
+    def _propose(self) -> tuple[list[Seq], Proposal, dict[int, int]] | None:
+        """Drafts for every running sequence that is decoding (``draft_ids``) from its drafter, at most
+        ``_room`` or the adaptive policy's length; a constrained sequence's end where its grammar rejects one
+        (``grammar_drafts``). Returns the decoding sequences, the drafters' merged proposal and each drafted
+        sequence's row in it; None (no drafts) where nothing was drafted or the policy finds the drafts not worth
+        a verification pass, unless a drafter observes every pass (``_observes``)."""
         decoding = [s for s in self.scheduler.running if s.num_tokens - s.num_computed == 1]
-        k = self.speculative.k
-        limits = [min(k, s.params.max_tokens - len(s.output_ids) - 1, s.max_len - s.num_tokens - 1) for s in decoding]
-        proposal = self.drafter.propose([DraftRequest(s.seq_id, s.tokens, len(s.output_ids), s.params, s.seed, n)
-                                         for s, n in zip(decoding, limits, strict=True)], k)
-        for seq, drafts, n in zip(decoding, proposal.tokens, limits, strict=True):
-            seq.draft_ids = list(drafts[:max(n, 0)])
+        names = [self._drafter_name(s) for s in decoding]
+        limits = [0 if n is None else self._room(s) for s, n in zip(decoding, names, strict=True)]
+        seq_ids = [s.seq_id for s in decoding]
+        if self.spec_policy is not None:
+            limits = self.spec_policy.plan(seq_ids, limits, self.decode_steps)
+        proposals, order = [], []
+        for name in dict.fromkeys(n for n, limit in zip(names, limits, strict=True) if n is not None and limit):
+            group = [i for i, (n, limit) in enumerate(zip(names, limits, strict=True)) if n == name and limit]
+            proposals.append(self.drafters[name].propose(
+                [DraftRequest(decoding[i].seq_id, decoding[i].tokens, len(decoding[i].output_ids),
+                              decoding[i].params, decoding[i].seed, limits[i]) for i in group], self.speculative.k))
+            order += group
+        proposal = merge_proposals(proposals, self.speculative.k, self.cfg.vocab) if proposals else Proposal([])
+        rows = {}
+        for row, (i, drafts) in enumerate(zip(order, proposal.tokens, strict=True)):
+            seq = decoding[i]
+            rows[seq.seq_id], seq.draft_ids = row, list(drafts[:limits[i]])
             if seq.matcher is not None:
                 one_hot = proposal.probs is None or seq.params.temperature == 0
                 seq.draft_ids = grammar_drafts(seq.draft_ids, seq.matcher, one_hot)
-        return decoding, proposal
+        lengths = [len(s.draft_ids) for s in decoding]
+        if not self._observes() and not (any(lengths) and (
+                self.spec_policy is None or self.spec_policy.worth(seq_ids, lengths, self.decode_steps))):
+            for seq in decoding:
+                seq.draft_ids = []
+            return None
+        return decoding, proposal, rows
 
-    def _run_speculative(self, chunks: list, drafted: list[Seq], proposal: Proposal) -> list[StepOutput]:
+    def _run_speculative(self, chunks: list, drafted: list[Seq], proposal: Proposal,
+                         proposal_rows: dict[int, int]) -> list[StepOutput]:
         """One target forward over every chunk (decoding ones with their drafts), verification, and one output
         per appended token."""
-        proposal_rows = {s.seq_id: i for i, s in enumerate(drafted)}
         verify_chunks = []
         for c in chunks:
             s = c.seq
@@ -662,23 +799,22 @@ class Engine:
         wants_top = any(c.samples and c.seq.params.logprobs for c in chunks)
         result = verify_step(self.runner, verify_chunks, self.speculative.k, proposal.probs,
                              MAX_LOGPROBS if wants_top else 0, self.drafter)
+        self._measure = ("verify", sum(c.count for c in chunks), 1)
         accepted = [result.tokens[i, :result.num_accepted[i] + 1].tolist() for i in range(len(chunks))]
         for c, v, n in zip(chunks, verify_chunks, result.num_accepted.tolist(), strict=True):
             if c.samples and v.drafts:
                 self.spec_stats.num_steps += 1
                 self.spec_stats.num_draft_tokens += len(v.drafts)
                 self.spec_stats.num_accepted_tokens += n
+                if self.spec_policy is not None:
+                    self.spec_policy.update(c.seq.seq_id, len(v.drafts), n)
 
         def logprobs(i: int, j: int) -> dict:
             n = chunks[i].seq.params.logprobs
             top = list(zip(result.top_ids[i, j, :n].tolist(), result.top_logprobs[i, j, :n].tolist(), strict=True))
             return {"logprob": float(result.logprobs[i, j]), "top": top}
 
-        outputs = self._outputs(chunks, accepted, logprobs)
-        for c in chunks:
-            if c.seq.finished:
-                self.drafter.release(c.seq.seq_id)
-        return outputs
+        return self._outputs(chunks, accepted, logprobs)
 
     def result(self, request_id: str) -> RequestResult:
         """The request's outputs so far (complete once every sample finished)."""
