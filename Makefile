@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	    echo "error: apex-jax needs Python >= 3.12 (jax 0.11 requires it). Install one, e.g." >&2; \
 	    echo "  pyenv install 3.12  or  apt-get install python3.12-venv" >&2; exit 1; \
 	  fi; \
-	  echo "creating $(VENV) with $$base"; "$$base" -m venv $(VENV); \
+	  echo "creating $(VENV) with $$base"; rm -rf $(VENV); "$$base" -m venv $(VENV); \
 	fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,demo,bench]'
