@@ -163,6 +163,8 @@ def _write(pages: tuple[jax.Array, ...], layer: int, new: jax.Array, slot_mappin
     shape = pages[layer].shape
     rows = pages[layer].reshape(shape[0] * shape[1], *shape[2:])
     slot = jnp.where(slot_mapping >= 0, slot_mapping, rows.shape[0])
+    if slot.shape[0] == 1:
+        slot, new = jnp.concatenate([slot, jnp.full((1,), rows.shape[0], slot.dtype)]), jnp.concatenate([new, new])
     updated = rows.at[slot].set(new.astype(rows.dtype), mode="drop").reshape(shape)
     return pages[:layer] + (updated,) + pages[layer + 1:]
 

@@ -1,9 +1,10 @@
 """One scheduler step -> two device calls: the model's forward pass, then the sampler.
 
-The flat batch of N new tokens from S sequences is padded to buckets: N to powers of two, the block-table width W
-to powers of four (``blocks_bucket``), so the number of compiles stays bounded (log2 and log4 of the ranges). A
-runner made with ``max_seqs`` pads S to ``min(N, bucket(max_seqs))``, a function of N (every sequence has a token,
-so S <= N): the step shapes are then the pairs (N, W) and no more, few enough to compile them all before serving
+The flat batch of N new tokens from S sequences is padded to buckets: N to powers of two (from
+``MIN_TOKENS_BUCKET``, by platform), the block-table width W to powers of four (``blocks_bucket``), so the number
+of compiles stays bounded (log2 and log4 of the ranges). A runner made with ``max_seqs`` pads S to
+``min(max(N, MIN_SEQS_BUCKET), bucket(max_seqs))``, a function of N: the step shapes are then the pairs (N, W) and
+no more, few enough to compile them all before serving
 (``step_shapes``, ``compile_step``, ``compile_sample``, ``compile_decode``: ahead-of-time lowering of the very calls
 ``run`` and ``decode`` make, so they find their executables compiled). The cache is donated: the forward pass
 updates it in place, and no array goes back to the host between layers. Per call the host gets the sampled
@@ -68,7 +69,13 @@ from serving.kv_cache import AttentionBatch, SeqChunk, make_batch, next_decode_b
 from serving.models.vision import patch_layout
 from serving.structured import fill_token_bitmask
 
-MIN_TOKENS_BUCKET = 8  # the smallest padded N: decode batches of up to 8 sequences share one compile
+# The smallest padded N, by platform. On a GPU decode batches of up to 8 sequences share one compile: a step's time
+# hardly depends on so small an N. On a CPU every matmul of a decode step is a memory-bound matrix-vector product
+# whose time grows with N (SmolLM2 fp32, 2 cores: 41 ms per step at N=1, 94 ms at N=8), so N is padded no further
+# than the step needs. S is padded to at least ``MIN_SEQS_BUCKET`` either way, so the sampler's shapes stay few.
+MIN_TOKENS_BUCKET = {"cpu": 1}
+DEFAULT_MIN_TOKENS_BUCKET = 8
+MIN_SEQS_BUCKET = 8
 # The narrowest padded block table: contexts up to 16 blocks (256 tokens at block size 16) share one compile, and
 # attention's splits of a wider real context are unchanged.
 MIN_BLOCKS_BUCKET = 16
@@ -209,10 +216,10 @@ class ModelRunner:
     ``overlap_masks`` (default True) computes structured-output masks while the forward pass runs; False computes
     them before it is dispatched (the same tokens; for comparison). ``mask_seconds`` sums the host time spent
     computing masks. ``mesh``: the mesh params and kv are placed on (None: one device). ``max_seqs``: the most
-    sequences a step holds; given, S is padded to ``min(N, bucket(max_seqs))`` (module docstring), else to
-    ``bucket(S)``. ``kernels``: which implementation each layer runs (``layers.KernelPolicy``; default the fastest
-    measured on the launch target); ``batch_invariant=True`` replaces it with ``layers.BATCH_INVARIANT``.
-    ``encode``: a vision-language model's ``encode_images`` (None: no image encoder).
+    sequences a step holds; given, S is padded to ``min(max(N, MIN_SEQS_BUCKET), bucket(max_seqs))`` (module
+    docstring), else to ``bucket(S)``. ``kernels``: which implementation each layer runs (``layers.KernelPolicy``;
+    default the fastest measured on the launch target); ``batch_invariant=True`` replaces it with
+    ``layers.BATCH_INVARIANT``. ``encode``: a vision-language model's ``encode_images`` (None: no image encoder).
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, forward: Callable, kv: Any, block_size: int,
@@ -229,14 +236,17 @@ class ModelRunner:
         self.overlap_masks = True
         self.mask_seconds = 0.0
         self.tiers = None  # a kv_tiers.KVTiers whose queued copies run before each step (set by the engine)
+        platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+        self.min_tokens = MIN_TOKENS_BUCKET.get(platform, DEFAULT_MIN_TOKENS_BUCKET)  # the smallest padded N
 
     def num_seqs(self, num_tokens: int, real: int) -> int:
-        """The padded S of a step of ``real`` sequences with N = ``num_tokens`` (padded)."""
+        """The padded S of a step of ``real`` sequences with N = ``num_tokens`` (padded): N's, at least
+        ``MIN_SEQS_BUCKET`` (rows past the real sequences are padding, however few tokens the step has)."""
         if self.max_seqs is None:
             return bucket(real)
         if real > self.max_seqs:
             raise ValueError(f"a step of {real} sequences: expected at most max_seqs={self.max_seqs}")
-        return min(num_tokens, bucket(self.max_seqs))
+        return min(max(num_tokens, MIN_SEQS_BUCKET), bucket(self.max_seqs))
 
     def prepare(self, chunks: list[SeqChunk], token_ids: list[list[int]],
                 num_tokens: int | None = None) -> tuple[np.ndarray, AttentionBatch]:
@@ -248,7 +258,7 @@ class ModelRunner:
                 self.kv = self.tiers.apply(self.kv)
         total = sum(c.count for c in chunks)
         widest = max(len(c.block_table) for c in chunks)
-        num_tokens = bucket(total, MIN_TOKENS_BUCKET) if num_tokens is None else num_tokens
+        num_tokens = bucket(total, self.min_tokens) if num_tokens is None else num_tokens
         batch = make_batch(chunks, self.block_size, num_tokens=num_tokens,
                            num_seqs=self.num_seqs(num_tokens, len(chunks)),
                            max_blocks=blocks_bucket(widest))
@@ -335,7 +345,7 @@ class ModelRunner:
         if previous is not None:
             fed = self._placed(previous.result.tokens)  # stays on the device
         elif decode:  # the tokens as a row vector, the packed tokens its rows
-            num_tokens = bucket(len(chunks), MIN_TOKENS_BUCKET)
+            num_tokens = bucket(len(chunks), self.min_tokens)
             row_tokens = np.zeros(self.num_seqs(num_tokens, len(chunks)), np.int32)
             row_tokens[:len(chunks)] = [ids[0] for ids in token_ids]
             fed, token_ids = self._placed(row_tokens), [[i] for i in range(len(chunks))]
@@ -411,7 +421,7 @@ class ModelRunner:
             raise ValueError("step_shapes: a runner without max_seqs pads S on its own: expected max_seqs")
         limit = min(max_tokens, self.max_seqs) if decode_only else max_tokens
         return [StepShape(n, self.num_seqs(n, 1), w, self._paged_only(decode_only))
-                for n in buckets(limit, MIN_TOKENS_BUCKET) for w in buckets(max_blocks, MIN_BLOCKS_BUCKET,
+                for n in buckets(limit, self.min_tokens) for w in buckets(max_blocks, MIN_BLOCKS_BUCKET,
                                                                              BLOCKS_BUCKET_BASE)]
 
     def _packed_like(self, shape: StepShape) -> Any:

@@ -221,8 +221,10 @@ def attention(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, batch: At
 
 def logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final RMSNorm and output head: ``[N, D]`` -> ``[N, V]`` float32."""
-    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    return jnp.dot(rms_norm(x, params["norm"], cfg.rms_eps), head, preferred_element_type=jnp.float32)
+    x = rms_norm(x, params["norm"], cfg.rms_eps)
+    if cfg.tie_embeddings:  # ``embed [V, D] @ x.T``: the table read as stored (``x @ embed.T`` copies it on XLA:CPU)
+        return jnp.dot(params["embed"], x.T, preferred_element_type=jnp.float32).T
+    return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch, kv: PagedKV,

@@ -16,7 +16,7 @@ from helpers.engine import compile_events
 from helpers.server import model_folder
 
 from serving import llm_engine as engine_module
-from serving.engine.runner import BLOCKS_BUCKET_BASE, MIN_BLOCKS_BUCKET, MIN_TOKENS_BUCKET, StepShape, bucket, buckets
+from serving.engine.runner import BLOCKS_BUCKET_BASE, MIN_BLOCKS_BUCKET, StepShape, bucket, buckets
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.llm_engine import Engine
 from serving.spec_decode import SpecConfig
@@ -47,9 +47,10 @@ def test_only_decode_steps_are_paged_only(folder):
     for kernels, paged in ((layers.INTERPRET, True), (layers.REFERENCE, False), (layers.DEFAULT, on_gpu)):
         eng = Engine(folder, dtype="float32", num_blocks=64, block_size=4, max_running=4, token_budget=32,
                      max_model_len=256, compilation_cache=False, kernels=kernels)
-        assert eng.runner.step_shapes(32, 64) == [StepShape(n, min(n, 4), w, False) for n in (8, 16, 32)
-                                                  for w in widths]
-        assert eng.runner.step_shapes(32, 64, decode_only=True) == [StepShape(8, 4, w, paged) for w in widths]
+        ns = buckets(32, eng.runner.min_tokens)  # 1, 2, 4, ... on a CPU, 8, 16, 32 on a GPU
+        assert eng.runner.step_shapes(32, 64) == [StepShape(n, 4, w, False) for n in ns for w in widths]
+        assert eng.runner.step_shapes(32, 64, decode_only=True) == [
+            StepShape(n, 4, w, paged) for n in buckets(4, eng.runner.min_tokens) for w in widths]
 
 
 def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
@@ -60,12 +61,12 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
         done = eng.warm_up(lambda i, n: seen.append((i, n)))
     assert len(events) >= len(done)  # the listener sees them: each entry traced and compiled
     widths = buckets(16, MIN_BLOCKS_BUCKET, BLOCKS_BUCKET_BASE)
-    steps = [StepShape(n, 4, w, False) for n in buckets(16, MIN_TOKENS_BUCKET) for w in widths]
+    steps = [StepShape(n, 4, w, False) for n in buckets(16, eng.runner.min_tokens) for w in widths]
     samplers = [("sample", 4, top, draw, masked, biased) for top in (0, MAX_LOGPROBS) for draw in (False, True)
                 for masked in (False, True) for biased in (False, True)]
-    decode = StepShape(8, 4, 16, False)
-    decodes = [("decode", decode, 2, top, draw) for top in (0, MAX_LOGPROBS) for draw in (False, True)]
-    assert done == [("step", s) for s in steps] + samplers + [("chained", decode)] + decodes
+    decode = [StepShape(n, 4, 16, False) for n in buckets(4, eng.runner.min_tokens)]  # up to max_running
+    decodes = [("decode", d, 2, top, draw) for d in decode for top in (0, MAX_LOGPROBS) for draw in (False, True)]
+    assert done == [("step", s) for s in steps] + samplers + [("chained", d) for d in decode] + decodes
     assert seen == [(i + 1, len(done)) for i in range(len(done))]
 
     with compile_events() as events:
@@ -88,7 +89,9 @@ def test_with_ngram_speculation_warm_up_compiles_every_verification_and_plain_st
                  max_model_len=64, speculative=SpecConfig.from_method("ngram", k=3), compilation_cache=False)
     done = eng.warm_up()
     kinds = [kind for kind, *_ in done]  # steps without drafts are plain ones: both sets
-    assert kinds.count("score") == 4 and kinds.count("verify") == 8 and {"step", "sample", "chained"} <= set(kinds)
+    shapes = eng.runner.step_shapes(16, 16)  # N up to the token budget, one width
+    assert kinds.count("score") == 2 * len(shapes) and kinds.count("verify") == 8
+    assert {"step", "sample", "chained"} <= set(kinds)
     with compile_events() as events:
         texts = ["ab ab ab ab ab ab ab ab", "the cat the cat the cat"]  # n-grams recur: drafts are proposed
         eng.generate(texts, [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
