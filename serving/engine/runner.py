@@ -146,13 +146,13 @@ def _step(params: dict, kv: Any, packed: jax.Array, previous: jax.Array | None =
           forward: Callable, cfg: ModelConfig,
           kernels: layers.KernelPolicy) -> tuple[jax.Array, Any, jax.Array, SampleResult | None]:
     """forward over the step's tokens ``[N]`` (its layers run as the policy ``kernels`` says): the logits
-    ``[S, V]`` at each chunk's last flat index, the updated cache, the expert counts ``[layers, experts]``, and with
-    ``targets [N]`` (a trace of its own) every flat position's scores ``token_logprobs(logits [N, V], targets,
-    MAX_LOGPROBS)``: a prompt position p with target ``prompt[p + 1]`` gets ``log P(prompt[p + 1] | prompt[:p + 1])``.
-    ``packed``: ``kv_cache.pack_step``'s buffer of the tokens, batch and
+    ``[S, V]`` at each chunk's last flat index, the updated cache, the expert counts ``[layers, experts]``, and the
+    scores of ``targets`` (None without them). ``packed``: ``kv_cache.pack_step``'s buffer of the tokens, batch and
     last indices for ``sizes = (N, S, max_blocks)``; with ``previous`` (the ``[S]`` tokens a step sampled, still on
     the device), the packed tokens are rows of it and each real token is ``previous[row]``; ``mm``: a
-    vision-language step's image inputs."""
+    vision-language step's image inputs; ``targets [N]`` (a trace of its own): every flat position's
+    ``token_logprobs(logits [N, V], targets, MAX_LOGPROBS)``, so a prompt position p with target ``prompt[p + 1]``
+    gets ``log P(prompt[p + 1] | prompt[:p + 1])`` and the top of that distribution."""
     tokens, batch, last = unpack_step(packed, *sizes)
     if previous is not None:
         tokens = jnp.where(batch.seq_ids >= 0, previous[tokens], 0)
