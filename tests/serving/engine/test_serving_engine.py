@@ -13,6 +13,7 @@ from helpers.hf import fixture, fixture_params, forward, reference
 
 from serving import Engine, SamplingParams
 from serving.kv_cache import PagedKV, SeqChunk, make_batch
+from serving.spec_decode import SpecConfig
 
 FAMILIES = ("llama", "qwen3_moe", "mixtral", "qwen3", "mixtral_window", "gpt_oss")  # all but the first: slow
 BLOCK = 4
@@ -213,3 +214,24 @@ def test_prompt_logprobs_with_n_samples_a_batch_and_k_0():
     assert one.prompt_logprobs == [None]  # a one-token prompt has nothing to score
     with pytest.raises(ValueError, match=r"prompt_logprobs = 21: expected None or in \[0, 20\]"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_prompt_logprobs_beside_ngram_speculation():
+    """Steps draft nothing while a request is to score its prompt, and verify drafts again after it."""
+    repetitive = [5, 6, 7, 8] * 6  # n-grams recur: drafts are proposed
+    prompts = [repetitive, list(range(40, 70))]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)]
+    eng = engine(token_budget=8, speculative=SpecConfig.from_method("ngram", k=3))
+    first = eng.add_request(prompts[0], params[0])
+    for _ in range(5):  # the first request decodes (and drafts) before the scoring one arrives
+        eng.step()
+    second = eng.add_request(prompts[1], params[1])
+    while eng.has_unfinished():
+        eng.step()
+    plain = engine(token_budget=8).generate(prompts, [params[0], dataclasses.replace(params[1], prompt_logprobs=None)])
+    assert eng.release(first).outputs[0].token_ids == plain[0].outputs[0].token_ids
+    scored = eng.release(second)
+    assert scored.outputs[0].token_ids == plain[1].outputs[0].token_ids
+    check_prompt_logprobs(scored.prompt_logprobs, prompts[1], full_forward_logprobs(prompts[1]), 1)
+    assert eng.spec_stats.num_draft_tokens > 0
