@@ -27,6 +27,13 @@ keeps the embeddings, so later chunks, a preempted request's recompute and its n
 tokens are prompt tokens: the token budget and chunked prefill schedule them as any other. A full block holding
 image tokens is named in the prefix cache by its tokens and its images' digests (``SequenceState.block_salt``).
 
+Prompt logprobs (``SamplingParams.prompt_logprobs``, what an eval harness scores a text with): sample 0 of such a
+request prefills its whole prompt, skipping the prefix cache (every position's logits are needed), each of its
+prefill chunks in a step run as the runner's scoring variant (``ModelRunner.dispatch(targets=...)``): chunk token p
+scores ``prompt[p + 1]``, so the chunks together score tokens 1 .. P - 1, each given all the tokens before it; the
+entries come back in ``RequestResult.prompt_logprobs``. While a request is to score its prompt, steps draft nothing
+(speculative decoding resumes after it); an engine whose drafter reads every step's hidden states refuses it.
+
 Nothing need compile while serving: ``warm_up`` compiles every step shape the scheduler and runner can produce
 (``ModelRunner.step_shapes``: N tokens and W block-table columns over their buckets, S a function of
 N), each with the sampler variants a step may ask for, and the multi-step decodes; with JAX's persistent
@@ -140,6 +147,9 @@ class RequestResult:
     prompt_ids: list[int]
     outputs: list[Completion]  # one per sample, by index
     num_cached_tokens: int  # prompt tokens the prefix cache supplied (first sample, last admission)
+    # with SamplingParams.prompt_logprobs: per prompt token, {"logprob", "top"} given the tokens before it (the
+    # first None: no context)
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class InFlight(NamedTuple):
@@ -154,6 +164,33 @@ class InFlight(NamedTuple):
 def _sample_row(seq: Seq) -> SampleRow:
     """What the sampler needs of a sequence for its next token."""
     return SampleRow(seq.params, seq.seed, len(seq.output_ids), seq.prompt_ids, seq.output_ids, seq.matcher)
+
+
+def _prompt_targets(chunks: Sequence[ScheduledChunk]) -> list[list[int]] | None:
+    """The targets of a step that scores prompts (``ModelRunner.dispatch``): chunk token p's is ``prompt[p + 1]``
+    where its sequence scores its prompt and p + 1 is a prompt position (0 elsewhere, unread); None when no chunk
+    has one."""
+    targets = []
+    for c in chunks:
+        scored = c.seq.prompt_ids[c.start + 1:c.start + c.count + 1] if c.seq.scores_prompt else []
+        targets.append(scored + [0] * (c.count - len(scored)))
+    return targets if any(c.seq.scores_prompt and c.start + 1 < len(c.seq.prompt_ids) for c in chunks) else None
+
+
+def _record_prompt_logprobs(chunks: Sequence[ScheduledChunk], scores: Any) -> None:
+    """Keep the entries ``{"logprob", "top"}`` (top ``params.prompt_logprobs``) of the prompt tokens the step
+    scored (``_prompt_targets``'s; ``scores``: ``StepResult.prompt``) on their sequences."""
+    logprobs, top_ids, top_logprobs = scores.logprobs.tolist(), scores.top_ids.tolist(), scores.top_logprobs.tolist()
+    first = 0
+    for c in chunks:
+        seq = c.seq
+        if seq.scores_prompt:
+            k = seq.params.prompt_logprobs
+            for p in range(c.start, min(c.start + c.count, len(seq.prompt_ids) - 1)):
+                t = first + p - c.start
+                seq.prompt_logprobs[p + 1] = {"logprob": logprobs[t],
+                                              "top": list(zip(top_ids[t][:k], top_logprobs[t][:k], strict=True))}
+        first += c.count
 
 
 def create_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype,
@@ -367,7 +404,8 @@ class Engine:
         """Compile every device call a step can make (nothing runs), so that serving meets no new shape:
 
         * the forward step of every ``ModelRunner.step_shapes`` shape (N up to ``token_budget``, W up to
-          ``max_model_len``'s blocks, S = N's), and for each S the sampler with and without logprobs, greedy
+          ``max_model_len``'s blocks, S = N's) and its scoring variant (a step that scores a prompt,
+          ``SamplingParams.prompt_logprobs``), and for each S the sampler with and without logprobs, greedy
           and drawing, with and without logit biases, and (with a tokenizer, which constraints need) with and
           without a structured-output mask;
         * the decode step (its tokens fed on the device: ``ModelRunner.dispatch``), at every decode-only shape (N
@@ -382,8 +420,8 @@ class Engine:
         requests' verifications (their token histories have widths of their own). With cache tiers, their copies
         run once at every batch size, with no effect (``KVTiers.warm_up``). XLA compiles them in parallel threads
         (one on a CPU); ``progress(done, total)`` is called after each.
-        Returns what was compiled: ("step" | "score" | "chained", StepShape), ("sample", S, num_top, draw, masked,
-        biased), ("verify", S, num_top, draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
+        Returns what was compiled: ("step" | "scores" | "score" | "chained", StepShape), ("sample", S, num_top, draw,
+        masked, biased), ("verify", S, num_top, draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
             raise RuntimeError("warm_up: the engine has unfinished requests: expected an idle engine")
         runner, max_blocks = self.runner, -(-self.max_model_len // self.allocator.block_size)
@@ -403,7 +441,7 @@ class Engine:
         first = {"step": runner.compile_step(shapes[0])}
         logits = {"sample": {n: jax.ShapeDtypeStruct((n, *first["step"].shape[1:]), first["step"].dtype,
                                                      sharding=first["step"].sharding) for n in num_seqs}}
-        entries = ([("step", shape) for shape in shapes]
+        entries = ([("step", shape) for shape in shapes] + [("scores", shape) for shape in shapes]
                    + [("sample", n, *v, biased) for n in num_seqs for v in samplers for biased in (False, True)])
         if self.drafter is not None:  # a step with drafts is a verification: its scoring forward and verifier too
             rows = self.speculative.k + 1
@@ -416,6 +454,7 @@ class Engine:
         compiled = {("step", shapes[0])} | ({("score", scores[0])} if self.drafter is not None else set())
         compile_entry = {"step": runner.compile_step, "decode": runner.compile_decode,
                          "chained": lambda shape: runner.compile_step(shape, chained=True),
+                         "scores": lambda shape: runner.compile_step(shape, scores=True),
                          "sample": lambda n, *variant: runner.compile_sample(logits["sample"][n], *variant),
                          "score": lambda shape: compile_score(runner, shape, self.speculative.k),
                          "verify": lambda n, *v: compile_verify(logits["verify"][n], self.speculative.k, *v)}
@@ -460,6 +499,9 @@ class Engine:
                              "images")
         if images and self.drafter is not None:
             raise ValueError("speculative decoding does not take images: expected a request without images")
+        if params.prompt_logprobs is not None and self._observes():
+            raise ValueError(f"SamplingParams.prompt_logprobs = {params.prompt_logprobs} on an engine whose drafter "
+                             f"({self.speculative.name}) verifies every step: expected prompt_logprobs=None")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -489,7 +531,8 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(SEED_RANGE))
         seqs = [Seq(next(self._ids), request_id, i, list(ids), params, (seed + i) % SEED_RANGE, self.eos_ids,
                     self.max_model_len, self.tokenizer.decode_stream() if self.tokenizer else None, cache_salt,
-                    matcher=constraint.matcher() if constraint else None, images=placed)
+                    matcher=constraint.matcher() if constraint else None, images=placed,
+                    prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None and i == 0 else None)
                 for i in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)
@@ -546,7 +589,7 @@ class Engine:
             outputs = self._guarded(inflight.seqs, lambda: self._advance(inflight))
             if outputs or self._inflight is not None:
                 return outputs  # else every sequence it ran had finished: schedule afresh
-        drafted = self._propose() if self.drafters else None
+        drafted = self._propose() if self.drafters and not self._scoring() else None
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -605,16 +648,21 @@ class Engine:
         seqs = [c.seq for c in chunks]
         rows = [_sample_row(s) for s in seqs]
         wants_top = any(c.samples and c.seq.params.logprobs for c in chunks)
+        targets = _prompt_targets(chunks)
         step = self.runner.dispatch([SeqChunk(c.seq.block_table, c.start, c.count) for c in chunks],
                                     [c.seq.tokens[c.start:c.start + c.count] for c in chunks],
-                                    rows, MAX_LOGPROBS if wants_top else 0, images=self._images(seqs))
+                                    rows, MAX_LOGPROBS if wants_top else 0, images=self._images(seqs),
+                                    targets=targets)
         if all(c.count == 1 and c.samples and c.start > 0 for c in chunks):
             self._measure = ("decode", len(chunks), 1)
         if self.async_scheduling and not self.runner.batch_invariant and all(
                 c.count == 1 and c.samples and c.start > 0 and c.seq.matcher is None
                 and not c.seq.params.uses_penalties for c in chunks):
             self._inflight = self._chain(seqs, step)
-        return self._appended(chunks, list(range(len(chunks))), self.runner.fetch(step))
+        result = self.runner.fetch(step)
+        if targets is not None:
+            _record_prompt_logprobs(chunks, result.prompt)
+        return self._appended(chunks, list(range(len(chunks))), result)
 
     def _appended(self, chunks: list[ScheduledChunk], rows: list[int], result: Any) -> list[StepOutput]:
         """``_outputs`` of one token per chunk: chunk i's is row ``rows[i]`` of the step's ``result``."""
@@ -731,6 +779,11 @@ class Engine:
         return max(0, min(self.speculative.k, seq.params.max_tokens - len(seq.output_ids) - 1,
                           seq.max_len - seq.num_tokens - 1))
 
+    def _scoring(self) -> bool:
+        """Whether a sequence is to score its prompt: steps are then plain ones (no drafts), whose scoring variant
+        computes every position's logprobs (``_run``)."""
+        return any(s.scores_prompt for s in itertools.chain(self.scheduler.running, self.scheduler.waiting))
+
     def _observes(self) -> bool:
         """Whether the engine's drafter reads every verification pass's hidden states (``HiddenStateDrafter``):
         every step is then a verification, drafted or not (a plain step would leave it blind)."""
@@ -821,7 +874,7 @@ class Engine:
         ids, seqs = self._requests[request_id]
         outputs = [Completion(s.index, list(s.output_ids), s.text, s.finish_reason,
                               s.logprobs if s.params.logprobs is not None else None) for s in seqs]
-        return RequestResult(request_id, ids, outputs, seqs[0].num_cached_tokens)
+        return RequestResult(request_id, ids, outputs, seqs[0].num_cached_tokens, seqs[0].prompt_logprobs)
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestResult]:

@@ -103,7 +103,8 @@ class EngineCore:
 
     def turn(self, commands: list[list]) -> dict:
         """Handle ``commands`` (adds, aborts), step once if there is work; returns the turn's step event."""
-        event = {"kind": ipc.STEP, "outputs": [], "done": {}, "refused": [], "failed": [], "aborted": []}
+        event = {"kind": ipc.STEP, "outputs": [], "done": {}, "prompt_logprobs": {}, "refused": [], "failed": [],
+                 "aborted": []}
         for command in commands:
             self._handle(command, event)
         if self.engine.has_unfinished():
@@ -170,5 +171,8 @@ class EngineCore:
                 self.unfinished[out.request_id] -= 1
                 if self.unfinished[out.request_id] == 0:
                     del self.unfinished[out.request_id]
-                    event["done"][out.request_id] = self.engine.release(out.request_id).num_cached_tokens
+                    result = self.engine.release(out.request_id)
+                    event["done"][out.request_id] = result.num_cached_tokens
+                    if result.prompt_logprobs is not None:
+                        event["prompt_logprobs"][out.request_id] = result.prompt_logprobs
 

@@ -15,8 +15,10 @@ Events (dicts with a "kind"):
   ``ready``    serving from now on
   ``step``     one engine step: ``outputs`` ``[[request_id, index, token_id, finished, finish_reason, logprobs],
                ...]`` for every sequence that sampled, ``done`` ``{request_id: num_cached_tokens}`` of requests
-               whose samples all finished, ``refused`` ``[[request_id, error type, message]]``, ``failed``
-               ``[[request_ids, message]]`` (a step's ``StepError``), ``aborted`` request ids, and ``stats``
+               whose samples all finished, ``prompt_logprobs`` ``{request_id: [entry or None, ...]}`` of those done
+               with ``SamplingParams.prompt_logprobs`` (``RequestResult.prompt_logprobs``), ``refused``
+               ``[[request_id, error type, message]]``, ``failed`` ``[[request_ids, message]]`` (a step's
+               ``StepError``), ``aborted`` request ids, and ``stats``
   ``error``    the core could not start (``message``); it exits
 """
 

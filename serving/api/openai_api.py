@@ -9,7 +9,8 @@ with the usage. Logprobs: ``logprobs`` + ``top_logprobs`` (chat), ``logprobs`` =
 
 Completions score text as eval harnesses ask: ``prompt`` may be a list (one choice per prompt and per n, index
 ``prompt * n + sample``), ``echo`` with ``logprobs`` returns the prompt tokens' logprobs too (the first null, as
-it has no context), and ``max_tokens`` 0 with ``echo`` scores the prompt alone.
+it has no context), and ``max_tokens`` 0 with ``echo`` scores the prompt alone. A prompt is one engine request, whose
+prefill scores it (``SamplingParams.prompt_logprobs``); a stream's echo is scored by one request before it starts.
 
 With ``tools`` (and ``tool_choice`` other than "none") the prompt and the output follow ``serving.api.tools``;
 a streamed answer sends its text as it comes and each call as one ``tool_calls`` delta once it is whole.
@@ -24,6 +25,7 @@ json_object / json_schema, and vLLM's extra fields ``guided_json`` (a JSON schem
 """
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -41,7 +43,7 @@ from serving.api.async_engine import RequestStream
 from serving.api.errors import APIError
 from serving.api.frontend import Frontend, StrictModel
 from serving.api.images import ImageCollector
-from serving.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, SamplingParams
+from serving.engine.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, SamplingParams
 from serving.images import ImageInput
 from serving.llm_engine import Completion, RequestResult
 from serving.structured import ConstraintSpec, InvalidConstraintError, compile_constraint
@@ -50,7 +52,7 @@ MAX_N = 16  # samples per request: more is refused before it can take the whole 
 MAX_STOP = 16  # stop strings per request
 MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
 MAX_PROMPTS = 64  # prompts in one completions request (lm-eval-harness sends batches of a few)
-SCORE_CONCURRENCY = 8  # one-token requests a prompt's scoring runs at once
+PROMPT_CONCURRENCY = 8  # prompts of one completions request that run at once
 
 
 class ImageURL(StrictModel):
@@ -452,52 +454,34 @@ class OpenAIRoutes:
         return [self.frontend.encode(one) for one in batch]
 
     async def _score(self, prompt_ids: list[int], top: int, request: Request,
-                     gate: asyncio.Semaphore) -> list[dict | None]:
-        """The logprob entry of each prompt token given the ones before it (None for the first, which has no
-        context), as ``{"logprob", "top", "top_id"}``.
-
-        Teacher forcing through the engine: position i is a one-token greedy request for ``prompt_ids[:i]``
-        whose ``logit_bias`` of +MAX_LOGIT_BIAS on ``prompt_ids[i]`` makes it the sampled token, and the sampler
-        reports logprobs of the unbiased distribution; the requests share the prompt's cached blocks. ``gate``
-        bounds how many run at once, so that a long prompt does not fill the server.
-        """
+                     cache_salt: str | None) -> list[dict | None]:
+        """The logprob entry ``{"logprob", "top"}`` of each prompt token given the ones before it (None for the
+        first, which has no context): one greedy request whose prefill scores the prompt
+        (``SamplingParams.prompt_logprobs = top``); the one token it generates is dropped."""
         f = self.frontend
-
-        async def position(i: int) -> dict:
-            params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=top,
-                                    logit_bias=((prompt_ids[i], MAX_LOGIT_BIAS),))
-            async with gate:
-                result = await f.collect(f.submit(prompt_ids[:i], params, "score-"), request)
-            [completion] = result.outputs
-            if completion.token_ids != [prompt_ids[i]]:
-                raise APIError(500, f"scoring prompt token {i} (id {prompt_ids[i]}) sampled {completion.token_ids}")
-            return {**completion.logprobs[0], "top_id": prompt_ids[i]}
-
-        try:
-            async with asyncio.TaskGroup() as group:  # one failure (a disconnect, a 503) cancels the others
-                tasks = [group.create_task(position(i)) for i in range(1, len(prompt_ids))]
-        except* APIError as errors:
-            raise _first(errors) from None
-        return [None, *(task.result() for task in tasks)]
+        params = f.sampling_params(prompt_ids, 1, temperature=0.0, prompt_logprobs=top)
+        return (await f.collect(f.submit(prompt_ids, params, "score-", cache_salt), request)).prompt_logprobs
 
     async def _complete(self, prompt_ids: list[int], params: SamplingParams | None, body: CompletionRequest,
                         request: Request, gate: asyncio.Semaphore) -> tuple[RequestResult | None, list | None]:
-        """(the result of one prompt, or None for max_tokens 0; its scored prompt, or None without echo and
-        logprobs)."""
-        scored = None
-        if body.echo and body.logprobs is not None:
-            scored = await self._score(prompt_ids, body.logprobs, request, gate)
-        if params is None:
-            return None, scored
+        """(the result of one prompt, or None for max_tokens 0; its prompt logprobs, or None without echo and
+        logprobs): one engine request, which scores the prompt where echo asks for logprobs."""
+        scores = body.echo and body.logprobs is not None
+        if params is None and not scores:
+            return None, None
         async with gate:
+            if params is None:
+                return None, await self._score(prompt_ids, body.logprobs, request, body.cache_salt)
+            if scores:
+                params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
             result = await self.frontend.collect(self.frontend.submit(prompt_ids, params, "cmpl-", body.cache_salt),
                                                  request)
-        return result, scored
+        return result, result.prompt_logprobs
 
     def _echo_logprobs(self, prompt_ids: list[int], scored: list[dict | None], completion: Completion | None,
                        ) -> dict[str, Any]:
         """OpenAI's completion logprobs of the echoed prompt (first token null) followed by the completion's."""
-        echoed = [e if e is not None else {"logprob": None, "top": [], "top_id": t}
+        echoed = [{"logprob": None, "top": [], "top_id": t} if e is None else {**e, "top_id": t}
                   for t, e in zip(prompt_ids, scored, strict=True)]
         generated = [] if completion is None or completion.logprobs is None else \
             self._with_ids(completion.token_ids, completion.logprobs)
@@ -534,13 +518,14 @@ class OpenAIRoutes:
             echo = self._decode(batch[0]) if body.echo else ""
             echo_logprobs = None
             if body.echo and body.logprobs is not None:  # scored before the stream starts: a 4xx/503 still can
-                scored = await self._score(batch[0], body.logprobs, request, asyncio.Semaphore(SCORE_CONCURRENCY))
+                scored = await self._score(batch[0], body.logprobs, request, body.cache_salt)
                 echo_logprobs = self._echo_logprobs(batch[0], scored, None)
             stream = f.submit(batch[0], params[0], "cmpl-", body.cache_salt)
             usage = body.stream_options is not None and body.stream_options.include_usage
             return f.sse(request, stream, self._completion_events(stream, body, echo, echo_logprobs, usage))
         capacity = f.async_engine.capacity
-        gate = asyncio.Semaphore(max(1, min(SCORE_CONCURRENCY, capacity // body.n if capacity else SCORE_CONCURRENCY)))
+        concurrency = max(1, min(PROMPT_CONCURRENCY, capacity // body.n)) if capacity else PROMPT_CONCURRENCY
+        gate = asyncio.Semaphore(concurrency)
         try:
             async with asyncio.TaskGroup() as group:  # one failure cancels (and so aborts) the other prompts
                 tasks = [group.create_task(self._complete(ids, p, body, request, gate))

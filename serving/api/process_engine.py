@@ -294,7 +294,9 @@ class ProcessEngine:
             stepped[request_id] = request.stream
         for request_id, num_cached_tokens in event["done"].items():
             if (request := self._release(request_id)) is not None and not request.aborted:
-                request.stream.queue.put_nowait(self._result(request, num_cached_tokens))
+                prompt_logprobs = event["prompt_logprobs"].get(request_id)
+                request.stream.queue.put_nowait(self._result(request, num_cached_tokens, None if prompt_logprobs is None
+                                                             else [_logprobs(e) for e in prompt_logprobs]))
         for request_id in event["aborted"]:
             self._release(request_id)
         stats = EngineStats.from_wire(event["stats"])
@@ -304,8 +306,9 @@ class ProcessEngine:
         if self.on_step is not None:
             self.on_step(outputs, stepped)
 
-    def _result(self, request: _Request, num_cached_tokens: int) -> RequestResult:
+    def _result(self, request: _Request, num_cached_tokens: int,
+                prompt_logprobs: list[dict | None] | None) -> RequestResult:
         outputs = [Completion(s.index, list(s.output_ids), s.text, reason,
                               request.logprobs[s.index] if request.logprobs is not None else None)
                    for s, reason in zip(request.samples, request.finish_reasons, strict=True)]
-        return RequestResult(request.stream.request_id, request.prompt_ids, outputs, num_cached_tokens)
+        return RequestResult(request.stream.request_id, request.prompt_ids, outputs, num_cached_tokens, prompt_logprobs)

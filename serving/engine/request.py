@@ -30,6 +30,8 @@ class SequenceState:
     cache_salt: str | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict] = dataclasses.field(default_factory=list)  # per output token, when params.logprobs
+    # per prompt token (the first None: no context), on the sample that scores its prompt (params.prompt_logprobs)
+    prompt_logprobs: list[dict | None] | None = None
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at the last admission
     block_table: list[int] = dataclasses.field(default_factory=list)
@@ -54,6 +56,12 @@ class SequenceState:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill scores the prompt (``prompt_logprobs``): until its first token, so a recompute after a
+        preemption scores it again only if it came before that."""
+        return self.prompt_logprobs is not None and not self.output_ids
 
     @property
     def finished(self) -> bool:

@@ -29,6 +29,13 @@ forward pass as ``mm``; a step without images passes none (the text families' ow
 the image encoder once over every image of the requests it is given (patches padded to a power-of-two bucket, one
 compile per bucket) and keeps each request's embeddings on the host, where the steps' rows are cut from them.
 
+A step that scores prompt tokens (``dispatch(targets=...)``: a request with ``SamplingParams.prompt_logprobs``
+prefilling) is a variant of the general step, traced apart, so the common steps keep their executables and cost:
+besides the last-token logits it returns, for every flat token t with target y_t (the prompt's next token),
+``log_softmax(z_t)[y_t]`` and the top ``MAX_LOGPROBS`` of ``log_softmax(z_t)``, where ``z_t [V]`` are the float32
+logits at t. Under causal attention z_t depends on the tokens up to t only, so those are the prompt's teacher-forced
+logprobs whatever the chunking.
+
 A multi-step decode (``ModelRunner.decode``) runs ``steps`` forward + sample iterations in one jitted call
 (``lax.scan``): a batch where every sequence decodes one token, its blocks for all ``steps`` tokens already in its
 block table; each iteration's sampled tokens are the next one's inputs, the batch moves one position on
@@ -63,7 +70,17 @@ from jax.sharding import PartitionSpec as P
 
 from serving import batch_invariant, kv_cache, layers
 from serving.config import ModelConfig
-from serving.engine.sampler import SampleResult, SampleRow, SamplingBatch, advance, sample, sampling_batch, with_room
+from serving.engine.sampler import (
+    SampleResult,
+    SampleRow,
+    SamplingBatch,
+    advance,
+    sample,
+    sampling_batch,
+    token_logprobs,
+    with_room,
+)
+from serving.engine.sampling_params import MAX_LOGPROBS
 from serving.images import MultimodalInputs, RequestImages, step_inputs
 from serving.kv_cache import AttentionBatch, SeqChunk, make_batch, next_decode_batch, pack_step, unpack_step
 from serving.models.vision import patch_layout
@@ -125,18 +142,24 @@ class StepResult(NamedTuple):
     top_ids: np.ndarray  # [S, num_top]
     top_logprobs: np.ndarray  # [S, num_top]
     expert_counts: np.ndarray  # [layers, experts] tokens routed to each expert this step
+    # [N] per flat token: the logprob of its target (the next prompt token) and the top MAX_LOGPROBS, when the step
+    # was dispatched with targets (``ModelRunner.dispatch``); else None
+    prompt: SampleResult | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "forward", "cfg", "kernels"), donate_argnames="kv")
 def _step(params: dict, kv: Any, packed: jax.Array, previous: jax.Array | None = None,
-          mm: MultimodalInputs | None = None, *, sizes: tuple[int, int, int], forward: Callable, cfg: ModelConfig,
-          kernels: layers.KernelPolicy) -> tuple[jax.Array, Any, jax.Array]:
+          mm: MultimodalInputs | None = None, targets: jax.Array | None = None, *, sizes: tuple[int, int, int],
+          forward: Callable, cfg: ModelConfig,
+          kernels: layers.KernelPolicy) -> tuple[jax.Array, Any, jax.Array, SampleResult | None]:
     """forward over the step's tokens ``[N]`` (its layers run as the policy ``kernels`` says): the logits
-    ``[S, V]`` at each chunk's last flat index, the updated cache,
-    and the expert counts ``[layers, experts]``. ``packed``: ``kv_cache.pack_step``'s buffer of the tokens, batch and
+    ``[S, V]`` at each chunk's last flat index, the updated cache, the expert counts ``[layers, experts]``, and the
+    scores of ``targets`` (None without them). ``packed``: ``kv_cache.pack_step``'s buffer of the tokens, batch and
     last indices for ``sizes = (N, S, max_blocks)``; with ``previous`` (the ``[S]`` tokens a step sampled, still on
     the device), the packed tokens are rows of it and each real token is ``previous[row]``; ``mm``: a
-    vision-language step's image inputs."""
+    vision-language step's image inputs; ``targets [N]`` (a trace of its own): every flat position's
+    ``token_logprobs(logits [N, V], targets, MAX_LOGPROBS)``, so a prompt position p with target ``prompt[p + 1]``
+    gets ``log P(prompt[p + 1] | prompt[:p + 1])`` and the top of that distribution."""
     tokens, batch, last = unpack_step(packed, *sizes)
     if previous is not None:
         tokens = jnp.where(batch.seq_ids >= 0, previous[tokens], 0)
@@ -148,7 +171,11 @@ def _step(params: dict, kv: Any, packed: jax.Array, previous: jax.Array | None =
     if kernels.batch_invariant:  # every matmul and sum at a fixed geometry (serving.batch_invariant)
         model = batch_invariant.invariant(model)
     logits, kv, expert_counts = model(params, tokens, batch, kv)
-    return logits[last], kv, expert_counts
+    scores = None
+    if targets is not None:
+        score = functools.partial(token_logprobs, num_top=MAX_LOGPROBS)
+        scores = (batch_invariant.invariant(score) if kernels.batch_invariant else score)(logits, targets)
+    return logits[last], kv, expert_counts, scores
 
 
 class DecodeResult(NamedTuple):
@@ -208,6 +235,7 @@ class Dispatched(NamedTuple):
     expert_counts: jax.Array
     num_chunks: int
     num_tokens: int  # the padded N
+    prompt: SampleResult | None = None  # the step's ``_step`` scores, when dispatched with targets
 
 
 class ModelRunner:
@@ -331,17 +359,21 @@ class ModelRunner:
         return decode and not self.batch_invariant and layers.traces_kernels(self.kernels)
 
     def run(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
-            num_top: int = 0, images: list[RequestImages | None] | None = None) -> StepResult:
+            num_top: int = 0, images: list[RequestImages | None] | None = None,
+            targets: list[list[int]] | None = None) -> StepResult:
         """Run ``chunks`` (with their new ``token_ids``; with their ``images``, one entry or None per chunk) and
-        sample one token per chunk from ``rows``."""
-        return self.fetch(self.dispatch(chunks, token_ids, rows, num_top, images=images))
+        sample one token per chunk from ``rows``; with ``targets`` (``dispatch``), score them too."""
+        return self.fetch(self.dispatch(chunks, token_ids, rows, num_top, images=images, targets=targets))
 
     def dispatch(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow], num_top: int = 0,
-                 previous: Dispatched | None = None,
-                 images: list[RequestImages | None] | None = None) -> Dispatched:
+                 previous: Dispatched | None = None, images: list[RequestImages | None] | None = None,
+                 targets: list[list[int]] | None = None) -> Dispatched:
         """``run``'s device calls, not waited for. With ``previous`` (a decode step still on the device), the
-        chunks are decode chunks whose ``token_ids`` are rows of the tokens ``previous`` samples, padded as it is."""
-        decode = self._is_decode(chunks, previous)
+        chunks are decode chunks whose ``token_ids`` are rows of the tokens ``previous`` samples, padded as it is.
+        ``targets``: one token per chunk token (as ``token_ids``; any id where no score is wanted): the step is then
+        the scoring variant of the general path (``_step``), whose per-token scores ``fetch`` returns as
+        ``StepResult.prompt``."""
+        decode = targets is None and self._is_decode(chunks, previous)
         if previous is not None:
             fed = self._placed(previous.result.tokens)  # stays on the device
         elif decode:  # the tokens as a row vector, the packed tokens its rows
@@ -359,21 +391,26 @@ class ModelRunner:
         sizes = (len(tokens), num_seqs, batch.block_tables.shape[1])
         packed = self._packed(tokens, batch, last)
         mm = self._multimodal(images, chunks, len(tokens))
+        flat_targets = None
+        if targets is not None:
+            flat_targets = np.zeros(len(tokens), np.int32)
+            flat_targets[:sum(c.count for c in chunks)] = np.concatenate(targets)
+            flat_targets = self._placed(flat_targets)
         with self.on_mesh():
-            logits, self.kv, counts = _step(self.params, self.kv, packed, fed, mm, sizes=sizes, forward=self.forward,
-                                            cfg=self.cfg, kernels=self.step_kernels(
-                                                self._paged_only(decode)))  # returns at once; the device computes
+            logits, self.kv, counts, scores = _step(
+                self.params, self.kv, packed, fed, mm, flat_targets, sizes=sizes, forward=self.forward, cfg=self.cfg,
+                kernels=self.step_kernels(self._paged_only(decode)))  # returns at once; the device computes
             if self.overlap_masks:
                 bitmask = self._masks(rows, num_seqs)
             result = self._sampler(logits, sampling_batch(rows, num_seqs, token_bitmask=bitmask), num_top=num_top,
                                    draw=any(r.params.temperature > 0 for r in rows))
-        return Dispatched(result, counts, len(chunks), len(tokens))
+        return Dispatched(result, counts, len(chunks), len(tokens), scores)
 
     def fetch(self, step: Dispatched) -> StepResult:
         """The host arrays of a dispatched step (waits for it)."""
-        *sampled, counts = jax.device_get((*step.result, step.expert_counts))  # one wait for all five transfers
+        *sampled, counts, scores = jax.device_get((*step.result, step.expert_counts, step.prompt))  # one wait
         self.expert_load += counts
-        return StepResult(*(a[:step.num_chunks] for a in sampled), counts)
+        return StepResult(*(a[:step.num_chunks] for a in sampled), counts, scores)
 
     @property
     def _sampler(self) -> Callable:
@@ -428,12 +465,14 @@ class ModelRunner:
         sizes = [math.prod(s) for s in kv_cache.step_shapes(shape.num_tokens, shape.num_seqs, shape.max_blocks)]
         return self._placed(np.zeros(sum(sizes), np.int32))
 
-    def compile_step(self, shape: StepShape, chained: bool = False) -> jax.ShapeDtypeStruct:
+    def compile_step(self, shape: StepShape, chained: bool = False, scores: bool = False) -> jax.ShapeDtypeStruct:
         """Compile ``run``'s forward step of ``shape`` (nothing runs), or with ``chained`` ``dispatch``'s of a decode
-        step after another (its tokens on the device); returns the logits it gives the sampler."""
+        step after another (its tokens on the device), or with ``scores`` its scoring variant (``dispatch`` with
+        targets); returns the logits it gives the sampler."""
         previous = jax.ShapeDtypeStruct((shape.num_seqs,), jnp.int32, sharding=self._replicated) if chained else None
+        targets = self._placed(np.zeros(shape.num_tokens, np.int32)) if scores else None
         with self.on_mesh():
-            compiled = _step.lower(self.params, self.kv, self._packed_like(shape), previous, None,
+            compiled = _step.lower(self.params, self.kv, self._packed_like(shape), previous, None, targets,
                                    sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), forward=self.forward,
                                    cfg=self.cfg, kernels=self.step_kernels(shape.paged_only)).compile()
         info = compiled.out_info[0]

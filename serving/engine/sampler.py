@@ -15,7 +15,8 @@ Every parameter is a ``[B]`` array, so one compile serves any mix of greedy and 
    costs more than SmolLM2's forward pass at batch 16);
 3. randomness is ``jax.random.fold_in(jax.random.key(seed), step)`` with ``step`` the index of the token in the
    request's output, so a seeded request samples the same tokens alone or in any batch;
-4. logprobs come from ``log_softmax`` of the raw logits: the chosen token's and the top ``num_top``.
+4. logprobs come from ``log_softmax`` of the raw logits: the chosen token's and the top ``num_top``
+   (``token_logprobs``, which also scores a prompt's tokens: ``runner`` with ``prompt_logprobs``).
 
 A multi-step decode samples several tokens per row on the device: ``advance`` turns the batch into the next
 token's (step + 1, the sampled token appended to a penalized row's history), so each token is sampled exactly as a
@@ -206,7 +207,12 @@ def sample(logits: jax.Array, b: SamplingBatch, num_top: int = 0, draw: bool = T
     if draw:
         drawn = jax.vmap(_draw)(b.seed, b.step, filtered_logits(penalized, b))
         tokens = jnp.where(b.temperature > 0, drawn, tokens)
-    tokens = tokens.astype(jnp.int32)
+    return token_logprobs(logits, tokens.astype(jnp.int32), num_top)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> SampleResult:
+    """``tokens [B]`` with ``log_softmax(logits [B, V])[b, tokens[b]]`` and each row's top ``num_top`` (ids and
+    logprobs, descending): the logprobs of the raw distribution, whatever sampled the tokens."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logp, num_top)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]

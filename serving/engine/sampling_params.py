@@ -18,8 +18,11 @@ class SamplingParams:
     (multiplies negative) logits of tokens seen in the prompt or output; ``presence_penalty`` subtracts a constant
     from tokens seen in the output, ``frequency_penalty`` that times their count. ``seed`` makes sampling
     reproducible (sample i of ``n`` uses seed + i). ``logprobs`` = n returns the chosen token's logprob and the
-    top n (from the model's raw distribution, before penalties and temperature). ``constraint`` restricts the
-    output to a JSON schema, regex or choice (``serving.structured``): disallowed tokens are masked out.
+    top n (from the model's raw distribution, before penalties and temperature). ``prompt_logprobs`` = k scores the
+    prompt as the prefill computes it: each prompt token i >= 1 gets ``log_softmax(logits at i - 1)[token i]`` and
+    the top k of that distribution (raw, as ``logprobs``'); sample 0 of the request carries them
+    (``RequestResult.prompt_logprobs``), and it prefills its whole prompt (no cached prefix). ``constraint``
+    restricts the output to a JSON schema, regex or choice (``serving.structured``): disallowed tokens are masked out.
     ``logit_bias`` ``((token_id, bias), ...)`` adds each bias (in [-100, 100]) to its token's logit before the
     penalties, as OpenAI's ``logit_bias`` does. ``speculative`` names the drafter of an engine with speculative
     decoding for this request ("off": none; None: the engine's own; ``Engine.add_request`` checks the name).
@@ -36,6 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -55,6 +59,8 @@ class SamplingParams:
                   ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
                   ("seed", self.seed is None or 0 <= self.seed < 2**32, "None or in [0, 2**32)"),
                   ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                   f"None or in [0, {MAX_LOGPROBS}]"),
+                  ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                    f"None or in [0, {MAX_LOGPROBS}]"),
                   ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
                   ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS and all(

@@ -4,7 +4,8 @@ Each step has a token budget. Running sequences that are decoding (one token eac
 oldest first; then running sequences still filling their prompt, then waiting ones in arrival order (while
 fewer than ``max_running`` run), each taking ``min(budget left, tokens left)`` tokens: a long prompt is
 prefilled in chunks over several steps, mixed with other sequences' decodes. A waiting sequence first takes
-the longest cached prefix of its full blocks from the allocator.
+the longest cached prefix of its full blocks from the allocator (unless it scores its prompt: it then computes
+every prompt position, and its blocks are cached for others as usual).
 
 Admission is fair: while a sequence waits that could be admitted (fewer than ``max_running`` run), the running
 prefills together take at most ``prefill_chunk`` tokens of the step, and an admitted sequence with others waiting
@@ -229,7 +230,11 @@ class Scheduler:
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
 
     def _take_cached_prefix(self, seq: SequenceState) -> None:
-        """Start a waiting ``seq`` from its longest cached prefix, keeping at least its last token to compute."""
+        """Start a waiting ``seq`` from its longest cached prefix, keeping at least its last token to compute; from
+        its first token when it scores its prompt (every position's logits are needed)."""
+        if seq.scores_prompt:
+            seq.num_cached_tokens = 0
+            return
         hashes = hash_blocks(seq.tokens, self.block_size, lambda i: seq.block_salt(i, self.block_size),
                              (seq.num_tokens - 1) // self.block_size)
         seq.block_table = self.allocator.cached_prefix(hashes)

@@ -242,9 +242,9 @@ class LogitsRecorder:
         """Route ``engine``'s steps through this recorder (the sequences' prompts name their rows)."""
         dispatch = engine.runner.dispatch
 
-        def recorded_dispatch(chunks, token_ids, rows, num_top=0, previous=None, images=None):
+        def recorded_dispatch(chunks, token_ids, rows, num_top=0, previous=None, images=None, targets=None):
             self.prompts = [tuple(r.prompt_ids) for r in rows]
-            return dispatch(chunks, token_ids, rows, num_top, previous, images)
+            return dispatch(chunks, token_ids, rows, num_top, previous, images, targets)
 
         engine.runner.forward, engine.runner.dispatch = self, recorded_dispatch
         return engine

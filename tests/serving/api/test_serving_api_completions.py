@@ -1,6 +1,7 @@
 """Completions that score text, as eval harnesses send them: ``echo`` + ``logprobs`` returns the prompt's token
-logprobs (the first null), ``max_tokens=0`` scores the prompt alone, and a list of prompts gets one choice per
-prompt and per n; plus ``logit_bias`` through the sampler."""
+logprobs (the first null), ``max_tokens=0`` scores the prompt alone, each prompt in one engine request (its
+prefill scores it), and a list of prompts gets one choice per prompt and per n; plus ``logit_bias`` through the
+sampler."""
 
 import json
 import math
@@ -8,7 +9,9 @@ import math
 import httpx
 import numpy as np
 import pytest
-from helpers.server import LLAMA, MODEL_NAME
+from helpers.server import LLAMA, MODEL_NAME, make_engine, model_folder, running_server
+
+from serving.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 TIMEOUT_S = 120
 PROMPT = [5, 17, 40, 99, 123, 7, 250]
@@ -83,6 +86,48 @@ def test_lm_eval_harness_loglikelihood_request(api_server):
         assert len(picked) == len(continuation) and all(math.isfinite(lp) and lp <= 0 for lp in picked)
         for top in logprobs["top_logprobs"][len(context):-1]:
             assert len(top) == 1  # what lm-eval reads to decide is_greedy
+
+
+def test_a_long_prompt_is_scored_in_one_engine_request_as_teacher_forcing_scores_it(tmp_path_factory):
+    engine = make_engine(model_folder(tmp_path_factory.mktemp("models")))  # prefill chunks of <= 64 tokens
+    ids = np.random.default_rng(2).integers(3, 320, 150).tolist()
+    # teacher forcing, one request per position: prompt ids[:i], ids[i] forced by a +100 bias (sampled from the
+    # biased distribution, logprobs from the raw one)
+    positions = [1, 2, 63, 64, 65, 100, 128, 149]
+    forced = {i: engine.generate([ids[:i]], SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, logit_bias=(
+        (ids[i], MAX_LOGIT_BIAS),)))[0].outputs[0] for i in positions}
+    assert all(forced[i].token_ids == [ids[i]] for i in positions)
+    added = []
+    add_request = engine.add_request
+    engine.add_request = lambda prompt, *args: added.append(len(prompt)) or add_request(prompt, *args)
+    with running_server(engine) as (server, _):
+        out = complete(server.url, prompt=ids, max_tokens=0, echo=True, logprobs=2)
+        assert added == [len(ids)]  # one request, not one per position
+        logprobs = out["choices"][0]["logprobs"]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        for i in positions:
+            assert logprobs["token_logprobs"][i] == pytest.approx(forced[i].logprobs[0]["logprob"], abs=TOLERANCE)
+            top = np.array([lp for _, lp in forced[i].logprobs[0]["top"]])  # keyed by text: alike tokens share a key
+            assert all(np.abs(top - value).min() < TOLERANCE for value in logprobs["top_logprobs"][i].values())
+        # lm-eval's local-completions loglikelihood batch (token ids and text): one request per prompt, scored and
+        # generating one token
+        added.clear()
+        body = {"prompt": [ids, ids[:70]], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+                "echo": True}
+        choices = complete(server.url, **body)["choices"]
+        assert sorted(added) == [70, len(ids)]
+        for choice, prompt in zip(choices, [ids, ids[:70]], strict=True):
+            scored = choice["logprobs"]["token_logprobs"]
+            assert len(scored) == len(prompt) + 1 and scored[:len(prompt)] == pytest.approx(
+                logprobs["token_logprobs"][:len(prompt)], abs=TOLERANCE)
+            is_greedy = all(lp >= max(top.values()) - TOLERANCE for lp, top in  # as lm-eval decides it
+                            zip(scored[1:-1], choice["logprobs"]["top_logprobs"][1:-1], strict=True))
+            assert not is_greedy  # random ids are not the model's greedy continuation
+        text = ["The quick brown fox", "jumps over the lazy dog"]
+        texts = complete(server.url, **{**body, "prompt": text, "max_tokens": 0})["choices"]
+        assert [c["text"] for c in texts] == text
+        assert all(c["logprobs"]["token_logprobs"][0] is None and len(c["logprobs"]["tokens"]) == len(t)
+                   for c, t in zip(texts, text, strict=True))  # the fixture's tokenizer: one token per character
 
 
 def test_a_list_of_prompts_gets_one_choice_per_prompt_and_sample(api_server):

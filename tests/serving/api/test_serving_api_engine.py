@@ -102,12 +102,12 @@ def test_a_failing_step_fails_only_its_requests_and_the_engine_recovers(referenc
     dispatch = eng.runner.dispatch
     poison = [7, 7, 7, 7, 7]
 
-    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None, images=None):
+    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None, images=None, targets=None):
         if any(r.prompt_ids == poison for r in rows):
             if consume_cache:
                 jax.tree.map(lambda a: a.delete(), eng.runner.kv)
             raise RuntimeError("injected device failure")
-        return dispatch(chunks, token_ids, rows, num_top, previous, images)
+        return dispatch(chunks, token_ids, rows, num_top, previous, images, targets)
 
     monkeypatch.setattr(eng.runner, "dispatch", failing_dispatch)
     cached = eng.generate([prompts[1]], GREEDY)[0].outputs[0].token_ids  # fills the prefix cache

@@ -154,16 +154,21 @@ def test_answers_equal_the_in_process_engine_s(url, oai, in_process):
     with np.load(LLAMA / "reference.npz") as ref:
         prompt = ref["input_ids"][0, :ref["lengths"][0]].tolist()
     requests = [dict(prompt=prompt, max_tokens=12, temperature=0.0, logprobs=2, extra_body={"ignore_eos": True}),
-                dict(prompt="abc", max_tokens=12, temperature=1.0, seed=7, n=2, extra_body={"ignore_eos": True})]
+                dict(prompt="abc", max_tokens=12, temperature=1.0, seed=7, n=2, extra_body={"ignore_eos": True}),
+                dict(prompt=prompt, max_tokens=0, echo=True, logprobs=3),  # prompt logprobs cross the wire
+                dict(prompt=prompt, max_tokens=2, echo=True, logprobs=1, temperature=0.0)]
     for options in requests:
         ours, reference = (client.completions.create(model=MODEL_NAME, **options) for client in (oai, theirs))
         assert [(c.text, c.finish_reason) for c in ours.choices] == \
             [(c.text, c.finish_reason) for c in reference.choices]
         assert ours.usage == reference.usage
         if options.get("logprobs"):
+            first = 1 if options.get("echo") else 0  # an echoed prompt's first token has no logprob
             assert ours.choices[0].logprobs.tokens == reference.choices[0].logprobs.tokens
-            np.testing.assert_allclose(ours.choices[0].logprobs.token_logprobs,
-                                       reference.choices[0].logprobs.token_logprobs, rtol=1e-5)
+            assert [sorted(top) for top in ours.choices[0].logprobs.top_logprobs[first:]] == \
+                [sorted(top) for top in reference.choices[0].logprobs.top_logprobs[first:]]
+            np.testing.assert_allclose(ours.choices[0].logprobs.token_logprobs[first:],
+                                       reference.choices[0].logprobs.token_logprobs[first:], rtol=1e-5)
 
 
 def test_streaming_equals_the_whole_answer_and_stop_strings_cut(oai):
@@ -392,22 +397,22 @@ def test_core_turn_refuses_steps_and_aborts(core):
 def test_core_turn_fails_only_the_requests_of_a_failed_step(core, monkeypatch):
     dispatch = core.engine.runner.dispatch
 
-    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None, images=None):
+    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None, images=None, targets=None):
         if any(list(r.prompt_ids) == [9, 9, 9] for r in rows):
             raise RuntimeError("injected device failure")
-        return dispatch(chunks, token_ids, rows, num_top, previous, images)
+        return dispatch(chunks, token_ids, rows, num_top, previous, images, targets)
 
     monkeypatch.setattr(core.engine.runner, "dispatch", failing_dispatch)
     event = core.turn([add("poisoned", [9, 9, 9], max_tokens=3)])
     [(request_ids, message)] = event["failed"]
     assert request_ids == ["poisoned"] and "injected device failure" in message
     event = core.turn([add("fine", [5, 6], max_tokens=1)])
-    assert event["done"] == {"fine": 0} and event["failed"] == []
+    assert event["done"] == {"fine": 0} and event["failed"] == [] and event["prompt_logprobs"] == {}
 
 
 def test_sampling_params_cross_the_wire_whole():
     params = SamplingParams(n=2, max_tokens=5, temperature=0.5, stop=("x",), logit_bias=((7, 100.0), (3, -2.5)),
-                            seed=3)
+                            seed=3, prompt_logprobs=4)
     assert ipc.params_from_wire(ipc.unpack(ipc.pack(ipc.params_to_wire(params)))) == params
 
 

@@ -248,10 +248,10 @@ def test_an_engine_exception_fails_only_its_request_and_the_server_recovers(url,
     dispatch = engine.runner.dispatch
     poison = [3, 1, 4, 1, 5, 9, 2, 6]
 
-    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None, images=None):
+    def failing_dispatch(chunks, token_ids, rows, num_top=0, previous=None, images=None, targets=None):
         if any(list(r.prompt_ids) == poison for r in rows):
             raise RuntimeError("injected device failure")
-        return dispatch(chunks, token_ids, rows, num_top, previous, images)
+        return dispatch(chunks, token_ids, rows, num_top, previous, images, targets)
 
     monkeypatch.setattr(engine.runner, "dispatch", failing_dispatch)
     body = {"model": MODEL_NAME, "prompt": poison, "max_tokens": 4, "stream": stream}

@@ -1,19 +1,24 @@
 """The engine end to end on the tiny HF fixtures (fp32): greedy equals HF's greedy, and neither batching,
-chunked prefill, late arrivals, preemption nor the prefix cache changes any token."""
+chunked prefill, late arrivals, preemption nor the prefix cache changes any token; prompt logprobs equal the
+log-softmax of a full-sequence forward at every position, through chunks and past a cached prefix."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import HF
-from helpers.hf import reference
+from helpers.hf import fixture, fixture_params, forward, reference
 
 from serving import Engine, SamplingParams
+from serving.kv_cache import PagedKV, SeqChunk, make_batch
+from serving.spec_decode import SpecConfig
 
 FAMILIES = ("llama", "qwen3_moe", "mixtral", "qwen3", "mixtral_window", "gpt_oss")  # all but the first: slow
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+FP32_ATOL = 1e-4  # logprobs of fp32 logits computed in other chunkings and batches (differences near 1e-6)
 
 
 def engine(name: str = "llama", **kwargs) -> Engine:
@@ -149,3 +154,84 @@ def test_multi_step_decode_matches_hf_greedy_and_sums_the_expert_counts(name):
     cfg = eng.cfg
     moe_layers = sum(cfg.is_moe_layer(l) for l in range(cfg.layers))
     assert eng.runner.expert_load.sum() == sum(len(p) + 31 for p in prompts) * cfg.top_k * moe_layers
+
+
+def full_forward_logprobs(ids: list[int]) -> np.ndarray:
+    """``log_softmax`` of the llama fixture's logits over the whole of ``ids`` in one chunk ``[len(ids), V]``."""
+    cfg, n = fixture("llama")[0], len(ids)
+    blocks = -(-n // BLOCK)
+    batch = make_batch([SeqChunk(list(range(blocks)), 0, n)], BLOCK, num_seqs=1, max_blocks=blocks)
+    logits, _, _ = forward(fixture_params("llama", jnp.float32), cfg, np.array(ids, np.int32), batch,
+                           PagedKV.create(cfg, blocks, BLOCK, jnp.float32))
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1))
+
+
+def check_prompt_logprobs(entries: list, ids: list[int], reference_logprobs: np.ndarray, k: int) -> None:
+    """Entry i >= 1 is token i's logprob given the tokens before it, and that distribution's top k."""
+    assert len(entries) == len(ids) and entries[0] is None
+    chosen = [e["logprob"] for e in entries[1:]]
+    np.testing.assert_allclose(chosen, reference_logprobs[np.arange(len(ids) - 1), ids[1:]], atol=FP32_ATOL)
+    for i, entry in enumerate(entries[1:]):
+        best = np.argsort(reference_logprobs[i])[::-1][:k]
+        assert [t for t, _ in entry["top"]] == best.tolist(), i
+        np.testing.assert_allclose([lp for _, lp in entry["top"]], reference_logprobs[i, best], atol=FP32_ATOL)
+
+
+def test_prompt_logprobs_equal_hf_and_the_full_forward_through_chunks_and_a_cached_prefix():
+    prompts, greedy = reference("llama")
+    with np.load(HF / "llama" / "reference.npz") as ref:  # HF's logits of the fixture's first prompt
+        hf = np.asarray(jax.nn.log_softmax(ref["logits"][0][:len(prompts[0])], axis=-1))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    eng = engine(token_budget=8)  # prefill chunks of at most 8 tokens (4 while another request waits)
+    long = np.random.default_rng(1).integers(3, 320, 45).tolist()  # 6 chunks or more
+    first, second = eng.generate([prompts[0], long], params)
+    check_prompt_logprobs(first.prompt_logprobs, prompts[0], hf, 3)
+    check_prompt_logprobs(second.prompt_logprobs, long, full_forward_logprobs(long), 3)
+    assert first.outputs[0].token_ids == greedy[0, :4].tolist()  # generation is unchanged
+
+    # the first 40 tokens are cached now: a plain request takes them, a scoring one computes every position
+    variant = long[:40] + [7, 8, 9]
+    plain, scored = (eng.generate([variant], p)[0] for p in (dataclasses.replace(params, prompt_logprobs=None), params))
+    assert plain.num_cached_tokens == 40 and plain.prompt_logprobs is None
+    assert scored.num_cached_tokens == 0 and scored.outputs[0].token_ids == plain.outputs[0].token_ids
+    check_prompt_logprobs(scored.prompt_logprobs, variant, full_forward_logprobs(variant), 3)
+    again = eng.generate([variant], dataclasses.replace(params, prompt_logprobs=None))[0]
+    assert again.num_cached_tokens == 40  # the scoring request's blocks are cached for others
+
+
+def test_prompt_logprobs_with_n_samples_a_batch_and_k_0():
+    prompts, _ = reference("llama")
+    eng = engine(token_budget=8)
+    sampled = SamplingParams(temperature=1.0, max_tokens=3, seed=5, n=2, prompt_logprobs=0)
+    plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    scored, other = eng.generate(prompts, [sampled, plain])
+    check_prompt_logprobs(scored.prompt_logprobs, prompts[0], full_forward_logprobs(prompts[0]), 0)
+    assert all(e["top"] == [] for e in scored.prompt_logprobs[1:])
+    unscored = engine(token_budget=8).generate(prompts, [dataclasses.replace(sampled, prompt_logprobs=None), plain])
+    assert [o.token_ids for o in scored.outputs] == [o.token_ids for o in unscored[0].outputs]
+    assert other.outputs[0].token_ids == unscored[1].outputs[0].token_ids and other.prompt_logprobs is None
+    one = eng.generate([[5]], dataclasses.replace(plain, prompt_logprobs=2))[0]
+    assert one.prompt_logprobs == [None]  # a one-token prompt has nothing to score
+    with pytest.raises(ValueError, match=r"prompt_logprobs = 21: expected None or in \[0, 20\]"):
+        SamplingParams(prompt_logprobs=21)
+
+
+def test_prompt_logprobs_beside_ngram_speculation():
+    """Steps draft nothing while a request is to score its prompt, and verify drafts again after it."""
+    repetitive = [5, 6, 7, 8] * 6  # n-grams recur: drafts are proposed
+    prompts = [repetitive, list(range(40, 70))]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)]
+    eng = engine(token_budget=8, speculative=SpecConfig.from_method("ngram", k=3))
+    first = eng.add_request(prompts[0], params[0])
+    for _ in range(5):  # the first request decodes (and drafts) before the scoring one arrives
+        eng.step()
+    second = eng.add_request(prompts[1], params[1])
+    while eng.has_unfinished():
+        eng.step()
+    plain = engine(token_budget=8).generate(prompts, [params[0], dataclasses.replace(params[1], prompt_logprobs=None)])
+    assert eng.release(first).outputs[0].token_ids == plain[0].outputs[0].token_ids
+    scored = eng.release(second)
+    assert scored.outputs[0].token_ids == plain[1].outputs[0].token_ids
+    check_prompt_logprobs(scored.prompt_logprobs, prompts[1], full_forward_logprobs(prompts[1]), 1)
+    assert eng.spec_stats.num_draft_tokens > 0

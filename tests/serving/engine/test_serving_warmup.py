@@ -1,7 +1,7 @@
 """``Engine.warm_up`` compiles every step shape the engine can meet, so a varied workload afterwards (prompt lengths
-from one token to several chunks, one to max_running sequences, n > 1, greedy and sampled, logprobs, multi-step
-decode, a constrained request) traces and compiles nothing; JAX's persistent compilation cache then makes a
-restart compile nothing either."""
+from one token to several chunks, one to max_running sequences, n > 1, greedy and sampled, logprobs, prompt
+logprobs, multi-step decode, a constrained request) traces and compiles nothing; JAX's persistent compilation cache
+then makes a restart compile nothing either."""
 
 import json
 import os
@@ -66,7 +66,8 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
                 for masked in (False, True) for biased in (False, True)]
     decode = [StepShape(n, 4, 16, False) for n in buckets(4, eng.runner.min_tokens)]  # up to max_running
     decodes = [("decode", d, 2, top, draw) for d in decode for top in (0, MAX_LOGPROBS) for draw in (False, True)]
-    assert done == [("step", s) for s in steps] + samplers + [("chained", d) for d in decode] + decodes
+    assert done == [("step", s) for s in steps] + [("scores", s) for s in steps] + samplers \
+        + [("chained", d) for d in decode] + decodes
     assert seen == [(i + 1, len(done)) for i in range(len(done))]
 
     with compile_events() as events:
@@ -81,6 +82,8 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
         eng.generate([texts[1]], greedy)
         eng.generate(texts[:2], [SamplingParams(temperature=0.0, max_tokens=5, logit_bias=((7, 5.0),)),
                                  SamplingParams(temperature=0.9, max_tokens=5, seed=4, logit_bias=((3, -100.0),) * 2)])
+        scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)  # prompts scored in chunks
+        eng.generate([texts[0], texts[2]], [scored, SamplingParams(temperature=0.0, max_tokens=3, logprobs=1)])
     assert events == []
 
 
@@ -97,6 +100,8 @@ def test_with_ngram_speculation_warm_up_compiles_every_verification_and_plain_st
         eng.generate(texts, [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                              SamplingParams(temperature=0.7, max_tokens=12, seed=2, logprobs=1)])
         eng.generate(texts[:1], SamplingParams(temperature=0.0, max_tokens=5, constraint=ConstraintSpec.regex("a+")))
+        eng.generate(texts, [SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2),  # steps draft nothing
+                             SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])  # while it scores
     assert eng.spec_stats.num_draft_tokens > 0 and events == []
 
 

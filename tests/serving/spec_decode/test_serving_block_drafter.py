@@ -344,6 +344,8 @@ def test_greedy_output_is_identical_to_plain_decoding_in_a_batch():
         assert stats_.num_steps > 0 and eng.drafter.num_passes < stats_.num_steps  # one pass drafts the batch
         assert eng.drafter.slots == {} and eng.drafter.observed == {}  # finished sequences released
     assert stats_.mean_acceptance_length > 2, stats_  # the trained drafter
+    with pytest.raises(ValueError, match="prompt_logprobs = 1 on an engine whose drafter .* verifies every step"):
+        eng.add_request(prompts[0], SamplingParams(prompt_logprobs=1))  # it observes every pass: none is plain
 
 
 @pytest.mark.slow  # ~20 s on 2 cores: 2 x 400 sampled requests
