@@ -100,31 +100,39 @@ def default_config(m: int, num_groups: int) -> GroupedMatmulConfig:
     return DECODE_CONFIG if m < DECODE_ROWS_PER_GROUP * num_groups else PREFILL_CONFIG
 
 
-def max_visits(m: int, num_groups: int, block_m: int) -> int:
-    """Static bound on the visits of :func:`visit_plan` (module docstring)."""
-    return pl.cdiv(m, block_m) + num_groups
+def max_visits(m: int, num_groups: int, block_m: int, align: int = 1) -> int:
+    """Static bound on the visits of :func:`visit_plan` (module docstring): its ``num_groups + 1`` segments span
+    at most ``m + (align - 1) (num_groups + 1)`` rows from their aligned starts, and ceil(a) + ceil(b) <=
+    ceil(a + b) + 1."""
+    return pl.cdiv(m + (align - 1) * (num_groups + 1), block_m) + num_groups
 
 
-def visit_plan(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+def visit_plan(group_sizes: jax.Array, m: int, block_m: int, align: int = 1) -> jax.Array:
     """int32 ``[3, max_visits]``: per visit, its group, first row and end row, in group order.
 
     Group ``num_groups`` stands for the zero rows ``[sum(group_sizes), m)``; unused visits are empty
-    (``start = end = m``) and belong to it too.
+    (``start = end = m``) and belong to it too. A group's visits cut its rows into ``block_m``-row tiles from its
+    first row rounded down to a multiple of ``align`` (a kernel whose row tiles must start there, TMA boxes of
+    8-row tiles, loads rows of the group before too and drops them): every tile but the first starts at a
+    multiple of ``align`` when ``block_m`` is one, and a visit's rows lie in ``[start // align * align,
+    start // align * align + block_m)``.
     """
     num_groups = group_sizes.shape[0]
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)  # no visit leaves [0, m)
     seg_start = jnp.concatenate([jnp.zeros(1, jnp.int32), ends])  # num_groups + 1 segments tile [0, m)
     seg_end = jnp.concatenate([ends, jnp.full(1, m, jnp.int32)])
-    tiles = pl.cdiv(seg_end - seg_start, block_m)
+    base = seg_start // align * align
+    tiles = jnp.where(seg_end > seg_start, pl.cdiv(seg_end - base, block_m), 0)
     visit_end = jnp.cumsum(tiles)
-    visit = jnp.arange(max_visits(m, num_groups, block_m), dtype=jnp.int32)
+    visit = jnp.arange(max_visits(m, num_groups, block_m, align), dtype=jnp.int32)
     # compare_all: one fused [visits, groups + 1] comparison; the default binary search is a while loop of small
     # kernels (the profile of a decode-sized call on an H200 showed ~40 XLA kernels around the one matmul).
     seg = jnp.searchsorted(visit_end, visit, side="right", method="compare_all").astype(jnp.int32)
     used = seg <= num_groups
     seg = jnp.minimum(seg, num_groups)
-    start = seg_start[seg] + (visit - (visit_end - tiles)[seg]) * block_m
-    end = jnp.minimum(start + block_m, seg_end[seg])
+    tile_start = base[seg] + (visit - (visit_end - tiles)[seg]) * block_m
+    start = jnp.maximum(tile_start, seg_start[seg])
+    end = jnp.minimum(tile_start + block_m, seg_end[seg])
     return jnp.stack([seg, jnp.where(used, start, m), jnp.where(used, end, m)])
 
 
