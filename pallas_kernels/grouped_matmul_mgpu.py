@@ -63,6 +63,7 @@ TILE_ROWS = 8  # rows of a TMA tile in shared memory: an x tile starts at a mult
 SWIZZLE_BYTES = 128  # the widest TMA/wgmma swizzle: 64 bf16 columns a swizzled tile
 SWIZZLE_COLS = SWIZZLE_BYTES // 2
 MAX_BLOCK_N = 256  # a wgmma's largest N, and the longest side of a TMA box
+BARRIER_BYTES = 8  # an mbarrier in shared memory
 MEMORY_REGISTERS = 40  # per thread of the memory warpgroup (setmaxnreg); the compute warpgroups get the rest
 INTERPRET_SMS = 2  # blocks of the persistent grid in interpret mode: each walks several items
 DTYPE = jnp.dtype(jnp.bfloat16)
@@ -80,15 +81,15 @@ class MosaicGroupedMatmulConfig:
 
     def __post_init__(self):
         name = type(self).__name__
-        check_power_of_2(self, ("block_m", "block_n", "block_k"))
+        check_power_of_2(self, ("block_m", "block_k"))
         if self.block_m not in (WGMMA_ROWS * w for w in range(1, MAX_COMPUTE_WGS + 1)):
             raise ValueError(f"{name}.block_m must be 64 or 128 (one or two warpgroups of {WGMMA_ROWS} wgmma rows), "
                              f"got {self.block_m}")
         for field in ("block_n", "block_k"):
             value = getattr(self, field)
-            if not SWIZZLE_COLS <= value <= MAX_BLOCK_N:
-                raise ValueError(f"{name}.{field} must be in [{SWIZZLE_COLS}, {MAX_BLOCK_N}] (whole 128-byte swizzled "
-                                 f"TMA tiles, a wgmma's largest N), got {value}")
+            if not isinstance(value, int) or value % SWIZZLE_COLS or not SWIZZLE_COLS <= value <= MAX_BLOCK_N:
+                raise ValueError(f"{name}.{field} must be a multiple of {SWIZZLE_COLS} up to {MAX_BLOCK_N} (whole "
+                                 f"128-byte swizzled TMA tiles; a wgmma's largest N), got {value!r}")
         if not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"{name}.stages must be an int >= 2 (a K step loads while one is used), got "
                              f"{self.stages!r}")
@@ -98,22 +99,21 @@ class MosaicGroupedMatmulConfig:
         return self.block_m // WGMMA_ROWS
 
     def smem_bytes(self, out_dtype) -> int:
-        """Shared memory a block uses: ``stages`` x and weight tiles, and each compute warpgroup's output tile."""
+        """Shared memory a block uses, as Mosaic GPU allocates it: ``stages`` x and weight tiles, each compute
+        warpgroup's output tile, and the barriers (per slot "loaded" and "consumed", and one "drained")."""
         operands = self.stages * (self.block_m + self.block_n) * self.block_k * DTYPE.itemsize
-        return operands + self.block_m * self.block_n * jnp.dtype(out_dtype).itemsize
+        barriers = (2 * self.stages + 1) * BARRIER_BYTES
+        return operands + self.block_m * self.block_n * jnp.dtype(out_dtype).itemsize + barriers
 
 
 DEFAULT_CONFIG = MosaicGroupedMatmulConfig()
 
 
-def check_launch(config: MosaicGroupedMatmulConfig, k: int, n: int, out_dtype, gpu: device.Gpu) -> None:
-    """Raise ValueError unless the K and N steps tile ``k`` and ``n`` whole and a block fits ``gpu``'s shared
-    memory (naming the config and the bytes)."""
-    if k % config.block_k or n % config.block_n:
-        raise ValueError(f"grouped_matmul_mgpu with {config} needs k={k} a multiple of block_k and n={n} a multiple "
-                         f"of block_n (TMA boxes of whole tiles)")
-    device.check_shared_memory(f"grouped_matmul_mgpu to {jnp.dtype(out_dtype).name}", config,
-                               config.smem_bytes(out_dtype), gpu)
+def takes(x: jax.Array, w: jax.Array, config: MosaicGroupedMatmulConfig = DEFAULT_CONFIG) -> bool:
+    """Whether :func:`grouped_matmul_mgpu` at ``config`` takes ``x [m, k]`` and ``w [groups, k, n]``: bfloat16
+    both, ``k`` and ``n`` whole K steps and column tiles."""
+    return (x.ndim == 2 and w.ndim == 3 and x.dtype == w.dtype == DTYPE and x.shape[1] == w.shape[1]
+            and x.shape[1] % config.block_k == 0 and w.shape[2] % config.block_n == 0)
 
 
 def _smem_transforms():
@@ -146,8 +146,9 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, o_ref, *, config, num_groups, n_tiles):
     @functools.partial(pl.run_scoped,
                        allocations=pipeline(unused, unused).get_allocations(x_ref, w_ref.at[0]),
                        o_smem=plgpu.SMEM((block_m, block_n), o_ref.dtype),
+                       drained=plgpu.Barrier(num_arrivals=wgs),
                        collective_axes="wg")
-    def _scope(allocations, o_smem):
+    def _scope(allocations, o_smem, drained):
         wg = jax.lax.axis_index("wg")
 
         @plgpu.nd_loop((visits * n_tiles,), collective_axes="sm")
@@ -184,13 +185,19 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, o_ref, *, config, num_groups, n_tiles):
 
                 pl.run_scoped(acc_scope, plgpu.ACC((WGMMA_ROWS, block_n), jnp.float32))
 
-            def mma(_, x_smem, w_smem, acc_ref):
+            def mma(indices, x_smem, w_smem, acc_ref):
                 @pl.when(lo < hi)
                 def _():
                     rows = pl.ds(pl.multiple_of(wg * WGMMA_ROWS, WGMMA_ROWS), WGMMA_ROWS)
                     plgpu.wgmma(acc_ref, x_smem.at[rows], w_smem)
 
                 plgpu.wgmma_wait(in_flight)  # the wgmma that read the slot released now is done
+
+                @pl.when(indices[0] == steps - 1)
+                def _():  # the last step's slot is never released (delay_release): say when it is read
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(drained)
+
                 return acc_ref
 
             used = row0 < row_end
@@ -199,6 +206,9 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, o_ref, *, config, num_groups, n_tiles):
             def _():
                 pipeline(mma, compute_context)(x_ref.at[pl.ds(tile0, block_m)],
                                                w_ref.at[group, :, pl.ds(col0, block_n)], allocations=allocations)
+
+                # The next item's loads refill every slot: the memory warpgroup first waits for the last wgmmas.
+                pl.when(wg == wgs)(lambda: plgpu.barrier_wait(drained))
 
             @pl.when(used & (group == num_groups) & (wg < wgs))
             def _():
@@ -232,8 +242,13 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, o
     config = config or DEFAULT_CONFIG
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     (m, k), (num_groups, _, n) = x.shape, w.shape
+    if not takes(x, w, config):
+        raise ValueError(f"grouped_matmul_mgpu with {config} needs k={k} a multiple of block_k and n={n} a multiple "
+                         f"of block_n (TMA boxes of whole tiles)")
     gpu = device.gpu()
-    check_launch(config, k, n, out_dtype, gpu)
+    if not interpret:
+        device.check_shared_memory(f"grouped_matmul_mgpu to {out_dtype.name}", config, config.smem_bytes(out_dtype),
+                                   gpu)
     # Whole TMA tiles of rows, and at least one x tile (a copy of x only where m is neither).
     padded = max(-(-m // TILE_ROWS) * TILE_ROWS, config.block_m)
     plan = visit_plan(group_sizes, padded, config.block_m, align=TILE_ROWS)
