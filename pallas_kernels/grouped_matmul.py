@@ -187,7 +187,9 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, num_gr
 # --------------------------------------------------------------------------- public API
 
 
-def _check(x, w, group_sizes=None, ids=None, up=None, repeat=1):
+def check_inputs(x, w, group_sizes=None, ids=None, up=None, repeat=1) -> None:
+    """Raise ValueError unless the operands are those of :func:`grouped_matmul` (with ``group_sizes``) or
+    :func:`gather_matmul` (with ``ids``, ``up``, ``repeat``): shapes, integer sizes or ids, one float dtype."""
     if x.ndim != 2 or w.ndim != 3 or w.shape[1] != x.shape[1]:
         raise ValueError(f"x must be [m, k] and w [groups, k, n] with the same k, got {x.shape} and {w.shape}")
     if up is not None and (up.shape != w.shape or up.dtype != w.dtype):
@@ -220,7 +222,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dt
     Returns:
       ``[m, n]``; rows past ``sum(group_sizes)`` are 0.
     """
-    _check(x, w, group_sizes)
+    check_inputs(x, w, group_sizes)
     m, num_groups = x.shape[0], w.shape[0]
     config = config or default_config(m, num_groups)
     if (visits := max_visits(m, num_groups, config.block_m)) > MAX_GRID_Y:
@@ -271,14 +273,14 @@ def gather_matmul(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.Array | No
     Returns:
       ``[m, n]``.
     """
-    _check(x, w, ids=ids, up=up, repeat=repeat)
+    check_inputs(x, w, ids=ids, up=up, repeat=repeat)
     return _launch(ids.astype(jnp.int32), x, (w,) if up is None else (w, up), config, out_dtype, interpret,
                    per_row=True, repeat=repeat)
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None) -> jax.Array:
     """``jax.lax.ragged_dot`` with fp32 accumulation (IEEE fp32 products for fp32 operands)."""
-    _check(x, w, group_sizes)
+    check_inputs(x, w, group_sizes)
     out = jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
     return out.astype(out_dtype or x.dtype)
@@ -288,7 +290,7 @@ def gather_matmul_reference(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.
                             repeat: int = 1, out_dtype=None) -> jax.Array:
     """:func:`gather_matmul` in plain jnp: each row ``x[r // repeat]`` times its gathered matrices ``w[ids[r]]``
     (and ``up[ids[r]]``) with fp32 accumulation."""
-    _check(x, w, ids=ids, up=up, repeat=repeat)
+    check_inputs(x, w, ids=ids, up=up, repeat=repeat)
     x = jnp.repeat(x, repeat, axis=0)
     known = (ids >= 0) & (ids < w.shape[0])
 

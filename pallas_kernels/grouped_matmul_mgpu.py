@@ -55,7 +55,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device
 from pallas_kernels.common import check_power_of_2
-from pallas_kernels.grouped_matmul import _check, visit_plan
+from pallas_kernels.grouped_matmul import check_inputs, visit_plan
 
 WGMMA_ROWS = 64  # rows of one warpgroup's wgmma tile (M): a block_m-row tile runs block_m / 64 compute warpgroups
 MAX_COMPUTE_WGS = 2  # 128 rows: with the memory warpgroup, 3 x 128 threads and the registers of two accumulators
@@ -236,7 +236,7 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, o
     Returns:
       ``[m, n]``; rows past ``sum(group_sizes)`` are 0.
     """
-    _check(x, w, group_sizes)
+    check_inputs(x, w, group_sizes)
     if x.dtype != DTYPE:
         raise ValueError(f"grouped_matmul_mgpu takes bfloat16 x and w, got {x.dtype}")
     config = config or DEFAULT_CONFIG
