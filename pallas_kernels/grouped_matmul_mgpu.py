@@ -7,32 +7,42 @@ group_sizes ``[groups]`` -> out ``[m, n]`` with ``out[r] = x[r] @ w[g(r)]`` and 
 
 Design
 ------
-Work items are (visit, column tile) pairs, visits from ``grouped_matmul.visit_plan``: a visit is at most
-``block_m`` rows of one group (or of the zero rows past the groups), starting at the group's first row, so an
-output row belongs to exactly one visit and no two programs write it. A persistent grid of one block per SM walks
-the items (``plgpu.nd_loop``: item i on SM ``i mod SMs``) visit-major, column tiles minor: the column tiles of a
-visit run side by side (its x rows are read from HBM once, L2 serves the rest) and an expert's visits follow each
-other (its weights likewise). Unused visits at the plan's tail cost one scalar read.
+Work items are (visit, column tile) pairs, visits from ``grouped_matmul.visit_plan(..., align=8)``: a visit is at
+most ``block_m`` rows of one group (or of the zero rows past the groups), so an output row belongs to exactly one
+visit and no two programs write it; a group's visits start at its first row rounded down to a multiple of 8, as a
+TMA copy into 8-row shared-memory tiles must. A persistent grid of one block per SM walks the items
+(``plgpu.nd_loop``: item i on SM ``i mod SMs``) visit-major, column tiles minor: the column tiles of a visit run
+side by side (its x rows are read from HBM once, L2 serves the rest) and an expert's visits follow each other (its
+weights likewise). Unused visits at the plan's tail cost three scalar reads.
 
 A block runs ``block_m / 64`` compute warpgroups and one memory warpgroup
 (``plgpu.emit_pipeline_warp_specialized``). Per item the memory warpgroup streams, through ``stages`` shared-memory
-slots with TMA, the K steps of two operands: the x tile ``[block_m, block_k]`` (rows ``[row0, row0 + block_m)``,
-moved back to ``m - block_m`` at the end of the array so that no box leaves it) and the expert's weight tile
-``[block_k, block_n]``; compute warpgroup w accumulates its 64 rows with wgmma in fp32 registers:
+slots with TMA, the K steps of two operands: the x tile ``[block_m, block_k]`` of rows ``[t, t + block_m)``, ``t``
+the visit's first row rounded down to 8 (moved back to ``m - block_m`` at the end of x, so that no box leaves it;
+x is padded to a multiple of 8 rows and at least one tile), and the expert's weight tile ``[block_k, block_n]``.
+Compute warpgroup w accumulates its 64 rows with wgmma in fp32 registers:
 
     acc_w[64, block_n] += x_tile[64 w : 64 (w + 1), :] @ w_tile        (K / block_k steps)
 
-A warpgroup none of whose rows are in the visit issues no wgmma (the last, partial visit of a group often leaves
-one idle), which gives the other warpgroup the SM's tensor cores: group alignment then wastes ~32 rows of MMA work
-per group (half a warpgroup tile) rather than half a block. The tile's rows of other groups are computed and
-dropped. The epilogue writes the accumulator as bf16 to shared memory and stores the visit's rows to HBM as at
-most 7 TMA stores of ``2^j`` rows (a TMA box has a static shape; the visit's row count within the warpgroup, 0 to
-64, is a sum of distinct powers of 2). A zero-rows visit reads nothing and stores zeros the same way.
+keeping one wgmma in flight (a slot is released a step late). A tile straddling two groups is masked by rows: its
+rows outside the visit are computed with this group's weights and never stored. A warpgroup none of whose rows
+are in the visit issues no wgmma, which leaves the SM's tensor cores to the other one: group alignment wastes
+whole 64-row wgmma tiles, not 128-row blocks. The epilogue writes the accumulator in the output dtype to shared
+memory and stores the visit's rows to HBM as at most 7 TMA stores of ``2^j`` rows (a TMA box has a static shape;
+the warpgroup's row count, 0 to 64, is a sum of distinct powers of 2). A zero-rows visit reads nothing and stores
+zeros the same way.
 
-Cost model for Qwen3-30B-A3B prefill (32768 rows over 128 experts, ~256 each; gate/up ``k=2048, n=768``):
-103 GFLOP, 0.13 ms at the H200's ~790 TFLOP/s; the visits (~2.5 per expert at ``block_m = 128``) times 3 column
-tiles of 256 make ~960 items of 128 x 256 x 2048, about 7.3 per SM. Operand bytes: weights 403 MB, x 134 MB,
-output 50 MB if each is read once: ~0.12 ms at 4.8 TB/s, under the MMA time.
+Between items: the pipeline never releases the last K step's slot (its release is delayed past the end), and the
+next item's first loads refill every slot, so the memory warpgroup waits on a "drained" barrier that each compute
+warpgroup arrives at once its last wgmma is complete. The compute warpgroups' epilogue then overlaps the next
+item's first loads.
+
+Cost model for Qwen3-30B-A3B prefill (32768 rows over 128 experts, 204 to 299 each under the benchmark's uniform
+top-8 routing): 103 GFLOP for gate or up (``k=2048, n=768``), 0.13 ms at the H200's ~790 TFLOP/s. The aligned
+plan has 325 visits of up to 128 rows and 581 warpgroup tiles of 64 rows where 512 would hold the rows: 88% of the
+MMA work is useful, so >= 550 TFLOP/s needs ~80% of peak from the rest (tail: 975 items of 128 x 256 on 132 SMs
+are 7.4 rounds; gate and up side by side, ``n = 1536``, 14.8). Operand bytes: weights 403 MB, x 134 MB, output
+50 MB if each is read once from HBM: ~0.12 ms at 4.8 TB/s, under the MMA time.
 
 Interpret mode (``interpret=True``, Pallas' GPU interpreter, on a CPU) runs the same kernel on ``INTERPRET_SMS``
 blocks, so each walks several items. The interpreter runs warpgroups as threads that block at barriers: with XLA's
@@ -163,7 +173,7 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, o_ref, *, config, num_groups, n_tiles):
             hi = jnp.clip(row_end - wg_row0, 0, WGMMA_ROWS)
 
             def store(tile):
-                """The rows [lo, hi) of ``tile`` [64, block_n] to the output, through o_smem[wg]."""
+                """The rows [lo, hi) of ``tile`` [64, block_n] to the output, through this warpgroup's o_smem rows."""
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read it
                 o_smem[pl.ds(pl.multiple_of(wg * WGMMA_ROWS, WGMMA_ROWS), WGMMA_ROWS)] = tile.astype(o_smem.dtype)
                 plgpu.commit_smem()
