@@ -111,11 +111,10 @@ def visit_plan(group_sizes: jax.Array, m: int, block_m: int, align: int = 1) -> 
     """int32 ``[3, max_visits]``: per visit, its group, first row and end row, in group order.
 
     Group ``num_groups`` stands for the zero rows ``[sum(group_sizes), m)``; unused visits are empty
-    (``start = end = m``) and belong to it too. A group's visits cut its rows into ``block_m``-row tiles from its
-    first row rounded down to a multiple of ``align`` (a kernel whose row tiles must start there, TMA boxes of
-    8-row tiles, loads rows of the group before too and drops them): every tile but the first starts at a
-    multiple of ``align`` when ``block_m`` is one, and a visit's rows lie in ``[start // align * align,
-    start // align * align + block_m)``.
+    (``start = end = m``) and belong to it too. A group's rows are cut into ``block_m``-row tiles from its first
+    row rounded down to a multiple of ``align`` (1 here; 8 for the Mosaic kernel, whose TMA boxes of x start on
+    8-row tiles), one visit a tile: a visit's rows lie in ``[t, t + block_m)``, ``t = start // align * align``,
+    and a kernel loading that tile drops the rows of the group before.
     """
     num_groups = group_sizes.shape[0]
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)  # no visit leaves [0, m)
