@@ -155,6 +155,14 @@ def test_serving_policy_mosaic_runs_it_where_it_takes_the_call():
     assert layers.DEFAULT.experts is None and not layers._experts_use_kernels(layers.REFERENCE)
 
 
+def test_serving_policy_mosaic_interpreted_gives_ragged_dot():
+    kernels = layers.KernelPolicy(experts="mosaic", interpret=True)
+    x, w, sizes = inputs(5, 64, 64, 256, [20, 0, 40])  # n: one column tile of the default config
+    run = functools.partial(layers.expert_matmul, kernels=kernels)
+    assert "grouped_matmul_mgpu" in str(jax.make_jaxpr(run)(x, w, sizes))
+    assert_close(jax.jit(run)(x, w, sizes), G.grouped_matmul_reference(x, w, sizes))
+
+
 @pytest.mark.skipif(not on_gpu(), reason="the prefill shape takes far too long in the GPU interpreter")
 class TestCompiledOnGpu:
     """The Qwen3-30B-A3B prefill shapes compiled on the GPU, against ragged_dot, with uniform group sizes and with
