@@ -7,16 +7,19 @@ block-config sweep.
     tables in random page order), 32/8 heads, d=128; GB/s of K and V read.
   * paged_mla_attention (DeepSeek-V3 absorbed MLA decode, 128 heads, R=512, P=64, 64-token pages) vs its
     reference: batch 64, 2048-token contexts; GB/s of latent rows read.
-  * grouped_matmul vs ``jax.lax.ragged_dot``: Qwen3-30B-A3B experts (128; K=2048 -> N=768 and K=768 -> N=2048)
-    at prefill (4096 tokens x top-8 = 32768 rows) and decode (64 tokens x top-8 = 512 rows), uniform random
-    routing; TFLOP/s over the routed rows and GB/s over x, the output and the touched experts' weights.
+  * grouped_matmul (Triton, impl pallas; Mosaic GPU ``grouped_matmul_mgpu``, impl pallas_mosaic) vs
+    ``jax.lax.ragged_dot``: Qwen3-30B-A3B experts (128; K=2048 -> N=768 (gate or up), K=2048 -> N=1536 (gate and
+    up side by side) and K=768 -> N=2048 (down)) at prefill (4096 tokens x top-8 = 32768 rows) and decode (64
+    tokens x top-8 = 512 rows), uniform random routing; TFLOP/s over the routed rows and GB/s over x, the output
+    and the touched experts' weights; x_ragged_dot and x_triton: a row's speed-up over ragged_dot and over the
+    fastest Triton config.
 
 Every row carries rel_err, the relative Frobenius error against the competitor's output (the first listed).
 A failing implementation or config (a Triton compile error, cudnn missing) costs its row, not the run. Each
 timed run dispatches ``REPS`` calls back to back and waits once, so host dispatch overlaps the device.
 
     python benchmarks/serving_kernels.py                         # GPU: results/serving_kernels.json + png
-    python benchmarks/serving_kernels.py --kernels grouped_matmul  # a subset
+    python benchmarks/serving_kernels.py --kernels grouped_matmul  # a subset: Triton, Mosaic GPU and ragged_dot
     python benchmarks/serving_kernels.py --cpu                   # tiny shapes, interpret-mode kernels
     python benchmarks/serving_kernels.py --kernels flash_attention --flash-configs 128x64x8x3,128x128x8x2
         # flash attention at these block_q x block_k x num_warps x num_stages against cuDNN and XLA, written to
@@ -39,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import format_table, save_plot, time_jax, write_results  # noqa: E402
-from pallas_kernels import attention, attention_mgpu, grouped_matmul, paged_attention  # noqa: E402
+from pallas_kernels import attention, attention_mgpu, grouped_matmul, grouped_matmul_mgpu, paged_attention  # noqa: E402
 
 PEAK_TFLOP_S = 790.0  # H200 dense bf16 tensor cores
 PEAK_GB_S = 4270.0  # H200 HBM3e
@@ -53,18 +56,20 @@ SHAPES = {
         flash_attention=(4, 4096, 32, 8, 128),
         paged_attention=(64, 2048, 16, 32, 8, 128),
         paged_mla_attention=(64, 2048, 64, 128, 512, 64),
-        grouped_matmul={"prefill_up": (4096, 8, 128, 2048, 768), "prefill_down": (4096, 8, 128, 768, 2048),
+        grouped_matmul={"prefill_up": (4096, 8, 128, 2048, 768), "prefill_gate_up": (4096, 8, 128, 2048, 1536),
+                        "prefill_down": (4096, 8, 128, 768, 2048),
                         "decode_up": (64, 8, 128, 2048, 768), "decode_down": (64, 8, 128, 768, 2048)},
     ),
     "cpu": dict(
         flash_attention=(2, 64, 4, 2, 32),
         paged_attention=(4, 64, 8, 4, 2, 32),
         paged_mla_attention=(2, 32, 8, 16, 32, 16),
-        grouped_matmul={"prefill": (64, 2, 4, 64, 32), "decode": (8, 2, 8, 64, 32)},
+        grouped_matmul={"prefill": (64, 2, 4, 64, 64), "decode": (8, 2, 8, 64, 64)},
     ),
 }
 A, P, G = attention.AttentionConfig, paged_attention.PagedConfig, grouped_matmul.GroupedMatmulConfig
 M = attention_mgpu.MosaicAttentionConfig
+MG = grouped_matmul_mgpu.MosaicGroupedMatmulConfig
 SWEEPS = {  # the first config of each list is the kernel's default
     "gpu": dict(
         flash_attention=[A(), A(128, 128, 8, 2), A(128, 64, 8, 4), A(128, 64, 8, 2), A(64, 64, 4, 3), M(128, 2),
@@ -73,13 +78,14 @@ SWEEPS = {  # the first config of each list is the kernel's default
         paged_mla_attention=[paged_attention.MLA_CONFIG, P(16, 32, num_warps=4), P(64, 16, num_warps=8),
                              P(32, 64, num_warps=8, num_stages=2)],
         prefill=[grouped_matmul.PREFILL_CONFIG, G(128, 256, 64, 8, 3), G(64, 128, 64, 4, 4), G(128, 128, 32, 4, 5),
-                 G(64, 256, 64, 8, 3)],
+                 G(64, 256, 64, 8, 3), grouped_matmul_mgpu.DEFAULT_CONFIG, MG(128, 192, 64, 4), MG(128, 128, 64, 5),
+                 MG(64, 256, 64, 4), MG(128, 128, 128, 3)],
         decode=[grouped_matmul.DECODE_CONFIG, G(16, 128, 128, 4, 4), G(16, 64, 256, 4, 3), G(32, 64, 128, 4, 4),
-                G(16, 32, 128, 2, 4)],
+                G(16, 32, 128, 2, 4), MG(64, 256, 64, 4)],
     ),
     "cpu": dict(
         flash_attention=[A(32, 16)], paged_attention=[P(block_k=16)], paged_mla_attention=[P(16, 16)],
-        prefill=[G(16, 32, 32)], decode=[G(16, 32, 32)],
+        prefill=[G(16, 32, 32), MG(64, 64, 64, 2)], decode=[G(16, 32, 32), MG(64, 64, 64, 2)],
     ),
 }
 KERNELS = ("flash_attention", "paged_attention", "paged_mla_attention", "grouped_matmul")
@@ -113,7 +119,8 @@ def config_name(config) -> str:
 
 def impl_name(config) -> str:
     """The row's impl: "pallas" (Triton lowering), "pallas_mosaic" for a Mosaic GPU kernel's config."""
-    return "pallas_mosaic" if isinstance(config, attention_mgpu.MosaicAttentionConfig) else "pallas"
+    mosaic = (attention_mgpu.MosaicAttentionConfig, grouped_matmul_mgpu.MosaicGroupedMatmulConfig)
+    return "pallas_mosaic" if isinstance(config, mosaic) else "pallas"
 
 
 def run_kernel(kernel: str, shape: str, impls: list[tuple[str, Callable]], configs: list, pallas: Callable,
@@ -236,15 +243,33 @@ def grouped_matmul_rows(mode: str, interpret: bool) -> list[dict]:
         sizes = routed_group_sizes(tokens, top_k, experts)
         m = tokens * top_k
         args = (random_normal(0, (m, k)), random_normal(1, (experts, k, n), scale=k**-0.5), jnp.asarray(sizes))
-        pallas = lambda config: jax.jit(functools.partial(grouped_matmul.grouped_matmul, config=config,
-                                                          interpret=interpret))
+        def pallas(config):
+            mosaic = isinstance(config, grouped_matmul_mgpu.MosaicGroupedMatmulConfig)
+            kernel = grouped_matmul_mgpu.grouped_matmul_mgpu if mosaic else grouped_matmul.grouped_matmul
+            return jax.jit(functools.partial(kernel, config=config, interpret=interpret))
+
         touched = int((sizes > 0).sum())
         nbytes = 2 * (m * k + m * n + touched * k * n)
-        sweep = SWEEPS[mode]["decode" if shape.startswith("decode") else "prefill"]
+        sweep = [config for config in SWEEPS[mode]["decode" if shape.startswith("decode") else "prefill"]
+                 if not isinstance(config, grouped_matmul_mgpu.MosaicGroupedMatmulConfig)
+                 or grouped_matmul_mgpu.takes(*args[:2], config)]  # Mosaic tiles must divide K and N
         shape_rows = run_kernel("grouped_matmul", shape, [("ragged_dot", jax.jit(jax.lax.ragged_dot))], sweep,
                                 pallas, args, reps=REPS[mode], flop=2 * m * k * n, nbytes=nbytes)
-        rows += [r | dict(touched_experts=touched, max_group=int(sizes.max())) for r in shape_rows]
+        rows += [r | dict(touched_experts=touched, max_group=int(sizes.max())) | speedups(r, shape_rows)
+                 for r in shape_rows]
     return rows
+
+
+def speedups(row: dict, rows: list[dict]) -> dict:
+    """``row``'s speed-up over ragged_dot and over the fastest Triton config of its case (``rows``), where both
+    ran."""
+    if row["status"] != "ok":
+        return {}
+    ok = [r for r in rows if r["status"] == "ok"]
+    ragged = [r["median_ms"] for r in ok if r["impl"] == "ragged_dot"]
+    triton = [r["median_ms"] for r in ok if r["impl"] == "pallas"]
+    return ({"x_ragged_dot": ragged[0] / row["median_ms"]} if ragged else {}) | (
+        {"x_triton": min(triton) / row["median_ms"]} if triton else {})
 
 
 ROWS = {"flash_attention": flash_attention_rows, "paged_attention": paged_attention_rows,
@@ -343,7 +368,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                  shapes=SHAPES[mode], rows=rows), out_dir=args.out_dir)
     plot(rows, name, args.out_dir, peaks=mode == "gpu")
     columns = ["kernel", "shape", "impl", "config", "median_ms", "tflop_s", "gb_s", "tflop_pct", "bw_pct", "rel_err",
-               "best", "status"]
+               "x_ragged_dot", "x_triton", "best", "status"]
     print(format_table(rows, columns))
     return rows
 

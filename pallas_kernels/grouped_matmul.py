@@ -100,31 +100,38 @@ def default_config(m: int, num_groups: int) -> GroupedMatmulConfig:
     return DECODE_CONFIG if m < DECODE_ROWS_PER_GROUP * num_groups else PREFILL_CONFIG
 
 
-def max_visits(m: int, num_groups: int, block_m: int) -> int:
-    """Static bound on the visits of :func:`visit_plan` (module docstring)."""
-    return pl.cdiv(m, block_m) + num_groups
+def max_visits(m: int, num_groups: int, block_m: int, align: int = 1) -> int:
+    """Static bound on the visits of :func:`visit_plan` (module docstring): its ``num_groups + 1`` segments span
+    at most ``m + (align - 1) (num_groups + 1)`` rows from their aligned starts, and ceil(a) + ceil(b) <=
+    ceil(a + b) + 1."""
+    return pl.cdiv(m + (align - 1) * (num_groups + 1), block_m) + num_groups
 
 
-def visit_plan(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+def visit_plan(group_sizes: jax.Array, m: int, block_m: int, align: int = 1) -> jax.Array:
     """int32 ``[3, max_visits]``: per visit, its group, first row and end row, in group order.
 
     Group ``num_groups`` stands for the zero rows ``[sum(group_sizes), m)``; unused visits are empty
-    (``start = end = m``) and belong to it too.
+    (``start = end = m``) and belong to it too. A group's rows are cut into ``block_m``-row tiles from its first
+    row rounded down to a multiple of ``align`` (1 here; 8 for the Mosaic kernel, whose TMA boxes of x start on
+    8-row tiles), one visit a tile: a visit's rows lie in ``[t, t + block_m)``, ``t = start // align * align``,
+    and a kernel loading that tile drops the rows of the group before.
     """
     num_groups = group_sizes.shape[0]
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)  # no visit leaves [0, m)
     seg_start = jnp.concatenate([jnp.zeros(1, jnp.int32), ends])  # num_groups + 1 segments tile [0, m)
     seg_end = jnp.concatenate([ends, jnp.full(1, m, jnp.int32)])
-    tiles = pl.cdiv(seg_end - seg_start, block_m)
+    base = seg_start // align * align
+    tiles = jnp.where(seg_end > seg_start, pl.cdiv(seg_end - base, block_m), 0)
     visit_end = jnp.cumsum(tiles)
-    visit = jnp.arange(max_visits(m, num_groups, block_m), dtype=jnp.int32)
+    visit = jnp.arange(max_visits(m, num_groups, block_m, align), dtype=jnp.int32)
     # compare_all: one fused [visits, groups + 1] comparison; the default binary search is a while loop of small
     # kernels (the profile of a decode-sized call on an H200 showed ~40 XLA kernels around the one matmul).
     seg = jnp.searchsorted(visit_end, visit, side="right", method="compare_all").astype(jnp.int32)
     used = seg <= num_groups
     seg = jnp.minimum(seg, num_groups)
-    start = seg_start[seg] + (visit - (visit_end - tiles)[seg]) * block_m
-    end = jnp.minimum(start + block_m, seg_end[seg])
+    tile_start = base[seg] + (visit - (visit_end - tiles)[seg]) * block_m
+    start = jnp.maximum(tile_start, seg_start[seg])
+    end = jnp.minimum(tile_start + block_m, seg_end[seg])
     return jnp.stack([seg, jnp.where(used, start, m), jnp.where(used, end, m)])
 
 
@@ -179,7 +186,9 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, num_gr
 # --------------------------------------------------------------------------- public API
 
 
-def _check(x, w, group_sizes=None, ids=None, up=None, repeat=1):
+def check_inputs(x, w, group_sizes=None, ids=None, up=None, repeat=1) -> None:
+    """Raise ValueError unless the operands are those of :func:`grouped_matmul` (with ``group_sizes``) or
+    :func:`gather_matmul` (with ``ids``, ``up``, ``repeat``): shapes, integer sizes or ids, one float dtype."""
     if x.ndim != 2 or w.ndim != 3 or w.shape[1] != x.shape[1]:
         raise ValueError(f"x must be [m, k] and w [groups, k, n] with the same k, got {x.shape} and {w.shape}")
     if up is not None and (up.shape != w.shape or up.dtype != w.dtype):
@@ -212,7 +221,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dt
     Returns:
       ``[m, n]``; rows past ``sum(group_sizes)`` are 0.
     """
-    _check(x, w, group_sizes)
+    check_inputs(x, w, group_sizes)
     m, num_groups = x.shape[0], w.shape[0]
     config = config or default_config(m, num_groups)
     if (visits := max_visits(m, num_groups, config.block_m)) > MAX_GRID_Y:
@@ -263,14 +272,14 @@ def gather_matmul(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.Array | No
     Returns:
       ``[m, n]``.
     """
-    _check(x, w, ids=ids, up=up, repeat=repeat)
+    check_inputs(x, w, ids=ids, up=up, repeat=repeat)
     return _launch(ids.astype(jnp.int32), x, (w,) if up is None else (w, up), config, out_dtype, interpret,
                    per_row=True, repeat=repeat)
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None) -> jax.Array:
     """``jax.lax.ragged_dot`` with fp32 accumulation (IEEE fp32 products for fp32 operands)."""
-    _check(x, w, group_sizes)
+    check_inputs(x, w, group_sizes)
     out = jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
     return out.astype(out_dtype or x.dtype)
@@ -280,7 +289,7 @@ def gather_matmul_reference(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.
                             repeat: int = 1, out_dtype=None) -> jax.Array:
     """:func:`gather_matmul` in plain jnp: each row ``x[r // repeat]`` times its gathered matrices ``w[ids[r]]``
     (and ``up[ids[r]]``) with fp32 accumulation."""
-    _check(x, w, ids=ids, up=up, repeat=repeat)
+    check_inputs(x, w, ids=ids, up=up, repeat=repeat)
     x = jnp.repeat(x, repeat, axis=0)
     known = (ids >= 0) & (ids < w.shape[0])
 

@@ -32,7 +32,8 @@ GPU and, in a process lowering for a GPU it has not got, behind ``jax.lax.platfo
   ``PAIRWISE_MAX_ROWS`` pairs (decode) as two ``gather_matmul`` launches over the pairs unsorted (the SwiGLU
   hidden with gate and up together, then down), each pair a row read with its expert's weights: no sort,
   visit plan or unsort kernels, and no copy of x per pair (``repeat=k``). ``KernelPolicy.gather_config`` is
-  their geometry (sweeps).
+  their geometry (sweeps). ``KernelPolicy(experts="mosaic")`` runs the sorted pairs' matmuls
+  through the Mosaic GPU ``grouped_matmul_mgpu`` instead (Hopper; bf16 with K and N whole tiles, else Triton's).
 
 A shape or dtype a kernel does not take (head dims not a multiple of 16, mixed dtypes) runs the reference.
 ``INTERPRET`` runs the Triton kernels in Pallas' interpreter on any platform (tests) and ``REFERENCE`` the
@@ -68,6 +69,7 @@ import numpy as np
 
 from pallas_kernels import attention as attention_kernels
 from pallas_kernels import attention_ops, device
+from pallas_kernels import grouped_matmul_mgpu as mosaic_grouped
 from pallas_kernels import paged_attention as paged_kernels
 from pallas_kernels.grouped_matmul import (
     DECODE_CONFIG,
@@ -91,7 +93,9 @@ INVARIANT_GROUPED_CONFIG = DECODE_CONFIG
 # Up to this many (token, expert) pairs (8 decode tokens at top-8) the expert kernels take the pairs unsorted, a row
 # each (gather_matmul): no sort, visit plan or unsort kernels; pairs sharing an expert read it from L2 mostly.
 PAIRWISE_MAX_ROWS = 64
-EXPERT_IMPLEMENTATIONS = ("triton", "xla")  # grouped_matmul / gather_matmul (Pallas Triton), or ragged_dot
+# grouped_matmul / gather_matmul (Pallas Triton); the Mosaic GPU grouped matmul (Hopper, bf16) where it takes the
+# call, else those; or ragged_dot.
+EXPERT_IMPLEMENTATIONS = ("triton", "mosaic", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +109,9 @@ class KernelPolicy:
       name, a tuple of names (a fallback chain) or None (the fastest measured on the launch target: Mosaic GPU
       flash attention on a Hopper where it takes the call, the Triton kernels on other NVIDIA GPUs, the jnp
       references with no GPU).
-    experts: "triton" (``grouped_matmul`` / ``gather_matmul``), "xla" (``ragged_dot``) or None (the kernels where
-      there is a GPU to launch on, or interpreted).
+    experts: "triton" (``grouped_matmul`` / ``gather_matmul``), "mosaic" (the sorted pairs' matmuls through
+      ``grouped_matmul_mgpu`` where it takes the call: bf16, K and N whole tiles; otherwise as "triton"), "xla"
+      (``ragged_dot``) or None (the Triton kernels where there is a GPU to launch on, or interpreted).
     interpret: the Pallas kernels run in Pallas' interpreter (tests on a CPU).
     batch_invariant: batch-invariant mode (module docstring): the kernels, compiled on a GPU and interpreted
       elsewhere, with no launch geometry chosen by the batch; the implementations above are not read.
@@ -202,7 +207,7 @@ def _on_nvidia_gpu() -> bool:
 def _experts_use_kernels(kernels: KernelPolicy) -> bool:
     """Whether ``kernels`` runs the experts through the Pallas matmuls (``KernelPolicy.experts``)."""
     if kernels.experts is not None:
-        return kernels.experts == "triton"
+        return kernels.experts != "xla"
     return kernels.interpret or device.target() is not None
 
 
@@ -479,14 +484,18 @@ def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: ja
 def expert_matmul(x: jax.Array, w: LinearWeight, group_sizes: jax.Array,
                   kernels: KernelPolicy = DEFAULT) -> jax.Array:
     """Grouped matmul ``x [M, in]`` (rows sorted by expert) times ``w [E, in, out]`` -> ``[M, out]``, row r by its
-    expert's matrix: ``grouped_matmul`` for a plain weight of x's dtype where ``kernels`` runs the expert kernels,
-    else ``quantization.linear`` (``ragged_dot``; quantized weights)."""
+    expert's matrix: ``grouped_matmul`` for a plain weight of x's dtype where ``kernels`` runs the expert kernels
+    (``grouped_matmul_mgpu`` where ``kernels.experts`` is "mosaic" and it takes the call), else
+    ``quantization.linear`` (``ragged_dot``; quantized weights)."""
     plain = isinstance(w, jax.Array) and w.dtype == x.dtype and x.dtype in attention_kernels.DTYPES
     if not plain:
         return linear(x, w, group_sizes=group_sizes)
     config = INVARIANT_GROUPED_CONFIG if kernels.batch_invariant else None
+    kernel = functools.partial(grouped_matmul, config=config)
+    if kernels.experts == "mosaic" and not kernels.batch_invariant and mosaic_grouped.takes(x, w):
+        kernel = mosaic_grouped.grouped_matmul_mgpu
     return _dispatch(kernels, _experts_use_kernels(kernels),
-                     lambda x, w, g, interpret: grouped_matmul(x, w, g, config=config, interpret=interpret),
+                     lambda x, w, g, interpret: kernel(x, w, g, interpret=interpret),
                      lambda x, w, g: linear(x, w, group_sizes=g), x, w, group_sizes)
 
 
