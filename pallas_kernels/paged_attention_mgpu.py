@@ -1,0 +1,326 @@
+"""GQA decode attention over a paged KV cache on Hopper, in Pallas Mosaic GPU (TMA page copies + wgmma).
+
+The same function as :func:`pallas_kernels.paged_attention.paged_attention` (read its module docstring for the
+paged layout, the sliding window, the sinks and the split combine), for bfloat16 on sm_90: q ``[batch, q_heads,
+head_dim]``, k_pages ``[num_pages, page_size, kv_heads, head_dim]``, v_pages ``[num_pages, page_size, kv_heads,
+v_head_dim]``, block_tables ``[batch, max_blocks]``, lengths ``[batch]`` -> ``[batch, q_heads, v_head_dim]``.
+
+Design
+------
+A program (one warpgroup) owns all ``group = q_heads / kv_heads`` q heads of one kv head (up to ``WGMMA_ROWS``
+of them; a larger group is cut into blocks of 64) for one sequence and one split of its context, so every K/V row
+is read from HBM once. It streams the split's tokens ``block_k`` a step through a ring of ``stages`` K and V
+buffers in shared memory: a step is ``block_k / chunk`` TMA copies of ``chunk = min(page_size, block_k)`` rows,
+each from the page the block table names (a scalar read of ``block_tables[b, t // page_size]`` from GMEM, one per
+chunk, an L2 hit issued ``stages - 1`` steps before its tokens are used). Step j issues the copies of step
+``j + stages - 1`` into the slot step j - 1 has just released, then waits for its own slot and runs
+
+    S = Q K^T (wgmma, fp32)    m', p, l' (attention_mgpu.online_softmax, base 2)    acc' = 2^(m - m') acc + P V
+
+Why wgmma with the group padded to 64 rows rather than CUDA-core vector math at M = 4-8: decode is
+bandwidth-bound, and the padded products cost the tensor cores 2 x 64 x block_k x (head_dim + v_head_dim) FLOP a
+step, issued asynchronously; at the benchmark shape (batch 64, 8 kv heads, d 128, 2k tokens) that is 34 GFLOP,
+~0.04 ms of an H200's dense bf16 rate against the 0.13 ms its 537 MB of K and V take at 4.27 TB/s. Vector math
+would spend 2 x group x block_k x (head_dim + v_head_dim) FMAs a step on 128 threads (1024 a thread at group 8
+and block_k 64), plus the cross-lane reductions of every dot product, on the CUDA cores that also run the
+softmax: ~50% of the memory time at group 8 before any overhead. The padding rows are whatever follows the
+group's q rows (q is padded with ``WGMMA_ROWS`` zero rows at its end so a 64-row copy never leaves the array);
+a row of S and of P V depends only on its own q row, and only the group's rows are written.
+
+Steps are aligned to ``block_k`` in token positions, so a chunk lies within one page, and the splits of a
+sequence cover whole steps of its range ``[max(len - window, 0), len)`` (blocks wholly before a window are never
+read). Only a range's first and last step can be partial: there the scores outside it are masked, and the V rows
+outside it are zeroed in shared memory before the P V product (a masked weight is 0, but 0 x NaN is NaN, and those
+rows hold whatever the pool has there: the tail of a page, or a re-read of the last page for a chunk past the
+sequence, whose table entry may be garbage). So a pool entry outside a sequence's range never reaches its output.
+
+Every program writes its unnormalized accumulator and its (m, l) for its rows; the wrapper merges the splits with
+:func:`pallas_kernels.paged_attention.combine_splits`, where the sinks join. Automatic splits give the GPU as many
+programs as its SMs hold at once (the SM count read from the device, the programs per SM from shared memory).
+
+Interpret mode (``interpret=True``, Pallas' GPU interpreter on a CPU) runs the same kernel but feeds P to the
+P V wgmma from shared memory, as attention_mgpu does (the interpreter of jax 0.11.2 takes wgmma operands only
+from shared memory); its buffers start as NaN, so an output element the kernel never writes fails the tests.
+
+Not done: float32 (wgmma would run it as tf32; the Triton kernel keeps IEEE fp32), head dims that are not
+multiples of 64 (one 128-byte swizzled TMA tile is 64 bf16 columns), pages of fewer than 8 rows (a swizzled tile's
+rows), MLA (its [64, 512] fp32 accumulator needs the value columns split over two warpgroups).
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import device
+from pallas_kernels.attention_mgpu import DTYPE, SWIZZLE_BYTES, SWIZZLE_COLS, WGMMA_ROWS, online_softmax
+from pallas_kernels.common import LOG2E, MASK_VALUE, check_power_of_2
+from pallas_kernels.paged_attention import check_inputs, check_window, combine_splits
+
+TILE_ROWS = 8  # rows of one swizzled shared-memory tile: a page chunk copied by TMA starts at a multiple of it
+MAX_BLOCK_K = 256  # a wgmma's largest N (the S = Q K^T tile is [64, block_k])
+BLOCK_RESERVED_BYTES = 1024  # shared memory the CUDA runtime keeps per resident block (sm_80 and later)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicPagedConfig:
+    """Launch geometry: ``block_k`` cached tokens a step, ``stages`` K/V buffers in shared memory (``stages - 1``
+    steps of copies in flight while one is used), ``num_splits`` programs per sequence along its context (None:
+    enough to fill every SM's resident programs)."""
+
+    block_k: int = 64
+    stages: int = 3
+    num_splits: int | None = None
+
+    def __post_init__(self):
+        check_power_of_2(self, ("block_k",))
+        if not WGMMA_ROWS <= self.block_k <= MAX_BLOCK_K:
+            raise ValueError(f"{type(self).__name__}.block_k must be in [{WGMMA_ROWS}, {MAX_BLOCK_K}] (a whole "
+                             f"swizzled tile of P, at most a wgmma's N), got {self.block_k}")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise ValueError(f"{type(self).__name__}.stages must be an int >= 2 (a step loads while one is used), "
+                             f"got {self.stages!r}")
+        if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
+            raise ValueError(f"{type(self).__name__}.num_splits must be None or an int >= 1, got "
+                             f"{self.num_splits!r}")
+
+    def smem_bytes(self, head_dim: int, v_head_dim: int) -> int:
+        """Shared memory a program uses: its padded Q tile and ``stages`` K and V tiles while it streams, then
+        (reusing them) its fp32 accumulator and m, l rows while it writes them out."""
+        streaming = DTYPE.itemsize * (WGMMA_ROWS * head_dim + self.stages * self.block_k * (head_dim + v_head_dim))
+        writing = 4 * WGMMA_ROWS * (v_head_dim + 2)
+        return max(streaming, writing)
+
+
+def unsupported(q, k_pages, v_pages, config: MosaicPagedConfig) -> list[str]:
+    """Why this kernel cannot take these operands (arrays or ShapeDtypeStructs that pass
+    ``paged_attention.check_inputs``): an empty list if it can."""
+    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = q.shape[1] // kv_heads
+    head_dim, v_head_dim = q.shape[2], v_pages.shape[3]
+    reasons = []
+    if q.dtype != DTYPE:
+        reasons.append(f"it takes bfloat16 only, got {q.dtype}")
+    if head_dim % SWIZZLE_COLS or v_head_dim % SWIZZLE_COLS:
+        reasons.append(f"it takes head dims that are multiples of {SWIZZLE_COLS}, got {head_dim}/{v_head_dim}")
+    if page_size % TILE_ROWS or (config.block_k % page_size and page_size % config.block_k):
+        reasons.append(f"it takes pages of a multiple of {TILE_ROWS} rows that divide block_k={config.block_k} "
+                       f"or are a multiple of it, got page_size={page_size}")
+    if group > WGMMA_ROWS and group % WGMMA_ROWS:
+        reasons.append(f"it takes GQA groups of at most {WGMMA_ROWS} q heads or a multiple of {WGMMA_ROWS}, got "
+                       f"{group}")
+    return reasons
+
+
+def _splits(config: MosaicPagedConfig, span_steps: int, programs: int, smem: int, gpu: device.Gpu) -> int:
+    """Steps a split: ``config.num_splits`` or enough splits of ``span_steps`` to give every SM of ``gpu`` the
+    programs its shared memory holds at once, ``programs`` being the programs a split."""
+    if config.num_splits is None:
+        resident = max(1, gpu.arch.shared_per_sm // (smem + BLOCK_RESERVED_BYTES))
+        splits = pl.cdiv(resident * gpu.cores, programs)
+    else:
+        splits = config.num_splits
+    return pl.cdiv(span_steps, min(splits, span_steps))
+
+
+def _paged_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q_ready, k_ready, v_ready,
+                  *, config, rows, head_blocks, kv_heads, padded_group, page_size, split_steps, qk_scale, window,
+                  interpret):
+    block_k, stages = config.block_k, config.stages
+    chunk = min(page_size, block_k)
+    b, head, split = (jax.lax.axis_index(name) for name in ("batch", "heads", "splits"))
+    kv_head, head_block = head // head_blocks, head % head_blocks
+    length = lengths_ref[b]
+    lo = jnp.maximum(length - window, 0) if window else jnp.int32(0)  # the first token this query sees
+    first = lo // block_k + split * split_steps
+    last = jnp.minimum(first + split_steps, pl.cdiv(length, block_k))
+    whole_lo = jnp.clip(pl.cdiv(lo, block_k), first, jnp.maximum(first, last))  # steps wholly in [lo, length)
+    whole_hi = jnp.clip(length // block_k, whole_lo, jnp.maximum(whole_lo, last))
+    dv = v_ref.shape[-1]
+
+    def slot(j):
+        return jax.lax.rem(j - first, stages)
+
+    def stream(q_smem, k_smem, v_smem, p_smem):
+        row0 = pl.multiple_of((b * kv_heads + kv_head) * padded_group + head_block * rows, TILE_ROWS)
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, WGMMA_ROWS)], q_smem, q_ready)
+
+        def load(j):  # step j's chunks into its slot; a chunk past the sequence re-reads its last one
+            s = slot(j)
+            for c in range(block_k // chunk):
+                token = jnp.minimum(j * block_k + c * chunk, length - 1)
+                page = tables_ref[b, token // page_size]
+                src = pl.ds(0 if chunk == page_size else pl.multiple_of(token % page_size // chunk * chunk, chunk),
+                            chunk)
+                dst = pl.ds(c * chunk, chunk)
+                plgpu.copy_gmem_to_smem(k_ref.at[page, src, kv_head], k_smem.at[s, dst], k_ready.at[s])
+                plgpu.copy_gmem_to_smem(v_ref.at[page, src, kv_head], v_smem.at[s, dst], v_ready.at[s])
+
+        for j in range(stages - 1):
+            pl.when(first + j < last)(functools.partial(load, first + j))
+        plgpu.barrier_wait(q_ready)
+
+        def step(j, carry, *, masked):
+            m, l, acc = carry
+            ahead = j + stages - 1
+            pl.when(ahead < last)(functools.partial(load, ahead))  # into the slot step j - 1 released
+            s = slot(j)
+            plgpu.barrier_wait(k_ready.at[s])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[s].transpose((1, 0)))
+                return acc_ref[...]
+
+            scores = pl.run_scoped(qk, plgpu.ACC((WGMMA_ROWS, block_k), jnp.float32))
+            valid = None
+            if masked:
+                shape = (WGMMA_ROWS, block_k)
+                tokens = j * block_k + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                valid = (tokens >= lo) & (tokens < length)
+            m, l, p, correction = online_softmax(scores, valid, m, l, scale=qk_scale)
+            plgpu.barrier_wait(v_ready.at[s])
+            values = v_smem.at[s]
+            if masked:  # rows outside [lo, length) may hold anything: 0, not NaN, times their zero weight
+                shape = (block_k, dv)
+                tokens = j * block_k + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                v = plgpu.load(values, layout=plgpu.Layout.WGMMA)
+                values[...] = jnp.where((tokens >= lo) & (tokens < length), v, jnp.zeros_like(v))
+                plgpu.commit_smem()
+
+            def pv(acc_ref):
+                weights = p.astype(DTYPE)
+                if interpret:  # module docstring
+                    p_smem[...] = weights
+                    plgpu.commit_smem()
+                    weights = p_smem
+                plgpu.wgmma(acc_ref, weights, values)
+                return acc_ref[...]
+
+            acc = jax.lax.broadcast_in_dim(correction, acc.shape, [0]) * acc + pl.run_scoped(
+                pv, plgpu.ACC((WGMMA_ROWS, dv), jnp.float32))
+            return m, l, acc
+
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        carry = (plgpu.layout_cast(jnp.full((WGMMA_ROWS,), MASK_VALUE, jnp.float32), row_layout),
+                 plgpu.layout_cast(jnp.zeros((WGMMA_ROWS,), jnp.float32), row_layout),
+                 plgpu.layout_cast(jnp.zeros((WGMMA_ROWS, dv), jnp.float32), plgpu.Layout.WGMMA))
+        carry = jax.lax.fori_loop(first, whole_lo, functools.partial(step, masked=True), carry)
+        carry = jax.lax.fori_loop(whole_lo, whole_hi, functools.partial(step, masked=False), carry)
+        return jax.lax.fori_loop(whole_hi, last, functools.partial(step, masked=True), carry)
+
+    swizzled = dict(transforms=(plgpu.TilingTransform((TILE_ROWS, SWIZZLE_COLS)),
+                                plgpu.SwizzleTransform(SWIZZLE_BYTES)))
+    m, l, acc = pl.run_scoped(
+        stream,
+        plgpu.SMEM((WGMMA_ROWS, q_ref.shape[-1]), DTYPE, **swizzled),
+        plgpu.SMEM((stages, block_k, k_ref.shape[-1]), DTYPE, **swizzled),
+        plgpu.SMEM((stages, block_k, dv), DTYPE, **swizzled),
+        plgpu.SMEM((WGMMA_ROWS, block_k), DTYPE, **swizzled) if interpret else None,
+    )
+
+    def write(o_smem, m_smem, l_smem):
+        o_smem[...] = acc
+        m_smem[...] = m
+        l_smem[...] = l
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)],
+                                o_ref.at[split, b, kv_head, pl.ds(head_block * rows, rows)])
+        plgpu.copy_smem_to_gmem(m_smem, m_ref.at[split, b, head])
+        plgpu.copy_smem_to_gmem(l_smem, l_ref.at[split, b, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(write, plgpu.SMEM((WGMMA_ROWS, dv), jnp.float32), plgpu.SMEM((WGMMA_ROWS,), jnp.float32),
+                  plgpu.SMEM((WGMMA_ROWS,), jnp.float32))
+
+
+def _padded_rows(q: jax.Array, kv_heads: int, padded_group: int) -> jax.Array:
+    """q ``[batch, q_heads, d]`` as rows ``[batch * kv_heads * padded_group + WGMMA_ROWS, d]``: each kv head's
+    group padded with zero rows to ``padded_group`` (a multiple of TILE_ROWS, where a TMA copy into a swizzled
+    tile must start), then WGMMA_ROWS zero rows, so that a program's 64-row copy never leaves the array."""
+    batch, q_heads, d = q.shape
+    grouped = q.reshape(batch, kv_heads, q_heads // kv_heads, d)
+    grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, padded_group - grouped.shape[2]), (0, 0)))
+    return jnp.pad(grouped.reshape(-1, d), ((0, WGMMA_ROWS), (0, 0)))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "window", "interpret"))
+def paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                         lengths: jax.Array, *, scale: float | None = None,
+                         config: MosaicPagedConfig = MosaicPagedConfig(), window: int = 0,
+                         sinks: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+    """:func:`pallas_kernels.paged_attention.paged_attention` as a Mosaic GPU kernel (module docstring).
+
+    Args:
+      q: ``[batch, q_heads, head_dim]`` bfloat16; ``head_dim`` a multiple of 64.
+      k_pages: ``[num_pages, page_size, kv_heads, head_dim]``; ``page_size`` a multiple of 8 that divides
+        ``config.block_k`` or is a multiple of it; ``q_heads / kv_heads`` at most 64 or a multiple of 64.
+      v_pages: ``[num_pages, page_size, kv_heads, v_head_dim]``; ``v_head_dim`` a multiple of 64.
+      block_tables: int ``[batch, max_blocks]``: page of each sequence's block (entries past a sequence's
+        length are never read).
+      lengths: int ``[batch]``: cached tokens per sequence, clipped to ``[0, max_blocks * page_size]``.
+      scale: score scale, default ``1/sqrt(head_dim)``.
+      config: launch geometry (:class:`MosaicPagedConfig`); a compiled launch whose program needs more shared
+        memory than the device has is a ValueError.
+      window: sliding window W: each sequence sees only its last W tokens (0: all ``lengths[b]``).
+      sinks: float ``[q_heads]``: a sink logit per head in each softmax's denominator (None: none).
+      interpret: run Pallas' GPU interpreter (on a CPU) instead of compiling.
+
+    Returns:
+      ``[batch, q_heads, v_head_dim]`` bfloat16 (zeros where ``lengths`` is 0).
+    """
+    check_inputs(q, k_pages, v_pages, block_tables, lengths)
+    check_window(window, sinks, q.shape[1])
+    if reasons := unsupported(q, k_pages, v_pages, config):
+        raise ValueError(f"paged_attention_mgpu: {'; '.join(reasons)}")
+    batch, q_heads, head_dim = q.shape
+    _, page_size, kv_heads, v_head_dim = v_pages.shape
+    group = q_heads // kv_heads
+    rows = min(group, WGMMA_ROWS)
+    head_blocks = group // rows
+    padded_group = pl.cdiv(group, TILE_ROWS) * TILE_ROWS
+    context = block_tables.shape[1] * page_size
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+    gpu = device.gpu()
+    smem = config.smem_bytes(head_dim, v_head_dim)
+    if not interpret:
+        device.check_shared_memory(f"paged_attention_mgpu of head dims {head_dim}/{v_head_dim}", config, smem, gpu)
+    # A window's tokens [len - W, len) touch at most ceil((W - 1) / block_k) + 1 aligned steps.
+    span_steps = pl.cdiv(context, config.block_k)
+    if window:
+        span_steps = min(span_steps, pl.cdiv(window - 1, config.block_k) + 1)
+    split_steps = _splits(config, span_steps, batch * kv_heads * head_blocks, smem, gpu)
+    splits = pl.cdiv(span_steps, split_steps)
+
+    kernel = functools.partial(_paged_kernel, config=config, rows=rows, head_blocks=head_blocks, kv_heads=kv_heads,
+                               padded_group=padded_group, page_size=page_size, split_steps=split_steps,
+                               qk_scale=scale * LOG2E, window=window, interpret=interpret)
+    stats = jax.ShapeDtypeStruct((splits, batch, kv_heads * head_blocks, WGMMA_ROWS), jnp.float32)
+    acc, m, l = plgpu.kernel(
+        kernel,
+        out_type=[jax.ShapeDtypeStruct((splits, batch, kv_heads, group, v_head_dim), jnp.float32), stats, stats],
+        scratch_types=[
+            plgpu.Barrier(),  # q_ready
+            plgpu.Barrier(num_arrivals=config.block_k // min(page_size, config.block_k),
+                          num_barriers=config.stages),  # k_ready: one arrival per chunk copy
+            plgpu.Barrier(num_arrivals=config.block_k // min(page_size, config.block_k),
+                          num_barriers=config.stages),  # v_ready
+        ],
+        grid=(batch, kv_heads * head_blocks, splits),
+        grid_names=("batch", "heads", "splits"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="paged_attention_mgpu",
+    )(jnp.clip(lengths.astype(jnp.int32), 0, context), block_tables.astype(jnp.int32),
+      _padded_rows(q, kv_heads, padded_group), k_pages, v_pages)
+
+    def heads(x):  # [splits, batch, kv_heads * head_blocks, 64] -> the group's rows [splits, batch, kv_heads, group]
+        return x.reshape(splits, batch, kv_heads, head_blocks, WGMMA_ROWS)[..., :rows].reshape(*acc.shape[:-1])
+
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kv_heads, group) * LOG2E
+    out = combine_splits(acc, heads(m), heads(l), sink)  # [batch, kv_heads, group, v_head_dim]
+    return out.reshape(batch, q_heads, v_head_dim).astype(q.dtype)
