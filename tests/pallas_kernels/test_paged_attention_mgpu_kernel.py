@@ -1,0 +1,177 @@
+"""pallas_kernels.paged_attention_mgpu: the Mosaic GPU paged GQA decode kernel against the jnp reference (compiled on
+a GPU, Pallas' GPU interpreter elsewhere, whose buffers start as NaN, so an unwritten output element fails), the
+pool rows it may not read poisoned with NaN, its argument and config checks, and its lowering for an abstract
+H200."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers.kernels import abstract, gqa_inputs, poison_outside
+
+from pallas_kernels import paged_attention as K
+from pallas_kernels import paged_attention_mgpu as M
+from pallas_kernels.testing import assert_close, interpret, lower_for_h200, on_gpu
+
+C = M.MosaicPagedConfig
+
+# (lengths, q_heads, kv_heads, head_dim, v_head_dim, page_size, max_blocks, config): ragged lengths with 0, 1,
+# partial pages and whole contexts; GQA 4 and 8, MHA (1) and MQA with 128 q heads (two 64-row head blocks); head
+# dims 64 and 128 and a narrower v; pages of 8 (eight chunks a step), 16, 64 (one chunk) and 128 (two steps a
+# page); automatic, one and several splits; two and four stages.
+CASES = {
+    "gqa4_d64_page16_auto": ([0, 1, 70, 128, 33], 8, 2, 64, 64, 16, 8, C()),
+    "gqa8_d128_page64_splits3": ([200, 64, 0, 129], 16, 2, 128, 128, 64, 4, C(num_splits=3)),
+    "mha_page8_one_split": ([37, 0, 96], 2, 2, 64, 64, 8, 12, C(num_splits=1, stages=2)),
+    "gqa4_page128_block64": ([250, 3, 128], 4, 1, 64, 64, 128, 2, C(stages=4)),
+    "gqa4_block128_page16_v64": ([300, 77, 16], 8, 2, 128, 64, 16, 20, C(block_k=128, stages=2, num_splits=2)),
+    "mqa_128_heads": ([90, 5], 128, 1, 64, 64, 16, 8, C(num_splits=2)),
+}
+
+# (lengths, window, sinks, config): a window inside some contexts (steps before it skipped) and past others, a
+# window that is not a multiple of block_k, sinks alone and with a window; lengths 0 with sinks.
+WINDOW_CASES = {
+    "window_auto_splits": ([0, 3, 100, 256], 70, False, C()),
+    "window_splits_sinks": ([9, 250, 1, 130], 129, True, C(num_splits=2)),
+    "sinks_only": ([30, 0, 256], 0, True, C()),
+}
+
+
+def run(*args, **kwargs):
+    return M.paged_attention_mgpu(*args, interpret=interpret(), **kwargs)
+
+
+class TestPagedAttentionMosaic:
+    @pytest.mark.parametrize("case", list(CASES))
+    def test_matches_reference(self, case):
+        lengths, q_heads, kv_heads, head_dim, v_head_dim, page_size, max_blocks, config = CASES[case]
+        args = gqa_inputs(len(case), lengths, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                          v_head_dim=v_head_dim, page_size=page_size, max_blocks=max_blocks, dtype=jnp.bfloat16)
+        out = run(*args, config=config)
+        assert_close(out, K.paged_attention_reference(*args))
+        np.testing.assert_array_equal(np.asarray(out, np.float32)[np.asarray(lengths) == 0], 0.0)
+
+    @pytest.mark.parametrize("case", list(WINDOW_CASES))
+    def test_window_and_sinks_match_reference(self, case):
+        lengths, window, with_sinks, config = WINDOW_CASES[case]
+        args = gqa_inputs(len(case), lengths, q_heads=8, kv_heads=2, head_dim=64, page_size=16, max_blocks=16,
+                          dtype=jnp.bfloat16)
+        sinks = 2.0 * jax.random.normal(jax.random.key(7), (8,)) if with_sinks else None
+        out = run(*args, config=config, window=window, sinks=sinks)
+        want = K.paged_attention_reference(*args, window=window, sinks=sinks)
+        assert_close(out, want)
+        np.testing.assert_array_equal(np.asarray(out, np.float32)[np.asarray(lengths) == 0], 0.0)
+        plain = np.asarray(K.paged_attention_reference(*args), np.float32)
+        assert not np.allclose(np.asarray(want, np.float32), plain, atol=1e-2)  # the case tests something
+
+    @pytest.mark.parametrize("window", [0, 40], ids=["whole", "window"])
+    def test_rows_outside_the_range_never_reach_the_output(self, window):
+        """NaN in every pool row outside each sequence's range (page tails, unused pages, rows before the window,
+        whose steps are partly read): the partial steps zero those values, so the output is the reference's."""
+        q, k_pages, v_pages, tables, lengths = gqa_inputs(3, [23, 70, 2, 64], q_heads=8, kv_heads=2, head_dim=64,
+                                                          page_size=16, max_blocks=5, dtype=jnp.bfloat16)
+        out = run(q, poison_outside(k_pages, tables, lengths, window),
+                  poison_outside(v_pages, tables, lengths, window), tables, lengths, window=window,
+                  config=C(num_splits=2))
+        assert_close(out, K.paged_attention_reference(q, k_pages, v_pages, tables, lengths, window=window))
+
+    def test_scale(self):
+        args = gqa_inputs(4, [50, 17], q_heads=4, kv_heads=1, head_dim=64, page_size=16, max_blocks=4,
+                          dtype=jnp.bfloat16)
+        assert_close(run(*args, scale=0.3), K.paged_attention_reference(*args, scale=0.3))
+
+
+class TestChecks:
+    ARGS = gqa_inputs(0, [3, 5], q_heads=8, kv_heads=2, head_dim=64, page_size=16, max_blocks=2, dtype=jnp.bfloat16)
+
+    def test_rejects_what_the_kernel_does_not_take(self):
+        q, k_pages, v_pages, tables, lengths = self.ARGS
+        with pytest.raises(ValueError, match="it takes bfloat16 only, got float32"):
+            M.paged_attention_mgpu(*(x.astype(jnp.float32) for x in (q, k_pages, v_pages)), tables, lengths)
+        with pytest.raises(ValueError, match="head dims that are multiples of 64, got 64/32"):
+            M.paged_attention_mgpu(q, k_pages, v_pages[..., :32], tables, lengths)
+        with pytest.raises(ValueError, match="pages of a multiple of 8 rows .* got page_size=12"):
+            M.paged_attention_mgpu(q, k_pages[:, :12], v_pages[:, :12], tables, lengths)
+        with pytest.raises(ValueError, match="page_size=48"):  # neither divides nor is a multiple of block_k 64
+            M.paged_attention_mgpu(q, jnp.concatenate([k_pages] * 3, 1), jnp.concatenate([v_pages] * 3, 1),
+                                   tables, lengths)
+        wide = jnp.zeros((2, 96, 64), jnp.bfloat16)
+        with pytest.raises(ValueError, match="GQA groups of at most 64 q heads or a multiple of 64, got 96"):
+            M.paged_attention_mgpu(wide, k_pages[:, :, :1], v_pages[:, :, :1], tables, lengths)
+        # The Triton kernel's checks, shared.
+        with pytest.raises(ValueError, match="q_heads a multiple of the kv heads"):
+            M.paged_attention_mgpu(q[:, :3], k_pages, v_pages, tables, lengths)
+        with pytest.raises(ValueError, match="window must be an int >= 0"):
+            M.paged_attention_mgpu(q, k_pages, v_pages, tables, lengths, window=-1)
+        with pytest.raises(ValueError, match=r"lengths must be integer \[batch=2\]"):
+            M.paged_attention_mgpu(q, k_pages, v_pages, tables, lengths[:1])
+
+    def test_a_config_that_cannot_fit_is_a_value_error(self):
+        """Checked against the launch target's shared memory (an H200 with no GPU) before anything is lowered."""
+        too_big = C(block_k=256, stages=4)  # 2 x (64 x 64 + 4 x 256 x 128) bytes at head dim 64
+        assert too_big.smem_bytes(64, 64) == 270336
+        with pytest.raises(ValueError, match=r"paged_attention_mgpu of head dims 64/64 with MosaicPagedConfig\("
+                                             r"block_k=256, stages=4, num_splits=None\) needs 270336 bytes of "
+                                             r"shared memory per program, more than the 232448"):
+            M.paged_attention_mgpu(*self.ARGS, config=too_big)
+
+    def test_config_validates_itself(self):
+        with pytest.raises(ValueError, match="block_k must be a positive power of 2, got 96"):
+            C(block_k=96)
+        with pytest.raises(ValueError, match=r"block_k must be in \[64, 256\] .* got 32"):
+            C(block_k=32)
+        with pytest.raises(ValueError, match="stages must be an int >= 2"):
+            C(stages=1)
+        with pytest.raises(ValueError, match="num_splits must be None or an int >= 1, got 0"):
+            C(num_splits=0)
+
+
+def benchmark_args(page_size, *, q_heads=32, head_dim=128, concrete=False):
+    """The benchmark's decode step: batch 64, 2048-token contexts, 8 kv heads (shapes, or random bf16 arrays)."""
+    batch, max_blocks, kv_heads = 64, 2048 // page_size, 8
+    if concrete:
+        args = gqa_inputs(11, [2048] * batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                          page_size=page_size, max_blocks=max_blocks, spare_pages=1, dtype=jnp.bfloat16)
+        return args
+    pages = batch * max_blocks + 1
+    return (abstract((batch, q_heads, head_dim)), abstract((pages, page_size, kv_heads, head_dim)),
+            abstract((pages, page_size, kv_heads, head_dim)), abstract((batch, max_blocks), jnp.int32),
+            abstract((batch,), jnp.int32))
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_lowers_for_h200(page_size):
+    """Batch 64 x 2048 tokens, 32/8 heads, d=128: one Mosaic GPU call, no Triton. Automatic splits: 512 programs
+    of 112 KiB (Q and three 64-token K/V stages), two resident per SM, already fill 2 x 132, so one split."""
+    text = lower_for_h200(M.paged_attention_mgpu, *benchmark_args(page_size))
+    assert "stablehlo.custom_call @mosaic_gpu_v2" in text and "triton" not in text
+    assert "paged_attention_mgpu" in text
+    assert "tensor<1x64x8x4x128xf32>" in text  # [splits, batch, kv_heads, group, v_head_dim]: one split
+
+
+def test_window_and_sinks_lower_for_h200():
+    """GPT-OSS-20B's sliding layers: 64/8 heads d64, a 128-token window and sinks, batch 64 at 2048 tokens: the
+    window spans 3 steps of 64, so at most 3 splits."""
+    run = functools.partial(M.paged_attention_mgpu, window=128)
+    text = lower_for_h200(lambda *a: run(*a, sinks=jnp.zeros(64, jnp.bfloat16)),
+                          *benchmark_args(16, q_heads=64, head_dim=64))
+    assert "stablehlo.custom_call @mosaic_gpu_v2" in text and "triton" not in text
+
+
+@pytest.mark.skipif(not on_gpu(), reason="compiled on a GPU only (the benchmark's shape is minutes interpreted)")
+class TestCompiledOnGpu:
+    @pytest.mark.parametrize("page_size", [16, 64])
+    def test_benchmark_shape(self, page_size):
+        args = benchmark_args(page_size, concrete=True)
+        out = M.paged_attention_mgpu(*args)
+        assert_close(out, K.paged_attention_reference(*args))
+        assert_close(out, K.paged_attention(*args))  # the Triton kernel
+
+    def test_ragged_window_and_sinks(self):
+        args = gqa_inputs(5, [0, 1, 700, 2048, 1500, 63], q_heads=64, kv_heads=8, head_dim=64, page_size=16,
+                          max_blocks=128, dtype=jnp.bfloat16)
+        sinks = jnp.linspace(-1.0, 1.0, 64)
+        out = M.paged_attention_mgpu(*args, window=128, sinks=sinks)
+        assert_close(out, K.paged_attention_reference(*args, window=128, sinks=sinks))
