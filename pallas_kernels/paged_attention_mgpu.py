@@ -116,6 +116,14 @@ def unsupported(q, k_pages, v_pages, config: MosaicPagedConfig) -> list[str]:
     return reasons
 
 
+def check_shared_memory(config: MosaicPagedConfig, head_dim: int, v_head_dim: int, gpu: device.Gpu) -> int:
+    """A program's shared memory (:meth:`MosaicPagedConfig.smem_bytes`); a ValueError naming the config and the
+    bytes if ``gpu`` cannot give a thread block that much."""
+    need = config.smem_bytes(head_dim, v_head_dim)
+    device.check_shared_memory(f"paged_attention_mgpu of head dims {head_dim}/{v_head_dim}", config, need, gpu)
+    return need
+
+
 def _splits(config: MosaicPagedConfig, span_steps: int, programs: int, smem: int, gpu: device.Gpu) -> int:
     """Steps a split: ``config.num_splits`` or enough splits of ``span_steps`` to give every SM of ``gpu`` the
     programs its shared memory holds at once, ``programs`` being the programs a split."""
@@ -286,9 +294,8 @@ def paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, b
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
 
     gpu = device.gpu()
-    smem = config.smem_bytes(head_dim, v_head_dim)
-    if not interpret:
-        device.check_shared_memory(f"paged_attention_mgpu of head dims {head_dim}/{v_head_dim}", config, smem, gpu)
+    smem = config.smem_bytes(head_dim, v_head_dim) if interpret else check_shared_memory(config, head_dim,
+                                                                                          v_head_dim, gpu)
     # A window's tokens [len - W, len) touch at most ceil((W - 1) / block_k) + 1 aligned steps.
     span_steps = pl.cdiv(context, config.block_k)
     if window:
