@@ -2,9 +2,10 @@
 
 import json
 
+import jax
 import pytest
 
-from benchmarks import serving_kernels
+from benchmarks import harness, serving_kernels
 from pallas_kernels.testing import RTOL, on_gpu
 
 BF16_RTOL = max(RTOL.values())  # the benchmark's inputs are bf16
@@ -35,6 +36,26 @@ def test_flash_configs_replace_the_flash_sweep(tmp_path):
     assert [r["config"] for r in pallas] == ["block_q=32,block_k=16,num_warps=4,num_stages=2",
                                              "block_q=16,block_k=32,num_warps=2,num_stages=1"]
     assert all(r["status"] == "ok" and r["rel_err"] <= BF16_RTOL for r in pallas), pallas
+
+
+def test_paged_rows_time_the_mosaic_kernel_beside_triton_and_the_reference(monkeypatch):
+    """The GPU sweep holds Mosaic GPU paged configs; a row of one (impl pallas_mosaic) runs the Mosaic kernel (here
+    in the interpreter, at a shape it takes: bf16, d64, 16-token pages) and agrees with the reference."""
+    assert any(isinstance(c, serving_kernels.MP) for c in serving_kernels.SWEEPS["gpu"]["paged_attention"])
+    monkeypatch.setitem(serving_kernels.SHAPES["cpu"], "paged_attention", (2, 64, 16, 4, 2, 64))
+    monkeypatch.setitem(serving_kernels.SWEEPS["cpu"], "paged_attention",
+                        [serving_kernels.P(block_k=16), serving_kernels.MP()])
+
+    def once(fn, *args, **_):  # one untimed call: the interpreter takes seconds a call, and the timing is not tested
+        jax.block_until_ready(fn(*args))
+        return harness.Timing(1.0, 1.0, 1.0, 1)
+
+    monkeypatch.setattr(serving_kernels, "time_jax", once)
+    rows = serving_kernels.paged_attention_rows("cpu", interpret=True)
+    assert [(r["impl"], r["status"]) for r in rows] == [("jnp reference", "ok"), ("pallas", "ok"),
+                                                        ("pallas_mosaic", "ok")]
+    assert rows[2]["config"] == "block_k=64,stages=3,num_splits=None"
+    assert all(r["rel_err"] <= BF16_RTOL for r in rows[1:]), rows
 
 
 @pytest.mark.parametrize("argv", [["--flash-configs", "128x64x8"], ["--flash-configs", "96x64x8x3"],
