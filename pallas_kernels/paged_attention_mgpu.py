@@ -64,6 +64,11 @@ from pallas_kernels.paged_attention import check_inputs, check_window, combine_s
 TILE_ROWS = 8  # rows of one swizzled shared-memory tile: a page chunk copied by TMA starts at a multiple of it
 MAX_BLOCK_K = 256  # a wgmma's largest N (the S = Q K^T tile is [64, block_k])
 BLOCK_RESERVED_BYTES = 1024  # shared memory the CUDA runtime keeps per resident block (sm_80 and later)
+MBARRIER_BYTES = 8  # one mbarrier in shared memory
+# Mosaic GPU reserves this much shared memory for any reduction, in case it crosses warps (2 KiB by default); the
+# softmax's row max and sum reduce a WGMMA-layout tile along its columns, within each warp, and need none. At the
+# default config the 2 KiB would leave room for one program per SM instead of two.
+REDUCTION_SCRATCH_BYTES = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +95,11 @@ class MosaicPagedConfig:
 
     def smem_bytes(self, head_dim: int, v_head_dim: int) -> int:
         """Shared memory a program uses: its padded Q tile and ``stages`` K and V tiles while it streams, then
-        (reusing them) its fp32 accumulator and m, l rows while it writes them out."""
+        (reusing them) its fp32 accumulator and m, l rows while it writes them out; and its barriers (Q's, and
+        K's and V's per stage)."""
         streaming = DTYPE.itemsize * (WGMMA_ROWS * head_dim + self.stages * self.block_k * (head_dim + v_head_dim))
         writing = 4 * WGMMA_ROWS * (v_head_dim + 2)
-        return max(streaming, writing)
+        return max(streaming, writing) + MBARRIER_BYTES * (1 + 2 * self.stages)
 
 
 def unsupported(q, k_pages, v_pages, config: MosaicPagedConfig) -> list[str]:
@@ -319,7 +325,7 @@ def paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, b
         ],
         grid=(batch, kv_heads * head_blocks, splits),
         grid_names=("batch", "heads", "splits"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="paged_attention_mgpu",
     )(jnp.clip(lengths.astype(jnp.int32), 0, context), block_tables.astype(jnp.int32),

@@ -110,10 +110,10 @@ class TestChecks:
 
     def test_a_config_that_cannot_fit_is_a_value_error(self):
         """Checked against the launch target's shared memory (an H200 with no GPU) before anything is lowered."""
-        too_big = C(block_k=256, stages=4)  # 2 x (64 x 64 + 4 x 256 x 128) bytes at head dim 64
-        assert too_big.smem_bytes(64, 64) == 270336
+        too_big = C(block_k=256, stages=4)  # 2 x (64 x 64 + 4 x 256 x 128) bytes at head dim 64, 9 barriers
+        assert too_big.smem_bytes(64, 64) == 270336 + 9 * 8
         with pytest.raises(ValueError, match=r"paged_attention_mgpu of head dims 64/64 with MosaicPagedConfig\("
-                                             r"block_k=256, stages=4, num_splits=None\) needs 270336 bytes of "
+                                             r"block_k=256, stages=4, num_splits=None\) needs 270408 bytes of "
                                              r"shared memory per program, more than the 232448"):
             M.paged_attention_mgpu(*self.ARGS, config=too_big)
 
@@ -126,6 +126,26 @@ class TestChecks:
             C(stages=1)
         with pytest.raises(ValueError, match="num_splits must be None or an int >= 1, got 0"):
             C(num_splits=0)
+
+
+@pytest.mark.parametrize("config, head_dim", [(C(), 128), (C(stages=4), 64), (C(block_k=128, stages=2), 64)])
+def test_shared_memory_model_is_what_mosaic_requests(monkeypatch, config, head_dim):
+    """The bytes a program asks for (Mosaic GPU's own estimate of its scoped buffers, plus its barriers) are
+    ``smem_bytes``: at the default config 112 KiB, so that two programs fit an H200 SM (2 x (112 KiB + 1 KiB
+    reserved) <= 228 KiB), with no reduction scratch (REDUCTION_SCRATCH_BYTES)."""
+    from jax._src.pallas.mosaic_gpu import lowering  # private: the estimate the launch's shared memory comes from
+
+    estimates, estimate = [], lowering._estimate_resources
+    monkeypatch.setattr(lowering, "_estimate_resources", lambda ctx, jaxpr: estimates.append(
+        estimate(ctx, jaxpr)) or estimates[-1])
+    q, pages = abstract((4, 8, head_dim)), abstract((64, 16, 2, head_dim))
+    lower_for_h200(functools.partial(M.paged_attention_mgpu, config=config), q, pages, pages,
+                   abstract((4, 16), jnp.int32), abstract((4,), jnp.int32))
+    top = estimates[-1]  # the kernel's: the last estimate to finish
+    assert top.smem_scratch_bytes + M.MBARRIER_BYTES * sum(b.num_barriers for b in top.barriers) == (
+        config.smem_bytes(head_dim, head_dim))
+    if config == C():
+        assert 2 * (config.smem_bytes(128, 128) + M.BLOCK_RESERVED_BYTES) <= 228 * 1024
 
 
 def benchmark_args(page_size, *, q_heads=32, head_dim=128, concrete=False):
