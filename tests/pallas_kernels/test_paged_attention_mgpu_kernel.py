@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from helpers.kernels import abstract, gqa_inputs, poison_outside
 
+from benchmarks import serving_kernels
 from pallas_kernels import paged_attention as K
 from pallas_kernels import paged_attention_mgpu as M
 from pallas_kernels.testing import assert_close, interpret, lower_for_h200, on_gpu
@@ -169,6 +170,16 @@ def test_lowers_for_h200(page_size):
     assert "stablehlo.custom_call @mosaic_gpu_v2" in text and "triton" not in text
     assert "paged_attention_mgpu" in text
     assert "tensor<1x64x8x4x128xf32>" in text  # [splits, batch, kv_heads, group, v_head_dim]: one split
+
+
+SWEEP = [c for c in serving_kernels.SWEEPS["gpu"]["paged_attention"] if isinstance(c, C)]
+
+
+@pytest.mark.parametrize("config", SWEEP, ids=serving_kernels.config_name)
+def test_every_benchmark_config_lowers_for_h200(config):
+    """The benchmark's Mosaic configs at its shape (16-token pages): none fails before it is timed."""
+    text = lower_for_h200(functools.partial(M.paged_attention_mgpu, config=config), *benchmark_args(16))
+    assert "stablehlo.custom_call @mosaic_gpu_v2" in text
 
 
 def test_window_and_sinks_lower_for_h200():
