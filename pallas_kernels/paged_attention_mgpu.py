@@ -28,11 +28,13 @@ group's q rows (q is padded with ``WGMMA_ROWS`` zero rows at its end so a 64-row
 a row of S and of P V depends only on its own q row, and only the group's rows are written.
 
 Steps are aligned to ``block_k`` in token positions, so a chunk lies within one page, and the splits of a
-sequence cover whole steps of its range ``[max(len - window, 0), len)`` (blocks wholly before a window are never
-read). Only a range's first and last step can be partial: there the scores outside it are masked, and the V rows
-outside it are zeroed in shared memory before the P V product (a masked weight is 0, but 0 x NaN is NaN, and those
-rows hold whatever the pool has there: the tail of a page, or a re-read of the last page for a chunk past the
-sequence, whose table entry may be garbage). So a pool entry outside a sequence's range never reaches its output.
+sequence cover whole steps of its range ``[lo, len)``, ``lo = max(len - window, 0)`` (blocks wholly before a window
+are never read). Only a range's first and last step can be partial. A chunk of them wholly outside the range is
+copied from the page of the range's nearest token instead, so only the pages that hold the range's tokens are read
+(a block table entry outside it may be garbage); the scores outside the range are masked, and its V rows outside
+the range are zeroed in shared memory before the P V product (a masked weight is 0, but 0 x NaN is NaN, and those
+rows hold whatever the pool has there, e.g. a page's unused tail). So a pool entry outside a sequence's range never
+reaches its output.
 
 Every program writes its unnormalized accumulator and its (m, l) for its rows; the wrapper merges the splits with
 :func:`pallas_kernels.paged_attention.combine_splits`, where the sinks join. Automatic splits give the GPU as many
@@ -130,7 +132,7 @@ def check_shared_memory(config: MosaicPagedConfig, head_dim: int, v_head_dim: in
     return need
 
 
-def _splits(config: MosaicPagedConfig, span_steps: int, programs: int, smem: int, gpu: device.Gpu) -> int:
+def _split_steps(config: MosaicPagedConfig, span_steps: int, programs: int, smem: int, gpu: device.Gpu) -> int:
     """Steps a split: ``config.num_splits`` or enough splits of ``span_steps`` to give every SM of ``gpu`` the
     programs its shared memory holds at once, ``programs`` being the programs a split."""
     if config.num_splits is None:
@@ -163,10 +165,10 @@ def _paged_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_
         row0 = pl.multiple_of((b * kv_heads + kv_head) * padded_group + head_block * rows, TILE_ROWS)
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, WGMMA_ROWS)], q_smem, q_ready)
 
-        def load(j):  # step j's chunks into its slot; a chunk past the sequence re-reads its last one
+        def load(j):  # step j's chunks into its slot; a chunk outside [lo, length) re-reads the nearest one inside
             s = slot(j)
             for c in range(block_k // chunk):
-                token = jnp.minimum(j * block_k + c * chunk, length - 1)
+                token = jnp.clip(j * block_k + c * chunk, lo, length - 1)
                 page = tables_ref[b, token // page_size]
                 src = pl.ds(0 if chunk == page_size else pl.multiple_of(token % page_size // chunk * chunk, chunk),
                             chunk)
@@ -306,7 +308,7 @@ def paged_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, b
     span_steps = pl.cdiv(context, config.block_k)
     if window:
         span_steps = min(span_steps, pl.cdiv(window - 1, config.block_k) + 1)
-    split_steps = _splits(config, span_steps, batch * kv_heads * head_blocks, smem, gpu)
+    split_steps = _split_steps(config, span_steps, batch * kv_heads * head_blocks, smem, gpu)
     splits = pl.cdiv(span_steps, split_steps)
 
     kernel = functools.partial(_paged_kernel, config=config, rows=rows, head_blocks=head_blocks, kv_heads=kv_heads,

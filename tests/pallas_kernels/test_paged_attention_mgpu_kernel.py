@@ -78,6 +78,20 @@ class TestPagedAttentionMosaic:
                   config=C(num_splits=2))
         assert_close(out, K.paged_attention_reference(q, k_pages, v_pages, tables, lengths, window=window))
 
+    @pytest.mark.parametrize("window", [0, 40], ids=["whole", "window"])
+    def test_table_entries_outside_the_range_change_nothing(self, window):
+        """Block table entries of pages holding no token of a sequence's range point past the pool. (The kernel
+        reads only the range's pages, but a read of such an entry would not show: a TMA copy from outside the
+        array fills zeros, in the interpreter as on the GPU, and those rows are masked.)"""
+        q, k_pages, v_pages, tables, lengths = gqa_inputs(8, [100, 17, 0, 64], q_heads=8, kv_heads=2, head_dim=64,
+                                                          page_size=8, max_blocks=16, dtype=jnp.bfloat16)
+        blocks = np.arange(tables.shape[1])[None, :]
+        n = np.asarray(lengths)[:, None]
+        first = np.maximum(n - window, 0) // 8 if window else 0
+        garbage = jnp.where((blocks >= first) & (blocks < -(-n // 8)), tables, k_pages.shape[0] + 1000)
+        out = run(q, k_pages, v_pages, garbage, lengths, window=window)
+        assert_close(out, K.paged_attention_reference(q, k_pages, v_pages, tables, lengths, window=window))
+
     def test_scale(self):
         args = gqa_inputs(4, [50, 17], q_heads=4, kv_heads=1, head_dim=64, page_size=16, max_blocks=4,
                           dtype=jnp.bfloat16)
