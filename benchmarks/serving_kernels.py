@@ -7,7 +7,7 @@ block-config sweep.
     (block tables in random page order), 32/8 heads, d=128; GB/s of K and V read (bw_pct: % of the H200's 4.27
     TB/s), for the Triton kernel (impl pallas) and the Mosaic GPU one (pallas_mosaic) side by side.
   * paged_mla_attention (DeepSeek-V3 absorbed MLA decode, 128 heads, R=512, P=64, 64-token pages) vs its
-    reference: batch 64, 2048-token contexts; GB/s of latent rows read.
+    reference: batch 64, 2048-token contexts; GB/s of latent rows read; Triton and Mosaic GPU kernels.
   * grouped_matmul vs ``jax.lax.ragged_dot``: Qwen3-30B-A3B experts (128; K=2048 -> N=768 and K=768 -> N=2048)
     at prefill (4096 tokens x top-8 = 32768 rows) and decode (64 tokens x top-8 = 512 rows), uniform random
     routing; TFLOP/s over the routed rows and GB/s over x, the output and the touched experts' weights.
@@ -77,7 +77,8 @@ SWEEPS = {  # the first config of each list is the kernel's default
         paged_attention=[P(), P(block_k=128), P(block_k=32), P(num_splits=2), P(block_k=128, num_warps=8), MP(),
                          MP(stages=4), MP(stages=2), MP(block_k=128, stages=2), MP(num_splits=2)],
         paged_mla_attention=[paged_attention.MLA_CONFIG, P(16, 32, num_warps=4), P(64, 16, num_warps=8),
-                             P(32, 64, num_warps=8, num_stages=2)],
+                             P(32, 64, num_warps=8, num_stages=2), paged_attention_mgpu.MLA_CONFIG,
+                             MP(stages=2, num_splits=2)],
         prefill=[grouped_matmul.PREFILL_CONFIG, G(128, 256, 64, 8, 3), G(64, 128, 64, 4, 4), G(128, 128, 32, 4, 5),
                  G(64, 256, 64, 8, 3)],
         decode=[grouped_matmul.DECODE_CONFIG, G(16, 128, 128, 4, 4), G(16, 64, 256, 4, 3), G(32, 64, 128, 4, 4),
@@ -227,8 +228,12 @@ def paged_mla_attention_rows(mode: str, interpret: bool) -> list[dict]:
             random_normal(2, (batch * blocks, page_size, rank + rope)), block_tables(batch, blocks),
             jnp.full((batch,), context, jnp.int32))
     reference = jax.jit(functools.partial(paged_attention.paged_mla_attention_reference, scale=scale))
-    pallas = lambda config: jax.jit(functools.partial(paged_attention.paged_mla_attention, scale=scale,
-                                                      config=config, interpret=interpret))
+
+    def pallas(config):
+        kernel = (paged_attention_mgpu.paged_mla_attention_mgpu if isinstance(config, MP)
+                  else paged_attention.paged_mla_attention)
+        return jax.jit(functools.partial(kernel, scale=scale, config=config, interpret=interpret))
+
     return run_kernel("paged_mla_attention", f"B{batch}xT{context}", [("jnp reference", reference)],
                       SWEEPS[mode]["paged_mla_attention"], pallas, args, reps=REPS[mode],
                       flop=2 * batch * context * heads * (2 * rank + rope), nbytes=2 * batch * context * (rank + rope))

@@ -2,7 +2,7 @@
 
     flash_attention(q, k, v, seq_starts, ...)                packed variable-length prefill  "mosaic" | "triton" | "xla"
     paged_attention(q, k_pages, v_pages, block_tables, ...)  GQA decode over a paged cache   "mosaic" | "triton" | "xla"
-    paged_mla_attention(q_latent, q_rope, latent_pages, ...) absorbed MLA decode             "triton" | "xla"
+    paged_mla_attention(q_latent, q_rope, latent_pages, ...) absorbed MLA decode             "mosaic" | "triton" | "xla"
 
 The math of each op is its kernel file's (``attention.py``, ``paged_attention.py``); the implementations are
 "mosaic" (``attention_mgpu.py``, ``paged_attention_mgpu.py``: Pallas Mosaic GPU, wgmma + TMA, sm_90), "triton"
@@ -27,9 +27,9 @@ target (with no GPU: ``device.DEFAULT_KIND``, an H200): the same choice, the sam
 
 Default chains (``benchmarks/serving_kernels.py`` on an H200, B4 x S4096, 32/8 heads, d128, bf16, causal): Mosaic
 flash attention 1.00x cuDNN, Triton 0.77x, XLA 0.11x; so Mosaic first on sm_90, Triton where it lacks a feature
-(windows, sinks, float32, head dims such as MLA's 576) or where the GPU is not a Hopper. Paged decode: Triton
-first; its Mosaic GPU kernel has not been timed (nor run on a GPU), so it serves only calls that name it, and MLA
-decode has a Triton kernel only.
+(windows, sinks, float32, head dims such as MLA's 576) or where the GPU is not a Hopper. Paged decode (GQA and
+MLA): Triton first; the Mosaic GPU kernels have not been timed (nor run on a GPU), so they serve only calls that
+name them.
 """
 
 import dataclasses
@@ -49,7 +49,7 @@ LOG = logging.getLogger(__name__)
 Implementation = str | Sequence[str] | None  # a name, a fallback chain, or None: DEFAULT_CHAINS
 
 OPS = {"flash_attention": ("mosaic", "triton", "xla"), "paged_attention": ("mosaic", "triton", "xla"),
-       "paged_mla_attention": ("triton", "xla")}
+       "paged_mla_attention": ("mosaic", "triton", "xla")}
 # Architecture (device.Arch.name) -> the fastest first; "gpu": any other NVIDIA GPU; "cpu": no GPU to launch on.
 DEFAULT_CHAINS: dict[str, dict[str, tuple[str, ...]]] = {
     "flash_attention": {"sm_90": ("mosaic", "triton", "xla"), "gpu": ("triton", "xla"), "cpu": ("xla",)},
@@ -253,6 +253,26 @@ def _paged_reasons(config: triton_paged.PagedConfig, need: Callable[[triton_page
     return {"triton": triton, "xla": _xla}
 
 
+def _mosaic_paged_reason(name: str, config: mosaic_paged.MosaicPagedConfig, head_dim: int, v_head_dim: int,
+                         unsupported: list[str], interpret: bool, *, shared_kv: bool = False):
+    """The "mosaic" entry of ``choose``'s reasons for a paged kernel: what it lacks (``unsupported``), a launch
+    target that is not a Hopper, or a config that does not fit its shared memory (checked as given)."""
+
+    def mosaic():
+        missing, gpu = _mosaic_launch_reasons(interpret)
+        missing += unsupported
+        if missing:
+            return "; ".join(missing), None
+
+        def fits():
+            mosaic_paged.check_shared_memory(name, config, head_dim, v_head_dim, gpu, shared_kv=shared_kv)
+            return config
+
+        return _fitted(fits)
+
+    return mosaic
+
+
 def choose_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
                            implementation: Implementation = None,
                            config: triton_paged.PagedConfig | None = None,
@@ -267,18 +287,8 @@ def choose_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     need = lambda c: triton_paged.shared_memory_bytes(c, head_dim, v_head_dim, group, q.dtype)
     name = f"paged_attention of head dims {head_dim}/{v_head_dim} in {q.dtype}"
 
-    def mosaic():
-        missing, gpu = _mosaic_launch_reasons(interpret)
-        missing += mosaic_paged.unsupported(q, k_pages, v_pages, mosaic_config)
-        if missing:
-            return "; ".join(missing), None
-
-        def fits():  # as given, or a ValueError naming its bytes
-            mosaic_paged.check_shared_memory(mosaic_config, head_dim, v_head_dim, gpu)
-            return mosaic_config
-
-        return _fitted(fits)
-
+    mosaic = _mosaic_paged_reason("paged_attention_mgpu", mosaic_config, head_dim, v_head_dim,
+                                  mosaic_paged.unsupported(q, k_pages, v_pages, mosaic_config), interpret)
     reasons = _paged_reasons(config, need, name, interpret) | {"mosaic": mosaic}
     return choose("paged_attention", implementation, reasons, interpret=interpret)
 
@@ -311,26 +321,37 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
 def choose_paged_mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array, *,
                                implementation: Implementation = None,
                                config: triton_paged.PagedConfig | None = None,
+                               mosaic_config: mosaic_paged.MosaicPagedConfig | None = None,
                                interpret: bool = False) -> Choice:
-    """Which implementation :func:`paged_mla_attention` runs for these operands (``config`` None: ``MLA_CONFIG``)."""
+    """Which implementation :func:`paged_mla_attention` runs for these operands (``config`` None: ``MLA_CONFIG``;
+    ``mosaic_config`` None: ``paged_attention_mgpu.MLA_CONFIG``)."""
     config = config or triton_paged.MLA_CONFIG
+    mosaic_config = mosaic_config or mosaic_paged.MLA_CONFIG
     rank, rope = q_latent.shape[-1], q_rope.shape[-1]
     need = lambda c: triton_paged.shared_memory_bytes(c, rank + rope, None, q_latent.shape[1], q_latent.dtype)
     name = f"paged_mla_attention of head dims {rank + rope}/{rank} in {q_latent.dtype}"
-    return choose("paged_mla_attention", implementation, _paged_reasons(config, need, name, interpret),
-                  interpret=interpret)
+    mosaic = _mosaic_paged_reason("paged_mla_attention_mgpu", mosaic_config, rank + rope, rank,
+                                  mosaic_paged.unsupported_mla(q_latent, q_rope, latent_pages, mosaic_config),
+                                  interpret, shared_kv=True)
+    reasons = _paged_reasons(config, need, name, interpret) | {"mosaic": mosaic}
+    return choose("paged_mla_attention", implementation, reasons, interpret=interpret)
 
 
 def paged_mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array, block_tables: jax.Array,
                         lengths: jax.Array, *, scale: float, implementation: Implementation = None,
                         config: triton_paged.PagedConfig | None = None,
+                        mosaic_config: mosaic_paged.MosaicPagedConfig | None = None,
                         interpret: bool = False) -> jax.Array:
     """One decode step of DeepSeek's absorbed MLA over a paged latent cache (``pallas_kernels.paged_attention``'s
-    math and arguments); ``implementation``: "triton", "xla", a fallback chain of them, or None (module
-    docstring); ``config``: the Triton kernel's launch geometry (None: ``MLA_CONFIG``)."""
+    math and arguments); ``implementation``: "mosaic", "triton", "xla", a fallback chain of them, or None (module
+    docstring; None never picks "mosaic", which has not been timed); ``config``, ``mosaic_config``: the Triton and
+    Mosaic GPU kernels' launch geometry (None: their ``MLA_CONFIG``)."""
     triton_paged.check_mla_inputs(q_latent, q_rope, latent_pages, block_tables, lengths)
     choice = choose_paged_mla_attention(q_latent, q_rope, latent_pages, implementation=implementation,
-                                        config=config, interpret=interpret)
+                                        config=config, mosaic_config=mosaic_config, interpret=interpret)
+    if choice.implementation == "mosaic":
+        return mosaic_paged.paged_mla_attention_mgpu(q_latent, q_rope, latent_pages, block_tables, lengths,
+                                                     scale=scale, config=choice.config, interpret=interpret)
     if choice.implementation == "triton":
         return triton_paged.paged_mla_attention(q_latent, q_rope, latent_pages, block_tables, lengths, scale=scale,
                                                 config=choice.config, interpret=interpret)

@@ -38,6 +38,18 @@ def gqa_inputs(seed, lengths, *, q_heads, kv_heads, head_dim, v_head_dim=None, p
     return q, k_pages, v_pages, block_tables(kt, batch, max_blocks, num_pages), jnp.asarray(lengths, jnp.int32)
 
 
+def mla_inputs(seed, lengths, *, heads, rank, rope, page_size=4, max_blocks=6, dtype=jnp.float32):
+    """q_latent, q_rope, latent_pages, block_tables and lengths of one paged MLA decode step."""
+    batch = len(lengths)
+    num_pages = batch * max_blocks + 3
+    kl, kr, kp, kt = jax.random.split(jax.random.key(seed), 4)
+    q_latent = jax.random.normal(kl, (batch, heads, rank)).astype(dtype)
+    q_rope = jax.random.normal(kr, (batch, heads, rope)).astype(dtype)
+    latent_pages = jax.random.normal(kp, (num_pages, page_size, rank + rope)).astype(dtype)
+    return (q_latent, q_rope, latent_pages, block_tables(kt, batch, max_blocks, num_pages),
+            jnp.asarray(lengths, jnp.int32))
+
+
 def poison_outside(pages, tables, lengths, window=0):
     """``pages [num_pages, page_size, ...]`` with NaN in every row no sequence reads: outside each sequence's
     first ``lengths[b]`` tokens (its last ``window`` of them when ``window``), unused pages included."""

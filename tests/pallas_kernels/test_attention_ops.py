@@ -8,7 +8,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers.kernels import abstract, gqa_inputs, packed_inputs
+from helpers.kernels import abstract, gqa_inputs, mla_inputs, packed_inputs
 
 from pallas_kernels import attention as triton_flash
 from pallas_kernels import attention_mgpu as mosaic_flash
@@ -90,8 +90,8 @@ def test_a_given_triton_config_is_checked_as_given():
         assert choose_flash(MLA_Q, MLA_K, MLA_V, triton_config=small).config == small
 
 
-def test_paged_ops_default_to_triton_and_gqa_has_mosaic_when_named():
-    """The Mosaic GPU paged kernel has never been timed: None keeps Triton first on a Hopper, "mosaic" serves
+def test_paged_ops_default_to_triton_and_have_mosaic_when_named():
+    """The Mosaic GPU paged kernels have never been timed: None keeps Triton first on a Hopper, "mosaic" serves
     only a call that names it."""
     q, pages = abstract((64, 32, 128)), abstract((512, 16, 8, 128))
     with on(H200):
@@ -105,13 +105,18 @@ def test_paged_ops_default_to_triton_and_gqa_has_mosaic_when_named():
                                           mosaic_config=small).config == small
         latent = (abstract((64, 128, 512)), abstract((64, 128, 64)), abstract((512, 64, 576)))
         assert ops.choose_paged_mla_attention(*latent).config == triton_paged.MLA_CONFIG
+        assert ops.choose_paged_mla_attention(*latent, implementation="mosaic") == ops.Choice(
+            "paged_mla_attention", "mosaic", mosaic_paged.MLA_CONFIG)
+        with pytest.raises(ValueError, match="paged_mla_attention_mgpu of head dims 576/512 .* needs"):
+            ops.choose_paged_mla_attention(*latent, implementation="mosaic",
+                                           mosaic_config=mosaic_paged.MosaicPagedConfig(stages=3))
         with pytest.raises(ValueError, match="implementation='triton' cannot serve this call: paged_attention of "
                                              "head dims 128/128 in bfloat16 .* needs"):
             ops.choose_paged_attention(q, pages, pages, implementation="triton",
                                        config=triton_paged.PagedConfig(block_k=256, num_stages=4))
-    with pytest.raises(ValueError, match=r"paged_mla_attention: implementation='mosaic': expected None, one of "
-                                         r"\('triton', 'xla'\)"):
-        ops.choose_paged_mla_attention(*latent, implementation="mosaic")
+    with pytest.raises(ValueError, match=r"paged_mla_attention: implementation='cudnn': expected None, one of "
+                                         r"\('mosaic', 'triton', 'xla'\)"):
+        ops.choose_paged_mla_attention(*latent, implementation="cudnn")
     with pytest.raises(ValueError, match="implementation=\\(\\): expected None"):
         ops.chain("paged_attention", ())
 
@@ -171,7 +176,7 @@ def test_mosaic_through_the_op_equals_the_reference():
     assert_close(out, triton_flash.flash_attention_reference(q, k, v, starts))
 
 
-def test_paged_mosaic_through_the_op_equals_the_reference():
+def test_paged_mosaic_through_the_ops_equals_the_references():
     q, k_pages, v_pages, tables, lengths = gqa_inputs(6, [0, 40, 100], q_heads=8, kv_heads=2, head_dim=64,
                                                       page_size=16, max_blocks=8, dtype=jnp.bfloat16)
     sinks = jnp.linspace(-1.0, 1.0, 8)
@@ -179,6 +184,9 @@ def test_paged_mosaic_through_the_op_equals_the_reference():
                               interpret=interpret())
     assert_close(out, triton_paged.paged_attention_reference(q, k_pages, v_pages, tables, lengths, window=70,
                                                              sinks=sinks))
+    latent = mla_inputs(7, [0, 40, 100], heads=16, rank=128, rope=64, page_size=16, max_blocks=8, dtype=jnp.bfloat16)
+    out = ops.paged_mla_attention(*latent, scale=0.2, implementation="mosaic", interpret=interpret())
+    assert_close(out, triton_paged.paged_mla_attention_reference(*latent, scale=0.2))
 
 
 @pytest.mark.parametrize("implementation", ["triton", "xla"])

@@ -7,24 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.kernels import block_tables, gqa_inputs, poison_outside
+from helpers.kernels import gqa_inputs, mla_inputs, poison_outside
 
 from pallas_kernels import paged_attention as K
 from pallas_kernels.common import LOG2E, MASK_VALUE
 from pallas_kernels.testing import assert_close, interpret, lower_for_h200
 
 SMALL = K.PagedConfig(block_k=16)  # several steps per sequence at test sizes
-
-
-def mla_inputs(seed, lengths, *, heads, rank, rope, page_size=4, max_blocks=6, dtype=jnp.float32):
-    batch = len(lengths)
-    num_pages = batch * max_blocks + 3
-    kl, kr, kp, kt = jax.random.split(jax.random.key(seed), 4)
-    q_latent = jax.random.normal(kl, (batch, heads, rank)).astype(dtype)
-    q_rope = jax.random.normal(kr, (batch, heads, rope)).astype(dtype)
-    latent_pages = jax.random.normal(kp, (num_pages, page_size, rank + rope)).astype(dtype)
-    return (q_latent, q_rope, latent_pages, block_tables(kt, batch, max_blocks, num_pages),
-            jnp.asarray(lengths, jnp.int32))
 
 
 # (lengths, q_heads, kv_heads, head_dim, v_head_dim, page_size, scale, config, dtype): lengths 0, 1, partial

@@ -1,7 +1,7 @@
-"""pallas_kernels.paged_attention_mgpu: the Mosaic GPU paged GQA decode kernel against the jnp reference (compiled on
-a GPU, Pallas' GPU interpreter elsewhere, whose buffers start as NaN, so an unwritten output element fails), the
-pool rows it may not read poisoned with NaN, its argument and config checks, and its lowering for an abstract
-H200."""
+"""pallas_kernels.paged_attention_mgpu: the Mosaic GPU paged GQA and MLA decode kernels against the jnp references
+(compiled on a GPU, Pallas' GPU interpreter elsewhere, whose buffers start as NaN, so an unwritten output element
+fails), the pool rows they may not read poisoned with NaN, their argument and config checks, and their lowering for
+an abstract H200."""
 
 import functools
 
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.kernels import abstract, gqa_inputs, poison_outside
+from helpers.kernels import abstract, gqa_inputs, mla_inputs, poison_outside
 
 from benchmarks import serving_kernels
 from pallas_kernels import paged_attention as K
@@ -98,6 +98,46 @@ class TestPagedAttentionMosaic:
         assert_close(run(*args, scale=0.3), K.paged_attention_reference(*args, scale=0.3))
 
 
+# (lengths, heads, R, P, page_size, config): 16 heads of R = 128 (one value block); DeepSeek-V3's 128 heads of
+# R = 512 (two head blocks x two value blocks of 256); 8 heads in 64-token pages, R = P = 64.
+MLA_CASES = {
+    "h16_r128": ([0, 70, 96, 33], 16, 128, 64, 16, C(stages=2, num_splits=2)),
+    "h128_r512_two_value_blocks": ([100, 5, 0], 128, 512, 64, 16, M.MLA_CONFIG),
+    "h8_r64_page64": ([64, 200, 1], 8, 64, 64, 64, C(stages=3)),
+}
+MLA_SCALE = 0.1
+
+
+class TestPagedMLAAttentionMosaic:
+    @pytest.mark.parametrize("case", list(MLA_CASES))
+    def test_matches_reference(self, case):
+        lengths, heads, rank, rope, page_size, config = MLA_CASES[case]
+        args = mla_inputs(len(case), lengths, heads=heads, rank=rank, rope=rope, page_size=page_size,
+                          max_blocks=-(-max(lengths) // page_size), dtype=jnp.bfloat16)
+        out = M.paged_mla_attention_mgpu(*args, scale=MLA_SCALE, config=config, interpret=interpret())
+        assert_close(out, K.paged_mla_attention_reference(*args, scale=MLA_SCALE))
+        np.testing.assert_array_equal(np.asarray(out, np.float32)[np.asarray(lengths) == 0], 0.0)
+
+    def test_rows_outside_the_range_never_reach_the_output(self):
+        q_latent, q_rope, pages, tables, lengths = mla_inputs(4, [23, 70, 2], heads=16, rank=128, rope=64,
+                                                              page_size=16, max_blocks=5, dtype=jnp.bfloat16)
+        out = M.paged_mla_attention_mgpu(q_latent, q_rope, poison_outside(pages, tables, lengths), tables, lengths,
+                                         scale=MLA_SCALE, interpret=interpret())
+        assert_close(out, K.paged_mla_attention_reference(q_latent, q_rope, pages, tables, lengths,
+                                                          scale=MLA_SCALE))
+
+    def test_rejects_what_the_kernel_does_not_take(self):
+        q_latent, q_rope, pages, tables, lengths = mla_inputs(0, [3, 5], heads=16, rank=320, rope=64, page_size=16,
+                                                              max_blocks=2, dtype=jnp.bfloat16)
+        run = functools.partial(M.paged_mla_attention_mgpu, scale=MLA_SCALE)
+        with pytest.raises(ValueError, match="it takes R at most 256 or a multiple of 256, got 320"):
+            run(q_latent, q_rope, pages, tables, lengths)
+        with pytest.raises(ValueError, match="bfloat16 only, got float32"):
+            run(*(x.astype(jnp.float32) for x in (q_latent[..., :256], q_rope, pages[..., 64:])), tables, lengths)
+        with pytest.raises(ValueError, match="must share one dtype"):  # the Triton kernel's checks, shared
+            run(q_latent, q_rope, pages.astype(jnp.float32), tables, lengths)
+
+
 class TestChecks:
     ARGS = gqa_inputs(0, [3, 5], q_heads=8, kv_heads=2, head_dim=64, page_size=16, max_blocks=2, dtype=jnp.bfloat16)
 
@@ -113,7 +153,7 @@ class TestChecks:
             M.paged_attention_mgpu(q, jnp.concatenate([k_pages] * 3, 1), jnp.concatenate([v_pages] * 3, 1),
                                    tables, lengths)
         wide = jnp.zeros((2, 96, 64), jnp.bfloat16)
-        with pytest.raises(ValueError, match="GQA groups of at most 64 q heads or a multiple of 64, got 96"):
+        with pytest.raises(ValueError, match="at most 64 q heads a kv head or a multiple of 64, got 96"):
             M.paged_attention_mgpu(wide, k_pages[:, :, :1], v_pages[:, :, :1], tables, lengths)
         # The Triton kernel's checks, shared.
         with pytest.raises(ValueError, match="q_heads a multiple of the kv heads"):
@@ -143,24 +183,35 @@ class TestChecks:
             C(num_splits=0)
 
 
-@pytest.mark.parametrize("config, head_dim", [(C(), 128), (C(stages=4), 64), (C(block_k=128, stages=2), 64)])
-def test_shared_memory_model_is_what_mosaic_requests(monkeypatch, config, head_dim):
+def _gqa(config, head_dim):
+    q, pages = abstract((4, 8, head_dim)), abstract((64, 16, 2, head_dim))
+    return (functools.partial(M.paged_attention_mgpu, config=config), q, pages, pages, abstract((4, 16), jnp.int32),
+            abstract((4,), jnp.int32)), config.smem_bytes(head_dim, head_dim)
+
+
+def _mla(config, rank):
+    args = (abstract((4, 16, rank)), abstract((4, 16, 64)), abstract((64, 16, rank + 64)),
+            abstract((4, 16), jnp.int32), abstract((4,), jnp.int32))
+    run = functools.partial(M.paged_mla_attention_mgpu, scale=MLA_SCALE, config=config)
+    return (run, *args), config.smem_bytes(rank + 64, rank, shared_kv=True)
+
+
+@pytest.mark.parametrize("case", [_gqa(C(), 128), _gqa(C(stages=4), 64), _gqa(C(block_k=128, stages=2), 64),
+                                  _mla(M.MLA_CONFIG, 512)], ids=["gqa_default", "gqa_d64_4", "gqa_128_2", "mla"])
+def test_shared_memory_model_is_what_mosaic_requests(monkeypatch, case):
     """The bytes a program asks for (Mosaic GPU's own estimate of its scoped buffers, plus its barriers) are
-    ``smem_bytes``: at the default config 112 KiB, so that two programs fit an H200 SM (2 x (112 KiB + 1 KiB
-    reserved) <= 228 KiB), with no reduction scratch (REDUCTION_SCRATCH_BYTES)."""
+    ``smem_bytes``: at the default GQA config 112 KiB, so that two programs fit an H200 SM (2 x (112 KiB + 1 KiB
+    reserved) <= 228 KiB), with no reduction scratch (REDUCTION_SCRATCH_BYTES); for MLA 216 KiB."""
     from jax._src.pallas.mosaic_gpu import lowering  # private: the estimate the launch's shared memory comes from
 
+    (run, *args), smem = case
     estimates, estimate = [], lowering._estimate_resources
     monkeypatch.setattr(lowering, "_estimate_resources", lambda ctx, jaxpr: estimates.append(
         estimate(ctx, jaxpr)) or estimates[-1])
-    q, pages = abstract((4, 8, head_dim)), abstract((64, 16, 2, head_dim))
-    lower_for_h200(functools.partial(M.paged_attention_mgpu, config=config), q, pages, pages,
-                   abstract((4, 16), jnp.int32), abstract((4,), jnp.int32))
+    lower_for_h200(run, *args)
     top = estimates[-1]  # the kernel's: the last estimate to finish
-    assert top.smem_scratch_bytes + M.MBARRIER_BYTES * sum(b.num_barriers for b in top.barriers) == (
-        config.smem_bytes(head_dim, head_dim))
-    if config == C():
-        assert 2 * (config.smem_bytes(128, 128) + M.BLOCK_RESERVED_BYTES) <= 228 * 1024
+    assert top.smem_scratch_bytes + M.MBARRIER_BYTES * sum(b.num_barriers for b in top.barriers) == smem
+    assert 2 * (C().smem_bytes(128, 128) + M.BLOCK_RESERVED_BYTES) <= 228 * 1024
 
 
 def benchmark_args(page_size, *, q_heads=32, head_dim=128, concrete=False):
@@ -205,6 +256,32 @@ def test_window_and_sinks_lower_for_h200():
     assert "stablehlo.custom_call @mosaic_gpu_v2" in text and "triton" not in text
 
 
+def mla_benchmark_args(concrete=False):
+    """The benchmark's DeepSeek-V3 MLA decode step: batch 64, 2048-token contexts in 64-token pages, 128 heads,
+    R = 512, P = 64."""
+    batch, blocks, page_size = 64, 2048 // 64, 64
+    if concrete:
+        return mla_inputs(12, [2048] * batch, heads=128, rank=512, rope=64, page_size=page_size, max_blocks=blocks,
+                          dtype=jnp.bfloat16)
+    return (abstract((batch, 128, 512)), abstract((batch, 128, 64)), abstract((batch * blocks, page_size, 576)),
+            abstract((batch, blocks), jnp.int32), abstract((batch,), jnp.int32))
+
+
+MLA_SWEEP = [c for c in serving_kernels.SWEEPS["gpu"]["paged_mla_attention"] if isinstance(c, C)]
+
+
+@pytest.mark.parametrize("config", MLA_SWEEP, ids=serving_kernels.config_name)
+def test_mla_lowers_for_h200(config):
+    """Every Mosaic MLA config of the benchmark at its shape: 64 x 2 head blocks x 2 value blocks = 256 programs
+    of 216 KiB, one resident per SM, so one split by default."""
+    run = functools.partial(M.paged_mla_attention_mgpu, scale=192**-0.5, config=config)
+    text = lower_for_h200(run, *mla_benchmark_args())
+    assert "stablehlo.custom_call @mosaic_gpu_v2" in text and "triton" not in text
+    assert "paged_mla_attention_mgpu" in text
+    if config.num_splits is None:
+        assert "tensor<1x64x1x128x512xf32>" in text  # [splits, batch, kv_heads, heads, R]
+
+
 @pytest.mark.skipif(not on_gpu(), reason="compiled on a GPU only (the benchmark's shape is minutes interpreted)")
 class TestCompiledOnGpu:
     @pytest.mark.parametrize("page_size", [16, 64])
@@ -213,6 +290,11 @@ class TestCompiledOnGpu:
         out = M.paged_attention_mgpu(*args)
         assert_close(out, K.paged_attention_reference(*args))
         assert_close(out, K.paged_attention(*args))  # the Triton kernel
+
+    def test_mla_benchmark_shape(self):
+        args = mla_benchmark_args(concrete=True)
+        out = M.paged_mla_attention_mgpu(*args, scale=192**-0.5)
+        assert_close(out, K.paged_mla_attention_reference(*args, scale=192**-0.5))
 
     def test_ragged_window_and_sinks(self):
         args = gqa_inputs(5, [0, 1, 700, 2048, 1500, 63], q_heads=64, kv_heads=8, head_dim=64, page_size=16,
