@@ -3,10 +3,11 @@ block-config sweep.
 
   * flash_attention (packed varlen prefill, causal) vs ``jax.nn.dot_product_attention`` (cudnn, xla):
     B=4 x S=4096, 32/8 heads, d=128, bf16; TFLOP/s with causal FLOPs 4 B H S^2 d / 2.
-  * paged_attention (GQA decode) vs its jnp reference: batch 64, 2048-token contexts in 16-token pages (block
-    tables in random page order), 32/8 heads, d=128; GB/s of K and V read.
+  * paged_attention (GQA decode) vs its jnp reference (XLA): batch 64, 2048-token contexts in 16-token pages
+    (block tables in random page order), 32/8 heads, d=128; GB/s of K and V read (bw_pct: % of the H200's 4.27
+    TB/s), for the Triton kernel (impl pallas) and the Mosaic GPU one (pallas_mosaic) side by side.
   * paged_mla_attention (DeepSeek-V3 absorbed MLA decode, 128 heads, R=512, P=64, 64-token pages) vs its
-    reference: batch 64, 2048-token contexts; GB/s of latent rows read.
+    reference: batch 64, 2048-token contexts; GB/s of latent rows read; Triton and Mosaic GPU kernels.
   * grouped_matmul (Triton, impl pallas; Mosaic GPU ``grouped_matmul_mgpu``, impl pallas_mosaic) vs
     ``jax.lax.ragged_dot``: Qwen3-30B-A3B experts (128; K=2048 -> N=768 (gate or up), K=2048 -> N=1536 (gate and
     up side by side) and K=768 -> N=2048 (down)) at prefill (4096 tokens x top-8 = 32768 rows) and decode (64
@@ -26,6 +27,8 @@ timed run dispatches ``REPS`` calls back to back and waits once, so host dispatc
         # results/serving_kernels_flash_sweep.json
     python benchmarks/serving_kernels.py --kernels flash_attention --flash-configs 128x128x8x3,mosaic:128x2,mosaic:64x3
         # the Triton kernel (impl pallas) next to the Mosaic GPU one (pallas_mosaic, block_k x stages)
+    python benchmarks/serving_kernels.py --kernels paged_attention
+        # paged GQA decode: Triton and Mosaic GPU configs and the XLA reference, GB/s and % of HBM bandwidth
 """
 
 import argparse
@@ -42,7 +45,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import format_table, save_plot, time_jax, write_results  # noqa: E402
-from pallas_kernels import attention, attention_mgpu, grouped_matmul, grouped_matmul_mgpu, paged_attention  # noqa: E402
+from pallas_kernels import (  # noqa: E402
+    attention,
+    attention_mgpu,
+    grouped_matmul,
+    grouped_matmul_mgpu,
+    paged_attention,
+    paged_attention_mgpu,
+)
 
 PEAK_TFLOP_S = 790.0  # H200 dense bf16 tensor cores
 PEAK_GB_S = 4270.0  # H200 HBM3e
@@ -70,13 +80,17 @@ SHAPES = {
 A, P, G = attention.AttentionConfig, paged_attention.PagedConfig, grouped_matmul.GroupedMatmulConfig
 M = attention_mgpu.MosaicAttentionConfig
 MG = grouped_matmul_mgpu.MosaicGroupedMatmulConfig
+MP = paged_attention_mgpu.MosaicPagedConfig
+MOSAIC_CONFIGS = (M, MG, MP)  # configs of Mosaic GPU kernels: their rows are impl "pallas_mosaic"
 SWEEPS = {  # the first config of each list is the kernel's default
     "gpu": dict(
         flash_attention=[A(), A(128, 128, 8, 2), A(128, 64, 8, 4), A(128, 64, 8, 2), A(64, 64, 4, 3), M(128, 2),
                          M(64, 2), M(64, 3)],
-        paged_attention=[P(), P(block_k=128), P(block_k=32), P(num_splits=2), P(block_k=128, num_warps=8)],
+        paged_attention=[P(), P(block_k=128), P(block_k=32), P(num_splits=2), P(block_k=128, num_warps=8), MP(),
+                         MP(stages=4), MP(stages=2), MP(block_k=128, stages=2), MP(num_splits=2)],
         paged_mla_attention=[paged_attention.MLA_CONFIG, P(16, 32, num_warps=4), P(64, 16, num_warps=8),
-                             P(32, 64, num_warps=8, num_stages=2)],
+                             P(32, 64, num_warps=8, num_stages=2), paged_attention_mgpu.MLA_CONFIG,
+                             MP(stages=2, num_splits=2)],
         prefill=[grouped_matmul.PREFILL_CONFIG, G(128, 256, 64, 8, 3), G(64, 128, 64, 4, 4), G(128, 128, 32, 4, 5),
                  G(64, 256, 64, 8, 3), grouped_matmul_mgpu.DEFAULT_CONFIG, MG(128, 192, 64, 4), MG(128, 128, 64, 5),
                  MG(64, 256, 64, 4), MG(128, 128, 128, 3)],
@@ -119,8 +133,7 @@ def config_name(config) -> str:
 
 def impl_name(config) -> str:
     """The row's impl: "pallas" (Triton lowering), "pallas_mosaic" for a Mosaic GPU kernel's config."""
-    mosaic = (attention_mgpu.MosaicAttentionConfig, grouped_matmul_mgpu.MosaicGroupedMatmulConfig)
-    return "pallas_mosaic" if isinstance(config, mosaic) else "pallas"
+    return "pallas_mosaic" if isinstance(config, MOSAIC_CONFIGS) else "pallas"
 
 
 def run_kernel(kernel: str, shape: str, impls: list[tuple[str, Callable]], configs: list, pallas: Callable,
@@ -199,6 +212,7 @@ def block_tables(batch: int, blocks: int) -> jax.Array:
 
 
 def paged_attention_rows(mode: str, interpret: bool) -> list[dict]:
+    """Rows for the jnp reference, then the Triton and Mosaic GPU kernels at the mode's sweep."""
     batch, context, page_size, q_heads, kv_heads, head_dim = SHAPES[mode]["paged_attention"]
     blocks = context // page_size
     q = random_normal(0, (batch, q_heads, head_dim))
@@ -206,8 +220,12 @@ def paged_attention_rows(mode: str, interpret: bool) -> list[dict]:
     v_pages = random_normal(2, (batch * blocks, page_size, kv_heads, head_dim))
     lengths = jnp.full((batch,), context, jnp.int32)
     args = (q, k_pages, v_pages, block_tables(batch, blocks), lengths)
-    pallas = lambda config: jax.jit(functools.partial(paged_attention.paged_attention, config=config,
-                                                      interpret=interpret))
+
+    def pallas(config):
+        kernel = (paged_attention_mgpu.paged_attention_mgpu if isinstance(config, MP)
+                  else paged_attention.paged_attention)
+        return jax.jit(functools.partial(kernel, config=config, interpret=interpret))
+
     nbytes = 2 * batch * context * kv_heads * 2 * head_dim
     return run_kernel("paged_attention", f"B{batch}xT{context}", [("jnp reference",
                                                                    jax.jit(paged_attention.paged_attention_reference))],
@@ -223,8 +241,12 @@ def paged_mla_attention_rows(mode: str, interpret: bool) -> list[dict]:
             random_normal(2, (batch * blocks, page_size, rank + rope)), block_tables(batch, blocks),
             jnp.full((batch,), context, jnp.int32))
     reference = jax.jit(functools.partial(paged_attention.paged_mla_attention_reference, scale=scale))
-    pallas = lambda config: jax.jit(functools.partial(paged_attention.paged_mla_attention, scale=scale,
-                                                      config=config, interpret=interpret))
+
+    def pallas(config):
+        kernel = (paged_attention_mgpu.paged_mla_attention_mgpu if isinstance(config, MP)
+                  else paged_attention.paged_mla_attention)
+        return jax.jit(functools.partial(kernel, scale=scale, config=config, interpret=interpret))
+
     return run_kernel("paged_mla_attention", f"B{batch}xT{context}", [("jnp reference", reference)],
                       SWEEPS[mode]["paged_mla_attention"], pallas, args, reps=REPS[mode],
                       flop=2 * batch * context * heads * (2 * rank + rope), nbytes=2 * batch * context * (rank + rope))

@@ -1,14 +1,14 @@
 """One public function per attention op, each with an ``implementation=`` argument (tokamax's style).
 
     flash_attention(q, k, v, seq_starts, ...)                packed variable-length prefill  "mosaic" | "triton" | "xla"
-    paged_attention(q, k_pages, v_pages, block_tables, ...)  GQA decode over a paged cache   "triton" | "xla"
-    paged_mla_attention(q_latent, q_rope, latent_pages, ...) absorbed MLA decode             "triton" | "xla"
+    paged_attention(q, k_pages, v_pages, block_tables, ...)  GQA decode over a paged cache   "mosaic" | "triton" | "xla"
+    paged_mla_attention(q_latent, q_rope, latent_pages, ...) absorbed MLA decode             "mosaic" | "triton" | "xla"
 
 The math of each op is its kernel file's (``attention.py``, ``paged_attention.py``); the implementations are
-"mosaic" (``attention_mgpu.py``: Pallas Mosaic GPU, wgmma + TMA, sm_90), "triton" (Pallas Triton, any NVIDIA GPU of
-``device.ARCHS``) and "xla" (the plain-jnp reference, any platform). There is no "cudnn": jax's cuDNN attention
-(``jax.nn.dot_product_attention``) takes a padded ``[batch, seq]`` layout, not sequences packed along the token
-axis, and no paged cache.
+"mosaic" (``attention_mgpu.py``, ``paged_attention_mgpu.py``: Pallas Mosaic GPU, wgmma + TMA, sm_90), "triton"
+(Pallas Triton, any NVIDIA GPU of ``device.ARCHS``) and "xla" (the plain-jnp reference, any platform). There is no
+"cudnn": jax's cuDNN attention (``jax.nn.dot_product_attention``) takes a padded ``[batch, seq]`` layout, not
+sequences packed along the token axis, and no paged cache.
 
 ``implementation`` is
   * a name: that implementation, or a ValueError saying why it cannot serve the call;
@@ -18,7 +18,8 @@ axis, and no paged cache.
     which serves every call.
 
 An implementation cannot serve a call when it lacks a feature the call needs (Mosaic: bfloat16 only, head dims
-multiples of 64, no sliding window, no sinks), when its launch geometry does not fit the device's shared memory
+multiples of 64; its flash attention has no sliding window and no sinks; its paged decode takes pages of a multiple
+of 8 rows), when its launch geometry does not fit the device's shared memory
 (``device.check_shared_memory``; a config given is checked as it is, None is fitted), or when there is no GPU to
 launch on: the launch target is ``device.target()`` (the abstract device of a lowering, else this process's first
 GPU). ``interpret=True`` runs the Pallas kernels in Pallas' interpreter on any platform, as they would run on the
@@ -26,8 +27,9 @@ target (with no GPU: ``device.DEFAULT_KIND``, an H200): the same choice, the sam
 
 Default chains (``benchmarks/serving_kernels.py`` on an H200, B4 x S4096, 32/8 heads, d128, bf16, causal): Mosaic
 flash attention 1.00x cuDNN, Triton 0.77x, XLA 0.11x; so Mosaic first on sm_90, Triton where it lacks a feature
-(windows, sinks, float32, head dims such as MLA's 576) or where the GPU is not a Hopper. The paged decode ops have
-Triton kernels only.
+(windows, sinks, float32, head dims such as MLA's 576) or where the GPU is not a Hopper. Paged decode (GQA and
+MLA): Triton first; the Mosaic GPU kernels have not been timed (nor run on a GPU), so they serve only calls that
+name them.
 """
 
 import dataclasses
@@ -40,13 +42,14 @@ from pallas_kernels import attention as triton_flash
 from pallas_kernels import attention_mgpu as mosaic_flash
 from pallas_kernels import device
 from pallas_kernels import paged_attention as triton_paged
+from pallas_kernels import paged_attention_mgpu as mosaic_paged
 
 LOG = logging.getLogger(__name__)
 
 Implementation = str | Sequence[str] | None  # a name, a fallback chain, or None: DEFAULT_CHAINS
 
-OPS = {"flash_attention": ("mosaic", "triton", "xla"), "paged_attention": ("triton", "xla"),
-       "paged_mla_attention": ("triton", "xla")}
+OPS = {"flash_attention": ("mosaic", "triton", "xla"), "paged_attention": ("mosaic", "triton", "xla"),
+       "paged_mla_attention": ("mosaic", "triton", "xla")}
 # Architecture (device.Arch.name) -> the fastest first; "gpu": any other NVIDIA GPU; "cpu": no GPU to launch on.
 DEFAULT_CHAINS: dict[str, dict[str, tuple[str, ...]]] = {
     "flash_attention": {"sm_90": ("mosaic", "triton", "xla"), "gpu": ("triton", "xla"), "cpu": ("xla",)},
@@ -130,6 +133,16 @@ def _launch_reason(interpret: bool) -> tuple[str | None, device.Gpu | None]:
     return None, gpu
 
 
+def _mosaic_launch_reasons(interpret: bool) -> tuple[list[str], device.Gpu | None]:
+    """([why a Mosaic GPU kernel cannot launch here], the GPU it launches on): a GPU, and a Hopper."""
+    launch, gpu = _launch_reason(interpret)
+    missing = [] if launch is None else [launch]
+    if gpu is not None and gpu.arch.name != MOSAIC_ARCH:
+        missing.append(f"the Mosaic GPU kernel is written for {MOSAIC_ARCH} (wgmma, TMA); {gpu.kind} is "
+                       f"{gpu.arch.name}")
+    return missing, gpu
+
+
 def _fitted(fit: Callable[[], object]) -> tuple[str | None, object]:
     """(None, the config) if ``fit()`` finds a launch geometry that fits, else (its ValueError's message, None)."""
     try:
@@ -154,11 +167,7 @@ def choose_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: 
     head_dim, v_head_dim = q.shape[-1], v.shape[-1]
 
     def mosaic():
-        launch, gpu = _launch_reason(interpret)
-        missing = [] if launch is None else [launch]
-        if gpu is not None and gpu.arch.name != MOSAIC_ARCH:
-            missing.append(f"the Mosaic GPU kernel is written for {MOSAIC_ARCH} (wgmma, TMA); {gpu.kind} is "
-                           f"{gpu.arch.name}")
+        missing, gpu = _mosaic_launch_reasons(interpret)
         if q.dtype != mosaic_flash.DTYPE:
             missing.append(f"it takes bfloat16 only, got {q.dtype}")
         if head_dim % MOSAIC_WIDTH or v_head_dim % MOSAIC_WIDTH:
@@ -244,31 +253,64 @@ def _paged_reasons(config: triton_paged.PagedConfig, need: Callable[[triton_page
     return {"triton": triton, "xla": _xla}
 
 
+def _mosaic_paged_reason(name: str, config: mosaic_paged.MosaicPagedConfig, head_dim: int, v_head_dim: int,
+                         unsupported: list[str], interpret: bool, *, shared_kv: bool = False):
+    """The "mosaic" entry of ``choose``'s reasons for a paged kernel: what it lacks (``unsupported``), a launch
+    target that is not a Hopper, or a config that does not fit its shared memory (checked as given)."""
+
+    def mosaic():
+        missing, gpu = _mosaic_launch_reasons(interpret)
+        missing += unsupported
+        if missing:
+            return "; ".join(missing), None
+
+        def fits():
+            mosaic_paged.check_shared_memory(name, config, head_dim, v_head_dim, gpu, shared_kv=shared_kv)
+            return config
+
+        return _fitted(fits)
+
+    return mosaic
+
+
 def choose_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
                            implementation: Implementation = None,
                            config: triton_paged.PagedConfig | None = None,
+                           mosaic_config: mosaic_paged.MosaicPagedConfig | None = None,
                            interpret: bool = False) -> Choice:
-    """Which implementation :func:`paged_attention` runs for these operands (``config`` None: ``PagedConfig()``)."""
+    """Which implementation :func:`paged_attention` runs for these operands (``config`` None: ``PagedConfig()``;
+    ``mosaic_config`` None: ``MosaicPagedConfig()``)."""
     config = config or triton_paged.PagedConfig()
+    mosaic_config = mosaic_config or mosaic_paged.MosaicPagedConfig()
+    head_dim, v_head_dim = q.shape[-1], v_pages.shape[-1]
     group = q.shape[1] // k_pages.shape[2]
-    need = lambda c: triton_paged.shared_memory_bytes(c, q.shape[-1], v_pages.shape[-1], group, q.dtype)
-    name = f"paged_attention of head dims {q.shape[-1]}/{v_pages.shape[-1]} in {q.dtype}"
-    return choose("paged_attention", implementation, _paged_reasons(config, need, name, interpret),
-                  interpret=interpret)
+    need = lambda c: triton_paged.shared_memory_bytes(c, head_dim, v_head_dim, group, q.dtype)
+    name = f"paged_attention of head dims {head_dim}/{v_head_dim} in {q.dtype}"
+
+    mosaic = _mosaic_paged_reason("paged_attention_mgpu", mosaic_config, head_dim, v_head_dim,
+                                  mosaic_paged.unsupported(q, k_pages, v_pages, mosaic_config), interpret)
+    reasons = _paged_reasons(config, need, name, interpret) | {"mosaic": mosaic}
+    return choose("paged_attention", implementation, reasons, interpret=interpret)
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                     lengths: jax.Array, *, scale: float | None = None, window: int = 0,
                     sinks: jax.Array | None = None, implementation: Implementation = None,
                     config: triton_paged.PagedConfig | None = None,
+                    mosaic_config: mosaic_paged.MosaicPagedConfig | None = None,
                     interpret: bool = False) -> jax.Array:
     """One decode step of GQA over a paged KV cache (``pallas_kernels.paged_attention``'s math and arguments);
-    ``implementation``: "triton", "xla", a fallback chain of them, or None (module docstring); ``config``: the
-    Triton kernel's launch geometry (None: ``PagedConfig()``)."""
+    ``implementation``: "mosaic", "triton", "xla", a fallback chain of them, or None (module docstring; None never
+    picks "mosaic", which has not been timed); ``config``, ``mosaic_config``: the Triton and Mosaic GPU kernels'
+    launch geometry (None: ``PagedConfig()``, ``MosaicPagedConfig()``)."""
     triton_paged.check_inputs(q, k_pages, v_pages, block_tables, lengths)
     triton_paged.check_window(window, sinks, q.shape[1])
     choice = choose_paged_attention(q, k_pages, v_pages, implementation=implementation, config=config,
-                                    interpret=interpret)
+                                    mosaic_config=mosaic_config, interpret=interpret)
+    if choice.implementation == "mosaic":
+        return mosaic_paged.paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, scale=scale,
+                                                 config=choice.config, window=window, sinks=sinks,
+                                                 interpret=interpret)
     if choice.implementation == "triton":
         return triton_paged.paged_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                                             config=choice.config, window=window, sinks=sinks, interpret=interpret)
@@ -279,26 +321,37 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
 def choose_paged_mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array, *,
                                implementation: Implementation = None,
                                config: triton_paged.PagedConfig | None = None,
+                               mosaic_config: mosaic_paged.MosaicPagedConfig | None = None,
                                interpret: bool = False) -> Choice:
-    """Which implementation :func:`paged_mla_attention` runs for these operands (``config`` None: ``MLA_CONFIG``)."""
+    """Which implementation :func:`paged_mla_attention` runs for these operands (``config`` None: ``MLA_CONFIG``;
+    ``mosaic_config`` None: ``paged_attention_mgpu.MLA_CONFIG``)."""
     config = config or triton_paged.MLA_CONFIG
+    mosaic_config = mosaic_config or mosaic_paged.MLA_CONFIG
     rank, rope = q_latent.shape[-1], q_rope.shape[-1]
     need = lambda c: triton_paged.shared_memory_bytes(c, rank + rope, None, q_latent.shape[1], q_latent.dtype)
     name = f"paged_mla_attention of head dims {rank + rope}/{rank} in {q_latent.dtype}"
-    return choose("paged_mla_attention", implementation, _paged_reasons(config, need, name, interpret),
-                  interpret=interpret)
+    mosaic = _mosaic_paged_reason("paged_mla_attention_mgpu", mosaic_config, rank + rope, rank,
+                                  mosaic_paged.unsupported_mla(q_latent, q_rope, latent_pages, mosaic_config),
+                                  interpret, shared_kv=True)
+    reasons = _paged_reasons(config, need, name, interpret) | {"mosaic": mosaic}
+    return choose("paged_mla_attention", implementation, reasons, interpret=interpret)
 
 
 def paged_mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array, block_tables: jax.Array,
                         lengths: jax.Array, *, scale: float, implementation: Implementation = None,
                         config: triton_paged.PagedConfig | None = None,
+                        mosaic_config: mosaic_paged.MosaicPagedConfig | None = None,
                         interpret: bool = False) -> jax.Array:
     """One decode step of DeepSeek's absorbed MLA over a paged latent cache (``pallas_kernels.paged_attention``'s
-    math and arguments); ``implementation``: "triton", "xla", a fallback chain of them, or None (module
-    docstring); ``config``: the Triton kernel's launch geometry (None: ``MLA_CONFIG``)."""
+    math and arguments); ``implementation``: "mosaic", "triton", "xla", a fallback chain of them, or None (module
+    docstring; None never picks "mosaic", which has not been timed); ``config``, ``mosaic_config``: the Triton and
+    Mosaic GPU kernels' launch geometry (None: their ``MLA_CONFIG``)."""
     triton_paged.check_mla_inputs(q_latent, q_rope, latent_pages, block_tables, lengths)
     choice = choose_paged_mla_attention(q_latent, q_rope, latent_pages, implementation=implementation,
-                                        config=config, interpret=interpret)
+                                        config=config, mosaic_config=mosaic_config, interpret=interpret)
+    if choice.implementation == "mosaic":
+        return mosaic_paged.paged_mla_attention_mgpu(q_latent, q_rope, latent_pages, block_tables, lengths,
+                                                     scale=scale, config=choice.config, interpret=interpret)
     if choice.implementation == "triton":
         return triton_paged.paged_mla_attention(q_latent, q_rope, latent_pages, block_tables, lengths, scale=scale,
                                                 config=choice.config, interpret=interpret)

@@ -2,9 +2,10 @@
 
 import json
 
+import jax
 import pytest
 
-from benchmarks import serving_kernels
+from benchmarks import harness, serving_kernels
 from pallas_kernels.testing import RTOL, on_gpu
 
 BF16_RTOL = max(RTOL.values())  # the benchmark's inputs are bf16
@@ -40,6 +41,32 @@ def test_flash_configs_replace_the_flash_sweep(tmp_path):
     assert [r["config"] for r in pallas] == ["block_q=32,block_k=16,num_warps=4,num_stages=2",
                                              "block_q=16,block_k=32,num_warps=2,num_stages=1"]
     assert all(r["status"] == "ok" and r["rel_err"] <= BF16_RTOL for r in pallas), pallas
+
+
+# Shapes the Mosaic GPU kernels take (bf16, head dims multiples of 64, 16-token pages): GQA (batch, context,
+# page_size, q_heads, kv_heads, head_dim) and MLA (batch, context, page_size, heads, R, P).
+MOSAIC_CPU_SHAPES = {"paged_attention": (2, 64, 16, 4, 2, 64), "paged_mla_attention": (2, 64, 16, 16, 128, 64)}
+
+
+@pytest.mark.parametrize("kernel", list(MOSAIC_CPU_SHAPES))
+def test_paged_rows_time_the_mosaic_kernel_beside_triton_and_the_reference(monkeypatch, kernel):
+    """The GPU sweep holds Mosaic GPU paged configs; a row of one (impl pallas_mosaic) runs the Mosaic kernel (here
+    in the interpreter, at a shape it takes) and agrees with the reference."""
+    assert any(isinstance(c, serving_kernels.MP) for c in serving_kernels.SWEEPS["gpu"][kernel])
+    monkeypatch.setitem(serving_kernels.SHAPES["cpu"], kernel, MOSAIC_CPU_SHAPES[kernel])
+    monkeypatch.setitem(serving_kernels.SWEEPS["cpu"], kernel,
+                        [serving_kernels.P(block_k=16), serving_kernels.MP(stages=2)])
+
+    def once(fn, *args, **_):  # one untimed call: the interpreter takes seconds a call, and the timing is not tested
+        jax.block_until_ready(fn(*args))
+        return harness.Timing(1.0, 1.0, 1.0, 1)
+
+    monkeypatch.setattr(serving_kernels, "time_jax", once)
+    rows = serving_kernels.ROWS[kernel]("cpu", interpret=True)
+    assert [(r["impl"], r["status"]) for r in rows] == [("jnp reference", "ok"), ("pallas", "ok"),
+                                                        ("pallas_mosaic", "ok")]
+    assert rows[2]["config"] == "block_k=64,stages=2,num_splits=None"
+    assert all(r["rel_err"] <= BF16_RTOL for r in rows[1:]), rows
 
 
 @pytest.mark.parametrize("argv", [["--flash-configs", "128x64x8"], ["--flash-configs", "96x64x8x3"],

@@ -8,13 +8,14 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers.kernels import abstract, packed_inputs
+from helpers.kernels import abstract, gqa_inputs, mla_inputs, packed_inputs
 
 from pallas_kernels import attention as triton_flash
 from pallas_kernels import attention_mgpu as mosaic_flash
 from pallas_kernels import attention_ops as ops
 from pallas_kernels import device
 from pallas_kernels import paged_attention as triton_paged
+from pallas_kernels import paged_attention_mgpu as mosaic_paged
 from pallas_kernels.testing import H200, TRITON_CALL_TARGET, assert_close, interpret, lower_for_gpu
 
 A100 = jax.sharding.AbstractDevice(device_kind="NVIDIA A100-SXM4-80GB", num_cores=108, platform="cuda")
@@ -89,22 +90,57 @@ def test_a_given_triton_config_is_checked_as_given():
         assert choose_flash(MLA_Q, MLA_K, MLA_V, triton_config=small).config == small
 
 
-def test_paged_ops_have_triton_and_xla():
+def test_paged_ops_default_to_triton_and_have_mosaic_when_named():
+    """The Mosaic GPU paged kernels have never been timed: None keeps Triton first on a Hopper, "mosaic" serves
+    only a call that names it."""
     q, pages = abstract((64, 32, 128)), abstract((512, 16, 8, 128))
     with on(H200):
         assert ops.choose_paged_attention(q, pages, pages) == ops.Choice("paged_attention", "triton",
                                                                          triton_paged.PagedConfig())
+        assert ops.chain("paged_attention", None) == ("triton", "xla")
+        assert ops.choose_paged_attention(q, pages, pages, implementation="mosaic") == ops.Choice(
+            "paged_attention", "mosaic", mosaic_paged.MosaicPagedConfig())
+        small = mosaic_paged.MosaicPagedConfig(stages=2, num_splits=4)
+        assert ops.choose_paged_attention(q, pages, pages, implementation=("mosaic", "triton"),
+                                          mosaic_config=small).config == small
         latent = (abstract((64, 128, 512)), abstract((64, 128, 64)), abstract((512, 64, 576)))
         assert ops.choose_paged_mla_attention(*latent).config == triton_paged.MLA_CONFIG
+        assert ops.choose_paged_mla_attention(*latent, implementation="mosaic") == ops.Choice(
+            "paged_mla_attention", "mosaic", mosaic_paged.MLA_CONFIG)
+        with pytest.raises(ValueError, match="paged_mla_attention_mgpu of head dims 576/512 .* needs"):
+            ops.choose_paged_mla_attention(*latent, implementation="mosaic",
+                                           mosaic_config=mosaic_paged.MosaicPagedConfig(stages=3))
         with pytest.raises(ValueError, match="implementation='triton' cannot serve this call: paged_attention of "
                                              "head dims 128/128 in bfloat16 .* needs"):
             ops.choose_paged_attention(q, pages, pages, implementation="triton",
                                        config=triton_paged.PagedConfig(block_k=256, num_stages=4))
-    with pytest.raises(ValueError, match=r"paged_attention: implementation='mosaic': expected None, one of "
-                                         r"\('triton', 'xla'\)"):
-        ops.choose_paged_attention(q, pages, pages, implementation="mosaic")
+    with pytest.raises(ValueError, match=r"paged_mla_attention: implementation='cudnn': expected None, one of "
+                                         r"\('mosaic', 'triton', 'xla'\)"):
+        ops.choose_paged_mla_attention(*latent, implementation="cudnn")
     with pytest.raises(ValueError, match="implementation=\\(\\): expected None"):
         ops.chain("paged_attention", ())
+
+
+@pytest.mark.parametrize("call, reason", [
+    (dict(q=abstract((64, 32, 128), jnp.float32), k_pages=abstract((512, 16, 8, 128), jnp.float32),
+          v_pages=abstract((512, 16, 8, 128), jnp.float32)), "it takes bfloat16 only, got float32"),
+    (dict(k_pages=abstract((512, 4, 8, 128)), v_pages=abstract((512, 4, 8, 128))),
+     "it takes pages of a multiple of 8 rows .* got page_size=4"),
+    (dict(mosaic_config=mosaic_paged.MosaicPagedConfig(block_k=256, stages=4)),
+     r"paged_attention_mgpu of head dims 128/128 with MosaicPagedConfig\(block_k=256, stages=4, num_splits=None\) "
+     r"needs 540744 bytes of shared memory"),
+], ids=["float32", "page_4", "too_big"])
+def test_paged_mosaic_says_why_it_cannot_serve_a_call(call, reason):
+    args = dict(q=abstract((64, 32, 128)), k_pages=abstract((512, 16, 8, 128)), v_pages=abstract((512, 16, 8, 128)))
+    args |= call
+    with on(H200):
+        with pytest.raises(ValueError, match="paged_attention: implementation='mosaic' cannot serve this call: "
+                                             + reason):
+            ops.choose_paged_attention(**args, implementation="mosaic")
+        choice = ops.choose_paged_attention(**args, implementation=("mosaic", "triton"))
+        assert choice.implementation == "triton" and re.search(reason, choice.skipped[0][1])
+    with on(A100), pytest.raises(ValueError, match="written for sm_90 .* is sm_80"):
+        ops.choose_paged_attention(**args, implementation="mosaic")
 
 
 def test_with_no_gpu_none_is_the_reference_and_a_kernel_needs_interpret(monkeypatch):
@@ -138,6 +174,19 @@ def test_mosaic_through_the_op_equals_the_reference():
     q, k, v, starts = packed_inputs(2, [70, 30], q_heads=2, kv_heads=1, head_dim=64, dtype=jnp.bfloat16)
     out = ops.flash_attention(q, k, v, starts, implementation="mosaic", interpret=interpret())
     assert_close(out, triton_flash.flash_attention_reference(q, k, v, starts))
+
+
+def test_paged_mosaic_through_the_ops_equals_the_references():
+    q, k_pages, v_pages, tables, lengths = gqa_inputs(6, [0, 40, 100], q_heads=8, kv_heads=2, head_dim=64,
+                                                      page_size=16, max_blocks=8, dtype=jnp.bfloat16)
+    sinks = jnp.linspace(-1.0, 1.0, 8)
+    out = ops.paged_attention(q, k_pages, v_pages, tables, lengths, window=70, sinks=sinks, implementation="mosaic",
+                              interpret=interpret())
+    assert_close(out, triton_paged.paged_attention_reference(q, k_pages, v_pages, tables, lengths, window=70,
+                                                             sinks=sinks))
+    latent = mla_inputs(7, [0, 40, 100], heads=16, rank=128, rope=64, page_size=16, max_blocks=8, dtype=jnp.bfloat16)
+    out = ops.paged_mla_attention(*latent, scale=0.2, implementation="mosaic", interpret=interpret())
+    assert_close(out, triton_paged.paged_mla_attention_reference(*latent, scale=0.2))
 
 
 @pytest.mark.parametrize("implementation", ["triton", "xla"])
@@ -178,6 +227,15 @@ def test_none_lowers_to_mosaic_on_an_h200_and_to_triton_on_an_a100():
     assert 'name = "flash_attention_causal"' in windowed and MOSAIC_CALL_TARGET not in windowed
     ampere = lower_for_gpu(A100, lambda q, k, v, s: ops.flash_attention(q, k, v, s), Q, KV, KV, starts)
     assert 'name = "flash_attention_causal"' in ampere and MOSAIC_CALL_TARGET not in ampere
+
+
+def test_paged_attention_lowers_to_mosaic_only_when_named():
+    args = (abstract((64, 32, 128)), abstract((2048, 64, 8, 128)), abstract((2048, 64, 8, 128)),
+            abstract((64, 32), jnp.int32), abstract((64,), jnp.int32))
+    named = lower_for_gpu(H200, lambda *a: ops.paged_attention(*a, implementation="mosaic"), *args)
+    assert MOSAIC_CALL_TARGET in named and "paged_attention_mgpu" in named and TRITON_CALL_TARGET not in named
+    default = lower_for_gpu(H200, lambda *a: ops.paged_attention(*a), *args)
+    assert TRITON_CALL_TARGET in default and MOSAIC_CALL_TARGET not in default
 
 
 def test_paged_splits_follow_the_sm_count_of_the_device():

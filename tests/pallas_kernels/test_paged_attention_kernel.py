@@ -7,39 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.kernels import gqa_inputs, mla_inputs, poison_outside
 
 from pallas_kernels import paged_attention as K
 from pallas_kernels.common import LOG2E, MASK_VALUE
 from pallas_kernels.testing import assert_close, interpret, lower_for_h200
 
 SMALL = K.PagedConfig(block_k=16)  # several steps per sequence at test sizes
-
-
-def block_tables(key, batch, max_blocks, num_pages):
-    """Each sequence's blocks on distinct pages drawn in random order from the pool (page 0 included)."""
-    return jax.random.permutation(key, num_pages)[:batch * max_blocks].reshape(batch, max_blocks).astype(jnp.int32)
-
-
-def gqa_inputs(seed, lengths, *, q_heads, kv_heads, head_dim, v_head_dim=None, page_size=4, max_blocks=6,
-               spare_pages=5, dtype=jnp.float32):
-    batch = len(lengths)
-    num_pages = batch * max_blocks + spare_pages
-    kq, kk, kv, kt = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(kq, (batch, q_heads, head_dim)).astype(dtype)
-    k_pages = jax.random.normal(kk, (num_pages, page_size, kv_heads, head_dim)).astype(dtype)
-    v_pages = jax.random.normal(kv, (num_pages, page_size, kv_heads, v_head_dim or head_dim)).astype(dtype)
-    return q, k_pages, v_pages, block_tables(kt, batch, max_blocks, num_pages), jnp.asarray(lengths, jnp.int32)
-
-
-def mla_inputs(seed, lengths, *, heads, rank, rope, page_size=4, max_blocks=6, dtype=jnp.float32):
-    batch = len(lengths)
-    num_pages = batch * max_blocks + 3
-    kl, kr, kp, kt = jax.random.split(jax.random.key(seed), 4)
-    q_latent = jax.random.normal(kl, (batch, heads, rank)).astype(dtype)
-    q_rope = jax.random.normal(kr, (batch, heads, rope)).astype(dtype)
-    latent_pages = jax.random.normal(kp, (num_pages, page_size, rank + rope)).astype(dtype)
-    return (q_latent, q_rope, latent_pages, block_tables(kt, batch, max_blocks, num_pages),
-            jnp.asarray(lengths, jnp.int32))
 
 
 # (lengths, q_heads, kv_heads, head_dim, v_head_dim, page_size, scale, config, dtype): lengths 0, 1, partial
@@ -76,11 +50,7 @@ class TestPagedAttention:
         """NaN everywhere else in the pool (unused pages, the tail of the last page) must not reach the output."""
         q, k_pages, v_pages, tables, lengths = gqa_inputs(2, [6, 13], q_heads=4, kv_heads=2, head_dim=16,
                                                           max_blocks=4)
-        used = np.zeros(k_pages.shape[:2], bool)
-        for b, n in enumerate(np.asarray(lengths)):
-            for t in range(n):
-                used[int(tables[b, t // 4]), t % 4] = True
-        poison = lambda pages: jnp.where(used[:, :, None, None], pages, jnp.nan)
+        poison = lambda pages: poison_outside(pages, tables, lengths)
         out = K.paged_attention(q, poison(k_pages), poison(v_pages), tables, lengths, config=SMALL,
                                 interpret=interpret())
         assert_close(out, K.paged_attention_reference(q, k_pages, v_pages, tables, lengths))
@@ -106,11 +76,7 @@ class TestPagedAttention:
         window = 5
         q, k_pages, v_pages, tables, lengths = gqa_inputs(3, [6, 23, 2], q_heads=4, kv_heads=2, head_dim=16,
                                                           max_blocks=6)
-        used = np.zeros(k_pages.shape[:2], bool)
-        for b, n in enumerate(np.asarray(lengths)):
-            for t in range(max(n - window, 0), n):
-                used[int(tables[b, t // 4]), t % 4] = True
-        poison = lambda pages: jnp.where(used[:, :, None, None], pages, jnp.nan)
+        poison = lambda pages: poison_outside(pages, tables, lengths, window)
         out = K.paged_attention(q, poison(k_pages), poison(v_pages), tables, lengths, config=SMALL, window=window,
                                 interpret=interpret())
         assert_close(out, K.paged_attention_reference(q, k_pages, v_pages, tables, lengths, window=window))
