@@ -76,13 +76,8 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.
     ValueError naming it."""
     if cfg.family != "gpt_oss":
         raise ValueError(f"gpt_oss.params_from_hf: family {cfg.family!r}: expected 'gpt_oss'")
-    layers = []
-    for l in range(cfg.layers):
-        prefix = f"model.layers.{l}"
-        layers.append({**llama.norms_from_hf(cfg, tensors, prefix, dtype),
-                       "attn": llama.attention_from_hf(cfg, tensors, f"{prefix}.self_attn", dtype),
-                       "mlp": experts_from_hf(cfg, tensors, f"{prefix}.mlp", dtype)})
-    return {**llama.embedding_from_hf(cfg, tensors, dtype), "layers": layers}
+    return llama.decoder_from_hf(cfg, tensors, dtype,
+                                 lambda l, prefix: experts_from_hf(cfg, tensors, f"{prefix}.mlp", dtype))
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch,

@@ -15,6 +15,7 @@ divisible by the ``"tensor"`` axis size. Use a mesh of ``AxisType.Auto`` axes (t
 collectives).
 """
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -177,16 +178,25 @@ def norms_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], prefix: str,
             "mlp_norm": jnp.asarray(take(tensors, f"{prefix}.post_attention_layernorm.weight", (cfg.hidden,)), dtype)}
 
 
-def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.dtype = jnp.bfloat16) -> dict:
-    """HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` tensors -> ``init_params``' pytree. Missing or misshapen
-    tensor -> ValueError."""
+def decoder_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.dtype,
+                    mlp: Callable[[int, str], dict] | None = None) -> dict:
+    """HF decoder tensors -> ``{embed, norm, [lm_head], layers}``: each ``model.layers.{l}``'s norms and
+    self-attention read as Llama's, its MLP by ``mlp(l, prefix)`` (None: the dense SwiGLU at ``{prefix}.mlp``).
+    Every family's loader is this with its own MLP. Missing or misshapen tensor -> ValueError naming it."""
+    if mlp is None:
+        mlp = lambda l, prefix: mlp_from_hf(cfg, tensors, f"{prefix}.mlp", dtype)
     layers = []
     for l in range(cfg.layers):
         prefix = f"model.layers.{l}"
         layers.append({**norms_from_hf(cfg, tensors, prefix, dtype),
-                       "attn": attention_from_hf(cfg, tensors, f"{prefix}.self_attn", dtype),
-                       "mlp": mlp_from_hf(cfg, tensors, f"{prefix}.mlp", dtype)})
+                       "attn": attention_from_hf(cfg, tensors, f"{prefix}.self_attn", dtype), "mlp": mlp(l, prefix)})
     return {**embedding_from_hf(cfg, tensors, dtype), "layers": layers}
+
+
+def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.dtype = jnp.bfloat16) -> dict:
+    """HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` tensors -> ``init_params``' pytree. Missing or misshapen
+    tensor -> ValueError."""
+    return decoder_from_hf(cfg, tensors, dtype)
 
 
 # --------------------------------------------------------------------------- forward

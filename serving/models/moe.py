@@ -74,14 +74,9 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.
     if cfg.family not in HF_EXPERT_NAMES:
         raise ValueError(f"moe.params_from_hf: family {cfg.family!r}: expected one of {list(HF_EXPERT_NAMES)}")
     module = HF_EXPERT_NAMES[cfg.family][0]
-    layers = []
-    for l in range(cfg.layers):
-        prefix = f"model.layers.{l}"
-        mlp = (experts_from_hf(cfg, tensors, f"{prefix}.{module}", dtype) if cfg.is_moe_layer(l)
-               else llama.mlp_from_hf(cfg, tensors, f"{prefix}.mlp", dtype))
-        layers.append({**llama.norms_from_hf(cfg, tensors, prefix, dtype),
-                       "attn": llama.attention_from_hf(cfg, tensors, f"{prefix}.self_attn", dtype), "mlp": mlp})
-    return {**llama.embedding_from_hf(cfg, tensors, dtype), "layers": layers}
+    return llama.decoder_from_hf(cfg, tensors, dtype, lambda l, prefix: (
+        experts_from_hf(cfg, tensors, f"{prefix}.{module}", dtype) if cfg.is_moe_layer(l)
+        else llama.mlp_from_hf(cfg, tensors, f"{prefix}.mlp", dtype)))
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch,

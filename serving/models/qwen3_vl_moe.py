@@ -72,15 +72,10 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.
     -> ValueError naming it."""
     text = {name.replace(f"{HF_TEXT}.", "model.", 1): array for name, array in tensors.items()
             if name.startswith(f"{HF_TEXT}.") or name == "lm_head.weight"}
-    layers = []
-    for l in range(cfg.layers):
-        prefix = f"model.layers.{l}"
-        mlp = (_experts_from_hf(cfg, text, f"{prefix}.mlp", dtype) if cfg.is_moe_layer(l)
-               else llama.mlp_from_hf(cfg, text, f"{prefix}.mlp", dtype))
-        layers.append({**llama.norms_from_hf(cfg, text, prefix, dtype),
-                       "attn": llama.attention_from_hf(cfg, text, f"{prefix}.self_attn", dtype), "mlp": mlp})
-    return {**llama.embedding_from_hf(cfg, text, dtype), "layers": layers,
-            "vision": vision.params_from_hf(cfg.vision, tensors, HF_VISION, dtype)}
+    decoder = llama.decoder_from_hf(cfg, text, dtype, lambda l, prefix: (
+        _experts_from_hf(cfg, text, f"{prefix}.mlp", dtype) if cfg.is_moe_layer(l)
+        else llama.mlp_from_hf(cfg, text, f"{prefix}.mlp", dtype)))
+    return {**decoder, "vision": vision.params_from_hf(cfg.vision, tensors, HF_VISION, dtype)}
 
 
 def encode_images(params: dict, cfg: ModelConfig, pixels: jax.Array,
