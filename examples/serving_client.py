@@ -16,8 +16,10 @@ DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def demo_round_trip(max_tokens: int = 32, question: str = DEMO_QUESTION) -> dict:
-    """Serve SmolLM2-135M-Instruct on 127.0.0.1 (a free port), warmed up, ask ``question`` once and return
-    {"reply", "completion_tokens", "tokens_per_s", "warm_up_s", "url"}; the server is stopped before returning."""
+    """Serve SmolLM2-135M-Instruct on 127.0.0.1 (a free port), warmed up, ask ``question`` once, streamed, and return
+    {"reply", "completion_tokens", "tokens_per_s", "ttft_s", "total_s", "warm_up_s", "url"}: ``tokens_per_s`` is
+    the decode rate a client sees, (tokens - 1) / (time of the last token - time of the first), and ``ttft_s`` the
+    time to the first token (the prompt's prefill and the first step); the server is stopped before returning."""
     import openai  # a test/demo dependency, not needed to serve
 
     engine = Engine.from_default(dtype=jnp.float32, max_running=4)
@@ -26,13 +28,19 @@ def demo_round_trip(max_tokens: int = 32, question: str = DEMO_QUESTION) -> dict
     warm_up_s = time.perf_counter() - start
     with Server(create_app(engine, DEMO_MODEL)) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-        ask = lambda: client.chat.completions.create(model=DEMO_MODEL, max_tokens=max_tokens, temperature=0.0,
-                                                     messages=[{"role": "user", "content": question}])
         start = time.perf_counter()
-        response = ask()
-        seconds = time.perf_counter() - start
-    tokens = response.usage.completion_tokens
-    result = {"reply": response.choices[0].message.content, "completion_tokens": tokens,
-              "tokens_per_s": tokens / seconds, "warm_up_s": warm_up_s,
-              "url": server.url}
-    return result
+        stream = client.chat.completions.create(model=DEMO_MODEL, max_tokens=max_tokens, temperature=0.0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                messages=[{"role": "user", "content": question}])
+        pieces, arrivals, tokens = [], [], 0
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+                arrivals.append(time.perf_counter() - start)
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        total_s = time.perf_counter() - start
+    decode_s = arrivals[-1] - arrivals[0]
+    return {"reply": "".join(pieces), "completion_tokens": tokens,
+            "tokens_per_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else 0.0,
+            "ttft_s": arrivals[0], "total_s": total_s, "warm_up_s": warm_up_s, "url": server.url}

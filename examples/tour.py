@@ -287,9 +287,10 @@ def serving_chat(tour: Tour) -> None:
     with tour.console.status("serving: loading SmolLM2-135M-Instruct and starting the server on 127.0.0.1"):
         result = demo_round_trip()
     tour.results["serving"] = result
-    tour.console.print(f"server {result['url']}: {result['reply']!r} ({result['completion_tokens']} tokens, "
-                       f"{result['tokens_per_s']:.1f} tokens/s, batch 1 on this CPU; the first request, after "
-                       f"{result['warm_up_s']:.0f} s of warm-up compiles)")
+    tour.console.print(f"server {result['url']}: {result['reply']!r} ({result['completion_tokens']} tokens streamed "
+                       f"at {result['tokens_per_s']:.1f} tokens/s after a first token in {result['ttft_s']:.2f} s, "
+                       f"batch 1 on this CPU; the first request, after {result['warm_up_s']:.0f} s of warm-up "
+                       "compiles)")
 
 
 def summary(tour: Tour) -> None:

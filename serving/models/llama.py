@@ -230,10 +230,12 @@ def attention(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, batch: At
 
 
 def logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Final RMSNorm and output head: ``[N, D]`` -> ``[N, V]`` float32."""
+    """Final RMSNorm and output head: ``[..., D]`` -> ``[..., V]`` float32."""
     x = rms_norm(x, params["norm"], cfg.rms_eps)
     if cfg.tie_embeddings:  # ``embed [V, D] @ x.T``: the table read as stored (``x @ embed.T`` copies it on XLA:CPU)
-        return jnp.dot(params["embed"], x.T, preferred_element_type=jnp.float32).T
+        out = jax.lax.dot_general(params["embed"], x, (((1,), (x.ndim - 1,)), ((), ())),
+                                  preferred_element_type=jnp.float32)  # [V, ...]
+        return jnp.moveaxis(out, 0, -1)
     return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
