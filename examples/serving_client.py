@@ -22,7 +22,7 @@ def demo_round_trip(max_tokens: int = 32, question: str = DEMO_QUESTION) -> dict
     time to the first token (the prompt's prefill and the first step); the server is stopped before returning."""
     import openai  # a test/demo dependency, not needed to serve
 
-    engine = Engine.from_default(dtype=jnp.float32, max_running=4)
+    engine = Engine.from_default(dtype=jnp.float32, max_running=4, max_model_len=1024)  # a short chat: fewer shapes
     start = time.perf_counter()
     engine.warm_up()
     warm_up_s = time.perf_counter() - start

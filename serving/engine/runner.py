@@ -1,10 +1,10 @@
 """One scheduler step -> two device calls: the model's forward pass, then the sampler.
 
 The flat batch of N new tokens from S sequences is padded to buckets: N to powers of two (from
-``MIN_TOKENS_BUCKET``, by platform), the block-table width W to powers of four (``blocks_bucket``), so the number
-of compiles stays bounded (log2 and log4 of the ranges). A runner made with ``max_seqs`` pads S to
-``min(max(N, MIN_SEQS_BUCKET), bucket(max_seqs))``, a function of N: the step shapes are then the pairs (N, W) and
-no more, few enough to compile them all before serving
+``MIN_TOKENS_BUCKET``; a decode step's from ``MIN_DECODE_BUCKET``, by platform), the block-table width W to powers
+of four (``blocks_bucket``), so the number of compiles stays bounded (log2 and log4 of the ranges). A runner made
+with ``max_seqs`` pads S to ``min(max(N, MIN_SEQS_BUCKET), bucket(max_seqs))``, a function of N: the step shapes
+are then the pairs (N, W) and no more, few enough to compile them all before serving
 (``step_shapes``, ``compile_step``, ``compile_sample``, ``compile_decode``: ahead-of-time lowering of the very calls
 ``run`` and ``decode`` make, so they find their executables compiled). The cache is donated: the forward pass
 updates it in place, and no array goes back to the host between layers. Per call the host gets the sampled
@@ -86,12 +86,13 @@ from serving.kv_cache import AttentionBatch, SeqChunk, make_batch, next_decode_b
 from serving.models.vision import patch_layout
 from serving.structured import fill_token_bitmask
 
-# The smallest padded N, by platform. On a GPU decode batches of up to 8 sequences share one compile: a step's time
-# hardly depends on so small an N. On a CPU every matmul of a decode step is a memory-bound matrix-vector product
-# whose time grows with N (SmolLM2 fp32, 2 cores: 41 ms per step at N=1, 94 ms at N=8), so N is padded no further
-# than the step needs. S is padded to at least ``MIN_SEQS_BUCKET`` either way, so the sampler's shapes stay few.
-MIN_TOKENS_BUCKET = {"cpu": 1}
-DEFAULT_MIN_TOKENS_BUCKET = 8
+MIN_TOKENS_BUCKET = 8  # the smallest padded N of a step
+# The smallest padded N of a decode step, by platform (else MIN_TOKENS_BUCKET). On a GPU decode batches of up to 8
+# sequences share one compile: a step's time hardly depends on so small an N. On a CPU every matmul of a decode step
+# is a memory-bound matrix-vector product whose time grows with N (SmolLM2 fp32, 2 cores: 41 ms per step at N=1,
+# 94 ms at N=8), so a decode step's N is padded no further than it needs. S is padded to at least MIN_SEQS_BUCKET
+# either way, so the sampler's shapes stay few.
+MIN_DECODE_BUCKET = {"cpu": 1}
 MIN_SEQS_BUCKET = 8
 # The narrowest padded block table: contexts up to 16 blocks (256 tokens at block size 16) share one compile, and
 # attention's splits of a wider real context are unchanged.
@@ -265,7 +266,7 @@ class ModelRunner:
         self.mask_seconds = 0.0
         self.tiers = None  # a kv_tiers.KVTiers whose queued copies run before each step (set by the engine)
         platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
-        self.min_tokens = MIN_TOKENS_BUCKET.get(platform, DEFAULT_MIN_TOKENS_BUCKET)  # the smallest padded N
+        self.min_decode_tokens = MIN_DECODE_BUCKET.get(platform, MIN_TOKENS_BUCKET)  # a decode step's smallest N
 
     def num_seqs(self, num_tokens: int, real: int) -> int:
         """The padded S of a step of ``real`` sequences with N = ``num_tokens`` (padded): N's, at least
@@ -286,7 +287,7 @@ class ModelRunner:
                 self.kv = self.tiers.apply(self.kv)
         total = sum(c.count for c in chunks)
         widest = max(len(c.block_table) for c in chunks)
-        num_tokens = bucket(total, self.min_tokens) if num_tokens is None else num_tokens
+        num_tokens = bucket(total, MIN_TOKENS_BUCKET) if num_tokens is None else num_tokens
         batch = make_batch(chunks, self.block_size, num_tokens=num_tokens,
                            num_seqs=self.num_seqs(num_tokens, len(chunks)),
                            max_blocks=blocks_bucket(widest))
@@ -374,16 +375,17 @@ class ModelRunner:
         the scoring variant of the general path (``_step``), whose per-token scores ``fetch`` returns as
         ``StepResult.prompt``."""
         decode = targets is None and self._is_decode(chunks, previous)
+        num_tokens = None  # a general step's: prepare's bucket
         if previous is not None:
-            fed = self._placed(previous.result.tokens)  # stays on the device
+            fed, num_tokens = self._placed(previous.result.tokens), previous.num_tokens  # stays on the device
         elif decode:  # the tokens as a row vector, the packed tokens its rows
-            num_tokens = bucket(len(chunks), self.min_tokens)
+            num_tokens = bucket(len(chunks), self.min_decode_tokens)
             row_tokens = np.zeros(self.num_seqs(num_tokens, len(chunks)), np.int32)
             row_tokens[:len(chunks)] = [ids[0] for ids in token_ids]
             fed, token_ids = self._placed(row_tokens), [[i] for i in range(len(chunks))]
         else:
             fed = None
-        tokens, batch = self.prepare(chunks, token_ids, None if previous is None else previous.num_tokens)
+        tokens, batch = self.prepare(chunks, token_ids, num_tokens)
         num_seqs = batch.context_lens.shape[0]
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.cumsum([c.count for c in chunks]) - 1
@@ -429,7 +431,7 @@ class ModelRunner:
                              f"tokens): expected one token after a cached context, with blocks for steps={steps}")
         if self.batch_invariant or any(r.matcher is not None for r in rows):
             raise ValueError("decode: a constrained row or a batch-invariant runner: expected neither (use run)")
-        tokens, batch = self.prepare(chunks, token_ids)
+        tokens, batch = self.prepare(chunks, token_ids, bucket(len(chunks), self.min_decode_tokens))
         num_seqs = batch.context_lens.shape[0]
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.arange(len(chunks))
@@ -457,9 +459,9 @@ class ModelRunner:
         if self.max_seqs is None:
             raise ValueError("step_shapes: a runner without max_seqs pads S on its own: expected max_seqs")
         limit = min(max_tokens, self.max_seqs) if decode_only else max_tokens
+        minimum = self.min_decode_tokens if decode_only else MIN_TOKENS_BUCKET
         return [StepShape(n, self.num_seqs(n, 1), w, self._paged_only(decode_only))
-                for n in buckets(limit, self.min_tokens) for w in buckets(max_blocks, MIN_BLOCKS_BUCKET,
-                                                                             BLOCKS_BUCKET_BASE)]
+                for n in buckets(limit, minimum) for w in buckets(max_blocks, MIN_BLOCKS_BUCKET, BLOCKS_BUCKET_BASE)]
 
     def _packed_like(self, shape: StepShape) -> Any:
         sizes = [math.prod(s) for s in kv_cache.step_shapes(shape.num_tokens, shape.num_seqs, shape.max_blocks)]

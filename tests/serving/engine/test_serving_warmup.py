@@ -47,10 +47,9 @@ def test_only_decode_steps_are_paged_only(folder):
     for kernels, paged in ((layers.INTERPRET, True), (layers.REFERENCE, False), (layers.DEFAULT, on_gpu)):
         eng = Engine(folder, dtype="float32", num_blocks=64, block_size=4, max_running=4, token_budget=32,
                      max_model_len=256, compilation_cache=False, kernels=kernels)
-        ns = buckets(32, eng.runner.min_tokens)  # 1, 2, 4, ... on a CPU, 8, 16, 32 on a GPU
-        assert eng.runner.step_shapes(32, 64) == [StepShape(n, 4, w, False) for n in ns for w in widths]
+        assert eng.runner.step_shapes(32, 64) == [StepShape(n, 4, w, False) for n in (8, 16, 32) for w in widths]
         assert eng.runner.step_shapes(32, 64, decode_only=True) == [
-            StepShape(n, 4, w, paged) for n in buckets(4, eng.runner.min_tokens) for w in widths]
+            StepShape(n, 4, w, paged) for n in buckets(4, eng.runner.min_decode_tokens) for w in widths]
 
 
 def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
@@ -61,10 +60,10 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
         done = eng.warm_up(lambda i, n: seen.append((i, n)))
     assert len(events) >= len(done)  # the listener sees them: each entry traced and compiled
     widths = buckets(16, MIN_BLOCKS_BUCKET, BLOCKS_BUCKET_BASE)
-    steps = [StepShape(n, 4, w, False) for n in buckets(16, eng.runner.min_tokens) for w in widths]
+    steps = [StepShape(n, 4, w, False) for n in (8, 16) for w in widths]
     samplers = [("sample", 4, top, draw, masked, biased) for top in (0, MAX_LOGPROBS) for draw in (False, True)
                 for masked in (False, True) for biased in (False, True)]
-    decode = [StepShape(n, 4, 16, False) for n in buckets(4, eng.runner.min_tokens)]  # up to max_running
+    decode = [StepShape(n, 4, 16, False) for n in buckets(4, eng.runner.min_decode_tokens)]  # to max_running
     decodes = [("decode", d, 2, top, draw) for d in decode for top in (0, MAX_LOGPROBS) for draw in (False, True)]
     assert done == [("step", s) for s in steps] + [("scores", s) for s in steps] + samplers \
         + [("chained", d) for d in decode] + decodes
