@@ -421,8 +421,7 @@ class Engine:
         run once at every batch size, with no effect (``KVTiers.warm_up``). XLA compiles them in parallel threads
         (one on a CPU); ``progress(done, total)`` is called after each. Then, on an accelerator, every forward step runs
         once over a batch of padding (its first run is the slow one: ``ModelRunner.run_padding``); not on a CPU,
-        where running them all costs more than it saves (SmolLM2: 23 s, against ~0.4 s on the first use of each
-        prefill shape).
+        where running every prefill shape costs more start-up time than the first requests save.
         Returns what was compiled: ("step" | "scores" | "score" | "chained", StepShape), ("sample", S, num_top, draw,
         masked, biased), ("verify", S, num_top, draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
