@@ -190,9 +190,9 @@ def test_quantized_experts_keep_the_ragged_dot_path():
 
 
 def test_kernel_policy_rejects_what_no_op_has():
-    with pytest.raises(ValueError, match="paged_attention: implementation='mosaic': expected None, one of "
-                                         r"\('triton', 'xla'\)"):
-        layers.KernelPolicy(paged_attention="mosaic")
+    with pytest.raises(ValueError, match="paged_attention: implementation='cudnn': expected None, one of "
+                                         r"\('mosaic', 'triton', 'xla'\)"):
+        layers.KernelPolicy(paged_attention="cudnn")
     with pytest.raises(TypeError, match="expected None, a name or a tuple of names"):
         layers.KernelPolicy(flash_attention=["mosaic", "xla"])  # a list is not hashable: no jit static argument
     with pytest.raises(ValueError, match="KernelPolicy.experts='cudnn'"):
