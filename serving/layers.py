@@ -32,8 +32,9 @@ GPU and, in a process lowering for a GPU it has not got, behind ``jax.lax.platfo
   ``PAIRWISE_MAX_ROWS`` pairs (decode) as two ``gather_matmul`` launches over the pairs unsorted (the SwiGLU
   hidden with gate and up together, then down), each pair a row read with its expert's weights: no sort,
   visit plan or unsort kernels, and no copy of x per pair (``repeat=k``). ``KernelPolicy.gather_config`` is
-  their geometry (sweeps). ``KernelPolicy(experts="mosaic")`` runs the sorted pairs' matmuls
-  through the Mosaic GPU ``grouped_matmul_mgpu`` instead (Hopper; bf16 with K and N whole tiles, else Triton's).
+  their geometry (sweeps). On a Hopper the sorted pairs' matmuls of a prefill-sized step (or of any step with
+  ``KernelPolicy(experts="mosaic")``) run the Mosaic GPU ``grouped_matmul_mgpu`` (bf16 with K and N whole tiles,
+  else Triton's), measured fastest there.
 
 A shape or dtype a kernel does not take (head dims not a multiple of 16, mixed dtypes) runs the reference.
 ``INTERPRET`` runs the Triton kernels in Pallas' interpreter on any platform (tests) and ``REFERENCE`` the
@@ -73,6 +74,7 @@ from pallas_kernels import grouped_matmul_mgpu as mosaic_grouped
 from pallas_kernels import paged_attention as paged_kernels
 from pallas_kernels.grouped_matmul import (
     DECODE_CONFIG,
+    DECODE_ROWS_PER_GROUP,
     GATHER_CONFIG,
     GroupedMatmulConfig,
     gather_matmul,
@@ -107,11 +109,12 @@ class KernelPolicy:
     flash_attention, paged_attention, paged_mla_attention: the ``implementation`` of those
       ``pallas_kernels.attention_ops`` ops (the packed prefill of first chunks, the paged GQA and MLA attention): a
       name, a tuple of names (a fallback chain) or None (the fastest measured on the launch target: Mosaic GPU
-      flash attention on a Hopper where it takes the call, the Triton kernels on other NVIDIA GPUs, the jnp
-      references with no GPU).
+      flash attention and MLA decode on a Hopper where they take the call, the Triton kernels otherwise on NVIDIA
+      GPUs, the jnp references with no GPU).
     experts: "triton" (``grouped_matmul`` / ``gather_matmul``), "mosaic" (the sorted pairs' matmuls through
       ``grouped_matmul_mgpu`` where it takes the call: bf16, K and N whole tiles; otherwise as "triton"), "xla"
-      (``ragged_dot``) or None (the Triton kernels where there is a GPU to launch on, or interpreted).
+      (``ragged_dot``) or None (where there is a GPU to launch on, or interpreted: the Triton kernels, but on a
+      Hopper the Mosaic one for prefill-sized sorted matmuls, the fastest measured there).
     interpret: the Pallas kernels run in Pallas' interpreter (tests on a CPU).
     batch_invariant: batch-invariant mode (module docstring): the kernels, compiled on a GPU and interpreted
       elsewhere, with no launch geometry chosen by the batch; the implementations above are not read.
@@ -209,6 +212,21 @@ def _experts_use_kernels(kernels: KernelPolicy) -> bool:
     if kernels.experts is not None:
         return kernels.experts != "xla"
     return kernels.interpret or device.target() is not None
+
+
+def _experts_mosaic(kernels: KernelPolicy, x: jax.Array, w: jax.Array) -> bool:
+    """Whether the sorted pairs' matmul ``x [M, in] @ w [E, in, out]`` runs ``grouped_matmul_mgpu``: where it takes
+    the call and ``kernels.experts`` is "mosaic", or is None on a Hopper for prefill-sized calls (at least
+    ``DECODE_ROWS_PER_GROUP`` rows per expert). There, on an H200 (2026-12-03), its default geometry measured
+    1.11x / 1.20x / 1.12x Triton's on the up, fused gate+up and down shapes of a 4096-token prefill; at decode
+    sizes Triton's small row tile was 1.13x faster, so fewer rows keep Triton."""
+    if kernels.batch_invariant or not mosaic_grouped.takes(x, w):
+        return False
+    if kernels.experts is not None:
+        return kernels.experts == "mosaic"
+    target = device.target()
+    return (not kernels.interpret and target is not None and x.shape[0] >= DECODE_ROWS_PER_GROUP * w.shape[0]
+            and device.gpu(target).arch.name == attention_ops.MOSAIC_ARCH)
 
 
 def _traced_once(*static: str) -> Callable[[Callable], Callable]:
@@ -492,7 +510,7 @@ def expert_matmul(x: jax.Array, w: LinearWeight, group_sizes: jax.Array,
         return linear(x, w, group_sizes=group_sizes)
     config = INVARIANT_GROUPED_CONFIG if kernels.batch_invariant else None
     kernel = functools.partial(grouped_matmul, config=config)
-    if kernels.experts == "mosaic" and not kernels.batch_invariant and mosaic_grouped.takes(x, w):
+    if _experts_mosaic(kernels, x, w):
         kernel = mosaic_grouped.grouped_matmul_mgpu
     return _dispatch(kernels, _experts_use_kernels(kernels),
                      lambda x, w, g, interpret: kernel(x, w, g, interpret=interpret),

@@ -147,11 +147,12 @@ def test_a_case_past_its_time_limit_costs_its_rows_not_the_run(tmp_path):
 
 @pytest.mark.parametrize("name", list(serving_decode.MODELS))
 @pytest.mark.parametrize("case", ["decode", "prefill"])
-def test_the_benchmark_models_lower_to_the_triton_kernels_for_an_h200(name, case):
+def test_the_benchmark_models_lower_to_the_default_kernels_for_an_h200(name, case):
     """One layer of each benchmark model at its real width: B=64 decode (paged only, as the benchmark traces it) and
     a 2048-token prefill lower for an H200, every Triton module passing the MLIR verifier (the GPU run's compile
     errors, caught on a CPU). The prefill runs the Mosaic GPU flash attention, or the Triton one where the layer
-    has sinks or a window."""
+    has sinks or a window, and its experts the Mosaic GPU grouped matmul where their widths are whole 256-column
+    tiles (not GPT-OSS's 2880)."""
     cfg = ModelConfig.from_hf(serving_decode.MODELS[name] | dict(num_hidden_layers=1))
     module = model_module(cfg.family)
     context, blocks = 2048, 2048 // serving_decode.BLOCK_SIZE
@@ -167,9 +168,11 @@ def test_the_benchmark_models_lower_to_the_triton_kernels_for_an_h200(name, case
     triton = cfg.attention_sinks or any(cfg.layer_windows)
     flash = 'name = "flash_attention_causal"' if triton else "flash_attention_mgpu_causal"
     kernels = {'name = "paged_attention"', 'name = "flash_attention_causal"', "flash_attention_mgpu_causal",
-               'name = "grouped_matmul"'}  # 512 expert pairs: grouped
+               'name = "grouped_matmul"', "grouped_matmul_mgpu"}  # 512 expert pairs: grouped
+    mosaic_experts = case == "prefill" and cfg.hidden % 256 == 0 and cfg.moe_intermediate % 256 == 0
+    experts = "grouped_matmul_mgpu" if mosaic_experts else 'name = "grouped_matmul"'
     expected = {'name = "paged_attention"'} | ({flash} if case == "prefill" else set()) | (
-        {'name = "grouped_matmul"'} if cfg.num_experts else set())
+        {experts} if cfg.num_experts else set())
     assert {k for k in kernels if k in text} == expected
 
 

@@ -189,6 +189,22 @@ def test_quantized_experts_keep_the_ragged_dot_path():
     assert runs_a_pallas_kernel(layers.INTERPRET, layers.expert_matmul, x, normal(0, (4, 32, 16), jnp.float32), sizes)
 
 
+@pytest.mark.parametrize("tokens, experts, mosaic", [
+    (4096, None, True),  # prefill-sized on a Hopper: the Mosaic GPU grouped matmul, measured fastest there
+    (4096, "triton", False),  # as the policy says
+    (8 * layers.DECODE_ROWS_PER_GROUP - 8, None, False),  # under 32 rows per expert: Triton's decode geometry
+    (64, "mosaic", True),
+], ids=["prefill_default", "prefill_triton", "small_default", "small_mosaic"])
+def test_sorted_experts_lower_to_the_grouped_kernel_the_policy_picks_for_an_h200(tokens, experts, mosaic):
+    x = jax.ShapeDtypeStruct((tokens, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+    text = lower_for_h200(functools.partial(layers.expert_matmul, kernels=layers.KernelPolicy(experts=experts)),
+                          x, w, sizes)
+    assert ("grouped_matmul_mgpu" in text) == mosaic
+    assert (TRITON_CALL_TARGET in text) != mosaic
+
+
 def test_kernel_policy_rejects_what_no_op_has():
     with pytest.raises(ValueError, match="paged_attention: implementation='cudnn': expected None, one of "
                                          r"\('mosaic', 'triton', 'xla'\)"):
@@ -304,7 +320,8 @@ V3_ATTENTION = dict(heads=128, kv_heads=128, kv_lora_rank=512, qk_rope_head_dim=
 @pytest.mark.parametrize("chunks", [[SeqChunk(list(range(s * 32, s * 32 + 32)), 2047, 1) for s in range(8)],
                                     [SeqChunk(list(range(32)), 0, 2048)]], ids=["decode", "prefill"])
 def test_mla_at_deepseek_v3_width_lowers_for_an_h200(chunks):
-    """The packed MLA prefill (576-wide q/k rows, MLA_FLASH_CONFIG) and the paged MLA decode at V3's widths."""
+    """The packed MLA prefill (576-wide q/k rows, MLA_FLASH_CONFIG: Triton, Mosaic takes no 576) and the paged MLA
+    decode at V3's widths (the default on a Hopper: the Mosaic GPU kernel, measured fastest there)."""
     cfg = dataclasses.replace(fixture("deepseek_v3")[0], **V3_ATTENTION)
     module = model_module(cfg.family)
     params = jax.eval_shape(lambda: module.init_params(cfg, jax.random.key(0), jnp.bfloat16))
@@ -312,7 +329,8 @@ def test_mla_at_deepseek_v3_width_lowers_for_an_h200(chunks):
     batch = make_batch(chunks, 64)
     text = lower_for_h200(lambda p, t, b, c: module.forward(p, cfg, t, b, c), params,
                           jax.ShapeDtypeStruct(batch.positions.shape, jnp.int32), batch, kv)
-    assert 'name = "paged_mla_attention"' in text and 'name = "flash_attention_causal"' in text
+    assert "paged_mla_attention_mgpu" in text and 'name = "flash_attention_causal"' in text
+    assert 'name = "paged_mla_attention"' not in text  # the Triton kernel is the fallback, not lowered here
 
 
 # A Llama-like layer's attention at real width (32/8 heads, d128, bf16) on a prefill of two prompts.
