@@ -137,9 +137,10 @@ def versions() -> dict:
 
 
 def commit() -> str:
-    """``$GIT_COMMIT`` (a device call's copy of the tree may carry another clone's .git), else git's HEAD."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
+    """``$APEX_GIT_COMMIT`` (as in ``benchmarks/harness.py``: a device call's copy of the tree may carry another
+    clone's .git), else git's HEAD."""
+    if os.environ.get("APEX_GIT_COMMIT"):
+        return os.environ["APEX_GIT_COMMIT"]
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return head.stdout.strip() if head.returncode == 0 else "unknown"
 
