@@ -124,7 +124,9 @@ def time_torch(fn: Callable[[], Any], warmup: int = 3, iters: int = 30) -> Timin
     return _summarize(times_ms)
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
+    """``$APEX_GIT_COMMIT`` where set (a device call's copy of the tree may carry another clone's .git), else git's
+    HEAD, else "unknown"."""
     if commit := os.environ.get("APEX_GIT_COMMIT"):
         return commit
     try:
@@ -149,7 +151,7 @@ def run_metadata() -> dict[str, Any]:
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": device.device_kind,
         "device_count": jax.device_count(),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "platform": device.platform,
         "versions": dict(sorted(versions.items())),
     }

@@ -27,10 +27,9 @@ target (with no GPU: ``device.DEFAULT_KIND``, an H200): the same choice, the sam
 
 Default chains (``benchmarks/serving_kernels.py`` on an H200, B4 x S4096, 32/8 heads, d128, bf16, causal): Mosaic
 flash attention 1.00x cuDNN, Triton 0.77x, XLA 0.11x; so Mosaic first on sm_90, Triton where it lacks a feature
-(windows, sinks, float32, head dims such as MLA's 576) or where the GPU is not a Hopper. Paged decode (B64 x
-T2048, bf16, 2026-12-03 at 676d117): MLA (DeepSeek-V3's 128 heads, latent 512 + rope 64) Mosaic 0.199 ms against
-Triton's best of four geometries 0.348 ms (1.74x), so Mosaic first on sm_90; GQA (32/8 heads, d128) Mosaic 0.159 ms,
-Triton 0.156 ms, a tie, so Triton first (it also takes float32 and any page size).
+(windows, sinks, float32, head dims such as MLA's 576) or where the GPU is not a Hopper. Paged decode at batch 64,
+2k context: the Mosaic MLA kernel is well ahead of Triton's, so Mosaic first on sm_90; for GQA the two are even, so
+Triton first, which also takes float32 and any page size (the figures: the README's serving kernels table).
 """
 
 import dataclasses

@@ -217,9 +217,9 @@ def _experts_use_kernels(kernels: KernelPolicy) -> bool:
 def _experts_mosaic(kernels: KernelPolicy, x: jax.Array, w: jax.Array) -> bool:
     """Whether the sorted pairs' matmul ``x [M, in] @ w [E, in, out]`` runs ``grouped_matmul_mgpu``: where it takes
     the call and ``kernels.experts`` is "mosaic", or is None on a Hopper for prefill-sized calls (at least
-    ``DECODE_ROWS_PER_GROUP`` rows per expert). There, on an H200 (2026-12-03), its default geometry measured
-    1.11x / 1.20x / 1.12x Triton's on the up, fused gate+up and down shapes of a 4096-token prefill; at decode
-    sizes Triton's small row tile was 1.13x faster, so fewer rows keep Triton."""
+    ``DECODE_ROWS_PER_GROUP`` rows per expert): there its 128-row wgmma tiles beat Triton's on the prefill shapes,
+    while with fewer rows Triton's 16-row decode tile wastes less and is the faster (``benchmarks/serving_kernels.py``
+    grouped_matmul rows)."""
     if kernels.batch_invariant or not mosaic_grouped.takes(x, w):
         return False
     if kernels.experts is not None:

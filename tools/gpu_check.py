@@ -136,15 +136,6 @@ def versions() -> dict:
     return out
 
 
-def commit() -> str:
-    """``$APEX_GIT_COMMIT`` (as in ``benchmarks/harness.py``: a device call's copy of the tree may carry another
-    clone's .git), else git's HEAD."""
-    if os.environ.get("APEX_GIT_COMMIT"):
-        return os.environ["APEX_GIT_COMMIT"]
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return head.stdout.strip() if head.returncode == 0 else "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4, help="jobs run at once (default 4)")
@@ -162,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
               + "\n  ".join(missing))
         return 2
     import jax
+
+    from benchmarks import harness  # imports jax: only once the dependencies are known to be here
     device = jax.devices()[0]
     if device.platform != "gpu":
         print(f"error: gpu-check needs a GPU; jax's first device is {device} ({device.platform})")
@@ -171,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         results = list(pool.map(lambda j: run_job(*j, reports, env), todo))
     total_s = time.perf_counter() - start
     summary = {"device": device.device_kind, "cores": getattr(device, "core_count", None), "versions": versions(),
-               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit(),
+               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+               "commit": harness.git_commit(),
                "workers": args.workers, "total_seconds": round(total_s, 1),
                "ok": all(r["ok"] for r in results), "jobs": results}
     with (logs / "gpu_check.log").open("w") as log:

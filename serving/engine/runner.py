@@ -90,8 +90,7 @@ MIN_TOKENS_BUCKET = 8  # the smallest padded N of a step
 # The smallest padded N of a decode step, by platform (else MIN_TOKENS_BUCKET). On a GPU decode batches of up to 8
 # sequences share one compile: a step's time hardly depends on so small an N. On a CPU every matmul of a decode step
 # is a memory-bound matrix-vector product whose time grows with N, so a decode step's N is padded no further than
-# it needs. S is padded to at least MIN_SEQS_BUCKET
-# either way, so the sampler's shapes stay few.
+# it needs. S is padded to at least MIN_SEQS_BUCKET either way, so the sampler's shapes stay few.
 MIN_DECODE_BUCKET = {"cpu": 1}
 MIN_SEQS_BUCKET = 8
 # The narrowest padded block table: contexts up to 16 blocks (256 tokens at block size 16) share one compile, and

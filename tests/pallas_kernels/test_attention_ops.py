@@ -91,8 +91,8 @@ def test_a_given_triton_config_is_checked_as_given():
 
 
 def test_paged_defaults_on_a_hopper_are_the_measured_fastest():
-    """On an H200, Mosaic MLA decode measured 1.74x Triton's and Mosaic GQA decode tied it: None puts Mosaic first
-    for MLA and Triton first for GQA, whose Mosaic kernel serves a call that names it."""
+    """None puts Mosaic first for MLA decode on a Hopper and Triton first for GQA decode, whose Mosaic kernel serves
+    a call that names it."""
     q, pages = abstract((64, 32, 128)), abstract((512, 16, 8, 128))
     with on(H200):
         assert ops.choose_paged_attention(q, pages, pages) == ops.Choice("paged_attention", "triton",

@@ -190,7 +190,7 @@ def test_quantized_experts_keep_the_ragged_dot_path():
 
 
 @pytest.mark.parametrize("tokens, experts, mosaic", [
-    (4096, None, True),  # prefill-sized on a Hopper: the Mosaic GPU grouped matmul, measured fastest there
+    (4096, None, True),  # prefill-sized on a Hopper: the Mosaic GPU grouped matmul
     (4096, "triton", False),  # as the policy says
     (8 * layers.DECODE_ROWS_PER_GROUP - 8, None, False),  # under 32 rows per expert: Triton's decode geometry
     (64, "mosaic", True),
@@ -321,7 +321,7 @@ V3_ATTENTION = dict(heads=128, kv_heads=128, kv_lora_rank=512, qk_rope_head_dim=
                                     [SeqChunk(list(range(32)), 0, 2048)]], ids=["decode", "prefill"])
 def test_mla_at_deepseek_v3_width_lowers_for_an_h200(chunks):
     """The packed MLA prefill (576-wide q/k rows, MLA_FLASH_CONFIG: Triton, Mosaic takes no 576) and the paged MLA
-    decode at V3's widths (the default on a Hopper: the Mosaic GPU kernel, measured fastest there)."""
+    decode at V3's widths (on a Hopper by default the Mosaic GPU kernel)."""
     cfg = dataclasses.replace(fixture("deepseek_v3")[0], **V3_ATTENTION)
     module = model_module(cfg.family)
     params = jax.eval_shape(lambda: module.init_params(cfg, jax.random.key(0), jnp.bfloat16))
