@@ -287,8 +287,8 @@ def serving_steps(cfg, batch_invariant: bool = False, gather_config=None) -> dic
         else:
             kernels = dataclasses.replace(layers.DEFAULT, paged_only=paged_only,
                                           **({"gather_config": gather_config} if gather_config else {}))
-        logits, kv, counts = forward(params, cfg, tokens, batch, kv, kernels=kernels)
-        return kv, jnp.argmax(logits[last], axis=-1), counts
+        logits, kv, counts = forward(params, cfg, tokens, batch, kv, kernels=kernels, rows=last)
+        return kv, jnp.argmax(logits, axis=-1), counts
 
     def jitted(paged_only):
         def fn(params, kv, packed, sizes):

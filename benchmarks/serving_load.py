@@ -33,7 +33,9 @@ After the closed loops, the engine and http paths run Poisson arrivals at each o
 (``min_requests`` each; rows with ``rate`` set and ``concurrency`` None; the server admits as many as its
 largest concurrency level runs and queues, and refuses the rest with 503s). ``startup_s`` in a row: launch ->
 ready (the server: until /health says ok; the engine: building it, and its ``warm_up`` where it has one;
-the device: setup and compiles); ``ms_per_layer``: the median TPOT over the model's layers.
+the device: setup and compiles), ``compilation_cache`` whether JAX's persistent compilation cache was cold
+(the run's own, empty: the first engine or server of a model) or warm (filled by the path before);
+``ms_per_layer``: the median TPOT over the model's layers.
 
 Models: ``smollm2`` (the embedded SmolLM2-135M-Instruct, real weights; offline, pass ``--smollm2-gguf``),
 ``moe-1b`` and ``qwen3-30b-a3b`` (``benchmarks.serving_decode``'s ``MOE_1B`` and ``QWEN3_30B_A3B``, random weights
@@ -596,7 +598,11 @@ def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requ
     loads = [{"concurrency": c} for c in levels] + [{"rate": r} for r in rates]
     level_bodies = _level_bodies(name, spec, settings, loads, requests)
     with tempfile.TemporaryDirectory() as folder:
-        args = serve_args(name, spec, settings, levels, Path(folder), smollm2_gguf)
+        # A compilation cache of the run's own: the first engine or server to start compiles everything (cold),
+        # the next one reads it back (warm).
+        args = [*serve_args(name, spec, settings, levels, Path(folder), smollm2_gguf),
+                "--compilation-cache", str(Path(folder) / "jax-compilation")]
+        cache = "cold"
         for path in paths:
             timeout_s = STARTUP_TIMEOUT_S + REQUEST_TIMEOUT_S * len(loads)
             measured = loads[:len(levels)] if path == "device" else loads
@@ -612,20 +618,23 @@ def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requ
                     summaries = [summarize(run_load_processes(server.url, COMPLETIONS, bodies,
                                                               settings["client_processes"], **load))
                                  for load, bodies in zip(loads, level_bodies, strict=True)]
-            print(f"  {name} {path}: ready after {startup_s:.1f} s", flush=True)
+            print(f"  {name} {path}: ready after {startup_s:.1f} s"
+                  f"{'' if path == 'device' else f' ({cache} compilation cache)'}", flush=True)
             for load, summary in zip(measured, summaries, strict=True):
                 tpot = summary.get("tpot_median_ms")
                 rows.append({"model": name, "path": path, "concurrency": load.get("concurrency"),
                              "rate": load.get("rate"), **shape, "layers": spec["layers"], **summary,
                              "ms_per_layer": tpot / spec["layers"] if tpot is not None else None,
-                             "startup_s": startup_s})
+                             "startup_s": startup_s, "compilation_cache": None if path == "device" else cache})
                 print(format_table(rows[-1:], TABLE_COLUMNS), flush=True)
+            if path != "device":
+                cache = "warm"
             on_path(rows)
     return rows
 
 
-TABLE_COLUMNS = ["model", "path", "concurrency", "rate", "startup_s", "ms_per_layer", "requests", "failed",
-                 "request_throughput", "output_throughput", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms",
+TABLE_COLUMNS = ["model", "path", "concurrency", "rate", "startup_s", "compilation_cache", "ms_per_layer", "requests",
+                 "failed", "request_throughput", "output_throughput", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms",
                  "tpot_p99_ms", "itl_p99_ms", "e2e_median_ms", "e2e_p99_ms", "client_cpu"]
 
 

@@ -163,6 +163,23 @@ def traces_kernels(kernels: KernelPolicy) -> bool:
     return device.target() is not None and attention_ops.chain("paged_attention", kernels.paged_attention) != ("xla",)
 
 
+def reads_pages_by_length(cfg: ModelConfig, dtype: Any, kernels: KernelPolicy) -> bool:
+    """Whether the attention of ``cfg`` over a cache of ``dtype``, traced with ``kernels`` for an NVIDIA GPU,
+    reads each token's cached context only up to its length, whatever the block table's width W: its paged op
+    runs a Pallas kernel (the policy picks one, and the cache's dtype and head dims are ones the kernels take),
+    whose loop stops at the token's length. Then a step may pad its tables to the widest a sequence can have, at
+    the cost of one int32 column per sequence, and one compile serves every context length. The references
+    gather all W columns of every token's table, so there a wider table costs compute. False in interpret and
+    batch-invariant modes (the latter pads its tables to its own splits) and without a launch target."""
+    if kernels.interpret or kernels.batch_invariant or device.target() is None:
+        return False
+    op, choice = (("paged_mla_attention", kernels.paged_mla_attention) if cfg.is_mla
+                  else ("paged_attention", kernels.paged_attention))
+    head_dims = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank) if cfg.is_mla else (cfg.head_dim,)
+    return (attention_ops.chain(op, choice) != ("xla",) and jnp.dtype(dtype) in attention_kernels.DTYPES
+            and all(d % attention_kernels.MIN_TILE == 0 for d in head_dims))
+
+
 def all_paged(batch: AttentionBatch) -> bool:
     """True when every real token of the host-side ``batch`` reads its context from the pages (``kv_lens > 0``:
     decode tokens, chunks continuing a cached prefix), i.e. the batch has no first prefill chunk."""

@@ -354,7 +354,8 @@ class Engine:
         module = model_module(self.cfg.family)
         self.runner = ModelRunner(self.cfg, params, module.forward, kv, block_size, batch_invariant=batch_invariant,
                                   mesh=mesh, max_seqs=max_running, kernels=kernels,
-                                  encode=getattr(module, "encode_images", None))
+                                  encode=getattr(module, "encode_images", None),
+                                  max_blocks=-(-self.max_model_len // block_size))
         self.runner.tiers = self.tiers
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
@@ -426,12 +427,12 @@ class Engine:
         masked, biased), ("verify", S, num_top, draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
             raise RuntimeError("warm_up: the engine has unfinished requests: expected an idle engine")
-        runner, max_blocks = self.runner, -(-self.max_model_len // self.allocator.block_size)
-        shapes = runner.step_shapes(self.scheduler.token_budget, max_blocks)
+        runner = self.runner
+        shapes = runner.step_shapes(self.scheduler.token_budget)
         top_draw = list(itertools.product((0, MAX_LOGPROBS), (False, True)))
         masked = (False, True) if self.tokenizer is not None else (False,)
         samplers = [(num_top, draw, m) for (num_top, draw), m in itertools.product(top_draw, masked)]
-        decode_shapes = runner.step_shapes(self.scheduler.token_budget, max_blocks, decode_only=True)
+        decode_shapes = runner.step_shapes(self.scheduler.token_budget, decode_only=True)
         if self.drafter is not None and not isinstance(self.drafter, NgramDrafter | SuffixDrafter):
             return []  # a model drafter's own calls are not in the set
         plain = not runner.batch_invariant

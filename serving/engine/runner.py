@@ -3,8 +3,12 @@
 The flat batch of N new tokens from S sequences is padded to buckets: N to powers of two (from
 ``MIN_TOKENS_BUCKET``; a decode step's from ``MIN_DECODE_BUCKET``, by platform), the block-table width W to powers
 of four (``blocks_bucket``), so the number of compiles stays bounded (log2 and log4 of the ranges). A runner made
-with ``max_seqs`` pads S to ``min(max(N, MIN_SEQS_BUCKET), bucket(max_seqs))``, a function of N: the step shapes
-are then the pairs (N, W) and no more, few enough to compile them all before serving
+with ``max_blocks`` (the widest table a sequence can have) on a GPU whose attention kernels read each token's pages
+only up to its length (``layers.reads_pages_by_length``) pads every table to that one width instead: a wider
+table then costs an int32 per column and sequence and no attention work, and a step shape per context bucket
+would multiply the compiles. A runner made with ``max_seqs`` pads S to
+``min(max(N, MIN_SEQS_BUCKET), bucket(max_seqs))``, a function of N: the step shapes are then the pairs (N, W)
+(N alone, with one width) and no more, few enough to compile them all before serving
 (``step_shapes``, ``compile_step``, ``compile_sample``, ``compile_decode``: ahead-of-time lowering of the very calls
 ``run`` and ``decode`` make, so they find their executables compiled). The cache is donated: the forward pass
 updates it in place, and no array goes back to the host between layers. Per call the host gets the sampled
@@ -164,17 +168,19 @@ def _step(params: dict, kv: Any, packed: jax.Array, previous: jax.Array | None =
     if previous is not None:
         tokens = jnp.where(batch.seq_ids >= 0, previous[tokens], 0)
 
+    rows = None if targets is not None else last  # a scoring step needs every token's logits, others the last's
+
     def model(params, tokens, batch, kv):
         extra = () if mm is None else (mm,)
-        return forward(params, cfg, tokens, batch, kv, *extra, kernels=kernels)
+        return forward(params, cfg, tokens, batch, kv, *extra, kernels=kernels, rows=rows)
 
     if kernels.batch_invariant:  # every matmul and sum at a fixed geometry (serving.batch_invariant)
         model = batch_invariant.invariant(model)
     logits, kv, expert_counts = model(params, tokens, batch, kv)
-    scores = None
-    if targets is not None:
-        score = functools.partial(token_logprobs, num_top=MAX_LOGPROBS)
-        scores = (batch_invariant.invariant(score) if kernels.batch_invariant else score)(logits, targets)
+    if targets is None:
+        return logits, kv, expert_counts, None
+    score = functools.partial(token_logprobs, num_top=MAX_LOGPROBS)
+    scores = (batch_invariant.invariant(score) if kernels.batch_invariant else score)(logits, targets)
     return logits[last], kv, expert_counts, scores
 
 
@@ -204,8 +210,8 @@ def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBa
     def one_step(carry, _):
         kv, tokens, batch, sampling, counts = carry
         logits, kv, step_counts = forward(params, cfg, tokens, batch, kv, *extra,
-                                          kernels=dataclasses.replace(kernels, paged_only=True))
-        result = sample(logits[last], sampling, num_top=num_top, draw=draw)
+                                          kernels=dataclasses.replace(kernels, paged_only=True), rows=last)
+        result = sample(logits, sampling, num_top=num_top, draw=draw)
         tokens = jnp.where(real, result.tokens[jnp.maximum(batch.seq_ids, 0)], 0)
         carry = kv, tokens, next_decode_batch(batch, block_size), advance(sampling, result.tokens), counts + step_counts
         return carry, result
@@ -248,11 +254,14 @@ class ModelRunner:
     docstring), else to ``bucket(S)``. ``kernels``: which implementation each layer runs (``layers.KernelPolicy``;
     default the fastest measured on the launch target); ``batch_invariant=True`` replaces it with
     ``layers.BATCH_INVARIANT``. ``encode``: a vision-language model's ``encode_images`` (None: no image encoder).
+    ``max_blocks``: the most blocks a sequence holds (None: unbounded), which fixes W where the kernels allow
+    (``fixed_width``, module docstring).
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, forward: Callable, kv: Any, block_size: int,
                  batch_invariant: bool = False, mesh: Mesh | None = None, max_seqs: int | None = None,
-                 kernels: layers.KernelPolicy = layers.DEFAULT, encode: Callable | None = None):
+                 kernels: layers.KernelPolicy = layers.DEFAULT, encode: Callable | None = None,
+                 max_blocks: int | None = None):
         if not isinstance(kernels, layers.KernelPolicy):
             raise TypeError(f"ModelRunner: kernels={kernels!r}: expected a layers.KernelPolicy")
         self.cfg, self.params, self.forward, self.kv, self.block_size = cfg, params, forward, kv, block_size
@@ -266,6 +275,11 @@ class ModelRunner:
         self.tiers = None  # a kv_tiers.KVTiers whose queued copies run before each step (set by the engine)
         self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform  # "cpu", "gpu"
         self.min_decode_tokens = MIN_DECODE_BUCKET.get(self.platform, MIN_TOKENS_BUCKET)  # a decode step's smallest N
+        self.max_blocks = max_blocks
+        # Every step's W where the attention reads pages only up to each token's length (module docstring); None:
+        # W over its buckets.
+        self.fixed_width = max_blocks if max_blocks is not None and self.platform == "gpu" and (
+            layers.reads_pages_by_length(cfg, jax.tree.leaves(kv)[0].dtype, self.kernels)) else None
 
     def num_seqs(self, num_tokens: int, real: int) -> int:
         """The padded S of a step of ``real`` sequences with N = ``num_tokens`` (padded): N's, at least
@@ -275,6 +289,16 @@ class ModelRunner:
         if real > self.max_seqs:
             raise ValueError(f"a step of {real} sequences: expected at most max_seqs={self.max_seqs}")
         return min(max(num_tokens, MIN_SEQS_BUCKET), bucket(self.max_seqs))
+
+    def table_width(self, widest: int) -> int:
+        """The padded block-table width W of a step whose widest sequence holds ``widest`` blocks: the runner's
+        ``fixed_width`` where it has one, else ``blocks_bucket(widest)``."""
+        if self.fixed_width is None:
+            return blocks_bucket(widest)
+        if widest > self.fixed_width:
+            raise ValueError(f"a step with a sequence of {widest} blocks: expected at most max_blocks="
+                             f"{self.fixed_width}")
+        return self.fixed_width
 
     def prepare(self, chunks: list[SeqChunk], token_ids: list[list[int]],
                 num_tokens: int | None = None) -> tuple[np.ndarray, AttentionBatch]:
@@ -289,7 +313,7 @@ class ModelRunner:
         num_tokens = bucket(total, MIN_TOKENS_BUCKET) if num_tokens is None else num_tokens
         batch = make_batch(chunks, self.block_size, num_tokens=num_tokens,
                            num_seqs=self.num_seqs(num_tokens, len(chunks)),
-                           max_blocks=blocks_bucket(widest))
+                           max_blocks=self.table_width(widest))
         tokens = np.zeros(batch.positions.shape, np.int32)
         tokens[:total] = np.concatenate(token_ids)
         return tokens, batch
@@ -451,16 +475,20 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------- compiling ahead of serving
 
-    def step_shapes(self, max_tokens: int, max_blocks: int, decode_only: bool = False) -> list[StepShape]:
+    def step_shapes(self, max_tokens: int, decode_only: bool = False) -> list[StepShape]:
         """Every shape ``prepare`` pads a step of at most ``max_tokens`` new tokens (at most ``max_seqs`` of them,
-        ``decode_only``: one token per sequence, the decode steps' shapes, paged-only where kernels are traced) and
-        ``max_blocks`` blocks per sequence to: N and W run over their buckets, S is N's (needs ``max_seqs``)."""
-        if self.max_seqs is None:
-            raise ValueError("step_shapes: a runner without max_seqs pads S on its own: expected max_seqs")
+        ``decode_only``: one token per sequence, the decode steps' shapes, paged-only where kernels are traced) to:
+        N runs over its buckets, S is N's, W is ``fixed_width`` or runs over its buckets up to ``max_blocks``
+        (needs ``max_seqs`` and ``max_blocks``)."""
+        if self.max_seqs is None or self.max_blocks is None:
+            raise ValueError(f"step_shapes: a runner with max_seqs={self.max_seqs}, max_blocks={self.max_blocks} "
+                             "pads S or W on its own: expected both")
         limit = min(max_tokens, self.max_seqs) if decode_only else max_tokens
         minimum = self.min_decode_tokens if decode_only else MIN_TOKENS_BUCKET
+        widths = [self.fixed_width] if self.fixed_width else buckets(self.max_blocks, MIN_BLOCKS_BUCKET,
+                                                                       BLOCKS_BUCKET_BASE)
         return [StepShape(n, self.num_seqs(n, 1), w, self._paged_only(decode_only))
-                for n in buckets(limit, minimum) for w in buckets(max_blocks, MIN_BLOCKS_BUCKET, BLOCKS_BUCKET_BASE)]
+                for n in buckets(limit, minimum) for w in widths]
 
     def _packed_like(self, shape: StepShape) -> Any:
         sizes = [math.prod(s) for s in kv_cache.step_shapes(shape.num_tokens, shape.num_seqs, shape.max_blocks)]

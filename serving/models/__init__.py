@@ -1,7 +1,8 @@
 """Model families: ``model_module(family)`` is the one place a family name picks its implementation.
 
 Every module has ``init_params(cfg, key, dtype)``, ``params_from_hf(cfg, tensors, dtype)``,
-``param_specs(cfg)`` and ``forward(params, cfg, tokens, batch, kv) -> (logits, kv, expert_counts)``.
+``param_specs(cfg)`` and ``forward(params, cfg, tokens, batch, kv, kernels=..., rows=None) -> (logits, kv,
+expert_counts)``: the logits at the flat indices ``rows`` (None: at every token).
 """
 
 import importlib

@@ -191,9 +191,10 @@ def attention(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, batch: At
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch,
-            kv: PagedLatentKV, kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, PagedLatentKV, jax.Array]:
-    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, updated cache, expert counts ``[layers, E]`` int32), through the
-    implementations ``kernels`` picks (``layers.KernelPolicy``).
+            kv: PagedLatentKV, kernels: KernelPolicy = DEFAULT,
+            rows: jax.Array | None = None) -> tuple[jax.Array, PagedLatentKV, jax.Array]:
+    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, or ``[R, V]`` at the flat indices ``rows [R]``, updated cache,
+    expert counts ``[layers, E]`` int32), through the implementations ``kernels`` picks (``layers.KernelPolicy``).
 
     ``expert_counts[l, e]``: real (non-padding) tokens routed to expert e in layer l (0 on dense layers).
     """
@@ -216,4 +217,4 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionB
             h_out, layer_counts = swiglu(h, **lp["mlp"]), jnp.zeros(cfg.num_experts, jnp.int32)
         x = x + h_out
         counts.append(layer_counts)
-    return llama.logits(params, cfg, x), kv, jnp.stack(counts)
+    return llama.logits(params, cfg, x, rows), kv, jnp.stack(counts)

@@ -81,7 +81,9 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch,
-            kv: PagedKV, kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, PagedKV, jax.Array]:
-    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, updated cache, expert counts ``[layers, E]`` int32): the
-    decoder of ``moe.forward``, whose attention and MoE layers read the biases, sinks and windows above."""
-    return moe.forward(params, cfg, tokens, batch, kv, kernels)
+            kv: PagedKV, kernels: KernelPolicy = DEFAULT,
+            rows: jax.Array | None = None) -> tuple[jax.Array, PagedKV, jax.Array]:
+    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, or ``[R, V]`` at the flat indices ``rows [R]``, updated cache,
+    expert counts ``[layers, E]`` int32): the decoder of ``moe.forward``, whose attention and MoE layers read the
+    biases, sinks and windows above."""
+    return moe.forward(params, cfg, tokens, batch, kv, kernels, rows)

@@ -229,9 +229,11 @@ def attention(p: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array, batch: At
     return (out + p["o_bias"] if cfg.attention_bias else out), kv
 
 
-def logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Final RMSNorm and output head: ``[..., D]`` -> ``[..., V]`` float32."""
-    x = rms_norm(x, params["norm"], cfg.rms_eps)
+def logits(params: dict, cfg: ModelConfig, x: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    """Final RMSNorm and output head: ``[..., D]`` -> ``[..., V]`` float32; with ``rows`` (indices into x's first
+    axis), at those rows only: a step samples from each chunk's last token, so its head is ``[S, D] @ [D, V]``,
+    not ``[N, D] @ [D, V]`` (at an 8k-token prefill and a 152k vocabulary, 5 GB of float32 logits unwritten)."""
+    x = rms_norm(x if rows is None else x[rows], params["norm"], cfg.rms_eps)
     if cfg.tie_embeddings:  # ``embed [V, D] @ x.T``: the table read as stored (``x @ embed.T`` copies it on XLA:CPU)
         out = jax.lax.dot_general(params["embed"], x, (((1,), (x.ndim - 1,)), ((), ())),
                                   preferred_element_type=jnp.float32)  # [V, ...]
@@ -240,11 +242,12 @@ def logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch, kv: PagedKV,
-            hidden_layers: tuple[int, ...] = (), kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, ...]:
-    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, updated cache, expert counts ``[layers, 0]`` (no experts)),
-    and when ``hidden_layers`` names any, the hidden states after those layers ``[N, len(hidden_layers), D]``
-    (layer ``cfg.layers``: the final RMSNorm's input). ``kernels``: the implementations the layers run
-    (``layers.KernelPolicy``)."""
+            hidden_layers: tuple[int, ...] = (), kernels: KernelPolicy = DEFAULT,
+            rows: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, or ``[R, V]`` at the flat indices ``rows [R]``, updated cache,
+    expert counts ``[layers, 0]`` (no experts)), and when ``hidden_layers`` names any, the hidden states after
+    those layers ``[N, len(hidden_layers), D]`` (layer ``cfg.layers``: the final RMSNorm's input). ``kernels``:
+    the implementations the layers run (``layers.KernelPolicy``)."""
     rope = rope_table(cfg)
     x = params["embed"][tokens]
     after = []  # after[l]: the hidden states after layer l + 1
@@ -253,5 +256,5 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionB
         x = x + h
         x = x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_eps), **lp["mlp"])
         after.append(x)
-    out = logits(params, cfg, x), kv, jnp.zeros((cfg.layers, cfg.num_experts), jnp.int32)
+    out = logits(params, cfg, x, rows), kv, jnp.zeros((cfg.layers, cfg.num_experts), jnp.int32)
     return (*out, jnp.stack([after[l - 1] for l in hidden_layers], axis=1)) if hidden_layers else out

@@ -79,10 +79,10 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.
         else llama.mlp_from_hf(cfg, tensors, f"{prefix}.mlp", dtype)))
 
 
-def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch,
-            kv: PagedKV, kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, PagedKV, jax.Array]:
-    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, updated cache, expert counts ``[layers, E]`` int32), through the
-    implementations ``kernels`` picks (``layers.KernelPolicy``).
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch, kv: PagedKV,
+            kernels: KernelPolicy = DEFAULT, rows: jax.Array | None = None) -> tuple[jax.Array, PagedKV, jax.Array]:
+    """Tokens ``[N]`` -> (logits ``[N, V]`` float32, or ``[R, V]`` at the flat indices ``rows [R]``, updated cache,
+    expert counts ``[layers, E]`` int32), through the implementations ``kernels`` picks (``layers.KernelPolicy``).
 
     ``expert_counts[l, e]``: real (non-padding) tokens routed to expert e in layer l (0 on dense layers).
     """
@@ -101,4 +101,4 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionB
             h, layer_counts = swiglu(h, **lp["mlp"]), jnp.zeros(cfg.num_experts, jnp.int32)
         x = x + h
         counts.append(layer_counts)
-    return llama.logits(params, cfg, x), kv, jnp.stack(counts)
+    return llama.logits(params, cfg, x, rows), kv, jnp.stack(counts)

@@ -85,10 +85,11 @@ def encode_images(params: dict, cfg: ModelConfig, pixels: jax.Array,
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch, kv: PagedKV,
-            mm: MultimodalInputs | None = None,
-            kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, PagedKV, jax.Array]:
-    """Tokens ``[N]`` (and their image inputs, module docstring) -> (logits ``[N, V]`` float32, updated cache,
-    expert counts ``[layers, E]`` int32), through the implementations ``kernels`` picks (``layers.KernelPolicy``)."""
+            mm: MultimodalInputs | None = None, kernels: KernelPolicy = DEFAULT,
+            rows: jax.Array | None = None) -> tuple[jax.Array, PagedKV, jax.Array]:
+    """Tokens ``[N]`` (and their image inputs, module docstring) -> (logits ``[N, V]`` float32, or ``[R, V]`` at the
+    flat indices ``rows [R]``, updated cache, expert counts ``[layers, E]`` int32), through the implementations
+    ``kernels`` picks (``layers.KernelPolicy``)."""
     rope = llama.rope_table(cfg)
     axes = mrope_axes(cfg.mrope_section, cfg.rope_dim // 2)
     shift = jnp.zeros((tokens.shape[0], 3), jnp.int32) if mm is None else mm.rope_shift
@@ -112,4 +113,4 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionB
         if images and l < mm.deepstack.shape[0]:
             x = x + jnp.where(mm.image_mask[:, None], mm.deepstack[l].astype(x.dtype), 0)
         counts.append(layer_counts)
-    return llama.logits(params, cfg, x), kv, jnp.stack(counts)
+    return llama.logits(params, cfg, x, rows), kv, jnp.stack(counts)

@@ -27,8 +27,8 @@ def _draft_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, last: jax.
                 kernels: layers.KernelPolicy) -> tuple[jax.Array, jax.Array | None, Any]:
     """Draft model forward (its layers as the policy ``kernels`` says), then one draft token per sequence ``[S]``
     (and its distribution q ``[S, V]``)."""
-    logits, kv, _ = forward(params, cfg, tokens, batch, kv, kernels=kernels)
-    return *draw_drafts(logits[last], sampling, sample), kv
+    logits, kv, _ = forward(params, cfg, tokens, batch, kv, kernels=kernels, rows=last)
+    return *draw_drafts(logits, sampling, sample), kv
 
 
 

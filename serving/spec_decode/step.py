@@ -33,13 +33,13 @@ def _score_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, rows: jax.
     hidden states after them ``[N, len(hidden_layers), D]``. In batch-invariant mode a position's logits are those a
     one-token step gives."""
     def model(params, tokens, batch, kv):
-        return forward(params, cfg, tokens, batch, kv, kernels=kernels,
+        return forward(params, cfg, tokens, batch, kv, kernels=kernels, rows=rows,
                        **({"hidden_layers": hidden_layers} if hidden_layers else {}))
 
     if kernels.batch_invariant:
         model = batch_invariant.invariant(model)
     logits, kv, expert_counts, *hidden = model(params, tokens, batch, kv)
-    return logits[rows], kv, expert_counts, hidden[0] if hidden_layers else None
+    return logits, kv, expert_counts, hidden[0] if hidden_layers else None
 
 
 @functools.partial(jax.jit, static_argnames=("num_top", "draw"))

@@ -182,6 +182,8 @@ def test_benchmark_cpu_mode_writes_rows_json_and_png(tmp_path):
         assert r["output_throughput"] > 0 and r["startup_s"] > 0 and r["ms_per_layer"] > 0 and r["layers"] == 2
     for r in rows[:2]:  # the device step alone
         assert 0 < r["tpot_median_ms"] <= r["tpot_p99_ms"] and 0 < r["ttft_median_ms"] <= r["ttft_p99_ms"]
+    # the run's own compilation cache: empty for the engine, filled by it for the server
+    assert [r["compilation_cache"] for r in rows] == [None] * 2 + ["cold"] * 3 + ["warm"] * 3
     for r in rows[2:]:
         assert r["statuses"]["ok"] == r["requests"] == 4 and r["output_tokens"] == 4 * 6, r
         assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and r["startup_s"] > 0

@@ -225,10 +225,10 @@ class LogitsRecorder:
     def __init__(self, forward):
         self.forward, self.logits, self.prompts = forward, {}, []
 
-    def __call__(self, params, cfg, tokens, batch, kv, kernels=layers.DEFAULT):
-        logits, kv, counts = self.forward(params, cfg, tokens, batch, kv, kernels=kernels)
+    def __call__(self, params, cfg, tokens, batch, kv, kernels=layers.DEFAULT, rows=None):
+        logits, kv, counts = self.forward(params, cfg, tokens, batch, kv, kernels=kernels)  # at every token
         jax.debug.callback(self.record, batch.seq_ids, batch.positions, logits)
-        return logits, kv, counts
+        return logits if rows is None else logits[rows], kv, counts
 
     def record(self, seq_ids, positions, logits):
         for n in np.flatnonzero(np.asarray(seq_ids) >= 0):

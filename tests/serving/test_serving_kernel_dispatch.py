@@ -14,7 +14,7 @@ import pytest
 from helpers import HF
 
 from pallas_kernels import device
-from pallas_kernels.testing import TRITON_CALL_TARGET, assert_close, lower_for_h200, on_gpu
+from pallas_kernels.testing import H200, TRITON_CALL_TARGET, assert_close, lower_for_h200, on_gpu
 from serving import SamplingParams, layers
 from serving.config import ModelConfig
 from serving.engine import runner as runner_module
@@ -387,3 +387,22 @@ def test_the_default_policy_compiled_on_the_gpu_gives_the_reference(window):
     assert ("flash_attention_mgpu_causal" in text) == mosaic
     assert ('name = "flash_attention_causal"' in text) != mosaic and 'name = "paged_attention"' in text
     assert_close(in_mode(layers.DEFAULT, attend, *args), in_mode(layers.REFERENCE, attend, *args))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_reads_pages_by_length_where_an_h200_runs_the_paged_kernels(name):
+    """The runner pads every block table to one width only where the paged op is a kernel whose loop stops at each
+    token's length: for an H200, the default and the Triton policies over a bf16 or fp32 cache; never the
+    references, the interpreter, a cache dtype the kernels do not take, or a process with no GPU to launch on."""
+    cfg = fixture(name)[0]
+    op = "paged_mla_attention" if cfg.is_mla else "paged_attention"
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
+        assert layers.reads_pages_by_length(cfg, jnp.bfloat16, layers.DEFAULT)
+        assert layers.reads_pages_by_length(cfg, jnp.float32, layers.KernelPolicy(**{op: "triton"}))
+        assert not layers.reads_pages_by_length(cfg, jnp.bfloat16, layers.KernelPolicy(**{op: "xla"}))
+        for kernels in (layers.REFERENCE, layers.INTERPRET, layers.BATCH_INVARIANT):
+            assert not layers.reads_pages_by_length(cfg, jnp.bfloat16, kernels)
+        assert not layers.reads_pages_by_length(cfg, jnp.float16, layers.DEFAULT)
+        narrow = {"kv_lora_rank": 72} if cfg.is_mla else {"head_dim": 72}  # not a multiple of 16
+        assert not layers.reads_pages_by_length(dataclasses.replace(cfg, **narrow), jnp.bfloat16, layers.DEFAULT)
+    assert layers.reads_pages_by_length(cfg, jnp.bfloat16, layers.DEFAULT) == on_gpu()

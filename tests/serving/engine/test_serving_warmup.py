@@ -42,13 +42,14 @@ def test_only_decode_steps_are_paged_only(folder):
     (N up to the bucket of max_running = 4 tokens) traced paged-only; a reference runner traces nothing apart."""
     from serving import layers
 
-    widths = [16, 64]
     on_gpu = jax.default_backend() == "gpu"  # the default policy traces the kernels where there is a GPU
     for kernels, paged in ((layers.INTERPRET, True), (layers.REFERENCE, False), (layers.DEFAULT, on_gpu)):
         eng = Engine(folder, dtype="float32", num_blocks=64, block_size=4, max_running=4, token_budget=32,
                      max_model_len=256, compilation_cache=False, kernels=kernels)
-        assert eng.runner.step_shapes(32, 64) == [StepShape(n, 4, w, False) for n in (8, 16, 32) for w in widths]
-        assert eng.runner.step_shapes(32, 64, decode_only=True) == [
+        assert eng.runner.fixed_width == (64 if paged and kernels is layers.DEFAULT else None)
+        widths = [64] if eng.runner.fixed_width else [16, 64]
+        assert eng.runner.step_shapes(32) == [StepShape(n, 4, w, False) for n in (8, 16, 32) for w in widths]
+        assert eng.runner.step_shapes(32, decode_only=True) == [
             StepShape(n, 4, w, paged) for n in buckets(4, eng.runner.min_decode_tokens) for w in widths]
 
 
@@ -86,12 +87,36 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
     assert events == []
 
 
+def test_with_one_table_width_the_steps_are_one_per_n_and_the_tokens_unchanged(folder):
+    """A runner with a ``fixed_width`` (where the paged kernels read by length: on a GPU) pads every block table to
+    it: one shape per N, warm-up compiles only those, and a workload of short and long contexts then compiles
+    nothing and samples the same tokens as the bucketed widths (the references mask the padding columns)."""
+    def engine():
+        return Engine(folder, dtype="float32", num_blocks=128, block_size=4, max_running=4, token_budget=16,
+                      max_model_len=256, compilation_cache=False)
+
+    texts = ["The quick brown fox jumps over the lazy dog " * 3, "Hi"]  # 132 tokens (W bucket 64) and 2 (16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    want = engine().generate(texts, greedy)
+    eng = engine()
+    eng.runner.fixed_width = eng.runner.max_blocks
+    assert eng.runner.max_blocks == 64 and [s.max_blocks for s in eng.runner.step_shapes(16)] == [64, 64]
+    eng.warm_up()
+    with compile_events() as events:
+        got = eng.generate(texts, greedy)
+    assert events == []
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    with pytest.raises(ValueError, match="a step with a sequence of 65 blocks: expected at most max_blocks=64"):
+        eng.runner.table_width(65)
+
+
 def test_with_ngram_speculation_warm_up_compiles_every_verification_and_plain_step(folder):
     eng = Engine(folder, dtype="float32", num_blocks=32, block_size=4, max_running=2, token_budget=16,
                  max_model_len=64, speculative=SpecConfig.from_method("ngram", k=3), compilation_cache=False)
     done = eng.warm_up()
     kinds = [kind for kind, *_ in done]  # steps without drafts are plain ones: both sets
-    shapes = eng.runner.step_shapes(16, 16)  # N up to the token budget, one width
+    shapes = eng.runner.step_shapes(16)  # N up to the token budget, one width
     assert kinds.count("score") == 2 * len(shapes) and kinds.count("verify") == 8
     assert {"step", "sample", "chained"} <= set(kinds)
     with compile_events() as events:
@@ -206,10 +231,10 @@ def test_a_run_over_padding_leaves_the_cache_and_the_outputs_as_they_were(folder
     before = jax.device_get(eng.runner.kv)
     assert any(np.abs(leaf).sum() > 0 for leaf in jax.tree.leaves(before))  # the request's blocks are cached
     runner = eng.runner
-    for shape in runner.step_shapes(16, 16):
+    for shape in runner.step_shapes(16):
         runner.run_padding(shape)
         runner.run_padding(shape, scores=True)
-    for shape in runner.step_shapes(16, 16, decode_only=True):
+    for shape in runner.step_shapes(16, decode_only=True):
         runner.run_padding(shape, chained=True)
     after = jax.device_get(eng.runner.kv)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))

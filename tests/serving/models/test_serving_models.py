@@ -61,6 +61,21 @@ def test_prefill_ragged_batch_matches_hf_fp32(name):
         assert counts[l].sum() == (tokens * cfg.top_k if cfg.is_moe_layer(l) else 0)
 
 
+@pytest.mark.parametrize("name", [*FAMILIES, "deepseek_v3"])
+def test_rows_give_the_logits_of_those_tokens_only(name):
+    """``forward(rows=...)``: the head runs at the given flat indices only (each chunk's last token, as a step
+    samples), and gives the logits the whole batch's head gives there."""
+    cfg = fixture(name)[0]
+    everywhere, _, _ = prefill(name, jnp.float32, [0, 1])
+    ends = np.cumsum([len(p) for p in prompts(name)[:2]]) - 1
+    at_rows, _, _ = prefill(name, jnp.float32, [0, 1], forward_fn=lambda *a: model_module(cfg.family).forward(
+        *a, rows=jnp.asarray(ends)))
+    rows = np.concatenate(at_rows)
+    assert rows.shape == (2, cfg.vocab)
+    for s in range(2):
+        assert_close(rows[s], everywhere[s][-1], rtol=FP32_RTOL, name=f"{name} prompt {s} last token")
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_decode_through_the_paged_cache_matches_hf(name):
     cfg, _, ref = fixture(name)
