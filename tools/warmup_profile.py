@@ -2,8 +2,9 @@
 
 Builds the engine ``python -m serving serve`` would build for one of ``benchmarks/serving_load.py``'s models (the
 same ``serve`` options), then times ``warm_up`` in a fresh process twice, first with an empty compilation cache,
-then reading it back: entries by kind, and the seconds JAX reports per compile phase (tracing to a jaxpr,
-lowering to MLIR, XLA's backend compile; summed over the worker threads, so they may exceed the wall time).
+then reading it back: entries by kind, the seconds JAX reports per compile phase (tracing to a jaxpr,
+lowering to MLIR, XLA's backend compile; summed over the worker threads, so they may exceed the wall time), the
+persistent cache's hits and misses, and the seconds of the forward steps' first runs over padding.
 Prints one table and writes JSON under ``--out-dir``.
 
     python3 -m tools.warmup_profile --model moe-1b                   # on the GPU machine
@@ -26,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 PHASES = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
           "/jax/core/compile/backend_compile_duration": "compile_s"}
+EVENTS = {"/jax/compilation_cache/cache_hits": "cache_hits", "/jax/compilation_cache/cache_misses": "cache_misses"}
 
 
 def _profile(serve_args: list[str], out: multiprocessing.Queue) -> None:
@@ -38,10 +40,20 @@ def _profile(serve_args: list[str], out: multiprocessing.Queue) -> None:
     phases: collections.Counter = collections.Counter()
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **_: phases.update({PHASES[name]: secs}) if name in PHASES else None)
+    jax.monitoring.register_event_listener(
+        lambda name, **_: phases.update({EVENTS[name]: 1}) if name in EVENTS else None)
     started = time.perf_counter()
     spec, _, _ = cli._spec(parser().parse_args(["serve", *serve_args]))
     engine = spec.build()
     built = time.perf_counter()
+    run_padding = engine.runner.run_padding
+
+    def timed_padding(*args, **kwargs):  # the first runs of the forward steps, apart from the compiles
+        start = time.perf_counter()
+        run_padding(*args, **kwargs)
+        phases.update({"padding_runs_s": time.perf_counter() - start})
+
+    engine.runner.run_padding = timed_padding
     entries = engine.warm_up()
     done = time.perf_counter()
     kinds = collections.Counter(entry[0] for entry in entries)
@@ -94,10 +106,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"warmup_profile_{args.model}.json").write_text(json.dumps(dict(serve_args=serve, rows=rows), indent=1))
-    print(f"{'cache':6} {'entries':>7} {'build_s':>8} {'warm_up_s':>9} {'trace_s':>8} {'lower_s':>8} {'compile_s':>9}")
+    print(f"{'cache':6} {'entries':>7} {'build_s':>8} {'warm_up_s':>9} {'trace_s':>8} {'lower_s':>8} {'compile_s':>9} "
+          f"{'padding_s':>9} {'hits':>5} {'misses':>6}")
     for r in rows:
         print(f"{r['cache']:6} {r['entries']:7d} {r['build_s']:8.1f} {r['warm_up_s']:9.1f} {r.get('trace_s', 0):8.1f} "
-              f"{r.get('lower_s', 0):8.1f} {r.get('compile_s', 0):9.1f}   {r['kinds']}")
+              f"{r.get('lower_s', 0):8.1f} {r.get('compile_s', 0):9.1f} {r.get('padding_runs_s', 0):9.1f} "
+              f"{r.get('cache_hits', 0):5d} {r.get('cache_misses', 0):6d}   {r['kinds']}")
     return rows
 
 

@@ -9,7 +9,7 @@ table then costs an int32 per column and sequence and no attention work, and a s
 would multiply the compiles. A runner made with ``max_seqs`` pads S to
 ``min(max(N, MIN_SEQS_BUCKET), bucket(max_seqs))``, a function of N: the step shapes are then the pairs (N, W)
 (N alone, with one width) and no more, few enough to compile them all before serving
-(``step_shapes``, ``compile_step``, ``compile_sample``, ``compile_decode``: ahead-of-time lowering of the very calls
+(``step_shapes``, ``lower_step``, ``lower_sample``, ``lower_decode``: ahead-of-time lowering of the very calls
 ``run`` and ``decode`` make, so they find their executables compiled). The cache is donated: the forward pass
 updates it in place, and no array goes back to the host between layers. Per call the host gets the sampled
 token of every sequence (the logits at its chunk's last token), their logprobs, and the per-layer expert
@@ -494,55 +494,64 @@ class ModelRunner:
         sizes = [math.prod(s) for s in kv_cache.step_shapes(shape.num_tokens, shape.num_seqs, shape.max_blocks)]
         return self._placed(np.zeros(sum(sizes), np.int32))
 
-    def compile_step(self, shape: StepShape, chained: bool = False, scores: bool = False) -> jax.ShapeDtypeStruct:
-        """Compile ``run``'s forward step of ``shape`` (nothing runs), or with ``chained`` ``dispatch``'s of a decode
-        step after another (its tokens on the device), or with ``scores`` its scoring variant (``dispatch`` with
-        targets); returns the logits it gives the sampler."""
-        previous = jax.ShapeDtypeStruct((shape.num_seqs,), jnp.int32, sharding=self._replicated) if chained else None
-        targets = self._placed(np.zeros(shape.num_tokens, np.int32)) if scores else None
-        with self.on_mesh():
-            compiled = _step.lower(self.params, self.kv, self._packed_like(shape), previous, None, targets,
-                                   sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), forward=self.forward,
-                                   cfg=self.cfg, kernels=self.step_kernels(shape.paged_only)).compile()
-        info = compiled.out_info[0]
-        return jax.ShapeDtypeStruct(info.shape, info.dtype,
-                                    sharding=None if self.mesh is None else compiled.output_shardings[0])
-
-    def run_padding(self, shape: StepShape, chained: bool = False, scores: bool = False) -> None:
-        """Run ``compile_step``'s step of ``shape`` once over a batch of padding only (every token's slot PAD: the
-        cache is left as it was), and wait for it. A compiled executable's first run costs more than the next ones
-        (XLA:CPU generates its kernels' code then; a GPU loads its modules), so warm-up runs each one once and the
-        first requests do not pay it."""
+    def _padding_call(self, shape: StepShape, chained: bool, scores: bool) -> tuple[tuple, dict]:
+        """``_step``'s arguments after the params and cache (and its static ones) for a step of ``shape`` over a
+        batch of padding only (every token's slot PAD: running it leaves the cache as it was); with ``chained`` the
+        decode step after another (its tokens on the device), with ``scores`` the scoring variant."""
         batch = make_batch([], self.block_size, num_tokens=shape.num_tokens, num_seqs=shape.num_seqs,
                            max_blocks=shape.max_blocks)
         packed = self._packed(np.zeros(shape.num_tokens, np.int32), batch, np.zeros(shape.num_seqs, np.int32))
         previous = self._placed(np.zeros(shape.num_seqs, np.int32)) if chained else None
         targets = self._placed(np.zeros(shape.num_tokens, np.int32)) if scores else None
+        static = dict(sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), forward=self.forward, cfg=self.cfg,
+                      kernels=self.step_kernels(shape.paged_only))
+        return (packed, previous, None, targets), static
+
+    def lower_step(self, shape: StepShape, chained: bool = False, scores: bool = False) -> jax.stages.Lowered:
+        """Trace and lower ``run``'s forward step of ``shape`` (nothing runs), or with ``chained`` ``dispatch``'s of
+        a decode step after another, or with ``scores`` its scoring variant (``dispatch`` with targets): the very
+        call those make, so its compiled executable is the one they find."""
+        args, static = self._padding_call(shape, chained, scores)
         with self.on_mesh():
-            out = _step(self.params, self.kv, packed, previous, None, targets,
-                        sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), forward=self.forward,
-                        cfg=self.cfg, kernels=self.step_kernels(shape.paged_only))
-        logits, self.kv, *rest = out
+            return _step.lower(self.params, self.kv, *args, **static)
+
+    def compile_step(self, shape: StepShape, chained: bool = False, scores: bool = False) -> jax.ShapeDtypeStruct:
+        """Compile ``lower_step``'s step; returns the logits it gives the sampler."""
+        with self.on_mesh():
+            compiled = self.lower_step(shape, chained, scores).compile()
+        info = compiled.out_info[0]
+        return jax.ShapeDtypeStruct(info.shape, info.dtype,
+                                    sharding=None if self.mesh is None else compiled.output_shardings[0])
+
+    def run_padding(self, shape: StepShape, chained: bool = False, scores: bool = False) -> None:
+        """Run ``lower_step``'s step of ``shape`` once over its batch of padding (the cache is left as it was), and
+        wait for it. A compiled executable's first run costs more than the next ones (XLA:CPU generates its
+        kernels' code then; a GPU loads its modules), so warm-up runs each one once and the first requests do not
+        pay it."""
+        args, static = self._padding_call(shape, chained, scores)
+        with self.on_mesh():
+            logits, self.kv, *rest = _step(self.params, self.kv, *args, **static)
         jax.block_until_ready((logits, rest))
 
-    def compile_sample(self, logits: jax.ShapeDtypeStruct, num_top: int, draw: bool, masked: bool,
-                       biased: bool = False) -> None:
-        """Compile ``run``'s sampler for ``logits`` ``[S, V]`` (a ``compile_step`` result), with ``num_top``
+    def lower_sample(self, logits: jax.ShapeDtypeStruct, num_top: int, draw: bool, masked: bool,
+                     biased: bool = False) -> jax.stages.Lowered:
+        """Lower ``run``'s sampler for ``logits`` ``[S, V]`` (a ``compile_step`` result), with ``num_top``
         logprobs, drawing or greedy, with a structured-output mask (``masked``) or without, with logit biases
         (``biased``) or without."""
         num_seqs = logits.shape[0]
         bitmask = np.zeros((num_seqs, -(-self.cfg.vocab // 32)), np.int32) if masked else None
         with self.on_mesh():
-            self._sampler.lower(logits, sampling_batch([], num_seqs, token_bitmask=bitmask, biased=biased),
-                                num_top=num_top, draw=draw).compile()
+            return self._sampler.lower(logits, sampling_batch([], num_seqs, token_bitmask=bitmask, biased=biased),
+                                       num_top=num_top, draw=draw)
 
-    def compile_decode(self, shape: StepShape, steps: int, num_top: int, draw: bool) -> None:
-        """Compile ``decode``'s ``steps``-token call for a decode batch of ``shape``."""
+    def lower_decode(self, shape: StepShape, steps: int, num_top: int, draw: bool) -> jax.stages.Lowered:
+        """Lower ``decode``'s ``steps``-token call for a decode batch of ``shape``."""
         with self.on_mesh():
-            _decode_steps.lower(self.params, self.kv, self._packed_like(shape), sampling_batch([], shape.num_seqs),
-                                None, sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), steps=steps,
-                                block_size=self.block_size, forward=self.forward, cfg=self.cfg,
-                                kernels=self.kernels, draw=draw, num_top=num_top).compile()
+            return _decode_steps.lower(self.params, self.kv, self._packed_like(shape),
+                                       sampling_batch([], shape.num_seqs), None,
+                                       sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), steps=steps,
+                                       block_size=self.block_size, forward=self.forward, cfg=self.cfg,
+                                       kernels=self.kernels, draw=draw, num_top=num_top)
 
     def _masks(self, rows: list[SampleRow], num_seqs: int) -> np.ndarray | None:
         """``[num_seqs, ceil(V / 32)]`` int32 allowed tokens of ``rows``, or None when no row is constrained (that
