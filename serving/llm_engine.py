@@ -419,12 +419,10 @@ class Engine:
         both sets, the verification's being its scoring forward at each shape (paged-only or not) and its
         verification variants; a model drafter's steps are not in the set (nothing is compiled), nor are penalized
         requests' verifications (their token histories have widths of their own). With cache tiers, their copies
-        run once at every batch size, with no effect (``KVTiers.warm_up``). Each entry is traced and lowered one at
-        a time, in order (so the persistent cache keys of what it compiles do not depend on thread timing), then
-        XLA compiles them in parallel threads; ``progress(done, total)`` is called after each lowering and each
-        compile (total: twice the entries). Then, on an accelerator, every forward step runs once over a batch of
-        padding (its first run is the slow one: ``ModelRunner.run_padding``); not on a CPU, where running every
-        prefill shape costs more start-up time than the first requests save.
+        run once at every batch size, with no effect (``KVTiers.warm_up``). Parallel threads trace, lower and
+        compile them; ``progress(done, total)`` is called after each. Then, on an accelerator, every forward step
+        runs once over a batch of padding (its first run is the slow one: ``ModelRunner.run_padding``); not on a
+        CPU, where running every prefill shape costs more start-up time than the first requests save.
         Returns what was compiled: ("step" | "scores" | "score" | "chained", StepShape), ("sample", S, num_top, draw,
         masked, biased), ("verify", S, num_top, draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
@@ -463,38 +461,28 @@ class Engine:
                        "sample": lambda n, *variant: runner.lower_sample(logits["sample"][n], *variant),
                        "score": lambda shape: lower_score(runner, shape, self.speculative.k),
                        "verify": lambda n, *v: lower_verify(logits["verify"][n], self.speculative.k, *v)}
-        total, done = 2 * len(entries), 2 * len(compiled)
-
-        def advance() -> None:
-            nonlocal done
-            done += 1
-            if progress is not None:
-                progress(done, total)
-
         if progress is not None:
-            progress(done, total)
+            progress(len(compiled), len(entries))
         if self.tiers is not None:
             with runner.on_mesh():
                 runner.kv = self.tiers.warm_up(runner.kv)
-        # Traced and lowered one at a time in the entries' order (tracing holds the GIL anyway): a Mosaic GPU
-        # kernel's serialized module depends on what the process lowered before it, so lowering in threads would
-        # give every start other cache keys than the run that filled the compilation cache. Then XLA compiles in
-        # parallel threads, each task in the caller's context (jax settings).
-        lowered = []
-        for kind, *args in entries:
-            if (kind, *args) not in compiled:
-                lowered.append(lower_entry[kind](*args))
-                advance()
-
-        def compile_lowered(stage: jax.stages.Lowered) -> None:
+        # Each thread traces, lowers and compiles its entries (XLA compiles in parallel, lowering partly). A Mosaic
+        # GPU kernel's lowered module names itself by how many kernels of its name the process lowered before
+        # (``mosaic_gpu.dump_basename``), so the threads' order gives some forward steps other persistent-cache
+        # keys on each start. Lowering one entry at a time, in order, keeps the keys but started slower, cold and
+        # warm alike, on an H200 (the commit history has the figures).
+        def lower_and_compile(kind: str, *args: Any) -> None:
+            stage = lower_entry[kind](*args)
             with runner.on_mesh():
                 stage.compile()
 
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-            futures = [pool.submit(contextvars.copy_context().run, compile_lowered, stage) for stage in lowered]
-            for future in concurrent.futures.as_completed(futures):
+            futures = [pool.submit(contextvars.copy_context().run, lower_and_compile, kind, *args)
+                       for kind, *args in entries if (kind, *args) not in compiled]
+            for done, future in enumerate(concurrent.futures.as_completed(futures), start=len(compiled) + 1):
                 future.result()
-                advance()
+                if progress is not None:
+                    progress(done, len(entries))
         if runner.platform != "cpu":  # each forward step's first run, over padding (ModelRunner.run_padding)
             for kind, *args in entries:
                 if kind in ("step", "chained", "scores"):
