@@ -72,7 +72,7 @@ from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
 from serving.engine.kv_tiers import KVTiers, TierStats, layout_fingerprint
 from serving.engine.request import SequenceState as Seq
-from serving.engine.runner import Dispatched, ModelRunner
+from serving.engine.runner import MIN_TOKENS_BUCKET, Dispatched, ModelRunner, bucket
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.engine.scheduler import ScheduledChunk, Scheduler
@@ -355,7 +355,8 @@ class Engine:
         self.runner = ModelRunner(self.cfg, params, module.forward, kv, block_size, batch_invariant=batch_invariant,
                                   mesh=mesh, max_seqs=max_running, kernels=kernels,
                                   encode=getattr(module, "encode_images", None),
-                                  max_blocks=-(-self.max_model_len // block_size))
+                                  max_blocks=-(-self.max_model_len // block_size),
+                                  score_tokens=bucket(self.scheduler.token_budget, MIN_TOKENS_BUCKET))
         self.runner.tiers = self.tiers
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
@@ -405,10 +406,10 @@ class Engine:
         """Compile every device call a step can make (nothing runs), so that serving meets no new shape:
 
         * the forward step of every ``ModelRunner.step_shapes`` shape (N up to ``token_budget``, W up to
-          ``max_model_len``'s blocks, S = N's) and its scoring variant (a step that scores a prompt,
-          ``SamplingParams.prompt_logprobs``), and for each S the sampler with and without logprobs, greedy
-          and drawing, with and without logit biases, and (with a tokenizer, which constraints need) with and
-          without a structured-output mask;
+          ``max_model_len``'s blocks, S = N's), the scoring variant (a step that scores a prompt,
+          ``SamplingParams.prompt_logprobs``) at the shapes of its one N (``ModelRunner.score_tokens``), and for
+          each S the sampler with and without logprobs, greedy and drawing, with and without logit biases, and
+          (with a tokenizer, which constraints need) with and without a structured-output mask;
         * the decode step (its tokens fed on the device: ``ModelRunner.dispatch``), at every decode-only shape (N
           up to ``max_running`` and ``token_budget``);
         * with ``decode_steps`` > 1, every multi-step decode: the decode-only shapes for n = decode_steps (the
@@ -444,7 +445,8 @@ class Engine:
         first = {"step": runner.compile_step(shapes[0])}
         logits = {"sample": {n: jax.ShapeDtypeStruct((n, *first["step"].shape[1:]), first["step"].dtype,
                                                      sharding=first["step"].sharding) for n in num_seqs}}
-        entries = ([("step", shape) for shape in shapes] + [("scores", shape) for shape in shapes]
+        entries = ([("step", shape) for shape in shapes]
+                   + [("scores", shape) for shape in shapes if shape.num_tokens == runner.score_tokens]
                    + [("sample", n, *v, biased) for n in num_seqs for v in samplers for biased in (False, True)])
         if self.drafter is not None:  # a step with drafts is a verification: its scoring forward and verifier too
             rows = self.speculative.k + 1

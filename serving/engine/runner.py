@@ -255,13 +255,16 @@ class ModelRunner:
     default the fastest measured on the launch target); ``batch_invariant=True`` replaces it with
     ``layers.BATCH_INVARIANT``. ``encode``: a vision-language model's ``encode_images`` (None: no image encoder).
     ``max_blocks``: the most blocks a sequence holds (None: unbounded), which fixes W where the kernels allow
-    (``fixed_width``, module docstring).
+    (``fixed_width``, module docstring). ``score_tokens``: the N every scoring step (``dispatch`` with targets) is
+    padded to (None: its bucket), so that one shape of that variant serves them all: the bucket of the most tokens
+    a step holds. Scoring prompts is an evaluation's batch work, which fills its steps anyway; its variant
+    at every N would double the forward passes to compile before serving.
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, forward: Callable, kv: Any, block_size: int,
                  batch_invariant: bool = False, mesh: Mesh | None = None, max_seqs: int | None = None,
                  kernels: layers.KernelPolicy = layers.DEFAULT, encode: Callable | None = None,
-                 max_blocks: int | None = None):
+                 max_blocks: int | None = None, score_tokens: int | None = None):
         if not isinstance(kernels, layers.KernelPolicy):
             raise TypeError(f"ModelRunner: kernels={kernels!r}: expected a layers.KernelPolicy")
         self.cfg, self.params, self.forward, self.kv, self.block_size = cfg, params, forward, kv, block_size
@@ -275,7 +278,7 @@ class ModelRunner:
         self.tiers = None  # a kv_tiers.KVTiers whose queued copies run before each step (set by the engine)
         self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform  # "cpu", "gpu"
         self.min_decode_tokens = MIN_DECODE_BUCKET.get(self.platform, MIN_TOKENS_BUCKET)  # a decode step's smallest N
-        self.max_blocks = max_blocks
+        self.max_blocks, self.score_tokens = max_blocks, score_tokens
         # Every step's W where the attention reads pages only up to each token's length (module docstring); None:
         # W over its buckets.
         self.fixed_width = max_blocks if max_blocks is not None and self.platform == "gpu" and (
@@ -399,6 +402,8 @@ class ModelRunner:
         ``StepResult.prompt``."""
         decode = targets is None and self._is_decode(chunks, previous)
         num_tokens = None  # a general step's: prepare's bucket
+        if targets is not None and self.score_tokens is not None:
+            num_tokens = self.score_tokens
         if previous is not None:
             fed, num_tokens = self._placed(previous.result.tokens), previous.num_tokens  # stays on the device
         elif decode:  # the tokens as a row vector, the packed tokens its rows
