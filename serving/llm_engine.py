@@ -36,8 +36,10 @@ entries come back in ``RequestResult.prompt_logprobs``. While a request is to sc
 
 Nothing need compile while serving: ``warm_up`` compiles every step shape the scheduler and runner can produce
 (``ModelRunner.step_shapes``: N tokens and W block-table columns over their buckets, S a function of
-N), each with the sampler variants a step may ask for, and the multi-step decodes; with JAX's persistent
-compilation cache (``use_compilation_cache``, on by default) a restart reads them back from disk.
+N), each with the sampler variants a step may ask for, and the multi-step decodes, into the runner's
+``executables`` (``engine/executables.py``), which the steps then call. With JAX's persistent compilation cache
+(``use_compilation_cache``, on by default) each call is also kept exported in its folder (``EXPORTED``), so a
+restart neither traces nor lowers the model: it reads the calls back and XLA's cache holds their executables.
 
 Defaults follow the backend (``resolve_dtype``, ``default_decode_steps``): ``dtype="auto"`` serves bfloat16 on an
 accelerator (the checkpoint's float16 where it is float16) and float32 on the CPU, where XLA's bfloat16 matmuls are
@@ -70,6 +72,7 @@ from apex_data import default_cache_dir
 from serving import layers, sharding
 from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
+from serving.engine.executables import Executables
 from serving.engine.kv_tiers import KVTiers, TierStats, layout_fingerprint
 from serving.engine.request import SequenceState as Seq
 from serving.engine.runner import MIN_TOKENS_BUCKET, Dispatched, ModelRunner, bucket
@@ -94,7 +97,7 @@ from serving.spec_decode import (
     grammar_drafts,
     merge_proposals,
 )
-from serving.spec_decode.step import VerifyChunk, compile_score, lower_score, lower_verify, verify_step
+from serving.spec_decode.step import VerifyChunk, compile_score, lower_verify, verify_step
 from serving.structured import compile_constraint
 
 SEED_RANGE = 2**32  # seeds are uint32
@@ -104,6 +107,7 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float
 # steps; on the CPU the host is the device, and SmolLM2 decodes no faster.
 DECODE_STEPS = {"cpu": 1, "gpu": 8}
 COMPILATION_CACHE = "jax-compilation"  # the persistent compilation cache's folder, in the project's cache folder
+EXPORTED = "exported"  # the folder of warm-up's exported calls, in the compilation cache's (engine.executables)
 
 
 class EngineFullError(RuntimeError):
@@ -358,6 +362,8 @@ class Engine:
                                   max_blocks=-(-self.max_model_len // block_size),
                                   score_tokens=bucket(self.scheduler.token_budget, MIN_TOKENS_BUCKET))
         self.runner.tiers = self.tiers
+        if self.compilation_cache is not None and mesh is None:  # warm_up's calls kept exported beside XLA's cache
+            self.runner.executables = Executables(self.compilation_cache / EXPORTED, salt=jax.devices()[0].device_kind)
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
         self._requests: dict[str, tuple[list[int], list[Seq]]] = {}
@@ -442,7 +448,7 @@ class Engine:
             decodes += [("decode", shape, self.decode_steps, *v) for shape in decode_shapes for v in top_draw]
         num_seqs = sorted({shape.num_seqs for shape in shapes})
         # each sampler's logits [S * rows, V]: what the first forward of its kind gives, at each S
-        first = {"step": runner.compile_step(shapes[0])}
+        first = {"step": runner.build_step(shapes[0])}
         logits = {"sample": {n: jax.ShapeDtypeStruct((n, *first["step"].shape[1:]), first["step"].dtype,
                                                      sharding=first["step"].sharding) for n in num_seqs}}
         entries = ([("step", shape) for shape in shapes]
@@ -457,12 +463,12 @@ class Engine:
             entries += [("score", shape) for shape in scores] + [("verify", n, *v) for n in num_seqs for v in samplers]
         entries += decodes
         compiled = {("step", shapes[0])} | ({("score", scores[0])} if self.drafter is not None else set())
-        lower_entry = {"step": runner.lower_step, "decode": runner.lower_decode,
-                       "chained": lambda shape: runner.lower_step(shape, chained=True),
-                       "scores": lambda shape: runner.lower_step(shape, scores=True),
-                       "sample": lambda n, *variant: runner.lower_sample(logits["sample"][n], *variant),
-                       "score": lambda shape: lower_score(runner, shape, self.speculative.k),
-                       "verify": lambda n, *v: lower_verify(logits["verify"][n], self.speculative.k, *v)}
+        build_entry = {"step": runner.build_step, "decode": runner.build_decode,
+                       "chained": lambda shape: runner.build_step(shape, chained=True),
+                       "scores": lambda shape: runner.build_step(shape, scores=True),
+                       "sample": lambda n, *variant: runner.build_sample(logits["sample"][n], *variant),
+                       "score": lambda shape: compile_score(runner, shape, self.speculative.k),
+                       "verify": lambda n, *v: lower_verify(logits["verify"][n], self.speculative.k, *v).compile()}
         if progress is not None:
             progress(len(compiled), len(entries))
         if self.tiers is not None:
@@ -473,13 +479,8 @@ class Engine:
         # (``mosaic_gpu.dump_basename``), so the threads' order gives some forward steps other persistent-cache
         # keys on each start. Lowering one entry at a time, in order, keeps the keys but started slower, cold and
         # warm alike, on an H200 (the commit history has the figures).
-        def lower_and_compile(kind: str, *args: Any) -> None:
-            stage = lower_entry[kind](*args)
-            with runner.on_mesh():
-                stage.compile()
-
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-            futures = [pool.submit(contextvars.copy_context().run, lower_and_compile, kind, *args)
+            futures = [pool.submit(contextvars.copy_context().run, build_entry[kind], *args)
                        for kind, *args in entries if (kind, *args) not in compiled]
             for done, future in enumerate(concurrent.futures.as_completed(futures), start=len(compiled) + 1):
                 future.result()

@@ -4,7 +4,8 @@ Builds the engine ``python -m serving serve`` would build for one of ``benchmark
 same ``serve`` options), then times ``warm_up`` in a fresh process twice, first with an empty compilation cache,
 then reading it back: entries by kind, the seconds JAX reports per compile phase (tracing to a jaxpr,
 lowering to MLIR, XLA's backend compile; summed over the worker threads, so they may exceed the wall time), the
-persistent cache's hits and misses, and the seconds of the forward steps' first runs over padding.
+persistent cache's hits and misses, the calls read back from the folder of exported calls
+(``serving/engine/executables.py``), and the seconds of the forward steps' first runs over padding.
 Prints one table and writes JSON under ``--out-dir``.
 
     python3 -m tools.warmup_profile --model moe-1b                   # on the GPU machine
@@ -59,6 +60,7 @@ def _profile(serve_args: list[str], out: multiprocessing.Queue) -> None:
     kinds = collections.Counter(entry[0] for entry in entries)
     out.put(json.dumps(dict(build_s=built - started, warm_up_s=done - built, startup_s=done - started,
                             entries=len(entries), kinds=dict(kinds), decode_steps=engine.decode_steps,
+                            exported_loaded=engine.runner.executables.loaded,
                             **{k: round(v, 2) for k, v in phases.items()})))
 
 

@@ -9,8 +9,8 @@ table then costs an int32 per column and sequence and no attention work, and a s
 would multiply the compiles. A runner made with ``max_seqs`` pads S to
 ``min(max(N, MIN_SEQS_BUCKET), bucket(max_seqs))``, a function of N: the step shapes are then the pairs (N, W)
 (N alone, with one width) and no more, few enough to compile them all before serving
-(``step_shapes``, ``lower_step``, ``lower_sample``, ``lower_decode``: ahead-of-time lowering of the very calls
-``run`` and ``decode`` make, so they find their executables compiled). The cache is donated: the forward pass
+(``step_shapes``, ``build_step``, ``build_sample``, ``build_decode``: the very calls ``run`` and ``decode`` make,
+compiled ahead of time into the runner's ``executables``, where they find them). The cache is donated: the forward pass
 updates it in place, and no array goes back to the host between layers. Per call the host gets the sampled
 token of every sequence (the logits at its chunk's last token), their logprobs, and the per-layer expert
 counts, which the runner sums into ``expert_load [layers, experts]``. The attention kernels' metadata
@@ -74,6 +74,7 @@ from jax.sharding import PartitionSpec as P
 
 from serving import batch_invariant, kv_cache, layers
 from serving.config import ModelConfig
+from serving.engine.executables import Executables
 from serving.engine.sampler import (
     SampleResult,
     SampleRow,
@@ -279,6 +280,7 @@ class ModelRunner:
         self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform  # "cpu", "gpu"
         self.min_decode_tokens = MIN_DECODE_BUCKET.get(self.platform, MIN_TOKENS_BUCKET)  # a decode step's smallest N
         self.max_blocks, self.score_tokens = max_blocks, score_tokens
+        self.executables = Executables()  # the calls compiled before serving (Engine.warm_up gives it a folder)
         # Every step's W where the attention reads pages only up to each token's length (module docstring); None:
         # W over its buckets.
         self.fixed_width = max_blocks if max_blocks is not None and self.platform == "gpu" and (
@@ -427,14 +429,19 @@ class ModelRunner:
             flat_targets[:sum(c.count for c in chunks)] = np.concatenate(targets)
             flat_targets = self._placed(flat_targets)
         with self.on_mesh():
-            logits, self.kv, counts, scores = _step(
-                self.params, self.kv, packed, fed, mm, flat_targets, sizes=sizes, forward=self.forward, cfg=self.cfg,
-                kernels=self.step_kernels(self._paged_only(decode)))  # returns at once; the device computes
+            logits, self.kv, counts, scores = self.executables.call(  # returns at once; the device computes
+                "step", _step, (self.params, self.kv), (packed, fed, mm, flat_targets),
+                self._step_static(sizes, self._paged_only(decode)))
             if self.overlap_masks:
                 bitmask = self._masks(rows, num_seqs)
-            result = self._sampler(logits, sampling_batch(rows, num_seqs, token_bitmask=bitmask), num_top=num_top,
-                                   draw=any(r.params.temperature > 0 for r in rows))
+            result = self.executables.call(
+                "sample", self._sampler, (), (logits, sampling_batch(rows, num_seqs, token_bitmask=bitmask)),
+                dict(num_top=num_top, draw=any(r.params.temperature > 0 for r in rows)))
         return Dispatched(result, counts, len(chunks), len(tokens), scores)
+
+    def _step_static(self, sizes: tuple[int, int, int], paged_only: bool) -> dict[str, Any]:
+        """``_step``'s static arguments for a step of ``sizes = (N, S, W)``."""
+        return dict(sizes=sizes, forward=self.forward, cfg=self.cfg, kernels=self.step_kernels(paged_only))
 
     def fetch(self, step: Dispatched) -> StepResult:
         """The host arrays of a dispatched step (waits for it)."""
@@ -466,11 +473,10 @@ class ModelRunner:
         packed = self._packed(tokens, batch, last)
         mm = self._multimodal(images, chunks, len(tokens))
         with self.on_mesh():
-            result, self.kv, counts = _decode_steps(
-                self.params, self.kv, packed, sampling_batch(rows, num_seqs), mm,
-                sizes=(len(tokens), num_seqs, batch.block_tables.shape[1]), steps=steps, block_size=self.block_size,
-                forward=self.forward, cfg=self.cfg, kernels=self.kernels,
-                draw=any(r.params.temperature > 0 for r in rows), num_top=num_top)
+            result, self.kv, counts = self.executables.call(
+                "decode", _decode_steps, (self.params, self.kv), (packed, sampling_batch(rows, num_seqs), mm),
+                self._decode_static((len(tokens), num_seqs, batch.block_tables.shape[1]), steps, num_top,
+                                    any(r.params.temperature > 0 for r in rows)))
         result, counts = jax.device_get((result, counts))
         self.expert_load += counts
         real = len(chunks)
@@ -508,55 +514,52 @@ class ModelRunner:
         packed = self._packed(np.zeros(shape.num_tokens, np.int32), batch, np.zeros(shape.num_seqs, np.int32))
         previous = self._placed(np.zeros(shape.num_seqs, np.int32)) if chained else None
         targets = self._placed(np.zeros(shape.num_tokens, np.int32)) if scores else None
-        static = dict(sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), forward=self.forward, cfg=self.cfg,
-                      kernels=self.step_kernels(shape.paged_only))
-        return (packed, previous, None, targets), static
+        return (packed, previous, None, targets), self._step_static(shape[:3], shape.paged_only)
 
-    def lower_step(self, shape: StepShape, chained: bool = False, scores: bool = False) -> jax.stages.Lowered:
-        """Trace and lower ``run``'s forward step of ``shape`` (nothing runs), or with ``chained`` ``dispatch``'s of
-        a decode step after another, or with ``scores`` its scoring variant (``dispatch`` with targets): the very
-        call those make, so its compiled executable is the one they find."""
+    def build_step(self, shape: StepShape, chained: bool = False, scores: bool = False) -> jax.ShapeDtypeStruct:
+        """Compile ``run``'s forward step of ``shape`` (nothing runs), or with ``chained`` ``dispatch``'s of a decode
+        step after another, or with ``scores`` its scoring variant (``dispatch`` with targets), into the runner's
+        ``executables``, where those calls find it; returns the logits it gives the sampler."""
         args, static = self._padding_call(shape, chained, scores)
         with self.on_mesh():
-            return _step.lower(self.params, self.kv, *args, **static)
-
-    def compile_step(self, shape: StepShape, chained: bool = False, scores: bool = False) -> jax.ShapeDtypeStruct:
-        """Compile ``lower_step``'s step; returns the logits it gives the sampler."""
-        with self.on_mesh():
-            compiled = self.lower_step(shape, chained, scores).compile()
+            compiled = self.executables.build("step", _step, (self.params, self.kv), args, static, donate=(1,))
         info = compiled.out_info[0]
         return jax.ShapeDtypeStruct(info.shape, info.dtype,
                                     sharding=None if self.mesh is None else compiled.output_shardings[0])
 
     def run_padding(self, shape: StepShape, chained: bool = False, scores: bool = False) -> None:
-        """Run ``lower_step``'s step of ``shape`` once over its batch of padding (the cache is left as it was), and
+        """Run ``build_step``'s step of ``shape`` once over its batch of padding (the cache is left as it was), and
         wait for it. A compiled executable's first run costs more than the next ones (XLA:CPU generates its
         kernels' code then; a GPU loads its modules), so warm-up runs each one once and the first requests do not
         pay it."""
         args, static = self._padding_call(shape, chained, scores)
         with self.on_mesh():
-            logits, self.kv, *rest = _step(self.params, self.kv, *args, **static)
+            logits, self.kv, *rest = self.executables.call("step", _step, (self.params, self.kv), args, static)
         jax.block_until_ready((logits, rest))
 
-    def lower_sample(self, logits: jax.ShapeDtypeStruct, num_top: int, draw: bool, masked: bool,
-                     biased: bool = False) -> jax.stages.Lowered:
-        """Lower ``run``'s sampler for ``logits`` ``[S, V]`` (a ``compile_step`` result), with ``num_top``
+    def build_sample(self, logits: jax.ShapeDtypeStruct, num_top: int, draw: bool, masked: bool,
+                     biased: bool = False) -> None:
+        """Compile ``run``'s sampler for ``logits`` ``[S, V]`` (a ``build_step`` result), with ``num_top``
         logprobs, drawing or greedy, with a structured-output mask (``masked``) or without, with logit biases
         (``biased``) or without."""
         num_seqs = logits.shape[0]
         bitmask = np.zeros((num_seqs, -(-self.cfg.vocab // 32)), np.int32) if masked else None
         with self.on_mesh():
-            return self._sampler.lower(logits, sampling_batch([], num_seqs, token_bitmask=bitmask, biased=biased),
-                                       num_top=num_top, draw=draw)
+            self.executables.build("sample", self._sampler, (),
+                                   (logits, sampling_batch([], num_seqs, token_bitmask=bitmask, biased=biased)),
+                                   dict(num_top=num_top, draw=draw))
 
-    def lower_decode(self, shape: StepShape, steps: int, num_top: int, draw: bool) -> jax.stages.Lowered:
-        """Lower ``decode``'s ``steps``-token call for a decode batch of ``shape``."""
+    def _decode_static(self, sizes: tuple[int, int, int], steps: int, num_top: int, draw: bool) -> dict[str, Any]:
+        """``_decode_steps``' static arguments."""
+        return dict(sizes=sizes, steps=steps, block_size=self.block_size, forward=self.forward, cfg=self.cfg,
+                    kernels=self.kernels, draw=draw, num_top=num_top)
+
+    def build_decode(self, shape: StepShape, steps: int, num_top: int, draw: bool) -> None:
+        """Compile ``decode``'s ``steps``-token call for a decode batch of ``shape``."""
         with self.on_mesh():
-            return _decode_steps.lower(self.params, self.kv, self._packed_like(shape),
-                                       sampling_batch([], shape.num_seqs), None,
-                                       sizes=(shape.num_tokens, shape.num_seqs, shape.max_blocks), steps=steps,
-                                       block_size=self.block_size, forward=self.forward, cfg=self.cfg,
-                                       kernels=self.kernels, draw=draw, num_top=num_top)
+            self.executables.build("decode", _decode_steps, (self.params, self.kv),
+                                   (self._packed_like(shape), sampling_batch([], shape.num_seqs), None),
+                                   self._decode_static(shape[:3], steps, num_top, draw), donate=(1,))
 
     def _masks(self, rows: list[SampleRow], num_seqs: int) -> np.ndarray | None:
         """``[num_seqs, ceil(V / 32)]`` int32 allowed tokens of ``rows``, or None when no row is constrained (that

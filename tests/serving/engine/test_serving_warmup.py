@@ -173,18 +173,29 @@ STARTUP = """
 import collections, json, sys, jax
 events = collections.Counter()
 jax.monitoring.register_event_listener(lambda name, **_: events.update([name.rsplit("/", 1)[-1]]))
-from serving.llm_engine import Engine
+from serving.llm_engine import Engine, SamplingParams
+from serving.models import llama
+forward = llama.forward
+def counted(*args, **kwargs):  # the model traced: each call is one trace of a step
+    events.update(["forward"])
+    return forward(*args, **kwargs)
+llama.forward = counted
 eng = Engine(sys.argv[1], num_blocks=8, block_size=4, max_running=1, token_budget=8, max_model_len=32,
              compilation_cache=sys.argv[2])
 events.clear()
-eng.warm_up()
-print(json.dumps({"dtype": str(eng.dtype), "hits": events["cache_hits"], "misses": events["cache_misses"]}))
+entries = eng.warm_up()
+[result] = eng.generate([[5, 17, 42, 7, 99]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+print(json.dumps({"dtype": str(eng.dtype), "hits": events["cache_hits"], "misses": events["cache_misses"],
+                  "entries": len(entries), "loaded": eng.runner.executables.loaded,
+                  "traced": events["forward"], "tokens": result.outputs[0].token_ids}))
 """
 
 
-def test_a_restart_reads_every_compile_back_from_the_persistent_cache(tmp_path):
-    """Two processes warm up the same engine with the same cache folder: the first writes it, the second compiles
-    nothing of warm_up's and reads it back."""
+def test_a_restart_reads_every_call_and_compile_back_from_the_caches(tmp_path):
+    """Two processes warm up the same engine with the same cache folder: the first traces every call, keeps it
+    exported and compiles it; the second traces none of the model (each call read back from the folder of exported
+    calls: only their thin wrappers are traced), compiles nothing (XLA's cache holds them all) and samples the same
+    tokens."""
     cache = tmp_path / "jax-cache"
 
     def start() -> dict:
@@ -197,8 +208,11 @@ def test_a_restart_reads_every_compile_back_from_the_persistent_cache(tmp_path):
 
     cold = start()
     assert cold["misses"] >= 5 and cold["dtype"] == "float32" and any(cache.iterdir())
+    assert cold["loaded"] == 0 and len(list((cache / engine_module.EXPORTED).iterdir())) == cold["entries"]
     warm = start()
     assert warm["misses"] == 0 and warm["hits"] == cold["misses"] + cold["hits"]
+    assert warm["loaded"] == warm["entries"] == cold["entries"] and warm["tokens"] == cold["tokens"]
+    assert cold["traced"] == 3 and warm["traced"] == 0  # a step, its scoring variant, the chained decode step
 
 
 def test_the_cli_defaults_are_the_engines(folder):
