@@ -97,7 +97,7 @@ from serving.spec_decode import (
     grammar_drafts,
     merge_proposals,
 )
-from serving.spec_decode.step import VerifyChunk, compile_score, lower_verify, verify_step
+from serving.spec_decode.step import VerifyChunk, compile_score, compile_verify, verify_step
 from serving.structured import compile_constraint
 
 SEED_RANGE = 2**32  # seeds are uint32
@@ -468,7 +468,7 @@ class Engine:
                        "scores": lambda shape: runner.build_step(shape, scores=True),
                        "sample": lambda n, *variant: runner.build_sample(logits["sample"][n], *variant),
                        "score": lambda shape: compile_score(runner, shape, self.speculative.k),
-                       "verify": lambda n, *v: lower_verify(logits["verify"][n], self.speculative.k, *v).compile()}
+                       "verify": lambda n, *v: compile_verify(logits["verify"][n], self.speculative.k, *v)}
         if progress is not None:
             progress(len(compiled), len(entries))
         if self.tiers is not None:
@@ -476,9 +476,9 @@ class Engine:
                 runner.kv = self.tiers.warm_up(runner.kv)
         # Each thread traces, lowers and compiles its entries (XLA compiles in parallel, lowering partly). A Mosaic
         # GPU kernel's lowered module names itself by how many kernels of its name the process lowered before
-        # (``mosaic_gpu.dump_basename``), so the threads' order gives some forward steps other persistent-cache
-        # keys on each start. Lowering one entry at a time, in order, keeps the keys but started slower, cold and
-        # warm alike, on an H200 (the commit history has the figures).
+        # (``mosaic_gpu.dump_basename``), so a threaded lowering's modules differ start to start; a restart that
+        # reads the calls back from the runner's exported folder compiles the very bytes the first start wrote, so
+        # XLA's cache keys hold whatever the order.
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
             futures = [pool.submit(contextvars.copy_context().run, build_entry[kind], *args)
                        for kind, *args in entries if (kind, *args) not in compiled]

@@ -113,33 +113,28 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
     return result
 
 
-def lower_score(runner: ModelRunner, shape: StepShape, k: int) -> jax.stages.Lowered:
-    """Lower ``verify_step``'s scoring forward for a step of ``shape`` with up to ``k`` drafts per sequence and no
-    hidden states kept (nothing runs)."""
+def compile_score(runner: ModelRunner, shape: StepShape, k: int) -> jax.ShapeDtypeStruct:
+    """Compile ``verify_step``'s scoring forward for a step of ``shape`` with up to ``k`` drafts per sequence and
+    no hidden states kept (nothing runs); returns the logits ``[S * (k + 1), V]`` it gives the verification."""
     n, s, w = shape.num_tokens, shape.num_seqs, shape.max_blocks
     batch = AttentionBatch(*(np.zeros(size, np.int32) for size in step_shapes(n, s, w)[1:-1]))
-    return _score_step.lower(runner.params, runner.kv, np.zeros(n, np.int32), batch, np.zeros(s * (k + 1), np.int32),
-                             forward=runner.forward, cfg=runner.cfg, hidden_layers=(),
-                             kernels=runner.step_kernels(shape.paged_only))
-
-
-def compile_score(runner: ModelRunner, shape: StepShape, k: int) -> jax.ShapeDtypeStruct:
-    """Compile ``lower_score``'s forward; returns the logits ``[S * (k + 1), V]`` it gives the verification."""
-    info = lower_score(runner, shape, k).compile().out_info[0]
+    compiled = _score_step.lower(runner.params, runner.kv, np.zeros(n, np.int32), batch,
+                                 np.zeros(s * (k + 1), np.int32), forward=runner.forward, cfg=runner.cfg,
+                                 hidden_layers=(), kernels=runner.step_kernels(shape.paged_only)).compile()
+    info = compiled.out_info[0]
     return jax.ShapeDtypeStruct(info.shape, info.dtype)
 
 
-def lower_verify(logits: jax.ShapeDtypeStruct, k: int, num_top: int, draw: bool,
-                 masked: bool) -> jax.stages.Lowered:
-    """Lower ``verify_step``'s verification of ``logits`` (a ``compile_score`` result) for a drafter that proposes
-    tokens without a distribution (``NgramDrafter``), with ``num_top`` logprobs, drawing or greedy, with a
+def compile_verify(logits: jax.ShapeDtypeStruct, k: int, num_top: int, draw: bool, masked: bool) -> None:
+    """Compile ``verify_step``'s verification of ``logits`` (a ``compile_score`` result) for a drafter that
+    proposes tokens without a distribution (``NgramDrafter``), with ``num_top`` logprobs, drawing or greedy, with a
     structured-output mask (``masked``) or without."""
     rows, vocab = logits.shape
     num_seqs = rows // (k + 1)
     bitmask = np.zeros((rows, -(-vocab // 32)), np.int32) if masked else None
-    return _verify_rows.lower(logits, sampling_batch([], rows, token_bitmask=bitmask),
-                              np.zeros((num_seqs, k), np.int32), np.zeros(num_seqs, np.int32), None,
-                              np.zeros(num_seqs, np.int32), num_top=num_top, draw=draw)
+    _verify_rows.lower(logits, sampling_batch([], rows, token_bitmask=bitmask), np.zeros((num_seqs, k), np.int32),
+                       np.zeros(num_seqs, np.int32), None, np.zeros(num_seqs, np.int32), num_top=num_top,
+                       draw=draw).compile()
 
 
 def _draft_masks(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, num_seqs: int) -> np.ndarray | None:
