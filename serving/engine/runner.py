@@ -195,17 +195,19 @@ class DecodeResult(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("sizes", "steps", "block_size", "forward", "cfg", "kernels", "draw",
                                              "num_top"), donate_argnames="kv")
-def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBatch,
+def _decode_steps(params: dict, kv: Any, packed: jax.Array, fed: jax.Array, sampling: SamplingBatch,
                   mm: MultimodalInputs | None = None, *, sizes: tuple[int, int, int], steps: int, block_size: int,
                   forward: Callable, cfg: ModelConfig, kernels: layers.KernelPolicy, draw: bool,
-                  num_top: int) -> tuple[SampleResult, Any, jax.Array]:
+                  num_top: int) -> tuple[SampleResult, jax.Array, Any, jax.Array]:
     """``steps`` decode iterations of forward (policy ``kernels``, paged only) + ``sample``: the
-    samples (tokens ``[steps, S]``, their logprobs and top ``num_top``), the updated cache and the expert counts
-    ``[layers, experts]`` summed over the steps. ``packed``: ``pack_step``'s buffer of a batch with one paged token
-    per sequence, ``sizes = (N, S, max_blocks)``; ``mm``: the tokens' multimodal RoPE shifts (constant as the
-    positions move on)."""
+    samples (tokens ``[steps, S]``, their logprobs and top ``num_top``), the last iteration's tokens ``[S]`` (a
+    chained decode's inputs), the updated cache and the expert counts ``[layers, experts]`` summed over the steps.
+    ``packed``: ``pack_step``'s buffer of a batch with one paged token per sequence, ``sizes = (N, S, max_blocks)``,
+    whose tokens are rows of ``fed [S]`` (the host's tokens, or the samples of the step before, on the device);
+    ``mm``: the tokens' multimodal RoPE shifts (constant as the positions move on)."""
     tokens, batch, last = unpack_step(packed, *sizes)
     real = batch.seq_ids >= 0
+    tokens = jnp.where(real, fed[tokens], 0)
     extra = () if mm is None else (mm,)
 
     def one_step(carry, _):
@@ -220,7 +222,7 @@ def _decode_steps(params: dict, kv: Any, packed: jax.Array, sampling: SamplingBa
     counts = jnp.zeros((cfg.layers, cfg.num_experts), jnp.int32)
     (kv, *_, counts), sampled = jax.lax.scan(one_step, (kv, tokens, batch, with_room(sampling, steps), counts),
                                              length=steps)
-    return sampled, kv, counts
+    return sampled, sampled.tokens[-1], kv, counts
 
 
 @functools.partial(jax.jit, static_argnames=("encode", "cfg"))
@@ -236,13 +238,20 @@ def _invariant_sample(logits: jax.Array, sampling: SamplingBatch, num_top: int, 
 
 
 class Dispatched(NamedTuple):
-    """A step on its way: its samples and expert counts on the device (``ModelRunner.fetch`` brings them back)."""
+    """A step on its way: its samples and expert counts on the device (``ModelRunner.fetch``, or ``fetch_decode``
+    for a multi-step decode, brings them back)."""
 
-    result: SampleResult
+    result: SampleResult  # [S] (a step), [steps, S] (a multi-step decode)
     expert_counts: jax.Array
     num_chunks: int
     num_tokens: int  # the padded N
     prompt: SampleResult | None = None  # the step's ``_step`` scores, when dispatched with targets
+    last: jax.Array | None = None  # [S] a multi-step decode's last tokens (else ``result.tokens``)
+
+    @property
+    def next_inputs(self) -> jax.Array:
+        """The ``[S]`` tokens a decode step chained after this one reads: its last samples."""
+        return self.result.tokens if self.last is None else self.last
 
 
 class ModelRunner:
@@ -406,13 +415,8 @@ class ModelRunner:
         num_tokens = None  # a general step's: prepare's bucket
         if targets is not None and self.score_tokens is not None:
             num_tokens = self.score_tokens
-        if previous is not None:
-            fed, num_tokens = self._placed(previous.result.tokens), previous.num_tokens  # stays on the device
-        elif decode:  # the tokens as a row vector, the packed tokens its rows
-            num_tokens = bucket(len(chunks), self.min_decode_tokens)
-            row_tokens = np.zeros(self.num_seqs(num_tokens, len(chunks)), np.int32)
-            row_tokens[:len(chunks)] = [ids[0] for ids in token_ids]
-            fed, token_ids = self._placed(row_tokens), [[i] for i in range(len(chunks))]
+        if decode:
+            fed, token_ids, num_tokens = self._fed(token_ids, previous)
         else:
             fed = None
         tokens, batch = self.prepare(chunks, token_ids, num_tokens)
@@ -439,6 +443,17 @@ class ModelRunner:
                 dict(num_top=num_top, draw=any(r.params.temperature > 0 for r in rows)))
         return Dispatched(result, counts, len(chunks), len(tokens), scores)
 
+    def _fed(self, token_ids: list[list[int]], previous: Dispatched | None) -> tuple[Any, list[list[int]], int]:
+        """A decode step's ``[S]`` token vector, its packed tokens (rows of it) and its N: ``previous``'s last
+        samples, on the device, padded to ``previous``'s N (``token_ids`` are rows of them), or the host's tokens
+        (``token_ids``, one per chunk)."""
+        if previous is not None:
+            return self._placed(previous.next_inputs), token_ids, previous.num_tokens  # stays on the device
+        num_tokens = bucket(len(token_ids), self.min_decode_tokens)
+        row_tokens = np.zeros(self.num_seqs(num_tokens, len(token_ids)), np.int32)
+        row_tokens[:len(token_ids)] = [ids[0] for ids in token_ids]
+        return self._placed(row_tokens), [[i] for i in range(len(token_ids))], num_tokens
+
     def _step_static(self, sizes: tuple[int, int, int], paged_only: bool) -> dict[str, Any]:
         """``_step``'s static arguments for a step of ``sizes = (N, S, W)``."""
         return dict(sizes=sizes, forward=self.forward, cfg=self.cfg, kernels=self.step_kernels(paged_only))
@@ -457,7 +472,14 @@ class ModelRunner:
                steps: int, num_top: int = 0, images: list[RequestImages | None] | None = None) -> DecodeResult:
         """``steps`` tokens per sequence in one device call (module docstring), with the logprobs of each and its
         top ``num_top``: ``chunks`` are one token each (``count = 1``, ``start > 0``) with blocks for ``steps``
-        tokens; ``rows`` unconstrained. Not in batch-invariant mode."""
+        tokens; ``rows`` unconstrained. Not in batch-invariant mode. ``fetch_decode(dispatch_decode(...))``."""
+        return self.fetch_decode(self.dispatch_decode(chunks, token_ids, rows, steps, num_top, images=images))
+
+    def dispatch_decode(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
+                        steps: int, num_top: int = 0, images: list[RequestImages | None] | None = None,
+                        previous: Dispatched | None = None) -> Dispatched:
+        """``decode``'s device call, not waited for; with ``previous`` (a decode step or multi-step decode still on
+        the device), ``token_ids`` are rows of its last samples, as in ``dispatch``."""
         room = [len(c.block_table) * self.block_size - c.start for c in chunks]
         bad = [i for i, c in enumerate(chunks) if c.count != 1 or c.start < 1 or room[i] < steps]
         if bad:
@@ -466,20 +488,25 @@ class ModelRunner:
                              f"tokens): expected one token after a cached context, with blocks for steps={steps}")
         if self.batch_invariant or any(r.matcher is not None for r in rows):
             raise ValueError("decode: a constrained row or a batch-invariant runner: expected neither (use run)")
-        tokens, batch = self.prepare(chunks, token_ids, bucket(len(chunks), self.min_decode_tokens))
+        fed, token_ids, num_tokens = self._fed(token_ids, previous)
+        tokens, batch = self.prepare(chunks, token_ids, num_tokens)
         num_seqs = batch.context_lens.shape[0]
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.arange(len(chunks))
         packed = self._packed(tokens, batch, last)
         mm = self._multimodal(images, chunks, len(tokens))
         with self.on_mesh():
-            result, self.kv, counts = self.executables.call(
-                "decode", _decode_steps, (self.params, self.kv), (packed, sampling_batch(rows, num_seqs), mm),
+            result, final, self.kv, counts = self.executables.call(
+                "decode", _decode_steps, (self.params, self.kv), (packed, fed, sampling_batch(rows, num_seqs), mm),
                 self._decode_static((len(tokens), num_seqs, batch.block_tables.shape[1]), steps, num_top,
                                     any(r.params.temperature > 0 for r in rows)))
-        result, counts = jax.device_get((result, counts))
+        return Dispatched(result, counts, len(chunks), len(tokens), last=final)
+
+    def fetch_decode(self, step: Dispatched) -> DecodeResult:
+        """The host arrays of a dispatched multi-step decode (waits for it)."""
+        result, counts = jax.device_get((step.result, step.expert_counts))
         self.expert_load += counts
-        real = len(chunks)
+        real = step.num_chunks
         return DecodeResult(result.tokens[:, :real].T, counts, result.logprobs[:, :real].T,
                             result.top_ids[:, :real].transpose(1, 0, 2),
                             result.top_logprobs[:, :real].transpose(1, 0, 2))
@@ -558,7 +585,8 @@ class ModelRunner:
         """Compile ``decode``'s ``steps``-token call for a decode batch of ``shape``."""
         with self.on_mesh():
             self.executables.build("decode", _decode_steps, (self.params, self.kv),
-                                   (self._packed_like(shape), sampling_batch([], shape.num_seqs), None),
+                                   (self._packed_like(shape), self._placed(np.zeros(shape.num_seqs, np.int32)),
+                                    sampling_batch([], shape.num_seqs), None),
                                    self._decode_static(shape[:3], steps, num_top, draw), donate=(1,))
 
     def _masks(self, rows: list[SampleRow], num_seqs: int) -> np.ndarray | None:

@@ -22,10 +22,11 @@ wherever it is and frees its blocks at once.
 
 A multi-step decode (``reserve_ahead``) runs n tokens of every decoding sequence in one step: n stops short of
 every sequence's max_tokens and max_len, and its blocks come from free ones only (fewer steps when they are
-short; never a preemption); so do those of a decode step run while the one before it is on the device
-(``reserve_next``).
+short; never a preemption); so do those of a decode step (or multi-step decode) run while the one before it is on
+the device (``reserve_next``), which ``update`` keeps while that step is in flight (``ahead``).
 """
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from serving.engine.blocks import BlockAllocator, hash_block, hash_blocks
@@ -162,22 +163,24 @@ class Scheduler:
             seq.block_table += [self.allocator.allocate() for _ in range(self._blocks_needed(seq, n))]
         return [c._replace(count=n) for c in chunks]
 
-    def reserve_next(self, seqs: list[SequenceState]) -> bool:
-        """Allocate the block each of ``seqs`` needs for a decode step after the one it has running (its tokens at
-        ``num_computed`` and the next); False, allocating nothing, when they are not all free (nothing is
-        preempted)."""
-        if sum(self._blocks_needed(s, 2) for s in seqs) > self.allocator.num_free:
+    def reserve_next(self, seqs: list[SequenceState], steps: int = 1) -> bool:
+        """Allocate the blocks each of ``seqs`` needs for a decode of ``steps`` tokens after the one of ``steps``
+        it has running (its tokens from ``num_computed`` on, then the next ``steps``); False, allocating nothing,
+        when they are not all free (nothing is preempted)."""
+        if sum(self._blocks_needed(s, 2 * steps) for s in seqs) > self.allocator.num_free:
             return False
         for seq in seqs:
-            seq.block_table += [self.allocator.allocate() for _ in range(self._blocks_needed(seq, 2))]
+            seq.block_table += [self.allocator.allocate() for _ in range(self._blocks_needed(seq, 2 * steps))]
         return True
 
-    def update(self, chunks: list[ScheduledChunk], tokens: list[int | list[int]]) -> list[tuple[SequenceState, str]]:
+    def update(self, chunks: list[ScheduledChunk], tokens: list[int | list[int]],
+               ahead: Mapping[int, int] | None = None) -> list[tuple[SequenceState, str]]:
         """Record a step: ``tokens[i]`` is chunk i's sampled token, or its accepted tokens in order (speculative
         decoding) or its n tokens (a multi-step decode), ignored unless the chunk samples. Tokens after a stop
         condition are dropped; the cache keeps only the positions of accepted tokens (rejected drafts' and a
         finished sequence's later slots are overwritten later) and the blocks that no longer hold any token are
-        freed.
+        freed, but those of a step in flight after this one: ``ahead[seq_id]`` is how many tokens it computes for
+        that sequence (from its new last token on; ``reserve_next``).
 
         Returns (sequence, new text) for every appended token, in order; finished sequences leave the running set.
         """
@@ -191,7 +194,8 @@ class Scheduler:
                     if seq.finished:
                         break
                 seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
-                keep = -(-seq.num_tokens // self.block_size)  # every token's block (the last is computed next)
+                # every token's block (the last is computed next) and those of a step in flight after it
+                keep = -(-(seq.num_tokens + max(1, (ahead or {}).get(seq.seq_id, 1)) - 1) // self.block_size)
                 for block in reversed(seq.block_table[keep:]):
                     self.allocator.free(block)
                 del seq.block_table[keep:]

@@ -40,8 +40,9 @@ CACHES = {"ample": {}, "tight": dict(num_blocks=14)}  # the tight one cannot hol
 
 def drive(eng: Engine, arrivals: list[tuple[int, list[int], SamplingParams]]) -> tuple[list, list, int]:
     """Add each ``(step, prompt, params)`` once ``step`` engine steps ran; run to the end. Returns the (token ids,
-    text, finish reason) of every request, its streamed (token id, text, finished, finish reason) outputs, and the
-    number of steps that had work (one device dispatch each)."""
+    text, finish reason) of every request, the streamed (token id, text, finished, finish reason) outputs of each of
+    its samples (``n``; how two samples' outputs interleave is the schedule's), and the number of steps that had
+    work (one device dispatch each)."""
     ids, streamed, steps, dispatches = [], {}, 0, 0
     pending = sorted(arrivals, key=lambda a: a[0])
     while pending or eng.has_unfinished():
@@ -49,10 +50,12 @@ def drive(eng: Engine, arrivals: list[tuple[int, list[int], SamplingParams]]) ->
             ids.append(eng.add_request(pending[0][1], pending.pop(0)[2]))
         dispatches += eng.has_unfinished()
         for out in eng.step():
-            streamed.setdefault(out.request_id, []).append((out.token_id, out.text, out.finished, out.finish_reason))
+            streamed.setdefault((out.request_id, out.index), []).append(
+                (out.token_id, out.text, out.finished, out.finish_reason))
         steps += 1
     results = [eng.release(i).outputs[0] for i in ids]
-    return [(o.token_ids, o.text, o.finish_reason) for o in results], [streamed[i] for i in ids], dispatches
+    samples = [[streamed[key] for key in sorted(k for k in streamed if k[0] == i)] for i in ids]
+    return [(o.token_ids, o.text, o.finish_reason) for o in results], samples, dispatches
 
 
 def prompts_of(eng: Engine) -> list[list[int]]:
