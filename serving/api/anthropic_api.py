@@ -328,8 +328,9 @@ class AnthropicRoutes:
                 yield event("content_block_stop", {"index": index})
                 index += 1
 
-        async for out in stream:
-            events = ([out.text] if out.text else []) if parser is None else parser.feed(out.text)
+        async for run in stream.runs():  # the tokens that came together: one delta
+            delta = "".join(o.text for o in run)
+            events = ([delta] if delta else []) if parser is None else parser.feed(delta)
             for item in blocks(events):
                 yield item
         for item in blocks(parser.finish() if parser is not None else []):

@@ -14,6 +14,7 @@ request, or the ``StepError`` of a failed step, which fails only the requests th
 
 import asyncio
 import dataclasses
+import itertools
 import queue
 import threading
 import time
@@ -46,6 +47,7 @@ class RequestStream:
         self.result: RequestResult | None = None
         self.timing = Timing(time.perf_counter())
         self.num_finished = 0  # samples finished (engine thread only)
+        self._pending: RequestResult | BaseException | None = None  # taken from the queue by ``runs``, not read yet
 
     @property
     def done(self) -> bool:
@@ -60,7 +62,7 @@ class RequestStream:
 
     async def next(self) -> StepOutput | None:
         """The next step's output, or None at the end (then ``result`` is set); a failed request raises."""
-        item = await self.queue.get()
+        item, self._pending = (self._pending, None) if self._pending is not None else (await self.queue.get(), None)
         if isinstance(item, BaseException):
             raise item
         if isinstance(item, RequestResult):
@@ -71,6 +73,22 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[StepOutput]:
         while (output := await self.next()) is not None:
             yield output
+
+    async def runs(self) -> AsyncIterator[list[StepOutput]]:
+        """The outputs in runs: one sample's consecutive outputs among those already waiting. A multi-step decode
+        hands over n tokens of a sequence at once; a route streams each run as one event, the same text and
+        logprobs in n times fewer events to encode and send (the front end's work per token, which at batch 64
+        is what an HTTP client waits on)."""
+        while (output := await self.next()) is not None:
+            waiting = [output]
+            while not self.queue.empty():
+                item = self.queue.get_nowait()
+                if not isinstance(item, StepOutput):  # the result or an error: read after these
+                    self._pending = item
+                    break
+                waiting.append(item)
+            for _, run in itertools.groupby(waiting, key=lambda o: o.index):
+                yield list(run)
 
 
 @dataclasses.dataclass

@@ -419,11 +419,12 @@ class OpenAIRoutes:
             yield chunk(i, {"role": "assistant", "content": ""})
         parsers = [tool_calls.ToolCallStream(allowed) if allowed is not None else None for _ in range(body.n)]
         calls_sent = [0] * body.n
-        async for out in stream:
-            logprobs = {"content": [self._chat_logprob({**out.logprobs, "top_id": out.token_id})]} \
+        async for run in stream.runs():  # one sample's tokens that came together: one chunk
+            out, text = run[-1], "".join(o.text for o in run)
+            logprobs = {"content": [self._chat_logprob({**o.logprobs, "top_id": o.token_id}) for o in run]} \
                 if out.logprobs is not None else None
             parser = parsers[out.index]
-            events = ([out.text] if out.text else []) if parser is None else parser.feed(out.text)
+            events = ([text] if text else []) if parser is None else parser.feed(text)
             for event in deltas(out.index, events, logprobs):
                 yield event
             if out.finished:
@@ -571,12 +572,15 @@ class OpenAIRoutes:
         if echo:
             for i in range(body.n):
                 yield chunk(i, echo, echo_logprobs, None)
-        async for out in stream:
+        async for run in stream.runs():  # one sample's tokens that came together: one chunk
+            out, text = run[-1], "".join(o.text for o in run)
             logprobs = None if out.logprobs is None else \
-                self._completion_logprobs([{**out.logprobs, "top_id": out.token_id}], offsets[out.index])
-            offsets[out.index] += len(out.text)
-            if out.text or logprobs or out.finished:
-                yield chunk(out.index, out.text, logprobs, out.finish_reason if out.finished else None)
+                self._completion_logprobs([{**o.logprobs, "top_id": o.token_id} for o in run], offsets[out.index])
+            # the next token's offset: past this run's tokens as the whole answer's text_offset counts them
+            offsets[out.index] = len(text) + offsets[out.index] if logprobs is None else \
+                logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            if text or logprobs or out.finished:
+                yield chunk(out.index, text, logprobs, out.finish_reason if out.finished else None)
         if usage:
             yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(stream.result)})}\n\n"
         yield "data: [DONE]\n\n"

@@ -307,8 +307,9 @@ class ResponsesRoutes:
         yield event("response.created", response=started)
         yield event("response.in_progress", response=started)
         parser = tool_calls.ToolCallStream(allowed) if allowed is not None else None
-        async for out in stream:
-            pieces = ([out.text] if out.text else []) if parser is None else parser.feed(out.text)
+        async for run in stream.runs():  # the tokens that came together: one delta
+            delta = "".join(o.text for o in run)
+            pieces = ([delta] if delta else []) if parser is None else parser.feed(delta)
             for item in items(pieces):
                 yield item
         for item in items(parser.finish() if parser is not None else []):

@@ -168,3 +168,24 @@ def test_logit_bias_moves_the_sampler(api_server, oai):
                                        temperature=0.0, logit_bias={"77": 100}, logprobs=True,
                                        extra_body={"ignore_eos": True})
     assert len({t.token for t in chat.choices[0].logprobs.content}) == 1
+
+
+def test_tokens_that_come_together_stream_as_one_chunk_with_every_logprob(tmp_path):
+    """A multi-step decode (4 tokens per device call) hands the front end 4 tokens of a sequence at once, and
+    more wait when the engine thread runs ahead of the event loop: those waiting stream as one chunk (text and
+    logprobs of each), and the chunks add up to the non-streamed answer."""
+    engine = make_engine(model_folder(tmp_path), decode_steps=4)
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 13, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": 2}
+    with running_server(engine) as (server, _):
+        whole = complete(server.url, **body)["choices"][0]
+        streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT_S).text
+    chunks = [json.loads(line.removeprefix("data: ")) for line in streamed.split("\n\n")
+              if line.startswith("data: {")]
+    choices = [c["choices"][0] for c in chunks]
+    sizes = [len(c["logprobs"]["tokens"]) for c in choices]
+    assert sum(sizes) == 13 and max(sizes) >= 4 and len(choices) < 13
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in choices for x in c["logprobs"][field]] == whole["logprobs"][field], field
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
