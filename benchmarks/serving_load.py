@@ -606,6 +606,7 @@ def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requ
         for path in paths:
             timeout_s = STARTUP_TIMEOUT_S + REQUEST_TIMEOUT_S * len(loads)
             measured = loads[:len(levels)] if path == "device" else loads
+            core = {}  # the server's engine core: its build and warm-up seconds, within startup_s
             if path == "device":
                 startup_s, summaries = _spawned(_device_worker, (name, spec, settings, list(levels), smollm2_gguf),
                                                 env, timeout_s)
@@ -615,6 +616,9 @@ def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requ
                 started = time.perf_counter()
                 with ServerProcess(args, env) as server:
                     startup_s = time.perf_counter() - started
+                    health = httpx.get(f"{server.url}/health", timeout=10).json()  # the core's build, warm-up
+                    core = {f"core_{k}": health.get(k) for k in ("build_s", "warm_up_s", "exported_loaded")}
+                    print(f"  {name} http: {core}", flush=True)
                     summaries = [summarize(run_load_processes(server.url, COMPLETIONS, bodies,
                                                               settings["client_processes"], **load))
                                  for load, bodies in zip(loads, level_bodies, strict=True)]
@@ -625,7 +629,8 @@ def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requ
                 rows.append({"model": name, "path": path, "concurrency": load.get("concurrency"),
                              "rate": load.get("rate"), **shape, "layers": spec["layers"], **summary,
                              "ms_per_layer": tpot / spec["layers"] if tpot is not None else None,
-                             "startup_s": startup_s, "compilation_cache": None if path == "device" else cache})
+                             "startup_s": startup_s, "compilation_cache": None if path == "device" else cache,
+                             **core})
                 print(format_table(rows[-1:], TABLE_COLUMNS), flush=True)
             if path != "device":
                 cache = "warm"

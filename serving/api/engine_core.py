@@ -67,17 +67,22 @@ def run_core(spec: dict, commands_address: str, events_address: str) -> None:
     events.connect(events_address)
     send = lambda event: events.send(ipc.pack(event))
     try:
+        started = time.perf_counter()
         engine = EngineSpec.from_dict(spec).build()
+        built = time.perf_counter()
         send({"kind": ipc.LOADED, "model": model_info(engine)})
         if hasattr(engine, "warm_up"):
             engine.warm_up(progress=lambda *args, **kwargs: send(
                 {"kind": ipc.WARMING, "progress": ipc.plain([*args, kwargs] if kwargs else list(args))}))
+        executables = getattr(getattr(engine, "runner", None), "executables", None)
+        startup = {"build_s": round(built - started, 3), "warm_up_s": round(time.perf_counter() - built, 3),
+                   "exported_loaded": None if executables is None else executables.loaded}
     except Exception as e:
         log.exception("the engine core could not start")
         send({"kind": ipc.ERROR, "message": f"{type(e).__name__}: {e}"})
         events.close(linger=1000)
         return
-    send({"kind": ipc.READY})
+    send({"kind": ipc.READY, "startup": startup})
     EngineCore(engine, commands, send).run()
     if spec.get("persist_disk_cache"):
         engine.persist_cache()

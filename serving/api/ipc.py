@@ -12,7 +12,8 @@ Commands (lists, first item the kind):
 Events (dicts with a "kind"):
   ``loaded``   the model's facts the front end needs (``model_info``), once the engine is built
   ``warming``  ``progress``: the arguments of ``Engine.warm_up``'s progress callback
-  ``ready``    serving from now on
+  ``ready``    serving from now on; ``startup``: the seconds the core spent building the engine and warming it
+               up (``build_s``, ``warm_up_s``) and the calls it read back exported (``exported_loaded``)
   ``step``     one engine step: ``outputs`` ``[[request_id, index, token_id, finished, finish_reason, logprobs],
                ...]`` for every sequence that sampled, ``done`` ``{request_id: num_cached_tokens}`` of requests
                whose samples all finished, ``prompt_logprobs`` ``{request_id: [entry or None, ...]}`` of those done

@@ -246,7 +246,8 @@ class ProcessEngine:
         elif kind == ipc.WARMING:
             self._detail = {"stage": "warming up", "progress": event["progress"]}
         elif kind == ipc.READY:
-            self._state, self._detail = OK, {"startup_s": round(time.perf_counter() - self._started, 3)}
+            self._state, self._detail = OK, {"startup_s": round(time.perf_counter() - self._started, 3),
+                                             **event.get("startup", {})}
         elif kind == ipc.ERROR:
             self._state, self._detail = STOPPED, {"error": f"the engine core could not start: {event['message']}"}
 

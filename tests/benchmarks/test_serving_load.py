@@ -189,4 +189,6 @@ def test_benchmark_cpu_mode_writes_rows_json_and_png(tmp_path):
         assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and r["startup_s"] > 0
         assert r["client_cpu"] is None if r["path"] == "engine" else 0 < r["client_cpu"] < 1
         assert_percentiles_ordered(r)
+    for r in rows[5:]:  # the server's core read every warm-up call back (a warm start), within the start-up
+        assert 0 < r["core_build_s"] + r["core_warm_up_s"] < r["startup_s"] and r["core_exported_loaded"] > 0
     assert (tmp_path / "serving_load_cpu.png").is_file()

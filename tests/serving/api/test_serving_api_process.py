@@ -145,7 +145,12 @@ def test_health_warms_then_is_ok_and_requests_wait_for_ready(served):
     assert early.status_code == 503 and "warming" in early.json()["error"]["message"]
     assert int(early.headers["retry-after"]) >= 1
     assert health[0]["code"] == 503 and health[0]["status"] == "warming" and health[0]["stage"]
-    assert health[-1]["code"] == 200 and health[-1]["status"] == "ok" and health[-1]["startup_s"] > 0
+    ready = health[-1]
+    assert ready["code"] == 200 and ready["status"] == "ok" and ready["startup_s"] > 0
+    # the core's own share of the start-up: building the engine, then warming it up (the rest: spawn and imports)
+    assert 0 < ready["build_s"] and 0 < ready["warm_up_s"]
+    assert ready["build_s"] + ready["warm_up_s"] < ready["startup_s"]
+    assert isinstance(ready["exported_loaded"], int)
     assert process.is_alive() and process.pid != os.getpid()
 
 
