@@ -449,8 +449,9 @@ class Engine:
         requests' verifications (their token histories have widths of their own). With cache tiers, their copies
         run once at every batch size, with no effect (``KVTiers.warm_up``). Parallel threads trace, lower and
         compile them; ``progress(done, total)`` is called after each. Then, on an accelerator, every forward step
-        runs once over a batch of padding (its first run is the slow one: ``ModelRunner.run_padding``); not on a
-        CPU, where running every prefill shape costs more start-up time than the first requests save.
+        runs once over a batch of padding (its first run is the slow one: ``ModelRunner.run_padding``); on a CPU
+        only the decode steps do, as running every prefill shape costs more start-up time than the first requests
+        save, while a decode step's first run is short and slows every answer's first tokens.
         Returns what was compiled: ("step" | "scores" | "score" | "chained", StepShape), ("sample", S, num_top, draw,
         masked, biased), ("verify", S, num_top, draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
@@ -507,10 +508,11 @@ class Engine:
                 future.result()
                 if progress is not None:
                     progress(done, len(entries))
-        if runner.platform != "cpu":  # each forward step's first run, over padding (ModelRunner.run_padding)
-            for kind, *args in entries:
-                if kind in ("step", "chained", "scores"):
-                    runner.run_padding(args[0], chained=kind == "chained", scores=kind == "scores")
+        # each forward step's first run, over padding (ModelRunner.run_padding); on a CPU the decode steps' only
+        first_runs = ("step", "chained", "scores") if runner.platform != "cpu" else ("chained",)
+        for kind, *args in entries:
+            if kind in first_runs:
+                runner.run_padding(args[0], chained=kind == "chained", scores=kind == "scores")
         return entries
 
     def encode(self, prompt: Prompt) -> list[int]:
