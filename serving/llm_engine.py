@@ -7,7 +7,7 @@ token, its text delta (stop strings cut), and, when the sequence is done, why. A
 With ``decode_steps = n > 1``, a step where every sequence decodes (no prefill chunk, no constrained row, no drafts;
 not in batch-invariant mode) samples n tokens per sequence in its one device call where every
 sequence has room for n (``Scheduler.reserve_ahead``; else a single step: one multi-step shape to compile;
-``ModelRunner.decode``), with their logprobs where asked for.
+``ModelRunner.dispatch_decode``), with their logprobs where asked for.
 They are appended one by one, as n single steps would append them (stop conditions, streaming, block hashing), one
 output each; those a sequence sampled after it finished are dropped.
 

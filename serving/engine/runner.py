@@ -40,7 +40,7 @@ besides the last-token logits it returns, for every flat token t with target y_t
 logits at t. Under causal attention z_t depends on the tokens up to t only, so those are the prompt's teacher-forced
 logprobs whatever the chunking.
 
-A multi-step decode (``ModelRunner.decode``) runs ``steps`` forward + sample iterations in one jitted call
+A multi-step decode (``ModelRunner.dispatch_decode``) runs ``steps`` forward + sample iterations in one jitted call
 (``lax.scan``): a batch where every sequence decodes one token, its blocks for all ``steps`` tokens already in its
 block table; each iteration's sampled tokens are the next one's inputs, the batch moves one position on
 (``kv_cache.next_decode_batch``) and so does the sampling state (``sampler.advance``: the positions randomness is
@@ -468,18 +468,14 @@ class ModelRunner:
     def _sampler(self) -> Callable:
         return _invariant_sample if self.batch_invariant else sample
 
-    def decode(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
-               steps: int, num_top: int = 0, images: list[RequestImages | None] | None = None) -> DecodeResult:
-        """``steps`` tokens per sequence in one device call (module docstring), with the logprobs of each and its
-        top ``num_top``: ``chunks`` are one token each (``count = 1``, ``start > 0``) with blocks for ``steps``
-        tokens; ``rows`` unconstrained. Not in batch-invariant mode. ``fetch_decode(dispatch_decode(...))``."""
-        return self.fetch_decode(self.dispatch_decode(chunks, token_ids, rows, steps, num_top, images=images))
-
     def dispatch_decode(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow],
                         steps: int, num_top: int = 0, images: list[RequestImages | None] | None = None,
                         previous: Dispatched | None = None) -> Dispatched:
-        """``decode``'s device call, not waited for; with ``previous`` (a decode step or multi-step decode still on
-        the device), ``token_ids`` are rows of its last samples, as in ``dispatch``."""
+        """``steps`` tokens per sequence in one device call (module docstring), with the logprobs of each and its
+        top ``num_top``, not waited for (``fetch_decode`` brings them back): ``chunks`` are one token each
+        (``count = 1``, ``start > 0``) with blocks for ``steps`` tokens; ``rows`` unconstrained. Not in
+        batch-invariant mode. With ``previous`` (a decode step or multi-step decode still on the device),
+        ``token_ids`` are rows of its last samples, as in ``dispatch``."""
         room = [len(c.block_table) * self.block_size - c.start for c in chunks]
         bad = [i for i, c in enumerate(chunks) if c.count != 1 or c.start < 1 or room[i] < steps]
         if bad:

@@ -246,8 +246,8 @@ def test_adaptive_suffix_drafting_with_multi_step_decode_gives_the_plain_greedy_
                       cost=CostModel(dispatch_seconds=0.0, step_seconds=1e-3, token_seconds=1e-6, online=False))
     engine = Engine(HF / "llama", decode_steps=4, speculative=spec, **OPTIONS)
     decodes = []
-    run_decode = engine.runner.decode
-    engine.runner.decode = lambda *args, **kw: decodes.append(args[3]) or run_decode(*args, **kw)
+    run_decode = engine.runner.dispatch_decode
+    engine.runner.dispatch_decode = lambda *args, **kw: decodes.append(args[3]) or run_decode(*args, **kw)
     assert tokens(engine.generate(batch, params)) == plain
     assert tokens(engine.generate(batch, params)) == plain  # the global store now holds the first outputs
     stats = engine.spec_stats
