@@ -1,0 +1,20 @@
+"""``tools/engine_profile``: serving_load's closed loop on the engine, each ``Engine.step`` classed by what it ran
+and its wall time split into the device wait and the host's own work."""
+
+import json
+
+from tools import engine_profile
+
+
+def test_profile_classes_every_step_and_splits_its_time(tmp_path):
+    result = engine_profile.main(["--cpu", "--model", "tiny-moe", "--concurrency", "2", "--requests-per-client", "2",
+                                  "--serve-arg=--decode-steps=4", "--cprofile", "--out-dir", str(tmp_path)])
+    [row] = result["rows"]
+    steps = row["steps"]
+    assert set(steps) <= {"multi", "chained", "decode", "mixed", "idle"} and {"multi", "mixed"} <= set(steps)
+    assert sum(kind["tokens"] for kind in steps.values()) == 4 * 16  # 4 requests, serving_load's 16 CPU tokens
+    for kind in steps.values():
+        assert kind["steps"] > 0 and kind["wall_s"] > 0
+        assert abs(kind["wall_s"] - kind["device_wait_s"] - kind["host_s"]) < 1e-3 and kind["device_wait_s"] >= 0
+    assert result["decode_steps"] == 4 and "function calls" in result["cprofile"]
+    assert json.loads((tmp_path / "engine_profile_tiny-moe.json").read_text())["rows"] == result["rows"]
