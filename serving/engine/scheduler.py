@@ -160,7 +160,7 @@ class Scheduler:
         if n <= 1:
             return chunks
         for seq in seqs:
-            seq.block_table += [self.allocator.allocate() for _ in range(self._blocks_needed(seq, n))]
+            self._grow(seq, n)
         return [c._replace(count=n) for c in chunks]
 
     def reserve_next(self, seqs: list[SequenceState], steps: int = 1) -> bool:
@@ -170,7 +170,7 @@ class Scheduler:
         if sum(self._blocks_needed(s, 2 * steps) for s in seqs) > self.allocator.num_free:
             return False
         for seq in seqs:
-            seq.block_table += [self.allocator.allocate() for _ in range(self._blocks_needed(seq, 2 * steps))]
+            self._grow(seq, 2 * steps)
         return True
 
     def update(self, chunks: list[ScheduledChunk], tokens: list[int | list[int]],
@@ -184,7 +184,7 @@ class Scheduler:
 
         Returns (sequence, new text) for every appended token, in order; finished sequences leave the running set.
         """
-        updated = []
+        updated, ahead = [], ahead or {}
         for chunk, new in zip(chunks, tokens, strict=True):
             seq = chunk.seq
             seq.num_computed += chunk.count
@@ -195,7 +195,7 @@ class Scheduler:
                         break
                 seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
                 # every token's block (the last is computed next) and those of a step in flight after it
-                keep = -(-(seq.num_tokens + max(1, (ahead or {}).get(seq.seq_id, 1)) - 1) // self.block_size)
+                keep = -(-(seq.num_tokens + ahead.get(seq.seq_id, 1) - 1) // self.block_size)
                 for block in reversed(seq.block_table[keep:]):
                     self.allocator.free(block)
                 del seq.block_table[keep:]
@@ -217,8 +217,13 @@ class Scheduler:
             self._preempt(victim, chunks)
             if victim is seq:
                 return False
-        seq.block_table += [self.allocator.allocate() for _ in range(needed)]
+        self._grow(seq, count)
         return True
+
+    def _grow(self, seq: SequenceState, count: int) -> None:
+        """Append to ``seq``'s block table the blocks ``count`` more tokens need (the caller made sure they are
+        free)."""
+        seq.block_table += [self.allocator.allocate() for _ in range(self._blocks_needed(seq, count))]
 
     def _preempt(self, seq: SequenceState, chunks: list[ScheduledChunk]) -> None:
         self.running.remove(seq)
