@@ -77,8 +77,8 @@ class RequestStream:
     async def runs(self) -> AsyncIterator[list[StepOutput]]:
         """The outputs in runs: one sample's consecutive outputs among those already waiting. A multi-step decode
         hands over n tokens of a sequence at once; a route streams each run as one event, the same text and
-        logprobs in n times fewer events to encode and send (the front end's work per token, which at batch 64
-        is what an HTTP client waits on)."""
+        logprobs in n times fewer events to encode and send, so the front end's work per token (a client's wait
+        at large batches) shrinks."""
         while (output := await self.next()) is not None:
             waiting = [output]
             while not self.queue.empty():
