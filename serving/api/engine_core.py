@@ -26,6 +26,7 @@ import zmq
 from serving.api import ipc
 from serving.api.engine_client import EngineStats
 from serving.api.engine_spec import EngineSpec
+from serving.api.profiling import profiled
 from serving.engine.sampling_params import SamplingParams
 from serving.llm_engine import Engine, StepError
 
@@ -83,7 +84,8 @@ def run_core(spec: dict, commands_address: str, events_address: str) -> None:
         events.close(linger=1000)
         return
     send({"kind": ipc.READY, "startup": startup})
-    EngineCore(engine, commands, send).run()
+    with profiled("core"):
+        EngineCore(engine, commands, send).run()
     if spec.get("persist_disk_cache"):
         engine.persist_cache()
     context.destroy(linger=0)

@@ -39,6 +39,7 @@ from serving.api.async_engine import RequestStream
 from serving.api.engine_client import OK, Admission, EngineStats, EngineUnavailableError, OnStep
 from serving.api.engine_core import run_core
 from serving.api.engine_spec import EngineSpec
+from serving.api.profiling import profiled
 from serving.config import ModelConfig, RopeConfig, VisionConfig
 from serving.engine.request import SequenceState
 from serving.engine.sampling_params import SamplingParams
@@ -223,6 +224,10 @@ class ProcessEngine:
 
     def _read(self) -> None:
         """The reader thread: each event to the loop; when the core has exited, ``_on_exit``."""
+        with profiled("frontend-reader"):
+            self._read_events()
+
+    def _read_events(self) -> None:
         while not self._stopping:
             if self._events.poll(POLL_MS):
                 event = ipc.unpack(self._events.recv())

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pstats
 import shutil
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from helpers.server import BLOCK, LLAMA, MODEL_NAME, make_engine, model_folder, 
 from serving.api import ipc
 from serving.api.engine_core import EngineCore
 from serving.api.engine_spec import EngineSpec
+from serving.api.profiling import PROFILE_ENV
 from serving.api.server import Server, create_app
 from serving.config import ModelConfig
 from serving.engine.sampling_params import SamplingParams
@@ -342,10 +344,11 @@ print(json.dumps({"core_alive": process.is_alive(), "exitcode": process.exitcode
 """
 
 
-def front_end(spec: EngineSpec, mode: str) -> tuple[subprocess.Popen, dict]:
-    """A server in a process of its own running ``FRONT_END``: (the process, what it printed once ready)."""
+def front_end(spec: EngineSpec, mode: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
+    """A server in a process of its own running ``FRONT_END`` (with ``env`` added to this process's environment):
+    (the process, what it printed once ready)."""
     process = subprocess.Popen([sys.executable, "-c", FRONT_END, json.dumps(spec.as_dict()), mode],
-                               stdout=subprocess.PIPE, text=True, cwd=REPO)
+                               stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, **(env or {})})
     return process, json.loads(process.stdout.readline())
 
 
@@ -357,11 +360,15 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_the_front_end_never_starts_a_jax_backend_and_stop_ends_the_core(folder):
-    process, ready = front_end(spec_of(folder), "stop")
+def test_the_front_end_never_starts_a_jax_backend_and_stop_ends_the_core(folder, tmp_path):
+    profiles = tmp_path / "profiles"  # APEX_SERVING_PROFILE: the core's loop and the reader thread leave profiles
+    process, ready = front_end(spec_of(folder), "stop", {PROFILE_ENV: str(profiles)})
     assert ready["status"] == 200 and ready["backends"] == []  # a structured request parsed, nothing on a device
     assert json.loads(process.stdout.readline()) == {"core_alive": False, "exitcode": 0}
     assert process.wait(TIMEOUT_S) == 0 and not alive(ready["core"])
+    functions = {name: {f[2] for f in pstats.Stats(str(profiles / f"{name}.prof")).stats}
+                 for name in ("core", "frontend-reader")}
+    assert {"turn", "step"} <= functions["core"] and "_read_events" in functions["frontend-reader"]
 
 
 def test_a_killed_server_leaves_no_core_behind(folder):
