@@ -11,15 +11,16 @@ sequence has room for n (``Scheduler.reserve_ahead``; else a single step: one mu
 They are appended one by one, as n single steps would append them (stop conditions, streaming, block hashing), one
 output each; those a sequence sampled after it finished are dropped.
 
-Scheduling is asynchronous (``async_scheduling``, on by default): while a decode step (or a multi-step decode)
-runs on the device, the next one is dispatched behind it, fed the tokens the first samples without their going
-through the host, and only then are the first step's tokens fetched and appended (stop checks, streaming). So the
-host's work per step (fetching, appending, detokenizing, preparing the next batch) hides behind the device's. The
-step dispatched ahead is of the same kind (n tokens after n) and holds every sequence that has room for its tokens
-(``Scheduler.reserve_next``); it is chained only when nothing waits to be admitted, every sequence decodes and none
-is constrained or penalized (their next token's mask or history needs the one before it on the host); the tokens
-a sequence samples after it finished are dropped. The tokens are those of synchronous steps: each is sampled from
-the same batch row, seed and position.
+Scheduling is asynchronous (``async_scheduling``, on by default): while a step runs on the device, the next one
+is dispatched behind it, fed the tokens the first samples without their going through the host, and only then are
+the first step's tokens fetched and appended (stop checks, streaming). So the host's work per step (fetching,
+appending, detokenizing, preparing the next batch) hides behind the device's, and so it does when requests
+arrive: the step dispatched ahead decodes every sequence the first samples for, goes on with the prompts it
+prefills and admits waiting requests (``Scheduler.schedule_after``); with no prompt to run it is a multi-step
+decode where every sequence has room for its tokens (``Scheduler.reserve_next``). It is not chained where a
+sequence is constrained or penalized (its next token's mask or history needs the one before it on the host) or a
+waiting one scores its prompt; the tokens a sequence samples after it finished are dropped. The tokens are those
+of synchronous steps: each is sampled from the same batch row, seed and position.
 
 Images (vision-language models; ``add_request(images=...)``): the prompt holds each image's placeholder tokens
 (``images.expand_placeholders``); the first step that schedules a prefill chunk of such a request runs the image
@@ -76,7 +77,7 @@ from serving.engine.blocks import BlockAllocator
 from serving.engine.executables import Executables
 from serving.engine.kv_tiers import KVTiers, TierStats, layout_fingerprint
 from serving.engine.request import SequenceState as Seq
-from serving.engine.runner import MIN_TOKENS_BUCKET, Dispatched, ModelRunner, bucket
+from serving.engine.runner import MIN_TOKENS_BUCKET, Dispatched, ModelRunner, bucket, from_previous
 from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.engine.scheduler import ScheduledChunk, Scheduler
@@ -158,11 +159,11 @@ class RequestResult:
 
 
 class InFlight(NamedTuple):
-    """A decode step (``steps`` 1) or multi-step decode on the device whose tokens the host has not appended yet:
-    ``seqs`` in its batch rows, each computing its ``steps`` tokens from ``positions`` on."""
+    """A step (``steps`` 1) or multi-step decode on the device whose tokens the host has not appended yet: its
+    ``chunks`` (chunk i's sampled tokens are row i of its result; a multi-step decode's chunks count its
+    ``steps``)."""
 
-    seqs: list[Seq]
-    positions: list[int]
+    chunks: list[ScheduledChunk]
     step: Dispatched
     steps: int = 1
 
@@ -437,8 +438,9 @@ class Engine:
           ``SamplingParams.prompt_logprobs``) at the shapes of its one N (``ModelRunner.score_tokens``), and for
           each S the sampler with and without logprobs, greedy and drawing, with and without logit biases, and
           (with a tokenizer, which constraints need) with and without a structured-output mask;
-        * the decode step (its tokens fed on the device: ``ModelRunner.dispatch``), at every decode-only shape (N
-          up to ``max_running`` and ``token_budget``);
+        * the decode step, at every decode-only shape (N up to ``max_running`` and ``token_budget``). Every step is
+          one executable whatever feeds its tokens, the host or the step before on the device
+          (``ModelRunner.dispatch(previous=...)``), so a step chained behind another is compiled too;
         * with ``decode_steps`` > 1, every multi-step decode: the decode-only shapes for n = decode_steps (the
           only n a multi-step decode runs; fewer tokens left run single steps), with and without logprobs,
           greedy and drawing.
@@ -452,7 +454,7 @@ class Engine:
         runs once over a batch of padding (its first run is the slow one: ``ModelRunner.run_padding``); on a CPU
         only the decode steps do, as running every prefill shape costs more start-up time than the first requests
         save, while a decode step's first run is short and slows every answer's first tokens.
-        Returns what was compiled: ("step" | "scores" | "score" | "chained", StepShape), ("sample", S, num_top, draw,
+        Returns what was compiled: ("step" | "scores" | "score", StepShape), ("sample", S, num_top, draw,
         masked, biased), ("verify", S, num_top, draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
             raise RuntimeError("warm_up: the engine has unfinished requests: expected an idle engine")
@@ -465,7 +467,7 @@ class Engine:
         if self.drafter is not None and not isinstance(self.drafter, NgramDrafter | SuffixDrafter):
             return []  # a model drafter's own calls are not in the set
         plain = not runner.batch_invariant
-        decodes = [("chained", shape) for shape in decode_shapes] if plain else []
+        decodes = [("step", shape) for shape in decode_shapes if shape not in shapes] if plain else []
         if self.decode_steps > 1 and plain:
             decodes += [("decode", shape, self.decode_steps, *v) for shape in decode_shapes for v in top_draw]
         num_seqs = sorted({shape.num_seqs for shape in shapes})
@@ -486,7 +488,6 @@ class Engine:
         entries += decodes
         compiled = {("step", shapes[0])} | ({("score", scores[0])} if self.drafter is not None else set())
         build_entry = {"step": runner.build_step, "decode": runner.build_decode,
-                       "chained": lambda shape: runner.build_step(shape, chained=True),
                        "scores": lambda shape: runner.build_step(shape, scores=True),
                        "sample": lambda n, *variant: runner.build_sample(logits["sample"][n], *variant),
                        "score": lambda shape: compile_score(runner, shape, self.speculative.k),
@@ -509,10 +510,9 @@ class Engine:
                 if progress is not None:
                     progress(done, len(entries))
         # each forward step's first run, over padding (ModelRunner.run_padding); on a CPU the decode steps' only
-        first_runs = ("step", "chained", "scores") if runner.platform != "cpu" else ("chained",)
         for kind, *args in entries:
-            if kind in first_runs:
-                runner.run_padding(args[0], chained=kind == "chained", scores=kind == "scores")
+            if kind in ("step", "scores") and (runner.platform != "cpu" or args[0] in decode_shapes):
+                runner.run_padding(args[0], scores=kind == "scores")
         return entries
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -628,7 +628,7 @@ class Engine:
     def _step(self) -> list[StepOutput]:
         if self._inflight is not None:
             inflight = self._inflight
-            outputs = self._guarded(inflight.seqs, lambda: self._advance(inflight))
+            outputs = self._guarded([c.seq for c in inflight.chunks], lambda: self._advance(inflight))
             if outputs or self._inflight is not None:
                 return outputs  # else every sequence it ran had finished: schedule afresh
         drafted = self._propose() if self.drafters and not self._scoring() else None
@@ -697,10 +697,8 @@ class Engine:
                                     targets=targets)
         if all(c.count == 1 and c.samples and c.start > 0 for c in chunks):
             self._measure = ("decode", len(chunks), 1)
-        if self.async_scheduling and not self.runner.batch_invariant and all(
-                c.count == 1 and c.samples and c.start > 0 and c.seq.matcher is None
-                and not c.seq.params.uses_penalties for c in chunks):
-            self._inflight = self._chain(seqs, step)
+        if self.async_scheduling and not self.runner.batch_invariant and targets is None:
+            self._inflight = self._chain(InFlight(chunks, step))
         result = self.runner.fetch(step)
         if targets is not None:
             _record_prompt_logprobs(chunks, result.prompt)
@@ -712,39 +710,83 @@ class Engine:
         table = TokenLogprobs(result.logprobs[:, None], result.top_ids[:, None], result.top_logprobs[:, None], rows)
         return self._outputs(chunks, [[tokens[row]] for row in rows], table)
 
-    def _chain(self, seqs: list[Seq], previous: Dispatched, steps: int = 1) -> InFlight | None:
-        """Dispatch the decode step (``steps`` 1) or multi-step decode after ``previous`` (still on the device,
-        sampling ``steps`` tokens for ``seqs`` in its rows, none of them constrained or penalized) for those of
-        ``seqs`` still running with room for ``steps`` more; None when a sequence waits to be admitted, none has
-        room, their blocks are not free, or the next step should draft (``_drafts_next``)."""
-        if self.scheduler.waiting:
+    def _chain(self, inflight: InFlight) -> InFlight | None:
+        """Dispatch the step after ``inflight`` while it is on the device, before its tokens are known: each
+        sequence it samples for and that has room for more decodes, fed its token on the device (``from_previous``
+        of its row), and prompts go on from where it leaves them; waiting sequences are admitted
+        (``Scheduler.schedule_after``). With no prompt to run, that is a decode of ``decode_steps`` tokens where
+        every sequence has room for them (a multi-step decode), else of one. None (the next step is scheduled once
+        its tokens are appended) where a sequence runs that ``inflight`` does not hold, a sampling one is
+        constrained or penalized (its next token's mask or history needs the one before it on the host), a waiting
+        one scores its prompt, blocks are not free, nothing is left to run, or the next step should draft
+        (``_drafts_next``)."""
+        k, chunks = inflight.steps, inflight.chunks
+        running = {s.seq_id for s in self.scheduler.running}
+        if len(running) > len(chunks) or not running <= {c.seq.seq_id for c in chunks}:
             return None
-        rows = [i for i, s in enumerate(seqs) if s in self.scheduler.running
-                and min(s.params.max_tokens - len(s.output_ids), s.max_len - s.num_tokens) >= 2 * steps]
-        chained = [seqs[i] for i in rows]
-        if not chained or self._drafts_next(chained) or not self.scheduler.reserve_next(chained, steps):
+        decoding, prefilling, rows = [], [], {}
+        for row, c in enumerate(chunks):
+            seq = c.seq
+            if seq.seq_id not in running:
+                continue
+            if not c.samples:
+                prefilling.append((seq, c.start + c.count))
+            elif seq.matcher is not None or seq.params.uses_penalties:
+                return None
+            elif self._left(seq) > k:  # else that step samples its last token
+                decoding.append((seq, c.start + c.count))
+                rows[seq.seq_id] = row
+        waiting = self.scheduler.waiting
+        if any(s.scores_prompt for s in waiting) or self._drafts_next([s for s, _ in decoding]):
             return None
-        positions = [s.num_computed + steps for s in chained]  # past the tokens the previous step computes
-        args = ([SeqChunk(s.block_table, p, 1) for s, p in zip(chained, positions, strict=True)], [[i] for i in rows],
-                [SampleRow(s.params, s.seed, len(s.output_ids) + steps, s.prompt_ids, s.output_ids) for s in chained])
-        num_top = MAX_LOGPROBS if any(s.params.logprobs for s in chained) else 0
-        if steps == 1:
-            step = self.runner.dispatch(*args, num_top, previous=previous, images=self._images(chained))
+        seqs = [s for s, _ in decoding]
+        if not prefilling and not (waiting and len(self.scheduler.running) < self.scheduler.max_running):
+            if not decoding:
+                return None
+            n = self.decode_steps if self.decode_steps > 1 and all(
+                self._left(s) >= k + self.decode_steps and not s.params.logit_bias for s in seqs) else 1
+            if not self.scheduler.reserve_next(seqs, [p - s.num_computed for s, p in decoding], n):
+                return None
+            next_chunks = [ScheduledChunk(s, p, n, True) for s, p in decoding]
         else:
-            step = self.runner.dispatch_decode(*args, steps, num_top, images=self._images(chained), previous=previous)
-        return InFlight(chained, positions, step, steps)
+            next_chunks = self.scheduler.schedule_after(decoding, prefilling)
+            if not next_chunks:
+                return None
+            n = 1
+            self._encode_images(next_chunks)
+        token_ids = [[from_previous(rows[c.seq.seq_id])] if c.seq.seq_id in rows
+                     else c.seq.tokens[c.start:c.start + c.count] for c in next_chunks]
+        sample_rows = [SampleRow(c.seq.params, c.seq.seed, len(c.seq.output_ids) + (k if c.seq.seq_id in rows else 0),
+                                 c.seq.prompt_ids, c.seq.output_ids, c.seq.matcher) for c in next_chunks]
+        num_top = MAX_LOGPROBS if any(c.samples and c.seq.params.logprobs for c in next_chunks) else 0
+        seq_chunks = [SeqChunk(c.seq.block_table, c.start, 1 if n > 1 else c.count) for c in next_chunks]
+        images = self._images([c.seq for c in next_chunks])
+        if n > 1:
+            step = self.runner.dispatch_decode(seq_chunks, token_ids, sample_rows, n, num_top, images=images,
+                                               previous=inflight.step)
+        else:
+            step = self.runner.dispatch(seq_chunks, token_ids, sample_rows, num_top, previous=inflight.step,
+                                        images=images)
+        return InFlight(next_chunks, step, n)
+
+    @staticmethod
+    def _left(seq: Seq) -> int:
+        """The tokens ``seq`` may still sample: up to its max_tokens and its max_len."""
+        return min(seq.params.max_tokens - len(seq.output_ids), seq.max_len - seq.num_tokens)
 
     def _advance(self, inflight: InFlight) -> list[StepOutput]:
         """Chain the step after ``inflight``, then fetch and append ``inflight``'s tokens (those of sequences that
         finished or were aborted meanwhile dropped)."""
-        self._inflight = self._chain(inflight.seqs, inflight.step, inflight.steps)
-        rows = [i for i, s in enumerate(inflight.seqs) if s in self.scheduler.running]
-        self._measure = ("decode", len(inflight.seqs), inflight.steps)
-        for i in rows:
-            if inflight.seqs[i].num_computed != inflight.positions[i]:
-                raise RuntimeError(f"sequence {inflight.seqs[i].seq_id} is at {inflight.seqs[i].num_computed}: "
-                                     f"expected {inflight.positions[i]}, where its step in flight computes")
-        chunks = [ScheduledChunk(inflight.seqs[i], inflight.positions[i], inflight.steps, True) for i in rows]
+        self._inflight = self._chain(inflight)
+        running = {s.seq_id for s in self.scheduler.running}
+        rows = [i for i, c in enumerate(inflight.chunks) if c.seq.seq_id in running]
+        chunks = [inflight.chunks[i] for i in rows]
+        for c in chunks:
+            if c.seq.num_computed != c.start:
+                raise RuntimeError(f"sequence {c.seq.seq_id} is at {c.seq.num_computed}: expected {c.start}, where "
+                                   "its step in flight computes")
+        if all(c.count == inflight.steps and c.samples and c.start > 0 for c in inflight.chunks):
+            self._measure = ("decode", len(inflight.chunks), inflight.steps)
         if inflight.steps == 1:
             return self._appended(chunks, rows, self.runner.fetch(inflight.step))
         return self._decoded(chunks, rows, self.runner.fetch_decode(inflight.step))
@@ -770,8 +812,8 @@ class Engine:
             [s.tokens[c.start:c.start + 1] for s, c in zip(seqs, chunks, strict=True)], [_sample_row(s) for s in seqs],
             steps, MAX_LOGPROBS if any(s.params.logprobs for s in seqs) else 0, images=self._images(seqs))
         self._measure = ("decode", len(chunks), steps)
-        if self.async_scheduling and not any(s.params.uses_penalties for s in seqs):
-            self._inflight = self._chain(seqs, step, steps)
+        if self.async_scheduling:
+            self._inflight = self._chain(InFlight(chunks, step, steps))
         return self._decoded(chunks, list(range(len(chunks))), self.runner.fetch_decode(step))
 
     def _decoded(self, chunks: list[ScheduledChunk], rows: list[int], result: Any) -> list[StepOutput]:
@@ -786,7 +828,7 @@ class Engine:
         appended token, the last of a finished sequence carrying its finish reason; ``logprobs``: the entries of
         chunk i's tokens, for the sequences that ask for logprobs."""
         chunk_of = {c.seq.seq_id: i for i, c in enumerate(chunks)}
-        ahead = {} if self._inflight is None else {s.seq_id: self._inflight.steps for s in self._inflight.seqs}
+        ahead = {} if self._inflight is None else {c.seq.seq_id: c.count for c in self._inflight.chunks}
         outputs = []
         for seq, group in itertools.groupby(self.scheduler.update(chunks, tokens, ahead), key=lambda u: u[0]):
             i, texts = chunk_of[seq.seq_id], [text for _, text in group]

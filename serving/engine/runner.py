@@ -18,10 +18,12 @@ counts, which the runner sums into ``expert_load [layers, experts]``. The attent
 the device with the tokens and last indices as one buffer (``kv_cache.pack_step``: one copy per step); the
 compiled step is keyed on the runner's ``kernels`` (a ``layers.KernelPolicy``: which implementation each layer
 runs) and on whether it is a decode step (one token per sequence after its cached context). A decode step's tokens
-are fed on the device as an ``[S]`` vector (the previous step's samples, or the host's tokens), so that one
-executable per shape serves every decode step, and it is traced with ``KernelPolicy.paged_only``, with no packed
-prefill attention (only where the kernels are traced, ``layers.traces_kernels``: the references read the pages
-either way). A runner made with ``batch_invariant=True`` runs both calls through ``serving.batch_invariant``
+is traced with ``KernelPolicy.paged_only``, with no packed prefill attention (only where the kernels are traced,
+``layers.traces_kernels``: the references read the pages either way). Every step is also fed a vector of F tokens
+on the device (``fed``, F = ``fed_size``: the widest S, so that any step's samples feed any other step): a packed
+token id ``-1 - r`` stands for ``fed[r]``, so a step dispatched behind another one (``dispatch(previous=...)``)
+reads the tokens that one samples without their going through the host, while its other tokens (a prompt's) come
+from the host as usual. A runner made with ``batch_invariant=True`` runs both calls through ``serving.batch_invariant``
 (policy ``layers.BATCH_INVARIANT``): a sequence's logits, tokens and logprobs are then bitwise the same in any
 batch and any chunking. A runner made with a ``mesh`` (its params and cache already placed on it,
 ``serving.sharding``) runs both calls under ``jax.set_mesh(mesh)``, so the MoE layers go expert-parallel, with the
@@ -49,8 +51,8 @@ for) and the summed expert counts in one transfer. Its tokens are those of ``ste
 batch.
 
 ``run`` is ``fetch(dispatch(...))``: ``dispatch`` returns as soon as the device calls are queued, so the engine can
-queue the next decode step behind it (``dispatch(previous=...)``: its input tokens are the rows of ``previous``'s
-sampled tokens, read on the device, padded to ``previous``'s N) before it waits for the first one's tokens.
+queue the next step behind it (``dispatch(previous=...)``: a token id ``from_previous(r)`` is row r of ``previous``'s
+samples, read on the device) before it waits for the first one's tokens.
 
 Structured output costs no device time of its own: the forward pass is dispatched asynchronously, and while the
 device runs it the host packs the constrained rows' allowed tokens (``fill_token_bitmask``, llguidance's thread
@@ -152,23 +154,31 @@ class StepResult(NamedTuple):
     prompt: SampleResult | None = None
 
 
+def from_previous(row: int) -> int:
+    """The token id that stands for row ``row`` of the samples of the step dispatched before (``fed_tokens``)."""
+    return -1 - row
+
+
+def fed_tokens(tokens: jax.Array, fed: jax.Array) -> jax.Array:
+    """A step's token ids: ``tokens`` as packed, where an id ``-1 - r`` stands for ``fed[r]`` (a token the step
+    before sampled, still on the device)."""
+    return jnp.where(tokens < 0, fed[jnp.maximum(-1 - tokens, 0)], tokens)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes", "forward", "cfg", "kernels"), donate_argnames="kv")
-def _step(params: dict, kv: Any, packed: jax.Array, previous: jax.Array | None = None,
+def _step(params: dict, kv: Any, packed: jax.Array, fed: jax.Array,
           mm: MultimodalInputs | None = None, targets: jax.Array | None = None, *, sizes: tuple[int, int, int],
           forward: Callable, cfg: ModelConfig,
           kernels: layers.KernelPolicy) -> tuple[jax.Array, Any, jax.Array, SampleResult | None]:
     """forward over the step's tokens ``[N]`` (its layers run as the policy ``kernels`` says): the logits
     ``[S, V]`` at each chunk's last flat index, the updated cache, the expert counts ``[layers, experts]``, and the
     scores of ``targets`` (None without them). ``packed``: ``kv_cache.pack_step``'s buffer of the tokens, batch and
-    last indices for ``sizes = (N, S, max_blocks)``; with ``previous`` (the ``[S]`` tokens a step sampled, still on
-    the device), the packed tokens are rows of it and each real token is ``previous[row]``; ``mm``: a
-    vision-language step's image inputs; ``targets [N]`` (a trace of its own): every flat position's
+    last indices for ``sizes = (N, S, max_blocks)``, its token ids resolved against ``fed [F]`` (``fed_tokens``);
+    ``mm``: a vision-language step's image inputs; ``targets [N]`` (a trace of its own): every flat position's
     ``token_logprobs(logits [N, V], targets, MAX_LOGPROBS)``, so a prompt position p with target ``prompt[p + 1]``
     gets ``log P(prompt[p + 1] | prompt[:p + 1])`` and the top of that distribution."""
     tokens, batch, last = unpack_step(packed, *sizes)
-    if previous is not None:
-        tokens = jnp.where(batch.seq_ids >= 0, previous[tokens], 0)
-
+    tokens = fed_tokens(tokens, fed)
     rows = None if targets is not None else last  # a scoring step needs every token's logits, others the last's
 
     def model(params, tokens, batch, kv):
@@ -200,14 +210,14 @@ def _decode_steps(params: dict, kv: Any, packed: jax.Array, fed: jax.Array, samp
                   forward: Callable, cfg: ModelConfig, kernels: layers.KernelPolicy, draw: bool,
                   num_top: int) -> tuple[SampleResult, jax.Array, Any, jax.Array]:
     """``steps`` decode iterations of forward (policy ``kernels``, paged only) + ``sample``: the
-    samples (tokens ``[steps, S]``, their logprobs and top ``num_top``), the last iteration's tokens ``[S]`` (a
-    chained decode's inputs), the updated cache and the expert counts ``[layers, experts]`` summed over the steps.
-    ``packed``: ``pack_step``'s buffer of a batch with one paged token per sequence, ``sizes = (N, S, max_blocks)``,
-    whose tokens are rows of ``fed [S]`` (the host's tokens, or the samples of the step before, on the device);
-    ``mm``: the tokens' multimodal RoPE shifts (constant as the positions move on)."""
+    samples (tokens ``[steps, S]``, their logprobs and top ``num_top``), the last iteration's tokens as a fed vector
+    ``[F]`` (a chained step's inputs), the updated cache and the expert counts ``[layers, experts]`` summed over the
+    steps. ``packed``: ``pack_step``'s buffer of a batch with one paged token per sequence, ``sizes = (N, S,
+    max_blocks)``, its token ids resolved against ``fed [F]`` (``fed_tokens``); ``mm``: the tokens' multimodal RoPE
+    shifts (constant as the positions move on)."""
     tokens, batch, last = unpack_step(packed, *sizes)
     real = batch.seq_ids >= 0
-    tokens = jnp.where(real, fed[tokens], 0)
+    tokens = fed_tokens(tokens, fed)
     extra = () if mm is None else (mm,)
 
     def one_step(carry, _):
@@ -222,7 +232,7 @@ def _decode_steps(params: dict, kv: Any, packed: jax.Array, fed: jax.Array, samp
     counts = jnp.zeros((cfg.layers, cfg.num_experts), jnp.int32)
     (kv, *_, counts), sampled = jax.lax.scan(one_step, (kv, tokens, batch, with_room(sampling, steps), counts),
                                              length=steps)
-    return sampled, sampled.tokens[-1], kv, counts
+    return sampled, jnp.zeros_like(fed).at[:sizes[1]].set(sampled.tokens[-1]), kv, counts
 
 
 @functools.partial(jax.jit, static_argnames=("encode", "cfg"))
@@ -237,6 +247,15 @@ def _invariant_sample(logits: jax.Array, sampling: SamplingBatch, num_top: int, 
     return batch_invariant.invariant(functools.partial(sample, num_top=num_top, draw=draw))(logits, sampling)
 
 
+@functools.partial(jax.jit, static_argnames=("sampler", "num_top", "draw", "fed_size"))
+def _sample_fed(logits: jax.Array, sampling: SamplingBatch, *, sampler: Callable, num_top: int, draw: bool,
+                fed_size: int) -> tuple[SampleResult, jax.Array]:
+    """``sampler``'s samples of a step's logits ``[S, V]`` and its tokens as a fed vector ``[fed_size]`` (the first
+    S entries; the inputs of a step chained after it)."""
+    result = sampler(logits, sampling, num_top=num_top, draw=draw)
+    return result, jnp.zeros(fed_size, jnp.int32).at[:result.tokens.shape[0]].set(result.tokens)
+
+
 class Dispatched(NamedTuple):
     """A step on its way: its samples and expert counts on the device (``ModelRunner.fetch``, or ``fetch_decode``
     for a multi-step decode, brings them back)."""
@@ -245,13 +264,8 @@ class Dispatched(NamedTuple):
     expert_counts: jax.Array
     num_chunks: int
     num_tokens: int  # the padded N
+    fed: jax.Array  # [F] its (last) samples, as the fed vector of a step chained after it
     prompt: SampleResult | None = None  # the step's ``_step`` scores, when dispatched with targets
-    last: jax.Array | None = None  # [S] a multi-step decode's last tokens (else ``result.tokens``)
-
-    @property
-    def next_inputs(self) -> jax.Array:
-        """The ``[S]`` tokens a decode step chained after this one reads: its last samples."""
-        return self.result.tokens if self.last is None else self.last
 
 
 class ModelRunner:
@@ -290,6 +304,7 @@ class ModelRunner:
         self.min_decode_tokens = MIN_DECODE_BUCKET.get(self.platform, MIN_TOKENS_BUCKET)  # a decode step's smallest N
         self.max_blocks, self.score_tokens = max_blocks, score_tokens
         self.executables = Executables()  # the calls compiled before serving (Engine.warm_up gives it a folder)
+        self._zeros: dict[int, jax.Array] = {}  # the fed vector of steps chained after none, by F
         # Every step's W where the attention reads pages only up to each token's length (module docstring); None:
         # W over its buckets.
         self.fixed_width = max_blocks if max_blocks is not None and self.platform == "gpu" and (
@@ -304,6 +319,25 @@ class ModelRunner:
             raise ValueError(f"a step of {real} sequences: expected at most max_seqs={self.max_seqs}")
         return min(max(num_tokens, MIN_SEQS_BUCKET), bucket(self.max_seqs))
 
+    def fed_size(self, num_seqs: int) -> int:
+        """F, the length of the fed token vector of a step of S = ``num_seqs`` (module docstring): the widest S,
+        ``bucket(max_seqs)``, so that every step's samples can feed every other step; a runner without ``max_seqs``
+        (whose S has no bound) feeds each step its own S, and chains only steps of one S."""
+        return num_seqs if self.max_seqs is None else bucket(self.max_seqs)
+
+    def _fed(self, previous: "Dispatched | None", num_seqs: int) -> jax.Array:
+        """A step's fed vector: ``previous``'s samples (on the device), or zeros (no token id of the step refers to
+        it)."""
+        size = self.fed_size(num_seqs)
+        if previous is None:
+            if size not in self._zeros:
+                self._zeros[size] = self._placed(np.zeros(size, np.int32))
+            return self._zeros[size]
+        if previous.fed.shape[0] != size:
+            raise ValueError(f"a step of {num_seqs} sequences chained after one fed {previous.fed.shape[0]} tokens: "
+                             f"expected {size} (a runner without max_seqs chains only steps of one S)")
+        return previous.fed
+
     def table_width(self, widest: int) -> int:
         """The padded block-table width W of a step whose widest sequence holds ``widest`` blocks: the runner's
         ``fixed_width`` where it has one, else ``blocks_bucket(widest)``."""
@@ -314,11 +348,12 @@ class ModelRunner:
                              f"{self.fixed_width}")
         return self.fixed_width
 
-    def prepare(self, chunks: list[SeqChunk], token_ids: list[list[int]],
-                num_tokens: int | None = None) -> tuple[np.ndarray, AttentionBatch]:
+    def prepare(self, chunks: list[SeqChunk], token_ids: list[list[int]], num_tokens: int | None = None,
+                previous: "Dispatched | None" = None) -> tuple[np.ndarray, AttentionBatch]:
         """Flat tokens ``[N]`` and batch metadata of ``chunks``, padded to the power-of-two buckets (N: to
-        ``num_tokens`` if given, a bucket). Every device call of a step comes through here first: the cache tiers'
-        queued copies are issued now, so the step reads the blocks they load."""
+        ``num_tokens`` if given, a bucket); token ids ``from_previous(r)`` name row r < S of ``previous``'s samples.
+        Every device call of a step comes through here first: the cache tiers' queued copies are issued now, so the
+        step reads the blocks they load."""
         if self.tiers is not None:
             with self.on_mesh():
                 self.kv = self.tiers.apply(self.kv)
@@ -330,6 +365,11 @@ class ModelRunner:
                            max_blocks=self.table_width(widest))
         tokens = np.zeros(batch.positions.shape, np.int32)
         tokens[:total] = np.concatenate(token_ids)
+        lowest = int(tokens.min(initial=0))
+        if lowest < 0 and (previous is None or from_previous(lowest) >= previous.num_chunks):
+            raise ValueError(f"token id {lowest}: a row of the previous step's samples, but "
+                             + ("no step was given" if previous is None else
+                                f"it sampled {previous.num_chunks} rows"))
         return tokens, batch
 
     def encode_images(self, requests: list[RequestImages]) -> None:
@@ -383,11 +423,10 @@ class ModelRunner:
         """The policy a step is traced with: the runner's ``kernels``, every token paged where ``paged_only``."""
         return dataclasses.replace(self.kernels, paged_only=paged_only)
 
-    def _is_decode(self, chunks: list[SeqChunk], previous: "Dispatched | None") -> bool:
-        """Whether the step runs as a decode step: one token per chunk, each after its cached context, fed on the
-        device (``previous``'s samples, or the host's tokens as one ``[S]`` row vector), so every decode step of a
-        shape runs one executable, the one ``dispatch(previous=...)`` chains. Not in batch-invariant mode."""
-        return previous is not None or (not self.batch_invariant and all(c.count == 1 and c.start > 0 for c in chunks))
+    def _is_decode(self, chunks: list[SeqChunk]) -> bool:
+        """Whether the step runs as a decode step (paged only, N from ``min_decode_tokens``): one token per chunk,
+        each after its cached context. Not in batch-invariant mode."""
+        return not self.batch_invariant and all(c.count == 1 and c.start > 0 for c in chunks)
 
     def _paged_only(self, decode: bool) -> bool:
         """Trace the step with ``KernelPolicy.paged_only``: a decode step, with kernels that read the flag. Other steps,
@@ -406,21 +445,20 @@ class ModelRunner:
     def dispatch(self, chunks: list[SeqChunk], token_ids: list[list[int]], rows: list[SampleRow], num_top: int = 0,
                  previous: Dispatched | None = None, images: list[RequestImages | None] | None = None,
                  targets: list[list[int]] | None = None) -> Dispatched:
-        """``run``'s device calls, not waited for. With ``previous`` (a decode step still on the device), the
-        chunks are decode chunks whose ``token_ids`` are rows of the tokens ``previous`` samples, padded as it is.
-        ``targets``: one token per chunk token (as ``token_ids``; any id where no score is wanted): the step is then
-        the scoring variant of the general path (``_step``), whose per-token scores ``fetch`` returns as
-        ``StepResult.prompt``."""
-        decode = targets is None and self._is_decode(chunks, previous)
+        """``run``'s device calls, not waited for. With ``previous`` (a step still on the device), a token id
+        ``from_previous(r)`` in ``token_ids`` is row r of the tokens ``previous`` samples (its last, for a
+        multi-step decode). ``targets``: one token per chunk token (as ``token_ids``; any id where no score is
+        wanted): the step is then the scoring variant of the general path (``_step``), whose per-token scores
+        ``fetch`` returns as ``StepResult.prompt``."""
+        decode = targets is None and self._is_decode(chunks)
         num_tokens = None  # a general step's: prepare's bucket
         if targets is not None and self.score_tokens is not None:
             num_tokens = self.score_tokens
         if decode:
-            fed, token_ids, num_tokens = self._fed(token_ids, previous)
-        else:
-            fed = None
-        tokens, batch = self.prepare(chunks, token_ids, num_tokens)
+            num_tokens = bucket(len(chunks), self.min_decode_tokens)
+        tokens, batch = self.prepare(chunks, token_ids, num_tokens, previous)
         num_seqs = batch.context_lens.shape[0]
+        fed = self._fed(previous, num_seqs)
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.cumsum([c.count for c in chunks]) - 1
         bitmask = None if self.overlap_masks else self._masks(rows, num_seqs)
@@ -438,21 +476,14 @@ class ModelRunner:
                 self._step_static(sizes, self._paged_only(decode)))
             if self.overlap_masks:
                 bitmask = self._masks(rows, num_seqs)
-            result = self.executables.call(
-                "sample", self._sampler, (), (logits, sampling_batch(rows, num_seqs, token_bitmask=bitmask)),
-                dict(num_top=num_top, draw=any(r.params.temperature > 0 for r in rows)))
-        return Dispatched(result, counts, len(chunks), len(tokens), scores)
+            result, next_fed = self.executables.call(
+                "sample", _sample_fed, (), (logits, sampling_batch(rows, num_seqs, token_bitmask=bitmask)),
+                self._sample_static(num_top, any(r.params.temperature > 0 for r in rows), num_seqs))
+        return Dispatched(result, counts, len(chunks), len(tokens), next_fed, scores)
 
-    def _fed(self, token_ids: list[list[int]], previous: Dispatched | None) -> tuple[Any, list[list[int]], int]:
-        """A decode step's ``[S]`` token vector, its packed tokens (rows of it) and its N: ``previous``'s last
-        samples, on the device, padded to ``previous``'s N (``token_ids`` are rows of them), or the host's tokens
-        (``token_ids``, one per chunk)."""
-        if previous is not None:
-            return self._placed(previous.next_inputs), token_ids, previous.num_tokens  # stays on the device
-        num_tokens = bucket(len(token_ids), self.min_decode_tokens)
-        row_tokens = np.zeros(self.num_seqs(num_tokens, len(token_ids)), np.int32)
-        row_tokens[:len(token_ids)] = [ids[0] for ids in token_ids]
-        return self._placed(row_tokens), [[i] for i in range(len(token_ids))], num_tokens
+    def _sample_static(self, num_top: int, draw: bool, num_seqs: int) -> dict[str, Any]:
+        """``_sample_fed``'s static arguments."""
+        return dict(sampler=self._sampler, num_top=num_top, draw=draw, fed_size=self.fed_size(num_seqs))
 
     def _step_static(self, sizes: tuple[int, int, int], paged_only: bool) -> dict[str, Any]:
         """``_step``'s static arguments for a step of ``sizes = (N, S, W)``."""
@@ -474,8 +505,8 @@ class ModelRunner:
         """``steps`` tokens per sequence in one device call (module docstring), with the logprobs of each and its
         top ``num_top``, not waited for (``fetch_decode`` brings them back): ``chunks`` are one token each
         (``count = 1``, ``start > 0``) with blocks for ``steps`` tokens; ``rows`` unconstrained. Not in
-        batch-invariant mode. With ``previous`` (a decode step or multi-step decode still on the device),
-        ``token_ids`` are rows of its last samples, as in ``dispatch``."""
+        batch-invariant mode. With ``previous`` (a step still on the device), ``token_ids`` may name its samples,
+        as in ``dispatch``."""
         room = [len(c.block_table) * self.block_size - c.start for c in chunks]
         bad = [i for i, c in enumerate(chunks) if c.count != 1 or c.start < 1 or room[i] < steps]
         if bad:
@@ -484,9 +515,9 @@ class ModelRunner:
                              f"tokens): expected one token after a cached context, with blocks for steps={steps}")
         if self.batch_invariant or any(r.matcher is not None for r in rows):
             raise ValueError("decode: a constrained row or a batch-invariant runner: expected neither (use run)")
-        fed, token_ids, num_tokens = self._fed(token_ids, previous)
-        tokens, batch = self.prepare(chunks, token_ids, num_tokens)
+        tokens, batch = self.prepare(chunks, token_ids, bucket(len(chunks), self.min_decode_tokens), previous)
         num_seqs = batch.context_lens.shape[0]
+        fed = self._fed(previous, num_seqs)
         last = np.zeros(num_seqs, np.int32)
         last[:len(chunks)] = np.arange(len(chunks))
         packed = self._packed(tokens, batch, last)
@@ -496,7 +527,7 @@ class ModelRunner:
                 "decode", _decode_steps, (self.params, self.kv), (packed, fed, sampling_batch(rows, num_seqs), mm),
                 self._decode_static((len(tokens), num_seqs, batch.block_tables.shape[1]), steps, num_top,
                                     any(r.params.temperature > 0 for r in rows)))
-        return Dispatched(result, counts, len(chunks), len(tokens), last=final)
+        return Dispatched(result, counts, len(chunks), len(tokens), final)
 
     def fetch_decode(self, step: Dispatched) -> DecodeResult:
         """The host arrays of a dispatched multi-step decode (waits for it)."""
@@ -528,34 +559,33 @@ class ModelRunner:
         sizes = [math.prod(s) for s in kv_cache.step_shapes(shape.num_tokens, shape.num_seqs, shape.max_blocks)]
         return self._placed(np.zeros(sum(sizes), np.int32))
 
-    def _padding_call(self, shape: StepShape, chained: bool, scores: bool) -> tuple[tuple, dict]:
+    def _padding_call(self, shape: StepShape, scores: bool) -> tuple[tuple, dict]:
         """``_step``'s arguments after the params and cache (and its static ones) for a step of ``shape`` over a
-        batch of padding only (every token's slot PAD: running it leaves the cache as it was); with ``chained`` the
-        decode step after another (its tokens on the device), with ``scores`` the scoring variant."""
+        batch of padding only (every token's slot PAD: running it leaves the cache as it was); with ``scores`` the
+        scoring variant."""
         batch = make_batch([], self.block_size, num_tokens=shape.num_tokens, num_seqs=shape.num_seqs,
                            max_blocks=shape.max_blocks)
         packed = self._packed(np.zeros(shape.num_tokens, np.int32), batch, np.zeros(shape.num_seqs, np.int32))
-        previous = self._placed(np.zeros(shape.num_seqs, np.int32)) if chained else None
         targets = self._placed(np.zeros(shape.num_tokens, np.int32)) if scores else None
-        return (packed, previous, None, targets), self._step_static(shape[:3], shape.paged_only)
+        return (packed, self._fed(None, shape.num_seqs), None, targets), self._step_static(shape[:3], shape.paged_only)
 
-    def build_step(self, shape: StepShape, chained: bool = False, scores: bool = False) -> jax.ShapeDtypeStruct:
-        """Compile ``run``'s forward step of ``shape`` (nothing runs), or with ``chained`` ``dispatch``'s of a decode
-        step after another, or with ``scores`` its scoring variant (``dispatch`` with targets), into the runner's
+    def build_step(self, shape: StepShape, scores: bool = False) -> jax.ShapeDtypeStruct:
+        """Compile ``run``'s forward step of ``shape`` (nothing runs; the one executable of that shape, whatever
+        feeds its tokens), or with ``scores`` its scoring variant (``dispatch`` with targets), into the runner's
         ``executables``, where those calls find it; returns the logits it gives the sampler."""
-        args, static = self._padding_call(shape, chained, scores)
+        args, static = self._padding_call(shape, scores)
         with self.on_mesh():
             compiled = self.executables.build("step", _step, (self.params, self.kv), args, static, donate=(1,))
         info = compiled.out_info[0]
         return jax.ShapeDtypeStruct(info.shape, info.dtype,
                                     sharding=None if self.mesh is None else compiled.output_shardings[0])
 
-    def run_padding(self, shape: StepShape, chained: bool = False, scores: bool = False) -> None:
+    def run_padding(self, shape: StepShape, scores: bool = False) -> None:
         """Run ``build_step``'s step of ``shape`` once over its batch of padding (the cache is left as it was), and
         wait for it. A compiled executable's first run costs more than the next ones (XLA:CPU generates its
         kernels' code then; a GPU loads its modules), so warm-up runs each one once and the first requests do not
         pay it."""
-        args, static = self._padding_call(shape, chained, scores)
+        args, static = self._padding_call(shape, scores)
         with self.on_mesh():
             logits, self.kv, *rest = self.executables.call("step", _step, (self.params, self.kv), args, static)
         jax.block_until_ready((logits, rest))
@@ -568,9 +598,9 @@ class ModelRunner:
         num_seqs = logits.shape[0]
         bitmask = np.zeros((num_seqs, -(-self.cfg.vocab // 32)), np.int32) if masked else None
         with self.on_mesh():
-            self.executables.build("sample", self._sampler, (),
+            self.executables.build("sample", _sample_fed, (),
                                    (logits, sampling_batch([], num_seqs, token_bitmask=bitmask, biased=biased)),
-                                   dict(num_top=num_top, draw=draw))
+                                   self._sample_static(num_top, draw, num_seqs))
 
     def _decode_static(self, sizes: tuple[int, int, int], steps: int, num_top: int, draw: bool) -> dict[str, Any]:
         """``_decode_steps``' static arguments."""
@@ -581,7 +611,7 @@ class ModelRunner:
         """Compile ``decode``'s ``steps``-token call for a decode batch of ``shape``."""
         with self.on_mesh():
             self.executables.build("decode", _decode_steps, (self.params, self.kv),
-                                   (self._packed_like(shape), self._placed(np.zeros(shape.num_seqs, np.int32)),
+                                   (self._packed_like(shape), self._fed(None, shape.num_seqs),
                                     sampling_batch([], shape.num_seqs), None),
                                    self._decode_static(shape[:3], steps, num_top, draw), donate=(1,))
 

@@ -22,8 +22,10 @@ wherever it is and frees its blocks at once.
 
 A multi-step decode (``reserve_ahead``) runs n tokens of every decoding sequence in one step: n stops short of
 every sequence's max_tokens and max_len, and its blocks come from free ones only (fewer steps when they are
-short; never a preemption); so do those of a decode step (or multi-step decode) run while the one before it is on
-the device (``reserve_next``), which ``update`` keeps while that step is in flight (``ahead``).
+short; never a preemption). So do those of a step scheduled while the one before it is on the device, before its
+tokens are known: a decode step or multi-step decode of the sequences that step samples (``reserve_next``), or
+a step that also continues prompts and admits waiting sequences by the rules above (``schedule_after``); ``update``
+keeps the blocks of such a step in flight (``ahead``).
 """
 
 from collections.abc import Mapping
@@ -122,6 +124,12 @@ class Scheduler:
                 else:
                     budget -= count
                     prefill_left -= 0 if decoding else count
+        self._admit(chunks, budget)
+        return chunks
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        """Admit waiting sequences in order while ``budget`` tokens are left and their blocks are free (never a
+        preemption for a newcomer), each a chunk of its prompt appended to ``chunks``."""
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             self._take_cached_prefix(seq)
@@ -129,13 +137,38 @@ class Scheduler:
             if self._admissible(1):  # others wait behind it: leave them room
                 count = min(count, self.prefill_chunk)
             if self._blocks_needed(seq, count) > self.allocator.num_free:
-                self._release(seq)  # wait for running sequences to finish; never preempt for a newcomer
+                self._release(seq)  # wait for running sequences to finish
                 break
             self.waiting.pop(0)
             self.running.append(seq)
-            self._reserve(seq, count, chunks)
+            self._grow(seq, count)
             chunks.append(_chunk(seq, count))
             budget -= count
+
+    def schedule_after(self, decoding: list[tuple[SequenceState, int]],
+                       prefilling: list[tuple[SequenceState, int]]) -> list[ScheduledChunk] | None:
+        """The chunks of a step scheduled while the one before it is on the device, whose tokens are not known yet:
+        one token of each of ``decoding`` (sequence, position: the one past those the step in flight computes),
+        then the rest of each of ``prefilling``'s prompts (sequence, position) and waiting sequences admitted, by
+        ``schedule``'s rules for the budget and ``prefill_chunk``. Their blocks come from free ones only: None,
+        allocating nothing, when those of ``decoding`` and ``prefilling`` are not (or the budget does not hold the
+        decodes); an admission stops where they are not."""
+        budget = self.token_budget - len(decoding)
+        prefill_left = self.prefill_chunk if self._admissible(0) else self.token_budget
+        counts = []
+        for seq, position in prefilling:
+            counts.append(max(0, min(budget, seq.num_tokens - position, prefill_left)))
+            budget, prefill_left = budget - counts[-1], prefill_left - counts[-1]
+        reserved = [(seq, position, 1) for seq, position in decoding] + [
+            (seq, position, count) for (seq, position), count in zip(prefilling, counts, strict=True) if count]
+        if budget < 0 or sum(max(0, self._blocks_needed(s, p + c - s.num_computed)) for s, p, c in reserved) > \
+                self.allocator.num_free:
+            return None
+        chunks = []
+        for seq, position, count in reserved:
+            self._grow(seq, position + count - seq.num_computed)
+            chunks.append(ScheduledChunk(seq, position, count, position + count >= seq.num_tokens))
+        self._admit(chunks, budget)
         return chunks
 
     def _admissible(self, ahead: int) -> bool:
@@ -163,14 +196,15 @@ class Scheduler:
             self._grow(seq, n)
         return [c._replace(count=n) for c in chunks]
 
-    def reserve_next(self, seqs: list[SequenceState], steps: int = 1) -> bool:
-        """Allocate the blocks each of ``seqs`` needs for a decode of ``steps`` tokens after the one of ``steps``
-        it has running (its tokens from ``num_computed`` on, then the next ``steps``); False, allocating nothing,
-        when they are not all free (nothing is preempted)."""
-        if sum(self._blocks_needed(s, 2 * steps) for s in seqs) > self.allocator.num_free:
+    def reserve_next(self, seqs: list[SequenceState], running: list[int], steps: int) -> bool:
+        """Allocate the blocks each of ``seqs`` needs for a decode of ``steps`` tokens after the ``running[i]`` tokens
+        from its ``num_computed`` on that the step in flight computes; False, allocating nothing, when they are not
+        all free (nothing is preempted)."""
+        pairs = list(zip(seqs, running, strict=True))
+        if sum(max(0, self._blocks_needed(s, r + steps)) for s, r in pairs) > self.allocator.num_free:
             return False
-        for seq in seqs:
-            self._grow(seq, 2 * steps)
+        for seq, r in pairs:
+            self._grow(seq, r + steps)
         return True
 
     def update(self, chunks: list[ScheduledChunk], tokens: list[int | list[int]],

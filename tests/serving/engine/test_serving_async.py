@@ -1,7 +1,8 @@
-"""Asynchronous scheduling (``Engine(async_scheduling=True)``, the default): a decode step dispatched behind the one
-on the device, fed its tokens there, gives exactly the tokens, texts, finish reasons, logprobs and streamed outputs
-of synchronous steps (greedy, seeded sampling, stops mid-stream, max_tokens, n > 1, late arrivals, penalized rows
-that run synchronously, a tight cache with preemption, an abort while a step is in flight)."""
+"""Asynchronous scheduling (``Engine(async_scheduling=True)``, the default): a step dispatched behind the one on
+the device, fed its tokens there, gives exactly the tokens, texts, finish reasons, logprobs and streamed outputs of
+synchronous steps (greedy, seeded sampling, stops mid-stream, max_tokens, n > 1, late arrivals, penalized rows
+that run synchronously, a tight cache with preemption, an abort while a step is in flight), also when it admits
+requests that arrived meanwhile and prefills their prompts in chunks beside the decodes."""
 
 import dataclasses
 from pathlib import Path
@@ -84,8 +85,8 @@ def test_logprobs_and_n_match_and_an_abort_in_flight_frees_its_blocks(folder):
     eng = engine(folder, True)
     got = run(eng)
     assert got[0] == want[0] and got[2]
-    # after the abort the chained steps keep the padded N of the step before (2 rows, one dropped) where synchronous
-    # steps pad to 1: the same tokens, logprobs within the rounding of another matmul geometry
+    # after the abort the step chained behind the abort's has 2 rows (one dropped) where synchronous steps have 1:
+    # the same tokens, logprobs within the rounding of another matmul geometry
     [kept], [wanted] = got[1], want[1]
     assert (kept.token_ids, kept.text, kept.finish_reason) == (wanted.token_ids, wanted.text, wanted.finish_reason)
     for g, w in zip(kept.logprobs, wanted.logprobs, strict=True):
@@ -93,3 +94,37 @@ def test_logprobs_and_n_match_and_an_abort_in_flight_frees_its_blocks(folder):
         assert g["logprob"] == pytest.approx(w["logprob"], abs=1e-5)
     eng.step()  # nothing is left in flight, and every block is free
     assert eng._inflight is None and eng.allocator.num_free == eng.allocator.num_blocks
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_steps_that_admit_and_prefill_run_behind_the_step_in_flight(folder, decode_steps, monkeypatch):
+    """Requests arrive while others decode, with prompts longer than the token budget (prefilled in chunks over
+    several steps, beside the decodes): the steps that admit them and go on with their prompts are dispatched
+    behind the one in flight, and every output is the synchronous engine's."""
+    def long_arrivals(eng: Engine) -> list[tuple[int, list[int], SamplingParams]]:
+        p = prompts_of(eng)
+        long = [t for prompt in p for t in prompt] * 8  # about 150 tokens: three chunks of the 64-token budget
+        return [(0, p[0], dataclasses.replace(GREEDY, max_tokens=40)), (0, p[1], dataclasses.replace(SAMPLED, seed=5)),
+                (3, long, dataclasses.replace(SAMPLED, seed=7, logprobs=2)), (4, p[2], GREEDY),
+                (9, long[7:], dataclasses.replace(GREEDY, max_tokens=17)), (10, p[4], GREEDY)]
+
+    sync = engine(folder, False, decode_steps=decode_steps, num_blocks=256)
+    want = drive(sync, long_arrivals(sync))
+    eng = engine(folder, True, decode_steps=decode_steps, num_blocks=256)
+    chained = []
+    real = eng._chain
+
+    def chain(inflight):
+        ahead = real(inflight)
+        if ahead is not None:
+            chained.append([(c.start, c.count, c.samples) for c in ahead.chunks])
+        return ahead
+
+    monkeypatch.setattr(eng, "_chain", chain)
+    got = drive(eng, long_arrivals(eng))
+    assert got[:2] == want[:2]
+    admits = [chunks for chunks in chained if any(start == 0 for start, _, _ in chunks)]
+    goes_on = [chunks for chunks in chained if any(start > 0 and count > 1 and samples is False
+                                                   for start, count, samples in chunks)]
+    assert admits and goes_on  # some chained steps admitted a request, some went on with a chunked prompt
+    assert eng.allocator.num_free == eng.allocator.num_blocks

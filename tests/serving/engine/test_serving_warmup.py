@@ -68,7 +68,7 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
     decodes = [("decode", d, 2, top, draw) for d in decode for top in (0, MAX_LOGPROBS) for draw in (False, True)]
     scores = [s for s in steps if s.num_tokens == 16]  # every scoring step padded to the token budget's bucket
     assert done == [("step", s) for s in steps] + [("scores", s) for s in scores] + samplers \
-        + [("chained", d) for d in decode] + decodes
+        + [("step", d) for d in decode if d not in steps] + decodes
     assert seen == [(i + 1, len(done)) for i in range(len(done))]
 
     with compile_events() as events:
@@ -119,7 +119,7 @@ def test_with_ngram_speculation_warm_up_compiles_every_verification_and_plain_st
     kinds = [kind for kind, *_ in done]  # steps without drafts are plain ones: both sets
     shapes = eng.runner.step_shapes(16)  # N up to the token budget, one width
     assert kinds.count("score") == 2 * len(shapes) and kinds.count("verify") == 8
-    assert {"step", "sample", "chained"} <= set(kinds)
+    assert {"step", "sample"} <= set(kinds)
     with compile_events() as events:
         texts = ["ab ab ab ab ab ab ab ab", "the cat the cat the cat"]  # n-grams recur: drafts are proposed
         eng.generate(texts, [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
@@ -212,7 +212,7 @@ def test_a_restart_reads_every_call_and_compile_back_from_the_caches(tmp_path):
     warm = start()
     assert warm["misses"] == 0 and warm["hits"] == cold["misses"] + cold["hits"]
     assert warm["loaded"] == warm["entries"] == cold["entries"] and warm["tokens"] == cold["tokens"]
-    assert cold["traced"] == 3 and warm["traced"] == 0  # a step, its scoring variant, the chained decode step
+    assert cold["traced"] == 3 and warm["traced"] == 0  # a step, its scoring variant, a decode step
 
 
 def test_the_cli_defaults_are_the_engines(folder):
@@ -250,7 +250,7 @@ def test_a_run_over_padding_leaves_the_cache_and_the_outputs_as_they_were(folder
         runner.run_padding(shape)
         runner.run_padding(shape, scores=True)
     for shape in runner.step_shapes(16, decode_only=True):
-        runner.run_padding(shape, chained=True)
+        runner.run_padding(shape)
     after = jax.device_get(eng.runner.kv)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
     [again] = eng.generate(["Once upon a time there was"], greedy)
