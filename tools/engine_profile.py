@@ -2,12 +2,12 @@
 
 Builds the engine ``python -m serving serve`` would build for one of ``benchmarks/serving_load.py``'s models,
 warms it up, then runs serving_load's closed loop on it (``engine_load``) at each concurrency level. Each
-``Engine.step`` is timed and classed by what it ran (``multi``: a multi-step decode, ``chained``: a decode step
-dispatched behind the one in flight, ``decode``: a single decode step, ``mixed``: a step with prefill tokens),
-and the time spent blocked in ``jax.device_get`` (waiting for the device) is split from the rest (the host:
-scheduling, packing, dispatch, appending and detokenizing tokens). The host share is what async scheduling
-must hide. With ``--cprofile``, the host's hottest functions at the last level too. Prints one table per level and
-writes JSON under ``--out-dir``.
+``Engine.step`` is timed and classed by what it ran (``multi``: a multi-step decode, ``chained``: a step dispatched
+behind the one in flight, be it a decode or one that admits requests, ``decode``: a single decode step, ``mixed``: a
+step with prefill tokens), and the time spent blocked in ``jax.device_get`` (waiting for the device) is split
+from the rest (the host: scheduling, packing, dispatch, appending and detokenizing tokens). The host share is what
+async scheduling must hide. With ``--cprofile``, the host's hottest functions at the last level too. Prints one
+table per level and writes JSON under ``--out-dir``.
 
     python3 -m tools.engine_profile --model moe-1b --cprofile         # on the GPU machine
     python3 -m tools.engine_profile --cpu --model tiny-moe --concurrency 4
