@@ -397,6 +397,7 @@ class Engine:
         self.spec_stats = SpecStats()
         self.async_scheduling = async_scheduling
         self._inflight: InFlight | None = None
+        self._ahead: list[ScheduledChunk] = []  # the chunks of the step being dispatched ahead (``_chain``)
 
     @property
     def tier_stats(self) -> TierStats | None:
@@ -646,13 +647,15 @@ class Engine:
         return self._guarded([c.seq for c in chunks], run)
 
     def _guarded(self, seqs: list[Seq], run: Callable[[], list[StepOutput]]) -> list[StepOutput]:
-        """``run()``; if it raises, the requests of ``seqs`` are aborted, nothing stays in flight, a consumed cache
-        is rebuilt, and ``StepError`` names the requests."""
+        """``run()``; if it raises, the requests of ``seqs`` and of the step it was dispatching ahead (those it
+        admitted among them) are aborted, nothing stays in flight, a consumed cache is rebuilt, and ``StepError``
+        names the requests."""
+        self._ahead = []
         try:
             return run()
         except Exception as e:
             self._inflight = None
-            request_ids = list(dict.fromkeys(s.request_id for s in seqs))
+            request_ids = list(dict.fromkeys(s.request_id for s in [*seqs, *(c.seq for c in self._ahead)]))
             for request_id in request_ids:
                 self.abort(request_id)
             if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.runner.kv)):
@@ -753,6 +756,7 @@ class Engine:
             if not next_chunks:
                 return None
             n = 1
+            self._ahead = next_chunks
             self._encode_images(next_chunks)
         token_ids = [[from_previous(rows[c.seq.seq_id])] if c.seq.seq_id in rows
                      else c.seq.tokens[c.start:c.start + c.count] for c in next_chunks]
