@@ -688,6 +688,11 @@ def _levels(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    from serving import enable_command_buffers
+
+    # Every path runs with the XLA flags ``python -m serving`` sets (CUDA graphs on a GPU): the same executables,
+    # and one compilation cache whose entries the server's warm start finds.
+    enable_command_buffers()
     server_env = os.environ.copy()
     # This process's jax (the run metadata) must not take the GPU memory the servers need.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -746,8 +746,10 @@ class Engine:
         if not prefilling and not (waiting and len(self.scheduler.running) < self.scheduler.max_running):
             if not decoding:
                 return None
+            # a sequence whose max_tokens comes first stops within the n tokens (the rest are dropped, as after a
+            # stop token); only the context must hold them all
             n = self.decode_steps if self.decode_steps > 1 and all(
-                self._left(s) >= k + self.decode_steps and not s.params.logit_bias for s in seqs) else 1
+                s.max_len - s.num_tokens >= k + self.decode_steps and not s.params.logit_bias for s in seqs) else 1
             if not self.scheduler.reserve_next(seqs, [p - s.num_computed for s, p in decoding], n):
                 return None
             next_chunks = [ScheduledChunk(s, p, n, True) for s, p in decoding]

@@ -21,8 +21,9 @@ ones finish; a prompt that leaves no room to generate is refused up front. ``abo
 wherever it is and frees its blocks at once.
 
 A multi-step decode (``reserve_ahead``) runs n tokens of every decoding sequence in one step: n stops short of
-every sequence's max_tokens and max_len, and its blocks come from free ones only (fewer steps when they are
-short; never a preemption). So do those of a step scheduled while the one before it is on the device, before its
+every sequence's max_len (a sequence whose max_tokens comes first stops within them, its later tokens dropped as
+after a stop token), and its blocks come from free ones only (fewer steps when they are short; never a
+preemption). So do those of a step scheduled while the one before it is on the device, before its
 tokens are known: a decode step or multi-step decode of the sequences that step samples (``reserve_next``), or
 a step that also continues prompts and admits waiting sequences by the rules above (``schedule_after``); ``update``
 keeps the blocks of such a step in flight (``ahead``).
@@ -178,14 +179,14 @@ class Scheduler:
 
     def reserve_ahead(self, chunks: list[ScheduledChunk], steps: int, exact: bool = False) -> list[ScheduledChunk]:
         """``chunks``, each one decoding token, as the n-token chunks of a multi-step decode with the blocks of
-        their n tokens allocated: n <= ``steps`` is the most that passes no sequence's max_tokens or max_len and
-        whose blocks are free now (nothing is preempted); with ``exact``, n is ``steps`` or 1 (each n is a compile
+        their n tokens allocated: n <= ``steps`` is the most that passes no sequence's max_len and whose blocks are
+        free now (nothing is preempted); with ``exact``, n is ``steps`` or 1 (each n is a compile
         of its own: one multi-step shape per step shape); n = 1 (the chunks as they were) when none more fits."""
         if any(c.count != 1 or not c.samples for c in chunks):
             raise ValueError(f"reserve_ahead: chunk counts {[c.count for c in chunks]}: expected decoding chunks "
                              "(one token each, sampling)")
         seqs = [c.seq for c in chunks]
-        n = min([steps] + [min(s.params.max_tokens - len(s.output_ids), s.max_len - s.num_tokens) for s in seqs])
+        n = min([steps] + [s.max_len - s.num_tokens for s in seqs])
         while n > 1 and sum(self._blocks_needed(s, n) for s in seqs) > self.allocator.num_free:
             n -= 1
         if exact and n < steps:

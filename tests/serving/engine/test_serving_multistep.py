@@ -87,20 +87,21 @@ def test_advanced_sampling_batches_sample_as_fresh_ones():
             o.append(token)
 
 
-def test_reserve_ahead_stops_at_max_tokens_max_len_and_free_blocks_and_never_preempts():
+def test_reserve_ahead_stops_at_max_len_and_free_blocks_and_never_preempts():
     sched = Scheduler(BlockAllocator(11, BLOCK), max_running=4, token_budget=64)
-    seqs = [make_seq(0, 3, max_tokens=40), make_seq(1, 5, max_tokens=40), make_seq(2, 2, max_tokens=6, max_len=12)]
+    seqs = [make_seq(0, 3, max_tokens=40), make_seq(1, 5, max_tokens=40), make_seq(2, 2, max_tokens=3, max_len=8)]
     for seq in seqs:
         sched.add(seq)
     chunks = sched.schedule()  # the prompts: 1 + 2 + 1 blocks
     sched.update(chunks, [5] * len(chunks))  # each sampled one token: 4, 6 and 3 tokens
     chunks = sched.schedule()
     assert [(c.start, c.count) for c in chunks] == [(3, 1), (5, 1), (2, 1)]
-    ahead = sched.reserve_ahead(chunks, 8)  # seq 2: 5 tokens left of max_tokens, 9 of max_len
+    # seq 2: 5 tokens left of max_len; its max_tokens (2 left) does not bound n: it stops within them
+    ahead = sched.reserve_ahead(chunks, 8)
     assert [(c.start, c.count, c.samples) for c in ahead] == [(3, 5, True), (5, 5, True), (2, 5, True)]
     assert [len(s.block_table) for s in seqs] == [2, 3, 2] and sched.allocator.num_free == 4
-    sched.update(ahead, [[5] * 5] * 3)  # seq 2 ends at max_tokens; its blocks are freed
-    assert [len(s.output_ids) for s in seqs] == [6, 6, 6] and seqs[2].finish_reason == "length"
+    sched.update(ahead, [[5] * 5] * 3)  # seq 2 ends at max_tokens after 2 of its 5; its blocks are freed
+    assert [len(s.output_ids) for s in seqs] == [6, 6, 3] and seqs[2].finish_reason == "length"
     check_blocks(sched)
     chunks = sched.schedule()  # seq 0's 9th token takes a block: 5 free
     assert sched.allocator.num_free == 5
@@ -114,7 +115,7 @@ def test_reserve_ahead_stops_at_max_tokens_max_len_and_free_blocks_and_never_pre
 def test_exact_reserve_ahead_runs_all_steps_or_one():
     """With exact=True n is the steps asked for or 1: one multi-step shape to compile."""
     sched = Scheduler(BlockAllocator(16, BLOCK), max_running=2, token_budget=64)
-    seqs = [make_seq(0, 3, max_tokens=40), make_seq(1, 2, max_tokens=8)]  # seq 1: 7 tokens left after the prefill
+    seqs = [make_seq(0, 3, max_tokens=40), make_seq(1, 2, max_tokens=40, max_len=10)]  # seq 1: 7 left after 1
     for seq in seqs:
         sched.add(seq)
     chunks = sched.schedule()
