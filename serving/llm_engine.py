@@ -451,10 +451,12 @@ class Engine:
         verification variants; a model drafter's steps are not in the set (nothing is compiled), nor are penalized
         requests' verifications (their token histories have widths of their own). With cache tiers, their copies
         run once at every batch size, with no effect (``KVTiers.warm_up``). Parallel threads trace, lower and
-        compile them; ``progress(done, total)`` is called after each. Then, on an accelerator, every forward step
-        runs once over a batch of padding (its first run is the slow one: ``ModelRunner.run_padding``); on a CPU
-        only the decode steps do, as running every prefill shape costs more start-up time than the first requests
-        save, while a decode step's first run is short and slows every answer's first tokens.
+        compile them; ``progress(done, total)`` is called after each. Then, on an accelerator, every forward step,
+        sampler and multi-step decode runs once over padding (its first run is the slow one, loading its modules
+        and recording its CUDA graphs: ``ModelRunner.run_padding``, ``run_sample_padding``,
+        ``run_decode_padding``); on a CPU only the decode steps do, as running every prefill shape costs more
+        start-up time than the first requests save, while a decode step's first run is short and slows every
+        answer's first tokens.
         Returns what was compiled: ("step" | "scores" | "score", StepShape), ("sample", S, num_top, draw,
         masked, biased), ("verify", S, num_top, draw, masked) and ("decode", StepShape, n, num_top, draw) entries."""
         if self.has_unfinished():
@@ -510,10 +512,14 @@ class Engine:
                 future.result()
                 if progress is not None:
                     progress(done, len(entries))
-        # each forward step's first run, over padding (ModelRunner.run_padding); on a CPU the decode steps' only
+        # each call's first run, over padding (ModelRunner.run_padding and the like); on a CPU the decode steps' only
         for kind, *args in entries:
             if kind in ("step", "scores") and (runner.platform != "cpu" or args[0] in decode_shapes):
                 runner.run_padding(args[0], scores=kind == "scores")
+            elif kind == "sample" and runner.platform != "cpu":
+                runner.run_sample_padding(logits["sample"][args[0]], *args[1:])
+            elif kind == "decode" and runner.platform != "cpu":
+                runner.run_decode_padding(*args)
         return entries
 
     def encode(self, prompt: Prompt) -> list[int]:

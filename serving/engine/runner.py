@@ -590,30 +590,58 @@ class ModelRunner:
             logits, self.kv, *rest = self.executables.call("step", _step, (self.params, self.kv), args, static)
         jax.block_until_ready((logits, rest))
 
+    def _sample_call(self, logits: Any, num_top: int, draw: bool, masked: bool, biased: bool) -> tuple[tuple, dict]:
+        """The sampler's arguments (and static ones) for ``logits`` ``[S, V]`` and rows of padding."""
+        num_seqs = logits.shape[0]
+        bitmask = np.zeros((num_seqs, -(-self.cfg.vocab // 32)), np.int32) if masked else None
+        return ((logits, sampling_batch([], num_seqs, token_bitmask=bitmask, biased=biased)),
+                self._sample_static(num_top, draw, num_seqs))
+
     def build_sample(self, logits: jax.ShapeDtypeStruct, num_top: int, draw: bool, masked: bool,
                      biased: bool = False) -> None:
         """Compile ``run``'s sampler for ``logits`` ``[S, V]`` (a ``build_step`` result), with ``num_top``
         logprobs, drawing or greedy, with a structured-output mask (``masked``) or without, with logit biases
         (``biased``) or without."""
-        num_seqs = logits.shape[0]
-        bitmask = np.zeros((num_seqs, -(-self.cfg.vocab // 32)), np.int32) if masked else None
         with self.on_mesh():
-            self.executables.build("sample", _sample_fed, (),
-                                   (logits, sampling_batch([], num_seqs, token_bitmask=bitmask, biased=biased)),
-                                   self._sample_static(num_top, draw, num_seqs))
+            self.executables.build("sample", _sample_fed, (), *self._sample_call(logits, num_top, draw, masked,
+                                                                                  biased))
+
+    def run_sample_padding(self, logits: jax.ShapeDtypeStruct, num_top: int, draw: bool, masked: bool,
+                           biased: bool = False) -> None:
+        """Run ``build_sample``'s sampler once over zero logits and rows of padding, and wait for it (its first run
+        is the slow one, as ``run_padding``'s)."""
+        zeros = jax.device_put(np.zeros(logits.shape, logits.dtype), logits.sharding)
+        with self.on_mesh():
+            jax.block_until_ready(self.executables.call("sample", _sample_fed, (),
+                                                        *self._sample_call(zeros, num_top, draw, masked, biased)))
 
     def _decode_static(self, sizes: tuple[int, int, int], steps: int, num_top: int, draw: bool) -> dict[str, Any]:
         """``_decode_steps``' static arguments."""
         return dict(sizes=sizes, steps=steps, block_size=self.block_size, forward=self.forward, cfg=self.cfg,
                     kernels=self.kernels, draw=draw, num_top=num_top)
 
+    def _decode_call(self, shape: StepShape, steps: int, num_top: int, draw: bool) -> tuple[tuple, dict]:
+        """``_decode_steps``' arguments after the params and cache (and its static ones) for a batch of ``shape``
+        of padding only (every token's slot PAD: running it leaves the cache as it was)."""
+        batch = make_batch([], self.block_size, num_tokens=shape.num_tokens, num_seqs=shape.num_seqs,
+                           max_blocks=shape.max_blocks)
+        packed = self._packed(np.zeros(shape.num_tokens, np.int32), batch, np.zeros(shape.num_seqs, np.int32))
+        return ((packed, self._fed(None, shape.num_seqs), sampling_batch([], shape.num_seqs), None),
+                self._decode_static(shape[:3], steps, num_top, draw))
+
     def build_decode(self, shape: StepShape, steps: int, num_top: int, draw: bool) -> None:
         """Compile ``decode``'s ``steps``-token call for a decode batch of ``shape``."""
         with self.on_mesh():
             self.executables.build("decode", _decode_steps, (self.params, self.kv),
-                                   (self._packed_like(shape), self._fed(None, shape.num_seqs),
-                                    sampling_batch([], shape.num_seqs), None),
-                                   self._decode_static(shape[:3], steps, num_top, draw), donate=(1,))
+                                   *self._decode_call(shape, steps, num_top, draw), donate=(1,))
+
+    def run_decode_padding(self, shape: StepShape, steps: int, num_top: int, draw: bool) -> None:
+        """Run ``build_decode``'s call once over a batch of padding (the cache is left as it was), and wait for it
+        (its first run is the slow one, as ``run_padding``'s)."""
+        with self.on_mesh():
+            result, _, self.kv, counts = self.executables.call("decode", _decode_steps, (self.params, self.kv),
+                                                               *self._decode_call(shape, steps, num_top, draw))
+        jax.block_until_ready((result, counts))
 
     def _masks(self, rows: list[SampleRow], num_seqs: int) -> np.ndarray | None:
         """``[num_seqs, ceil(V / 32)]`` int32 allowed tokens of ``rows``, or None when no row is constrained (that

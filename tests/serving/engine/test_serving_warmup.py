@@ -231,7 +231,8 @@ def test_the_cli_defaults_are_the_engines(folder):
 
 @pytest.mark.parametrize("kernels", ["default", "interpret"])
 def test_a_run_over_padding_leaves_the_cache_and_the_outputs_as_they_were(folder, kernels):
-    """``ModelRunner.run_padding`` (warm-up's first run of each forward step on an accelerator) writes nothing:
+    """``ModelRunner.run_padding`` and ``run_decode_padding`` (warm-up's first run of each forward step and
+    multi-step decode on an accelerator, beside the samplers') write nothing:
     every slot of its batch is PAD, so a cache holding a request's blocks is bitwise unchanged, and the request run
     again (its prefix cached) gives the same tokens."""
     import numpy as np
@@ -251,6 +252,9 @@ def test_a_run_over_padding_leaves_the_cache_and_the_outputs_as_they_were(folder
         runner.run_padding(shape, scores=True)
     for shape in runner.step_shapes(16, decode_only=True):
         runner.run_padding(shape)
+        runner.run_decode_padding(shape, 2, MAX_LOGPROBS, True)  # a multi-step decode over padding
+    for variant in ((0, False, False, False), (MAX_LOGPROBS, True, True, True)):  # samplers over zero logits
+        runner.run_sample_padding(jax.ShapeDtypeStruct((4, eng.cfg.vocab), jax.numpy.float32), *variant)
     after = jax.device_get(eng.runner.kv)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
     [again] = eng.generate(["Once upon a time there was"], greedy)
