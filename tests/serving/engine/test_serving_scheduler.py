@@ -147,3 +147,32 @@ def test_a_lone_sequence_that_outgrows_the_cache_ends_with_length_and_does_not_b
     assert (long.num_tokens, long.finish_reason) == (16, LENGTH)  # every token the cache can hold
     assert (short.output_ids, short.finish_reason) == ([5, 5], LENGTH)
     assert sched.allocator.num_free == 4
+
+
+def test_schedule_after_decodes_goes_on_admits_and_allocates_nothing_when_blocks_are_short():
+    """The step scheduled while one is in flight: its decodes (one token past the tokens in flight), then the
+    prompts it leaves unfinished (``prefill_chunk`` while others wait), then admissions; with too few free blocks for
+    the decodes and prompts, None and nothing allocated."""
+    sched = Scheduler(BlockAllocator(64, BLOCK), max_running=4, token_budget=12, prefill_chunk=4)
+    decoder, prompt = make_seq(0, 3), make_seq(1, 20)
+    for seq in (decoder, prompt):
+        sched.add(seq)
+    in_flight = sched.schedule()  # decoder's prompt (3) and 9 of prompt's 20 tokens: neither updated yet
+    assert [(c.start, c.count, c.samples) for c in in_flight] == [(0, 3, True), (0, 9, False)]
+    newcomer = make_seq(2, 6)
+    sched.add(newcomer)
+    chunks = sched.schedule_after([(decoder, 3)], [(prompt, 9)])
+    # the decode, prompt's next 4 (others wait: prefill_chunk), then the newcomer's 6 of the 7 left
+    assert [(c.seq.seq_id, c.start, c.count, c.samples) for c in chunks] == [
+        (0, 3, 1, True), (1, 9, 4, False), (2, 0, 6, True)]
+    assert [len(s.block_table) for s in (decoder, prompt, newcomer)] == [1, 4, 2] and not sched.waiting
+    sched.update(in_flight, [5, 0])  # the step in flight lands: positions as schedule_after assumed
+    assert (decoder.num_computed, prompt.num_computed) == (3, 9)
+
+    short = Scheduler(BlockAllocator(3, BLOCK), max_running=4, token_budget=12)
+    decoder, prompt = make_seq(0, 4), make_seq(1, 8)
+    for seq in (decoder, prompt):
+        short.add(seq)
+    short.schedule()  # 1 + 2 blocks: none free
+    free = short.allocator.num_free
+    assert short.schedule_after([(decoder, 4)], []) is None and short.allocator.num_free == free == 0
