@@ -20,6 +20,7 @@ not end within ``STOP_TIMEOUT_S``.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -148,6 +149,8 @@ class ProcessEngine:
         """Start the core process and the reader (call on the event loop that will read the streams)."""
         self._loop = asyncio.get_running_loop()
         self._started = time.perf_counter()
+        self._profile = contextlib.ExitStack()  # the front end's process profiled until ``stop`` (profiling.py)
+        self._profile.enter_context(profiled("frontend"))
         self._folder = Path(tempfile.mkdtemp(prefix="serving-ipc-"))
         self._context = zmq.Context()
         self._commands, self._events = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
@@ -180,6 +183,7 @@ class ProcessEngine:
             self.process.kill()
             self.process.join()
         self._reader.join()
+        self._profile.close()
         self._context.destroy(linger=0)
         shutil.rmtree(self._folder, ignore_errors=True)
         self._state, self._detail = STOPPED, {"error": "the server stopped"}
@@ -224,10 +228,6 @@ class ProcessEngine:
 
     def _read(self) -> None:
         """The reader thread: each event to the loop; when the core has exited, ``_on_exit``."""
-        with profiled("frontend-reader"):
-            self._read_events()
-
-    def _read_events(self) -> None:
         while not self._stopping:
             if self._events.poll(POLL_MS):
                 event = ipc.unpack(self._events.recv())

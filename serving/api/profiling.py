@@ -1,10 +1,11 @@
 """The server's processes under ``cProfile`` on request: ``APEX_SERVING_PROFILE=<folder>``.
 
-A server's time is spread over three threads in two processes: the front end's event loop (HTTP, tokenization,
-detokenization, JSON and SSE), its reader thread (the core's events onto the loop) and the engine core's loop
-(scheduling, device steps, the events it sends). A profiler sees only the thread it is enabled in, so each of the
-three runs under its own ``cProfile.Profile`` (``profiled(name)``) and leaves ``<folder>/<name>.prof`` (``pstats``
-format) when it ends: at a clean shutdown (SIGTERM, SIGINT), not a kill. Without the variable nothing is
+A server's time is spread over two processes: the front end (HTTP, tokenization, detokenization, JSON and SSE on
+the event loop; the core's events read by a thread) and the engine core (scheduling, device steps, the events it
+sends). Each runs under one ``cProfile.Profile`` (``profiled(name)``: the core's loop, and ``ProcessEngine``
+from its start to its stop) and leaves ``<folder>/<name>.prof`` (``pstats`` format) when it ends: at a clean
+shutdown (SIGTERM, SIGINT), not a kill. One profile per process: since Python 3.12 a profiler sees every thread
+of its process (it runs on ``sys.monitoring``), and a process holds one at a time. Without the variable nothing is
 profiled and ``profiled`` costs nothing.
 
     APEX_SERVING_PROFILE=/tmp/prof python -m serving serve ...   # then stop it with Ctrl-C
@@ -22,7 +23,7 @@ PROFILE_ENV = "APEX_SERVING_PROFILE"
 
 @contextlib.contextmanager
 def profiled(name: str) -> Iterator[None]:
-    """Profile this thread while inside, into ``$APEX_SERVING_PROFILE/<name>.prof`` (nothing when it is unset)."""
+    """Profile this process while inside, into ``$APEX_SERVING_PROFILE/<name>.prof`` (nothing when it is unset)."""
     folder = os.environ.get(PROFILE_ENV)
     if not folder:
         yield

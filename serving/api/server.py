@@ -41,7 +41,6 @@ from serving.api.images import ImageOptions
 from serving.api.metrics import Metrics
 from serving.api.openai_api import OpenAIRoutes
 from serving.api.process_engine import ProcessEngine
-from serving.api.profiling import profiled
 from serving.api.responses_api import ResponsesRoutes
 from serving.api.security import BODY_READ_TIMEOUT_S, DEFAULT_HOST, MAX_BODY_BYTES, GuardMiddleware, check_api_key
 from serving.llm_engine import Engine
@@ -195,6 +194,5 @@ def serve(app: FastAPI, host: str = DEFAULT_HOST, port: int = 8000, api_key: str
           log_level: str = "info") -> None:
     """Serve ``app`` in the foreground (the CLI); refuses a non-loopback ``host`` without ``api_key``."""
     security.check_bind(host, api_key)
-    with profiled("frontend"):
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=1,
-                    http=security.JSONErrorH11Protocol)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=1,
+                http=security.JSONErrorH11Protocol)

@@ -361,14 +361,15 @@ def alive(pid: int) -> bool:
 
 
 def test_the_front_end_never_starts_a_jax_backend_and_stop_ends_the_core(folder, tmp_path):
-    profiles = tmp_path / "profiles"  # APEX_SERVING_PROFILE: the core's loop and the reader thread leave profiles
+    profiles = tmp_path / "profiles"  # APEX_SERVING_PROFILE: the core and the front end leave a profile each
     process, ready = front_end(spec_of(folder), "stop", {PROFILE_ENV: str(profiles)})
     assert ready["status"] == 200 and ready["backends"] == []  # a structured request parsed, nothing on a device
     assert json.loads(process.stdout.readline()) == {"core_alive": False, "exitcode": 0}
     assert process.wait(TIMEOUT_S) == 0 and not alive(ready["core"])
     functions = {name: {f[2] for f in pstats.Stats(str(profiles / f"{name}.prof")).stats}
-                 for name in ("core", "frontend-reader")}
-    assert {"turn", "step"} <= functions["core"] and "_read_events" in functions["frontend-reader"]
+                 for name in ("core", "frontend")}
+    # the front end's threads, the reader among them, and the core's loop
+    assert {"turn", "step"} <= functions["core"] and {"_read", "_on_step", "submit"} <= functions["frontend"]
 
 
 def test_a_killed_server_leaves_no_core_behind(folder):

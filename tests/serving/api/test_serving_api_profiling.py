@@ -1,4 +1,4 @@
-"""``profiling.profiled``: a thread's profile under ``APEX_SERVING_PROFILE``, nothing without it."""
+"""``profiling.profiled``: the process's profile under ``APEX_SERVING_PROFILE``, nothing without it."""
 
 import pstats
 
@@ -9,7 +9,7 @@ def busy() -> int:
     return sum(i * i for i in range(10_000))
 
 
-def test_profiled_writes_the_thread_s_profile_where_the_variable_says(tmp_path, monkeypatch):
+def test_profiled_writes_the_profile_where_the_variable_says(tmp_path, monkeypatch):
     monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "profiles"))
     with profiled("loop"):
         busy()
