@@ -128,3 +128,14 @@ def test_steps_that_admit_and_prefill_run_behind_the_step_in_flight(folder, deco
                                                    for start, count, samples in chunks)]
     assert admits and goes_on  # some chained steps admitted a request, some went on with a chunked prompt
     assert eng.allocator.num_free == eng.allocator.num_blocks
+
+
+def test_a_token_of_the_step_before_needs_that_step(folder):
+    """A token id that names a row of the previous step's samples (``from_previous``) without that step is refused
+    before anything runs."""
+    from serving.engine.runner import from_previous
+    from serving.kv_cache import SeqChunk
+
+    runner = engine(folder, True).runner
+    with pytest.raises(ValueError, match="token id -3: a row of the previous step's samples, but no step was given"):
+        runner.dispatch([SeqChunk([0], 0, 1)], [[from_previous(2)]], [])
