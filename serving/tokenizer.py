@@ -152,7 +152,8 @@ class Tokenizer:
         self.hf = hf_tokenizer
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens)
-        vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
+        # read once: a call into the tokenizer costs ~2 us, and every decode checks its ids against it
+        self._vocab_size = vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
         bad = [i for i in eos_token_ids if not 0 <= i < vocab_size]
         if not eos_token_ids or bad:
             raise ValueError(f"eos_token_ids {list(eos_token_ids)} must be non-empty ids in [0, {vocab_size})")
@@ -164,7 +165,7 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included."""
-        return self.hf.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds what the tokenizer adds itself (e.g. a bos)."""
@@ -175,8 +176,8 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids` (incomplete UTF-8 at either end decodes to U+FFFD)."""
         ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
+        if ids and (min(ids) < 0 or max(ids) >= self._vocab_size):
+            bad = [i for i in ids if not 0 <= i < self._vocab_size]
             raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
