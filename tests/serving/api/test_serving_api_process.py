@@ -98,6 +98,18 @@ def metric(url: str, name: str) -> float:
     return float(lines[0].split(" ")[1]) if lines else 0.0
 
 
+def wait_until_running(url: str, within_s: float) -> dict:
+    """The dashboard stats once the core runs one sequence with its blocks (fails after ``within_s``): the stats come
+    with the core's step events, so the first lines of a stream (an API's opening events) can come before them."""
+    deadline = time.monotonic() + within_s
+    while True:
+        s = stats(url)
+        if s["running"] == 1 and s["kv_blocks_used"] > 0:
+            return s
+        assert time.monotonic() < deadline, s
+        time.sleep(0.02)
+
+
 def wait_until_idle(url: str, within_s: float) -> dict:
     """The dashboard stats once the core runs nothing and holds no block (fails after ``within_s``)."""
     deadline = time.monotonic() + within_s
@@ -236,8 +248,7 @@ def test_a_client_that_disconnects_mid_stream_frees_the_core_s_blocks(url, route
     with httpx.stream("POST", f"{url}{route}", json=body, timeout=TIMEOUT_S) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(8)]
-        s = stats(url)
-        assert s["running"] == 1 and s["kv_blocks_used"] > 0
+        wait_until_running(url, FREED_WITHIN_S)
     assert any(line.startswith("data: ") for line in received)
     wait_until_idle(url, FREED_WITHIN_S)
     assert metric(url, "serving_generated_tokens_total") - generated < DISCONNECT_TOKENS
