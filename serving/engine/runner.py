@@ -63,7 +63,6 @@ mask. A step without constrained rows does no mask work and sends no mask.
 import contextlib
 import dataclasses
 import functools
-import math
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -74,7 +73,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from serving import batch_invariant, kv_cache, layers
+from serving import batch_invariant, layers
 from serving.config import ModelConfig
 from serving.engine.executables import Executables
 from serving.engine.sampler import (
@@ -555,17 +554,17 @@ class ModelRunner:
         return [StepShape(n, self.num_seqs(n, 1), w, self._paged_only(decode_only))
                 for n in buckets(limit, minimum) for w in widths]
 
-    def _packed_like(self, shape: StepShape) -> Any:
-        sizes = [math.prod(s) for s in kv_cache.step_shapes(shape.num_tokens, shape.num_seqs, shape.max_blocks)]
-        return self._placed(np.zeros(sum(sizes), np.int32))
+    def _padding_packed(self, shape: StepShape) -> Any:
+        """The packed inputs of a batch of ``shape`` holding padding only (every token's slot PAD)."""
+        batch = make_batch([], self.block_size, num_tokens=shape.num_tokens, num_seqs=shape.num_seqs,
+                           max_blocks=shape.max_blocks)
+        return self._packed(np.zeros(shape.num_tokens, np.int32), batch, np.zeros(shape.num_seqs, np.int32))
 
     def _padding_call(self, shape: StepShape, scores: bool) -> tuple[tuple, dict]:
         """``_step``'s arguments after the params and cache (and its static ones) for a step of ``shape`` over a
         batch of padding only (every token's slot PAD: running it leaves the cache as it was); with ``scores`` the
         scoring variant."""
-        batch = make_batch([], self.block_size, num_tokens=shape.num_tokens, num_seqs=shape.num_seqs,
-                           max_blocks=shape.max_blocks)
-        packed = self._packed(np.zeros(shape.num_tokens, np.int32), batch, np.zeros(shape.num_seqs, np.int32))
+        packed = self._padding_packed(shape)
         targets = self._placed(np.zeros(shape.num_tokens, np.int32)) if scores else None
         return (packed, self._fed(None, shape.num_seqs), None, targets), self._step_static(shape[:3], shape.paged_only)
 
@@ -623,9 +622,7 @@ class ModelRunner:
     def _decode_call(self, shape: StepShape, steps: int, num_top: int, draw: bool) -> tuple[tuple, dict]:
         """``_decode_steps``' arguments after the params and cache (and its static ones) for a batch of ``shape``
         of padding only (every token's slot PAD: running it leaves the cache as it was)."""
-        batch = make_batch([], self.block_size, num_tokens=shape.num_tokens, num_seqs=shape.num_seqs,
-                           max_blocks=shape.max_blocks)
-        packed = self._packed(np.zeros(shape.num_tokens, np.int32), batch, np.zeros(shape.num_seqs, np.int32))
+        packed = self._padding_packed(shape)
         return ((packed, self._fed(None, shape.num_seqs), sampling_batch([], shape.num_seqs), None),
                 self._decode_static(shape[:3], steps, num_top, draw))
 
