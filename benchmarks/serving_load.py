@@ -25,7 +25,8 @@ ready: no untimed warm-up load, so a shape compiled while serving shows in the l
 * ``http``: ``python -m serving serve`` (its engine core in a process of its own) in a subprocess on a free
   loopback port (``ServerProcess``), the requests streamed to ``/v1/completions``. ``client_cpu`` is the busiest
   client process's CPU time over the run's: near 1, the client bounds what it measures (raise
-  ``--client-processes``).
+  ``--client-processes``). ``frontend_cpu`` and ``core_cpu``: the server's front-end process's and its engine
+  core's CPU seconds over the run's (all threads; near 1 for the front end: it bounds what clients get).
 * ``engine``: the same ``EngineSpec`` (parsed from the same ``serve`` options) built in a spawned process and
   driven straight through ``Engine.add_request`` / ``step`` (``engine_load``): what the server could deliver.
 
@@ -403,6 +404,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (fields 14 and 15 of /proc/PID/stat, after the parenthesized name)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class ServerProcess:
     """``python -m serving serve SERVE_ARGS`` on a free loopback port, healthy once entered, stopped on exit.
 
@@ -416,6 +423,12 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system, all threads) so far of the front end (the ``serve`` process) and of the
+        engine core (its child processes: the core, and multiprocessing's idle resource tracker). Linux."""
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
+        return {"frontend": _cpu_seconds(self.process.pid), "core": sum(_cpu_seconds(int(c)) for c in children)}
 
     def log_tail(self) -> str:
         self.log.seek(0)
@@ -584,6 +597,16 @@ def _spawned(target: Any, args: tuple, env: dict[str, str], timeout_s: float) ->
     return startup_s, rows
 
 
+def _server_load(server: ServerProcess, bodies: list[dict], client_processes: int, load: dict) -> dict[str, Any]:
+    """``summarize`` of one load through ``server``, with its processes' CPU use over the run (``frontend_cpu``,
+    ``core_cpu``: CPU seconds / the run's seconds)."""
+    before = server.cpu_seconds()
+    summary = summarize(run_load_processes(server.url, COMPLETIONS, bodies, client_processes, **load))
+    after, duration = server.cpu_seconds(), summary["duration_s"]
+    return summary | {f"{name}_cpu": (after[name] - before[name]) / duration if duration > 0 else None
+                      for name in ("frontend", "core")}
+
+
 def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requests: int | None,
               smollm2_gguf: str | None, env: dict[str, str], paths: Sequence[str] = PATHS,
               rates: Sequence[float] = (), on_path: Callable[[list[dict]], None] = lambda rows: None,
@@ -619,8 +642,7 @@ def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requ
                     health = httpx.get(f"{server.url}/health", timeout=10).json()  # the core's build, warm-up
                     core = {f"core_{k}": health.get(k) for k in ("build_s", "warm_up_s", "exported_loaded")}
                     print(f"  {name} http: {core}", flush=True)
-                    summaries = [summarize(run_load_processes(server.url, COMPLETIONS, bodies,
-                                                              settings["client_processes"], **load))
+                    summaries = [_server_load(server, bodies, settings["client_processes"], load)
                                  for load, bodies in zip(loads, level_bodies, strict=True)]
             print(f"  {name} {path}: ready after {startup_s:.1f} s"
                   f"{'' if path == 'device' else f' ({cache} compilation cache)'}", flush=True)
@@ -640,7 +662,7 @@ def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requ
 
 TABLE_COLUMNS = ["model", "path", "concurrency", "rate", "startup_s", "compilation_cache", "ms_per_layer", "requests",
                  "failed", "request_throughput", "output_throughput", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms",
-                 "tpot_p99_ms", "itl_p99_ms", "e2e_median_ms", "e2e_p99_ms", "client_cpu"]
+                 "tpot_p99_ms", "itl_p99_ms", "e2e_median_ms", "e2e_p99_ms", "client_cpu", "frontend_cpu", "core_cpu"]
 
 
 def plot(rows: list[dict], name: str, out_dir: Path) -> None:

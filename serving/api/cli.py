@@ -42,6 +42,7 @@ import jax
 
 from serving.api.engine_spec import DEFAULT_MODEL, DTYPES, EngineSpec
 from serving.api.images import ImageOptions
+from serving.api.profiling import freeze_heap
 from serving.api.security import DEFAULT_HOST, MAX_BODY_BYTES, check_bind
 from serving.api.server import Server, create_app, serve
 from serving.llm_engine import Engine
@@ -82,6 +83,7 @@ def serve_command(args: argparse.Namespace) -> str:
     app = create_app(spec.build() if args.in_process else spec, name, model_path=path, models_root=models_root,
                      api_key=api_key, max_body_bytes=args.max_body_bytes, image_options=images)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (API key {'required' if api_key else 'off'})")
+    freeze_heap()
     serve(app, args.host, args.port, api_key, args.log_level)
     return "server stopped"
 

@@ -26,7 +26,7 @@ import zmq
 from serving.api import ipc
 from serving.api.engine_client import EngineStats
 from serving.api.engine_spec import EngineSpec
-from serving.api.profiling import profiled
+from serving.api.profiling import freeze_heap, profiled
 from serving.engine.sampling_params import SamplingParams
 from serving.llm_engine import Engine, StepError
 
@@ -84,6 +84,7 @@ def run_core(spec: dict, commands_address: str, events_address: str) -> None:
         events.close(linger=1000)
         return
     send({"kind": ipc.READY, "startup": startup})
+    freeze_heap()
     with profiled("core"):
         EngineCore(engine, commands, send).run()
     if spec.get("persist_disk_cache"):

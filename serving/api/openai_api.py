@@ -27,6 +27,7 @@ json_object / json_schema, and vLLM's extra fields ``guided_json`` (a JSON schem
 import asyncio
 import dataclasses
 import functools
+import itertools
 import json
 import time
 import uuid
@@ -272,7 +273,7 @@ class OpenAIRoutes:
 
     def _completion_logprobs(self, entries: list[dict], offset: int) -> dict[str, Any]:
         tokens = [self._token(e["top_id"]) for e in entries]
-        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=offset))[:-1]  # where each token starts
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [{self._token(t): lp for t, lp in e["top"]} for e in entries],
                 "text_offset": offsets}

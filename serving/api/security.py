@@ -8,7 +8,7 @@
 - A body larger than ``max_body_bytes`` gets 413 before it is parsed: at once from ``Content-Length``, or
   while it is read when the client streams it without one. A body that stops arriving for
   ``BODY_READ_TIMEOUT_S`` gets 408. A request uvicorn cannot parse (a Content-Length that is not a number)
-  gets a 400 in the OpenAI error shape (``JSONErrorH11Protocol``).
+  gets a 400 in the OpenAI error shape (``JSONErrorHTTPProtocol``).
 - A model a client names is resolved under the models root only (``resolve_model_path``): no absolute path,
   no ``..``, and no symlink that leads outside.
 """
@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from serving.api.errors import APIError, error_body, error_response
 
@@ -147,10 +147,11 @@ class GuardMiddleware:
                 await error_response(path, error)(scope, receive, send)
 
 
-class JSONErrorH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, answering a request it cannot parse (a bad request line, a Content-Length
-    that is not a number, broken chunked framing) in the OpenAI error shape instead of plain text: nothing of
-    the request is known then, not even its path."""
+class JSONErrorHTTPProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol over httptools (a C parser and writer, not the pure-Python h11: every SSE chunk
+    goes through it), answering a request it cannot parse (a bad request line, a Content-Length that is not a
+    number, broken chunked framing) in the OpenAI error shape instead of plain text: nothing of the request is
+    known then, not even its path."""
 
     def send_400_response(self, msg: str) -> None:
         body = json.dumps(error_body("", 400, f"invalid HTTP request (request line, headers such as Content-Length, "

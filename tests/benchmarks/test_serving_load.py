@@ -6,6 +6,7 @@ holds no KV block). Plus the ``--random-weights`` CLI's refusals and the benchma
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
@@ -191,4 +192,6 @@ def test_benchmark_cpu_mode_writes_rows_json_and_png(tmp_path):
         assert_percentiles_ordered(r)
     for r in rows[5:]:  # the server's core read every warm-up call back (a warm start), within the start-up
         assert 0 < r["core_build_s"] + r["core_warm_up_s"] < r["startup_s"] and r["core_exported_loaded"] > 0
+        # both server processes worked during the run (the core steps, the front end streams), within the machine
+        assert 0 < r["frontend_cpu"] <= os.cpu_count() and 0 < r["core_cpu"] <= os.cpu_count(), r
     assert (tmp_path / "serving_load_cpu.png").is_file()
