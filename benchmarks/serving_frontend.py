@@ -21,8 +21,9 @@ process's child, as ``serve`` runs them), loaded by ``serving_load``'s closed-lo
 
 Per variant and load: the delivered output tokens/s and its ratio to the offered rate, TTFT, TPOT and ITL
 (``serving_load.summarize``), and ``frontend_us_per_token``: the front-end process's CPU seconds (all its
-threads) per delivered token. The clients share the machine: on a 2-core CPU the ratios are bounded by it, the
-CPU time per token is not.
+threads) per delivered token. The server's threads run on CPU ``FRONTEND_CPU`` alone and the core and the clients
+on the others, so the front end's CPU time is its own; on a machine of few CPUs the clients can bound the
+delivered rate (``client_cpu`` near 1), not the CPU time per token.
 
     python benchmarks/serving_frontend.py                     # results/serving_frontend_<platform>.json + png
     python benchmarks/serving_frontend.py --concurrency 64 --tokens-per-event 1,8
@@ -50,8 +51,20 @@ UVICORN_DEFAULTS = {"loop": "asyncio", "http": "h11", "timeout_graceful_shutdown
 DEFAULTS = dict(concurrency=(16, 64), tokens_per_event=(1, 8), step_ms=1.7, input_len=16, output_len=128,
                 requests_per_client=8, client_processes=2)
 SYNTHETIC_CONTEXT = 1 << 20  # the synthetic model's context: any prompt and output length fits
+FRONTEND_CPU = 0  # the server's threads run on this CPU alone, its core and the clients on the others
 READY_TIMEOUT_S = 60.0
 VARIANT_TIMEOUT_S = 900.0
+
+
+def _other_cpus() -> set[int]:
+    """Every CPU but ``FRONTEND_CPU`` (all of them on a machine of one)."""
+    return set(range(os.cpu_count() or 1)) - {FRONTEND_CPU} or {FRONTEND_CPU}
+
+
+def _pin(cpus: set[int]) -> None:
+    """Run the calling thread (and the threads and processes it starts from now on) on ``cpus`` (Linux)."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
 
 
 def synthetic_core(spec: dict, commands_address: str, events_address: str) -> None:
@@ -66,6 +79,7 @@ def synthetic_core(spec: dict, commands_address: str, events_address: str) -> No
     from serving.api.engine_client import EngineStats
     from serving.config import ModelConfig
 
+    _pin(_other_cpus())  # spawned from the front end's thread, whose CPU it would share
     tokens, step_s = int(os.environ["FRONTEND_TOKENS_PER_EVENT"]), float(os.environ["FRONTEND_STEP_MS"]) * 1e-3
     context = zmq.Context()
     commands, events = context.socket(zmq.PULL), context.socket(zmq.PUSH)
@@ -132,7 +146,8 @@ def _variant_worker(variant: str, tokens_per_event: int, levels: list[int], sett
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(server.create_app(spec, MODEL), host="127.0.0.1", port=port,
                                        log_level="warning", log_config=None, **options))
-    thread = threading.Thread(target=uv.run, name="serving-http", daemon=True)
+    _pin(_other_cpus())  # this thread starts the clients
+    thread = threading.Thread(target=lambda: (_pin({FRONTEND_CPU}), uv.run()), name="serving-http", daemon=True)
     thread.start()
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + READY_TIMEOUT_S
     while not (uv.started and httpx.get(f"{url}/health").status_code == 200):
