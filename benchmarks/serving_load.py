@@ -15,8 +15,9 @@ each latency over the ok requests.
 The benchmark (``main``) measures each model along three paths (``--paths``), one row per path and concurrency
 level, each a closed loop of ``concurrency`` clients sending ``requests`` requests: a prompt of ``input_len``
 random token ids and ``max_tokens = output_len`` with ``ignore_eos`` (every request the same length, as vllm's
-random dataset), greedy, and ``logprobs: 0`` so that every token is its own chunk (the random MoE has no
-tokenizer: its chunks carry a token's logprob and no text). The timed rounds start right after the engine is
+random dataset), greedy, and ``logprobs: 0`` so that every token reaches the client (the random MoE has no
+tokenizer: its chunks carry logprobs and no text; the tokens of one engine step come as one chunk, so ITL is
+the gap between steps that reach the client). The timed rounds start right after the engine is
 ready: no untimed warm-up load, so a shape compiled while serving shows in the latencies.
 
 * ``device``: ``serving_decode``'s jitted step of the model alone (``_device_worker``: bfloat16, no scheduler or
@@ -361,7 +362,7 @@ def engine_load(engine: Any, bodies: Sequence[dict], *, concurrency: int | None 
 
 def completion_bodies(model: str, vocab: int, num: int, input_len: int, output_len: int, seed: int = 0) -> list[dict]:
     """``num`` /v1/completions bodies: ``input_len`` random token ids (distinct prompts: no prefix-cache hits),
-    ``output_len`` tokens each (``ignore_eos``), ``logprobs: 0`` (one chunk per token, text or not)."""
+    ``output_len`` tokens each (``ignore_eos``), ``logprobs: 0`` (every token reaches the client, text or not)."""
     ids = np.random.default_rng(seed).integers(0, vocab, (num, input_len))
     return [{"model": model, "prompt": row.tolist(), "max_tokens": output_len, "ignore_eos": True, "logprobs": 0,
              "temperature": 0.0} for row in ids]
