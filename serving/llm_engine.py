@@ -187,9 +187,10 @@ class TokenLogprobs:
         return {"logprob": logprobs, "top": list(zip(top_ids[:num_top], top_logprobs[:num_top], strict=True))}
 
 
-def _sample_row(seq: Seq) -> SampleRow:
-    """What the sampler needs of a sequence for its next token."""
-    return SampleRow(seq.params, seq.seed, len(seq.output_ids), seq.prompt_ids, seq.output_ids, seq.matcher)
+def _sample_row(seq: Seq, ahead: int = 0) -> SampleRow:
+    """What the sampler needs of a sequence for its next token; ``ahead``: tokens already sampled on the device
+    and not appended yet (a chained step's), which its position counts."""
+    return SampleRow(seq.params, seq.seed, len(seq.output_ids) + ahead, seq.prompt_ids, seq.output_ids, seq.matcher)
 
 
 def _prompt_targets(chunks: Sequence[ScheduledChunk]) -> list[list[int]] | None:
@@ -768,8 +769,7 @@ class Engine:
             self._encode_images(next_chunks)
         token_ids = [[from_previous(rows[c.seq.seq_id])] if c.seq.seq_id in rows
                      else c.seq.tokens[c.start:c.start + c.count] for c in next_chunks]
-        sample_rows = [SampleRow(c.seq.params, c.seq.seed, len(c.seq.output_ids) + (k if c.seq.seq_id in rows else 0),
-                                 c.seq.prompt_ids, c.seq.output_ids, c.seq.matcher) for c in next_chunks]
+        sample_rows = [_sample_row(c.seq, k if c.seq.seq_id in rows else 0) for c in next_chunks]
         num_top = MAX_LOGPROBS if any(c.samples and c.seq.params.logprobs for c in next_chunks) else 0
         seq_chunks = [SeqChunk(c.seq.block_table, c.start, 1 if n > 1 else c.count) for c in next_chunks]
         images = self._images([c.seq for c in next_chunks])
