@@ -77,6 +77,7 @@ def synthetic_core(spec: dict, commands_address: str, events_address: str) -> No
     from benchmarks.serving_decode import TINY_MOE
     from serving.api import ipc
     from serving.api.engine_client import EngineStats
+    from serving.api.engine_core import receive_commands
     from serving.config import ModelConfig
 
     _pin(_other_cpus())  # spawned from the front end's thread, whose CPU it would share
@@ -94,12 +95,7 @@ def synthetic_core(spec: dict, commands_address: str, events_address: str) -> No
     remaining: dict[str, int] = {}  # running request -> tokens still to emit
     due = time.perf_counter()
     while True:
-        received = [] if remaining else [ipc.unpack(commands.recv())]  # idle: wait for a command
-        while True:
-            try:
-                received.append(ipc.unpack(commands.recv(zmq.NOBLOCK)))
-            except zmq.Again:
-                break
+        received = receive_commands(commands, block=not remaining)  # idle: wait for a command
         event = {"kind": ipc.STEP, "outputs": [], "done": {}, "prompt_logprobs": {}, "refused": [], "failed": [],
                  "aborted": []}
         for command in received:
@@ -155,7 +151,7 @@ def _variant_worker(variant: str, tokens_per_event: int, levels: list[int], sett
             raise RuntimeError(f"{variant}: the server was not ready within {READY_TIMEOUT_S:g} s")
         time.sleep(0.05)
     if variant == "serving":
-        freeze_heap()  # as ``serve`` does before it serves
+        freeze_heap()  # as ``serve`` does (there before uvicorn starts, here once the app is up)
     rows = []
     for c in levels:
         bodies = completion_bodies(MODEL, 100, settings["requests_per_client"] * c, settings["input_len"],

@@ -92,6 +92,16 @@ def run_core(spec: dict, commands_address: str, events_address: str) -> None:
     context.destroy(linger=0)
 
 
+def receive_commands(socket: zmq.Socket, block: bool) -> list:
+    """Every command that has arrived on ``socket``; with ``block``, wait for the first."""
+    commands = [ipc.unpack(socket.recv())] if block else []
+    while True:
+        try:
+            commands.append(ipc.unpack(socket.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return commands
+
+
 class EngineCore:
     """The core's loop over one engine (module docstring); ``send`` ships one event."""
 
@@ -104,7 +114,7 @@ class EngineCore:
         """Serve until a ``stop`` command: each turn's commands (waiting for one while there is no work), one
         step event per turn."""
         while True:
-            commands = self._commands(block=not self.engine.has_unfinished())
+            commands = receive_commands(self.commands, block=not self.engine.has_unfinished())
             if any(command[0] == ipc.STOP for command in commands):
                 return
             self.send(self.turn(commands))
@@ -122,15 +132,6 @@ class EngineCore:
         self.experts_sent = now if experts else self.experts_sent
         event["stats"] = EngineStats.of(self.engine, experts).to_wire()
         return event
-
-    def _commands(self, block: bool) -> list:
-        """Every command that has arrived; with ``block``, wait for the first."""
-        commands = [ipc.unpack(self.commands.recv())] if block else []
-        while True:
-            try:
-                commands.append(ipc.unpack(self.commands.recv(zmq.NOBLOCK)))
-            except zmq.Again:
-                return commands
 
     def _handle(self, command: list, event: dict) -> None:
         if command[0] == ipc.ABORT:

@@ -80,7 +80,7 @@ class SequenceState:
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             self.finish_reason = STOP
         elif self.detokenizer is not None:
-            start = max(0, len(self.text) - max((len(s) for s in p.stop), default=0)) if p.stop else 0
+            start = max(0, len(self.text) - max((len(s) for s in p.stop), default=0))
             self.text += self.detokenizer.add(token)
             hits = [i for s in p.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
@@ -89,12 +89,14 @@ class SequenceState:
             self.finish_reason = LENGTH
             if self.detokenizer is not None:
                 self.text += self.detokenizer.finish()
-        end = len(self.text) if self.finished or not p.stop else len(self.text) - self._held_back()
+        end = len(self.text) if self.finished else len(self.text) - self._held_back()
         delta, self.emitted = self.text[self.emitted:end], max(self.emitted, end)
         return delta
 
     def _held_back(self) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        if not self.params.stop:  # most samples: nothing to hold back, every token
+            return 0
         for n in range(min(len(self.text), max((len(s) for s in self.params.stop), default=1) - 1), 0, -1):
             if any(s.startswith(self.text[-n:]) for s in self.params.stop):
                 return n
