@@ -5,8 +5,10 @@ capacity measured first, then Poisson arrivals at half of it (no failures) and a
 holds no KV block). Plus the ``--random-weights`` CLI's refusals and the benchmark's CPU mode end to end."""
 
 import asyncio
+import http.server
 import json
 import os
+import threading
 import time
 
 import httpx
@@ -136,6 +138,39 @@ def test_unreachable_server_is_a_connection_error_not_an_exception():
                                   concurrency=2, timeout_s=10))
     assert [r.status for r in result.records] == ["connection_error"] * 2
     assert summarize(result)["statuses"]["connection_error"] == 2 and summarize(result)["ttft_median_ms"] is None
+
+
+def test_each_client_warms_its_transport_with_one_untimed_health_check_first():
+    """A refusing server that records what it is sent: one GET /health, then the timed POSTs, which are 503s."""
+    seen = []
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(("GET", self.path))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(("POST", self.path))
+            self.send_response(503)
+            self.send_header("Retry-After", "1")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse) as httpd:
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        result = asyncio.run(run_load(url, COMPLETIONS, bodies(3, 0), concurrency=1, timeout_s=10))
+        httpd.shutdown()
+    assert seen == [("GET", "/health")] + [("POST", COMPLETIONS)] * 3
+    assert [r.status for r in result.records] == ["503"] * 3
+    assert min(r.start for r in result.records) >= 0  # the check came before the clock started
 
 
 def test_client_processes_split_poisson_arrivals_and_merge_in_body_order():
