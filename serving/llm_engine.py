@@ -398,6 +398,7 @@ class Engine:
         self.spec_stats = SpecStats()
         self.async_scheduling = async_scheduling
         self._inflight: InFlight | None = None
+        self.chained_wait_s: float | None = None  # the last step's wait for the call it found in flight (_advance)
         self._ahead: list[ScheduledChunk] = []  # the chunks of the step being dispatched ahead (``_chain``)
 
     @property
@@ -593,6 +594,19 @@ class Engine:
         return self.scheduler.has_work()
 
     @property
+    def in_flight_steps(self) -> int:
+        """The device steps of the call in flight (``async_scheduling``: dispatched, its tokens not appended yet; a
+        multi-step decode's ``decode_steps``), 0 when none is."""
+        return 0 if self._inflight is None else self._inflight.steps
+
+    @property
+    def can_admit(self) -> bool:
+        """Whether a request added now could run in the next step: fewer than ``max_running`` sequences run or
+        wait."""
+        scheduler = self.scheduler
+        return len(scheduler.running) + len(scheduler.waiting) < scheduler.max_running
+
+    @property
     def num_requests(self) -> int:
         """Requests the engine holds: unfinished ones and finished ones not yet released."""
         return len(self._requests)
@@ -627,6 +641,7 @@ class Engine:
         names them; a cache the failed device call consumed is rebuilt (``_reset_cache``).
         """
         start, traced, self._measure = time.perf_counter(), adaptive.traces(), None
+        self.chained_wait_s = None
         outputs = self._step()
         if self.spec_policy is not None and self._measure is not None and adaptive.traces() == traced:
             kind, size, per_step = self._measure  # the cost model learns the time of a step that compiled nothing
@@ -799,9 +814,12 @@ class Engine:
                                    "its step in flight computes")
         if all(c.count == inflight.steps and c.samples and c.start > 0 for c in inflight.chunks):
             self._measure = ("decode", len(inflight.chunks), inflight.steps)
+        fetch_start = time.perf_counter()
+        result = (self.runner.fetch if inflight.steps == 1 else self.runner.fetch_decode)(inflight.step)
+        self.chained_wait_s = time.perf_counter() - fetch_start
         if inflight.steps == 1:
-            return self._appended(chunks, rows, self.runner.fetch(inflight.step))
-        return self._decoded(chunks, rows, self.runner.fetch_decode(inflight.step))
+            return self._appended(chunks, rows, result)
+        return self._decoded(chunks, rows, result)
 
     def _multi_step(self, chunks: list) -> list | None:
         """``chunks`` as the n-token chunks of a multi-step decode (``Scheduler.reserve_ahead``), or None where this

@@ -3,8 +3,9 @@ for the front end's commands, answering each step with one event carrying every 
 
 Entry point ``run_core(spec, commands_address, events_address)``, started by ``ProcessEngine`` in a 'spawn'
 process (JAX is not fork-safe). The wire is ``ipc.py``'s. Its loop: take every command that has arrived
-(sleeping on the socket while there is no work), then step once if there is work, then send one ``step`` event
-(outputs, finished requests, refusals, failures, acknowledged aborts, stats). Token ids cross the wire, never
+(sleeping on the socket while there is no work; with a call in flight on the device, also those that arrive
+within its ``AdmissionWindow``), then step once if there is work, then send one ``step`` event (outputs, finished
+requests, refusals, failures, acknowledged aborts, stats). Token ids cross the wire, never
 text: the front end detokenizes. A request's sequences therefore run without a detokenizer here unless the
 request has stop strings, which the engine must see in text to stop on.
 
@@ -12,6 +13,7 @@ The process ends on a ``stop`` command, and on its own when the process that sta
 waits on the parent's sentinel), so a server killed without a clean shutdown leaves no core behind.
 """
 
+import collections
 import dataclasses
 import logging
 import multiprocessing
@@ -30,6 +32,9 @@ from serving.api.profiling import freeze_heap, profiled
 from serving.engine.sampling_params import SamplingParams
 from serving.llm_engine import Engine, StepError
 
+ADMISSION_FRACTION = 0.5  # of a call's smallest recent slack: how long a turn waits for arrivals (AdmissionWindow)
+SLACK_SAMPLES = 8  # the recent calls of one kind whose slack sets its window
+ENDED_BEFORE_S = 2e-4  # a fetch shorter than this found its call ended (copying its tokens back takes tens of us)
 EXPERT_STATS_S = 0.5  # the [layers, experts] counts ride on a step event at most this often (and when idle)
 PARENT_GONE_EXIT = 3  # the exit code of a core whose server process died
 log = logging.getLogger(__name__)
@@ -102,6 +107,52 @@ def receive_commands(socket: zmq.Socket, block: bool) -> list:
             return commands
 
 
+def receive_within(socket: zmq.Socket, seconds: float) -> list:
+    """Every command on ``socket`` now or arriving within ``seconds`` (a ``stop`` ends the wait)."""
+    deadline = time.perf_counter() + seconds
+    commands = receive_commands(socket, block=False)
+    while not any(c[0] == ipc.STOP for c in commands) and (left_ms := int((deadline - time.perf_counter()) * 1e3)) > 0:
+        if socket.poll(left_ms):
+            commands += receive_commands(socket, block=False)
+    return commands
+
+
+class AdmissionWindow:
+    """How long a turn waits for new requests before it dispatches the next device call.
+
+    With async scheduling a turn dispatches call i+1 behind call i, still on the device, then waits for call i's
+    tokens. A request that reaches the core after that dispatch can join call i+2 at the earliest: a whole call
+    later than one that came just before it, and a multi-step decode is ``decode_steps`` device steps long. Over
+    HTTP that is the common case: a closed-loop client sends its next request when its last answer ends, and the
+    answer ends in the event sent just before the next turn starts. Dispatching later costs the device nothing
+    while call i is still running, and the core can measure how long that is: the turn's slack is the time it
+    waited for arrivals plus the time it then blocked on call i's tokens (``Engine.chained_wait_s``). A turn waits
+    ``fraction`` of the smallest slack among the last ``samples`` calls of the kind now in flight (kinds: its device
+    steps, as a multi-step decode takes ~``decode_steps`` times a single step), so the device keeps a margin, and
+    an engine bound by its host (no slack) waits nothing. A call that had ended before the host asked for its
+    tokens (the window was too long: the device idled) counts as no slack, which closes the window for the next
+    ``samples`` calls of its kind.
+    """
+
+    def __init__(self, fraction: float = ADMISSION_FRACTION, samples: int = SLACK_SAMPLES):
+        if not 0 <= fraction < 1 or samples < 1:
+            raise ValueError(f"AdmissionWindow(fraction={fraction}, samples={samples}): expected 0 <= fraction < 1 "
+                             "and samples >= 1")
+        self.fraction, self.samples = fraction, samples
+        self._slack: dict[int, collections.deque[float]] = {}
+
+    def seconds(self, steps: int) -> float:
+        """The wait before dispatching behind a call of ``steps`` device steps (0 before any was measured)."""
+        slack = self._slack.get(steps)
+        return self.fraction * min(slack) if slack else 0.0
+
+    def record(self, steps: int, waited_s: float, blocked_s: float) -> None:
+        """One turn's slack behind a call of ``steps``: it waited ``waited_s`` for arrivals, then blocked
+        ``blocked_s`` on the call's tokens."""
+        slack = waited_s + blocked_s if blocked_s >= ENDED_BEFORE_S else 0.0
+        self._slack.setdefault(steps, collections.deque(maxlen=self.samples)).append(slack)
+
+
 class EngineCore:
     """The core's loop over one engine (module docstring); ``send`` ships one event."""
 
@@ -109,15 +160,27 @@ class EngineCore:
         self.engine, self.commands, self.send = engine, commands, send
         self.unfinished: dict[str, int] = {}  # request id -> samples not finished yet
         self.experts_sent = 0.0
+        self.window = AdmissionWindow()
 
     def run(self) -> None:
-        """Serve until a ``stop`` command: each turn's commands (waiting for one while there is no work), one
-        step event per turn."""
+        """Serve until a ``stop`` command: each turn's commands (waiting for one while there is no work, and for
+        the ``AdmissionWindow`` of a call in flight while a request could still be admitted), one step event per
+        turn."""
         while True:
-            commands = receive_commands(self.commands, block=not self.engine.has_unfinished())
+            engine = self.engine
+            if not engine.has_unfinished():
+                commands, steps = receive_commands(self.commands, block=True), 0
+            else:
+                steps, start = engine.in_flight_steps, time.perf_counter()
+                window = self.window.seconds(steps) if steps and engine.can_admit else 0.0
+                commands = receive_within(self.commands, window)
+                waited = time.perf_counter() - start
             if any(command[0] == ipc.STOP for command in commands):
                 return
-            self.send(self.turn(commands))
+            event = self.turn(commands)
+            if steps and engine.chained_wait_s is not None:
+                self.window.record(steps, waited, engine.chained_wait_s)
+            self.send(event)
 
     def turn(self, commands: list[list]) -> dict:
         """Handle ``commands`` (adds, aborts), step once if there is work; returns the turn's step event."""
