@@ -62,6 +62,7 @@ import multiprocessing
 import multiprocessing.synchronize
 import os
 import queue
+import shlex
 import socket
 import subprocess
 import sys
@@ -513,7 +514,8 @@ def serve_args(name: str, spec: dict, settings: dict, levels: Sequence[int], fol
     blocks_per_request = math.ceil((settings["input_len"] + settings["output_len"]) / BLOCK_SIZE)
     return ["--model", *model, "--name", name, "--dtype", settings["dtype"], "--max-running", str(top),
             "--max-queue", str(top), "--num-blocks", str(2 * top * blocks_per_request + 1),
-            "--block-size", str(BLOCK_SIZE), "--token-budget", str(settings["token_budget"])]
+            "--block-size", str(BLOCK_SIZE), "--token-budget", str(settings["token_budget"]),
+            *settings.get("serve_options", [])]
 
 
 def _level_bodies(name: str, spec: dict, settings: dict, loads: Sequence[dict], requests: int | None,
@@ -748,6 +750,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--input-len", type=int, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, help="output tokens per request")
     parser.add_argument("--client-processes", type=int, help="processes sending the requests (default gpu 4, cpu 1)")
+    parser.add_argument("--serve-options", default="", metavar="'--OPTION VALUE ...'",
+                        help="more ``serve`` options for the engine and http paths, e.g. '--admission-window 0.5' "
+                             "(recorded in the JSON's settings)")
     parser.add_argument("--smollm2-gguf", help="SmolLM2-135M-Instruct GGUF (default: the embedded model's cache)")
     parser.add_argument("--out-dir", help="where the JSON and PNG go (default benchmarks/results/)")
     args = parser.parse_args(argv)
@@ -764,7 +769,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.requests is not None and args.requests < 1:
         parser.error(f"--requests={args.requests}: expected >= 1")
     overrides = dict(input_len=args.input_len, output_len=args.output_len, client_processes=args.client_processes)
-    settings = SETTINGS[mode] | {k: v for k, v in overrides.items() if v is not None}
+    settings = SETTINGS[mode] | {k: v for k, v in overrides.items() if v is not None} | {
+        "serve_options": shlex.split(args.serve_options)}
     if bad := {k: settings[k] for k in overrides if settings[k] < 1}:
         parser.error(f"{bad}: expected every one >= 1")
     levels = args.concurrency or settings["concurrency"]

@@ -594,10 +594,12 @@ class Engine:
         return self.scheduler.has_work()
 
     @property
-    def in_flight_steps(self) -> int:
-        """The device steps of the call in flight (``async_scheduling``: dispatched, its tokens not appended yet; a
-        multi-step decode's ``decode_steps``), 0 when none is."""
-        return 0 if self._inflight is None else self._inflight.steps
+    def in_flight_kind(self) -> tuple[int, int] | None:
+        """(device steps, padded tokens per step) of the call in flight (``async_scheduling``: dispatched, its tokens
+        not appended yet; a multi-step decode's steps are ``decode_steps``), None when none is: calls of one kind
+        take about one time."""
+        inflight = self._inflight
+        return None if inflight is None else (inflight.steps, inflight.step.num_tokens)
 
     @property
     def can_admit(self) -> bool:

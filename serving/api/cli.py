@@ -157,6 +157,10 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-steps", type=int, default=None, metavar="N",
                         help="decode steps per device call when every running sequence decodes (the same tokens; "
                              "a step with a prefill or a constrained row runs one; default: by backend, 1 on the CPU)")
+    parser.add_argument("--admission-window", type=float, default=0.0, metavar="F",
+                        help="with a device call in flight, the engine core waits F of that kind of call's measured "
+                             "slack for new requests before dispatching the next call, which they then join (0: off; "
+                             "serving.api.engine_core.AdmissionWindow)")
     parser.add_argument("--compilation-cache", default=True, metavar="DIR",
                         help="JAX's persistent compilation cache (default: jax-compilation in $APEX_JAX_CACHE, "
                              "itself ~/.cache/apex-jax by default)")

@@ -3,9 +3,9 @@ for the front end's commands, answering each step with one event carrying every 
 
 Entry point ``run_core(spec, commands_address, events_address)``, started by ``ProcessEngine`` in a 'spawn'
 process (JAX is not fork-safe). The wire is ``ipc.py``'s. Its loop: take every command that has arrived
-(sleeping on the socket while there is no work; with a call in flight on the device, also those that arrive
-within its ``AdmissionWindow``), then step once if there is work, then send one ``step`` event (outputs, finished
-requests, refusals, failures, acknowledged aborts, stats). Token ids cross the wire, never
+(sleeping on the socket while there is no work; with ``--admission-window`` and a call in flight on the device,
+also those that arrive within its ``AdmissionWindow``), then step once if there is work, then send one ``step``
+event (outputs, finished requests, refusals, failures, acknowledged aborts, stats). Token ids cross the wire, never
 text: the front end detokenizes. A request's sequences therefore run without a detokenizer here unless the
 request has stop strings, which the engine must see in text to stop on.
 
@@ -32,7 +32,6 @@ from serving.api.profiling import freeze_heap, profiled
 from serving.engine.sampling_params import SamplingParams
 from serving.llm_engine import Engine, StepError
 
-ADMISSION_FRACTION = 0.5  # of a call's smallest recent slack: how long a turn waits for arrivals (AdmissionWindow)
 SLACK_SAMPLES = 8  # the recent calls of one kind whose slack sets its window
 ENDED_BEFORE_S = 2e-4  # a fetch shorter than this found its call ended (copying its tokens back takes tens of us)
 EXPERT_STATS_S = 0.5  # the [layers, experts] counts ride on a step event at most this often (and when idle)
@@ -91,7 +90,7 @@ def run_core(spec: dict, commands_address: str, events_address: str) -> None:
     send({"kind": ipc.READY, "startup": startup})
     freeze_heap()
     with profiled("core"):
-        EngineCore(engine, commands, send).run()
+        EngineCore(engine, commands, send, AdmissionWindow(spec.get("admission_window", 0.0))).run()
     if spec.get("persist_disk_cache"):
         engine.persist_cache()
     context.destroy(linger=0)
@@ -127,40 +126,47 @@ class AdmissionWindow:
     answer ends in the event sent just before the next turn starts. Dispatching later costs the device nothing
     while call i is still running, and the core can measure how long that is: the turn's slack is the time it
     waited for arrivals plus the time it then blocked on call i's tokens (``Engine.chained_wait_s``). A turn waits
-    ``fraction`` of the smallest slack among the last ``samples`` calls of the kind now in flight (kinds: its device
-    steps, as a multi-step decode takes ~``decode_steps`` times a single step), so the device keeps a margin, and
+    ``fraction`` of the smallest slack among the last ``samples`` calls of the kind now in flight
+    (``Engine.in_flight_kind``: device steps and padded tokens, as a multi-step decode takes ~``decode_steps`` times
+    a single step and a step with a prompt chunk several times a decode step), so the device keeps a margin, and
     an engine bound by its host (no slack) waits nothing. A call that had ended before the host asked for its
     tokens (the window was too long: the device idled) counts as no slack, which closes the window for the next
     ``samples`` calls of its kind.
+
+    Off by default (``fraction`` 0; ``serve --admission-window F``). On this project's 2-CPU machine (SmolLM2,
+    concurrency 4, 24 requests of 32 tokens) 0.5 lowered HTTP throughput from 99.8 to 91-93 tok/s: there a prompt
+    chunk's step costs several decode steps, and admitting arrivals one call sooner broke up the closed loop's
+    waves. Its effect on the H200 is not measured yet.
     """
 
-    def __init__(self, fraction: float = ADMISSION_FRACTION, samples: int = SLACK_SAMPLES):
+    def __init__(self, fraction: float = 0.0, samples: int = SLACK_SAMPLES):
         if not 0 <= fraction < 1 or samples < 1:
             raise ValueError(f"AdmissionWindow(fraction={fraction}, samples={samples}): expected 0 <= fraction < 1 "
                              "and samples >= 1")
         self.fraction, self.samples = fraction, samples
-        self._slack: dict[int, collections.deque[float]] = {}
+        self.slack: dict[tuple[int, int], collections.deque[float]] = {}  # kind -> its last slacks (s)
 
-    def seconds(self, steps: int) -> float:
-        """The wait before dispatching behind a call of ``steps`` device steps (0 before any was measured)."""
-        slack = self._slack.get(steps)
+    def seconds(self, kind: tuple[int, int]) -> float:
+        """The wait before dispatching behind a call of ``kind`` (0 before one was measured)."""
+        slack = self.slack.get(kind)
         return self.fraction * min(slack) if slack else 0.0
 
-    def record(self, steps: int, waited_s: float, blocked_s: float) -> None:
-        """One turn's slack behind a call of ``steps``: it waited ``waited_s`` for arrivals, then blocked
+    def record(self, kind: tuple[int, int], waited_s: float, blocked_s: float) -> None:
+        """One turn's slack behind a call of ``kind``: it waited ``waited_s`` for arrivals, then blocked
         ``blocked_s`` on the call's tokens."""
         slack = waited_s + blocked_s if blocked_s >= ENDED_BEFORE_S else 0.0
-        self._slack.setdefault(steps, collections.deque(maxlen=self.samples)).append(slack)
+        self.slack.setdefault(kind, collections.deque(maxlen=self.samples)).append(slack)
 
 
 class EngineCore:
     """The core's loop over one engine (module docstring); ``send`` ships one event."""
 
-    def __init__(self, engine: Engine, commands: zmq.Socket | None, send: Callable[[dict], None]):
+    def __init__(self, engine: Engine, commands: zmq.Socket | None, send: Callable[[dict], None],
+                 window: AdmissionWindow | None = None):
         self.engine, self.commands, self.send = engine, commands, send
         self.unfinished: dict[str, int] = {}  # request id -> samples not finished yet
         self.experts_sent = 0.0
-        self.window = AdmissionWindow()
+        self.window = window or AdmissionWindow()  # default: no wait
 
     def run(self) -> None:
         """Serve until a ``stop`` command: each turn's commands (waiting for one while there is no work, and for
@@ -169,17 +175,17 @@ class EngineCore:
         while True:
             engine = self.engine
             if not engine.has_unfinished():
-                commands, steps = receive_commands(self.commands, block=True), 0
+                commands, kind = receive_commands(self.commands, block=True), None
             else:
-                steps, start = engine.in_flight_steps, time.perf_counter()
-                window = self.window.seconds(steps) if steps and engine.can_admit else 0.0
+                kind, start = engine.in_flight_kind, time.perf_counter()
+                window = self.window.seconds(kind) if kind is not None and engine.can_admit else 0.0
                 commands = receive_within(self.commands, window)
                 waited = time.perf_counter() - start
             if any(command[0] == ipc.STOP for command in commands):
                 return
             event = self.turn(commands)
-            if steps and engine.chained_wait_s is not None:
-                self.window.record(steps, waited, engine.chained_wait_s)
+            if kind is not None and engine.chained_wait_s is not None:
+                self.window.record(kind, waited, engine.chained_wait_s)
             self.send(event)
 
     def turn(self, commands: list[list]) -> dict:

@@ -63,6 +63,7 @@ class EngineSpec:
     host_cache_gb: float = 0.0  # the prefix cache's host-memory tier (0: none; serving.engine.kv_tiers)
     disk_cache: str | None = None  # the disk tier's folder under the host tier (None: none)
     persist_disk_cache: bool = False  # at stop, copy the GPU's cached blocks to the disk tier too
+    admission_window: float = 0.0  # the core's AdmissionWindow fraction (0: off; engine_core.py, not an Engine's)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -72,6 +73,8 @@ class EngineSpec:
                              f"disk tier sits under the host tier), got {self.host_cache_gb}")
         if self.persist_disk_cache and self.disk_cache is None:
             raise ValueError("--persist-disk-cache needs --disk-cache DIR")
+        if not 0 <= self.admission_window < 1:
+            raise ValueError(f"--admission-window {self.admission_window}: expected a fraction in [0, 1) (0: off)")
         if self.speculative is None and (self.drafter or self.num_speculative_tokens or self.static_speculation):
             raise ValueError("--drafter, --num-speculative-tokens and --static-speculation need --speculative "
                              "(ngram, suffix or block)")

@@ -182,6 +182,16 @@ def test_client_processes_split_poisson_arrivals_and_merge_in_body_order():
     assert 0 < result.duration_s < 5 * num / rate and result.duration_s >= max(r.start for r in result.records)
 
 
+def test_serve_options_reach_both_paths_spec(tmp_path):
+    """``--serve-options``: appended to the options the http path's server and the engine path's spec are made of."""
+    spec = serving_load.models("cpu")["tiny-moe"]
+    settings = serving_load.SETTINGS["cpu"] | {"serve_options": ["--admission-window", "0.5", "--decode-steps", "4"]}
+    args = serving_load.serve_args("tiny-moe", spec, settings, (1, 4), tmp_path, None)
+    assert args[-4:] == settings["serve_options"]
+    engine_spec, _, _ = cli._spec(serving_parser().parse_args(["serve", *args]))
+    assert (engine_spec.admission_window, engine_spec.decode_steps, engine_spec.max_running) == (0.5, 4, 4)
+
+
 def test_random_weights_from_a_config_folder_and_refusals(tmp_path):
     folder = model_folder(tmp_path)
     args = serving_parser().parse_args(["serve", "--model", str(folder), "--random-weights", "--dtype", "float32"])
