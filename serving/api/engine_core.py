@@ -133,10 +133,9 @@ class AdmissionWindow:
     tokens (the window was too long: the device idled) counts as no slack, which closes the window for the next
     ``samples`` calls of its kind.
 
-    Off by default (``fraction`` 0; ``serve --admission-window F``). On this project's 2-CPU machine (SmolLM2,
-    concurrency 4, 24 requests of 32 tokens) 0.5 lowered HTTP throughput from 99.8 to 91-93 tok/s: there a prompt
-    chunk's step costs several decode steps, and admitting arrivals one call sooner broke up the closed loop's
-    waves. Its effect on the H200 is not measured yet.
+    Off by default (``fraction`` 0; ``serve --admission-window F``): on a CPU, where a prompt chunk's step costs
+    several decode steps, it measured slower (the README's serving figures), and a GPU default waits on its own
+    measurement.
     """
 
     def __init__(self, fraction: float = 0.0, samples: int = SLACK_SAMPLES):
