@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -98,17 +99,19 @@ def metric(url: str, name: str) -> float:
     return float(lines[0].split(" ")[1]) if lines else 0.0
 
 
-def wait_until_running(url: str, within_s: float) -> dict:
-    """The dashboard stats once the core runs one sequence with its blocks (fails after ``within_s``): the stats come
-    with the core's step events, so the first lines of a stream (an API's opening events) can come before them, and an
-    event comes only once its step (which may compile) is done."""
-    deadline = time.monotonic() + within_s
-    while True:
-        s = stats(url)
-        if s["running"] == 1 and s["kv_blocks_used"] > 0:
-            return s
-        assert time.monotonic() < deadline, s
-        time.sleep(0.02)
+def first_token_event(lines: Iterator[str]) -> dict:
+    """The first SSE event of a chat or messages stream that carries generated text (the events before it, an API's
+    opening ones, come before any step; this one comes once the request runs in the core, its first step done)."""
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line.removeprefix("data: "))
+        assert "error" not in event and event.get("type") != "error", event
+        text = event.get("delta", {}).get("text") if event.get("type") == "content_block_delta" else \
+            next((c["delta"].get("content") for c in event.get("choices", [])), None)
+        if text:
+            return event
+    raise AssertionError("the stream ended before any generated text")
 
 
 def wait_until_idle(url: str, within_s: float) -> dict:
@@ -247,10 +250,7 @@ def test_a_client_that_disconnects_mid_stream_frees_the_core_s_blocks(url, route
     generated = metric(url, "serving_generated_tokens_total")
     body = chat(max_tokens=DISCONNECT_TOKENS, stream=True, ignore_eos=True)
     with httpx.stream("POST", f"{url}{route}", json=body, timeout=TIMEOUT_S) as response:
-        lines = response.iter_lines()
-        received = [next(lines) for _ in range(8)]
-        wait_until_running(url, TIMEOUT_S)  # the request's first step can compile a shape
-    assert any(line.startswith("data: ") for line in received)
+        first_token_event(response.iter_lines())  # waits for the first step, which can compile a shape
     wait_until_idle(url, FREED_WITHIN_S)
     assert metric(url, "serving_generated_tokens_total") - generated < DISCONNECT_TOKENS
 
