@@ -218,9 +218,10 @@ async def send(client: httpx.AsyncClient, url: str, route: str, body: dict, run_
 
 async def _warm_client(client: httpx.AsyncClient, url: str) -> None:
     """One untimed ``GET /health`` (any answer, or none) before the clock starts: a process's first async request
-    through httpx imports its transport stack (httpcore's async connection, anyio), 36-55 ms on this project's CPU
-    machine and 260-360 ms on the H200 host's cold disk, which the first timed request's TTFT would count as the
-    server's. It runs no model: the timed requests still meet the server as it was when it said ready."""
+    through httpx imports its transport stack (httpcore's async connection, anyio), which can take longer than a
+    TTFT (on the H200 host's cold disk it did, many times over: README), and the first timed request's TTFT would
+    count it as the server's. It runs no model: the timed requests still meet the server as it was when it said
+    ready."""
     with contextlib.suppress(httpx.HTTPError):
         await client.get(url + "/health")
 
