@@ -816,12 +816,12 @@ class Engine:
                                    "its step in flight computes")
         if all(c.count == inflight.steps and c.samples and c.start > 0 for c in inflight.chunks):
             self._measure = ("decode", len(inflight.chunks), inflight.steps)
+        fetch, outputs = ((self.runner.fetch, self._appended) if inflight.steps == 1 else
+                          (self.runner.fetch_decode, self._decoded))
         fetch_start = time.perf_counter()
-        result = (self.runner.fetch if inflight.steps == 1 else self.runner.fetch_decode)(inflight.step)
+        result = fetch(inflight.step)
         self.chained_wait_s = time.perf_counter() - fetch_start
-        if inflight.steps == 1:
-            return self._appended(chunks, rows, result)
-        return self._decoded(chunks, rows, result)
+        return outputs(chunks, rows, result)
 
     def _multi_step(self, chunks: list) -> list | None:
         """``chunks`` as the n-token chunks of a multi-step decode (``Scheduler.reserve_ahead``), or None where this

@@ -152,7 +152,9 @@ class AdmissionWindow:
 
     def record(self, kind: tuple[int, int], waited_s: float, blocked_s: float) -> None:
         """One turn's slack behind a call of ``kind``: it waited ``waited_s`` for arrivals, then blocked
-        ``blocked_s`` on the call's tokens."""
+        ``blocked_s`` on the call's tokens (a window that is off keeps none)."""
+        if not self.fraction:
+            return
         slack = waited_s + blocked_s if blocked_s >= ENDED_BEFORE_S else 0.0
         self.slack.setdefault(kind, collections.deque(maxlen=self.samples)).append(slack)
 
