@@ -776,6 +776,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"{bad}: expected every one >= 1")
     levels = args.concurrency or settings["concurrency"]
     rates = settings["rates"] if args.rates is None else args.rates
+    settings |= {"concurrency": tuple(levels), "rates": tuple(rates)}  # what this run measures
     import jax
 
     if args.cpu:  # the servers run on the CPU (JAX_PLATFORMS below); the run metadata says so too

@@ -26,7 +26,7 @@ import numpy as np
 
 from benchmarks.harness import format_table, save_plot, write_results
 from benchmarks.serving_decode import TINY_MOE
-from serving import Engine, LoadedModel, SamplingParams, enable_command_buffers
+from serving import DecodeSteps, Engine, LoadedModel, SamplingParams, enable_command_buffers
 from serving.config import ModelConfig
 from serving.models import model_module
 
@@ -67,7 +67,7 @@ def prompts_for(engine: Engine, batch: int) -> list[list[int]]:
 
 def run(engine: Engine, prompts: list[list[int]], decode_tokens: int, steps: int) -> dict:
     """One greedy run of ``prompts`` with ``decode_steps = steps``: decode seconds, dispatches and the tokens."""
-    engine.decode_steps = steps
+    engine.decode_steps = DecodeSteps(steps)
     params = SamplingParams(temperature=0.0, max_tokens=1 + decode_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     while any(not engine.result(i).outputs[0].token_ids for i in ids):  # the prefill: each sequence's first token

@@ -19,6 +19,7 @@ COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,
 # public name -> the module that defines it
 _EXPORTS = {
     "ConstraintSpec": "serving.structured",
+    "DecodeSteps": "serving.llm_engine",
     "Engine": "serving.llm_engine",
     "LoadedModel": "serving.loaders.model",
     "SamplingParams": "serving.engine.sampling_params",
@@ -26,12 +27,12 @@ _EXPORTS = {
     "load_model": "serving.loaders.model",
 }
 
-__all__ = ["COMMAND_BUFFER_FLAGS", "ConstraintSpec", "Engine", "LoadedModel", "SamplingParams", "SpecConfig",
-           "enable_command_buffers", "load_model"]
+__all__ = ["COMMAND_BUFFER_FLAGS", "ConstraintSpec", "DecodeSteps", "Engine", "LoadedModel", "SamplingParams",
+           "SpecConfig", "enable_command_buffers", "load_model"]
 
 if TYPE_CHECKING:
     from serving.engine.sampling_params import SamplingParams
-    from serving.llm_engine import Engine
+    from serving.llm_engine import DecodeSteps, Engine
     from serving.loaders.model import LoadedModel, load_model
     from serving.spec_decode.config import SpecConfig
     from serving.structured import ConstraintSpec

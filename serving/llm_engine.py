@@ -105,9 +105,35 @@ from serving.structured import compile_constraint
 SEED_RANGE = 2**32  # seeds are uint32
 ABORT = "abort"  # finish reason of the samples ``Engine.abort`` stopped
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
-# decode_steps by jax.default_backend() (others: 1): on a GPU several steps per call save the host's time between
-# steps; on the CPU the host is the device, and SmolLM2 decodes no faster.
-DECODE_STEPS = {"cpu": 1, "gpu": 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSteps:
+    """Tokens a multi-step decode samples per sequence in one device call: ``n``, or ``small_n`` where the decode
+    batch is padded to at most ``small_batch`` sequences (0: ``n`` at every batch).
+
+    A call of n steps takes the host a fixed t_h (dispatch, fetch, appending) beside the device's n * t_d, so a
+    token costs t_d + t_h / n. The smaller the batch, the shorter t_d and the more t_h / n weighs: small batches
+    take more steps per call. Each decode shape still runs one n, so the compiled set is the same size."""
+
+    n: int
+    small_n: int = 0
+    small_batch: int = 0
+
+    def __post_init__(self):
+        if self.n < 1 or self.small_n < 0 or self.small_batch < 0:
+            raise ValueError(f"{self}: expected n >= 1 (1: one token per step), small_n and small_batch >= 0")
+
+    def at(self, padded_batch: int) -> int:
+        """Steps per call for a decode batch padded to ``padded_batch`` sequences."""
+        return self.small_n if self.small_n and padded_batch <= self.small_batch else self.n
+
+
+# DecodeSteps by jax.default_backend() (others: 1). On a GPU several steps per call save the host's time between
+# steps, and batches of up to 8 sequences (the smallest decode shape) take 16 (H200, Qwen3-30B-A3B shape at
+# concurrency 1: 234 tok/s through HTTP with 16 against 216 with 8; benchmarks/results/serving_load.json). On the
+# CPU the host is the device, and SmolLM2 decodes no faster.
+DECODE_STEPS = {"cpu": DecodeSteps(1), "gpu": DecodeSteps(8, small_n=16, small_batch=8)}
 COMPILATION_CACHE = "jax-compilation"  # the persistent compilation cache's folder, in the project's cache folder
 EXPORTED = "exported"  # the folder of warm-up's exported calls, in the compilation cache's (engine.executables)
 
@@ -256,9 +282,9 @@ def resolve_dtype(dtype: str | jnp.dtype, model: str | Path | LoadedModel | None
     return jnp.dtype(jnp.bfloat16)
 
 
-def default_decode_steps() -> int:
-    """``DECODE_STEPS`` of this process's default backend (1 where it names none)."""
-    return DECODE_STEPS.get(jax.default_backend(), 1)
+def default_decode_steps() -> DecodeSteps:
+    """``DECODE_STEPS`` of this process's default backend (one step per call where it names none)."""
+    return DECODE_STEPS.get(jax.default_backend(), DecodeSteps(1))
 
 
 def use_compilation_cache(folder: str | Path | bool = True) -> Path | None:
@@ -327,7 +353,8 @@ class Engine:
         ``param_specs``, the cache by ``sharding.cache_spec``, steps under ``jax.set_mesh`` (the MoE layers
         expert-parallel). The same tokens as on one device; not with ``speculative`` or ``batch_invariant``.
       decode_steps: the most tokens a decode-only step samples per sequence in one device call (module
-        docstring; 1: one per step; None: ``default_decode_steps()``, by backend). The same tokens as single
+        docstring): an int at every batch (1: one per step), a ``DecodeSteps`` by batch, or None:
+        ``default_decode_steps()``, by backend. The same tokens as single
         steps; other steps (prefill, constrained, verification), and every step with ``batch_invariant``, sample
         one.
       compilation_cache: JAX's persistent compilation cache folder (``use_compilation_cache``; True: the default
@@ -346,16 +373,21 @@ class Engine:
                  num_blocks: int = 256, block_size: int = 16, max_running: int = 32, token_budget: int = 256,
                  max_model_len: int | None = None, max_queue: int | None = None,
                  speculative: SpecConfig | None = None, batch_invariant: bool = False, mesh: Mesh | None = None,
-                 decode_steps: int | None = None, prefill_chunk: int | None = None,
+                 decode_steps: int | DecodeSteps | None = None, prefill_chunk: int | None = None,
                  compilation_cache: str | Path | bool = True, async_scheduling: bool = True,
                  host_cache_blocks: int = 0, host_cache_gb: float | None = None,
                  disk_cache_dir: str | Path | None = None, disk_cache_blocks: int | None = None,
                  kernels: layers.KernelPolicy = layers.DEFAULT):
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"Engine: max_queue={max_queue}: expected None (no limit) or >= 0")
-        decode_steps = default_decode_steps() if decode_steps is None else decode_steps
-        if decode_steps < 1:
-            raise ValueError(f"Engine: decode_steps={decode_steps}: expected >= 1 (1: one token per step)")
+        if decode_steps is None:
+            decode_steps = default_decode_steps()
+        elif not isinstance(decode_steps, DecodeSteps):
+            if isinstance(decode_steps, bool) or not isinstance(decode_steps, int):
+                raise TypeError(f"Engine: decode_steps={decode_steps!r}: expected an int, a DecodeSteps or None")
+            if decode_steps < 1:
+                raise ValueError(f"Engine: decode_steps={decode_steps}: expected >= 1 (1: one token per step)")
+            decode_steps = DecodeSteps(decode_steps)
         if mesh is not None and (speculative is not None or batch_invariant):
             raise ValueError(f"Engine: a mesh {dict(mesh.shape)} with "
                              f"{'speculative decoding' if speculative else 'batch_invariant=True'}: expected one "
@@ -444,9 +476,9 @@ class Engine:
         * the decode step, at every decode-only shape (N up to ``max_running`` and ``token_budget``). Every step is
           one executable whatever feeds its tokens, the host or the step before on the device
           (``ModelRunner.dispatch(previous=...)``), so a step chained behind another is compiled too;
-        * with ``decode_steps`` > 1, every multi-step decode: the decode-only shapes for n = decode_steps (the
-          only n a multi-step decode runs; fewer tokens left run single steps), with and without logprobs,
-          greedy and drawing.
+        * every multi-step decode: each decode-only shape of N sequences where n = ``decode_steps.at(N)`` > 1
+          (the only n a multi-step decode of that shape runs; fewer tokens left run single steps), with and without
+          logprobs, greedy and drawing.
 
         With a model-free drafter (n-gram, suffix) a step is a verification where anything was drafted, else plain:
         both sets, the verification's being its scoring forward at each shape (paged-only or not) and its
@@ -473,8 +505,9 @@ class Engine:
             return []  # a model drafter's own calls are not in the set
         plain = not runner.batch_invariant
         decodes = [("step", shape) for shape in decode_shapes if shape not in shapes] if plain else []
-        if self.decode_steps > 1 and plain:
-            decodes += [("decode", shape, self.decode_steps, *v) for shape in decode_shapes for v in top_draw]
+        if plain:
+            decodes += [("decode", shape, n, *v) for shape in decode_shapes
+                        if (n := self.decode_steps.at(shape.num_tokens)) > 1 for v in top_draw]
         num_seqs = sorted({shape.num_seqs for shape in shapes})
         # each sampler's logits [S * rows, V]: what the first forward of its kind gives, at each S
         first = {"step": runner.build_step(shapes[0])}
@@ -772,8 +805,8 @@ class Engine:
                 return None
             # a sequence whose max_tokens comes first stops within the n tokens (the rest are dropped, as after a
             # stop token); only the context must hold them all
-            n = self.decode_steps if self.decode_steps > 1 and all(
-                s.max_len - s.num_tokens >= k + self.decode_steps and not s.params.logit_bias for s in seqs) else 1
+            n = self._steps(len(seqs))
+            n = n if n > 1 and all(s.max_len - s.num_tokens >= k + n and not s.params.logit_bias for s in seqs) else 1
             if not self.scheduler.reserve_next(seqs, [p - s.num_computed for s, p in decoding], n):
                 return None
             next_chunks = [ScheduledChunk(s, p, n, True) for s, p in decoding]
@@ -823,16 +856,21 @@ class Engine:
         self.chained_wait_s = time.perf_counter() - fetch_start
         return outputs(chunks, rows, result)
 
+    def _steps(self, num_seqs: int) -> int:
+        """Steps per call of a multi-step decode of ``num_seqs`` sequences (``DecodeSteps.at`` its padded batch)."""
+        return self.decode_steps.at(bucket(num_seqs, self.runner.min_decode_tokens))
+
     def _multi_step(self, chunks: list) -> list | None:
         """``chunks`` as the n-token chunks of a multi-step decode (``Scheduler.reserve_ahead``), or None where this
         step samples one token per sequence: ``decode_steps`` 1, batch-invariant mode, a chunk that is not one token
         after a cached context, a constrained or logit-biased row (whose sampler variants ``warm_up`` compiles for
         single steps only), or no room for n > 1."""
-        if self.decode_steps == 1 or self.runner.batch_invariant or not all(
+        n = self._steps(len(chunks))
+        if n == 1 or self.runner.batch_invariant or not all(
                 c.count == 1 and c.samples and c.start > 0 and c.seq.matcher is None and not c.seq.params.logit_bias
                 for c in chunks):
             return None
-        chunks = self.scheduler.reserve_ahead(chunks, self.decode_steps, exact=True)
+        chunks = self.scheduler.reserve_ahead(chunks, n, exact=True)
         return chunks if chunks[0].count > 1 else None
 
     def _run_multi_step(self, chunks: list) -> list[StepOutput]:
@@ -916,7 +954,7 @@ class Engine:
         if self._observes() or self.spec_policy is None:
             return True
         limits = [0 if n is None else self._room(s) for s, n in zip(seqs, names, strict=True)]
-        return any(self.spec_policy.plan([s.seq_id for s in seqs], limits, self.decode_steps))
+        return any(self.spec_policy.plan([s.seq_id for s in seqs], limits, self._steps(len(seqs))))
 
     def _propose(self) -> tuple[list[Seq], Proposal, dict[int, int]] | None:
         """Drafts for every running sequence that is decoding (``draft_ids``) from its drafter, at most
@@ -929,7 +967,7 @@ class Engine:
         limits = [0 if n is None else self._room(s) for s, n in zip(decoding, names, strict=True)]
         seq_ids = [s.seq_id for s in decoding]
         if self.spec_policy is not None:
-            limits = self.spec_policy.plan(seq_ids, limits, self.decode_steps)
+            limits = self.spec_policy.plan(seq_ids, limits, self._steps(len(seq_ids)))
         proposals, order = [], []
         for name in dict.fromkeys(n for n, limit in zip(names, limits, strict=True) if n is not None and limit):
             group = [i for i, (n, limit) in enumerate(zip(names, limits, strict=True)) if n == name and limit]
@@ -947,7 +985,7 @@ class Engine:
                 seq.draft_ids = grammar_drafts(seq.draft_ids, seq.matcher, one_hot)
         lengths = [len(s.draft_ids) for s in decoding]
         if not self._observes() and not (any(lengths) and (
-                self.spec_policy is None or self.spec_policy.worth(seq_ids, lengths, self.decode_steps))):
+                self.spec_policy is None or self.spec_policy.worth(seq_ids, lengths, self._steps(len(seq_ids))))):
             for seq in decoding:
                 seq.draft_ids = []
             return None

@@ -16,6 +16,7 @@ table per level and writes JSON under ``--out-dir``.
 import argparse
 import collections
 import cProfile
+import dataclasses
 import io
 import json
 import os
@@ -124,8 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
                 profile = text.getvalue()
             rows.append(dict(concurrency=concurrency, output_throughput=summary["output_throughput"],
                              tpot_median_ms=summary["tpot_median_ms"], steps=clock.take()))
-    result = dict(model=args.model, decode_steps=engine.decode_steps, startup_s=round(startup_s, 1), rows=rows,
-                  serve_args=serve, cprofile=profile)
+    result = dict(model=args.model, decode_steps=dataclasses.asdict(engine.decode_steps),
+                  startup_s=round(startup_s, 1), rows=rows, serve_args=serve, cprofile=profile)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"engine_profile_{args.model}.json").write_text(json.dumps(result, indent=1))

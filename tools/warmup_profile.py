@@ -14,6 +14,7 @@ Prints one table and writes JSON under ``--out-dir``.
 
 import argparse
 import collections
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -59,7 +60,8 @@ def _profile(serve_args: list[str], out: multiprocessing.Queue) -> None:
     done = time.perf_counter()
     kinds = collections.Counter(entry[0] for entry in entries)
     out.put(json.dumps(dict(build_s=built - started, warm_up_s=done - built, startup_s=done - started,
-                            entries=len(entries), kinds=dict(kinds), decode_steps=engine.decode_steps,
+                            entries=len(entries), kinds=dict(kinds),
+                            decode_steps=dataclasses.asdict(engine.decode_steps),
                             exported_loaded=engine.runner.executables.loaded,
                             **{k: round(v, 2) for k, v in phases.items()})))
 

@@ -17,8 +17,9 @@ from helpers import HF
 from helpers.engine import BLOCK, CACHES, GREEDY, PENALIZED, SAMPLED, check_blocks, drive, make_seq, prompts_of
 from helpers.server import model_folder
 
-from serving import ConstraintSpec, Engine, SamplingParams, sharding
+from serving import ConstraintSpec, DecodeSteps, Engine, SamplingParams, sharding
 from serving import __main__ as serving_main
+from serving import llm_engine as engine_module
 from serving.api import cli
 from serving.engine import runner as runner_module
 from serving.engine.blocks import BlockAllocator
@@ -255,6 +256,26 @@ def test_on_a_mesh_the_hf_greedy_tokens():
 def test_decode_steps_must_be_positive_and_the_cli_flag_sets_it(folder):
     with pytest.raises(ValueError, match=r"Engine: decode_steps=0: expected >= 1"):
         engine(folder, 0)
+    with pytest.raises(TypeError, match=r"Engine: decode_steps=2.0: expected an int, a DecodeSteps or None"):
+        engine(folder, 2.0)
+    with pytest.raises(ValueError, match=r"expected n >= 1"):
+        DecodeSteps(0)
     command = ["serve", "--model", str(folder), "--num-blocks", "16"]
     for flags, expected in (([], 1), (["--decode-steps", "4"], 4)):
-        assert cli._engine(serving_main.parser().parse_args(command + flags))[0].decode_steps == expected
+        assert cli._engine(serving_main.parser().parse_args(command + flags))[0].decode_steps == DecodeSteps(expected)
+
+
+def test_decode_steps_by_batch_run_more_steps_per_call_for_a_small_batch_with_the_same_tokens(folder, monkeypatch):
+    """``DecodeSteps(2, small_n=4, small_batch=1)``: one sequence alone decodes 4 tokens per call, two decode 2
+    (the CPU pads a decode batch to no more than its size); the tokens are the single steps'. The GPU's default
+    takes 16 steps for batches padded to 8, 8 above."""
+    by_batch = DecodeSteps(2, small_n=4, small_batch=1)
+    assert [by_batch.at(b) for b in (1, 2, 8)] == [4, 2, 2]
+    assert [engine_module.DECODE_STEPS["gpu"].at(b) for b in (8, 16, 64)] == [16, 8, 8]
+    params = dataclasses.replace(GREEDY, max_tokens=17, ignore_eos=True)  # a prefill token, then 16 decoded
+    prompts = prompts_of(engine(folder, 1))[:2]
+    for batch, calls_wanted in ((1, 16 // 4), (2, 16 // 2)):
+        want = [r.outputs[0].token_ids for r in engine(folder, 1).generate(prompts[:batch], params)]
+        calls = count_calls(monkeypatch, "_decode_steps")
+        got = [r.outputs[0].token_ids for r in engine(folder, by_batch).generate(prompts[:batch], params)]
+        assert got == want and len(calls) == calls_wanted, batch

@@ -152,7 +152,7 @@ def test_dtype_auto_and_decode_steps_follow_the_backend():
         engine_module.resolve_dtype("fp8", None)
     with pytest.raises(TypeError, match="expected a floating dtype"):
         engine_module.resolve_dtype(jax.numpy.int8, None)
-    assert engine_module.default_decode_steps() == engine_module.DECODE_STEPS["cpu"] == 1
+    assert engine_module.default_decode_steps() == engine_module.DECODE_STEPS["cpu"] == engine_module.DecodeSteps(1)
 
 
 def test_the_compilation_cache_is_in_the_project_cache_folder_unless_one_is_set(tmp_path, monkeypatch):
@@ -222,7 +222,7 @@ def test_the_cli_defaults_are_the_engines(folder):
     command = ["serve", "--model", str(folder), "--num-blocks", "16", "--no-compilation-cache"]
     eng = cli._engine(serving_main.parser().parse_args(command))[0]
     assert (eng.dtype, eng.decode_steps, eng.scheduler.prefill_chunk, eng.compilation_cache) == (
-        jax.numpy.float32, 1, 256, None)
+        jax.numpy.float32, engine_module.DecodeSteps(1), 256, None)
     flags = ["--dtype", "bfloat16", "--prefill-chunk", "100", "--token-budget", "200"]
     eng = cli._engine(serving_main.parser().parse_args(command + flags))[0]
     assert (eng.dtype, eng.scheduler.prefill_chunk) == (jax.numpy.bfloat16, 100)
