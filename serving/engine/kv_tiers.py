@@ -6,23 +6,30 @@ prefix lookup misses on the GPU, the next hashes are looked up here and a hit is
 allocated GPU block. Equal hashes mean equal salted token prefixes, so a restored block holds bitwise the pages
 a recomputation would write, and tenants with different salts never share one.
 
-One block's pages on the host are one array ``[leaves, block_size, *page]``: every cache leaf (``k[l]``, ``v[l]``
-of ``PagedKV``, ``latent[l]`` of ``PagedLatentKV``) stacked, its rows of that block.
+One block's pages are ``[leaves, block_size, *page]``: every cache leaf (``k[l]``, ``v[l]`` of ``PagedKV``,
+``latent[l]`` of ``PagedLatentKV``) stacked, its rows of that block. The host tier keeps them in *batches*: the
+pages of up to ``MAX_BATCH`` blocks saved together, one array ``[n, leaves, block_size, *page]`` in the device's
+pinned host memory (``memory_kind="pinned_host"``), and a block is a row of one.
 
-Copies are batched and never waited for by the step that does not need them. The allocator's saves and loads
-of one scheduling decision are queued, and ``apply(kv)`` (called by the runner before each step's device call)
-issues them in two device calls: one gather of the saved blocks, whose result starts its device->host copy at
-once (``copy_to_host_async``) and is read into host memory only once it is ready (or when its data is needed),
-then one scatter of the loaded blocks into the donated cache. Ordering: a block saved and then loaded in the same
-window is gathered before the scatter overwrites it; a block loaded and then saved again is saved from the data
-being loaded (no device read); a load of data whose save is still in the window waits for that gather.
+Copies are batched, asynchronous and DMA-fast. The allocator's saves and loads of one scheduling decision are
+queued, and ``apply(kv)`` (called by the runner before each step's device call) issues them: the saved blocks are
+gathered on the device in power-of-two batches and put into pinned host memory (an asynchronous DMA, no host
+memcpy), then every host batch holding a loaded block is put back on the device whole and its rows scattered into
+the donated cache. Pinned memory is what makes the copies cheap: DMA at PCIe speed either way, where pageable
+numpy arrays go through staging copies and page faults an order of magnitude slower (H200 figures in the README);
+loading a token's pages must cost well under recomputing them, or the tier is no gain. The host thread
+waits for no copy: the device orders each scatter after the gathers and steps before it. Ordering within a
+window: a block saved and then loaded in the same window is gathered before the scatter overwrites it; a block
+loaded and then saved again is saved from the data being loaded (no device read).
 
-Tiers are LRU. The host tier holds ``host_blocks`` blocks (oldest dropped first). The disk tier (``disk_dir``)
-is written through: a block saved on the host is written to one file, ``<hash hex>.kv``, in a folder named by
-the cache layout's fingerprint (model config, weights sample, dtype, block size), so a new engine over the same
-folder and model reuses it. A file is a JSON header line (dtype, shape, SHA-256 of the payload) and the raw
-payload; one whose size, layout or checksum does not match is deleted and counted ``disk_corrupt``, never served
-(the block is recomputed). ``disk_blocks`` bounds the files (None: no bound), oldest used dropped first.
+Tiers are LRU. The host tier holds at most ``host_blocks`` blocks' pages in memory: the oldest entries are dropped
+until the batches still holding a live entry fit (a batch's memory is freed with its last entry; a batch is at most
+``host_blocks`` rows). The disk tier (``disk_dir``) is written through: a block saved on the host is written to one
+file, ``<hash hex>.kv``, in a folder named by the cache layout's fingerprint (model config, weights sample, dtype,
+block size), so a new engine over the same folder and model reuses it. A file is a JSON header line (dtype, shape,
+SHA-256 of the payload) and the raw payload; one whose size, layout or checksum does not match is deleted and
+counted ``disk_corrupt``, never served (the block is recomputed). ``disk_blocks`` bounds the files (None: no bound),
+oldest used dropped first.
 """
 
 import collections
@@ -30,7 +37,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -60,34 +66,50 @@ class TierStats:
     copy_seconds: float = 0.0  # host time spent issuing and waiting for copies and on disk I/O
 
 
-class _Transfer:
-    """One batched device->host copy ``[n, leaves, block_size, *page]``, started at once, read when needed."""
+MAX_BATCH = 64  # the most blocks in one host batch: saves are split into power-of-two batches up to it
 
-    def __init__(self, device: jax.Array):
-        device.copy_to_host_async()
-        self.device, self.host = device, None
 
-    def ready(self) -> bool:
-        return self.host is not None or self.device.is_ready()
+class _Batch:
+    """The pages of blocks saved together: ``array`` ``[n, leaves, block_size, *page]``, in pinned host memory
+    (its DMA from the device may still run; numpy pages read from disk stay numpy), ``entries`` the host entries
+    of its rows, ``live`` how many of them the host tier still holds (its memory is freed with the last)."""
 
-    def result(self) -> np.ndarray:
-        if self.host is None:
-            self.host, self.device = np.asarray(self.device), None
-        return self.host
+    def __init__(self, array: Any, entries: list["_Entry"]):
+        self.array, self.entries, self.live = array, entries, 0
+        self._pages: np.ndarray | None = None
+
+    def numpy(self) -> np.ndarray:
+        """The batch as a host numpy array (waits for its copy; kept until ``forget_numpy``)."""
+        if self._pages is None:
+            self._pages = np.asarray(self.array)
+        return self._pages
+
+    def forget_numpy(self) -> None:
+        self._pages = None
 
 
 class _Entry:
-    """The pages of the block named ``block_hash`` on the host: a numpy array, or row ``row`` of a pending
-    ``_Transfer`` (neither: its gather is still queued)."""
+    """The pages of the block named ``block_hash``: row ``row`` of ``batch`` (None: its gather is still queued)."""
 
-    def __init__(self, block_hash: BlockHash, data: np.ndarray | None = None):
-        self.block_hash, self.data, self.transfer, self.row = block_hash, data, None, 0
+    def __init__(self, block_hash: BlockHash, batch: _Batch | None = None, row: int = 0):
+        self.block_hash, self.batch, self.row = block_hash, batch, row
 
     def array(self) -> np.ndarray:
-        if self.data is None:  # a copy: the batch (and its padding rows) is freed once every row is read
-            self.data = self.transfer.result()[self.row].copy()
-            self.transfer = None
-        return self.data
+        """The block's pages as a numpy array (waits for its copy)."""
+        return self.batch.numpy()[self.row]
+
+
+def _chunks(n: int, largest: int) -> list[int]:
+    """``n`` as descending powers of two of at most ``largest`` (a power of two): one compile per size, no
+    padding."""
+    return [largest] * (n // largest) + [1 << i for i in reversed(range(largest.bit_length())) if n % largest >> i & 1]
+
+
+def _memory_kind(array: jax.Array, kind: str) -> Any:
+    """``array``'s sharding in memory ``kind`` where its device has that memory, else as it is."""
+    device = next(iter(array.devices()))
+    kinds = {m.kind for m in device.addressable_memories()}
+    return array.sharding.with_memory_kind(kind) if kind in kinds else array.sharding
 
 
 @jax.jit
@@ -97,16 +119,13 @@ def _gather(kv: Any, blocks: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, donate_argnames="kv")
-def _scatter(kv: Any, blocks: jax.Array, data: jax.Array) -> Any:
-    """``kv`` with every leaf's rows ``blocks`` set to ``data[:, leaf]``; out-of-range (padding) blocks dropped."""
+def _scatter(kv: Any, blocks: jax.Array, data: jax.Array, rows: jax.Array) -> Any:
+    """``kv`` with every leaf's rows ``blocks[i]`` set to ``data[rows[i], leaf]``; out-of-range (padding) blocks
+    dropped."""
     leaves, tree = jax.tree.flatten(kv)
-    return jax.tree.unflatten(tree, [leaf.at[blocks].set(data[:, i].astype(leaf.dtype), mode="drop")
+    picked = data[rows]
+    return jax.tree.unflatten(tree, [leaf.at[blocks].set(picked[:, i].astype(leaf.dtype), mode="drop")
                                      for i, leaf in enumerate(leaves)])
-
-
-def _bucket(n: int) -> int:
-    """Batched copies are padded to a power of two (one compile per size class)."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def layout_fingerprint(cfg: Any, params: Any, dtype: Any, block_size: int) -> str:
@@ -225,7 +244,10 @@ class KVTiers:
                               self.stats))
         self._saves: list[tuple[int, _Entry]] = []  # (GPU block, its entry) to gather at the next apply
         self._loads: dict[int, _Entry] = {}  # GPU block -> the entry to scatter into it at the next apply
-        self._transfers: list[tuple[_Transfer, list[_Entry]]] = []  # started, not yet read in
+        # the host tier's memory in blocks: the rows of batches holding a live entry, one per queued live entry
+        self._held = 0
+        self.batch_limit = min(MAX_BATCH, 1 << (host_blocks.bit_length() - 1))  # a batch fits the tier
+        self._unwritten: list[_Batch] = []  # saved batches not yet written through to the disk tier
 
     @property
     def num_host(self) -> int:
@@ -240,7 +262,7 @@ class KVTiers:
         entry = _Entry(block_hash) if pending is None else pending
         if pending is None:
             self._saves.append((block, entry))
-        self._put(block_hash, entry)
+        self._put(entry)
 
     def lookup(self, block_hash: BlockHash) -> _Entry | None:
         """The pages saved under ``block_hash``: the host's (marked recently used), else the disk's (then kept on
@@ -258,8 +280,9 @@ class KVTiers:
         if data is None:
             return None
         self.stats.disk_hits += 1
-        entry = _Entry(block_hash, data)
-        self._put(block_hash, entry)
+        entry = _Entry(block_hash)
+        entry.batch = _Batch(data[None], [entry])
+        self._put(entry)
         return entry
 
     def load(self, block: int, entry: _Entry) -> None:
@@ -268,46 +291,69 @@ class KVTiers:
 
     def apply(self, kv: Any) -> Any:
         """Issue the queued copies against ``kv`` (the cache the next step reads) and return the cache to use:
-        one gather of the saved blocks (its host copy started, not waited for), then one scatter of the loaded
-        ones (``kv`` donated). Reads finished host copies into host memory (and writes them to disk)."""
+        the saved blocks gathered and put into pinned host memory, then each host batch holding a loaded block put
+        on the device and its rows scattered into the cache (``kv`` donated). Nothing is waited for; finished
+        saves are written through to the disk tier."""
         start = time.perf_counter()
-        self._collect(wait=False)
+        self._write_through(wait=False)
+        if self._saves or self._loads:
+            kv = _committed(kv)
         if self._saves:
-            blocks = np.full(_bucket(len(self._saves)), 0, np.int32)
-            blocks[:len(self._saves)] = [b for b, _ in self._saves]
-            transfer = _Transfer(_gather(kv, blocks))
-            for row, (_, entry) in enumerate(self._saves):
-                entry.transfer, entry.row = transfer, row
-            self._transfers.append((transfer, [e for _, e in self._saves]))
-            self.stats.saved_blocks += len(self._saves)
-            self.stats.device_to_host_bytes += len(self._saves) * self.block_bytes
+            # entries dropped since their save are gathered only for the disk tier or a load in this window, and
+            # apart from live ones, so a host batch holds live rows only
+            loading = {id(e) for e in self._loads.values()}
+            live = [(b, e) for b, e in self._saves if self._host.get(e.block_hash) is e]
+            dead = [(b, e) for b, e in self._saves if self._host.get(e.block_hash) is not e
+                    and (self.disk is not None or id(e) in loading)]
+            for group in (live, dead):
+                done = 0
+                for size in _chunks(len(group), self.batch_limit):
+                    part = group[done:done + size]
+                    done += size
+                    batch = _Batch(_to_host(_gather(kv, np.asarray([b for b, _ in part], np.int32))),
+                                   [e for _, e in part])
+                    for row, entry in enumerate(batch.entries):
+                        entry.batch, entry.row = batch, row
+                    batch.live = len(part) if group is live else 0
+                    if self.disk is not None:
+                        self._unwritten.append(batch)
+            self.stats.saved_blocks += len(live) + len(dead)
+            self.stats.device_to_host_bytes += (len(live) + len(dead)) * self.block_bytes
             self._saves = []
         if self._loads:
-            blocks = np.full(_bucket(len(self._loads)), self.num_blocks, np.int32)  # padding: out of range
-            blocks[:len(self._loads)] = list(self._loads)
-            data = np.zeros((len(blocks), *self.block_shape), self.dtype)
-            for row, entry in enumerate(self._loads.values()):
-                data[row] = entry.array()
-            kv = _scatter(kv, blocks, data)
+            by_batch: dict[int, tuple[_Batch, list[tuple[int, int]]]] = {}
+            for block, entry in self._loads.items():
+                by_batch.setdefault(id(entry.batch), (entry.batch, []))[1].append((block, entry.row))
+            for batch, pairs in by_batch.values():
+                size, data = len(batch.entries), _to_device(batch.array)
+                for i in range(0, len(pairs), size):  # a row loaded into several blocks: more pairs than rows
+                    blocks = np.full(size, self.num_blocks, np.int32)  # padding: out of range, dropped
+                    rows = np.zeros(size, np.int32)
+                    part = pairs[i:i + size]
+                    blocks[:len(part)], rows[:len(part)] = zip(*part, strict=True)
+                    kv = _scatter(kv, blocks, data, rows)
             self.stats.host_to_device_bytes += len(self._loads) * self.block_bytes
             self._loads = {}
         self.stats.copy_seconds += time.perf_counter() - start
         return kv
 
     def warm_up(self, kv: Any) -> Any:
-        """Run the gather and the scatter once at every batch size ``apply`` can pad to (powers of two up to the
-        GPU's blocks; the scatter's up to the host tier's too), with no effect: the gather's result is dropped and
-        every scattered block is out of range. Returns the cache to use (the scatter donates it)."""
-        for n in (1 << i for i in range(math.ceil(math.log2(self.num_blocks)) + 1)):
-            jax.block_until_ready(_gather(kv, np.zeros(n, np.int32)))
-            if n <= _bucket(min(self.num_blocks, self.host_blocks)):
-                kv = _scatter(kv, np.full(n, self.num_blocks, np.int32), np.zeros((n, *self.block_shape), self.dtype))
-        return kv
+        """Run the gather, the host round trip and the scatter once at every batch size ``apply`` uses (powers of
+        two up to ``batch_limit``), with no effect: every scattered block is out of range. Returns the cache to use
+        (the scatter donates it)."""
+        kv = _committed(kv)
+        for n in (1 << i for i in range(self.batch_limit.bit_length())):
+            data = _to_device(_to_host(_gather(kv, np.zeros(n, np.int32))))
+            kv = _scatter(kv, np.full(n, self.num_blocks, np.int32), data, np.zeros(n, np.int32))
+        pages = np.zeros((1, *self.block_shape), self.dtype)  # a block read from disk
+        kv = _scatter(kv, np.full(1, self.num_blocks, np.int32), pages, np.zeros(1, np.int32))
+        return jax.block_until_ready(kv)
 
     def drain(self) -> None:
-        """Wait for every started host copy and read it in (and to disk): for a clean shutdown or a test."""
+        """Wait for every started host copy (and write it to disk): for a clean shutdown or a test."""
         start = time.perf_counter()
-        self._collect(wait=True)
+        jax.block_until_ready([e.batch.array for e in self._host.values() if e.batch is not None])
+        self._write_through(wait=True)
         self.stats.copy_seconds += time.perf_counter() - start
 
     def reset(self) -> None:
@@ -318,27 +364,62 @@ class KVTiers:
                 del self._host[entry.block_hash]
         self._saves, self._loads = [], {}
 
-    def _put(self, block_hash: BlockHash, entry: _Entry) -> None:
-        self._host[block_hash] = entry
-        self._host.move_to_end(block_hash)
-        while len(self._host) > self.host_blocks:
+    def _put(self, entry: _Entry) -> None:
+        """Keep ``entry`` as the most recent host entry, then drop the oldest while the memory held exceeds
+        ``host_blocks``."""
+        old = self._host.pop(entry.block_hash, None)
+        if old is not None:
+            self._release(old)
+        self._host[entry.block_hash] = entry
+        if entry.batch is None:
+            self._held += 1
+        else:
+            entry.batch.live += 1
+            self._held += len(entry.batch.entries) if entry.batch.live == 1 else 0
+        self._evict()
+
+    def _evict(self) -> None:
+        while self._held > self.host_blocks and self._host:
             old_hash, old = self._host.popitem(last=False)
-            if self.disk is not None and old_hash not in self.disk and not self._queued(old):
+            if self.disk is not None and old_hash not in self.disk and old.batch is not None:
                 self.disk.write(old_hash, old.array())
+            self._release(old)
 
-    def _queued(self, entry: _Entry) -> bool:
-        """Whether ``entry``'s gather has not been issued yet (its data does not exist anywhere but the GPU)."""
-        return entry.data is None and entry.transfer is None
+    def _release(self, entry: _Entry) -> None:
+        """``entry`` left the host tier: a queued one frees its row, a saved one its batch with the last."""
+        if entry.batch is None:
+            self._held -= 1
+            return
+        entry.batch.live -= 1
+        if entry.batch.live == 0:
+            self._held -= len(entry.batch.entries)
+            entry.batch.forget_numpy()
 
-    def _collect(self, wait: bool) -> None:
-        """Read in the started host copies that are ready (``wait``: all), writing their blocks to disk."""
+    def _write_through(self, wait: bool) -> None:
+        """Write the saved batches whose copies finished (``wait``: all) to the disk tier."""
         keep = []
-        for transfer, entries in self._transfers:
-            if not (wait or transfer.ready()):
-                keep.append((transfer, entries))
+        for batch in self._unwritten:
+            if not (wait or batch.array.is_ready()):
+                keep.append(batch)
                 continue
-            for entry in entries:
-                data = entry.array()
-                if self.disk is not None:
-                    self.disk.write(entry.block_hash, data)
-        self._transfers = keep
+            pages = batch.numpy()
+            for entry in batch.entries:
+                self.disk.write(entry.block_hash, pages[entry.row])
+            batch.forget_numpy()
+        self._unwritten = keep
+
+
+def _committed(kv: Any) -> Any:
+    """``kv`` with every leaf committed to its sharding (a step's output may not be): the gathers and scatters
+    then meet one argument signature, the one ``warm_up`` compiles."""
+    return jax.tree.map(lambda leaf: leaf if leaf.committed else jax.device_put(leaf, leaf.sharding), kv)
+
+
+def _to_host(array: jax.Array) -> jax.Array:
+    """``array`` in its device's pinned host memory (an asynchronous DMA), where the device has one."""
+    return jax.device_put(array, _memory_kind(array, "pinned_host"))
+
+
+def _to_device(array: Any) -> Any:
+    """A host batch's pages back in device memory (numpy pages as they are: the scatter's call moves them)."""
+    return jax.device_put(array, _memory_kind(array, "device")) if isinstance(array, jax.Array) else array

@@ -173,6 +173,31 @@ def test_host_tier_is_lru_and_drops_to_disk(tmp_path):
     assert tiers.stats.disk_hits == 1
 
 
+def test_saves_go_to_pinned_host_memory_in_power_of_two_batches_and_memory_stays_within_host_blocks():
+    """Seven saves make batches of 4, 2 and 1 rows (blocks 0-3, 4-5, 6) in pinned host memory. The tier's memory
+    counts a batch until its last entry leaves, so an eighth save past ``host_blocks`` drops the oldest entries
+    until a batch is freed: 1, 2 and 3 (block 0, used since, keeps the first batch), then 4 and 5. What is left
+    loads back bitwise."""
+    kv = _cache()
+    tiers = KVTiers(kv, host_blocks=7)
+    original = {b: _block(kv, b) for b in range(8)}
+    for b in range(7):
+        tiers.save(b, bytes([b]))
+    kv = tiers.apply(kv)
+    batches = {id(e.batch): e.batch for e in tiers._host.values()}.values()
+    assert sorted(len(b.entries) for b in batches) == [1, 2, 4]
+    assert {b.array.sharding.memory_kind for b in batches} == {"pinned_host"}
+    tiers.lookup(bytes([0]))
+    tiers.save(7, bytes([7]))
+    assert list(tiers._host) == [bytes([6]), bytes([0]), bytes([7])]
+    kept = (6, 0, 7)
+    for i, b in enumerate(kept):
+        tiers.load(i, tiers.lookup(bytes([b])))
+    kv = tiers.apply(kv)
+    for i, b in enumerate(kept):
+        np.testing.assert_array_equal(_block(kv, i), original[b])
+
+
 def test_allocator_restores_a_prefix_from_the_host():
     kv = _cache()
     tiers = KVTiers(kv, host_blocks=8)
