@@ -3,22 +3,23 @@
 conversation.
 
 Workload: ``--users`` conversations of ``--turns`` turns each share one system prompt of ``--system-len`` random
-token ids; turn t sends the whole conversation so far (system prompt, every earlier user message and answer) plus
-a new user message of ``--user-len`` ids, and the answer is ``--answer-len`` greedy tokens (``ignore_eos``). The
-users run as a closed loop: every user's next turn is queued the moment its answer ends, so up to ``--users``
-requests are in flight. The working set (every conversation's blocks) is larger than the GPU's ``--num-blocks``:
-with the GPU tier alone, earlier turns are evicted and recomputed; with the host tier they are loaded back.
+token ids; turn t sends the whole conversation so far (system prompt, every earlier user message and answer) plus a
+new user message of ``--user-len`` ids, and the answer is ``--answer-len`` greedy tokens (``ignore_eos``). The users
+run as a closed loop: every user's next turn is queued ``--think-ms`` after its answer ends (0: at once, so up to
+``--users`` requests are in flight; the users start spread over one think time). The working set (every
+conversation's blocks) is larger than the GPU's ``--num-blocks``: with the GPU tier alone, earlier turns are evicted
+and recomputed; with the host tier they are loaded back.
 
 One engine serves both modes, so they run the same compiled steps: GPU only (no tiers), then with a host tier of
 ``--host-cache-gb`` (a fresh ``KVTiers``); each run starts with an empty GPU prefix cache
 (``Engine.reset_prefix_cache``). Before timing, the engine compiles every step shape and the tiers' copies
 (``Engine.warm_up``, on an accelerator; ``--no-warm-up`` skips it) and each mode runs an untimed round of the same
-workload with other prompts (the same lengths, so the same shapes). Per mode: TTFT (a request's queueing to its
-first token, over every request: median and p99), prefill tokens computed (prompt tokens the model ran,
-preemptions' recomputation included: counted from the scheduled chunks), prompt tokens served by the cache, output
-tokens/s over the run, preemptions, the tier counters, and the fraction of answers equal to the GPU-only run's.
-Ratios: TTFT median and p99 (GPU only / tiered), prefill tokens (GPU only / tiered) and throughput (tiered / GPU
-only).
+workload with other prompts (the same lengths, so the same shapes). Per mode: TTFT (a request's queueing, the moment
+its user is done thinking, to its first token, over every request: median and p99), prefill tokens computed (prompt
+tokens the model ran, preemptions' recomputation included: counted from the scheduled chunks), prompt tokens served
+by the cache, output tokens/s over the run, preemptions, the tier counters, and the fraction of answers equal to the
+GPU-only run's. Ratios: TTFT median and p99 (GPU only / tiered), prefill tokens (GPU only / tiered) and throughput
+(tiered / GPU only).
 
 Models: ``tiny`` (``serving_decode.TINY_MOE``, random weights, fp32) and ``moe-1b`` (``serving_decode.MOE_1B``,
 random weights, bfloat16 on a GPU); ``--cpu``: tiny, 4 users x 3 turns (seconds; the tests run it).
@@ -48,10 +49,12 @@ MODELS = {"tiny": TINY_MOE, "moe-1b": MOE_1B}
 MODES = ("gpu", "gpu+host")  # the prefix cache on the GPU alone; with its host tier
 # The GPU workload: 32 users x 8 turns reach 4096 tokens each, a working set of 6208 blocks over 3072 GPU blocks;
 # Engine.warm_up of moe-1b took ~3 minutes cold on an H200 at serving_load's larger token budget (2048).
-GPU_WORKLOAD = dict(model="moe-1b", users=32, turns=8, system_len=1024, user_len=256, answer_len=128,
+GPU_WORKLOAD = dict(model="moe-1b", users=32, turns=8, system_len=1024, user_len=256, answer_len=128, think_ms=0.0,
                     num_blocks=3072, block_size=16, max_running=8, token_budget=1024, host_cache_gb=8.0)
-CPU_WORKLOAD = dict(model="tiny", users=4, turns=3, system_len=24, user_len=8, answer_len=4, num_blocks=24,
-                    block_size=4, max_running=2, token_budget=64, host_cache_gb=0.01)
+CPU_WORKLOAD = dict(model="tiny", users=4, turns=3, system_len=24, user_len=8, answer_len=4, think_ms=0.0,
+                    num_blocks=24, block_size=4, max_running=2, token_budget=64, host_cache_gb=0.01)
+# Saturated closed loops (think 0, more users than running slots) make TTFT the wait for a slot, which a faster
+# prefill shortens little; with think time the running slots are not all taken and TTFT is the prefill itself.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Workload:
     system_len: int
     user_len: int
     answer_len: int
+    think_ms: float = 0.0
 
     def working_set_blocks(self, block_size: int) -> int:
         """Blocks of every conversation at its end, the shared system prompt once."""
@@ -76,17 +80,21 @@ def load_model(name: str, dtype: jnp.dtype) -> LoadedModel:
 
 class PrefillCounter:
     """Prompt tokens the engine's scheduled chunks compute (a chunk's positions before its sequence's prompt end),
-    counted by wrapping ``engine.scheduler.schedule``."""
+    counted by wrapping the scheduler's two ways to schedule: ``schedule`` and, for the step dispatched ahead of
+    the one in flight (async scheduling), ``schedule_after``."""
 
     def __init__(self, engine: Engine):
-        self.tokens, schedule = 0, engine.scheduler.schedule
+        self.tokens = 0
+        for name in ("schedule", "schedule_after"):
+            setattr(engine.scheduler, name, self._counting(getattr(engine.scheduler, name)))
 
-        def counted() -> list:
-            chunks = schedule()
+    def _counting(self, schedule: Callable[..., list]) -> Callable[..., list]:
+        def counted(*args, **kwargs) -> list:
+            chunks = schedule(*args, **kwargs)
             self.tokens += sum(max(0, min(c.start + c.count, len(c.seq.prompt_ids)) - c.start) for c in chunks)
             return chunks
 
-        engine.scheduler.schedule = counted
+        return counted
 
 
 def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int) -> dict:
@@ -100,15 +108,24 @@ def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int) -> d
     turn, queued, first_token = [0] * workload.users, {}, {}
     ttft, answers, cached, output_tokens = [], {}, 0, 0
 
-    def submit(user: int) -> None:
+    def submit(user: int, at: float) -> None:
         prompt = history[user] + messages[user][turn[user]]
         request = engine.add_request(prompt, params, request_id=f"u{user}t{turn[user]}")
-        queued[request] = (user, prompt, time.perf_counter())
+        queued[request] = (user, prompt, at)
 
+    think = workload.think_ms / 1e3
     start = time.perf_counter()
-    for user in range(workload.users):
-        submit(user)
-    while queued:
+    thinking = [(start + think * user / workload.users, user) for user in range(workload.users)]  # (ready, user)
+    while queued or thinking:
+        now = time.perf_counter()
+        thinking.sort()
+        while thinking and thinking[0][0] <= now:
+            ready, user = thinking.pop(0)
+            submit(user, ready)
+        if not engine.has_unfinished():
+            if thinking:
+                time.sleep(max(0.0, thinking[0][0] - time.perf_counter()))
+            continue
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
@@ -125,7 +142,7 @@ def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int) -> d
                 history[user] = prompt + answer
                 turn[user] += 1
                 if turn[user] < workload.turns:
-                    submit(user)
+                    thinking.append((now + think, user))
     return dict(seconds=time.perf_counter() - start, ttft=ttft, answers=answers, cached_tokens=cached,
                 output_tokens=output_tokens)
 
@@ -196,6 +213,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "max_running", "token_budget"):
         parser.add_argument("--" + key.replace("_", "-"), type=int)
     parser.add_argument("--host-cache-gb", type=float)
+    parser.add_argument("--think-ms", type=float, help="a user's pause between an answer and its next turn")
     parser.add_argument("--no-warm-up", action="store_true", help="skip Engine.warm_up (on the CPU it is skipped: "
                         "the untimed rounds compile what the timed ones meet)")
     parser.add_argument("--name", default=None, help="results file name (default: serving_multiturn[_cpu])")
@@ -204,9 +222,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     settings = dict(CPU_WORKLOAD if args.cpu else GPU_WORKLOAD)
     settings |= {k: v for k, v in vars(args).items() if k in settings and v is not None}
     for key, value in settings.items():
-        if key != "model" and value <= 0:
+        if key not in ("model", "think_ms") and value <= 0 or key == "think_ms" and value < 0:
             parser.error(f"--{key.replace('_', '-')}={value}: expected > 0")
-    workload = Workload(*(settings[k] for k in ("users", "turns", "system_len", "user_len", "answer_len")))
+    workload = Workload(*(settings[k] for k in ("users", "turns", "system_len", "user_len", "answer_len", "think_ms")))
     max_len = workload.system_len + workload.turns * (workload.user_len + workload.answer_len)
     if max_len >= MODELS[settings["model"]]["max_position_embeddings"]:
         parser.error(f"conversations reach {max_len} tokens: expected fewer than the model's "

@@ -1,5 +1,6 @@
 """benchmarks/serving_multiturn.py --cpu: both engines serve every turn with the same answers, the host tier
-serves blocks the GPU evicted and cuts the prefill tokens computed; a workload that fits the GPU is refused."""
+serves blocks the GPU evicted and cuts the prefill tokens computed, users pausing between turns as asked; a workload
+that fits the GPU is refused."""
 
 import json
 
@@ -10,16 +11,25 @@ from benchmarks import serving_multiturn
 
 @pytest.mark.slow  # ~40 s on 2 shared cores (two engines compile their steps)
 def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path):
-    rows = serving_multiturn.main(["--cpu", "--name", "multiturn", "--out-dir", str(tmp_path)])
+    think_ms = 20.0  # each user pauses between turns: its turns span at least (turns - 1) pauses
+    rows = serving_multiturn.main(["--cpu", "--name", "multiturn", "--think-ms", str(think_ms),
+                                   "--out-dir", str(tmp_path)])
     result = json.loads((tmp_path / "multiturn.json").read_text())
     assert result["rows"] == rows and [r["mode"] for r in rows] == list(serving_multiturn.MODES)
     assert result["working_set_blocks"] > result["settings"]["num_blocks"]
     gpu, tiered = rows
     workload = serving_multiturn.CPU_WORKLOAD
+    turn_len = workload["user_len"] + workload["answer_len"]
+    prompt_tokens = workload["users"] * sum(workload["system_len"] + workload["user_len"] + t * turn_len
+                                            for t in range(workload["turns"]))
     for row in rows:
         assert row["requests"] == workload["users"] * workload["turns"]
         assert row["output_tokens"] == row["requests"] * workload["answer_len"]
         assert row["same_answers"] == 1.0  # fp32: restored blocks give the tokens recomputation gives
+        assert row["seconds"] >= (workload["turns"] - 1) * think_ms / 1e3
+        # every prompt token is either computed or served by the cache (no preemption recomputes any), whichever
+        # scheduling path admitted it (the step dispatched ahead of the one in flight included)
+        assert row["preemptions"] == 0 and row["prefill_tokens"] + row["cached_prompt_tokens"] == prompt_tokens
     assert "tiers" not in gpu and tiered["tiers"]["host_hits"] > 0 and tiered["tiers"]["saved_blocks"] > 0
     assert tiered["prefill_tokens"] < gpu["prefill_tokens"]
     assert tiered["cached_prompt_tokens"] > gpu["cached_prompt_tokens"]
@@ -27,7 +37,8 @@ def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path):
     assert (tmp_path / "multiturn.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("argv", [["--num-blocks", "4096"], ["--users", "0"], ["--turns", "100"]])
+@pytest.mark.parametrize("argv", [["--num-blocks", "4096"], ["--users", "0"], ["--turns", "100"],
+                                  ["--think-ms", "-1"]])
 def test_rejects_a_workload_that_fits_or_is_bad(argv):
     with pytest.raises(SystemExit):
         serving_multiturn.main(["--cpu", *argv])

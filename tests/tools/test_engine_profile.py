@@ -17,5 +17,5 @@ def test_profile_classes_every_step_and_splits_its_time(tmp_path):
     for kind in steps.values():
         assert kind["steps"] > 0 and kind["wall_s"] > 0
         assert abs(kind["wall_s"] - kind["device_wait_s"] - kind["host_s"]) < 1e-3 and kind["device_wait_s"] >= 0
-    assert result["decode_steps"] == 4 and "function calls" in result["cprofile"]
+    assert result["decode_steps"] == {"n": 4, "small_n": 0, "small_batch": 0} and "function calls" in result["cprofile"]
     assert json.loads((tmp_path / "engine_profile_tiny-moe.json").read_text())["rows"] == result["rows"]
