@@ -15,6 +15,8 @@ last ones an engine core process sent.
 - kv_blocks_used, kv_blocks_total: paged-cache blocks in use (free blocks that still cache a prefix are free).
 - expert_tokens ``[layers][experts]``: tokens routed to each expert since start; ``[]`` for a dense model.
 - acceptance_rate, mean_acceptance_length: speculative decoding's counters; null without speculation.
+- cache_tiers: the prefix cache's tier counters (``kv_tiers.TierStats``: blocks found on the GPU, in host memory and
+  on disk, corrupt disk blocks, blocks saved, bytes moved each way, copy seconds); null without tiers.
 - requests, errors, overloaded: API requests (routes under /v1/) since start, those answered with a status
   >= 400, and those refused with 503 (a full server or an engine not serving).
 - ttft_ms, tpot_ms: ``{"p50", "p90", "p99"}`` of time to first token and time per output token over the latest
@@ -22,6 +24,7 @@ last ones an engine core process sent.
 """
 
 import collections
+import dataclasses
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -115,6 +118,7 @@ class DashboardRoutes:
             "expert_tokens": load.expert_tokens,
             "acceptance_rate": spec.acceptance_rate if spec else None,
             "mean_acceptance_length": spec.mean_acceptance_length if spec else None,
+            "cache_tiers": dataclasses.asdict(load.tiers) if load.tiers else None,
             **self.metrics.request_counts(),
             "ttft_ms": percentiles_ms(self.metrics.recent_ttft),
             "tpot_ms": percentiles_ms(self.metrics.recent_tpot),

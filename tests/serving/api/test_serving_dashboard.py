@@ -5,6 +5,7 @@ its graphs follow the stats, its chat box streams the same answer the API gives,
 Two servers: the tiny Qwen3-MoE fixture with n-gram speculation (experts and drafts to count), and the dense
 Llama fixture with an API key (it runs no request)."""
 
+import dataclasses
 import shutil
 
 import httpx
@@ -17,6 +18,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from serving.api.dashboard import WINDOW_S, TokenRate
 from serving.api.server import Server, create_app
+from serving.engine.kv_tiers import TierStats
 from serving.spec_decode import NgramDrafter, SpecConfig
 
 KEY = "sk-dashboard-0123456789"
@@ -28,7 +30,8 @@ WAIT_S = 10  # for the page: a few 1 s polls
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 STATS_KEYS = {"model", "uptime_s", "running", "waiting", "in_flight", "generated_tokens", "prompt_tokens",
               "tokens_per_s", "window_s", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "expert_tokens",
-              "acceptance_rate", "mean_acceptance_length", "requests", "errors", "overloaded", "ttft_ms", "tpot_ms"}
+              "acceptance_rate", "mean_acceptance_length", "cache_tiers", "requests", "errors", "overloaded", "ttft_ms",
+              "tpot_ms"}
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None or CHROMEDRIVER is None,
     reason="Chromium is not installed: the browser tests need Debian's `apt-get install chromium chromium-driver`")
@@ -39,7 +42,7 @@ def moe_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("models") / MOE_NAME
     shutil.copytree(LLAMA.parent / "qwen3_moe", folder)
     write_tokenizer(folder)
-    engine = make_engine(folder, speculative=SpecConfig(NgramDrafter(), k=3))
+    engine = make_engine(folder, speculative=SpecConfig(NgramDrafter(), k=3), host_cache_blocks=64)
     with Server(create_app(engine, MOE_NAME)) as server:
         yield server
 
@@ -115,6 +118,11 @@ def test_stats_count_a_request_its_expert_tokens_and_drafts(moe_server):
     assert drafts > 0  # the n-gram drafter proposed something in 12 greedy tokens
     assert after["acceptance_rate"] == spec.acceptance_rate and 0 <= after["acceptance_rate"] <= 1
     assert after["mean_acceptance_length"] == spec.mean_acceptance_length >= 1
+    # the same prompt again: its full blocks come from the prefix cache (GPU tier), counted in the tier stats
+    httpx.post(f"{moe_server.url}/v1/completions", json=body, timeout=TIMEOUT_S).raise_for_status()
+    tiers = stats(moe_server)["cache_tiers"]
+    assert set(tiers) == {f.name for f in dataclasses.fields(TierStats)}
+    assert tiers["gpu_hits"] - after["cache_tiers"]["gpu_hits"] == (PROMPT_TOKENS - 1) // engine.allocator.block_size
     experts = after["expert_tokens"]
     assert len(experts) == cfg.layers and all(len(row) == cfg.num_experts for row in experts)
     # every token the model ran goes to top_k experts in each MoE layer: the prompt, each generated token but the
@@ -138,6 +146,7 @@ def test_page_is_open_but_stats_need_the_key(keyed_server):
     assert set(dense) == STATS_KEYS and dense["expert_tokens"] == []
     assert dense["ttft_ms"] is None and dense["tpot_ms"] is None  # no request ran
     assert dense["acceptance_rate"] is None and dense["mean_acceptance_length"] is None
+    assert dense["cache_tiers"] is None
 
 
 @needs_chromium
@@ -155,6 +164,7 @@ def test_page_loads_streams_a_chat_and_its_graphs_follow(moe_server, browser):
     assert not browser.find_element(By.ID, "key-form").is_displayed()
     assert text(browser, "experts-summary").startswith("2 layers x 8 experts")
     assert text(browser, "acceptance").startswith("acceptance ")
+    assert text(browser, "cache-tiers").startswith("prefix hits: GPU ")
     tokens_canvas, experts_canvas = (browser.find_element(By.ID, i) for i in ("tokens-canvas", "experts-canvas"))
     before_total = int(text(browser, "generated"))
     before_points, before_experts = int(tokens_canvas.get_attribute("data-points")), \
@@ -215,3 +225,4 @@ def test_page_asks_for_the_key(keyed_server, browser):
     assert text(browser, "experts-summary") == "dense model: no experts"
     assert not browser.find_element(By.ID, "experts-canvas").is_displayed()
     assert text(browser, "acceptance") == "off"
+    assert text(browser, "cache-tiers") == "prefix cache on the GPU only"
