@@ -130,9 +130,9 @@ class DecodeSteps:
 
 
 # DecodeSteps by jax.default_backend() (others: 1). On a GPU several steps per call save the host's time between
-# steps, and batches of up to 8 sequences (the smallest decode shape) take 16 (H200, Qwen3-30B-A3B shape at
-# concurrency 1: 234 tok/s through HTTP with 16 against 216 with 8; benchmarks/results/serving_load.json). On the
-# CPU the host is the device, and SmolLM2 decodes no faster.
+# steps, and batches of up to 8 sequences (the smallest decode shape) take 16, measured faster than 8 at batch 1 on
+# the H200 (README; benchmarks/results/serving_load_qwen3_*). On the CPU the host is the device, and SmolLM2 decodes
+# no faster.
 DECODE_STEPS = {"cpu": DecodeSteps(1), "gpu": DecodeSteps(8, small_n=16, small_batch=8)}
 COMPILATION_CACHE = "jax-compilation"  # the persistent compilation cache's folder, in the project's cache folder
 EXPORTED = "exported"  # the folder of warm-up's exported calls, in the compilation cache's (engine.executables)
