@@ -221,6 +221,7 @@ def test_benchmark_cpu_mode_writes_rows_json_and_png(tmp_path):
     result = json.loads((tmp_path / "serving_load_cpu.json").read_text())
     assert result["benchmark"] == "serving_load_cpu" and result["meta"]["platform"] == "cpu"
     assert result["rows"] == json.loads(json.dumps(rows))
+    assert (result["settings"]["concurrency"], result["settings"]["rates"]) == ([1, 2], [3.0])  # what it ran
     assert [(r["model"], r["path"], r["concurrency"], r["rate"]) for r in rows] == [
         ("tiny-moe", "device", 1, None), ("tiny-moe", "device", 2, None),
         *(("tiny-moe", path, c, rate) for path in ("engine", "http") for c, rate in ((1, None), (2, None), (None, 3)))]
