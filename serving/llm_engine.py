@@ -858,7 +858,7 @@ class Engine:
 
     def _steps(self, num_seqs: int) -> int:
         """Steps per call of a multi-step decode of ``num_seqs`` sequences (``DecodeSteps.at`` its padded batch)."""
-        return self.decode_steps.at(bucket(num_seqs, self.runner.min_decode_tokens))
+        return self.decode_steps.at(self.runner.decode_tokens(num_seqs))
 
     def _multi_step(self, chunks: list) -> list | None:
         """``chunks`` as the n-token chunks of a multi-step decode (``Scheduler.reserve_ahead``), or None where this

@@ -427,6 +427,10 @@ class ModelRunner:
         each after its cached context. Not in batch-invariant mode."""
         return not self.batch_invariant and all(c.count == 1 and c.start > 0 for c in chunks)
 
+    def decode_tokens(self, num_seqs: int) -> int:
+        """N of a decode step of ``num_seqs`` sequences: one token each, padded to ``min_decode_tokens``' buckets."""
+        return bucket(num_seqs, self.min_decode_tokens)
+
     def _paged_only(self, decode: bool) -> bool:
         """Trace the step with ``KernelPolicy.paged_only``: a decode step, with kernels that read the flag. Other steps,
         all-paged ones included (chunks continuing a cached prefix), take the general path, right for any batch:
@@ -454,7 +458,7 @@ class ModelRunner:
         if targets is not None and self.score_tokens is not None:
             num_tokens = self.score_tokens
         if decode:
-            num_tokens = bucket(len(chunks), self.min_decode_tokens)
+            num_tokens = self.decode_tokens(len(chunks))
         tokens, batch = self.prepare(chunks, token_ids, num_tokens, previous)
         num_seqs = batch.context_lens.shape[0]
         fed = self._fed(previous, num_seqs)
@@ -514,7 +518,7 @@ class ModelRunner:
                              f"tokens): expected one token after a cached context, with blocks for steps={steps}")
         if self.batch_invariant or any(r.matcher is not None for r in rows):
             raise ValueError("decode: a constrained row or a batch-invariant runner: expected neither (use run)")
-        tokens, batch = self.prepare(chunks, token_ids, bucket(len(chunks), self.min_decode_tokens), previous)
+        tokens, batch = self.prepare(chunks, token_ids, self.decode_tokens(len(chunks)), previous)
         num_seqs = batch.context_lens.shape[0]
         fed = self._fed(previous, num_seqs)
         last = np.zeros(num_seqs, np.int32)
