@@ -30,6 +30,7 @@ random weights, bfloat16 on a GPU); ``--cpu``: tiny, 4 users x 3 turns (seconds;
 
 import argparse
 import dataclasses
+import heapq
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -115,12 +116,12 @@ def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int) -> d
 
     think = workload.think_ms / 1e3
     start = time.perf_counter()
-    thinking = [(start + think * user / workload.users, user) for user in range(workload.users)]  # (ready, user)
+    # a heap of (ready time, user); ascending as built
+    thinking = [(start + think * user / workload.users, user) for user in range(workload.users)]
     while queued or thinking:
         now = time.perf_counter()
-        thinking.sort()
         while thinking and thinking[0][0] <= now:
-            ready, user = thinking.pop(0)
+            ready, user = heapq.heappop(thinking)
             submit(user, ready)
         if not engine.has_unfinished():
             if thinking:
@@ -142,7 +143,7 @@ def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int) -> d
                 history[user] = prompt + answer
                 turn[user] += 1
                 if turn[user] < workload.turns:
-                    thinking.append((now + think, user))
+                    heapq.heappush(thinking, (now + think, user))
     return dict(seconds=time.perf_counter() - start, ttft=ttft, answers=answers, cached_tokens=cached,
                 output_tokens=output_tokens)
 
@@ -222,8 +223,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     settings = dict(CPU_WORKLOAD if args.cpu else GPU_WORKLOAD)
     settings |= {k: v for k, v in vars(args).items() if k in settings and v is not None}
     for key, value in settings.items():
-        if key not in ("model", "think_ms") and value <= 0 or key == "think_ms" and value < 0:
-            parser.error(f"--{key.replace('_', '-')}={value}: expected > 0")
+        if key != "model" and (value < 0 if key == "think_ms" else value <= 0):
+            parser.error(f"--{key.replace('_', '-')}={value}: expected {'>= 0' if key == 'think_ms' else '> 0'}")
     workload = Workload(*(settings[k] for k in ("users", "turns", "system_len", "user_len", "answer_len", "think_ms")))
     max_len = workload.system_len + workload.turns * (workload.user_len + workload.answer_len)
     if max_len >= MODELS[settings["model"]]["max_position_embeddings"]:
