@@ -130,9 +130,8 @@ class DecodeSteps:
 
 
 # DecodeSteps by jax.default_backend() (others: 1). On a GPU several steps per call save the host's time between
-# steps, and batches of up to 8 sequences (the smallest decode shape) take 16, measured faster than 8 at batch 1 on
-# the H200 (README; benchmarks/results/serving_load_qwen3_*). On the CPU the host is the device, and SmolLM2 decodes
-# no faster.
+# steps, and batches of up to 8 sequences (the smallest decode shape), whose steps are shortest, take 16. On the CPU
+# the host is the device, and SmolLM2 decodes no faster.
 DECODE_STEPS = {"cpu": DecodeSteps(1), "gpu": DecodeSteps(8, small_n=16, small_batch=8)}
 COMPILATION_CACHE = "jax-compilation"  # the persistent compilation cache's folder, in the project's cache folder
 EXPORTED = "exported"  # the folder of warm-up's exported calls, in the compilation cache's (engine.executables)
@@ -354,9 +353,8 @@ class Engine:
         expert-parallel). The same tokens as on one device; not with ``speculative`` or ``batch_invariant``.
       decode_steps: the most tokens a decode-only step samples per sequence in one device call (module
         docstring): an int at every batch (1: one per step), a ``DecodeSteps`` by batch, or None:
-        ``default_decode_steps()``, by backend. The same tokens as single
-        steps; other steps (prefill, constrained, verification), and every step with ``batch_invariant``, sample
-        one.
+        ``default_decode_steps()``, by backend. The same tokens as single steps; other steps (prefill,
+        constrained, verification), and every step with ``batch_invariant``, sample one.
       compilation_cache: JAX's persistent compilation cache folder (``use_compilation_cache``; True: the default
         folder, False: not turned on by the engine).
       async_scheduling: dispatch the next decode step before fetching the tokens of the one running (module

@@ -16,7 +16,7 @@ queued, and ``apply(kv)`` (called by the runner before each step's device call) 
 gathered on the device in power-of-two batches and put into pinned host memory (an asynchronous DMA, no host
 memcpy), then every host batch holding a loaded block is put back on the device whole and its rows scattered into
 the donated cache. Pinned memory is what makes the copies cheap: DMA at PCIe speed either way, where pageable
-numpy arrays go through staging copies and page faults an order of magnitude slower (H200 figures in the README);
+numpy arrays go through staging copies and page faults an order of magnitude slower;
 loading a token's pages must cost well under recomputing them, or the tier is no gain. The host thread
 waits for no copy: the device orders each scatter after the gathers and steps before it. Ordering within a
 window: a block saved and then loaded in the same window is gathered before the scatter overwrites it; a block
