@@ -15,12 +15,12 @@ Copies are batched, asynchronous and DMA-fast. The allocator's saves and loads o
 queued, and ``apply(kv)`` (called by the runner before each step's device call) issues them: the saved blocks are
 gathered on the device in power-of-two batches and put into pinned host memory (an asynchronous DMA, no host
 memcpy), then every host batch holding a loaded block is put back on the device whole and its rows scattered into
-the donated cache. Pinned memory is what makes the copies cheap: DMA at PCIe speed either way, where pageable
-numpy arrays go through staging copies and page faults an order of magnitude slower;
-loading a token's pages must cost well under recomputing them, or the tier is no gain. The host thread
-waits for no copy: the device orders each scatter after the gathers and steps before it. Ordering within a
-window: a block saved and then loaded in the same window is gathered before the scatter overwrites it; a block
-loaded and then saved again is saved from the data being loaded (no device read).
+the donated cache. Pinned memory is what makes the copies cheap: DMA at PCIe speed either way, where pageable numpy
+arrays go through staging copies and page faults an order of magnitude slower; loading a token's pages must cost
+well under recomputing them, or the tier is no gain. The host thread waits for no copy: the device orders each
+scatter after the gathers and steps before it. Ordering within a window: a block saved and then loaded in the same
+window is gathered before the scatter overwrites it; a block loaded and then saved again is saved from the data
+being loaded (no device read).
 
 Tiers are LRU. The host tier holds at most ``host_blocks`` blocks' pages in memory: the oldest entries are dropped
 until the batches still holding a live entry fit (a batch's memory is freed with its last entry; a batch is at most
