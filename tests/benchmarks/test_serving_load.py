@@ -238,6 +238,8 @@ def test_benchmark_cpu_mode_writes_rows_json_and_png(tmp_path):
         assert_percentiles_ordered(r)
     for r in rows[5:]:  # the server's core read every warm-up call back (a warm start), within the start-up
         assert 0 < r["core_build_s"] + r["core_warm_up_s"] < r["startup_s"] and r["core_exported_loaded"] > 0
-        # both server processes worked during the run (the core steps, the front end streams), within the machine
-        assert 0 < r["frontend_cpu"] <= os.cpu_count() and 0 < r["core_cpu"] <= os.cpu_count(), r
+        assert 0 <= r["frontend_cpu"] <= os.cpu_count() and 0 <= r["core_cpu"] <= os.cpu_count(), r
+    # both server processes worked during the runs (the core steps, the front end streams); one short row may read
+    # 0, below /proc's clock tick (10 ms)
+    assert all(any(r[f"{name}_cpu"] > 0 for r in rows[5:]) for name in ("frontend", "core")), rows[5:]
     assert (tmp_path / "serving_load_cpu.png").is_file()
