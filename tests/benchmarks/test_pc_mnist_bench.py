@@ -145,7 +145,7 @@ def test_pcx_suite_chooses_on_validation_and_reports_the_seed_mean(monkeypatch):
     written, plotted = {}, []
     monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.setdefault(name, payload))
     monkeypatch.setattr(pc_mnist, "_plot_pcx", lambda sweep, final, name, dataset: plotted.append(name))
-    monkeypatch.setattr(pc_mnist, "PCX_GRID", dict(label_smoothing=(0.0, 0.2), dt=(0.05,)))
+    monkeypatch.setitem(pc_mnist.PCX_GRIDS, "mnist", dict(label_smoothing=(0.0, 0.2), dt=(0.05,)))
     payload = pc_mnist.pcx_suite(epochs=1, limit=1024, seeds=(0, 1))
     assert written == {"pc_pcx_cpu": payload} and plotted == ["pc_pcx_cpu"]
     sweep, final = payload["sweep"], payload["final"]
@@ -173,10 +173,24 @@ def test_pcx_suite_on_fashion_mnist_holds_out_the_last_training_images(monkeypat
     written = {}
     monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.setdefault(name, payload))
     monkeypatch.setattr(pc_mnist, "_plot_pcx", lambda sweep, final, name, dataset: None)
-    monkeypatch.setattr(pc_mnist, "PCX_GRID", dict(label_smoothing=(0.2,), dt=(0.05,)))
+    monkeypatch.setitem(pc_mnist.PCX_GRIDS, "fashion-mnist", dict(label_smoothing=(0.2,), dt=(0.05,), lr=(1e-3, 2e-3)))
     payload = pc_mnist.pcx_suite(epochs=1, limit=None, seeds=(0,), dataset="fashion-mnist", data_path=str(tmp_path))
     assert list(written) == ["pc_pcx_fashion_cpu"] and payload["config"]["dataset"] == "fashion-mnist"
     assert payload["config"]["train_images"] == 1000 and payload["final"]["target_accuracy"] == 0.899
+    # the grid's lr swept; the chosen one trains the seeds, with the weight decay no grid names
+    sweep, final = payload["sweep"], payload["final"]
+    assert [r["lr"] for r in sweep] == [1e-3, 2e-3] and sweep[0]["valid_curve"] != sweep[1]["valid_curve"]
+    assert final["lr"] == max(sweep, key=lambda r: r["valid_accuracy"])["lr"]
+    assert final["weight_decay"] == pc_mnist.PCX_WEIGHT_DECAY
+
+
+def test_train_pcx_applies_its_weight_decay():
+    """The weight decay lives in the shared optimizer's state: two values train differently from the same seed."""
+    data = pc_mnist.load_dataset("mnist")
+    x, y, tx, ty = data.train_x[:512], data.train_y[:512], data.test_x[:256], data.test_y[:256]
+    curves = [pc_mnist.train_pcx(x, y, tx, ty, label_smoothing=0.0, dt=0.05, epochs=2, weight_decay=wd)
+              for wd in (0.0, 0.0, 10.0)]
+    assert curves[0] == curves[1] and curves[0] != curves[2]
 
 
 def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
