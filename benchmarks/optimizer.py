@@ -184,8 +184,8 @@ def _time_compiled(jitted, carry, grads, **row) -> dict:
                 carry=carry)
 
 
-def sweep_worker(n: int, size: int) -> list[dict]:
-    """Fused-path step time of each BlockConfig per state kind (picks the launch geometry)."""
+def sweep_worker(n: int, size: int, kinds: list[str]) -> list[dict]:
+    """Fused-path step time of each BlockConfig per state kind in ``kinds`` (picks the launch geometry)."""
     import jax
 
     import apex_jax
@@ -195,7 +195,7 @@ def sweep_worker(n: int, size: int) -> list[dict]:
     flat = apex_jax.flatten([jax.random.normal(jax.random.fold_in(key, i), (size,)) for i in range(n)])
     flat_g = apex_jax.flatten([jax.random.normal(jax.random.fold_in(key, n + i), (size,)) for i in range(n)])
     rows = []
-    for kind in STATE_KINDS:
+    for kind in kinds:
         for block in BLOCK_SWEEP + (WORD_CODES_SWEEP if kind == "int8" else []):
             opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(*block))
             step = jax.jit(lambda p, s, opt=opt: opt.step(p, flat_g, s), donate_argnums=(0, 1))
@@ -285,7 +285,7 @@ def main() -> None:
         if args.kernel_file:
             use_kernel_file(args.kernel_file)
         if args.worker == "sweep":
-            rows = sweep_worker(n, size)
+            rows = sweep_worker(n, size, [k for k in STATE_KINDS if k not in blocks])
         elif args.worker in ("torch", "bnb", "torchao"):
             rows = torch_worker(args.worker, n, size)
         else:
@@ -306,7 +306,7 @@ def main() -> None:
     blocks, sweep = json.loads(args.blocks), []
     if "apexw-fused" in groups and not args.cpu and set(STATE_KINDS) - set(blocks):
         sweep_shape = GPU_LAYOUTS["4x32M"]
-        sweep = run_case("sweep", "4x32M", sweep_shape, {}, DEFAULT_TIMEOUT_S, kernel_file)
+        sweep = run_case("sweep", "4x32M", sweep_shape, blocks, DEFAULT_TIMEOUT_S, kernel_file)  # kinds not given
         for kind in STATE_KINDS:
             ok = [r for r in sweep if r.get("state") == kind]
             if ok:

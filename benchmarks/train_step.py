@@ -163,7 +163,9 @@ def n_params(cfg: ModelConfig) -> int:
 
 def make_trainer(cfg: ModelConfig, optimizer: str, seed: int = 0):
     """(carry, step, opt_step): ``carry = step(*carry, batch)`` is one jitted training step with donated params and
-    state; ``opt_step`` is the optimizer update alone (grads = params), for the optimizer's share."""
+    state; ``carry = opt_step(*carry, grads)`` is the optimizer update alone, for the optimizer's share. Its grads
+    are a buffer of their own, not the params: a donated buffer also read as the gradient would make XLA copy it
+    first (the fused step) or read it once for both (optax), and either would skew the share."""
     graphdef, params = nnx.split(Decoder(cfg, nnx.Rngs(seed)), nnx.Param)
 
     def loss_of(tree, batch):
@@ -178,8 +180,8 @@ def make_trainer(cfg: ModelConfig, optimizer: str, seed: int = 0):
             updates, s = tx.update(grads, s, p)
             return optax.apply_updates(p, updates), s, loss
 
-        def opt_step(p, s):
-            updates, s = tx.update(p, s, p)
+        def opt_step(p, s, g):
+            updates, s = tx.update(g, s, p)
             return optax.apply_updates(p, updates), s
 
         return (params, tx.init(params)), jax.jit(step, donate_argnums=(0, 1)), jax.jit(opt_step,
@@ -195,7 +197,7 @@ def make_trainer(cfg: ModelConfig, optimizer: str, seed: int = 0):
         return f, s, loss
 
     return (flat, opt.init(flat)), jax.jit(fused_step, donate_argnums=(0, 1)), jax.jit(
-        lambda f, s: opt.step(f, f, s), donate_argnums=(0, 1))
+        lambda f, s, g: opt.step(f, g, s), donate_argnums=(0, 1))
 
 
 def peak_bytes() -> int | None:
@@ -211,7 +213,8 @@ def speed_case(model: str, optimizer: str, cpu: bool) -> dict:
     batch = jax.random.randint(jax.random.key(1), (batch_size, cfg.seq + 1), 0, cfg.vocab)
     runs = dict(warmup=1, iters=20, steps_per_run=1) if cpu else dict(warmup=2, iters=20, steps_per_run=2)
     timing, (params, state, _) = time_jax_steps(lambda p, s, _loss: step(p, s, batch), (*carry, None), **runs)
-    opt_timing, _ = time_jax_steps(opt_step, (params, state), **runs)
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), params)  # the gradient's shapes and dtypes
+    opt_timing, _ = time_jax_steps(lambda p, s: opt_step(p, s, grads), (params, state), **runs)
     return dict(model=model, optimizer=optimizer, params=n_params(cfg), batch=batch_size, seq=cfg.seq,
                 step_ms=timing.median_ms, tokens_per_s=batch_size * cfg.seq / (timing.median_ms * 1e-3),
                 optimizer_ms=opt_timing.median_ms, optimizer_share=opt_timing.median_ms / timing.median_ms,
@@ -295,16 +298,17 @@ def suite_curves(cpu: bool, optimizers: list[str], steps: int, log_every: int) -
     train_bytes, _ = split_corpus(python_source_corpus(2_000_000 if cpu else None))
     rng = np.random.default_rng(0)
     starts = rng.integers(0, len(train_bytes) - cfg.seq - 1, (steps, batch_size))
+    batches = jnp.asarray(train_bytes[starts[..., None] + np.arange(cfg.seq + 1)], jnp.int32)  # [steps, b, seq+1]
     rows = []
     for optimizer in optimizers:
         carry, step, _ = make_trainer(cfg, optimizer)
         params, state, losses = *carry, []
         start_time = time.perf_counter()
-        for t in range(steps):
-            batch = jnp.asarray(np.stack([train_bytes[s:s + cfg.seq + 1] for s in starts[t]]).astype(np.int32))
-            params, state, loss = step(params, state, batch)
+        for t in range(steps):  # no host work or sync in the loop: the losses stay on the device until the end
+            params, state, loss = step(params, state, batches[t])
             if (t + 1) % log_every == 0:
-                losses.append(float(loss))
+                losses.append(loss)
+        losses = [float(x) for x in jax.device_get(losses)]
         tail = max(1, len(losses) // 10)
         rows.append(dict(optimizer=optimizer, steps=list(range(log_every, steps + 1, log_every)), loss=losses,
                          final_loss=float(np.mean(losses[-tail:])), seconds=time.perf_counter() - start_time))
