@@ -332,6 +332,29 @@ def _finish_runs(runs: list[dict]) -> list[dict]:
     return runs
 
 
+def merge_previous(tasks: list[dict], old_tasks: list[dict]) -> list[dict]:
+    """``tasks`` with the committed results they did not replace: other tasks whole, and, in a task run again with
+    the same config, the variants not run again, if the reference ran again with bitwise the same per-seed final
+    losses (the same code, seeds and batches, so the old rows share the new rows' baseline)."""
+    new = {t["task"]: t for t in tasks}
+    merged = list(tasks)
+    for old in old_tasks:
+        task = new.get(old["task"])
+        if task is None:
+            merged.append(old)
+            continue
+        ref_of = lambda t: next((r for r in t["runs"] if r["variant"] == REFERENCE), None)  # noqa: E731
+        ref, old_ref = ref_of(task), ref_of(old)
+        if (task["config"] != old["config"] or ref is None or old_ref is None
+                or ref["final_loss_seeds"] != old_ref["final_loss_seeds"]):
+            continue  # another baseline: the old rows are not comparable, the new run stands alone
+        ran = {r["variant"] for r in task["runs"]}
+        runs = task["runs"] + [r for r in old["runs"] if r["variant"] not in ran]
+        order = {v: i for i, v in enumerate(VARIANTS)}
+        task["runs"] = _finish_runs(sorted(runs, key=lambda r: order.get(r["variant"], len(order))))
+    return merged
+
+
 def plot(tasks: list[dict], name: str, out_dir: str | Path | None) -> Path:
     import matplotlib.pyplot as plt
 
@@ -399,9 +422,8 @@ def main(argv: list[str] | None = None, out_dir: str | Path | None = None) -> di
     total_s = time.perf_counter() - start
 
     previous = Path(out_dir or RESULTS_DIR) / f"{NAME}.json"
-    if previous.exists() and not args.quick:  # a run of some tasks keeps the others' committed results
-        ran = {t["task"] for t in tasks}
-        tasks += [t for t in json.loads(previous.read_text())["tasks"] if t["task"] not in ran]
+    if previous.exists() and not args.quick:  # a partial run keeps the committed results it did not replace
+        tasks = merge_previous(tasks, json.loads(previous.read_text())["tasks"])
     payload = {"quick": args.quick, "total_wall_s": total_s, "tasks": tasks}
     write_results(NAME, payload, out_dir)
     plot(tasks, NAME, out_dir)

@@ -64,3 +64,25 @@ def test_epoch_batches_cover_each_epoch_once():
 def test_unknown_variant_is_rejected():
     with pytest.raises(ValueError, match="unknown variant 'sgd'"):
         oq.make_optimizer("sgd", 1e-3, 0.0)
+
+
+def _task(name, config, runs):
+    return {"task": name, "config": config, "runs": [
+        {"variant": v, "final_loss": float(np.mean(seeds)), "final_loss_seeds": seeds} for v, seeds in runs]}
+
+
+def test_partial_run_keeps_the_variants_it_did_not_replace():
+    ref, int8, int4 = oq.REFERENCE, "apexw int8", "apexw int4"
+    old = [_task("lm", {"steps": 10}, [(ref, [1.0, 2.0]), (int8, [1.1, 2.2])]), _task("mnist", {}, [(ref, [3.0])])]
+    new = [_task("lm", {"steps": 10}, [(ref, [1.0, 2.0]), (int4, [1.2, 2.4])])]
+    merged = {t["task"]: t for t in oq.merge_previous(new, old)}
+    assert set(merged) == {"lm", "mnist"}
+    runs = {r["variant"]: r for r in merged["lm"]["runs"]}
+    assert list(runs) == [ref, int8, int4]  # the variants' order
+    assert runs[int8]["rel_diff_vs_optax"] == pytest.approx(0.1)
+    assert runs[int4]["rel_diff_vs_optax"] == pytest.approx(0.2)
+    # another baseline (the reference's losses moved) or another config: the old rows are dropped, not mixed in
+    for changed in (_task("lm", {"steps": 10}, [(ref, [1.0, 2.5]), (int4, [1.2, 2.4])]),
+                    _task("lm", {"steps": 20}, [(ref, [1.0, 2.0]), (int4, [1.2, 2.4])])):
+        merged = {t["task"]: t for t in oq.merge_previous([changed], old)}
+        assert [r["variant"] for r in merged["lm"]["runs"]] == [ref, int4]
