@@ -10,8 +10,9 @@ run as a closed loop: every user's next turn is queued ``--think-ms`` after its 
 conversation's blocks) is larger than the GPU's ``--num-blocks``: with the GPU tier alone, earlier turns are evicted
 and recomputed; with the host tier they are loaded back.
 
-One engine serves both modes, so they run the same compiled steps: GPU only (no tiers), then with a host tier of
-``--host-cache-gb`` (a fresh ``KVTiers``); each run starts with an empty GPU prefix cache
+One engine serves every mode, so they run the same compiled steps: GPU only (no tiers), then with a host tier of
+``--host-cache-gb`` (a fresh ``KVTiers``; one mode per ``--host-batches`` size, the most blocks a host batch holds:
+a load moves its block's whole batch); each run starts with an empty GPU prefix cache
 (``Engine.reset_prefix_cache``). Before timing, the engine compiles every step shape and the tiers' copies
 (``Engine.warm_up``, on an accelerator; ``--no-warm-up`` skips it) and each mode runs an untimed round of the same
 workload with other prompts (the same lengths, so the same shapes). Per mode: TTFT (a request's queueing, the moment
@@ -30,6 +31,7 @@ random weights, bfloat16 on a GPU); ``--cpu``: tiny, 4 users x 3 turns (seconds;
 
 import argparse
 import dataclasses
+import functools
 import heapq
 import time
 from collections.abc import Callable
@@ -43,11 +45,10 @@ from benchmarks.harness import format_table, save_plot, write_results
 from benchmarks.serving_decode import MOE_1B, TINY_MOE
 from serving import Engine, LoadedModel, SamplingParams, enable_command_buffers
 from serving.config import ModelConfig
-from serving.engine.kv_tiers import KVTiers
+from serving.engine.kv_tiers import MAX_BATCH, KVTiers
 from serving.models import model_module
 
 MODELS = {"tiny": TINY_MOE, "moe-1b": MOE_1B}
-MODES = ("gpu", "gpu+host")  # the prefix cache on the GPU alone; with its host tier
 # The GPU workload: 32 users x 8 turns reach 4096 tokens each, a working set of 6208 blocks over 3072 GPU blocks;
 # Engine.warm_up of moe-1b took ~3 minutes cold on an H200 at serving_load's larger token budget (2048).
 GPU_WORKLOAD = dict(model="moe-1b", users=32, turns=8, system_len=1024, user_len=256, answer_len=128, think_ms=0.0,
@@ -214,6 +215,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "max_running", "token_budget"):
         parser.add_argument("--" + key.replace("_", "-"), type=int)
     parser.add_argument("--host-cache-gb", type=float)
+    parser.add_argument("--host-batches", default=str(MAX_BATCH),
+                        help="comma-separated host batch sizes (KVTiers max_batch, powers of two): a tiered mode "
+                        f"each; the default size's mode is 'gpu+host', another's 'gpu+host/N' (default {MAX_BATCH})")
     parser.add_argument("--think-ms", type=float, help="a user's pause between an answer and its next turn")
     parser.add_argument("--no-warm-up", action="store_true", help="skip Engine.warm_up (on the CPU it is skipped: "
                         "the untimed rounds compile what the timed ones meet)")
@@ -226,6 +230,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if key != "model" and (value < 0 if key == "think_ms" else value <= 0):
             parser.error(f"--{key.replace('_', '-')}={value}: expected {'>= 0' if key == 'think_ms' else '> 0'}")
     workload = Workload(*(settings[k] for k in ("users", "turns", "system_len", "user_len", "answer_len", "think_ms")))
+    try:
+        host_batches = [int(x) for x in args.host_batches.split(",")]
+    except ValueError:
+        parser.error(f"--host-batches={args.host_batches!r}: expected comma-separated integers")
+    if any(n < 1 or n & (n - 1) or n > MAX_BATCH for n in host_batches):
+        parser.error(f"--host-batches={args.host_batches}: expected powers of two up to {MAX_BATCH} (what warm_up "
+                     "compiles)")
     max_len = workload.system_len + workload.turns * (workload.user_len + workload.answer_len)
     if max_len >= MODELS[settings["model"]]["max_position_embeddings"]:
         parser.error(f"conversations reach {max_len} tokens: expected fewer than the model's "
@@ -245,7 +256,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         engine.warm_up()  # every step shape, and the tiers' copies
     else:
         engine.runner.kv = engine.tiers.warm_up(engine.runner.kv)
-    modes = {"gpu": lambda: None, "gpu+host": lambda: KVTiers(engine.runner.kv, host_blocks)}
+    modes = {"gpu": lambda: None} | {
+        "gpu+host" + ("" if size == MAX_BATCH else f"/{size}"):
+            functools.partial(lambda size: KVTiers(engine.runner.kv, host_blocks, max_batch=size), size)
+        for size in host_batches}
     rows = measure(engine, modes, workload, MODELS[settings["model"]]["vocab_size"])
     name = args.name or ("serving_multiturn_cpu" if args.cpu else "serving_multiturn")
     print(format_table(rows, ["mode", "requests", "ttft_median_ms", "ttft_p99_ms", "prefill_tokens",

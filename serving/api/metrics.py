@@ -64,6 +64,13 @@ class TierCollector:
         for direction in ("device_to_host", "host_to_device", "disk_write", "disk_read"):
             moved.add_metric([direction], getattr(stats, f"{direction}_bytes"))
         yield moved
+        copied = CounterMetricFamily("serving_prefix_cache_copied_blocks", "prefix-cache blocks copied to the host "
+                                     "tier (saved) and back into the GPU cache (loaded)", labels=["direction"])
+        copied.add_metric(["saved"], stats.saved_blocks)
+        copied.add_metric(["loaded"], stats.loaded_blocks)
+        yield copied
+        yield CounterMetricFamily("serving_prefix_cache_load_batches", "host batches put on the device whole for "
+                                  "loads (bytes moved / blocks loaded is their waste)", value=stats.load_batches)
         yield CounterMetricFamily("serving_prefix_cache_copy_seconds", "host seconds spent on tier copies",
                                   value=stats.copy_seconds)
 

@@ -59,14 +59,16 @@ class TierStats:
     disk_hits: int = 0  # ... on disk (read to the host, loaded to the GPU)
     disk_corrupt: int = 0  # disk blocks whose size, layout or checksum failed (deleted, recomputed)
     saved_blocks: int = 0  # blocks copied device -> host
+    loaded_blocks: int = 0  # blocks scattered into the GPU cache from host batches
+    load_batches: int = 0  # host batches put on the device for those loads (each whole)
     device_to_host_bytes: int = 0
-    host_to_device_bytes: int = 0
+    host_to_device_bytes: int = 0  # what the loads moved: whole batches, so >= loaded_blocks' bytes
     disk_write_bytes: int = 0
     disk_read_bytes: int = 0
     copy_seconds: float = 0.0  # host time spent issuing and waiting for copies and on disk I/O
 
 
-MAX_BATCH = 64  # the most blocks in one host batch: saves are split into power-of-two batches up to it
+MAX_BATCH = 64  # the most blocks in one host batch (default): saves are split into power-of-two batches up to it
 
 
 class _Batch:
@@ -222,12 +224,16 @@ class KVTiers:
       disk_dir: the disk tier's folder (None: no disk tier); blocks go to ``disk_dir / fingerprint``.
       fingerprint: ``layout_fingerprint`` of the model (names the disk subfolder).
       disk_blocks: the most blocks on disk (None: no bound).
+      max_batch: the most blocks in one host batch (a power of two). A load puts its block's whole batch on the
+        device, so larger batches mean fewer copies to issue and more bytes moved that no one asked for.
     """
 
     def __init__(self, kv: Any, host_blocks: int, disk_dir: str | Path | None = None, fingerprint: str = "",
-                 disk_blocks: int | None = None):
+                 disk_blocks: int | None = None, max_batch: int = MAX_BATCH):
         if host_blocks < 1:
             raise ValueError(f"KVTiers: host_blocks={host_blocks}: expected >= 1")
+        if max_batch < 1 or max_batch & (max_batch - 1):
+            raise ValueError(f"KVTiers: max_batch={max_batch}: expected a power of two >= 1")
         leaves = jax.tree.leaves(kv)
         shapes = {leaf.shape[1:] for leaf in leaves}
         if len(shapes) != 1:
@@ -246,7 +252,7 @@ class KVTiers:
         self._loads: dict[int, _Entry] = {}  # GPU block -> the entry to scatter into it at the next apply
         # the host tier's memory in blocks: the rows of batches holding a live entry, one per queued live entry
         self._held = 0
-        self.batch_limit = min(MAX_BATCH, 1 << (host_blocks.bit_length() - 1))  # a batch fits the tier
+        self.batch_limit = min(max_batch, 1 << (host_blocks.bit_length() - 1))  # a batch fits the tier
         self._unwritten: list[_Batch] = []  # saved batches not yet written through to the disk tier
 
     @property
@@ -332,7 +338,9 @@ class KVTiers:
                     part = pairs[i:i + size]
                     blocks[:len(part)], rows[:len(part)] = zip(*part, strict=True)
                     kv = _scatter(kv, blocks, data, rows)
-            self.stats.host_to_device_bytes += len(self._loads) * self.block_bytes
+                self.stats.host_to_device_bytes += size * self.block_bytes
+            self.stats.loaded_blocks += len(self._loads)
+            self.stats.load_batches += len(by_batch)
             self._loads = {}
         self.stats.copy_seconds += time.perf_counter() - start
         return kv

@@ -13,11 +13,11 @@ from benchmarks import serving_multiturn
 def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path):
     think_ms = 20.0  # each user pauses between turns: its turns span at least (turns - 1) pauses
     rows = serving_multiturn.main(["--cpu", "--name", "multiturn", "--think-ms", str(think_ms),
-                                   "--out-dir", str(tmp_path)])
+                                   "--host-batches", "64,2", "--out-dir", str(tmp_path)])
     result = json.loads((tmp_path / "multiturn.json").read_text())
-    assert result["rows"] == rows and [r["mode"] for r in rows] == list(serving_multiturn.MODES)
+    assert result["rows"] == rows and [r["mode"] for r in rows] == ["gpu", "gpu+host", "gpu+host/2"]
     assert result["working_set_blocks"] > result["settings"]["num_blocks"]
-    gpu, tiered = rows
+    gpu, tiered, small = rows
     workload = serving_multiturn.CPU_WORKLOAD
     turn_len = workload["user_len"] + workload["answer_len"]
     prompt_tokens = workload["users"] * sum(workload["system_len"] + workload["user_len"] + t * turn_len
@@ -31,14 +31,20 @@ def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path):
         # scheduling path admitted it (the step dispatched ahead of the one in flight included)
         assert row["preemptions"] == 0 and row["prefill_tokens"] + row["cached_prompt_tokens"] == prompt_tokens
     assert "tiers" not in gpu and tiered["tiers"]["host_hits"] > 0 and tiered["tiers"]["saved_blocks"] > 0
-    assert tiered["prefill_tokens"] < gpu["prefill_tokens"]
+    assert tiered["prefill_tokens"] < gpu["prefill_tokens"] and small["prefill_tokens"] < gpu["prefill_tokens"]
+    for row, most in ((tiered, 64), (small, 2)):  # a load moves its block's whole host batch, of at most `most` rows
+        tiers = row["tiers"]
+        block_bytes = tiers["device_to_host_bytes"] / tiers["saved_blocks"]
+        assert tiers["loaded_blocks"] * block_bytes <= tiers["host_to_device_bytes"]
+        assert tiers["host_to_device_bytes"] <= tiers["load_batches"] * most * block_bytes
     assert tiered["cached_prompt_tokens"] > gpu["cached_prompt_tokens"]
     assert tiered["prefill_reduction"] == pytest.approx(gpu["prefill_tokens"] / tiered["prefill_tokens"])
     assert (tmp_path / "multiturn.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("argv", [["--num-blocks", "4096"], ["--users", "0"], ["--turns", "100"],
-                                  ["--think-ms", "-1"]])
+                                  ["--think-ms", "-1"], ["--host-batches", "3"], ["--host-batches", "128"],
+                                  ["--host-batches", "a"]])
 def test_rejects_a_workload_that_fits_or_is_bad(argv):
     with pytest.raises(SystemExit):
         serving_multiturn.main(["--cpu", *argv])

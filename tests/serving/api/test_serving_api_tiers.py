@@ -46,5 +46,8 @@ def test_tier_counters_cross_the_wire_and_show_on_metrics(tmp_path):
     assert samples['serving_prefix_cache_hit_blocks_total{tier="host"}'] > 0
     assert samples['serving_prefix_cache_bytes_total{direction="device_to_host"}'] > 0
     assert samples['serving_prefix_cache_bytes_total{direction="host_to_device"}'] > 0
+    loaded = samples['serving_prefix_cache_copied_blocks_total{direction="loaded"}']
+    assert loaded > 0 and samples['serving_prefix_cache_copied_blocks_total{direction="saved"}'] > 0
+    assert 0 < samples["serving_prefix_cache_load_batches_total"] <= loaded
     stats = EngineStats.of(engine)
     assert EngineStats.from_wire(stats.to_wire()) == stats and stats.tiers.host_hits > 0

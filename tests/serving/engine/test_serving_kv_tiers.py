@@ -198,6 +198,28 @@ def test_saves_go_to_pinned_host_memory_in_power_of_two_batches_and_memory_stays
         np.testing.assert_array_equal(_block(kv, i), original[b])
 
 
+def test_max_batch_bounds_the_host_batches_and_loads_count_the_whole_batches_they_move():
+    kv = _cache()
+    tiers = KVTiers(kv, host_blocks=8, max_batch=2)
+    original = {b: _block(kv, b) for b in range(8)}
+    for b in range(7):
+        tiers.save(b, bytes([b]))
+    kv = tiers.apply(kv)
+    batches = {id(e.batch): e.batch for e in tiers._host.values()}.values()
+    assert sorted(len(b.entries) for b in batches) == [1, 2, 2, 2]
+    tiers.load(7, tiers.lookup(bytes([3])))  # one row of a two-row batch: the whole batch moves
+    tiers.load(6, tiers.lookup(bytes([6])))  # the one-row batch
+    kv = tiers.apply(kv)
+    np.testing.assert_array_equal(_block(kv, 7), original[3])
+    np.testing.assert_array_equal(_block(kv, 6), original[6])
+    stats = tiers.stats
+    assert (stats.loaded_blocks, stats.load_batches) == (2, 2)
+    assert stats.host_to_device_bytes == 3 * tiers.block_bytes and stats.device_to_host_bytes == 7 * tiers.block_bytes
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=f"max_batch={bad}: expected a power of two"):
+            KVTiers(kv, host_blocks=8, max_batch=bad)
+
+
 def test_allocator_restores_a_prefix_from_the_host():
     kv = _cache()
     tiers = KVTiers(kv, host_blocks=8)
