@@ -7,7 +7,8 @@ Suites (each fits a 10-minute device command; ``--cpu`` runs tiny models on the 
   share of the step (the optimizer alone, timed the same way), peak device memory (``memory_stats()``; each case in
   its own process on a GPU so the peaks do not mix) and the ratios to optax.adamw.
 * ``capacity``: the deepest model of a family (width fixed) that trains one step in one device, per optimizer,
-  found by binary search over the layer count (each try a process of its own: an out-of-memory kills only it).
+  found by binary search over the layer count, started around the depth XLA's sizes of two shallow tries predict
+  (each try a process of its own: an out-of-memory kills only it).
 * ``curves``: loss curves over ``--steps`` steps (2000 on a GPU) of a small byte-level model on the standard
   library's source (``apex_data.text``), every optimizer from the same init and batches; the final loss of each
   relative to optax.adamw's.
@@ -43,6 +44,8 @@ LR, WEIGHT_DECAY = 3e-4, 0.1
 CURVE_TOLERANCE = 0.01  # the issue's bar: final loss within 1% of optax.adamw's
 MEM_FRACTION = 0.95  # of the device memory XLA's allocator may use in each isolated case (its default is 0.75)
 CAPACITY_BATCH = 1  # sequences per step in the capacity search: the optimizer's memory, not activations, decides
+PROBE_LAYERS = (4, 8)  # the capacity search's shallow tries on a GPU, whose XLA sizes predict the deepest
+PREDICTION_BRACKET = (0.95, 1.03)  # its first tries, as fractions of the predicted depth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +226,8 @@ def speed_case(model: str, optimizer: str, cpu: bool) -> dict:
 
 def run_isolated(args: list[str]) -> dict | None:
     """``python -m benchmarks.train_step args`` in a fresh process (its own device memory, of which XLA may take
-    ``MEM_FRACTION``); its last stdout line as JSON, or None when it failed (an out-of-memory)."""
+    ``MEM_FRACTION``); its last stdout line as JSON, or None when the process failed (an out-of-memory that
+    ``trains`` catches is a result with ``ok`` False, not a failure)."""
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(MEM_FRACTION))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.train_step", *args], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent.parent, env=env)
@@ -249,40 +253,87 @@ def suite_speed(cpu: bool, models: list[str], optimizers: list[str]) -> list[dic
     return rows
 
 
-def trains(cfg: ModelConfig, optimizer: str, batch_size: int) -> bool:
-    """One training step of ``cfg`` completes (False on an out-of-memory)."""
+def _out_of_memory(err: Exception) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
+
+
+def trains(cfg: ModelConfig, optimizer: str, batch_size: int) -> dict:
+    """One training step of ``cfg``: ``ok`` (False on an out-of-memory), ``xla_bytes`` (the compiled step's
+    arguments + outputs not aliased to them + temporaries, as XLA's buffer assignment sizes them; None when the
+    model did not fit before compiling) and ``bytes_limit`` (what the allocator may use; None on the CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    result = dict(ok=False, xla_bytes=None, bytes_limit=stats.get("bytes_limit") if stats else None)
     try:
         carry, step, _ = make_trainer(cfg, optimizer)
         batch = jnp.zeros((batch_size, cfg.seq + 1), jnp.int32)
-        jax.block_until_ready(step(*carry, batch))
-        return True
+        compiled = step.lower(*carry, batch).compile()
+        sizes = compiled.memory_analysis()
+        if sizes is not None:
+            result["xla_bytes"] = int(sizes.argument_size_in_bytes + sizes.output_size_in_bytes
+                                      - sizes.alias_size_in_bytes + sizes.temp_size_in_bytes)
+        jax.block_until_ready(compiled(*carry, batch))
+        result["ok"] = True
     except Exception as err:  # XlaRuntimeError RESOURCE_EXHAUSTED, or jaxlib's OOM at allocation
-        if "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower():
-            return False
-        raise
+        if not _out_of_memory(err):
+            raise
+    return result
+
+
+def predict_depth(tries: dict[int, dict]) -> int | None:
+    """The depth whose XLA size fills ``bytes_limit``, on the line through two trained depths' sizes (a layer of
+    the stack adds its params, their gradient and optimizer state, and its temporaries: linear in the depth)."""
+    trained = sorted((d, t) for d, t in tries.items() if t["ok"] and t["xla_bytes"] and t["bytes_limit"])
+    if len(trained) < 2:
+        return None
+    (d0, t0), (d1, t1) = trained[0], trained[-1]
+    per_layer = (t1["xla_bytes"] - t0["xla_bytes"]) / (d1 - d0)
+    if per_layer <= 0:
+        return None
+    return int(d0 + (t0["bytes_limit"] - t0["xla_bytes"]) / per_layer)
+
+
+def search_depth(cpu: bool, model: str, optimizer: str, min_layers: int, max_layers: int) -> dict:
+    """The deepest ``model`` (width of ``MODELS``) that trains a step of ``CAPACITY_BATCH`` sequences with
+    ``optimizer``, in [min_layers, max_layers] (``min_layers`` assumed to train; a result equal to it or to
+    ``max_layers`` is flagged, the bracket was too narrow). On a GPU two shallow tries (``PROBE_LAYERS``) give XLA's
+    bytes per layer, and the first tries sit just below and above the depth predicted from them
+    (``predict_depth``), so the binary search narrows a bracket of a few layers. Every try's outcome and XLA size
+    is kept in the row; on a GPU each try is a process of its own (an out-of-memory kills only it)."""
+    cfg = (CPU_MODELS if cpu else MODELS)[model]
+    tries: dict[int, dict] = {}
+
+    def attempt(layers: int) -> bool:
+        if layers not in tries:
+            tries[layers] = (trains(dataclasses.replace(cfg, layers=layers), optimizer, CAPACITY_BATCH) if cpu else
+                             run_isolated(["--try", f"{model}:{optimizer}:{layers}"])
+                             or dict(ok=False, xla_bytes=None, bytes_limit=None, crashed=True))
+        return tries[layers]["ok"]
+
+    low, high = min_layers - 1, max_layers + 1  # trains at low (below min: not yet shown), fails at high
+    predicted = None
+    if not cpu:
+        for depth in PROBE_LAYERS:
+            attempt(depth)
+        predicted = predict_depth(tries)
+        guesses = [] if predicted is None else [round(f * predicted) for f in PREDICTION_BRACKET]
+        for depth in [d for d in guesses if low < d < high]:
+            low, high = (depth, high) if attempt(depth) else (low, depth)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if attempt(mid) else (low, mid)
+    return dict(model=model, optimizer=optimizer, layers=low,
+                params=n_params(dataclasses.replace(cfg, layers=low)) if low else 0,
+                at_bracket_edge=low in (min_layers - 1, max_layers), predicted_layers=predicted,
+                tries=[dict(layers=d, **t) for d, t in sorted(tries.items())])
 
 
 def suite_capacity(cpu: bool, models: list[str], optimizers: list[str], min_layers: int,
                    max_layers: int) -> list[dict]:
-    """Binary search of the layer count: the deepest model of each family (width of ``MODELS``) that trains a step
-    of ``CAPACITY_BATCH`` sequences, searched in [min_layers, max_layers] (``min_layers`` assumed to train; a
-    result equal to it or to ``max_layers`` is flagged, the bracket was too narrow)."""
+    """``search_depth`` per model and optimizer, each row's params relative to the first optimizer's."""
     rows = []
     for model in models:
-        cfg = (CPU_MODELS if cpu else MODELS)[model]
         for optimizer in optimizers:
-            low, high = min_layers - 1, max_layers + 1  # trains at low (below min: not yet shown), fails at high
-            while high - low > 1:
-                mid = (low + high) // 2
-                trial = dataclasses.replace(cfg, layers=mid)
-                if cpu:
-                    ok = trains(trial, optimizer, CAPACITY_BATCH)
-                else:
-                    ok = run_isolated(["--try", f"{model}:{optimizer}:{mid}"]) is not None
-                low, high = (mid, high) if ok else (low, mid)
-            deepest = dataclasses.replace(cfg, layers=low)
-            rows.append(dict(model=model, optimizer=optimizer, layers=low, params=n_params(deepest) if low else 0,
-                             at_bracket_edge=low in (min_layers - 1, max_layers)))
+            rows.append(search_depth(cpu, model, optimizer, min_layers, max_layers))
             print(json.dumps(rows[-1]), flush=True)
     for row in rows:
         base = next(r for r in rows if r["model"] == row["model"] and r["optimizer"] == rows[0]["optimizer"])
@@ -347,7 +398,7 @@ def main(argv: list[str] | None = None, out_dir: str | Path | None = None) -> di
     parser.add_argument("--min-layers", type=int, default=1, help="capacity: a depth known to train (default 1)")
     parser.add_argument("--tag", help="appended to the result's name (a run split over several commands)")
     parser.add_argument("--case", help="internal: one speed row MODEL:OPTIMIZER, printed as JSON")
-    parser.add_argument("--try", dest="trial", help="internal: MODEL:OPTIMIZER:LAYERS trains one step, or exit 1")
+    parser.add_argument("--try", dest="trial", help="internal: MODEL:OPTIMIZER:LAYERS trains one step (JSON)")
     args = parser.parse_args(argv)
     if args.case:
         model, optimizer = args.case.split(":")
@@ -355,10 +406,7 @@ def main(argv: list[str] | None = None, out_dir: str | Path | None = None) -> di
         return None
     if args.trial:
         model, optimizer, layers = args.trial.split(":")
-        cfg = dataclasses.replace(MODELS[model], layers=int(layers))
-        if not trains(cfg, optimizer, CAPACITY_BATCH):
-            sys.exit(1)
-        print(json.dumps({"ok": True}))
+        print(json.dumps(trains(dataclasses.replace(MODELS[model], layers=int(layers)), optimizer, CAPACITY_BATCH)))
         return None
     models, optimizers = args.models.split(","), args.optimizers.split(",")
     for name in optimizers:
@@ -377,7 +425,7 @@ def main(argv: list[str] | None = None, out_dir: str | Path | None = None) -> di
     elif args.suite == "capacity":
         max_layers = args.max_layers or (4 if args.cpu else 256)
         rows = suite_capacity(args.cpu, models, optimizers, args.min_layers, max_layers)
-        columns = ["model", "optimizer", "layers", "params", "params_vs_first", "at_bracket_edge"]
+        columns = ["model", "optimizer", "layers", "params", "params_vs_first", "predicted_layers", "at_bracket_edge"]
         config = dict(batch=CAPACITY_BATCH, mem_fraction=MEM_FRACTION,
                       models={m: dataclasses.asdict((CPU_MODELS if args.cpu else MODELS)[m]) for m in models})
     else:

@@ -40,6 +40,17 @@ def test_capacity_suite_searches_the_layer_count(tmp_path):
     (row,) = json.loads((tmp_path / "train_step_capacity_llama-1b_cpu.json").read_text())["rows"]
     assert row["layers"] == 2 and row["at_bracket_edge"] and row["params"] == ts.n_params(
         ts.dataclasses.replace(ts.CPU_MODELS["llama-1b"], layers=2))
+    assert row["predicted_layers"] is None  # the CPU has no memory limit to fill
+    tries = {t["layers"]: t for t in row["tries"]}
+    assert set(tries) == {1, 2} and all(t["ok"] for t in tries.values())
+    assert 0 < tries[1]["xla_bytes"] < tries[2]["xla_bytes"]  # a layer more: its params, grads, state
+
+
+def test_predicted_depth_fills_the_limit_on_the_line_through_two_tries():
+    tries = {4: dict(ok=True, xla_bytes=500, bytes_limit=2000), 8: dict(ok=True, xla_bytes=900, bytes_limit=2000),
+             100: dict(ok=False, xla_bytes=10_000, bytes_limit=2000)}
+    assert ts.predict_depth(tries) == 19  # 500 + 100 per layer reaches 2000 at 4 + 15
+    assert ts.predict_depth({4: tries[4], 100: tries[100]}) is None  # one trained depth is no line
 
 
 def test_unknown_optimizer_is_a_usage_error():
