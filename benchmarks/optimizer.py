@@ -10,6 +10,8 @@ moments read and written (16 B fp32, 8 B bf16, 2 B + scales int8), over the meas
     python benchmarks/optimizer.py                 # GPU: results/optimizer.json + optimizer.png
     python benchmarks/optimizer.py --cpu           # small CPU mode: results/optimizer_cpu.json
     python benchmarks/optimizer.py --layouts 4x32M --groups apexw-fused   # a subset, merged into the JSON
+    python benchmarks/optimizer.py --groups apexw-fused-mixed --blocks '{"fp32": [4, 1]}'   # kinds not given in
+        # --blocks are swept on 4x32M first; the mixed group sweeps bf16 and int8 state over bf16 params too
     python benchmarks/optimizer.py --groups apexw-fused --kernel-file old_adamw.py   # another version of the
         # kernel (git show REV:pallas_kernels/adamw.py > old_adamw.py), timed alike: results/optimizer_old_adamw.json
 """
@@ -39,6 +41,7 @@ STATE_BYTES_PER_PARAM = {"fp32": 16.0, "bf16": 8.0, "int8": 4.0 + 16 / 256, "int
 FLOOR_BYTES_PER_PARAM = {kind: PARAM_BYTES_PER_PARAM["fp32"] + b for kind, b in STATE_BYTES_PER_PARAM.items()}
 PRECISIONS = ("bf16", "bf16+master")  # the mixed-precision rows of apexw-fused-mixed
 STATE_KINDS = ("fp32", "bf16", "int8", "int4")  # the keys of apex_jax.STATE_DTYPES (jax loads in workers)
+MIXED_SWEEP_KINDS = ("bf16", "int8")  # state kinds whose geometry is swept again over bf16 params and grads
 GROUPS = ("torch", "bnb", "torchao", "optax", "apexw-transform", "apexw-transform-flat", "apexw-fused",
           "apexw-fused-mixed")
 # Per-leaf XLA paths (optax, and the apexw transform's split + apply_updates per leaf) compile for minutes at 8192
@@ -145,7 +148,8 @@ def jax_worker(group: str, n: int, size: int, blocks: dict) -> list[dict]:
         del params, grads
         for precision in PRECISIONS:
             for kind in STATE_KINDS:
-                rows_w = blocks.get(kind, (16, 4))
+                # bf16 params: their own swept geometry where given; the master copy's update is the fp32 one's
+                rows_w = blocks.get(f"bf16:{kind}" if precision == "bf16" else kind, blocks.get(kind, (16, 4)))
                 opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(*rows_w),
                                      master_weights=precision == "bf16+master")
                 state = opt.init(flat)
@@ -184,23 +188,25 @@ def _time_compiled(jitted, carry, grads, **row) -> dict:
                 carry=carry)
 
 
-def sweep_worker(n: int, size: int, kinds: list[str]) -> list[dict]:
-    """Fused-path step time of each BlockConfig per state kind in ``kinds`` (picks the launch geometry)."""
+def sweep_worker(n: int, size: int, kinds: list[str], params: str = "fp32") -> list[dict]:
+    """Fused-path step time of each BlockConfig per state kind in ``kinds`` over ``params`` ("fp32" or "bf16")
+    params and grads (picks the launch geometry; a bf16 row's state is named "bf16:<kind>")."""
     import jax
 
     import apex_jax
     from pallas_kernels.adamw import BlockConfig
 
-    key = jax.random.key(0)
-    flat = apex_jax.flatten([jax.random.normal(jax.random.fold_in(key, i), (size,)) for i in range(n)])
-    flat_g = apex_jax.flatten([jax.random.normal(jax.random.fold_in(key, n + i), (size,)) for i in range(n)])
+    key, dtype = jax.random.key(0), jax.numpy.bfloat16 if params == "bf16" else jax.numpy.float32
+    flat = apex_jax.flatten([jax.random.normal(jax.random.fold_in(key, i), (size,), dtype) for i in range(n)])
+    flat_g = apex_jax.flatten([jax.random.normal(jax.random.fold_in(key, n + i), (size,), dtype) for i in range(n)])
     rows = []
     for kind in kinds:
         for block in BLOCK_SWEEP + (WORD_CODES_SWEEP if kind == "int8" else []):
             opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(*block))
             step = jax.jit(lambda p, s, opt=opt: opt.step(p, flat_g, s), donate_argnums=(0, 1))
             timing, (flat, _) = time_jax_steps(step, (flat, opt.init(flat)), steps_per_run=10, warmup=2, iters=20)
-            rows.append(dict(state=kind, block=list(block), step_ms=timing.median_ms))
+            rows.append(dict(state=kind if params == "fp32" else f"{params}:{kind}", block=list(block),
+                             step_ms=timing.median_ms))
     return rows
 
 
@@ -286,6 +292,8 @@ def main() -> None:
             use_kernel_file(args.kernel_file)
         if args.worker == "sweep":
             rows = sweep_worker(n, size, [k for k in STATE_KINDS if k not in blocks])
+        elif args.worker == "sweep-bf16":
+            rows = sweep_worker(n, size, [k for k in MIXED_SWEEP_KINDS if f"bf16:{k}" not in blocks], "bf16")
         elif args.worker in ("torch", "bnb", "torchao"):
             rows = torch_worker(args.worker, n, size)
         else:
@@ -305,12 +313,12 @@ def main() -> None:
 
     blocks, sweep = json.loads(args.blocks), []
     if "apexw-fused" in groups and not args.cpu and set(STATE_KINDS) - set(blocks):
-        sweep_shape = GPU_LAYOUTS["4x32M"]
-        sweep = run_case("sweep", "4x32M", sweep_shape, blocks, DEFAULT_TIMEOUT_S, kernel_file)  # kinds not given
-        for kind in STATE_KINDS:
-            ok = [r for r in sweep if r.get("state") == kind]
-            if ok:
-                blocks[kind] = min(ok, key=lambda r: r["step_ms"])["block"]
+        sweep = run_case("sweep", "4x32M", GPU_LAYOUTS["4x32M"], blocks, DEFAULT_TIMEOUT_S, kernel_file)  # not given
+    if "apexw-fused-mixed" in groups and not args.cpu and {f"bf16:{k}" for k in MIXED_SWEEP_KINDS} - set(blocks):
+        sweep += run_case("sweep-bf16", "4x32M", GPU_LAYOUTS["4x32M"], blocks, DEFAULT_TIMEOUT_S, kernel_file)
+    for kind in {r.get("state") for r in sweep} - {None} - set(blocks):
+        blocks[kind] = min((r for r in sweep if r.get("state") == kind), key=lambda r: r["step_ms"])["block"]
+    if sweep:
         print("  best blocks:", blocks, flush=True)
 
     previous = RESULTS_DIR / f"{name}.json"
