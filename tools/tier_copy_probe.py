@@ -1,0 +1,102 @@
+"""Do the prefix-cache tiers' copies make the host wait while the device is busy?
+
+``serving.engine.kv_tiers`` issues its copies from the engine's loop, between steps that are still running on the
+device. Each copy must return at once (the device orders it after the work before it); a copy that waits for its
+source, or for the device to drain, stalls the loop for a whole step. This times, with a long computation in
+flight, how long each call takes to return on the host and how long until its result is ready:
+
+* ``gather``: ``kv_tiers._gather`` of blocks from a cache the running computation writes (a jitted dispatch);
+* ``to pinned_host``: ``device_put`` of that not-yet-computed gather into pinned host memory (a save);
+* ``from pinned_host``: ``device_put`` of a ready pinned host batch onto the device (a load);
+* ``scatter``: ``kv_tiers._scatter`` of it into the donated cache (the load's second half).
+
+A row whose ``returned_ms`` is close to ``busy_ms`` waited for the device. Prints a table and writes JSON to
+``$OUT`` or ``--out``.
+
+    python3 -m tools.tier_copy_probe          # on the GPU machine: a few seconds
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from serving.engine.kv_tiers import _gather, _memory_kind, _scatter  # noqa: E402
+
+
+def probe(blocks: int = 1024, rows: int = 64, page: tuple[int, ...] = (16, 8, 128), leaves: int = 8,
+          busy_iters: int = 200, size: int = 4096) -> list[dict]:
+    """Each call's host return time and ready time, in ms from its dispatch, while ``busy`` (``busy_iters``
+    matmuls of ``size`` squared) runs; every call compiled and run once before."""
+    dtype = jnp.bfloat16
+    kv = [jnp.zeros((blocks, *page), dtype) for _ in range(leaves)]
+    busy = jax.jit(lambda kv, x: ([leaf + 1 for leaf in kv], jax.lax.fori_loop(
+        0, busy_iters, lambda i, a: jnp.tanh(a @ a * 1e-3), x)), donate_argnums=0)
+    x = jnp.ones((size, size), dtype)
+    ids = np.arange(rows, dtype=np.int32)
+    kv, y = jax.block_until_ready(busy(kv, x))  # the cache as a step leaves it (committed), as the tiers see it
+    pinned = _memory_kind(_gather(kv, ids), "pinned_host")
+    on_device = _memory_kind(kv[0], "device")
+    host_batch = jax.block_until_ready(jax.device_put(_gather(kv, ids), pinned))
+    data = jax.block_until_ready(jax.device_put(host_batch, on_device))
+    kv = jax.block_until_ready(_scatter(kv, np.full(rows, blocks, np.int32), data, np.zeros(rows, np.int32)))
+    kv, y = jax.block_until_ready(busy(kv, x))  # every call compiled and warm
+
+    start = time.perf_counter()
+    kv, y = busy(kv, x)
+    y.block_until_ready()
+    busy_ms = 1e3 * (time.perf_counter() - start)
+
+    def one_pass(kv):
+        """Each call dispatched right after ``busy``, on the cache ``busy`` is writing: (rows, the cache)."""
+        out = []
+
+        def timed(name, fn):
+            nonlocal kv
+            kv, y = busy(kv, x)
+            start = time.perf_counter()
+            result = fn(kv)
+            returned = time.perf_counter()
+            jax.block_until_ready(result)
+            out.append(dict(call=name, returned_ms=1e3 * (returned - start),
+                            ready_ms=1e3 * (time.perf_counter() - start), busy_ms=busy_ms))
+            y.block_until_ready()
+            return result
+
+        timed("gather", lambda kv: _gather(kv, ids))
+        timed("to pinned_host", lambda kv: jax.device_put(_gather(kv, ids), pinned))
+        data = timed("from pinned_host", lambda kv: jax.device_put(host_batch, on_device))
+        kv = timed("scatter", lambda kv: _scatter(kv, np.full(rows, blocks, np.int32), data,
+                                                  np.zeros(rows, np.int32)))
+        return out, kv
+
+    _, kv = one_pass(kv)  # compiles what the warm-up did not meet (the busy step's own output signature)
+    return one_pass(kv)[0]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--busy-iters", type=int, default=200, help="matmuls of the computation in flight")
+    parser.add_argument("--size", type=int, default=4096, help="their matrices' side")
+    parser.add_argument("--out", help="JSON path (default $OUT/tier_copy_probe.json when $OUT is set)")
+    args = parser.parse_args(argv)
+    rows = probe(busy_iters=args.busy_iters, size=args.size)
+    for row in rows:
+        print(f"{row['call']:<18} returned {row['returned_ms']:8.2f} ms  ready {row['ready_ms']:8.2f} ms  "
+              f"(computation in flight: {row['busy_ms']:.1f} ms)")
+    out = args.out or (os.path.join(os.environ["OUT"], "tier_copy_probe.json") if os.environ.get("OUT") else None)
+    if out:
+        Path(out).write_text(json.dumps(dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=rows), indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
