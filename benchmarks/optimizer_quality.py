@@ -325,17 +325,19 @@ def _finish_runs(runs: list[dict]) -> list[dict]:
     """Add `rel_diff_vs_optax` of the mean final loss and, per seed, `rel_diff_seeds` (None when the reference
     variant was not run)."""
     ref = next((r for r in runs if r["variant"] == REFERENCE), None)
+    rel = lambda a, b: None if a is None or b is None else (a - b) / b  # noqa: E731 (None: a NaN read from JSON)
     for run in runs:
-        run["rel_diff_vs_optax"] = (run["final_loss"] - ref["final_loss"]) / ref["final_loss"] if ref else None
-        run["rel_diff_seeds"] = ([(a - b) / b for a, b in zip(run["final_loss_seeds"], ref["final_loss_seeds"],
-                                                               strict=True)] if ref else None)
+        run["rel_diff_vs_optax"] = rel(run["final_loss"], ref["final_loss"]) if ref else None
+        run["rel_diff_seeds"] = ([rel(a, b) for a, b in zip(run["final_loss_seeds"], ref["final_loss_seeds"],
+                                                            strict=True)] if ref else None)
     return runs
 
 
 def merge_previous(tasks: list[dict], old_tasks: list[dict]) -> list[dict]:
     """``tasks`` with the committed results they did not replace: other tasks whole, and, in a task run again with
-    the same config, the variants not run again, if the reference ran again with bitwise the same per-seed final
-    losses (the same code, seeds and batches, so the old rows share the new rows' baseline)."""
+    the same config (compared as JSON: a tuple there is a list here), the variants not run again, if the reference
+    ran again with bitwise the same per-seed final losses (the same code, seeds and batches, so the old rows share
+    the new rows' baseline)."""
     new = {t["task"]: t for t in tasks}
     merged = list(tasks)
     for old in old_tasks:
@@ -345,7 +347,7 @@ def merge_previous(tasks: list[dict], old_tasks: list[dict]) -> list[dict]:
             continue
         ref_of = lambda t: next((r for r in t["runs"] if r["variant"] == REFERENCE), None)  # noqa: E731
         ref, old_ref = ref_of(task), ref_of(old)
-        if (task["config"] != old["config"] or ref is None or old_ref is None
+        if (json.dumps(task["config"]) != json.dumps(old["config"]) or ref is None or old_ref is None
                 or ref["final_loss_seeds"] != old_ref["final_loss_seeds"]):
             continue  # another baseline: the old rows are not comparable, the new run stands alone
         ran = {r["variant"] for r in task["runs"]}

@@ -74,7 +74,8 @@ def _task(name, config, runs):
 def test_partial_run_keeps_the_variants_it_did_not_replace():
     ref, int8, int4 = oq.REFERENCE, "apexw int8", "apexw int4"
     old = [_task("lm", {"steps": 10}, [(ref, [1.0, 2.0]), (int8, [1.1, 2.2])]), _task("mnist", {}, [(ref, [3.0])])]
-    new = [_task("lm", {"steps": 10}, [(ref, [1.0, 2.0]), (int4, [1.2, 2.4])])]
+    old[0]["config"]["seeds"] = [0, 1]  # as JSON reads it back
+    new = [_task("lm", {"steps": 10, "seeds": (0, 1)}, [(ref, [1.0, 2.0]), (int4, [1.2, 2.4])])]
     merged = {t["task"]: t for t in oq.merge_previous(new, old)}
     assert set(merged) == {"lm", "mnist"}
     runs = {r["variant"]: r for r in merged["lm"]["runs"]}
@@ -82,7 +83,7 @@ def test_partial_run_keeps_the_variants_it_did_not_replace():
     assert runs[int8]["rel_diff_vs_optax"] == pytest.approx(0.1)
     assert runs[int4]["rel_diff_vs_optax"] == pytest.approx(0.2)
     # another baseline (the reference's losses moved) or another config: the old rows are dropped, not mixed in
-    for changed in (_task("lm", {"steps": 10}, [(ref, [1.0, 2.5]), (int4, [1.2, 2.4])]),
-                    _task("lm", {"steps": 20}, [(ref, [1.0, 2.0]), (int4, [1.2, 2.4])])):
+    for changed in (_task("lm", {"steps": 10, "seeds": (0, 1)}, [(ref, [1.0, 2.5]), (int4, [1.2, 2.4])]),
+                    _task("lm", {"steps": 20, "seeds": (0, 1)}, [(ref, [1.0, 2.0]), (int4, [1.2, 2.4])])):
         merged = {t["task"]: t for t in oq.merge_previous([changed], old)}
         assert [r["variant"] for r in merged["lm"]["runs"]] == [ref, int4]
