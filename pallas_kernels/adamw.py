@@ -254,7 +254,7 @@ def quantize_rows_4bit(x, bits, *, signed: bool, sqrt_x=None):
     1/y^2, each making the mean step larger (by ~11% together, where int8's 127 levels give 0.1%).
 
     m: the code c = 7 q / root in (-7, 7) stands for s c |c| / 49; between c0 = floor(c) and c0 + 1 it rounds up
-    with probability (c |c| - c0 |c0|) / (|c0| + |c0 + 1|). v: y = 16 q / root in [1, 16) (v below the first level
+    with probability (c |c| - c0 |c0|) / |2 c0 + 1|. v: y = 16 q / root in [1, 16) (v below the first level
     is stored as it) stands for s (y / 16)^4 with code n = y - 1; between n0 = floor(y) and n0 + 1 it rounds up
     with probability (1/y^2 - 1/n0^2) / (1/(n0 + 1)^2 - 1/n0^2) = (y - n0)(y + n0)(n0 + 1)^2 / (y^2 (2 n0 + 1))."""
     if signed:
@@ -266,7 +266,7 @@ def quantize_rows_4bit(x, bits, *, signed: bool, sqrt_x=None):
     if signed:
         c = q * (INT4_M_MAX * inv)[:, None]
         c0 = jnp.floor(c)
-        up = (c * _abs(c) - c0 * _abs(c0)) / (_abs(c0) + _abs(c0 + 1.0))
+        up = (c * _abs(c) - c0 * _abs(c0)) / _abs(2.0 * c0 + 1.0)  # the levels' gap |c0| + |c0 + 1|
         t = c0 + up + (INT4_M_MAX + 1)  # in [1, 15)
     else:
         y = jnp.maximum(q * (INT4_V_LEVELS * inv)[:, None], 1.0)
