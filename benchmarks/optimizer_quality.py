@@ -340,19 +340,19 @@ def merge_previous(tasks: list[dict], old_tasks: list[dict]) -> list[dict]:
     the new rows' baseline)."""
     new = {t["task"]: t for t in tasks}
     merged = list(tasks)
+    ref_of = lambda t: next((r for r in t["runs"] if r["variant"] == REFERENCE), None)  # noqa: E731
+    order = {v: i for i, v in enumerate(VARIANTS)}
     for old in old_tasks:
         task = new.get(old["task"])
         if task is None:
             merged.append(old)
             continue
-        ref_of = lambda t: next((r for r in t["runs"] if r["variant"] == REFERENCE), None)  # noqa: E731
         ref, old_ref = ref_of(task), ref_of(old)
         if (json.dumps(task["config"]) != json.dumps(old["config"]) or ref is None or old_ref is None
                 or ref["final_loss_seeds"] != old_ref["final_loss_seeds"]):
             continue  # another baseline: the old rows are not comparable, the new run stands alone
         ran = {r["variant"] for r in task["runs"]}
         runs = task["runs"] + [r for r in old["runs"] if r["variant"] not in ran]
-        order = {v: i for i, v in enumerate(VARIANTS)}
         task["runs"] = _finish_runs(sorted(runs, key=lambda r: order.get(r["variant"], len(order))))
     return merged
 

@@ -31,7 +31,6 @@ random weights, bfloat16 on a GPU); ``--cpu``: tiny, 4 users x 3 turns (seconds;
 
 import argparse
 import dataclasses
-import functools
 import heapq
 import time
 from collections.abc import Callable
@@ -258,7 +257,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         engine.runner.kv = engine.tiers.warm_up(engine.runner.kv)
     modes = {"gpu": lambda: None} | {
         "gpu+host" + ("" if size == MAX_BATCH else f"/{size}"):
-            functools.partial(lambda size: KVTiers(engine.runner.kv, host_blocks, max_batch=size), size)
+            lambda size=size: KVTiers(engine.runner.kv, host_blocks, max_batch=size)  # the cache at each mode
         for size in host_batches}
     rows = measure(engine, modes, workload, MODELS[settings["model"]]["vocab_size"])
     name = args.name or ("serving_multiturn_cpu" if args.cpu else "serving_multiturn")

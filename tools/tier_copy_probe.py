@@ -10,15 +10,13 @@ flight, how long each call takes to return on the host and how long until its re
 * ``from pinned_host``: ``device_put`` of a ready pinned host batch onto the device (a load);
 * ``scatter``: ``kv_tiers._scatter`` of it into the donated cache (the load's second half).
 
-A row whose ``returned_ms`` is close to ``busy_ms`` waited for the device. Prints a table and writes JSON to
-``$OUT`` or ``--out``.
+A row whose ``returned_ms`` is close to ``busy_ms`` waited for the device. Prints a table and writes
+``tier_copy_probe.json`` through the benchmarks' harness (device, versions, date, commit).
 
     python3 -m tools.tier_copy_probe          # on the GPU machine: a few seconds
 """
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.harness import write_results  # noqa: E402
 from serving.engine.kv_tiers import _gather, _memory_kind, _scatter  # noqa: E402
 
 
@@ -42,18 +41,10 @@ def probe(blocks: int = 1024, rows: int = 64, page: tuple[int, ...] = (16, 8, 12
         0, busy_iters, lambda i, a: jnp.tanh(a @ a * 1e-3), x)), donate_argnums=0)
     x = jnp.ones((size, size), dtype)
     ids = np.arange(rows, dtype=np.int32)
-    kv, y = jax.block_until_ready(busy(kv, x))  # the cache as a step leaves it (committed), as the tiers see it
+    kv, _ = jax.block_until_ready(busy(kv, x))  # the cache as a step leaves it (committed), as the tiers see it
     pinned = _memory_kind(_gather(kv, ids), "pinned_host")
     on_device = _memory_kind(kv[0], "device")
     host_batch = jax.block_until_ready(jax.device_put(_gather(kv, ids), pinned))
-    data = jax.block_until_ready(jax.device_put(host_batch, on_device))
-    kv = jax.block_until_ready(_scatter(kv, np.full(rows, blocks, np.int32), data, np.zeros(rows, np.int32)))
-    kv, y = jax.block_until_ready(busy(kv, x))  # every call compiled and warm
-
-    start = time.perf_counter()
-    kv, y = busy(kv, x)
-    y.block_until_ready()
-    busy_ms = 1e3 * (time.perf_counter() - start)
 
     def one_pass(kv):
         """Each call dispatched right after ``busy``, on the cache ``busy`` is writing: (rows, the cache)."""
@@ -67,7 +58,7 @@ def probe(blocks: int = 1024, rows: int = 64, page: tuple[int, ...] = (16, 8, 12
             returned = time.perf_counter()
             jax.block_until_ready(result)
             out.append(dict(call=name, returned_ms=1e3 * (returned - start),
-                            ready_ms=1e3 * (time.perf_counter() - start), busy_ms=busy_ms))
+                            ready_ms=1e3 * (time.perf_counter() - start)))
             y.block_until_ready()
             return result
 
@@ -78,23 +69,26 @@ def probe(blocks: int = 1024, rows: int = 64, page: tuple[int, ...] = (16, 8, 12
                                                   np.zeros(rows, np.int32)))
         return out, kv
 
-    _, kv = one_pass(kv)  # compiles what the warm-up did not meet (the busy step's own output signature)
-    return one_pass(kv)[0]
+    _, kv = one_pass(kv)  # compiles every call on the signatures the measured pass meets
+    start = time.perf_counter()
+    kv, y = busy(kv, x)
+    y.block_until_ready()
+    busy_ms = 1e3 * (time.perf_counter() - start)
+    return [dict(row, busy_ms=busy_ms) for row in one_pass(kv)[0]]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--busy-iters", type=int, default=200, help="matmuls of the computation in flight")
     parser.add_argument("--size", type=int, default=4096, help="their matrices' side")
-    parser.add_argument("--out", help="JSON path (default $OUT/tier_copy_probe.json when $OUT is set)")
+    parser.add_argument("--out-dir", help="where tier_copy_probe.json goes (default benchmarks/results/; a copy "
+                        "into $OUT when set)")
     args = parser.parse_args(argv)
     rows = probe(busy_iters=args.busy_iters, size=args.size)
     for row in rows:
         print(f"{row['call']:<18} returned {row['returned_ms']:8.2f} ms  ready {row['ready_ms']:8.2f} ms  "
               f"(computation in flight: {row['busy_ms']:.1f} ms)")
-    out = args.out or (os.path.join(os.environ["OUT"], "tier_copy_probe.json") if os.environ.get("OUT") else None)
-    if out:
-        Path(out).write_text(json.dumps(dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=rows), indent=1))
+    write_results("tier_copy_probe", dict(busy_iters=args.busy_iters, size=args.size, rows=rows), args.out_dir)
     return rows
 
 

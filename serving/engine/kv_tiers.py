@@ -8,8 +8,9 @@ a recomputation would write, and tenants with different salts never share one.
 
 One block's pages are ``[leaves, block_size, *page]``: every cache leaf (``k[l]``, ``v[l]`` of ``PagedKV``,
 ``latent[l]`` of ``PagedLatentKV``) stacked, its rows of that block. The host tier keeps them in *batches*: the
-pages of up to ``MAX_BATCH`` blocks saved together, one array ``[n, leaves, block_size, *page]`` in the device's
-pinned host memory (``memory_kind="pinned_host"``), and a block is a row of one.
+pages of up to ``max_batch`` blocks (default ``MAX_BATCH``) saved together, one array
+``[n, leaves, block_size, *page]`` in the device's pinned host memory (``memory_kind="pinned_host"``), and a block
+is a row of one.
 
 Copies are batched, asynchronous and DMA-fast. The allocator's saves and loads of one scheduling decision are
 queued, and ``apply(kv)`` (called by the runner before each step's device call) issues them: the saved blocks are

@@ -7,8 +7,8 @@ from tools import tier_copy_probe
 
 
 def test_probe_times_each_tier_copy_with_work_in_flight(tmp_path):
-    out = tmp_path / "probe.json"
-    rows = tier_copy_probe.main(["--busy-iters", "2", "--size", "256", "--out", str(out)])
+    rows = tier_copy_probe.main(["--busy-iters", "2", "--size", "256", "--out-dir", str(tmp_path)])
     assert [r["call"] for r in rows] == ["gather", "to pinned_host", "from pinned_host", "scatter"]
     assert all(0 <= r["returned_ms"] <= r["ready_ms"] and r["busy_ms"] > 0 for r in rows)
-    assert json.loads(out.read_text())["rows"] == rows
+    result = json.loads((tmp_path / "tier_copy_probe.json").read_text())
+    assert result["rows"] == rows and result["meta"]["git_commit"]
