@@ -251,7 +251,7 @@ def quantize_rows_4bit(x, bits, *, signed: bool, sqrt_x=None):
     around x, up with the probability that makes the rounding unbiased in what the step uses: E[m^] = m, and
     E[1 / sqrt(v^)] = 1 / sqrt(v) for v above the first level. At 4 bits the levels are far apart, and rounding
     unbiased on the code's axis (c for m, n for v) biases both: E[s c |c|] > |m| by Jensen, and E[1/(n+1)^2] >
-    1/y^2, each making the mean step larger (by ~11% together, where int8's 127 levels give 0.1%).
+    1/y^2, each making the mean step larger than Adam's (at int8's 127 levels the same bias is negligible).
 
     m: the code c = 7 q / root in (-7, 7) stands for s c |c| / 49; between c0 = floor(c) and c0 + 1 it rounds up
     with probability (c |c| - c0 |c0|) / |2 c0 + 1|. v: y = 16 q / root in [1, 16) (v below the first level
