@@ -17,13 +17,18 @@ Models (``MODELS``, HF config dicts; ``ModelConfig.from_hf`` reads the same dict
   * smollm2-135m: SmolLM2-135M-Instruct with its real weights (the embedded GGUF, dequantized to bf16; on an
     offline machine pass ``--smollm2-gguf`` or set ``$APEX_JAX_SMOLLM2_WHEEL``); HF runs its config, random.
 
-serving cases (``serving_worker``), each step jitted with the cache donated, batch metadata built once on the
-host (the device step alone: no scheduler or host work between steps):
-  * decode: B in ``DECODE_BATCHES`` sequences at context ``CONTEXT``, one new token each, forward + greedy
-    argmax; tokens/s = B / step time. Roofline: the bytes a step must read over ``BANDWIDTH_TB_S``: every
+serving cases (``serving_worker``): every call through the engine's own runner (``serving_runner``: the
+``ModelRunner`` an ``Engine`` of the largest batch makes, its compiled step and greedy sampler, the batch metadata
+packed on the host per call as the engine packs it), no scheduler; calls dispatched back to back, a decode call fed
+the one before's samples on the device, as the engine chains them:
+  * decode: B in ``DECODE_BATCHES`` sequences at context ``CONTEXT``, one new token each per call, forward + greedy
+    sample; tokens/s = B / step time. Roofline: the bytes a step must read over ``BANDWIDTH_TB_S``: every
     weight but the routed experts and the embedding once (the embedding's B rows; a tied head reads it whole),
     the routed experts the step actually touched (``expert_counts > 0``, per layer) and each sequence's cached
     K and V (of a sliding-window layer only the window's); ``roofline_pct`` = measured / roofline tokens/s.
+  * decode-multi: the engine's multi-step decode call (``dispatch_decode``) of ``steps_per_call`` tokens per
+    sequence (the engine's default for the batch, ``default_decode_steps``), its context ending at ``CONTEXT``;
+    ``step_ms`` per token step, the roofline of the decode row's routing.
   * prefill: one ``CONTEXT``-token prompt (time to first token: forward + argmax) and ``PREFILL_SEQS`` of
     them in one step (prefill tokens/s).
   * image-prefill (models with an image encoder): one ``IMAGE_SIDE``-pixel square random image (1024 decoder
@@ -68,7 +73,6 @@ after every case, and a subset run (``--models``, ``--engines``, ``--layers``) r
 
 import argparse
 import collections
-import functools
 import gzip
 import json
 import os
@@ -144,9 +148,12 @@ ENGINES = ("serving", "hf")
 INVARIANT_ENGINE = "serving-bi"  # --batch-invariant: the serving cases in batch-invariant mode
 # Per mode: context length, decode batches, prompts in the prefill-throughput step, timed runs.
 # image_side: the image-prefill case's square image, in pixels.
+# decode_steps: the multi-step decode rows' steps per call (None: the engine's default for the batch,
+# serving.llm_engine.default_decode_steps; the CPU's is 1, so the CPU mode names 2 to run that path).
 SETTINGS = {"gpu": dict(context=2048, batches=(1, 8, 64), prefill_seqs=4, decode_steps_per_run=10, iters=20,
-                        image_side=1024),
-            "cpu": dict(context=64, batches=(1, 2), prefill_seqs=1, decode_steps_per_run=1, iters=20, image_side=32)}
+                        image_side=1024, decode_steps=None),
+            "cpu": dict(context=64, batches=(1, 2), prefill_seqs=1, decode_steps_per_run=1, iters=20, image_side=32,
+                        decode_steps=2)}
 HF_NEW_TOKENS = 32  # decode tokens per HF generate call (after the first)
 HF_RUNS = 3  # generate calls per timing (median): each prefills B x CONTEXT tokens
 # per (model, engine) subprocess; the device tool allows 600 s a command
@@ -260,77 +267,67 @@ def serving_setup(name: str, hf_config: dict, settings: dict, layers: int | None
     return cfg, params, kv, tables
 
 
-def serving_steps(cfg, batch_invariant: bool = False, gather_config=None) -> dict:
-    """The jitted step ``(params, kv, packed, *, sizes) -> (kv, greedy tokens [S], expert counts)`` for a batch with
-    and without a first prefill chunk (keys False and True: traced with ``KernelPolicy.paged_only``, as the runner
-    does),
-    the cache donated; ``packed`` is ``kv_cache.pack_step``'s one buffer (one host-to-device copy a step, as the
-    runner's) for the static ``sizes = (N, S, max_blocks)``; ``batch_invariant``: through
-    ``serving.batch_invariant.invariant`` (policy ``layers.BATCH_INVARIANT``); ``gather_config``: the decode
-    experts' ``gather_matmul`` geometry (``KernelPolicy.gather_config``; default ``grouped_matmul.GATHER_CONFIG``)."""
-    import dataclasses
-
-    import jax
-    import jax.numpy as jnp
-
+def serving_runner(cfg, params, kv, tables, batch_invariant: bool = False, kernels=None):
+    """The engine's own ``ModelRunner`` over ``params`` and ``kv``, made as an ``Engine`` of at most ``len(tables)``
+    running sequences of at most ``len(tables[0])`` blocks makes it (``max_seqs``, ``max_blocks``: S padded and W
+    fixed as the engine's are), with the kernel policy ``kernels`` (default ``layers.DEFAULT``)."""
     from serving import layers
-    from serving.batch_invariant import invariant
-    from serving.kv_cache import unpack_step
+    from serving.engine.runner import ModelRunner
     from serving.models import model_module
 
-    forward = model_module(cfg.family).forward
-
-    def step(params, kv, packed, *, sizes, paged_only):
-        tokens, batch, last = unpack_step(packed, *sizes)
-        if batch_invariant:
-            kernels = layers.BATCH_INVARIANT
-        else:
-            kernels = dataclasses.replace(layers.DEFAULT, paged_only=paged_only,
-                                          **({"gather_config": gather_config} if gather_config else {}))
-        logits, kv, counts = forward(params, cfg, tokens, batch, kv, kernels=kernels, rows=last)
-        return kv, jnp.argmax(logits, axis=-1), counts
-
-    def jitted(paged_only):
-        def fn(params, kv, packed, sizes):
-            traced = functools.partial(step, sizes=sizes, paged_only=paged_only)
-            return (invariant(traced) if batch_invariant else traced)(params, kv, packed)
-
-        return jax.jit(fn, donate_argnums=1, static_argnums=3)
-
-    return {paged_only: jitted(paged_only) for paged_only in (False, True)}
+    module = model_module(cfg.family)
+    return ModelRunner(cfg, params, module.forward, kv, BLOCK_SIZE, batch_invariant=batch_invariant,
+                       max_seqs=len(tables), kernels=kernels or layers.DEFAULT,
+                       encode=getattr(module, "encode_images", None), max_blocks=len(tables[0]))
 
 
-class StepInputs(NamedTuple):
-    """One step's host inputs: ``pack_step``'s buffer, its static sizes and whether the step is all paged."""
+def runner_call(runner, chunks, vocab: int, rng, steps: int = 1):
+    """``call(previous) -> Dispatched``: one call of ``runner`` over ``chunks`` as the engine issues it, greedy, not
+    waited for. A decode batch's (one token per chunk after its context) tokens are ``previous``'s samples, read on
+    the device (``from_previous``: the engine chains decode calls so; the first call's are random ids); a prefill's
+    are random ids. ``steps`` > 1: a multi-step decode call (``dispatch_decode``: ``steps`` tokens per sequence)."""
+    from serving.engine.runner import from_previous
+    from serving.engine.sampler import SampleRow
+    from serving.engine.sampling_params import SamplingParams
 
-    packed: object  # np.ndarray int32: tokens [N], the batch's fields, last [S]
-    sizes: tuple[int, int, int]  # (N, S, max_blocks)
-    all_paged: bool  # layers.all_paged of the batch: which of serving_steps' steps runs it
+    prompt = [rng.integers(0, vocab, c.count).tolist() for c in chunks]
+    rows = [SampleRow(SamplingParams(temperature=0, max_tokens=1), 0, 0, [], []) for _ in chunks]
+    decode = all(c.count == 1 and c.start > 0 for c in chunks)
+
+    def call(previous):
+        ids = prompt if previous is None or not decode else [[from_previous(r)] for r in range(len(chunks))]
+        if steps > 1:
+            return runner.dispatch_decode(chunks, ids, rows, steps, previous=previous)
+        return runner.dispatch(chunks, ids, rows, previous=previous)
+
+    return call
 
 
-def step_inputs(chunks, vocab: int, rng) -> StepInputs:
-    """The packed inputs (random tokens, batch metadata, each chunk's last flat index) of ``chunks`` (unpadded)."""
-    import numpy as np
+def time_runner(call, calls_per_run: int, iters: int):
+    """(Timing per call, compile seconds, the last call): ``call`` chained ``calls_per_run`` times back to back per
+    timed run (each fed the one before), then waited for, as ``harness.time_jax_steps`` times a step."""
+    import jax
 
-    from serving import layers
-    from serving.kv_cache import make_batch, pack_step
+    from benchmarks.harness import time_jax_steps
 
-    batch = make_batch(chunks, BLOCK_SIZE)
-    tokens = rng.integers(0, vocab, len(batch.positions)).astype(np.int32)
-    last = np.cumsum([c.count for c in chunks]).astype(np.int32) - 1
-    return StepInputs(pack_step(tokens, batch, last), (len(tokens), len(chunks), batch.block_tables.shape[1]),
-                      layers.all_paged(batch))
+    start = time.perf_counter()
+    first = jax.block_until_ready(call(None))
+    compile_s = time.perf_counter() - start
+    timing, (last,) = time_jax_steps(lambda previous: (call(previous),), (first,), steps_per_run=calls_per_run,
+                                     warmup=2, iters=iters)
+    return timing, compile_s, last
 
 
 def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, smollm2_gguf: str | None,
                    batch_invariant: bool = False):
-    """Print one JSON row per measurement (decode per batch, then prefill) as each finishes; ``batch_invariant``:
-    the step through ``serving.batch_invariant.invariant`` (engine ``INVARIANT_ENGINE``)."""
+    """Print one JSON row per measurement (decode per batch, multi-step decode per batch, then prefill) as each
+    finishes, every call through the engine's runner (``serving_runner``); ``batch_invariant``: a batch-invariant
+    runner (engine ``INVARIANT_ENGINE``; no multi-step decode there, as in the engine)."""
     import jax
     import numpy as np
 
-    from benchmarks.harness import time_jax_steps
     from serving.kv_cache import SeqChunk
+    from serving.llm_engine import default_decode_steps
 
     settings = SETTINGS[mode]
     context = settings["context"]
@@ -338,62 +335,61 @@ def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
     kv_bytes_per_token = sum(x.nbytes for x in jax.tree.leaves(kv)) // (len(tables) * context)
     # a step reads each layer's last min(context, window) tokens of K and V
     read_positions = sum(min(context, cfg.window(l) or context) for l in range(cfg.layers)) / cfg.layers
-    steps = serving_steps(cfg, batch_invariant)
+    runner = serving_runner(cfg, params, kv, tables, batch_invariant)
+    del kv  # donated to the runner's steps
     rng = np.random.default_rng(0)
-
-    def measure(chunks, steps_per_run):
-        nonlocal kv
-        inputs = step_inputs(chunks, cfg.vocab, rng)
-        step = steps[inputs.all_paged]
-        start = time.perf_counter()
-        kv, _, counts = jax.block_until_ready(step(params, kv, inputs.packed, inputs.sizes))
-        compile_s = time.perf_counter() - start
-        timing, (kv,) = time_jax_steps(lambda kv: step(params, kv, inputs.packed, inputs.sizes)[:1], (kv,),
-                                       steps_per_run=steps_per_run, warmup=2, iters=settings["iters"])
-        return timing, compile_s, np.asarray(counts)
-
     base = dict(model=name, engine=INVARIANT_ENGINE if batch_invariant else "serving", layers=cfg.layers,
                 context=context, weights="real" if name in REAL_WEIGHTS else "random",
                 params_b=sum(x.size for x in jax.tree.leaves(params)) / 1e9)
-    for batch in settings["batches"]:
-        timing, compile_s, counts = measure([SeqChunk(tables[s], context - 1, 1) for s in range(batch)],
-                                            settings["decode_steps_per_run"])
+
+    def decode_row(case: str, batch: int, timing, compile_s: float, steps: int, counts) -> dict:
+        step_ms = timing.median_ms / steps
         total, experts = weight_bytes_per_step(params, cfg, batch, counts)
         kv_bytes = batch * read_positions * kv_bytes_per_token
         roofline_ms = (total + kv_bytes) / (BANDWIDTH_TB_S * 1e9)
-        emit(base | dict(case="decode", batch=batch, step_ms=timing.median_ms, p10_ms=timing.p10_ms,
-                         p90_ms=timing.p90_ms, compile_s=compile_s, tokens_per_s=batch / (timing.median_ms * 1e-3),
-                         ms_per_layer=timing.median_ms / cfg.layers, weight_gb=total / 1e9,
-                         expert_gb=experts / 1e9, kv_gb=kv_bytes / 1e9, roofline_ms=roofline_ms,
-                         roofline_tokens_per_s=batch / (roofline_ms * 1e-3),
-                         roofline_pct=100 * roofline_ms / timing.median_ms,
-                         touched_experts_per_layer=float(np.count_nonzero(counts, axis=1).mean())))
+        return base | dict(case=case, batch=batch, steps_per_call=steps, step_ms=step_ms,
+                           p10_ms=timing.p10_ms / steps, p90_ms=timing.p90_ms / steps, compile_s=compile_s,
+                           tokens_per_s=batch / (step_ms * 1e-3), ms_per_layer=step_ms / cfg.layers,
+                           weight_gb=total / 1e9, expert_gb=experts / 1e9, kv_gb=kv_bytes / 1e9,
+                           roofline_ms=roofline_ms, roofline_tokens_per_s=batch / (roofline_ms * 1e-3),
+                           roofline_pct=100 * roofline_ms / step_ms,
+                           touched_experts_per_layer=float(np.count_nonzero(counts, axis=1).mean()))
+
+    for batch in settings["batches"]:
+        chunks = [SeqChunk(tables[s], context - 1, 1) for s in range(batch)]
+        timing, compile_s, last = time_runner(runner_call(runner, chunks, cfg.vocab, rng),
+                                              settings["decode_steps_per_run"], settings["iters"])
+        counts = runner.fetch(last).expert_counts  # one step's routing: the experts a step reads
+        emit(decode_row("decode", batch, timing, compile_s, 1, counts))
+        steps = settings["decode_steps"] or default_decode_steps().at(runner.decode_tokens(batch))
+        if steps > 1 and not batch_invariant:  # the engine's decode call: its context ends where the step's does
+            chunks = [SeqChunk(tables[s], context - steps, 1) for s in range(batch)]
+            timing, compile_s, _ = time_runner(runner_call(runner, chunks, cfg.vocab, rng, steps),
+                                               max(2, settings["decode_steps_per_run"] // steps), settings["iters"])
+            emit(decode_row("decode-multi", batch, timing, compile_s, steps, counts))
     for seqs in dict.fromkeys((1, settings["prefill_seqs"])):
-        timing, compile_s, _ = measure([SeqChunk(tables[s], 0, context) for s in range(seqs)], 1)
+        timing, compile_s, _ = time_runner(runner_call(runner, [SeqChunk(tables[s], 0, context) for s in range(seqs)],
+                                                       cfg.vocab, rng), 1, settings["iters"])
         emit(base | dict(case="prefill", batch=seqs, step_ms=timing.median_ms, p10_ms=timing.p10_ms,
                          p90_ms=timing.p90_ms, compile_s=compile_s, ttft_ms=timing.median_ms if seqs == 1 else None,
                          tokens_per_s=seqs * context / (timing.median_ms * 1e-3),
                          ms_per_layer=timing.median_ms / cfg.layers))
     if cfg.vision is not None and not batch_invariant:
-        emit(base | image_prefill(cfg, params, kv, tables, settings, rng))
+        emit(base | image_prefill(cfg, runner, tables, settings, rng))
 
 
-def image_prefill(cfg, params, kv, tables, settings: dict, rng) -> dict:
+def image_prefill(cfg, runner, tables, settings: dict, rng) -> dict:
     """The image-prefill row (module docstring): the engine's runner encodes the image, then prefills the prompt
-    holding it (``kv`` is the runner's from here on)."""
+    holding it."""
     import statistics
 
-    from serving.engine.runner import ModelRunner
     from serving.engine.sampler import SampleRow
     from serving.engine.sampling_params import SamplingParams
     from serving.images import RequestImages
     from serving.kv_cache import SeqChunk
-    from serving.models import model_module
 
     context = settings["context"]
     ids, image = image_prompt(cfg, context, settings["image_side"], rng)
-    module = model_module(cfg.family)
-    runner = ModelRunner(cfg, params, module.forward, kv, BLOCK_SIZE, encode=module.encode_images)
     placed = RequestImages.place(ids, [image], cfg.vision)
     rows = [SampleRow(SamplingParams(temperature=0, max_tokens=1), 0, 0, ids, [])]
 
@@ -495,47 +491,52 @@ def profile_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
     steps timed, then traced. Prints ``format_profile`` (the first geometry's kernels, then only the others'
     ``gather_matmul`` lines) and writes every kernel name of every run to ``serving_decode_profile[_cpu].json``
     after each (output truncation loses nothing). Returns the rows."""
+    import dataclasses
+
     import jax
     import numpy as np
 
     from serving.kv_cache import SeqChunk
+    from serving.layers import DEFAULT, traces_kernels
 
     settings = SETTINGS[mode] | dict(batches=batches)
     cfg, params, kv, tables = serving_setup(name, hf_config, settings, layers, smollm2_gguf)
     rng = np.random.default_rng(0)
     rows = []
 
-    def run(kv, step, inputs, n):  # n steps back to back, then wait
+    def run(call, previous, n):  # n runner calls back to back, each fed the one before, then wait
         for _ in range(n):
-            kv = step(params, kv, inputs.packed, inputs.sizes)[0]
-        return jax.block_until_ready(kv)
+            previous = call(previous)
+        return jax.block_until_ready(previous)
 
     for i, spec in enumerate(gather_specs or [None]):
-        steps = serving_steps(cfg, gather_config=gather_config(spec) if spec else None)
+        kernels = dataclasses.replace(DEFAULT, gather_config=gather_config(spec)) if spec else None
+        runner = serving_runner(cfg, params, kv, tables, kernels=kernels)
         for batch in batches:
-            chunks = [SeqChunk(tables[s], settings["context"] - 1, 1) for s in range(batch)]
-            inputs = step_inputs(chunks, cfg.vocab, rng)
-            step = steps[inputs.all_paged]
-            kv = run(kv, step, inputs, 2)  # compile, warm up
+            call = runner_call(runner, [SeqChunk(tables[s], settings["context"] - 1, 1) for s in range(batch)],
+                               cfg.vocab, rng)
+            last = run(call, None, 2)  # compile, warm up
             start = time.perf_counter()
-            kv = run(kv, step, inputs, PROFILE_STEPS)
+            last = run(call, last, PROFILE_STEPS)
             wall_ms = (time.perf_counter() - start) * 1e3 / PROFILE_STEPS
             with tempfile.TemporaryDirectory() as trace_dir:
                 jax.profiler.start_trace(trace_dir)
-                kv = run(kv, step, inputs, PROFILE_STEPS)
+                run(call, last, PROFILE_STEPS)
                 jax.profiler.stop_trace()
                 with gzip.open(next(Path(trace_dir).rglob("*.trace.json.gz"))) as f:
                     profile = kernel_profile(device_kernels(json.load(f)), PROFILE_STEPS)
+            paged_only = traces_kernels(runner.kernels)  # a decode step's trace (the runner's)
             title = (f"{name}, {cfg.layers} layers, context {settings['context']}, decode batch {batch}"
-                     + (" (paged only)" if inputs.all_paged else "") + (f", gather {spec}" if spec else ""))
+                     + (" (paged only)" if paged_only else "") + (f", gather {spec}" if spec else ""))
             print(format_profile(title, wall_ms, profile, cfg.layers, only=None if i == 0 else "gather_matmul"),
                   flush=True)
             rows.append(dict(model=name, layers=cfg.layers, context=settings["context"], batch=batch,
-                             paged_only=inputs.all_paged, gather_config=spec or "default", wall_ms=wall_ms,
+                             paged_only=paged_only, gather_config=spec or "default", wall_ms=wall_ms,
                              kernels_per_step=profile.count, busy_us=profile.busy_us, span_us=profile.span_us,
                              kernels=[dict(name=k, per_step=n, us_per_step=us) for k, n, us in profile.by_name]))
             write_results(f"serving_decode_profile{'_cpu' if mode == 'cpu' else ''}",
                           dict(mode=mode, profile_steps=PROFILE_STEPS, rows=rows), out_dir=out_dir)
+        kv = runner.kv  # the next geometry's runner takes the cache on
     if len(gather_specs) > 1:
         for batch in batches:
             ranked = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["wall_ms"])

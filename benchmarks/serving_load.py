@@ -22,8 +22,8 @@ tokenizer: its chunks carry logprobs and no text; the tokens of one engine step 
 the gap between steps that reach the client). The timed rounds start right after the engine is
 ready: no untimed warm-up load, so a shape compiled while serving shows in the latencies.
 
-* ``device``: ``serving_decode``'s jitted step of the model alone (``_device_worker``: bfloat16, no scheduler or
-  host work between steps): the decode step of ``concurrency`` sequences at the requests' mean context (TPOT;
+* ``device``: the engine's runner alone (``_device_worker``: ``serving_decode.serving_runner``, bfloat16, no
+  scheduler, one step per call): the decode step of ``concurrency`` sequences at the requests' mean context (TPOT;
   output tokens/s = concurrency / step) and the prefill of one prompt (TTFT), with ``ms_per_layer``.
 * ``http``: ``python -m serving serve`` (its engine core in a process of its own) in a subprocess on a free
   loopback port (``ServerProcess``), the requests streamed to ``/v1/completions``. ``client_cpu`` is the busiest
@@ -84,7 +84,7 @@ STATUSES = ("ok", "503", "4xx", "5xx", "timeout", "connection_error")
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 PERCENTILES = {"median": 50, "p90": 90, "p99": 99}
 COMPLETIONS = "/v1/completions"
-PATHS = ("device", "engine", "http")  # what a row measures: the jitted step alone, Engine in a process, the server
+PATHS = ("device", "engine", "http")  # what a row measures: the runner alone, Engine in a process, the server
 DEVICE_RUNS, DEVICE_STEPS_PER_RUN = 30, 10  # the device path's timing: runs of steps dispatched back to back
 CHAT = "/v1/chat/completions"
 REQUEST_TIMEOUT_S = 300.0  # one request, send to [DONE]: a queued request at concurrency 64 waits for others
@@ -548,10 +548,11 @@ def _engine_worker(args: list[str], loads: list[dict], level_bodies: list[list[d
 
 def _device_worker(name: str, spec: dict, settings: dict, levels: list[int], smollm2_gguf: str | None,
                    out: Any) -> None:
-    """The device path in a spawned process: ``serving_decode``'s jitted step of the model alone (bfloat16, no
-    scheduler and no host work between steps). Per level c: the decode step of c sequences at the requests' mean
+    """The device path in a spawned process: the engine's runner alone (``serving_decode.serving_runner``; bfloat16,
+    one step per call, greedy, no scheduler). Per level c: the decode step of c sequences at the requests' mean
     context (TPOT; output tokens/s = c / step) and the prefill of one ``input_len`` prompt (TTFT), each timed over
-    ``DEVICE_RUNS`` runs of ``DEVICE_STEPS_PER_RUN`` steps dispatched back to back; puts (startup_s: setup and
+    ``DEVICE_RUNS`` runs of ``DEVICE_STEPS_PER_RUN`` steps dispatched back to back (a decode step fed the one
+    before's samples on the device, as the engine chains them); puts (startup_s: setup and
     compiles, [row fields per level]) as JSON on ``out``."""
     import jax
 
@@ -565,19 +566,18 @@ def _device_worker(name: str, spec: dict, settings: dict, levels: list[int], smo
     real_name = "smollm2-135m" if "config" not in spec else name  # serving_decode's name of the real weights
     cfg, params, kv, tables = serving_decode.serving_setup(
         real_name, hf_config, dict(context=context, batches=levels, prefill_seqs=1), None, smollm2_gguf)
-    steps, rng = serving_decode.serving_steps(cfg), np.random.default_rng(0)
+    runner, rng = serving_decode.serving_runner(cfg, params, kv, tables), np.random.default_rng(0)
+    del kv  # donated to the runner's steps
 
     def per_step_ms(chunks: list) -> np.ndarray:
-        nonlocal kv
-        inputs = serving_decode.step_inputs(chunks, cfg.vocab, rng)
-        step = steps[inputs.all_paged]
-        kv = jax.block_until_ready(step(params, kv, inputs.packed, inputs.sizes))[0]  # compiles
+        call = serving_decode.runner_call(runner, chunks, cfg.vocab, rng)
+        last = jax.block_until_ready(call(None))  # compiles
         times = []
         for _ in range(DEVICE_RUNS):
             start = time.perf_counter()
             for _ in range(DEVICE_STEPS_PER_RUN):
-                kv = step(params, kv, inputs.packed, inputs.sizes)[0]
-            jax.block_until_ready(kv)
+                last = call(last)
+            jax.block_until_ready(last)
             times.append((time.perf_counter() - start) * 1e3 / DEVICE_STEPS_PER_RUN)
         return np.asarray(times)
 

@@ -26,12 +26,14 @@ def test_cpu_mode_measures_prefill_and_decode_and_writes_them(tmp_path):
     assert result["benchmark"] == "serving_decode_cpu" and result["meta"]["platform"] == "cpu"
     rows = result["rows"]
     settings = serving_decode.SETTINGS["cpu"]
-    assert [(r["case"], r["batch"]) for r in rows] == [("decode", b) for b in settings["batches"]] + [("prefill", 1)]
+    decode_cases = [(case, b) for b in settings["batches"] for case in ("decode", "decode-multi")]
+    assert [(r["case"], r["batch"]) for r in rows] == decode_cases + [("prefill", 1)]
     for r in rows:
         assert r["status"] == "ok" and r["engine"] == "serving" and r["step_ms"] > 0, r
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * (settings["context"] if r["case"] == "prefill" else 1)
                                                   / (r["step_ms"] * 1e-3))
     for r in rows[:-1]:
+        assert r["steps_per_call"] == (settings["decode_steps"] if r["case"] == "decode-multi" else 1)
         assert 0 < r["roofline_pct"] and r["roofline_tokens_per_s"] > 0
         assert 1 <= r["touched_experts_per_layer"] <= min(8, r["batch"] * 2)  # tiny-moe: 8 experts, top-2
     assert (tmp_path / "serving_decode_cpu.png").is_file()
@@ -101,12 +103,14 @@ def test_cpu_profile_mode_traces_each_decode_batch_and_gather_geometry(tmp_path,
     assert serving_decode.main([*argv, "--out-dir", str(tmp_path)]) == []
     out = capsys.readouterr().out
     titles = [line.split(":")[0] for line in out.splitlines() if "ms/step untraced" in line]
-    assert titles == [f"tiny-moe, 2 layers, context 64, decode batch {b} (paged only), gather {g}"
+    # the runner's decode steps: paged only where the kernels are traced, not on the CPU's reference path
+    assert not layers.traces_kernels(layers.DEFAULT)
+    assert titles == [f"tiny-moe, 2 layers, context 64, decode batch {b}, gather {g}"
                       for g in ("32x64x4x2", "16x32x2x1") for b in (2, 1)]
     rows = json.loads((tmp_path / "serving_decode_profile_cpu.json").read_text())["rows"]
     assert [(r["gather_config"], r["batch"]) for r in rows] == [("32x64x4x2", 2), ("32x64x4x2", 1),
                                                                 ("16x32x2x1", 2), ("16x32x2x1", 1)]
-    assert all(r["wall_ms"] > 0 and r["paged_only"] for r in rows)
+    assert all(r["wall_ms"] > 0 and not r["paged_only"] for r in rows)
     ranking = [line for line in out.splitlines() if line.startswith("gather sweep")]
     assert [line.split(",")[1] for line in ranking] == [" decode batch 2", " decode batch 1"]
     assert all("32x64x4x2" in line and "16x32x2x1" in line for line in ranking)
