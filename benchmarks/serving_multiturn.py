@@ -12,7 +12,8 @@ and recomputed; with the host tier they are loaded back.
 
 One engine serves every mode, so they run the same compiled steps: GPU only (no tiers), then with a host tier of
 ``--host-cache-gb`` (a fresh ``KVTiers``; one mode per ``--host-batches`` size, the most blocks a host batch holds:
-a load moves its block's whole batch); each run starts with an empty GPU prefix cache
+a load moves its block's whole batch, and per ``--tier-copies`` way of copying, ``KVTiers``' ``copies``); each run
+starts with an empty GPU prefix cache
 (``Engine.reset_prefix_cache``). Before timing, the engine compiles every step shape and the tiers' copies
 (``Engine.warm_up``, on an accelerator; ``--no-warm-up`` skips it) and each mode runs an untimed round of the same
 workload with other prompts (the same lengths, so the same shapes). Per mode: TTFT (a request's queueing, the moment
@@ -44,7 +45,7 @@ from benchmarks.harness import format_table, save_plot, write_results
 from benchmarks.serving_decode import MOE_1B, TINY_MOE
 from serving import Engine, LoadedModel, SamplingParams, enable_command_buffers
 from serving.config import ModelConfig
-from serving.engine.kv_tiers import MAX_BATCH, KVTiers
+from serving.engine.kv_tiers import COPIES, MAX_BATCH, KVTiers
 from serving.models import model_module
 
 MODELS = {"tiny": TINY_MOE, "moe-1b": MOE_1B}
@@ -217,6 +218,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--host-batches", default=str(MAX_BATCH),
                         help="comma-separated host batch sizes (KVTiers max_batch, powers of two): a tiered mode "
                         f"each; the default size's mode is 'gpu+host', another's 'gpu+host/N' (default {MAX_BATCH})")
+    parser.add_argument("--tier-copies", default=COPIES[0],
+                        help=f"comma-separated ways of copying pages (KVTiers copies, of {COPIES}): a tiered mode "
+                        f"each; one but {COPIES[0]!r} adds '/<way>' to the mode's name (default {COPIES[0]})")
     parser.add_argument("--think-ms", type=float, help="a user's pause between an answer and its next turn")
     parser.add_argument("--no-warm-up", action="store_true", help="skip Engine.warm_up (on the CPU it is skipped: "
                         "the untimed rounds compile what the timed ones meet)")
@@ -236,6 +240,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if any(n < 1 or n & (n - 1) or n > MAX_BATCH for n in host_batches):
         parser.error(f"--host-batches={args.host_batches}: expected powers of two up to {MAX_BATCH} (what warm_up "
                      "compiles)")
+    tier_copies = args.tier_copies.split(",")
+    if not tier_copies or any(c not in COPIES for c in tier_copies):
+        parser.error(f"--tier-copies={args.tier_copies!r}: expected comma-separated ways of {COPIES}")
     max_len = workload.system_len + workload.turns * (workload.user_len + workload.answer_len)
     if max_len >= MODELS[settings["model"]]["max_position_embeddings"]:
         parser.error(f"conversations reach {max_len} tokens: expected fewer than the model's "
@@ -255,10 +262,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         engine.warm_up()  # every step shape, and the tiers' copies
     else:
         engine.runner.kv = engine.tiers.warm_up(engine.runner.kv)
+    def tiers(size: int, copies: str) -> KVTiers:
+        """Fresh tiers over the engine's cache as it is now, their copies compiled (a warm-up has no effect)."""
+        made = KVTiers(engine.runner.kv, host_blocks, max_batch=size, copies=copies)
+        engine.runner.kv = made.warm_up(engine.runner.kv)
+        return made
+
     modes = {"gpu": lambda: None} | {
-        "gpu+host" + ("" if size == MAX_BATCH else f"/{size}"):
-            lambda size=size: KVTiers(engine.runner.kv, host_blocks, max_batch=size)  # the cache at each mode
-        for size in host_batches}
+        "gpu+host" + ("" if size == MAX_BATCH else f"/{size}") + ("" if copies == COPIES[0] else f"/{copies}"):
+            lambda size=size, copies=copies: tiers(size, copies)
+        for size in host_batches for copies in tier_copies}
     rows = measure(engine, modes, workload, MODELS[settings["model"]]["vocab_size"])
     name = args.name or ("serving_multiturn_cpu" if args.cpu else "serving_multiturn")
     print(format_table(rows, ["mode", "requests", "ttft_median_ms", "ttft_p99_ms", "prefill_tokens",

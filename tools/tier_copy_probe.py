@@ -8,9 +8,14 @@ flight, how long each call takes to return on the host and how long until its re
 * ``gather``: ``kv_tiers._gather`` of blocks from a cache the running computation writes (a jitted dispatch);
 * ``to pinned_host``: ``device_put`` of that not-yet-computed gather into pinned host memory (a save);
 * ``from pinned_host``: ``device_put`` of a ready pinned host batch onto the device (a load);
-* ``scatter``: ``kv_tiers._scatter`` of it into the donated cache (the load's second half).
+* ``scatter``: ``kv_tiers._scatter`` of it into the donated cache (the load's second half);
+* ``gather to host (program)``: ``kv_tiers._gather_to_host``, whose program writes the pages into host memory
+  (a save with ``KVTiers(copies="program")``);
+* ``scatter from host (program)``: ``kv_tiers._scatter`` of the pinned host batch itself, moved by its program
+  (that mode's load, in one call).
 
-A row whose ``returned_ms`` is close to ``busy_ms`` waited for the device. Prints a table and writes
+A row whose ``returned_ms`` is close to ``busy_ms`` waited for the device; ``compiles`` counts the compile events
+during the measured call (a nonzero one timed a compile, not a copy). Prints a table and writes
 ``tier_copy_probe.json`` through the benchmarks' harness (device, versions, date, commit).
 
     python3 -m tools.tier_copy_probe          # on the GPU machine: a few seconds
@@ -28,7 +33,18 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.harness import write_results  # noqa: E402
-from serving.engine.kv_tiers import _gather, _memory_kind, _scatter  # noqa: E402
+from serving.engine.kv_tiers import _committed, _gather, _gather_to_host, _memory_kind, _scatter  # noqa: E402
+
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+_compiles: list[str] = []  # compile events, as jax.monitoring reports them
+
+
+def _on_event(name: str, duration: float, **_: object) -> None:
+    if name in COMPILE_EVENTS:
+        _compiles.append(name)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 def probe(blocks: int = 1024, rows: int = 64, page: tuple[int, ...] = (16, 8, 128), leaves: int = 8,
@@ -36,7 +52,9 @@ def probe(blocks: int = 1024, rows: int = 64, page: tuple[int, ...] = (16, 8, 12
     """Each call's host return time and ready time, in ms from its dispatch, while ``busy`` (``busy_iters``
     matmuls of ``size`` squared) runs; every call compiled and run once before."""
     dtype = jnp.bfloat16
-    kv = [jnp.zeros((blocks, *page), dtype) for _ in range(leaves)]
+    # committed, as the engine's cache is (kv_tiers._committed): an uncommitted one would make the first pass
+    # compile for other argument shardings than the measured pass meets
+    kv = _committed([jnp.zeros((blocks, *page), dtype) for _ in range(leaves)])
     busy = jax.jit(lambda kv, x: ([leaf + 1 for leaf in kv], jax.lax.fori_loop(
         0, busy_iters, lambda i, a: jnp.tanh(a @ a * 1e-3), x)), donate_argnums=0)
     x = jnp.ones((size, size), dtype)
@@ -53,20 +71,24 @@ def probe(blocks: int = 1024, rows: int = 64, page: tuple[int, ...] = (16, 8, 12
         def timed(name, fn):
             nonlocal kv
             kv, y = busy(kv, x)
+            compiled = len(_compiles)
             start = time.perf_counter()
             result = fn(kv)
             returned = time.perf_counter()
             jax.block_until_ready(result)
             out.append(dict(call=name, returned_ms=1e3 * (returned - start),
-                            ready_ms=1e3 * (time.perf_counter() - start)))
+                            ready_ms=1e3 * (time.perf_counter() - start), compiles=len(_compiles) - compiled))
             y.block_until_ready()
             return result
 
         timed("gather", lambda kv: _gather(kv, ids))
         timed("to pinned_host", lambda kv: jax.device_put(_gather(kv, ids), pinned))
         data = timed("from pinned_host", lambda kv: jax.device_put(host_batch, on_device))
-        kv = timed("scatter", lambda kv: _scatter(kv, np.full(rows, blocks, np.int32), data,
-                                                  np.zeros(rows, np.int32)))
+        padding = np.full(rows, blocks, np.int32)  # out of range: scattered rows are dropped
+        kv = timed("scatter", lambda kv: _scatter(kv, padding, data, np.zeros(rows, np.int32)))
+        timed("gather to host (program)", lambda kv: _gather_to_host(kv, ids))
+        kv = timed("scatter from host (program)", lambda kv: _scatter(kv, padding, host_batch,
+                                                                      np.zeros(rows, np.int32)))
         return out, kv
 
     _, kv = one_pass(kv)  # compiles every call on the signatures the measured pass meets
@@ -86,8 +108,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     rows = probe(busy_iters=args.busy_iters, size=args.size)
     for row in rows:
-        print(f"{row['call']:<18} returned {row['returned_ms']:8.2f} ms  ready {row['ready_ms']:8.2f} ms  "
-              f"(computation in flight: {row['busy_ms']:.1f} ms)")
+        print(f"{row['call']:<28} returned {row['returned_ms']:8.2f} ms  ready {row['ready_ms']:8.2f} ms  "
+              f"(computation in flight: {row['busy_ms']:.1f} ms)" + (f"  COMPILED {row['compiles']}x" if row["compiles"]
+                                                                      else ""))
     write_results("tier_copy_probe", dict(busy_iters=args.busy_iters, size=args.size, rows=rows), args.out_dir)
     return rows
 

@@ -18,8 +18,11 @@ gathered on the device in power-of-two batches and put into pinned host memory (
 memcpy), then every host batch holding a loaded block is put back on the device whole and its rows scattered into
 the donated cache. Pinned memory is what makes the copies cheap: DMA at PCIe speed either way, where pageable numpy
 arrays go through staging copies and page faults an order of magnitude slower; loading a token's pages must cost
-well under recomputing them, or the tier is no gain. The host thread waits for no copy: the device orders each
-scatter after the gathers and steps before it. Ordering within a window: a block saved and then loaded in the same
+well under recomputing them, or the tier is no gain. The host thread should wait for no copy: the device orders
+each scatter after the gathers and steps before it. Whether a ``device_put`` between memories returns before its
+source is computed is the runtime's business, so ``KVTiers(copies="program")`` moves the pages inside the gather's
+and the scatter's own programs instead (``jax.memory.Space``), one dispatch per copy; ``tools/tier_copy_probe``
+times both ways on a busy device. Ordering within a window: a block saved and then loaded in the same
 window is gathered before the scatter overwrites it; a block loaded and then saved again is saved from the data
 being loaded (no device read).
 
@@ -70,6 +73,7 @@ class TierStats:
 
 
 MAX_BATCH = 64  # the most blocks in one host batch (default): saves are split into power-of-two batches up to it
+COPIES = ("put", "program")  # KVTiers' ways of moving pages between device and host (its docstring)
 
 
 class _Batch:
@@ -115,18 +119,27 @@ def _memory_kind(array: jax.Array, kind: str) -> Any:
     return array.sharding.with_memory_kind(kind) if kind in kinds else array.sharding
 
 
-@jax.jit
-def _gather(kv: Any, blocks: jax.Array) -> jax.Array:
+def _stack(kv: Any, blocks: jax.Array) -> jax.Array:
     """``[n, leaves, block_size, *page]``: every cache leaf's rows ``blocks [n]``, stacked per block."""
     return jnp.stack([leaf[blocks] for leaf in jax.tree.leaves(kv)], axis=1)
+
+
+_gather = jax.jit(_stack)
+
+
+@jax.jit
+def _gather_to_host(kv: Any, blocks: jax.Array) -> jax.Array:
+    """``_stack``'s pages written into host memory by the program itself (``copies="program"``): one dispatch,
+    whose device-to-host DMA runs on the device's queue after the gather."""
+    return jax.device_put(_stack(kv, blocks), jax.memory.Space.Host)
 
 
 @functools.partial(jax.jit, donate_argnames="kv")
 def _scatter(kv: Any, blocks: jax.Array, data: jax.Array, rows: jax.Array) -> Any:
     """``kv`` with every leaf's rows ``blocks[i]`` set to ``data[rows[i], leaf]``; out-of-range (padding) blocks
-    dropped."""
+    dropped. ``data`` in host memory (``copies="program"``) is moved to the device by the program itself."""
     leaves, tree = jax.tree.flatten(kv)
-    picked = data[rows]
+    picked = jax.device_put(data, jax.memory.Space.Device)[rows]
     return jax.tree.unflatten(tree, [leaf.at[blocks].set(picked[:, i].astype(leaf.dtype), mode="drop")
                                      for i, leaf in enumerate(leaves)])
 
@@ -227,12 +240,19 @@ class KVTiers:
       disk_blocks: the most blocks on disk (None: no bound).
       max_batch: the most blocks in one host batch (a power of two). A load puts its block's whole batch on the
         device, so larger batches mean fewer copies to issue and more bytes moved that no one asked for.
+      copies: how the pages cross between device and host (``COPIES``): "put", a jitted gather, then
+        ``jax.device_put`` into pinned host memory (and back before the jitted scatter); "program", the gather's
+        program writes its output into host memory and the scatter's reads the host batch itself
+        (``jax.memory.Space`` inside ``jit``), so each copy is one dispatch and nothing is a host-side transfer call.
     """
 
     def __init__(self, kv: Any, host_blocks: int, disk_dir: str | Path | None = None, fingerprint: str = "",
-                 disk_blocks: int | None = None, max_batch: int = MAX_BATCH):
+                 disk_blocks: int | None = None, max_batch: int = MAX_BATCH, copies: str = "put"):
         if host_blocks < 1:
             raise ValueError(f"KVTiers: host_blocks={host_blocks}: expected >= 1")
+        if copies not in COPIES:
+            raise ValueError(f"KVTiers: copies={copies!r}: expected one of {COPIES}")
+        self.copies = copies
         if max_batch < 1 or max_batch & (max_batch - 1):
             raise ValueError(f"KVTiers: max_batch={max_batch}: expected a power of two >= 1")
         leaves = jax.tree.leaves(kv)
@@ -317,7 +337,7 @@ class KVTiers:
                 for size in _chunks(len(group), self.batch_limit):
                     part = group[done:done + size]
                     done += size
-                    batch = _Batch(_to_host(_gather(kv, np.asarray([b for b, _ in part], np.int32))),
+                    batch = _Batch(self._to_host(kv, np.asarray([b for b, _ in part], np.int32)),
                                    [e for _, e in part])
                     for row, entry in enumerate(batch.entries):
                         entry.batch, entry.row = batch, row
@@ -332,7 +352,7 @@ class KVTiers:
             for block, entry in self._loads.items():
                 by_batch.setdefault(id(entry.batch), (entry.batch, []))[1].append((block, entry.row))
             for batch, pairs in by_batch.values():
-                size, data = len(batch.entries), _to_device(batch.array)
+                size, data = len(batch.entries), self._to_device(batch.array)
                 for i in range(0, len(pairs), size):  # a row loaded into several blocks: more pairs than rows
                     blocks = np.full(size, self.num_blocks, np.int32)  # padding: out of range, dropped
                     rows = np.zeros(size, np.int32)
@@ -352,7 +372,7 @@ class KVTiers:
         (the scatter donates it)."""
         kv = _committed(kv)
         for n in (1 << i for i in range(self.batch_limit.bit_length())):
-            data = _to_device(_to_host(_gather(kv, np.zeros(n, np.int32))))
+            data = self._to_device(self._to_host(kv, np.zeros(n, np.int32)))
             kv = _scatter(kv, np.full(n, self.num_blocks, np.int32), data, np.zeros(n, np.int32))
         pages = np.zeros((1, *self.block_shape), self.dtype)  # a block read from disk
         kv = _scatter(kv, np.full(1, self.num_blocks, np.int32), pages, np.zeros(1, np.int32))
@@ -372,6 +392,14 @@ class KVTiers:
             if self._host.get(entry.block_hash) is entry:
                 del self._host[entry.block_hash]
         self._saves, self._loads = [], {}
+
+    def _to_host(self, kv: Any, blocks: np.ndarray) -> jax.Array:
+        """The pages of GPU ``blocks`` as a host batch ``[n, leaves, block_size, *page]``, not waited for."""
+        return _gather_to_host(kv, blocks) if self.copies == "program" else _to_host(_gather(kv, blocks))
+
+    def _to_device(self, array: Any) -> Any:
+        """A host batch as ``_scatter`` takes it: as it is for "program" (its program reads the host memory)."""
+        return array if self.copies == "program" else _to_device(array)
 
     def _put(self, entry: _Entry) -> None:
         """Keep ``entry`` as the most recent host entry, then drop the oldest while the memory held exceeds

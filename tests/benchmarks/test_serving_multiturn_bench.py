@@ -9,15 +9,16 @@ import pytest
 from benchmarks import serving_multiturn
 
 
-@pytest.mark.slow  # ~40 s on 2 shared cores (two engines compile their steps)
+@pytest.mark.slow  # ~60 s on 2 shared cores (five modes of one engine, each with an untimed round)
 def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path):
     think_ms = 20.0  # each user pauses between turns: its turns span at least (turns - 1) pauses
-    rows = serving_multiturn.main(["--cpu", "--name", "multiturn", "--think-ms", str(think_ms),
-                                   "--host-batches", "64,2", "--out-dir", str(tmp_path)])
+    rows = serving_multiturn.main(["--cpu", "--name", "multiturn", "--think-ms", str(think_ms), "--host-batches",
+                                   "64,2", "--tier-copies", "put,program", "--out-dir", str(tmp_path)])
     result = json.loads((tmp_path / "multiturn.json").read_text())
-    assert result["rows"] == rows and [r["mode"] for r in rows] == ["gpu", "gpu+host", "gpu+host/2"]
+    assert result["rows"] == rows and [r["mode"] for r in rows] == ["gpu", "gpu+host", "gpu+host/program",
+                                                                    "gpu+host/2", "gpu+host/2/program"]
     assert result["working_set_blocks"] > result["settings"]["num_blocks"]
-    gpu, tiered, small = rows
+    gpu, tiered, program, small, small_program = rows
     workload = serving_multiturn.CPU_WORKLOAD
     turn_len = workload["user_len"] + workload["answer_len"]
     prompt_tokens = workload["users"] * sum(workload["system_len"] + workload["user_len"] + t * turn_len
@@ -31,8 +32,10 @@ def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path):
         # scheduling path admitted it (the step dispatched ahead of the one in flight included)
         assert row["preemptions"] == 0 and row["prefill_tokens"] + row["cached_prompt_tokens"] == prompt_tokens
     assert "tiers" not in gpu and tiered["tiers"]["host_hits"] > 0 and tiered["tiers"]["saved_blocks"] > 0
-    assert tiered["prefill_tokens"] < gpu["prefill_tokens"] and small["prefill_tokens"] < gpu["prefill_tokens"]
-    for row, most in ((tiered, 64), (small, 2)):  # a load moves its block's whole host batch, of at most `most` rows
+    for row in (tiered, program, small, small_program):
+        assert row["prefill_tokens"] < gpu["prefill_tokens"]
+    # a load moves its block's whole host batch, of at most `most` rows
+    for row, most in ((tiered, 64), (program, 64), (small, 2), (small_program, 2)):
         tiers = row["tiers"]
         block_bytes = tiers["device_to_host_bytes"] / tiers["saved_blocks"]
         assert tiers["loaded_blocks"] * block_bytes <= tiers["host_to_device_bytes"]
@@ -44,7 +47,7 @@ def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path):
 
 @pytest.mark.parametrize("argv", [["--num-blocks", "4096"], ["--users", "0"], ["--turns", "100"],
                                   ["--think-ms", "-1"], ["--host-batches", "3"], ["--host-batches", "128"],
-                                  ["--host-batches", "a"]])
+                                  ["--host-batches", "a"], ["--tier-copies", "put,dma"]])
 def test_rejects_a_workload_that_fits_or_is_bad(argv):
     with pytest.raises(SystemExit):
         serving_multiturn.main(["--cpu", *argv])

@@ -11,7 +11,7 @@ from helpers.engine import compile_events
 
 from serving import Engine, SamplingParams, sharding
 from serving.engine.blocks import BlockAllocator, hash_blocks
-from serving.engine.kv_tiers import SUFFIX, KVTiers
+from serving.engine.kv_tiers import COPIES, SUFFIX, KVTiers
 from serving.kv_cache import PagedKV
 
 BLOCK = 4
@@ -138,9 +138,10 @@ def _block(kv: PagedKV, block: int) -> np.ndarray:
     return np.stack([np.asarray(leaf[block]) for leaf in jax.tree.leaves(kv)])
 
 
-def test_saved_blocks_load_back_bitwise_in_any_window_order():
+@pytest.mark.parametrize("copies", COPIES)
+def test_saved_blocks_load_back_bitwise_in_any_window_order(copies):
     kv = _cache()
-    tiers = KVTiers(kv, host_blocks=8)
+    tiers = KVTiers(kv, host_blocks=8, copies=copies)
     original = {b: _block(kv, b) for b in range(8)}
     tiers.save(2, b"two")
     tiers.save(3, b"three")
@@ -159,9 +160,10 @@ def test_saved_blocks_load_back_bitwise_in_any_window_order():
     assert tiers.stats.saved_blocks == 2 and tiers.stats.host_hits == 4
 
 
-def test_host_tier_is_lru_and_drops_to_disk(tmp_path):
+@pytest.mark.parametrize("copies", COPIES)
+def test_host_tier_is_lru_and_drops_to_disk(tmp_path, copies):
     kv = _cache()
-    tiers = KVTiers(kv, host_blocks=2, disk_dir=tmp_path, fingerprint="f")
+    tiers = KVTiers(kv, host_blocks=2, disk_dir=tmp_path, fingerprint="f", copies=copies)
     tiers.save(0, b"a")
     tiers.save(1, b"b")
     tiers.lookup(b"a")  # a is now the most recent: b goes first
@@ -173,13 +175,14 @@ def test_host_tier_is_lru_and_drops_to_disk(tmp_path):
     assert tiers.stats.disk_hits == 1
 
 
-def test_saves_go_to_pinned_host_memory_in_power_of_two_batches_and_memory_stays_within_host_blocks():
+@pytest.mark.parametrize("copies", COPIES)
+def test_saves_go_to_pinned_host_memory_in_power_of_two_batches_and_memory_stays_within_host_blocks(copies):
     """Seven saves make batches of 4, 2 and 1 rows (blocks 0-3, 4-5, 6) in pinned host memory. The tier's memory
     counts a batch until its last entry leaves, so an eighth save past ``host_blocks`` drops the oldest entries
     until a batch is freed: 1, 2 and 3 (block 0, used since, keeps the first batch), then 4 and 5. What is left
     loads back bitwise."""
     kv = _cache()
-    tiers = KVTiers(kv, host_blocks=7)
+    tiers = KVTiers(kv, host_blocks=7, copies=copies)
     original = {b: _block(kv, b) for b in range(8)}
     for b in range(7):
         tiers.save(b, bytes([b]))
@@ -218,6 +221,32 @@ def test_max_batch_bounds_the_host_batches_and_loads_count_the_whole_batches_the
     for bad in (0, 3):
         with pytest.raises(ValueError, match=f"max_batch={bad}: expected a power of two"):
             KVTiers(kv, host_blocks=8, max_batch=bad)
+    with pytest.raises(ValueError, match=r"copies='dma': expected one of \('put', 'program'\)"):
+        KVTiers(kv, host_blocks=8, copies="dma")
+
+
+@pytest.mark.parametrize("copies", COPIES)
+def test_after_the_tiers_warm_up_saves_and_loads_compile_nothing(tmp_path, copies):
+    """Every batch size's gather, host round trip and scatter (and a disk block's scatter) compiled by ``warm_up``,
+    in either way of copying."""
+    kv = _cache()
+    tiers = KVTiers(kv, host_blocks=8, disk_dir=tmp_path, fingerprint="f", copies=copies)
+    kv = tiers.warm_up(kv)
+    original = {b: _block(kv, b) for b in range(8)}
+    with compile_events() as events:
+        for b in range(7):
+            tiers.save(b, bytes([b]))
+        kv = tiers.apply(kv)
+        tiers.drain()
+        fresh = KVTiers(kv, host_blocks=8, disk_dir=tmp_path, fingerprint="f", copies=copies)
+        for block, saved in ((7, 2), (6, 5)):
+            tiers.load(block, tiers.lookup(bytes([saved])))
+        kv = tiers.apply(kv)
+        fresh.load(0, fresh.lookup(bytes([4])))  # read from disk: numpy pages
+        kv = fresh.apply(kv)
+    assert events == []
+    for block, saved in ((7, 2), (6, 5), (0, 4)):
+        np.testing.assert_array_equal(_block(kv, block), original[saved])
 
 
 def test_allocator_restores_a_prefix_from_the_host():
