@@ -158,6 +158,36 @@ class FlatLayout:
             buffers.append(jnp.concatenate([p for p in pieces if p.size]))
         return FlatParams(tuple(buffers), self)
 
+    def row_ranges(self, tree, align: int) -> tuple[tuple[tuple[int, jax.Array], ...], ...]:
+        """Per group, ``(first_row, rows)`` pieces of a pytree with this layout (e.g. gradients), without copying
+        the large leaves into one buffer: ``rows [n, 256]`` holds rows ``[first_row, first_row + n)`` of the
+        group's flat buffer, ``first_row`` and ``n`` multiples of ``align`` (a power of 2 <= ``ROWS_ALIGN``).
+        The small leaves' region is one piece; each large leaf is a piece of its own (a reshape, no copy) where its
+        rows start and end on ``align``; leaves that do not are joined with their neighbours up to the next such
+        boundary (a concatenate of those only). Rows past the last leaf are left out: they hold zeros."""
+        if align < 1 or align & (align - 1) or align > ROWS_ALIGN:
+            raise ValueError(f"align={align}: expected a power of 2 <= {ROWS_ALIGN}")
+        leaves = self._leaves_of(tree)
+        out = []
+        for group in self.groups:
+            runs, run = [], []  # runs: (leaves as (offset, leaf) in buffer order, the row their piece ends on)
+            for i, offset in zip(group.leaves, group.offsets, strict=True):
+                large = offset // ROW >= group.small_rows
+                if run and large and run[-1][0] // ROW < group.small_rows:
+                    runs.append((run, group.small_rows))  # the small leaves' region ends on ROWS_ALIGN rows
+                    run = []
+                run.append((offset, leaves[i]))
+                end_row = -(-(offset + leaves[i].size) // ROW)
+                if large and end_row % align == 0:
+                    runs.append((run, end_row))
+                    run = []
+            if run:
+                last_row = -(-(run[-1][0] + run[-1][1].size) // ROW)
+                runs.append((run, _round_up(last_row, align) if run[0][0] // ROW >= group.small_rows
+                             else group.small_rows))
+            out.append(tuple(_rows_of(run, end_row, group.dtype) for run, end_row in runs))
+        return tuple(out)
+
     def unflatten(self, buffers) -> Any:
         """The pytree viewed out of flat buffers (one ``lax.split`` per group)."""
         leaves = [None] * len(self.shapes)
@@ -251,6 +281,19 @@ def place(flat: FlatParams, sharding: RowSharding) -> FlatParams:
                          f"{sharding.shards} shards of whole {ROWS_ALIGN}-row tiles; flatten with that RowSharding")
     spec = sharding.params_spec()
     return FlatParams(tuple(jax.device_put(b, spec) for b in flat.buffers), flat.layout, sharding)
+
+
+def _rows_of(run: list, end_row: int, dtype: str) -> tuple[int, jax.Array]:
+    """``(first_row, rows [n, 256])``: leaves ``run`` (``(offset, leaf)`` in buffer order) laid out as rows from
+    the first one's row to ``end_row``, zeros between and after them; one leaf that fills its rows exactly is
+    only reshaped."""
+    first_row = run[0][0] // ROW
+    parts, cursor = [], first_row * ROW
+    for offset, leaf in run:
+        parts += [jnp.zeros(offset - cursor, dtype), jnp.ravel(leaf)]
+        cursor = offset + leaf.size
+    parts = [x for x in [*parts, jnp.zeros(end_row * ROW - cursor, dtype)] if x.size]
+    return first_row, (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(-1, ROW)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -28,8 +28,10 @@ import optax
 from apex_jax.flat import ROWS_ALIGN, FlatLayout, FlatParams, RowSharding
 from pallas_kernels.adamw import (
     CODE_COLUMNS,
+    INT4_M_ZERO_BYTE,
     QUANTIZED,
     ROW,
+    TUNED_BLOCKS,
     BlockConfig,
     Hyper,
     fused_adamw,
@@ -176,7 +178,12 @@ class ApexW:
         """Fused AdamW step: ``(params, grads, state) -> (new params, new state)``.
 
         With FlatParams under ``jax.jit(opt.step, donate_argnums=(0, 2))`` params and moments are
-        updated in place by one launch per dtype group.
+        updated in place by one launch per dtype group. ``grads`` may be FlatParams (e.g. ``jax.grad`` with
+        respect to the FlatParams, whose transpose of the buffers' split concatenates the leaves' gradients) or
+        the pytree of the params' leaves (``jax.grad`` with respect to ``params.tree()``): then, where the Pallas
+        kernel runs, on one device and without master weights, each large leaf's gradient feeds a launch of its
+        own rows (``FlatLayout.row_ranges``) and no flat gradient buffer is ever made: a copy of every gradient
+        less in time and in peak memory, the same bits. Elsewhere a pytree is flattened first.
         """
         return self._run(params, grads, state, apply=True)
 
@@ -185,8 +192,18 @@ class ApexW:
     def _run(self, params, grads, state: ApexWState, apply: bool):
         layout = FlatLayout.of(params)
         self._check_state(layout, state)
-        p_flat, g_flat = layout.flatten(params), layout.flatten(grads)
+        p_flat = layout.flatten(params)
         sharding = p_flat.sharding
+        # a pytree's gradients by row ranges (the step's docstring), else one flat buffer per group
+        by_rows = (apply and sharding is None and not state.master and not isinstance(grads, FlatParams)
+                   and self._runs_kernel)
+        if by_rows:
+            g_pieces = layout.row_ranges(grads, self._block_rows)
+            g_buffers = tuple(tuple(rows for _, rows in pieces) for pieces in g_pieces)
+        else:
+            g_flat = layout.flatten(grads)
+            g_pieces = tuple(((0, None),) for _ in layout.groups)  # the whole buffer, flat
+            g_buffers = tuple((g,) for g in g_flat.buffers)
         row_masks = self._row_masks(layout, params)
         count = state.count
         t = optax.safe_increment(count)
@@ -201,16 +218,21 @@ class ApexW:
 
         def update_all(_):
             outs, moments, new_masters = [], [], []
-            for k, (group, p, g, mom, rows, master) in enumerate(zip(
-                    layout.groups, p_flat.buffers, g_flat.buffers, state.moments, row_masks, masters, strict=True)):
+            for k, (group, p, pieces, g_group, mom, rows, master) in enumerate(zip(
+                    layout.groups, p_flat.buffers, g_pieces, g_buffers, state.moments, row_masks, masters,
+                    strict=True)):
                 keys = stream_keys(self.seed, t, k)
                 source = p if master is None else master  # the kernel updates the float32 copy when there is one
                 if sharding is None:
-                    out, mom, copy = self._group_step(source, g, mom, jnp.asarray(rows), hp, keys, apply,
-                                                      group.small_rows, None if master is None else p.dtype)
+                    out = source
+                    for (first_row, _), g in zip(pieces, g_group, strict=True):  # one launch per row range
+                        out, mom, copy = self._group_step(out, g, mom, jnp.asarray(rows), hp, keys, apply,
+                                                          group.small_rows, None if master is None else p.dtype,
+                                                          first_row if by_rows else 0)
                     if master is not None:
                         master, out = out, copy
                 else:
+                    (g,) = g_group
                     out, mom, master = self._sharded_group_step(sharding, group, source, g, mom, rows, hp, keys,
                                                                 apply, None if master is None else p.dtype)
                 outs.append(out)
@@ -219,7 +241,7 @@ class ApexW:
             return tuple(outs), tuple(moments), tuple(new_masters) if state.master else ()
 
         if self.skip_nonfinite:
-            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in g_flat.buffers]))
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(g_buffers)]))
             # updates of -0.0: p + -0.0 is p bit for bit, signaling NaNs aside (+0.0 would turn -0.0 into +0.0)
             unchanged = p_flat.buffers if apply else tuple(jnp.full_like(g, -0.0) for g in g_flat.buffers)
             outs, moments, master = jax.lax.cond(finite, update_all,
@@ -232,13 +254,13 @@ class ApexW:
         out = FlatParams(outs, layout, sharding)
         return (out if isinstance(params, FlatParams) else out.tree()), new_state
 
-    def _group_step(self, p, g, moments, rows, hp, keys, apply, n_plain, copy_dtype=None):
-        """One buffer (or one shard of it): p, g ``[rows * 256]``, ``n_plain`` (maybe traced) rows of fp32 plain
-        moments first under 8- or 4-bit state -> (new p or updates ``[rows * 256]``, new moments, the new p in
-        ``copy_dtype`` or None)."""
-        shape2d = (p.size // ROW, ROW)
-        p2, g2 = p.reshape(shape2d), g.reshape(shape2d)
-        call = dict(apply=apply, out_dtype=g.dtype, quant_map=self.quant_map, copy_dtype=copy_dtype)
+    def _group_step(self, p, g, moments, rows, hp, keys, apply, n_plain, copy_dtype=None, first_row=0):
+        """One buffer (or one shard of it): p, g ``[rows * 256]`` (or g ``[n, 256]``: its rows from ``first_row``
+        on, updated in place), ``n_plain`` (maybe traced) rows of fp32 plain moments first under 8- or 4-bit state
+        -> (new p or updates ``[rows * 256]``, new moments, the new p in ``copy_dtype`` or None)."""
+        p2, g2 = p.reshape(-1, ROW), g.reshape(-1, ROW)
+        call = dict(apply=apply, out_dtype=g.dtype, quant_map=self.quant_map, copy_dtype=copy_dtype,
+                    first_row=first_row)
         if isinstance(moments, DenseMoments):
             out, new, *copy = self._kernel(p2, g2, tuple(moments), rows, hp, keys, 0,
                                            codec=_CODECS[self.state_dtype], **call)
@@ -305,6 +327,22 @@ class ApexW:
             out_specs=(flat_spec, moment_specs, P(axis) if master else None))(
                 p, g, moments, jnp.asarray(rows), hp, keys)
 
+    @property
+    def _runs_kernel(self) -> bool:
+        """Whether the update runs the Pallas kernel, which updates a range of rows in place; XLA's reference
+        would copy the range out and back (on the default backend when ``implementation`` is None)."""
+        if self.implementation is None:
+            return jax.default_backend() == "gpu"
+        return self.implementation != "xla"
+
+    @property
+    def _block_rows(self) -> int:
+        """The rows of the kernel's tile in every launch of this optimizer (its state's codec, and fp32 for a
+        group of small leaves alone)."""
+        if self.block is not None:
+            return self.block.block_rows
+        return max(TUNED_BLOCKS[codec].block_rows for codec in (_CODECS[self.state_dtype], "fp32"))
+
     def _kernel(self, p, g, state, rows, hp, keys, n_plain, **static):
         xla = lambda *a: fused_adamw_reference(*a[:-1], n_plain_rows=a[-1], **static)
         pallas = lambda *a: fused_adamw(*a[:-1], n_plain_rows=a[-1], config=self.block,
@@ -331,8 +369,10 @@ class ApexW:
             return DenseMoments(jnp.zeros(shape, self.state_dtype), jnp.zeros(shape, self.state_dtype))
         coded = 0 if group.rows == group.small_rows else group.rows
         columns = CODE_COLUMNS[_CODECS[self.state_dtype]]
+        # zeros as the kernel stores them, so rows no launch visits (padding) hold what a visit would leave
         return QuantizedMoments(
-            jnp.zeros((coded, columns), jnp.int8 if columns == ROW else jnp.uint8),
+            jnp.zeros((coded, columns), jnp.int8) if columns == ROW else jnp.full((coded, columns), INT4_M_ZERO_BYTE,
+                                                                                   jnp.uint8),
             jnp.zeros((coded, columns), jnp.uint8),
             jnp.zeros((coded,), jnp.float32), jnp.zeros((coded,), jnp.float32),
             jnp.zeros((group.small_rows, ROW), jnp.float32), jnp.zeros((group.small_rows, ROW), jnp.float32))

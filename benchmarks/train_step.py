@@ -8,7 +8,12 @@ Suites (each fits a 10-minute device command; ``--cpu`` runs tiny models on the 
   its own process on a GPU so the peaks do not mix) and the ratios to optax.adamw.
 * ``capacity``: the deepest model of a family (width fixed) that trains one step in one device, per optimizer,
   found by binary search over the layer count, started around the depth XLA's sizes of two shallow tries predict
-  (each try a process of its own: an out-of-memory kills only it).
+  (each try a process of its own: an out-of-memory kills only it). One sequence a step, every block rematerialized
+  (``CAPACITY_REMAT``), as one trains a model at the edge of memory: what is left is params, gradients, optimizer
+  state and the optimizer's own temporaries.
+
+ApexW's steps take the gradient of the params' leaves (``FlatParams.tree()``), which feeds each leaf's rows of the
+fused update without a concatenated flat copy (``ApexW.step``).
 * ``curves``: loss curves over ``--steps`` steps (2000 on a GPU) of a small byte-level model on the standard
   library's source (``apex_data.text``), every optimizer from the same init and batches; the final loss of each
   relative to optax.adamw's.
@@ -44,13 +49,16 @@ LR, WEIGHT_DECAY = 3e-4, 0.1
 CURVE_TOLERANCE = 0.01  # the issue's bar: final loss within 1% of optax.adamw's
 MEM_FRACTION = 0.95  # of the device memory XLA's allocator may use in each isolated case (its default is 0.75)
 CAPACITY_BATCH = 1  # sequences per step in the capacity search: the optimizer's memory, not activations, decides
+CAPACITY_REMAT = True  # the capacity search's blocks recompute their activations (ModelConfig.remat), both sides
 PROBE_LAYERS = (4, 8)  # the capacity search's shallow tries on a GPU, whose XLA sizes predict the deepest
 PREDICTION_BRACKET = (0.95, 1.03)  # its first tries, as fractions of the predicted depth
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder: ``gpt2`` (LayerNorm, GELU MLP, learned positions, biases) or ``llama`` (RMSNorm, SwiGLU, RoPE)."""
+    """A decoder: ``gpt2`` (LayerNorm, GELU MLP, learned positions, biases) or ``llama`` (RMSNorm, SwiGLU, RoPE).
+    ``remat``: each block's activations recomputed in the backward pass (``nnx.remat``, nothing saved but the
+    blocks' inputs), as a model trained at the edge of the device's memory is."""
 
     family: str
     vocab: int
@@ -59,6 +67,7 @@ class ModelConfig:
     heads: int
     hidden: int
     seq: int
+    remat: bool = False
 
     def __post_init__(self):
         if self.family not in ("gpt2", "llama"):
@@ -148,10 +157,12 @@ class Decoder(nnx.Module):
         if self.pos is not None:
             x = x + self.pos[...][: tokens.shape[1]].astype(jnp.bfloat16)
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
         def through(x, block):
             return block(x)
 
+        if self.cfg.remat:
+            through = nnx.remat(through, policy=jax.checkpoint_policies.nothing_saveable)
+        through = nnx.scan(through, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
         return self.head(self.norm(through(x, self.blocks))).astype(jnp.float32)
 
 
@@ -195,7 +206,9 @@ def make_trainer(cfg: ModelConfig, optimizer: str, seed: int = 0):
     flat = apex_jax.flatten(params)
 
     def fused_step(f, s, batch):
-        loss, grads = jax.value_and_grad(lambda f: loss_of(f.tree(), batch))(f)
+        # the gradient of the leaves the model reads: each feeds the update of its own rows (ApexW.step), where
+        # the gradient of the flat buffers would first be one concatenated copy of them all
+        loss, grads = jax.value_and_grad(loss_of)(f.tree(), batch)
         f, s = opt.step(f, grads, s)
         return f, s, loss
 
@@ -216,7 +229,8 @@ def speed_case(model: str, optimizer: str, cpu: bool) -> dict:
     batch = jax.random.randint(jax.random.key(1), (batch_size, cfg.seq + 1), 0, cfg.vocab)
     runs = dict(warmup=1, iters=20, steps_per_run=1) if cpu else dict(warmup=2, iters=20, steps_per_run=2)
     timing, (params, state, _) = time_jax_steps(lambda p, s, _loss: step(p, s, batch), (*carry, None), **runs)
-    grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), params)  # the gradient's shapes and dtypes
+    leaves = params.tree() if isinstance(params, apex_jax.FlatParams) else params  # what the step differentiates
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), leaves)  # the gradient's shapes and dtypes
     opt_timing, _ = time_jax_steps(lambda p, s: opt_step(p, s, grads), (params, state), **runs)
     return dict(model=model, optimizer=optimizer, params=n_params(cfg), batch=batch_size, seq=cfg.seq,
                 step_ms=timing.median_ms, tokens_per_s=batch_size * cfg.seq / (timing.median_ms * 1e-3),
@@ -299,7 +313,7 @@ def search_depth(cpu: bool, model: str, optimizer: str, min_layers: int, max_lay
     bytes per layer, and the first tries sit just below and above the depth predicted from them
     (``predict_depth``), so the binary search narrows a bracket of a few layers. Every try's outcome and XLA size
     is kept in the row; on a GPU each try is a process of its own (an out-of-memory kills only it)."""
-    cfg = (CPU_MODELS if cpu else MODELS)[model]
+    cfg = dataclasses.replace((CPU_MODELS if cpu else MODELS)[model], remat=CAPACITY_REMAT)
     tries: dict[int, dict] = {}
 
     def attempt(layers: int) -> bool:
@@ -406,7 +420,8 @@ def main(argv: list[str] | None = None, out_dir: str | Path | None = None) -> di
         return None
     if args.trial:
         model, optimizer, layers = args.trial.split(":")
-        print(json.dumps(trains(dataclasses.replace(MODELS[model], layers=int(layers)), optimizer, CAPACITY_BATCH)))
+        print(json.dumps(trains(dataclasses.replace(MODELS[model], layers=int(layers), remat=CAPACITY_REMAT), optimizer,
+                                CAPACITY_BATCH)))
         return None
     models, optimizers = args.models.split(","), args.optimizers.split(",")
     for name in optimizers:
@@ -426,7 +441,7 @@ def main(argv: list[str] | None = None, out_dir: str | Path | None = None) -> di
         max_layers = args.max_layers or (4 if args.cpu else 256)
         rows = suite_capacity(args.cpu, models, optimizers, args.min_layers, max_layers)
         columns = ["model", "optimizer", "layers", "params", "params_vs_first", "predicted_layers", "at_bracket_edge"]
-        config = dict(batch=CAPACITY_BATCH, mem_fraction=MEM_FRACTION,
+        config = dict(batch=CAPACITY_BATCH, remat=CAPACITY_REMAT, mem_fraction=MEM_FRACTION,
                       models={m: dataclasses.asdict((CPU_MODELS if args.cpu else MODELS)[m]) for m in models})
     else:
         steps = args.steps or (40 if args.cpu else 2000)

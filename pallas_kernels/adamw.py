@@ -230,6 +230,7 @@ def dequantize_rows(codes, scale, *, signed: bool, quant_map: str):
 
 
 INT4_M_MAX = 7.0  # signed 4-bit m codes in [-7, 7], stored + 8 in a nibble
+INT4_M_ZERO_BYTE = 0x88  # two m codes of 0 (8 in each nibble): how the kernel stores m = 0 (v = 0 is byte 0)
 INT4_V_LEVELS = 16.0  # 4-bit v code n stands for y = (n + 1) / 16
 
 
@@ -368,11 +369,11 @@ def store_dense(x, bits, dtype):
 
 
 def _adamw_kernel(hp_ref, key_ref, plain_ref, decay_ref, p_ref, g_ref, *refs, codec, quant_map, apply, has_plain,
-                  has_copy, block_rows, word_codes):
+                  has_copy, block_rows, word_codes, first_block):
     copy_ref, refs = (refs[-1], refs[:-1]) if has_copy else (None, refs)
     n_state = len(refs) // 2  # refs = (*state_in, out_ref, *state_out[, copy_ref])
     state_in, out_ref, state_out = refs[:n_state], refs[n_state], refs[n_state + 1:]
-    i = pl.program_id(0)
+    i = pl.program_id(0) + first_block  # the tile of the buffer (the grads' tile is the program's)
     hp = Hyper(*(hp_ref[k] for k in range(len(Hyper._fields))))
     rows = i * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, ROW), 0)
     index = (rows * ROW + jax.lax.broadcasted_iota(jnp.int32, (block_rows, ROW), 1)).astype(jnp.uint32)
@@ -420,33 +421,41 @@ def _adamw_kernel(hp_ref, key_ref, plain_ref, decay_ref, p_ref, g_ref, *refs, co
     pl.when(jnp.logical_not(plain))(quantized)
 
 
-def _state_specs(codec, plain_tiles, block_rows, word_codes=False):
+def _state_specs(codec, plain_tiles, block_rows, word_codes=False, first_block=0):
     """BlockSpecs of the moment arrays, in the order of the codec's state tuple (``plain_tiles``: tiles of the
-    fp32 plain moment arrays, 0 when there are none; ``word_codes``: int8 codes as uint32 words)."""
+    fp32 plain moment arrays, 0 when there are none; ``word_codes``: int8 codes as uint32 words; program i
+    updates tile ``first_block + i``)."""
     tile = (block_rows, ROW)
-    row_block = pl.BlockSpec(tile, lambda i: (i, 0))
+    row_block = pl.BlockSpec(tile, lambda i: (i + first_block, 0))
     if codec not in QUANTIZED:
         return [row_block, row_block]
     columns = CODE_COLUMNS[codec] // (CODES_PER_WORD if word_codes else 1)
-    code_block = pl.BlockSpec((block_rows, columns), lambda i: (i, 0))
-    row_scale = pl.BlockSpec((block_rows,), lambda i: (i,))
+    code_block = pl.BlockSpec((block_rows, columns), lambda i: (i + first_block, 0))
+    row_scale = pl.BlockSpec((block_rows,), lambda i: (i + first_block,))
     specs = [code_block, code_block, row_scale, row_scale]
     if plain_tiles:
-        plain = pl.BlockSpec(tile, lambda i: (jnp.minimum(i, plain_tiles - 1), 0))
+        plain = pl.BlockSpec(tile, lambda i: (jnp.minimum(i + first_block, plain_tiles - 1), 0))
         specs += [plain, plain]
     return specs
 
 
-def _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype):
-    """Shapes and names; a concrete ``n_plain_rows`` must also fit the plain moment arrays."""
+def _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype, first_row=0):
+    """Shapes and names; a concrete ``n_plain_rows`` must also fit the plain moment arrays; grads of some of the
+    rows (``first_row``) only in place (``apply``, no copy)."""
     if copy_dtype is not None and not apply:
         raise ValueError(f"copy_dtype={copy_dtype} needs apply=True (it is a copy of the new params)")
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
     if quant_map not in QUANT_MAPS:
         raise ValueError(f"unknown quant_map {quant_map!r}; expected one of {QUANT_MAPS}")
-    if p.ndim != 2 or p.shape[1] != ROW or g.shape != p.shape:
+    if p.ndim != 2 or p.shape[1] != ROW or g.ndim != 2 or g.shape[1] != ROW:
         raise ValueError(f"params and grads must both be [rows, {ROW}]; got {p.shape} and {g.shape}")
+    if not 0 <= first_row <= first_row + g.shape[0] <= p.shape[0]:
+        raise ValueError(f"grads of rows [{first_row}, {first_row + g.shape[0]}) do not lie in the params' "
+                         f"{p.shape[0]} rows")
+    if g.shape != p.shape and (not apply or copy_dtype is not None):
+        raise ValueError(f"grads of rows [{first_row}, {first_row + g.shape[0]}) of {p.shape[0]} update those rows "
+                         "in place: expected apply=True and no copy_dtype")
     if decay.shape != (p.shape[0],):
         raise ValueError(f"decay must be [rows] = [{p.shape[0]}], got {decay.shape}")
     if codec not in QUANTIZED:
@@ -467,14 +476,18 @@ def _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "quant_map", "apply", "out_dtype", "copy_dtype", "config",
-                                             "interpret"))
+                                             "interpret", "first_row"))
 def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int | jax.Array = 0,
                 quant_map: str = "power", apply: bool = True, out_dtype=None, copy_dtype=None,
-                config: BlockConfig | None = None, interpret: bool = False):
+                config: BlockConfig | None = None, interpret: bool = False, first_row: int = 0):
     """One AdamW step over a flat buffer in a single launch.
 
     Args:
-      p, g: params and grads, ``[rows, 256]`` (float32 or bfloat16).
+      p, g: params and grads, ``[rows, 256]`` (float32 or bfloat16); or grads ``[g_rows, 256]`` of the params'
+        rows ``[first_row, first_row + g_rows)`` only (both multiples of the block rows), which are then
+        updated in place with the bits the whole buffer's launch gives them, every other row of params and
+        moments left as it is (``apply=True``, no ``copy_dtype``; donate them): one launch per leaf, each fed
+        that leaf's own gradient, updates a buffer without first copying the gradients into one.
       state: moment arrays of ``codec``: ``(m, v)`` for fp32/bf16, ``(m_codes, v_codes, m_scale,
         v_scale[, m_plain, v_plain])`` for int8: codes ``[rows, 256]`` and scales ``[rows]`` used on rows
         ``[n_plain_rows, rows)``, fp32 plain moments ``[plain_rows, 256]`` (``plain_rows <= rows``) on rows
@@ -492,21 +505,25 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
       ``(new_params or updates, new_state)`` with ``new_state`` in the order of ``state``, and the copy last
       when ``copy_dtype`` is given.
     """
-    _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype)
+    _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype, first_row)
     config = config or TUNED_BLOCKS[codec]
     rows, r = p.shape[0], config.block_rows
     plain_rows = state[4].shape[0] if codec in QUANTIZED and len(state) == 6 else 0
     if rows % r or plain_rows % r or (isinstance(n_plain_rows, int) and n_plain_rows % r):
         raise ValueError(f"rows ({rows}), the plain moments' rows ({plain_rows}) and n_plain_rows ({n_plain_rows}) "
                          f"must be multiples of block_rows={r}")
+    if first_row % r or g.shape[0] % r:
+        raise ValueError(f"first_row ({first_row}) and the grads' rows ({g.shape[0]}) must be multiples of "
+                         f"block_rows={r}")
+    first_block = first_row // r
     if config.word_codes and codec != "int8":
         raise ValueError(f"BlockConfig.word_codes applies to the int8 codec only, got codec {codec!r}")
     word_codes = config.word_codes
     if word_codes:  # a free bitcast in XLA: the same bytes, four to a word
         state = tuple(jax.lax.bitcast_convert_type(x.reshape(rows, ROW // CODES_PER_WORD, CODES_PER_WORD),
                                                    jnp.uint32) if k < 2 else x for k, x in enumerate(state))
-    tile_spec = pl.BlockSpec((r, ROW), lambda i: (i, 0))
-    state_specs = _state_specs(codec, plain_rows // r, r, word_codes)
+    tile_spec = pl.BlockSpec((r, ROW), lambda i: (i + first_block, 0))
+    state_specs = _state_specs(codec, plain_rows // r, r, word_codes, first_block)
     hp_vec = jnp.stack([jnp.asarray(x, jnp.float32) for x in hp])
     hp_vec = jnp.pad(hp_vec, (0, HP_SLOTS - hp_vec.size))
     out_dtype = p.dtype if apply or out_dtype is None else out_dtype
@@ -516,15 +533,15 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
         aliases[4] = 0
     kernel = functools.partial(_adamw_kernel, codec=codec, quant_map=quant_map, apply=apply,
                                has_plain=plain_rows > 0, has_copy=copy_dtype is not None, block_rows=r,
-                               word_codes=word_codes)
+                               word_codes=word_codes, first_block=first_block)
     plain = jnp.reshape(jnp.asarray(n_plain_rows, jnp.int32), (1,))
     copy = [] if copy_dtype is None else [jax.ShapeDtypeStruct(p.shape, copy_dtype)]
     out, *new_state = pl.pallas_call(
         kernel,
-        grid=(rows // r,),
+        grid=(g.shape[0] // r,),
         in_specs=[pl.BlockSpec((HP_SLOTS,), lambda i: (0,)), pl.BlockSpec((4,), lambda i: (0,)),
-                  pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((r,), lambda i: (i,)), tile_spec, tile_spec,
-                  *state_specs],
+                  pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((r,), lambda i: (i + first_block,)), tile_spec,
+                  pl.BlockSpec((r, ROW), lambda i: (i, 0)), *state_specs],
         out_specs=[tile_spec, *state_specs, *[tile_spec] * len(copy)],
         out_shape=[jax.ShapeDtypeStruct(p.shape, out_dtype), *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state),
                    *copy],
@@ -541,12 +558,40 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
 
 
 def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int = 0,
-                          quant_map: str = "power", apply: bool = True, out_dtype=None, copy_dtype=None):
+                          quant_map: str = "power", apply: bool = True, out_dtype=None, copy_dtype=None,
+                          first_row: int = 0):
     """Plain-jnp :func:`fused_adamw`: same arguments, same math; results agree up to float reordering
     (an 8-bit code may land one step apart where that moves a value across a rounding edge)."""
-    _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype)
+    _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype, first_row)
+    if g.shape != p.shape:
+        return _reference_rows(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, first_row)
     out, new_state = _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype)
     return (out, new_state) if copy_dtype is None else (out, new_state, out.astype(copy_dtype))
+
+
+def _reference_rows(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, first_row):
+    """The reference on rows ``[first_row, first_row + g_rows)``, written back into the whole arrays: the rows'
+    params, codes and scales cut out, the plain moments' rows among them (if any) cut out too (zero rows past
+    their end), keys shifted to the first row's elements (``shard_key_offset``)."""
+    n = g.shape[0]
+    cut = lambda x: jax.lax.slice_in_dim(x, first_row, first_row + n)
+    back = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype), first_row, 0)
+    sub = tuple(cut(x) for x in state[:4]) if codec in QUANTIZED else tuple(cut(x) for x in state)
+    plain_rows = state[4].shape[0] if codec in QUANTIZED and len(state) == 6 else 0
+    if plain_rows:
+        padded = [jnp.pad(x, ((0, n), (0, 0))) for x in state[4:]]
+        sub += tuple(jax.lax.slice_in_dim(x, min(first_row, plain_rows), min(first_row, plain_rows) + n)
+                     for x in padded)
+    local_plain = jnp.clip(jnp.asarray(n_plain_rows) - first_row, 0, n) if plain_rows else 0
+    out, new = _reference(cut(p), g, sub, cut(decay), hp, keys + shard_key_offset(first_row), codec, local_plain,
+                          quant_map, True, None)
+    rowwise = 4 if codec in QUANTIZED else 2  # the arrays with a row per params row
+    whole = tuple(back(x, y) for x, y in zip(state[:rowwise], new[:rowwise], strict=True))
+    if plain_rows:
+        start = min(first_row, plain_rows)
+        whole += tuple(jax.lax.dynamic_update_slice_in_dim(x, y, start, 0)[:plain_rows]
+                       for x, y in zip(padded, new[4:], strict=True))
+    return back(p, out), whole
 
 
 def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype):

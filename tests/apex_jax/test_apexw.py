@@ -1,5 +1,7 @@
 """apex_jax.apexw / ApexW: equality with optax, every state kind in optax chains, the fused flat step."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -240,6 +242,86 @@ def test_gradients_arrive_flat():
     expected = jax.grad(lambda p: sum(jnp.sum(x**2) for x in jax.tree.leaves(p)))(params)
     for a, b in zip(jax.tree.leaves(grads.tree()), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# Leaves of every kind FlatLayout.row_ranges tells apart (names in tree order = buffer order): small ones; large
+# float32 ones a_w2 (30 rows: ends off the 4-row tiles), b_x (18 rows: with a_w2, ends on one), c_stack and d_w1
+# (whole tiles), e_embed (7000 elements: whole tiles once padded); bfloat16 ones, h2 padded too.
+MIXED = {"a_w2": ((96, 80), jnp.float32), "b_x": ((18, 256), jnp.float32), "c_stack": ((2, 64, 128), jnp.float32),
+         "d_w1": ((64, 64), jnp.float32), "e_embed": ((7, 1000), jnp.float32), "f_bias": ((64,), jnp.float32),
+         "g_norm": ((3, 3), jnp.float32), "h": ((64, 64), jnp.bfloat16), "h2": ((40, 120), jnp.bfloat16),
+         "hb": ((32,), jnp.bfloat16)}
+
+
+def mixed_model(key=0) -> dict:
+    keys = jax.random.split(jax.random.key(key), len(MIXED))
+    return {name: jax.random.normal(k, shape).astype(dtype) for k, (name, (shape, dtype)) in zip(keys, MIXED.items(),
+                                                                                                  strict=True)}
+
+
+def test_row_ranges_lay_out_the_tree_as_flatten_does_and_copy_only_what_is_off_the_tiles():
+    tree = mixed_model()
+    layout = apex_jax.FlatLayout.of(tree)
+    ranges = layout.row_ranges(tree, 4)
+    for group, pieces, buffer in zip(layout.groups, ranges, layout.flatten(tree).buffers, strict=True):
+        whole = jnp.zeros((group.rows, 256), buffer.dtype)
+        covered = 0
+        for first_row, rows in pieces:
+            assert first_row % 4 == 0 and rows.shape[0] % 4 == 0 and first_row >= covered  # aligned, disjoint
+            whole = whole.at[first_row:first_row + rows.shape[0]].set(rows)
+            covered = first_row + rows.shape[0]
+        np.testing.assert_array_equal(np.asarray(whole).ravel(), np.asarray(buffer))  # rows left out hold zeros
+    bf16, f32 = layout.groups  # by dtype name
+    assert [first_row for first_row, _ in ranges[1]] == [0, f32.small_rows, f32.small_rows + 48, f32.small_rows + 112,
+                                                         f32.small_rows + 128]
+    # a_w2 + b_x joined; e_embed and h2 padded; the small regions; c_stack, d_w1 and h only reshaped
+    jaxpr = jax.make_jaxpr(lambda t: layout.row_ranges(t, 4))(tree)
+    concatenated = sorted(e.outvars[0].aval.size for e in jaxpr.eqns if e.primitive.name == "concatenate")
+    assert concatenated == sorted([48 * 256, 28 * 256, 20 * 256, f32.small_rows * 256, bf16.small_rows * 256])
+    with pytest.raises(ValueError, match="align=3: expected a power of 2"):
+        layout.row_ranges(tree, 3)
+
+
+@pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_fused_step_with_tree_grads_equals_flat_grads_bit_for_bit(state_dtype, implementation):
+    """Gradients as the params' pytree update each row range in place (one launch per piece) to the same bits as
+    one flat gradient buffer per group with the kernel, skipped non-finite steps included. The jnp reference is
+    compiled by XLA per shape, which may round a few elements an ulp apart: its params agree to 1e-6."""
+    params = mixed_model()
+    opt = ApexW(1e-2, weight_decay=0.1, state_dtype=state_dtype, implementation=implementation, skip_nonfinite=True)
+    step = jax.jit(opt.step, donate_argnums=(0, 2))
+    runs = []
+    for form in ("flat", "tree"):
+        flat = flatten(params)
+        state = opt.init(flat)
+        for t in range(3):
+            grads = grads_at(params, t)
+            if t == 1:
+                grads = {**grads, "a_w2": grads["a_w2"].at[3, 4].set(jnp.nan)}  # a skipped step
+            flat, state = step(flat, flatten(grads) if form == "flat" else grads, state)
+        assert int(state.skipped) == 1 and int(state.count) == 2
+        runs.append((flat, state))
+    if implementation == "xla":
+        assert rel_max(runs[0][0], runs[1][0]) < 1e-6
+    else:
+        assert raw_bits(runs[0]) == raw_bits(runs[1])
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.int8], **KIND_IDS)
+def test_fused_step_with_tree_grads_lowers_to_a_kernel_per_row_range_and_no_flat_gradient(state_dtype):
+    """On an H200: one in-place apexw call per piece of ``row_ranges``, and no concatenate but the pieces' own."""
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mixed_model())
+    opt = ApexW(1e-3, state_dtype=state_dtype, implementation="pallas")
+    flat = jax.eval_shape(flatten, params)
+    state = jax.eval_shape(opt.init, flat)
+    text = lower_for_h200(opt.step, flat, params, state, donate_argnums=(0, 2))
+    pieces = flat.layout.row_ranges(mixed_model(), 4)
+    kernel = f"apexw_{CODECS[jnp.dtype(state_dtype)]}"
+    assert [name for name, _ in inspect_lowered(text).triton_calls] == [kernel] * sum(len(p) for p in pieces)
+    made = lambda text: sorted(size for n in re.findall(r"stablehlo.concatenate.*-> tensor<(\d+)x[bf]", text)
+                               if (size := int(n)) >= 256)  # row buffers (the kernel's scalars are concatenated too)
+    assert made(text) == sorted([48 * 256, 28 * 256, 20 * 256, 16 * 256, 16 * 256])  # the row ranges' own
 
 
 def raw_bits(tree) -> list[bytes]:

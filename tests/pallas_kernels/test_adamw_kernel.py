@@ -98,6 +98,44 @@ class TestFusedAdamW:
         for a, b in zip(new_state[:4], whole_state[:4], strict=False):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(half(b), np.float32))
 
+    @pytest.mark.parametrize("codec,n_plain", CASES)
+    @pytest.mark.parametrize("implementation", ["kernel", "reference"])
+    def test_launches_over_row_ranges_in_place_give_the_whole_launch_bitwise(self, codec, n_plain, implementation):
+        """Rows [0, 32), [32, 88) and [88, 128) updated by three in-place calls, each given the grads of its rows
+        only (the first holds the plain rows where there are 32), give the one whole call's params and moments bit
+        for bit; a range left out keeps its rows as they were."""
+        p, g, state, decay, hp, keys = inputs(4, codec, n_plain, jnp.bfloat16)
+        static = dict(codec=codec, n_plain_rows=n_plain)
+        run = (functools.partial(K.fused_adamw, interpret=interpret(), config=K.BlockConfig(block_rows=8))
+               if implementation == "kernel" else K.fused_adamw_reference)
+        whole = run(p, g, state, decay, hp, keys, **static)
+        ranges = [(0, 32), (32, 88), (88, ROWS)]
+        out, new = p, state
+        for start, end in ranges:
+            out, new = run(out, g[start:end], new, decay, hp, keys, first_row=start, **static)
+        for a, b in zip(jax.tree.leaves((out, new)), jax.tree.leaves(whole), strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        out, new = run(p, g[32:88], state, decay, hp, keys, first_row=32, **static)  # [0, 32) and [88, 128) kept
+        for a, b, before in zip(jax.tree.leaves((out, new)), jax.tree.leaves(whole), jax.tree.leaves((p, state)),
+                                strict=True):
+            a, b, before = (np.asarray(x, np.float32) for x in (a, b, before))
+            if a.shape[0] == ROWS:  # params, codes, scales
+                np.testing.assert_array_equal(a[32:88], b[32:88])
+                np.testing.assert_array_equal(a[:32], before[:32])
+                np.testing.assert_array_equal(a[88:], before[88:])
+            else:  # the plain moments: all in [0, 32)
+                np.testing.assert_array_equal(a, before)
+
+    def test_row_ranges_are_checked(self):
+        p, g, state, decay, hp, keys = inputs(0, "fp32", 0, jnp.float32)
+        with pytest.raises(ValueError, match=r"grads of rows \[120, 136\) do not lie in the params' 128 rows"):
+            K.fused_adamw(p, g[:16], state, decay, hp, keys, codec="fp32", first_row=120)
+        with pytest.raises(ValueError, match="update those rows in place: expected apply=True"):
+            K.fused_adamw(p, g[:16], state, decay, hp, keys, codec="fp32", apply=False)
+        with pytest.raises(ValueError, match=r"first_row \(4\) and the grads' rows \(16\) must be multiples"):
+            K.fused_adamw(p, g[:16], state, decay, hp, keys, codec="fp32", first_row=4,
+                          config=K.BlockConfig(block_rows=8))
+
     @pytest.mark.parametrize("codec,n_plain", [("fp32", 0), ("int8", 32)])
     def test_copy_dtype_writes_the_new_params_rounded_to_nearest(self, codec, n_plain):
         """float32 master params in, their bf16 working copy out of the same pass."""
@@ -134,6 +172,15 @@ def test_lowers_for_h200(codec, n_plain, p_dtype):
     config = K.BlockConfig(4, 2, word_codes=True) if codec == "int8" and p_dtype == jnp.float32 else None
     text = lower_for_h200(functools.partial(K.fused_adamw, codec=codec, n_plain_rows=n_plain, copy_dtype=copy,
                                             config=config), *args)
+    assert "triton" in text and "apexw_" + codec in text
+
+
+@pytest.mark.parametrize("codec,n_plain", [("fp32", 0), ("int8", 32), ("int4", 0)])
+def test_a_row_range_launch_lowers_for_h200(codec, n_plain):
+    p, g, *rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs(0, codec, n_plain, jnp.float32))
+    g = jax.ShapeDtypeStruct((64, K.ROW), g.dtype)  # rows [32, 96)
+    text = lower_for_h200(functools.partial(K.fused_adamw, codec=codec, n_plain_rows=n_plain, first_row=32), p, g,
+                          *rest)
     assert "triton" in text and "apexw_" + codec in text
 
 
