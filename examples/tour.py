@@ -148,10 +148,10 @@ def optax_variant(name: str, tx: optax.GradientTransformation) -> Variant:
 
 
 def fused_variant(name: str, opt: ApexW) -> Variant:
-    """Params as FlatParams: flat gradients straight from ``jax.grad`` and one fused ``opt.step``."""
+    """Params as FlatParams: the gradient of their leaves (``flat.tree()``) and one fused ``opt.step``."""
 
     def step(flat, state, x, y):
-        loss, grads = jax.value_and_grad(lambda f: loss_fn(f.tree(), x, y))(flat)
+        loss, grads = jax.value_and_grad(loss_fn)(flat.tree(), x, y)
         flat, state = opt.step(flat, grads, state)
         return flat, state, loss
 
