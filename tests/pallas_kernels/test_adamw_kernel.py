@@ -126,6 +126,33 @@ class TestFusedAdamW:
             else:  # the plain moments: all in [0, 32)
                 np.testing.assert_array_equal(a, before)
 
+    @pytest.mark.parametrize("codec,n_plain", [("int8", 0), ("int8", 32), ("int4", 32)])
+    @pytest.mark.parametrize("apply", [True, False])
+    def test_reference_in_chunks_matches_the_reference_at_once(self, codec, n_plain, apply, monkeypatch):
+        """The quantized reference's loop over chunks of rows (plain rows first, three chunks of 24 rows, a
+        remainder of 24 or 56) gives what one pass over the buffer gives."""
+        args = inputs(5, codec, n_plain, jnp.float32)
+        static = dict(codec=codec, n_plain_rows=n_plain, apply=apply)
+        whole = K.fused_adamw_reference(*args, **static)
+        monkeypatch.setattr(K, "REFERENCE_CHUNK_ROWS", 24)
+        chunked = K.fused_adamw_reference(*args, **static)
+        assert_close(chunked[0], whole[0], name="params" if apply else "updates")
+        for k, (a, e) in enumerate(zip(chunked[1], whole[1], strict=True)):
+            if jnp.issubdtype(a.dtype, jnp.integer):
+                assert_codes_close(a, e, f"state[{k}]", codec)
+            else:
+                assert_close(a, e, name=f"state[{k}]")
+
+    @pytest.mark.parametrize("codec", K.QUANTIZED)
+    def test_reference_temporaries_stay_below_the_state_it_saves(self, codec):
+        """XLA's temporaries of the jitted, donated quantized reference on 8M params (8 chunks of
+        REFERENCE_CHUNK_ROWS rows): under 4 B/param, where one pass over the buffer kept 18 (int8) or 24 (int4)."""
+        rows = 8 * K.REFERENCE_CHUNK_ROWS
+        shapes = jax.eval_shape(lambda: inputs(0, codec, 32, jnp.float32, rows))
+        call = jax.jit(functools.partial(K.fused_adamw_reference, codec=codec, n_plain_rows=32), donate_argnums=(0, 2))
+        temp = call.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+        assert temp < 4 * rows * K.ROW, temp / (rows * K.ROW)
+
     def test_row_ranges_are_checked(self):
         p, g, state, decay, hp, keys = inputs(0, "fp32", 0, jnp.float32)
         with pytest.raises(ValueError, match=r"grads of rows \[120, 136\) do not lie in the params' 128 rows"):
