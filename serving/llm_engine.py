@@ -350,7 +350,8 @@ class Engine:
         Plain bf16/fp32 weights on one device; verification passes too (greedy drafted tokens are the plain ones).
       mesh: a ``sharding.make_mesh`` mesh to run on (None: one device): params split by the model's
         ``param_specs``, the cache by ``sharding.cache_spec``, steps under ``jax.set_mesh`` (the MoE layers
-        expert-parallel). The same tokens as on one device; not with ``speculative`` or ``batch_invariant``.
+        expert-parallel). The same tokens as on one device; not with ``batch_invariant``, and with ``speculative``
+        only for a model-free drafter (n-gram, suffix: the verification runs on the mesh).
       decode_steps: the most tokens a decode-only step samples per sequence in one device call (module
         docstring): an int at every batch (1: one per step), a ``DecodeSteps`` by batch, or None:
         ``default_decode_steps()``, by backend. The same tokens as single steps; other steps (prefill,
@@ -386,10 +387,13 @@ class Engine:
             if decode_steps < 1:
                 raise ValueError(f"Engine: decode_steps={decode_steps}: expected >= 1 (1: one token per step)")
             decode_steps = DecodeSteps(decode_steps)
-        if mesh is not None and (speculative is not None or batch_invariant):
-            raise ValueError(f"Engine: a mesh {dict(mesh.shape)} with "
-                             f"{'speculative decoding' if speculative else 'batch_invariant=True'}: expected one "
-                             "device (mesh=None) for it")
+        if mesh is not None and batch_invariant:
+            raise ValueError(f"Engine: a mesh {dict(mesh.shape)} with batch_invariant=True: expected one device "
+                             "(mesh=None) for it")
+        if mesh is not None and speculative is not None and not speculative.model_free:
+            raise ValueError(f"Engine: a mesh {dict(mesh.shape)} with the drafter {speculative.drafter_name}, which "
+                             "runs a model of its own: on a mesh speculation drafts model-free (expected "
+                             "SpecConfig.from_method('ngram') or ('suffix'))")
         self.compilation_cache = use_compilation_cache(compilation_cache)
         dtype = resolve_dtype(dtype, model)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
@@ -527,7 +531,7 @@ class Engine:
                        "scores": lambda shape: runner.build_step(shape, scores=True),
                        "sample": lambda n, *variant: runner.build_sample(logits["sample"][n], *variant),
                        "score": lambda shape: compile_score(runner, shape, self.speculative.k),
-                       "verify": lambda n, *v: compile_verify(logits["verify"][n], self.speculative.k, *v)}
+                       "verify": lambda n, *v: compile_verify(runner, logits["verify"][n], self.speculative.k, *v)}
         if progress is not None:
             progress(len(compiled), len(entries))
         if self.tiers is not None:

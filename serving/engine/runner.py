@@ -330,7 +330,7 @@ class ModelRunner:
         size = self.fed_size(num_seqs)
         if previous is None:
             if size not in self._zeros:
-                self._zeros[size] = self._placed(np.zeros(size, np.int32))
+                self._zeros[size] = self.place(np.zeros(size, np.int32))
             return self._zeros[size]
         if previous.fed.shape[0] != size:
             raise ValueError(f"a step of {num_seqs} sequences chained after one fed {previous.fed.shape[0]} tokens: "
@@ -383,7 +383,7 @@ class ModelRunner:
         pixels = np.zeros((len(layout.segments), self.cfg.vision.patch_dim), np.float32)
         pixels[:total] = np.concatenate([image.pixels for image in images])
         with self.on_mesh():
-            tokens, deepstack = _encode(self.params, self._placed(pixels), jax.tree.map(self._placed, tuple(layout)),
+            tokens, deepstack = _encode(self.params, self.place(pixels), jax.tree.map(self.place, tuple(layout)),
                                         encode=self.encode, cfg=self.cfg)
         tokens, deepstack = jax.device_get((tokens, deepstack))
         first = 0
@@ -399,7 +399,7 @@ class ModelRunner:
             return None
         mm = step_inputs([(i, c.start, c.count) for i, c in zip(images, chunks, strict=True)], num_tokens,
                          self.cfg.hidden, len(self.cfg.vision.deepstack_layers) if self.cfg.vision else 0)
-        return None if mm is None else jax.tree.map(self._placed, mm)
+        return None if mm is None else jax.tree.map(self.place, mm)
 
     def on_mesh(self) -> contextlib.AbstractContextManager:
         """The context device calls on the runner's params and cache run in: ``jax.set_mesh(mesh)``, or nothing
@@ -408,9 +408,9 @@ class ModelRunner:
 
     def _packed(self, tokens: np.ndarray, batch: AttentionBatch, last: np.ndarray) -> Any:
         """``pack_step``'s one buffer of a step's inputs; on a mesh, replicated (every device reads the whole batch)."""
-        return self._placed(pack_step(tokens, batch, last))
+        return self.place(pack_step(tokens, batch, last))
 
-    def _placed(self, inputs: np.ndarray | jax.Array) -> Any:
+    def place(self, inputs: Any) -> Any:
         """A step's ``inputs`` as its jitted call takes them: as they are, or replicated on the mesh."""
         return inputs if self.mesh is None else jax.device_put(inputs, self._replicated)
 
@@ -472,7 +472,7 @@ class ModelRunner:
         if targets is not None:
             flat_targets = np.zeros(len(tokens), np.int32)
             flat_targets[:sum(c.count for c in chunks)] = np.concatenate(targets)
-            flat_targets = self._placed(flat_targets)
+            flat_targets = self.place(flat_targets)
         with self.on_mesh():
             logits, self.kv, counts, scores = self.executables.call(  # returns at once; the device computes
                 "step", _step, (self.params, self.kv), (packed, fed, mm, flat_targets),
@@ -569,7 +569,7 @@ class ModelRunner:
         batch of padding only (every token's slot PAD: running it leaves the cache as it was); with ``scores`` the
         scoring variant."""
         packed = self._padding_packed(shape)
-        targets = self._placed(np.zeros(shape.num_tokens, np.int32)) if scores else None
+        targets = self.place(np.zeros(shape.num_tokens, np.int32)) if scores else None
         return (packed, self._fed(None, shape.num_seqs), None, targets), self._step_static(shape[:3], shape.paged_only)
 
     def build_step(self, shape: StepShape, scores: bool = False) -> jax.ShapeDtypeStruct:

@@ -94,15 +94,17 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
             sample_rows += [c.row._replace(step=c.row.step + j) for j in range(k + 1)]
     observer = drafter if isinstance(drafter, HiddenStateDrafter) else None
     bitmask = None if runner.overlap_masks else _draft_masks(runner, chunks, k, num_seqs)
-    logits, runner.kv, counts, hidden = _score_step(
-        runner.params, runner.kv, tokens, batch, rows.reshape(-1), forward=runner.forward, cfg=runner.cfg,
-        hidden_layers=observer.hidden_layers if observer else (),
-        kernels=runner.step_kernels(layers.all_paged(batch)))  # returns at once; the device computes
-    if runner.overlap_masks:
-        bitmask = _draft_masks(runner, chunks, k, num_seqs)
-    result = _verify_rows(logits, sampling_batch(sample_rows, num_seqs * (k + 1), token_bitmask=bitmask),
-                          draft_tokens, draft_counts, draft_probs, draft_rows, num_top=num_top,
-                          draw=any(c.row.params.temperature > 0 for c in chunks))
+    with runner.on_mesh():  # on a mesh the host inputs go replicated, as the runner's own steps' do
+        logits, runner.kv, counts, hidden = _score_step(
+            runner.params, runner.kv, *runner.place((tokens, batch, rows.reshape(-1))), forward=runner.forward,
+            cfg=runner.cfg, hidden_layers=observer.hidden_layers if observer else (),
+            kernels=runner.step_kernels(layers.all_paged(batch)))  # returns at once; the device computes
+        if runner.overlap_masks:
+            bitmask = _draft_masks(runner, chunks, k, num_seqs)
+        result = _verify_rows(logits, *runner.place((
+            sampling_batch(sample_rows, num_seqs * (k + 1), token_bitmask=bitmask), draft_tokens, draft_counts)),
+            draft_probs, runner.place(draft_rows), num_top=num_top,
+            draw=any(c.row.params.temperature > 0 for c in chunks))
     *fields, counts = jax.device_get((*result, counts))  # one wait for every transfer
     runner.expert_load += counts
     result = VerifyResult(*(a[:len(chunks)] for a in fields))
@@ -118,23 +120,29 @@ def compile_score(runner: ModelRunner, shape: StepShape, k: int) -> jax.ShapeDty
     no hidden states kept (nothing runs); returns the logits ``[S * (k + 1), V]`` it gives the verification."""
     n, s, w = shape.num_tokens, shape.num_seqs, shape.max_blocks
     batch = AttentionBatch(*(np.zeros(size, np.int32) for size in step_shapes(n, s, w)[1:-1]))
-    compiled = _score_step.lower(runner.params, runner.kv, np.zeros(n, np.int32), batch,
-                                 np.zeros(s * (k + 1), np.int32), forward=runner.forward, cfg=runner.cfg,
-                                 hidden_layers=(), kernels=runner.step_kernels(shape.paged_only)).compile()
+    with runner.on_mesh():
+        compiled = _score_step.lower(
+            runner.params, runner.kv, *runner.place((np.zeros(n, np.int32), batch, np.zeros(s * (k + 1), np.int32))),
+            forward=runner.forward, cfg=runner.cfg, hidden_layers=(),
+            kernels=runner.step_kernels(shape.paged_only)).compile()
     info = compiled.out_info[0]
-    return jax.ShapeDtypeStruct(info.shape, info.dtype)
+    return jax.ShapeDtypeStruct(info.shape, info.dtype,
+                                sharding=None if runner.mesh is None else compiled.output_shardings[0])
 
 
-def compile_verify(logits: jax.ShapeDtypeStruct, k: int, num_top: int, draw: bool, masked: bool) -> None:
+def compile_verify(runner: ModelRunner, logits: jax.ShapeDtypeStruct, k: int, num_top: int, draw: bool,
+                   masked: bool) -> None:
     """Compile ``verify_step``'s verification of ``logits`` (a ``compile_score`` result) for a drafter that
     proposes tokens without a distribution (``NgramDrafter``), with ``num_top`` logprobs, drawing or greedy, with a
-    structured-output mask (``masked``) or without."""
+    structured-output mask (``masked``) or without, on ``runner``'s mesh if it has one."""
     rows, vocab = logits.shape
     num_seqs = rows // (k + 1)
     bitmask = np.zeros((rows, -(-vocab // 32)), np.int32) if masked else None
-    _verify_rows.lower(logits, sampling_batch([], rows, token_bitmask=bitmask), np.zeros((num_seqs, k), np.int32),
-                       np.zeros(num_seqs, np.int32), None, np.zeros(num_seqs, np.int32), num_top=num_top,
-                       draw=draw).compile()
+    with runner.on_mesh():
+        inputs = runner.place((sampling_batch([], rows, token_bitmask=bitmask), np.zeros((num_seqs, k), np.int32),
+                               np.zeros(num_seqs, np.int32)))
+        _verify_rows.lower(logits, *inputs, None, runner.place(np.zeros(num_seqs, np.int32)), num_top=num_top,
+                           draw=draw).compile()
 
 
 def _draft_masks(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, num_seqs: int) -> np.ndarray | None:

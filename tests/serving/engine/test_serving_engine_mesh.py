@@ -15,7 +15,7 @@ from serving import __main__ as serving_main
 from serving.api import cli
 from serving.loaders import load_model
 from serving.models import model_module
-from serving.spec_decode import NgramDrafter, SpecConfig
+from serving.spec_decode import DraftModelDrafter, SpecConfig
 
 pytestmark = pytest.mark.needs_devices(8)
 
@@ -92,6 +92,19 @@ def test_engine_on_a_mesh_gives_the_one_device_tokens_and_logprobs(name, axes):
         assert gate.addressable_shards[0].data.shape == (cfg.num_experts // ep, cfg.hidden, cfg.moe_intermediate // tp)
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_model_free_speculation_on_a_mesh_gives_the_one_device_tokens(method):
+    """n-gram and suffix drafts verified on a tensor x expert mesh: the greedy tokens of the one-device engine
+    without speculation, with drafts really verified (prompts that repeat themselves give the drafters matches)."""
+    name = "qwen3_moe"
+    repeating = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [r.outputs[0].token_ids for r in engine(name).generate(repeating, params)]
+    eng = engine(name, mesh=mesh_of(1, 2, 4), speculative=SpecConfig.from_method(method, k=3))
+    assert [r.outputs[0].token_ids for r in eng.generate(repeating, params)] == want
+    assert eng.spec_stats.num_steps > 0 and eng.spec_stats.num_draft_tokens > 0
+
+
 def test_quantized_params_are_split_as_their_weights():
     """int8 experts: q as the weight, its per-channel scales too but for the contracted (size-1) dimension."""
     cfg, params = load_model(HF / "qwen3_moe", jnp.float32)[:2]
@@ -116,8 +129,10 @@ def test_bad_meshes_are_refused_with_the_sizes():
     other = jax.make_mesh((2,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
     with pytest.raises(ValueError, match=r"mesh axes \('expert',\): expected \('data', 'tensor', 'expert'\)"):
         engine("qwen3_moe", mesh=other)
-    with pytest.raises(ValueError, match=r"a mesh \{'data': 1, 'tensor': 2, 'expert': 1\} with speculative decoding"):
-        engine("llama", mesh=mesh_of(1, 2, 1), speculative=SpecConfig(NgramDrafter(), k=2))
+    with pytest.raises(ValueError, match=r"a mesh \{'data': 1, 'tensor': 2, 'expert': 1\} with the drafter "
+                                         r"DraftModelDrafter.from_target, which runs a model of its own"):
+        engine("llama", mesh=mesh_of(1, 2, 1),
+               speculative=SpecConfig(functools.partial(DraftModelDrafter.from_target, num_layers=1), k=2))
     with pytest.raises(ValueError, match="with batch_invariant=True: expected one device"):
         engine("llama", mesh=mesh_of(1, 2, 1), batch_invariant=True)
 

@@ -131,16 +131,22 @@ def test_with_ngram_speculation_warm_up_compiles_every_verification_and_plain_st
 
 
 @pytest.mark.needs_devices(8)
-def test_on_a_mesh_warm_up_leaves_nothing_to_compile():
+@pytest.mark.parametrize("speculative", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_on_a_mesh_warm_up_leaves_nothing_to_compile(speculative):
+    """Plain steps, and with n-gram speculation its scoring forward and verification too (prompts that repeat
+    themselves: drafts are verified)."""
     from serving import sharding
 
     mesh = sharding.make_mesh(2, 2, 2, devices=jax.devices()[:8])
     eng = Engine(HF / "qwen3_moe", dtype="float32", num_blocks=32, block_size=4, max_running=2, token_budget=8,
-                 max_model_len=32, mesh=mesh, compilation_cache=False)
+                 max_model_len=32, mesh=mesh, compilation_cache=False,
+                 speculative=SpecConfig.from_method("ngram", k=2) if speculative else None)
     eng.warm_up()
     with compile_events() as events:
-        eng.generate([[5, 6, 7], [9, 10, 11, 12, 13]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        eng.generate([[5, 6, 7] * 2, [9, 10, 11, 12, 13]],
+                     SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert events == []
+    assert (eng.spec_stats.num_draft_tokens > 0) == speculative
 
 
 def test_dtype_auto_and_decode_steps_follow_the_backend():
