@@ -32,6 +32,8 @@ def test_curves_suite_trains_both_families_of_optimizer_alike(tmp_path):
     for row in result["rows"]:
         assert len(row["loss"]) == len(row["steps"]) == 20
         assert row["loss"][-1] < row["loss"][0]
+        assert 0 < row["compile_s"] < row["seconds"] and row["step_ms"] == pytest.approx(
+            1e3 * (row["seconds"] - row["compile_s"]) / 20)
         assert abs(row["rel_diff_vs_optax"]) < 0.02
 
 
