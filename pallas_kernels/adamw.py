@@ -600,9 +600,9 @@ REFERENCE_CHUNK_ROWS = 4096  # rows (1M elements) the reference updates at a tim
 def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype):
     """``_reference_block`` over the whole buffer; for 8- and 4-bit moments ``REFERENCE_CHUNK_ROWS`` rows at a time
     past the plain moments' rows (a loop whose chunks update params and moments in place), so that the decoded
-    fp32 moments, random bits and directions exist for one chunk, not for the whole buffer: XLA keeps several
-    buffer-sized float32 temporaries of the quantized update (18 B/param at int8, 24 at int4 on the CPU: more than
-    the state saves; 3.3 and 1.5 chunked). The fp32 and bf16 updates are one elementwise pass XLA runs in place."""
+    fp32 moments, random bits and directions exist for one chunk, not for the whole buffer, where XLA would keep
+    several buffer-sized float32 temporaries of the quantized update: more memory than the compact state saves.
+    The fp32 and bf16 updates are one elementwise pass XLA runs in place."""
     rows, chunk = p.shape[0], REFERENCE_CHUNK_ROWS
     head = state[4].shape[0] if codec in QUANTIZED and len(state) == 6 else 0  # rows with plain moments
     rowwise = 4  # the quantized state arrays with a row per params row (codes, scales)

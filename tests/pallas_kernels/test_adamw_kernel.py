@@ -146,7 +146,7 @@ class TestFusedAdamW:
     @pytest.mark.parametrize("codec", K.QUANTIZED)
     def test_reference_temporaries_stay_below_the_state_it_saves(self, codec):
         """XLA's temporaries of the jitted, donated quantized reference on 8M params (8 chunks of
-        REFERENCE_CHUNK_ROWS rows): under 4 B/param, where one pass over the buffer kept 18 (int8) or 24 (int4)."""
+        REFERENCE_CHUNK_ROWS rows): under 4 B/param, less than the state saves against fp32 moments."""
         rows = 8 * K.REFERENCE_CHUNK_ROWS
         shapes = jax.eval_shape(lambda: inputs(0, codec, 32, jnp.float32, rows))
         call = jax.jit(functools.partial(K.fused_adamw_reference, codec=codec, n_plain_rows=32), donate_argnums=(0, 2))
