@@ -350,8 +350,9 @@ class Engine:
         Plain bf16/fp32 weights on one device; verification passes too (greedy drafted tokens are the plain ones).
       mesh: a ``sharding.make_mesh`` mesh to run on (None: one device): params split by the model's
         ``param_specs``, the cache by ``sharding.cache_spec``, steps under ``jax.set_mesh`` (the MoE layers
-        expert-parallel). The same tokens as on one device; not with ``batch_invariant``, and with ``speculative``
-        only for a model-free drafter (n-gram, suffix: the verification runs on the mesh).
+        expert-parallel). The same tokens as on one device; not with ``batch_invariant``; with ``speculative`` for
+        the drafters that run on the target's arrays (n-gram, suffix, the block drafter: verification and drafts
+        on the mesh), not for a draft model on a runner of its own.
       decode_steps: the most tokens a decode-only step samples per sequence in one device call (module
         docstring): an int at every batch (1: one per step), a ``DecodeSteps`` by batch, or None:
         ``default_decode_steps()``, by backend. The same tokens as single steps; other steps (prefill,
@@ -390,10 +391,6 @@ class Engine:
         if mesh is not None and batch_invariant:
             raise ValueError(f"Engine: a mesh {dict(mesh.shape)} with batch_invariant=True: expected one device "
                              "(mesh=None) for it")
-        if mesh is not None and speculative is not None and not speculative.model_free:
-            raise ValueError(f"Engine: a mesh {dict(mesh.shape)} with the drafter {speculative.drafter_name}, which "
-                             "runs a model of its own: on a mesh speculation drafts model-free (expected "
-                             "SpecConfig.from_method('ngram') or ('suffix'))")
         self.compilation_cache = use_compilation_cache(compilation_cache)
         dtype = resolve_dtype(dtype, model)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
@@ -426,6 +423,11 @@ class Engine:
         self._requests: dict[str, tuple[list[int], list[Seq]]] = {}
         self.speculative = speculative
         self.drafters: dict[str, Drafter] = speculative.build_all(self.cfg, params) if speculative else {}
+        for drafter in self.drafters.values():
+            if mesh is not None and not isinstance(drafter, (NgramDrafter, SuffixDrafter, HiddenStateDrafter)):
+                raise ValueError(f"Engine: a mesh {dict(mesh.shape)} with the drafter {type(drafter).__name__}, "
+                                 "which runs a model on a runner of its own: on a mesh speculation drafts model-free "
+                                 "or from the target's hidden states (n-gram, suffix, block)")
         self.drafter = self.drafters[speculative.name] if speculative else None  # the default drafter
         self.spec_policy = speculative.policy() if speculative else None
         self._measure: tuple[str, int, int] | None = None  # this step's kind, size and tokens per sequence
@@ -973,9 +975,11 @@ class Engine:
         proposals, order = [], []
         for name in dict.fromkeys(n for n, limit in zip(names, limits, strict=True) if n is not None and limit):
             group = [i for i, (n, limit) in enumerate(zip(names, limits, strict=True)) if n == name and limit]
-            proposals.append(self.drafters[name].propose(
-                [DraftRequest(decoding[i].seq_id, decoding[i].tokens, len(decoding[i].output_ids),
-                              decoding[i].params, decoding[i].seed, limits[i]) for i in group], self.speculative.k))
+            with self.runner.on_mesh():  # a drafter on the target's arrays works on its mesh
+                proposals.append(self.drafters[name].propose(
+                    [DraftRequest(decoding[i].seq_id, decoding[i].tokens, len(decoding[i].output_ids),
+                                  decoding[i].params, decoding[i].seed, limits[i]) for i in group],
+                    self.speculative.k))
             order += group
         proposal = merge_proposals(proposals, self.speculative.k, self.cfg.vocab) if proposals else Proposal([])
         rows = {}

@@ -45,17 +45,6 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.drafter = {self.drafter!r}: expected a Drafter or a factory "
                              "(ModelConfig, params) -> Drafter")
 
-    @property
-    def model_free(self) -> bool:
-        """Whether the drafter is one of ``MODEL_FREE`` (it runs no model: drafts come from token histories)."""
-        return isinstance(self.drafter, tuple(MODEL_FREE.values()))
-
-    @property
-    def drafter_name(self) -> str:
-        """The drafter's class, or its factory's name (``functools.partial`` unwrapped)."""
-        made = getattr(self.drafter, "func", self.drafter)
-        return type(made).__name__ if isinstance(made, Drafter) else getattr(made, "__qualname__", repr(made))
-
     @classmethod
     def from_method(cls, method: str, drafter: str | Path | None = None, k: int | None = None,
                     adaptive: bool = False) -> "SpecConfig":

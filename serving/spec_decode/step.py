@@ -110,8 +110,10 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
     result = VerifyResult(*(a[:len(chunks)] for a in fields))
     if observer is not None:
         starts = np.cumsum([0] + [c.chunk.count for c in chunks])
-        observer.observe(hidden, [HiddenSpan(c.seq_id, int(row), c.chunk.start, c.chunk.count - len(c.drafts) + int(a))
-                                  for c, row, a in zip(chunks, starts[:-1], result.num_accepted, strict=True)])
+        spans = [HiddenSpan(c.seq_id, int(row), c.chunk.start, c.chunk.count - len(c.drafts) + int(a))
+                 for c, row, a in zip(chunks, starts[:-1], result.num_accepted, strict=True)]
+        with runner.on_mesh():
+            observer.observe(hidden, spans)
     return result
 
 

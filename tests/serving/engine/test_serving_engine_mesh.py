@@ -15,7 +15,7 @@ from serving import __main__ as serving_main
 from serving.api import cli
 from serving.loaders import load_model
 from serving.models import model_module
-from serving.spec_decode import DraftModelDrafter, SpecConfig
+from serving.spec_decode import BlockDrafter, DraftModelDrafter, SpecConfig, block_model
 
 pytestmark = pytest.mark.needs_devices(8)
 
@@ -105,6 +105,24 @@ def test_model_free_speculation_on_a_mesh_gives_the_one_device_tokens(method):
     assert eng.spec_stats.num_steps > 0 and eng.spec_stats.num_draft_tokens > 0
 
 
+def test_block_drafter_on_a_mesh_gives_the_one_device_tokens():
+    """The block drafter (random weights: few drafts kept) reads the target's hidden states and head on a
+    tensor-parallel mesh, its own arrays replicated there: the one-device engine's greedy tokens, drafts verified."""
+    cfg, params = load_model(HF / "llama", jnp.float32)[:2]
+    dcfg = block_model.BlockDrafterConfig.for_target(cfg, layers=1)
+    dparams = block_model.init_params(dcfg, cfg, jax.random.key(1))
+    spec = SpecConfig(lambda target_cfg, target_params: BlockDrafter(dcfg, dparams, target_cfg, target_params,
+                                                                     max_seqs=8), k=3)
+    repeating = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [r.outputs[0].token_ids for r in engine("llama").generate(repeating, greedy)]
+    eng = engine("llama", mesh=mesh_of(1, 2, 1), speculative=spec)
+    assert [r.outputs[0].token_ids for r in eng.generate(repeating, greedy)] == want
+    assert eng.spec_stats.num_draft_tokens > 0
+    mesh = eng.runner.mesh
+    assert all(leaf.sharding.mesh == mesh for leaf in jax.tree.leaves(eng.drafter.params))
+
+
 def test_quantized_params_are_split_as_their_weights():
     """int8 experts: q as the weight, its per-channel scales too but for the contracted (size-1) dimension."""
     cfg, params = load_model(HF / "qwen3_moe", jnp.float32)[:2]
@@ -130,7 +148,7 @@ def test_bad_meshes_are_refused_with_the_sizes():
     with pytest.raises(ValueError, match=r"mesh axes \('expert',\): expected \('data', 'tensor', 'expert'\)"):
         engine("qwen3_moe", mesh=other)
     with pytest.raises(ValueError, match=r"a mesh \{'data': 1, 'tensor': 2, 'expert': 1\} with the drafter "
-                                         r"DraftModelDrafter.from_target, which runs a model of its own"):
+                                         r"DraftModelDrafter, which runs a model on a runner of its own"):
         engine("llama", mesh=mesh_of(1, 2, 1),
                speculative=SpecConfig(functools.partial(DraftModelDrafter.from_target, num_layers=1), k=2))
     with pytest.raises(ValueError, match="with batch_invariant=True: expected one device"):
