@@ -350,9 +350,9 @@ class Engine:
         Plain bf16/fp32 weights on one device; verification passes too (greedy drafted tokens are the plain ones).
       mesh: a ``sharding.make_mesh`` mesh to run on (None: one device): params split by the model's
         ``param_specs``, the cache by ``sharding.cache_spec``, steps under ``jax.set_mesh`` (the MoE layers
-        expert-parallel). The same tokens as on one device; not with ``batch_invariant``; with ``speculative`` for
-        the drafters that run on the target's arrays (n-gram, suffix, the block drafter: verification and drafts
-        on the mesh), not for a draft model on a runner of its own.
+        expert-parallel). The same tokens as on one device, with ``speculative`` too (drafts and verification on
+        the mesh: a block drafter's arrays replicated, a draft model's split as the target's); not with
+        ``batch_invariant``.
       decode_steps: the most tokens a decode-only step samples per sequence in one device call (module
         docstring): an int at every batch (1: one per step), a ``DecodeSteps`` by batch, or None:
         ``default_decode_steps()``, by backend. The same tokens as single steps; other steps (prefill,
@@ -423,11 +423,6 @@ class Engine:
         self._requests: dict[str, tuple[list[int], list[Seq]]] = {}
         self.speculative = speculative
         self.drafters: dict[str, Drafter] = speculative.build_all(self.cfg, params) if speculative else {}
-        for drafter in self.drafters.values():
-            if mesh is not None and not isinstance(drafter, (NgramDrafter, SuffixDrafter, HiddenStateDrafter)):
-                raise ValueError(f"Engine: a mesh {dict(mesh.shape)} with the drafter {type(drafter).__name__}, "
-                                 "which runs a model on a runner of its own: on a mesh speculation drafts model-free "
-                                 "or from the target's hidden states (n-gram, suffix, block)")
         self.drafter = self.drafters[speculative.name] if speculative else None  # the default drafter
         self.spec_policy = speculative.policy() if speculative else None
         self._measure: tuple[str, int, int] | None = None  # this step's kind, size and tokens per sequence

@@ -9,8 +9,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
-from serving import layers
+from serving import layers, sharding
 from serving.config import ModelConfig
 from serving.engine.blocks import BlockAllocator
 from serving.engine.runner import ModelRunner, bucket
@@ -52,7 +53,12 @@ class DraftModelDrafter:
                  sample: bool = False, dtype: jnp.dtype | None = None):
         dtype = dtype or jax.tree.leaves(params)[0].dtype
         kv = (PagedLatentKV if cfg.is_mla else PagedKV).create(cfg, num_blocks, block_size, dtype)
-        self.runner = ModelRunner(cfg, params, model_module(cfg.family).forward, kv, block_size)
+        mesh = getattr(jax.tree.leaves(params)[0].sharding, "mesh", None)
+        if mesh is None or mesh.size == 1:
+            mesh = None
+        else:  # params on a mesh (a target's, split): the cache split as the target's, the steps on that mesh
+            kv = jax.device_put(kv, NamedSharding(mesh, sharding.cache_spec(cfg)))
+        self.runner = ModelRunner(cfg, params, model_module(cfg.family).forward, kv, block_size, mesh=mesh)
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.vocab, self.block_size, self.sample = cfg.vocab, block_size, sample
         self.states: dict[int, _DraftState] = {}
