@@ -148,14 +148,8 @@ class FlatLayout:
             self.check(tree)
             return tree
         leaves = self._leaves_of(tree)
-        buffers = []
-        for group in self.groups:
-            pieces, cursor = [], 0
-            for i, offset in zip(group.leaves, group.offsets, strict=True):
-                pieces += [jnp.zeros(offset - cursor, group.dtype), jnp.ravel(leaves[i])]
-                cursor = offset + leaves[i].size
-            pieces.append(jnp.zeros(group.size - cursor, group.dtype))
-            buffers.append(jnp.concatenate([p for p in pieces if p.size]))
+        buffers = [_rows_of([(offset, leaves[i]) for i, offset in zip(group.leaves, group.offsets, strict=True)],
+                            0, group.rows, group.dtype).reshape(-1) for group in self.groups]
         return FlatParams(tuple(buffers), self)
 
     def row_ranges(self, tree, align: int) -> tuple[tuple[tuple[int, jax.Array], ...], ...]:
@@ -185,7 +179,8 @@ class FlatLayout:
                 last_row = -(-(run[-1][0] + run[-1][1].size) // ROW)
                 runs.append((run, _round_up(last_row, align) if run[0][0] // ROW >= group.small_rows
                              else group.small_rows))
-            out.append(tuple(_rows_of(run, end_row, group.dtype) for run, end_row in runs))
+            out.append(tuple((run[0][0] // ROW, _rows_of(run, run[0][0] // ROW, end_row, group.dtype))
+                             for run, end_row in runs))
         return tuple(out)
 
     def unflatten(self, buffers) -> Any:
@@ -283,17 +278,16 @@ def place(flat: FlatParams, sharding: RowSharding) -> FlatParams:
     return FlatParams(tuple(jax.device_put(b, spec) for b in flat.buffers), flat.layout, sharding)
 
 
-def _rows_of(run: list, end_row: int, dtype: str) -> tuple[int, jax.Array]:
-    """``(first_row, rows [n, 256])``: leaves ``run`` (``(offset, leaf)`` in buffer order) laid out as rows from
-    the first one's row to ``end_row``, zeros between and after them; one leaf that fills its rows exactly is
-    only reshaped."""
-    first_row = run[0][0] // ROW
+def _rows_of(run: list, first_row: int, end_row: int, dtype: str) -> jax.Array:
+    """Rows ``[first_row, end_row)`` of a buffer, ``[n, 256]``: leaves ``run`` (``(offset, leaf)`` in buffer
+    order, element offsets in the buffer) in place, zeros between and around them; one leaf that fills the rows
+    exactly is only reshaped (no copy)."""
     parts, cursor = [], first_row * ROW
     for offset, leaf in run:
         parts += [jnp.zeros(offset - cursor, dtype), jnp.ravel(leaf)]
         cursor = offset + leaf.size
     parts = [x for x in [*parts, jnp.zeros(end_row * ROW - cursor, dtype)] if x.size]
-    return first_row, (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(-1, ROW)
+    return (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(-1, ROW)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -6,6 +6,7 @@ payload)` (and `save_plot(fig, name)`), which write `benchmarks/results/{name}.j
 `.git`); files are also copied to `$OUT`, the folder that machine sends back.
 """
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -15,7 +16,7 @@ import platform
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -234,3 +235,29 @@ def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
     header = fmt(columns)
     return "\n".join([header, "-" * len(header), *(fmt(line) for line in cells)])
+
+
+# A jit cache miss traces (even when the persistent cache then supplies the executable); a new executable compiles.
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+_recording: list[list[str]] = []  # the event lists of the recorders open now
+
+
+def _listen(name: str, duration: float, **_: object) -> None:
+    if name in COMPILE_EVENTS:
+        for events in _recording:
+            events.append(name)
+
+
+jax.monitoring.register_event_duration_secs_listener(_listen)
+
+
+@contextlib.contextmanager
+def compile_events() -> Iterator[list[str]]:
+    """The trace and compile events (``COMPILE_EVENTS``) seen within the block, in a list filled as they come: a
+    timed call that met any timed a compile, not its own work."""
+    events: list[str] = []
+    _recording.append(events)
+    try:
+        yield events
+    finally:
+        _recording.remove(events)

@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         engine.warm_up()  # every step shape, and the tiers' copies
     else:
         engine.runner.kv = engine.tiers.warm_up(engine.runner.kv)
+
     def tiers(size: int, copies: str) -> KVTiers:
         """Fresh tiers over the engine's cache as it is now, their copies compiled (a warm-up has no effect)."""
         made = KVTiers(engine.runner.kv, host_blocks, max_batch=size, copies=copies)

@@ -11,12 +11,12 @@ Suites (each fits a 10-minute device command; ``--cpu`` runs tiny models on the 
   (each try a process of its own: an out-of-memory kills only it). One sequence a step, every block rematerialized
   (``CAPACITY_REMAT``), as one trains a model at the edge of memory: what is left is params, gradients, optimizer
   state and the optimizer's own temporaries.
-
-ApexW's steps take the gradient of the params' leaves (``FlatParams.tree()``), which feeds each leaf's rows of the
-fused update without a concatenated flat copy (``ApexW.step``).
 * ``curves``: loss curves over ``--steps`` steps (2000 on a GPU) of a small byte-level model on the standard
   library's source (``apex_data.text``), every optimizer from the same init and batches; the final loss of each
   relative to optax.adamw's.
+
+ApexW's steps take the gradient of the params' leaves (``FlatParams.tree()``), which feeds each leaf's rows of the
+fused update without a concatenated flat copy (``ApexW.step``).
 
 Writes ``benchmarks/results/train_step_{suite}[_{models}][_{tag}][_cpu].json`` (+ ``.png`` for curves) through the
 harness (and into ``$OUT`` when set).

@@ -116,6 +116,13 @@ def shard_params(params: dict, specs: dict, mesh: Mesh) -> dict:
     return jax.device_put(params, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
 
 
+def mesh_of(array: jax.Array) -> Mesh | None:
+    """The mesh of more than one device ``array`` is laid over (e.g. a target model's weight, which a drafter's
+    own arrays follow), or None for an array on one device."""
+    mesh = getattr(array.sharding, "mesh", None)
+    return mesh if mesh is not None and mesh.size > 1 else None
+
+
 def cache_spec(cfg: ModelConfig) -> P:
     """The ``PartitionSpec`` of every page array of ``cfg``'s paged cache (``kv_cache.py``): ``PagedKV``'s
     ``[num_blocks, block_size, kv_heads, head_dim]`` with the kv heads over ``"tensor"``, as the k/v projections

@@ -32,19 +32,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.harness import write_results  # noqa: E402
+from benchmarks.harness import compile_events, write_results  # noqa: E402
 from serving.engine.kv_tiers import _committed, _gather, _gather_to_host, _memory_kind, _scatter  # noqa: E402
-
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
-_compiles: list[str] = []  # compile events, as jax.monitoring reports them
-
-
-def _on_event(name: str, duration: float, **_: object) -> None:
-    if name in COMPILE_EVENTS:
-        _compiles.append(name)
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 def probe(blocks: int = 1024, rows: int = 64, page: tuple[int, ...] = (16, 8, 128), leaves: int = 8,
@@ -71,13 +60,13 @@ def probe(blocks: int = 1024, rows: int = 64, page: tuple[int, ...] = (16, 8, 12
         def timed(name, fn):
             nonlocal kv
             kv, y = busy(kv, x)
-            compiled = len(_compiles)
-            start = time.perf_counter()
-            result = fn(kv)
-            returned = time.perf_counter()
-            jax.block_until_ready(result)
+            with compile_events() as events:
+                start = time.perf_counter()
+                result = fn(kv)
+                returned = time.perf_counter()
+                jax.block_until_ready(result)
             out.append(dict(call=name, returned_ms=1e3 * (returned - start),
-                            ready_ms=1e3 * (time.perf_counter() - start), compiles=len(_compiles) - compiled))
+                            ready_ms=1e3 * (time.perf_counter() - start), compiles=len(events)))
             y.block_until_ready()
             return result
 

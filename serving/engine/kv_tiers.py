@@ -337,7 +337,7 @@ class KVTiers:
                 for size in _chunks(len(group), self.batch_limit):
                     part = group[done:done + size]
                     done += size
-                    batch = _Batch(self._to_host(kv, np.asarray([b for b, _ in part], np.int32)),
+                    batch = _Batch(self._host_batch(kv, np.asarray([b for b, _ in part], np.int32)),
                                    [e for _, e in part])
                     for row, entry in enumerate(batch.entries):
                         entry.batch, entry.row = batch, row
@@ -352,7 +352,7 @@ class KVTiers:
             for block, entry in self._loads.items():
                 by_batch.setdefault(id(entry.batch), (entry.batch, []))[1].append((block, entry.row))
             for batch, pairs in by_batch.values():
-                size, data = len(batch.entries), self._to_device(batch.array)
+                size, data = len(batch.entries), self._scatter_input(batch.array)
                 for i in range(0, len(pairs), size):  # a row loaded into several blocks: more pairs than rows
                     blocks = np.full(size, self.num_blocks, np.int32)  # padding: out of range, dropped
                     rows = np.zeros(size, np.int32)
@@ -372,7 +372,7 @@ class KVTiers:
         (the scatter donates it)."""
         kv = _committed(kv)
         for n in (1 << i for i in range(self.batch_limit.bit_length())):
-            data = self._to_device(self._to_host(kv, np.zeros(n, np.int32)))
+            data = self._scatter_input(self._host_batch(kv, np.zeros(n, np.int32)))
             kv = _scatter(kv, np.full(n, self.num_blocks, np.int32), data, np.zeros(n, np.int32))
         pages = np.zeros((1, *self.block_shape), self.dtype)  # a block read from disk
         kv = _scatter(kv, np.full(1, self.num_blocks, np.int32), pages, np.zeros(1, np.int32))
@@ -393,11 +393,11 @@ class KVTiers:
                 del self._host[entry.block_hash]
         self._saves, self._loads = [], {}
 
-    def _to_host(self, kv: Any, blocks: np.ndarray) -> jax.Array:
+    def _host_batch(self, kv: Any, blocks: np.ndarray) -> jax.Array:
         """The pages of GPU ``blocks`` as a host batch ``[n, leaves, block_size, *page]``, not waited for."""
         return _gather_to_host(kv, blocks) if self.copies == "program" else _to_host(_gather(kv, blocks))
 
-    def _to_device(self, array: Any) -> Any:
+    def _scatter_input(self, array: Any) -> Any:
         """A host batch as ``_scatter`` takes it: as it is for "program" (its program reads the host memory)."""
         return array if self.copies == "program" else _to_device(array)
 

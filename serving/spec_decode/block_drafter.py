@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from serving import sharding
 from serving.config import ModelConfig
 from serving.engine.runner import bucket
 from serving.engine.sampler import SampleRow, SamplingBatch, sampling_batch
@@ -83,10 +84,8 @@ class BlockDrafter:
         self.params = jax.tree.map(lambda w: jnp.asarray(w, dtype), params)
         self.ring = RingBuffers(jnp.zeros((max_seqs, cfg.window, len(cfg.target_layers), cfg.hidden), dtype),
                                 *(jnp.full((max_seqs, cfg.window), NO_DRAFT, jnp.int32) for _ in range(2)))
-        mesh = getattr(self.head["embed"].sharding, "mesh", None)
-        if mesh is not None and mesh.size > 1:  # a target on a mesh: the drafter's own arrays replicated over it
-            replicated = NamedSharding(mesh, PartitionSpec())
-            self.params, self.ring = jax.device_put((self.params, self.ring), replicated)
+        if (mesh := sharding.mesh_of(self.head["embed"])) is not None:  # a target on a mesh: ours replicated there
+            self.params, self.ring = jax.device_put((self.params, self.ring), NamedSharding(mesh, PartitionSpec()))
         self.slots: dict[int, int] = {}  # seq_id -> slot, least recently observed first
         self.free = list(range(max_seqs - 1, -1, -1))
         self.observed: dict[int, int] = {}  # seq_id -> 1 + the last position observed

@@ -53,10 +53,8 @@ class DraftModelDrafter:
                  sample: bool = False, dtype: jnp.dtype | None = None):
         dtype = dtype or jax.tree.leaves(params)[0].dtype
         kv = (PagedLatentKV if cfg.is_mla else PagedKV).create(cfg, num_blocks, block_size, dtype)
-        mesh = getattr(jax.tree.leaves(params)[0].sharding, "mesh", None)
-        if mesh is None or mesh.size == 1:
-            mesh = None
-        else:  # params on a mesh (a target's, split): the cache split as the target's, the steps on that mesh
+        mesh = sharding.mesh_of(jax.tree.leaves(params)[0])
+        if mesh is not None:  # params on a mesh (a target's, split): the cache split as the target's, steps there
             kv = jax.device_put(kv, NamedSharding(mesh, sharding.cache_spec(cfg)))
         self.runner = ModelRunner(cfg, params, model_module(cfg.family).forward, kv, block_size, mesh=mesh)
         self.allocator = BlockAllocator(num_blocks, block_size)

@@ -1,11 +1,5 @@
 """Shared by the engine tests: made-up sequences for the scheduler and the block accounting they must keep, the
-sampling parameters of a mixed request set, a driver that adds requests at given steps and runs to the end, and a
-recorder of JAX's trace and compile events."""
-
-import contextlib
-from collections.abc import Iterator
-
-import jax
+sampling parameters of a mixed request set, and a driver that adds requests at given steps and runs to the end."""
 
 from serving import SamplingParams
 from serving.engine.request import SequenceState
@@ -62,26 +56,3 @@ def prompts_of(eng: Engine) -> list[list[int]]:
     return [eng.encode(text) for text in ("The quick brown fox", "Hello", "Once upon a time there", "ab", "Q: 2+2?")]
 
 
-# A jit cache miss traces (even when the persistent cache then supplies the executable); a new executable compiles.
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
-_recording: list[list[str]] = []  # the event lists of the recorders open now
-
-
-def _listen(name: str, duration: float, **_: object) -> None:
-    if name in COMPILE_EVENTS:
-        for events in _recording:
-            events.append(name)
-
-
-jax.monitoring.register_event_duration_secs_listener(_listen)
-
-
-@contextlib.contextmanager
-def compile_events() -> Iterator[list[str]]:
-    """The trace and compile events (``COMPILE_EVENTS``) seen within the block, in a list filled as they come."""
-    events: list[str] = []
-    _recording.append(events)
-    try:
-        yield events
-    finally:
-        _recording.remove(events)

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import HF
-from helpers.engine import compile_events
 
+from benchmarks.harness import compile_events
 from serving import Engine, SamplingParams, sharding
 from serving.engine.blocks import BlockAllocator, hash_blocks
 from serving.engine.kv_tiers import COPIES, SUFFIX, KVTiers

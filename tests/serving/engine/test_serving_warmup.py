@@ -12,9 +12,9 @@ from pathlib import Path
 import jax
 import pytest
 from helpers import HF, REPO
-from helpers.engine import compile_events
 from helpers.server import model_folder
 
+from benchmarks.harness import compile_events
 from serving import llm_engine as engine_module
 from serving.engine.runner import BLOCKS_BUCKET_BASE, MIN_BLOCKS_BUCKET, StepShape, bucket, buckets
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
