@@ -563,80 +563,65 @@ def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_
     """Plain-jnp :func:`fused_adamw`: same arguments, same math; results agree up to float reordering
     (an 8-bit code may land one step apart where that moves a value across a rounding edge)."""
     _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype, first_row)
-    if g.shape != p.shape:
-        return _reference_rows(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, first_row)
-    out, new_state = _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype)
+    out, new_state = _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype,
+                                first_row)
     return (out, new_state) if copy_dtype is None else (out, new_state, out.astype(copy_dtype))
-
-
-def _reference_rows(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, first_row):
-    """The reference on rows ``[first_row, first_row + g_rows)``, written back into the whole arrays: the rows'
-    params, codes and scales cut out, the plain moments' rows among them (if any) cut out too (zero rows past
-    their end), keys shifted to the first row's elements (``shard_key_offset``)."""
-    n = g.shape[0]
-    cut = lambda x: jax.lax.slice_in_dim(x, first_row, first_row + n)
-    back = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype), first_row, 0)
-    sub = tuple(cut(x) for x in state[:4]) if codec in QUANTIZED else tuple(cut(x) for x in state)
-    plain_rows = state[4].shape[0] if codec in QUANTIZED and len(state) == 6 else 0
-    if plain_rows:
-        padded = [jnp.pad(x, ((0, n), (0, 0))) for x in state[4:]]
-        sub += tuple(jax.lax.slice_in_dim(x, min(first_row, plain_rows), min(first_row, plain_rows) + n)
-                     for x in padded)
-    local_plain = jnp.clip(jnp.asarray(n_plain_rows) - first_row, 0, n) if plain_rows else 0
-    out, new = _reference(cut(p), g, sub, cut(decay), hp, keys + shard_key_offset(first_row), codec, local_plain,
-                          quant_map, True, None)
-    rowwise = 4 if codec in QUANTIZED else 2  # the arrays with a row per params row
-    whole = tuple(back(x, y) for x, y in zip(state[:rowwise], new[:rowwise], strict=True))
-    if plain_rows:
-        start = min(first_row, plain_rows)
-        whole += tuple(jax.lax.dynamic_update_slice_in_dim(x, y, start, 0)[:plain_rows]
-                       for x, y in zip(padded, new[4:], strict=True))
-    return back(p, out), whole
 
 
 REFERENCE_CHUNK_ROWS = 4096  # rows (1M elements) the reference updates at a time, past its plain rows
 
 
-def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype):
-    """``_reference_block`` over the whole buffer; for 8- and 4-bit moments ``REFERENCE_CHUNK_ROWS`` rows at a time
-    past the plain moments' rows (a loop whose chunks update params and moments in place), so that the decoded
-    fp32 moments, random bits and directions exist for one chunk, not for the whole buffer, where XLA would keep
-    several buffer-sized float32 temporaries of the quantized update: more memory than the compact state saves.
-    The fp32 and bf16 updates are one elementwise pass XLA runs in place."""
-    rows, chunk = p.shape[0], REFERENCE_CHUNK_ROWS
+def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype, first_row=0):
+    """``_reference_block`` over the grads' rows ``[first_row, first_row + g_rows)``, updated in place in the whole
+    arrays. Rows with plain moments (below the plain arrays' end) form one block with their plain rows; the rest
+    is one block for fp32 and bf16 moments (one elementwise pass XLA runs in place), and ``REFERENCE_CHUNK_ROWS``
+    rows at a time for 8- and 4-bit moments (a loop whose chunks update params and moments in place), so that
+    the decoded fp32 moments, random bits and directions exist for one chunk, not for the whole buffer, where XLA
+    would keep several buffer-sized float32 temporaries of the quantized update: more memory than the compact
+    state saves. A block's random bits are those of its rows' elements in the whole buffer (its keys shifted by
+    ``shard_key_offset``), so how the rows are cut changes no result."""
+    rows, end = p.shape[0], first_row + g.shape[0]
     head = state[4].shape[0] if codec in QUANTIZED and len(state) == 6 else 0  # rows with plain moments
-    rowwise = 4  # the quantized state arrays with a row per params row (codes, scales)
-    if codec not in QUANTIZED or rows - head <= chunk:
+    chunk = REFERENCE_CHUNK_ROWS if codec in QUANTIZED else rows
+    if first_row == 0 and end == rows and rows - head <= chunk:  # one block: no cutting
         return _reference_block(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype)
+    rowwise = 4 if codec in QUANTIZED else 2  # the state arrays with a row per params row
     out_dtype = p.dtype if apply or out_dtype is None else out_dtype
-    out, state = (p if apply else jnp.zeros(p.shape, out_dtype)), tuple(state)
+    out, rowwise_state, plain = (p if apply else jnp.zeros(p.shape, out_dtype)), tuple(state[:rowwise]), ()
 
-    def update(first: int | jax.Array, n: int, out, state, plain: tuple = (), n_plain=0):
+    def update(first: int | jax.Array, n: int, out, rowwise_state, plain: tuple = (), n_plain=0):
         """Rows [first, first + n) of ``out`` and the row-wise state, from ``_reference_block`` on them (the params
         read from ``out`` when it is they, updated in place: its rows from ``first`` on are not updated yet)."""
         cut = lambda x: jax.lax.dynamic_slice_in_dim(x, first, n)
-        rows_state = tuple(cut(x) for x in state[:rowwise]) + plain
-        part_out, part = _reference_block(cut(out if apply else p), cut(g), rows_state, cut(decay),
-                                          hp, keys + shard_key_offset(first), codec, n_plain, quant_map, apply,
-                                          out_dtype)
-        put = lambda whole, x: jax.lax.dynamic_update_slice_in_dim(whole, x, first, 0)
-        return (put(out, part_out), tuple(put(w, x) for w, x in zip(state[:rowwise], part[:rowwise], strict=True)),
-                part[rowwise:])
+        part_out, part = _reference_block(
+            cut(out if apply else p), jax.lax.dynamic_slice_in_dim(g, first - first_row, n),
+            tuple(cut(x) for x in rowwise_state) + plain, cut(decay), hp, keys + shard_key_offset(first), codec,
+            n_plain, quant_map, apply, out_dtype)
+        put = lambda whole, x: jax.lax.dynamic_update_slice_in_dim(whole, x.astype(whole.dtype), first, 0)
+        return put(out, part_out), tuple(put(w, x) for w, x in zip(rowwise_state, part[:rowwise], strict=True)), \
+            part[rowwise:]
 
-    plain = ()
-    if head:  # the plain rows (and those after them up to their arrays' end) as one block, plain moments whole
-        out, rowwise_state, plain = update(0, head, out, state, tuple(state[rowwise:]), n_plain_rows)
-        state = rowwise_state + tuple(state[rowwise:])
-    full = (rows - head) // chunk
+    start = first_row
+    if first_row < head:  # the range's rows below the plain arrays' end, with those rows of the plain moments
+        stop = min(end, head)
+        n_plain = jnp.clip(jnp.asarray(n_plain_rows) - first_row, 0, stop - first_row)
+        out, rowwise_state, part = update(first_row, stop - first_row, out, rowwise_state,
+                                          tuple(x[first_row:stop] for x in state[4:]), n_plain)
+        plain = tuple(jax.lax.dynamic_update_slice_in_dim(x, y, first_row, 0) for x, y in
+                      zip(state[4:], part, strict=True))
+        start = stop
+    else:
+        plain = tuple(state[rowwise:])
+    full = (end - start) // chunk
 
     def body(i, carry):
-        out, state = carry
-        out, state, _ = update(head + i * chunk, chunk, out, state)
-        return out, state
+        out, rowwise_state, _ = update(start + i * chunk, chunk, *carry)
+        return out, rowwise_state
 
-    out, rowwise_state = jax.lax.fori_loop(0, full, body, (out, tuple(state[:rowwise])))
-    if (rest := rows - head - full * chunk):
-        out, rowwise_state, _ = update(rows - rest, rest, out, rowwise_state)
+    if full:
+        out, rowwise_state = jax.lax.fori_loop(0, full, body, (out, rowwise_state))
+    if rest := end - start - full * chunk:
+        out, rowwise_state, _ = update(end - rest, rest, out, rowwise_state)
     return out, rowwise_state + plain
 
 

@@ -99,17 +99,21 @@ class TestFusedAdamW:
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(half(b), np.float32))
 
     @pytest.mark.parametrize("codec,n_plain", CASES)
-    @pytest.mark.parametrize("implementation", ["kernel", "reference"])
-    def test_launches_over_row_ranges_in_place_give_the_whole_launch_bitwise(self, codec, n_plain, implementation):
-        """Rows [0, 32), [32, 88) and [88, 128) updated by three in-place calls, each given the grads of its rows
-        only (the first holds the plain rows where there are 32), give the one whole call's params and moments bit
-        for bit; a range left out keeps its rows as they were."""
+    @pytest.mark.parametrize("implementation", ["kernel", "reference", "reference in chunks"])
+    def test_launches_over_row_ranges_in_place_give_the_whole_launch_bitwise(self, codec, n_plain, implementation,
+                                                                             monkeypatch):
+        """Rows [0, 16), [16, 48), [48, 88) and [88, 128) updated by in-place calls, each given the grads of its rows
+        only (where there are 32 plain rows, the first range lies among them and the second straddles their end),
+        give the one whole call's params and moments bit for bit, the reference also when it cuts its rows into
+        chunks of 16; a range left out keeps its rows as they were."""
         p, g, state, decay, hp, keys = inputs(4, codec, n_plain, jnp.bfloat16)
         static = dict(codec=codec, n_plain_rows=n_plain)
         run = (functools.partial(K.fused_adamw, interpret=interpret(), config=K.BlockConfig(block_rows=8))
                if implementation == "kernel" else K.fused_adamw_reference)
         whole = run(p, g, state, decay, hp, keys, **static)
-        ranges = [(0, 32), (32, 88), (88, ROWS)]
+        if implementation == "reference in chunks":
+            monkeypatch.setattr(K, "REFERENCE_CHUNK_ROWS", 16)
+        ranges = [(0, 16), (16, 48), (48, 88), (88, ROWS)]
         out, new = p, state
         for start, end in ranges:
             out, new = run(out, g[start:end], new, decay, hp, keys, first_row=start, **static)
