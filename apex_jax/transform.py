@@ -180,10 +180,11 @@ class ApexW:
         With FlatParams under ``jax.jit(opt.step, donate_argnums=(0, 2))`` params and moments are
         updated in place by one launch per dtype group. ``grads`` may be FlatParams (e.g. ``jax.grad`` with
         respect to the FlatParams, whose transpose of the buffers' split concatenates the leaves' gradients) or
-        the pytree of the params' leaves (``jax.grad`` with respect to ``params.tree()``): then, where the Pallas
-        kernel runs, on one device and without master weights, each large leaf's gradient feeds a launch of its
-        own rows (``FlatLayout.row_ranges``) and no flat gradient buffer is ever made: a copy of every gradient
-        less in time and in peak memory, the same bits. Elsewhere a pytree is flattened first.
+        the pytree of the params' leaves (``jax.grad`` with respect to ``params.tree()``): then, on one device
+        and without master weights, each large leaf's gradient feeds an update of its own rows in place
+        (``FlatLayout.row_ranges``; a kernel launch each, or XLA's reference over the rows) and no flat gradient
+        buffer is ever made: a copy of every gradient less in time and in peak memory, the same bits. Over a
+        mesh or with master weights a pytree is flattened first.
         """
         return self._run(params, grads, state, apply=True)
 
@@ -195,8 +196,7 @@ class ApexW:
         p_flat = layout.flatten(params)
         sharding = p_flat.sharding
         # a pytree's gradients by row ranges (the step's docstring), else one flat buffer per group
-        by_rows = (apply and sharding is None and not state.master and not isinstance(grads, FlatParams)
-                   and self._runs_kernel)
+        by_rows = apply and sharding is None and not state.master and not isinstance(grads, FlatParams)
         if by_rows:
             g_pieces = layout.row_ranges(grads, self._block_rows)
             g_buffers = tuple(tuple(rows for _, rows in pieces) for pieces in g_pieces)
@@ -326,14 +326,6 @@ class ApexW:
             in_specs=(P(axis) if master else flat_spec, flat_spec, moment_specs, P(), P(), P()),
             out_specs=(flat_spec, moment_specs, P(axis) if master else None))(
                 p, g, moments, jnp.asarray(rows), hp, keys)
-
-    @property
-    def _runs_kernel(self) -> bool:
-        """Whether the update runs the Pallas kernel, which updates a range of rows in place; XLA's reference
-        would copy the range out and back (on the default backend when ``implementation`` is None)."""
-        if self.implementation is None:
-            return jax.default_backend() == "gpu"
-        return self.implementation != "xla"
 
     @property
     def _block_rows(self) -> int:

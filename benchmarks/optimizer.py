@@ -5,7 +5,9 @@ Each (implementation group, layout) runs in its own subprocess under a time limi
 never ends (optax at 8192 leaves) or a missing package costs one row, not the run. Steps are timed
 back to back (median of >= 20 runs), params and grads are fp32 random normals, working sets are GBs
 (far above the 50 MB L2). Floors count fp32 params and grads: read p and g, write p (12 B/param) plus
-moments read and written (16 B fp32, 8 B bf16, 2 B + scales int8), over the measured copy bandwidth.
+moments read and written (16 B fp32, 8 B bf16, 2 B + scales int8), over the measured copy bandwidth. The fused
+step is timed fed one flat gradient buffer and fed the leaves' gradients (``ApexW.step``'s row ranges, no flat
+copy); every JAX row carries XLA's temporaries of its compiled step per parameter.
 
     python benchmarks/optimizer.py                 # GPU: results/optimizer.json + optimizer.png
     python benchmarks/optimizer.py --cpu           # small CPU mode: results/optimizer_cpu.json
@@ -32,7 +34,7 @@ from benchmarks.harness import RESULTS_DIR, format_table, save_plot, time_jax_st
 BANDWIDTH_TB_S = 4.27  # device-to-device copy on our H200, bytes read + written
 GPU_LAYOUTS = {"4x32M": (4, 32 << 20), "1024x128K": (1024, 128 << 10), "8192x16K": (8192, 16 << 10),
                "4x256M": (4, 256 << 20)}
-CPU_LAYOUTS = {"4x256K": (4, 256 << 10), "128x8K": (128, 8 << 10)}
+CPU_LAYOUTS = {"4x256K": (4, 256 << 10), "128x8K": (128, 8 << 10), "4x8M": (4, 8 << 20)}
 # The bandwidth floor: bytes a step must move per parameter, params and grads (by precision) + moments (by state).
 # fp32: p read + written, g read (12); bf16: the same at 2 B (6); bf16+master: the fp32 copy read + written, g read
 # at 2 B, the bf16 params written (12). Moments read + written: fp32 16, bf16 8, int8 2 B of codes + 2 scales / 256.
@@ -158,30 +160,37 @@ def jax_worker(group: str, n: int, size: int, blocks: dict) -> list[dict]:
                                            state_bytes_per_param=apex_jax.state_nbytes(state) / (n * size)))
                 flat = rows[-1].pop("carry")[0]
                 del state
-    else:
+    else:  # the flat step fed one flat gradient buffer, then the params' leaves' gradients (ApexW.step)
         flat, flat_g = apex_jax.flatten(params), apex_jax.flatten(grads)
-        del params, grads
-        for kind in STATE_KINDS:
-            rows_w = blocks.get(kind, (16, 4))
-            opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(*rows_w))
-            state = opt.init(flat)
-            rows.append(_time_compiled(jax.jit(opt.step, donate_argnums=(0, 2)), (flat, state), flat_g,
-                                       impl="apexw fused", state=kind, block=list(rows_w),
-                                       state_bytes_per_param=apex_jax.state_nbytes(state) / (n * size)))
-            flat = rows[-1].pop("carry")[0]
+        del params
+        for impl, g in (("apexw fused", flat_g), ("apexw fused (leaf grads)", grads)):
+            for kind in STATE_KINDS:
+                rows_w = blocks.get(kind, (16, 4))
+                opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(*rows_w))
+                state = opt.init(flat)
+                rows.append(_time_compiled(jax.jit(opt.step, donate_argnums=(0, 2)), (flat, state), g,
+                                           impl=impl, state=kind, block=list(rows_w),
+                                           state_bytes_per_param=apex_jax.state_nbytes(state) / (n * size)))
+                flat = rows[-1].pop("carry")[0]
+                del state
     return rows
 
 
 def _time_compiled(jitted, carry, grads, **row) -> dict:
-    """Lower + compile (timed), then time steps feeding the donated carry back."""
+    """Lower + compile (timed), then time steps feeding the donated carry back. ``temp_bytes_per_param``: XLA's
+    temporaries of the compiled step (what it needs beyond params, grads and state) per parameter."""
+    import jax
+
     start = time.perf_counter()
-    if row["impl"] == "apexw fused":
+    if row["impl"].startswith("apexw fused"):
         compiled = jitted.lower(carry[0], grads, carry[1]).compile()
         step = lambda p, s: compiled(p, grads, s)
     else:
         compiled = jitted.lower(*carry, grads).compile()
         step = lambda p, s: compiled(p, s, grads)
     compile_s = time.perf_counter() - start
+    n_params = sum(x.size for x in jax.tree.leaves(grads))
+    row["temp_bytes_per_param"] = compiled.memory_analysis().temp_size_in_bytes / n_params
     probe, carry = time_jax_steps(step, carry, steps_per_run=5, warmup=2, iters=20)
     timing, carry = time_jax_steps(step, carry, steps_per_run=10, warmup=1, iters=_iters(probe.median_ms))
     return dict(row, step_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms, compile_s=compile_s,
@@ -338,7 +347,7 @@ def main() -> None:
     rows = merged
     plot(rows, name)
     columns = ["layout", "impl", "precision", "state", "step_ms", "floor_pct", "speedup_vs_torch_fused",
-               "state_bytes_per_param", "compile_s", "status"]
+               "state_bytes_per_param", "temp_bytes_per_param", "compile_s", "status"]
     print(format_table(rows, columns))
 
 

@@ -573,16 +573,18 @@ REFERENCE_CHUNK_ROWS = 4096  # rows (1M elements) the reference updates at a tim
 
 def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype, first_row=0):
     """``_reference_block`` over the grads' rows ``[first_row, first_row + g_rows)``, updated in place in the whole
-    arrays. Rows with plain moments (below the plain arrays' end) form one block with their plain rows; the rest
-    is one block for fp32 and bf16 moments (one elementwise pass XLA runs in place), and ``REFERENCE_CHUNK_ROWS``
-    rows at a time for 8- and 4-bit moments (a loop whose chunks update params and moments in place), so that
-    the decoded fp32 moments, random bits and directions exist for one chunk, not for the whole buffer, where XLA
-    would keep several buffer-sized float32 temporaries of the quantized update: more memory than the compact
-    state saves. A block's random bits are those of its rows' elements in the whole buffer (its keys shifted by
-    ``shard_key_offset``), so how the rows are cut changes no result."""
+    arrays: rows with plain moments (below the plain arrays' end) as one block with their plain rows, the rest
+    ``REFERENCE_CHUNK_ROWS`` rows at a time (a loop whose chunks update params and moments in place). A chunk's
+    results are complete before it writes them back (an optimization barrier): otherwise XLA recomputes the
+    update inside each of the params', m's and v's writes, each reading the old moments while another overwrites
+    them, and copies whole moment arrays per chunk to keep them apart. So the temporaries are one chunk's
+    (decoded fp32 moments, random bits, directions), not the buffer-sized float32 arrays a single pass over the
+    buffer leaves XLA (several, for bf16's random bits and 8- and 4-bit moments' decoding). A block's random bits
+    are those of its rows' elements in the whole buffer (its keys shifted by ``shard_key_offset``), so how the
+    rows are cut changes no result."""
     rows, end = p.shape[0], first_row + g.shape[0]
     head = state[4].shape[0] if codec in QUANTIZED and len(state) == 6 else 0  # rows with plain moments
-    chunk = REFERENCE_CHUNK_ROWS if codec in QUANTIZED else rows
+    chunk = REFERENCE_CHUNK_ROWS
     if first_row == 0 and end == rows and rows - head <= chunk:  # one block: no cutting
         return _reference_block(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype)
     rowwise = 4 if codec in QUANTIZED else 2  # the state arrays with a row per params row
@@ -597,6 +599,7 @@ def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, app
             cut(out if apply else p), jax.lax.dynamic_slice_in_dim(g, first - first_row, n),
             tuple(cut(x) for x in rowwise_state) + plain, cut(decay), hp, keys + shard_key_offset(first), codec,
             n_plain, quant_map, apply, out_dtype)
+        part_out, part = jax.lax.optimization_barrier((part_out, part))  # the chunk's results, then the writes
         put = lambda whole, x: jax.lax.dynamic_update_slice_in_dim(whole, x.astype(whole.dtype), first, 0)
         return put(out, part_out), tuple(put(w, x) for w, x in zip(rowwise_state, part[:rowwise], strict=True)), \
             part[rowwise:]

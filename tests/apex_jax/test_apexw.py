@@ -285,9 +285,10 @@ def test_row_ranges_lay_out_the_tree_as_flatten_does_and_copy_only_what_is_off_t
 @pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_fused_step_with_tree_grads_equals_flat_grads_bit_for_bit(state_dtype, implementation):
-    """Gradients as the params' pytree update each row range in place (one launch per piece) to the same bits as
-    one flat gradient buffer per group with the kernel, skipped non-finite steps included. The jnp reference is
-    compiled by XLA per shape, which may round a few elements an ulp apart: its params agree to 1e-6."""
+    """Gradients as the params' pytree update each row range in place (one launch per piece, or XLA's reference
+    over the piece's rows) to the same bits as one flat gradient buffer per group with the kernel, skipped
+    non-finite steps included. The jnp reference is compiled by XLA per shape, which may round a few elements an
+    ulp apart: its params agree to 1e-6."""
     params = mixed_model()
     opt = ApexW(1e-2, weight_decay=0.1, state_dtype=state_dtype, implementation=implementation, skip_nonfinite=True)
     step = jax.jit(opt.step, donate_argnums=(0, 2))
@@ -306,6 +307,21 @@ def test_fused_step_with_tree_grads_equals_flat_grads_bit_for_bit(state_dtype, i
         assert rel_max(runs[0][0], runs[1][0]) < 1e-6
     else:
         assert raw_bits(runs[0]) == raw_bits(runs[1])
+
+
+@pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
+def test_xla_step_with_tree_grads_makes_no_flat_gradient_and_copies_nothing(state_dtype):
+    """XLA's reference (CPU, TPU) given the params' pytree of gradients updates each leaf's rows in place, a chunk
+    at a time: the donated step's temporaries on 32M params stay under 1 B/param, where a flat gradient alone
+    would be 4."""
+    params = {f"w{i}": jax.ShapeDtypeStruct((2048, 2048), jnp.float32) for i in range(8)}
+    params["norm"] = jax.ShapeDtypeStruct((2048,), jnp.float32)
+    opt = ApexW(1e-3, state_dtype=state_dtype, implementation="xla")
+    flat = jax.eval_shape(flatten, params)
+    state = jax.eval_shape(opt.init, flat)
+    compiled = jax.jit(opt.step, donate_argnums=(0, 2)).lower(flat, params, state).compile()
+    n = 8 * 2048 * 2048
+    assert compiled.memory_analysis().temp_size_in_bytes < n, compiled.memory_analysis().temp_size_in_bytes / n
 
 
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.int8], **KIND_IDS)
