@@ -159,29 +159,46 @@ class FlatLayout:
         The small leaves' region is one piece; each large leaf is a piece of its own (a reshape, no copy) where its
         rows start and end on ``align``; leaves that do not are joined with their neighbours up to the next such
         boundary (a concatenate of those only). Rows past the last leaf are left out: they hold zeros."""
+        leaves = self._leaves_of(tree)
+        return tuple(tuple((first, _rows_of([(offset, leaves[i]) for i, offset in members], first, end, group.dtype))
+                           for first, end, members in self._pieces(group, align))
+                     for group in self.groups)
+
+    def from_row_ranges(self, pieces, align: int) -> Any:
+        """Inverse of :meth:`row_ranges`: the pytree whose leaves are read out of the pieces' rows (those given
+        as ``row_ranges(tree, align)`` gave them, any shape of the same size); a piece of one leaf that fills its
+        rows is only reshaped back."""
+        leaves = [None] * len(self.shapes)
+        for group, group_pieces in zip(self.groups, pieces, strict=True):
+            for (first, _, members), (_, rows) in zip(self._pieces(group, align), group_pieces, strict=True):
+                flat = jnp.ravel(rows)
+                for i, offset in members:
+                    start = offset - first * ROW
+                    leaves[i] = jax.lax.slice_in_dim(flat, start, start + math.prod(self.shapes[i])).reshape(
+                        self.shapes[i])
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def _pieces(self, group: "Group", align: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """:meth:`row_ranges`' cut of a group: ``(first_row, end_row, [(leaf index, element offset), ...])``."""
         if align < 1 or align & (align - 1) or align > ROWS_ALIGN:
             raise ValueError(f"align={align}: expected a power of 2 <= {ROWS_ALIGN}")
-        leaves = self._leaves_of(tree)
-        out = []
-        for group in self.groups:
-            runs, run = [], []  # runs: (leaves as (offset, leaf) in buffer order, the row their piece ends on)
-            for i, offset in zip(group.leaves, group.offsets, strict=True):
-                large = offset // ROW >= group.small_rows
-                if run and large and run[-1][0] // ROW < group.small_rows:
-                    runs.append((run, group.small_rows))  # the small leaves' region ends on ROWS_ALIGN rows
-                    run = []
-                run.append((offset, leaves[i]))
-                end_row = -(-(offset + leaves[i].size) // ROW)
-                if large and end_row % align == 0:
-                    runs.append((run, end_row))
-                    run = []
-            if run:
-                last_row = -(-(run[-1][0] + run[-1][1].size) // ROW)
-                runs.append((run, _round_up(last_row, align) if run[0][0] // ROW >= group.small_rows
-                             else group.small_rows))
-            out.append(tuple((run[0][0] // ROW, _rows_of(run, run[0][0] // ROW, end_row, group.dtype))
-                             for run, end_row in runs))
-        return tuple(out)
+        pieces, run = [], []  # a piece: the leaves of a run, in buffer order, and the row it ends on
+        size = lambda i: math.prod(self.shapes[i])  # noqa: E731
+        for i, offset in zip(group.leaves, group.offsets, strict=True):
+            large = offset // ROW >= group.small_rows
+            if run and large and run[-1][1] // ROW < group.small_rows:
+                pieces.append((run, group.small_rows))  # the small leaves' region ends on ROWS_ALIGN rows
+                run = []
+            run.append((i, offset))
+            end_row = -(-(offset + size(i)) // ROW)
+            if large and end_row % align == 0:
+                pieces.append((run, end_row))
+                run = []
+        if run:
+            last_row = -(-(run[-1][1] + size(run[-1][0])) // ROW)
+            pieces.append((run, _round_up(last_row, align) if run[0][1] // ROW >= group.small_rows
+                           else group.small_rows))
+        return [(run[0][1] // ROW, end, run) for run, end in pieces]
 
     def unflatten(self, buffers) -> Any:
         """The pytree viewed out of flat buffers (one ``lax.split`` per group)."""

@@ -175,16 +175,22 @@ class ApexW:
     # ------------------------------------------------------------------ fused step
 
     def step(self, params, grads, state: ApexWState):
-        """Fused AdamW step: ``(params, grads, state) -> (new params, new state)``.
+        """Fused AdamW step: ``(params, grads, state) -> (new params, new state)``, under
+        ``jax.jit(opt.step, donate_argnums=(0, 2))`` in place: no copy of params, grads or moments.
 
-        With FlatParams under ``jax.jit(opt.step, donate_argnums=(0, 2))`` params and moments are
-        updated in place by one launch per dtype group. ``grads`` may be FlatParams (e.g. ``jax.grad`` with
-        respect to the FlatParams, whose transpose of the buffers' split concatenates the leaves' gradients) or
-        the pytree of the params' leaves (``jax.grad`` with respect to ``params.tree()``): then, on one device
-        and without master weights, each large leaf's gradient feeds an update of its own rows in place
-        (``FlatLayout.row_ranges``; a kernel launch each, or XLA's reference over the rows) and no flat gradient
-        buffer is ever made: a copy of every gradient less in time and in peak memory, the same bits. Over a
-        mesh or with master weights a pytree is flattened first.
+        ``params`` may be the model's own pytree (``opt.init(params)`` lays the moments out flat): each piece of
+        rows of the layout (``FlatLayout.row_ranges``: a large leaf, reshaped; the small leaves joined) is updated
+        in its own buffer by one launch (or XLA's reference over those rows), its moments at their rows of the
+        flat state. So the model reads its params as they are: a view of one flat buffer (``FlatParams.tree()``)
+        is a slice, which XLA copies wherever a whole array must exist, e.g. as an operand of a scan over layers
+        (4 B/param of fp32 params, for the whole step). ``grads`` is then the pytree of the leaves' gradients.
+
+        ``params`` may be FlatParams (one buffer per dtype group, what a mesh needs: ``RowSharding``), updated by
+        one launch per group; ``grads`` then FlatParams (``jax.grad`` with respect to the FlatParams, whose
+        transpose of the split concatenates the leaves' gradients) or the pytree of the leaves' gradients
+        (``jax.grad`` with respect to ``params.tree()``), which on one device without master weights feeds each
+        piece's update of its own rows, with no flat gradient made. With master weights, or over a mesh, params
+        and grads are flattened first.
         """
         return self._run(params, grads, state, apply=True)
 
@@ -193,12 +199,22 @@ class ApexW:
     def _run(self, params, grads, state: ApexWState, apply: bool):
         layout = FlatLayout.of(params)
         self._check_state(layout, state)
-        p_flat = layout.flatten(params)
-        sharding = p_flat.sharding
-        # a pytree's gradients by row ranges (the step's docstring), else one flat buffer per group
-        by_rows = apply and sharding is None and not state.master and not isinstance(grads, FlatParams)
+        align = self._block_rows
+        # How params and grads meet the flat moments (the step's docstring): a pytree of params, each piece of
+        # rows (a large leaf, or the small leaves joined) updated in its own buffer; a pytree of grads by row
+        # ranges of the flat params; else one flat buffer per group.
+        tree_params = apply and not isinstance(params, FlatParams) and not state.master
+        by_rows = tree_params or (apply and params.sharding is None and not state.master
+                                  and not isinstance(grads, FlatParams))
+        if tree_params:
+            p_flat = None
+            p_buffers = tuple(tuple(rows for _, rows in pieces) for pieces in layout.row_ranges(params, align))
+        else:
+            p_flat = layout.flatten(params)
+            p_buffers = tuple((b,) for b in p_flat.buffers)
+        sharding = None if p_flat is None else p_flat.sharding
         if by_rows:
-            g_pieces = layout.row_ranges(grads, self._block_rows)
+            g_pieces = layout.row_ranges(grads, align)
             g_buffers = tuple(tuple(rows for _, rows in pieces) for pieces in g_pieces)
         else:
             g_flat = layout.flatten(grads)
@@ -218,23 +234,34 @@ class ApexW:
 
         def update_all(_):
             outs, moments, new_masters = [], [], []
-            for k, (group, p, pieces, g_group, mom, rows, master) in enumerate(zip(
-                    layout.groups, p_flat.buffers, g_pieces, g_buffers, state.moments, row_masks, masters,
+            for k, (group, p_group, pieces, g_group, mom, rows, master) in enumerate(zip(
+                    layout.groups, p_buffers, g_pieces, g_buffers, state.moments, row_masks, masters,
                     strict=True)):
                 keys = stream_keys(self.seed, t, k)
-                source = p if master is None else master  # the kernel updates the float32 copy when there is one
-                if sharding is None:
-                    out = source
+                rows = jnp.asarray(rows)
+                if tree_params:  # one launch per piece, each in its own params buffer
+                    out = []
+                    for (first_row, _), p, g in zip(pieces, p_group, g_group, strict=True):
+                        new_p, mom, _ = self._group_step(p, g, mom, rows, hp, keys, apply, group.small_rows,
+                                                         first_row=first_row, range_params=True)
+                        out.append(new_p.reshape(p.shape))
+                    out = tuple(out)
+                elif sharding is None:
+                    (p,) = p_group
+                    out = p if master is None else master  # the kernel updates the float32 copy when there is one
                     for (first_row, _), g in zip(pieces, g_group, strict=True):  # one launch per row range
-                        out, mom, copy = self._group_step(out, g, mom, jnp.asarray(rows), hp, keys, apply,
-                                                          group.small_rows, None if master is None else p.dtype,
+                        out, mom, copy = self._group_step(out, g, mom, rows, hp, keys, apply, group.small_rows,
+                                                          None if master is None else p.dtype,
                                                           first_row if by_rows else 0)
                     if master is not None:
                         master, out = out, copy
+                    out = (out,)
                 else:
-                    (g,) = g_group
-                    out, mom, master = self._sharded_group_step(sharding, group, source, g, mom, rows, hp, keys,
-                                                                apply, None if master is None else p.dtype)
+                    (p,), (g,) = p_group, g_group
+                    out, mom, master = self._sharded_group_step(sharding, group, p if master is None else master,
+                                                                g, mom, rows, hp, keys, apply,
+                                                                None if master is None else p.dtype)
+                    out = (out,)
                 outs.append(out)
                 moments.append(mom)
                 new_masters.append(master)
@@ -243,7 +270,7 @@ class ApexW:
         if self.skip_nonfinite:
             finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(g_buffers)]))
             # updates of -0.0: p + -0.0 is p bit for bit, signaling NaNs aside (+0.0 would turn -0.0 into +0.0)
-            unchanged = p_flat.buffers if apply else tuple(jnp.full_like(g, -0.0) for g in g_flat.buffers)
+            unchanged = p_buffers if apply else tuple((jnp.full_like(g, -0.0),) for g in g_flat.buffers)
             outs, moments, master = jax.lax.cond(finite, update_all,
                                                  lambda _: (unchanged, state.moments, state.master), None)
             new_state = ApexWState(jnp.where(finite, t, count), state.skipped + (~finite).astype(jnp.int32),
@@ -251,16 +278,21 @@ class ApexW:
         else:
             outs, moments, master = update_all(None)
             new_state = ApexWState(t, state.skipped, moments, master)
-        out = FlatParams(outs, layout, sharding)
+        if tree_params:
+            return layout.from_row_ranges(tuple(tuple(zip((first for first, _ in pieces), out, strict=True))
+                                                for pieces, out in zip(g_pieces, outs, strict=True)), align), \
+                new_state
+        out = FlatParams(tuple(out for (out,) in outs), layout, sharding)
         return (out if isinstance(params, FlatParams) else out.tree()), new_state
 
-    def _group_step(self, p, g, moments, rows, hp, keys, apply, n_plain, copy_dtype=None, first_row=0):
+    def _group_step(self, p, g, moments, rows, hp, keys, apply, n_plain, copy_dtype=None, first_row=0,
+                    range_params=False):
         """One buffer (or one shard of it): p, g ``[rows * 256]`` (or g ``[n, 256]``: its rows from ``first_row``
-        on, updated in place), ``n_plain`` (maybe traced) rows of fp32 plain moments first under 8- or 4-bit state
-        -> (new p or updates ``[rows * 256]``, new moments, the new p in ``copy_dtype`` or None)."""
+        on, updated in place; p too with ``range_params``), ``n_plain`` (maybe traced) rows of fp32 plain moments
+        first under 8- or 4-bit state -> (new p or updates, new moments, the new p in ``copy_dtype`` or None)."""
         p2, g2 = p.reshape(-1, ROW), g.reshape(-1, ROW)
         call = dict(apply=apply, out_dtype=g.dtype, quant_map=self.quant_map, copy_dtype=copy_dtype,
-                    first_row=first_row)
+                    first_row=first_row, range_params=range_params)
         if isinstance(moments, DenseMoments):
             out, new, *copy = self._kernel(p2, g2, tuple(moments), rows, hp, keys, 0,
                                            codec=_CODECS[self.state_dtype], **call)

@@ -15,8 +15,8 @@ Suites (each fits a 10-minute device command; ``--cpu`` runs tiny models on the 
   library's source (``apex_data.text``), every optimizer from the same init and batches; the final loss of each
   relative to optax.adamw's.
 
-ApexW's steps take the gradient of the params' leaves (``FlatParams.tree()``), which feeds each leaf's rows of the
-fused update without a concatenated flat copy (``ApexW.step``).
+ApexW's steps take the model's own params and their gradients, each leaf updated in place in its own buffer
+(``ApexW.step``), with no flat copy of either.
 
 Writes ``benchmarks/results/train_step_{suite}[_{models}][_{tag}][_cpu].json`` (+ ``.png`` for curves) through the
 harness (and into ``$OUT`` when set).
@@ -203,17 +203,16 @@ def make_trainer(cfg: ModelConfig, optimizer: str, seed: int = 0):
     if not optimizer.startswith("apexw-"):
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
     opt = apex_jax.ApexW(LR, weight_decay=WEIGHT_DECAY, state_dtype=apex_jax.STATE_DTYPES[optimizer[6:]])
-    flat = apex_jax.flatten(params)
 
-    def fused_step(f, s, batch):
-        # the gradient of the leaves the model reads: each feeds the update of its own rows (ApexW.step), where
-        # the gradient of the flat buffers would first be one concatenated copy of them all
-        loss, grads = jax.value_and_grad(loss_of)(f.tree(), batch)
-        f, s = opt.step(f, grads, s)
-        return f, s, loss
+    def fused_step(p, s, batch):
+        # the model's own params and their gradients, each leaf updated in its own buffer (ApexW.step): a view of
+        # FlatParams would be copied whole for the layers' scan, and its gradient concatenated
+        loss, grads = jax.value_and_grad(loss_of)(p, batch)
+        p, s = opt.step(p, grads, s)
+        return p, s, loss
 
-    return (flat, opt.init(flat)), jax.jit(fused_step, donate_argnums=(0, 1)), jax.jit(
-        lambda f, s, g: opt.step(f, g, s), donate_argnums=(0, 1))
+    return (params, opt.init(params)), jax.jit(fused_step, donate_argnums=(0, 1)), jax.jit(
+        lambda p, s, g: opt.step(p, g, s), donate_argnums=(0, 1))
 
 
 def peak_bytes() -> int | None:
@@ -229,8 +228,7 @@ def speed_case(model: str, optimizer: str, cpu: bool) -> dict:
     batch = jax.random.randint(jax.random.key(1), (batch_size, cfg.seq + 1), 0, cfg.vocab)
     runs = dict(warmup=1, iters=20, steps_per_run=1) if cpu else dict(warmup=2, iters=20, steps_per_run=2)
     timing, (params, state, _) = time_jax_steps(lambda p, s, _loss: step(p, s, batch), (*carry, None), **runs)
-    leaves = params.tree() if isinstance(params, apex_jax.FlatParams) else params  # what the step differentiates
-    grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), leaves)  # the gradient's shapes and dtypes
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), params)  # the gradient's shapes and dtypes
     opt_timing, _ = time_jax_steps(lambda p, s: opt_step(p, s, grads), (params, state), **runs)
     return dict(model=model, optimizer=optimizer, params=n_params(cfg), batch=batch_size, seq=cfg.seq,
                 step_ms=timing.median_ms, tokens_per_s=batch_size * cfg.seq / (timing.median_ms * 1e-3),

@@ -439,9 +439,9 @@ def _state_specs(codec, plain_tiles, block_rows, word_codes=False, first_block=0
     return specs
 
 
-def _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype, first_row=0):
+def _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype, first_row=0, range_params=False):
     """Shapes and names; a concrete ``n_plain_rows`` must also fit the plain moment arrays; grads of some of the
-    rows (``first_row``) only in place (``apply``, no copy)."""
+    rows (``first_row``) only in place (``apply``, no copy); ``range_params``: params of the grads' rows only."""
     if copy_dtype is not None and not apply:
         raise ValueError(f"copy_dtype={copy_dtype} needs apply=True (it is a copy of the new params)")
     if codec not in CODECS:
@@ -450,14 +450,19 @@ def _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype
         raise ValueError(f"unknown quant_map {quant_map!r}; expected one of {QUANT_MAPS}")
     if p.ndim != 2 or p.shape[1] != ROW or g.ndim != 2 or g.shape[1] != ROW:
         raise ValueError(f"params and grads must both be [rows, {ROW}]; got {p.shape} and {g.shape}")
-    if not 0 <= first_row <= first_row + g.shape[0] <= p.shape[0]:
-        raise ValueError(f"grads of rows [{first_row}, {first_row + g.shape[0]}) do not lie in the params' "
-                         f"{p.shape[0]} rows")
-    if g.shape != p.shape and (not apply or copy_dtype is not None):
-        raise ValueError(f"grads of rows [{first_row}, {first_row + g.shape[0]}) of {p.shape[0]} update those rows "
+    if range_params and p.shape != g.shape:
+        raise ValueError(f"range_params: params and grads must both be the range's rows; got {p.shape} and {g.shape}")
+    rows = decay.shape[0] if range_params else p.shape[0]  # the whole buffer's, which the state covers
+    if not 0 <= first_row <= first_row + g.shape[0] <= rows:
+        raise ValueError(f"grads of rows [{first_row}, {first_row + g.shape[0]}) do not lie in the buffer's "
+                         f"{rows} rows")
+    if g.shape[0] != rows and (not apply or copy_dtype is not None):
+        raise ValueError(f"grads of rows [{first_row}, {first_row + g.shape[0]}) of {rows} update those rows "
                          "in place: expected apply=True and no copy_dtype")
-    if decay.shape != (p.shape[0],):
-        raise ValueError(f"decay must be [rows] = [{p.shape[0]}], got {decay.shape}")
+    if decay.shape != (rows,):
+        raise ValueError(f"decay must be [rows] = [{rows}], got {decay.shape}")
+    if state[0].shape[0] != rows:
+        raise ValueError(f"the moments' {state[0].shape[0]} rows do not match the buffer's {rows}")
     if codec not in QUANTIZED:
         if len(state) != 2:
             raise ValueError(f"codec {codec!r} expects 2 moment arrays (m, v), got {len(state)}")
@@ -466,9 +471,9 @@ def _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype
         raise ValueError(f"codec 'int4' has only the 'power' quant_map, got {quant_map!r}")
     if len(state) not in (4, 6):
         raise ValueError(f"codec {codec!r} expects 4 or 6 moment arrays, got {len(state)}")
-    codes = (p.shape[0], CODE_COLUMNS[codec])
-    if state[0].shape != codes or state[2].shape != (p.shape[0],):
-        raise ValueError(f"{codec} codes must be {codes} and scales ({p.shape[0]},); got {state[0].shape} and "
+    codes = (rows, CODE_COLUMNS[codec])
+    if state[0].shape != codes or state[2].shape != (rows,):
+        raise ValueError(f"{codec} codes must be {codes} and scales ({rows},); got {state[0].shape} and "
                          f"{state[2].shape}")
     plain_rows = state[4].shape[0] if len(state) == 6 else 0
     if isinstance(n_plain_rows, int) and not 0 <= n_plain_rows <= plain_rows:
@@ -476,10 +481,11 @@ def _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "quant_map", "apply", "out_dtype", "copy_dtype", "config",
-                                             "interpret", "first_row"))
+                                             "interpret", "first_row", "range_params"))
 def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int | jax.Array = 0,
                 quant_map: str = "power", apply: bool = True, out_dtype=None, copy_dtype=None,
-                config: BlockConfig | None = None, interpret: bool = False, first_row: int = 0):
+                config: BlockConfig | None = None, interpret: bool = False, first_row: int = 0,
+                range_params: bool = False):
     """One AdamW step over a flat buffer in a single launch.
 
     Args:
@@ -488,6 +494,9 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
         updated in place with the bits the whole buffer's launch gives them, every other row of params and
         moments left as it is (``apply=True``, no ``copy_dtype``; donate them): one launch per leaf, each fed
         that leaf's own gradient, updates a buffer without first copying the gradients into one.
+        ``range_params``: ``p`` too holds those rows only (``[g_rows, 256]``; the state and ``decay`` still the
+        whole buffer's): the params of one leaf, updated in place in their own buffer, so that a model's params
+        need not live in one flat buffer either.
       state: moment arrays of ``codec``: ``(m, v)`` for fp32/bf16, ``(m_codes, v_codes, m_scale,
         v_scale[, m_plain, v_plain])`` for int8: codes ``[rows, 256]`` and scales ``[rows]`` used on rows
         ``[n_plain_rows, rows)``, fp32 plain moments ``[plain_rows, 256]`` (``plain_rows <= rows``) on rows
@@ -505,9 +514,9 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
       ``(new_params or updates, new_state)`` with ``new_state`` in the order of ``state``, and the copy last
       when ``copy_dtype`` is given.
     """
-    _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype, first_row)
+    _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype, first_row, range_params)
     config = config or TUNED_BLOCKS[codec]
-    rows, r = p.shape[0], config.block_rows
+    rows, r = decay.shape[0], config.block_rows
     plain_rows = state[4].shape[0] if codec in QUANTIZED and len(state) == 6 else 0
     if rows % r or plain_rows % r or (isinstance(n_plain_rows, int) and n_plain_rows % r):
         raise ValueError(f"rows ({rows}), the plain moments' rows ({plain_rows}) and n_plain_rows ({n_plain_rows}) "
@@ -523,6 +532,7 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
         state = tuple(jax.lax.bitcast_convert_type(x.reshape(rows, ROW // CODES_PER_WORD, CODES_PER_WORD),
                                                    jnp.uint32) if k < 2 else x for k, x in enumerate(state))
     tile_spec = pl.BlockSpec((r, ROW), lambda i: (i + first_block, 0))
+    params_spec = pl.BlockSpec((r, ROW), lambda i: (i, 0)) if range_params else tile_spec
     state_specs = _state_specs(codec, plain_rows // r, r, word_codes, first_block)
     hp_vec = jnp.stack([jnp.asarray(x, jnp.float32) for x in hp])
     hp_vec = jnp.pad(hp_vec, (0, HP_SLOTS - hp_vec.size))
@@ -540,9 +550,9 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
         kernel,
         grid=(g.shape[0] // r,),
         in_specs=[pl.BlockSpec((HP_SLOTS,), lambda i: (0,)), pl.BlockSpec((4,), lambda i: (0,)),
-                  pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((r,), lambda i: (i + first_block,)), tile_spec,
+                  pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((r,), lambda i: (i + first_block,)), params_spec,
                   pl.BlockSpec((r, ROW), lambda i: (i, 0)), *state_specs],
-        out_specs=[tile_spec, *state_specs, *[tile_spec] * len(copy)],
+        out_specs=[params_spec, *state_specs, *[tile_spec] * len(copy)],
         out_shape=[jax.ShapeDtypeStruct(p.shape, out_dtype), *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state),
                    *copy],
         input_output_aliases=aliases,
@@ -559,19 +569,20 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
 
 def fused_adamw_reference(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows: int = 0,
                           quant_map: str = "power", apply: bool = True, out_dtype=None, copy_dtype=None,
-                          first_row: int = 0):
+                          first_row: int = 0, range_params: bool = False):
     """Plain-jnp :func:`fused_adamw`: same arguments, same math; results agree up to float reordering
     (an 8-bit code may land one step apart where that moves a value across a rounding edge)."""
-    _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype, first_row)
+    _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype, first_row, range_params)
     out, new_state = _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype,
-                                first_row)
+                                first_row, range_params)
     return (out, new_state) if copy_dtype is None else (out, new_state, out.astype(copy_dtype))
 
 
 REFERENCE_CHUNK_ROWS = 4096  # rows (1M elements) the reference updates at a time, past its plain rows
 
 
-def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype, first_row=0):
+def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype, first_row=0,
+               range_params=False):
     """``_reference_block`` over the grads' rows ``[first_row, first_row + g_rows)``, updated in place in the whole
     arrays: rows with plain moments (below the plain arrays' end) as one block with their plain rows, the rest
     ``REFERENCE_CHUNK_ROWS`` rows at a time (a loop whose chunks update params and moments in place). A chunk's
@@ -581,8 +592,9 @@ def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, app
     (decoded fp32 moments, random bits, directions), not the buffer-sized float32 arrays a single pass over the
     buffer leaves XLA (several, for bf16's random bits and 8- and 4-bit moments' decoding). A block's random bits
     are those of its rows' elements in the whole buffer (its keys shifted by ``shard_key_offset``), so how the
-    rows are cut changes no result."""
-    rows, end = p.shape[0], first_row + g.shape[0]
+    rows are cut changes no result. ``range_params``: ``p`` holds the grads' rows only."""
+    rows, end = decay.shape[0], first_row + g.shape[0]
+    p_first = first_row if range_params else 0  # the buffer's row that p's row 0 is
     head = state[4].shape[0] if codec in QUANTIZED and len(state) == 6 else 0  # rows with plain moments
     chunk = REFERENCE_CHUNK_ROWS
     if first_row == 0 and end == rows and rows - head <= chunk:  # one block: no cutting
@@ -596,13 +608,14 @@ def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, app
         read from ``out`` when it is they, updated in place: its rows from ``first`` on are not updated yet)."""
         cut = lambda x: jax.lax.dynamic_slice_in_dim(x, first, n)
         part_out, part = _reference_block(
-            cut(out if apply else p), jax.lax.dynamic_slice_in_dim(g, first - first_row, n),
+            jax.lax.dynamic_slice_in_dim(out if apply else p, first - p_first, n),
+            jax.lax.dynamic_slice_in_dim(g, first - first_row, n),
             tuple(cut(x) for x in rowwise_state) + plain, cut(decay), hp, keys + shard_key_offset(first), codec,
             n_plain, quant_map, apply, out_dtype)
         part_out, part = jax.lax.optimization_barrier((part_out, part))  # the chunk's results, then the writes
-        put = lambda whole, x: jax.lax.dynamic_update_slice_in_dim(whole, x.astype(whole.dtype), first, 0)
-        return put(out, part_out), tuple(put(w, x) for w, x in zip(rowwise_state, part[:rowwise], strict=True)), \
-            part[rowwise:]
+        put = lambda whole, x, at=first: jax.lax.dynamic_update_slice_in_dim(whole, x.astype(whole.dtype), at, 0)
+        return put(out, part_out, first - p_first), \
+            tuple(put(w, x) for w, x in zip(rowwise_state, part[:rowwise], strict=True)), part[rowwise:]
 
     start = first_row
     if first_row < head:  # the range's rows below the plain arrays' end, with those rows of the plain moments

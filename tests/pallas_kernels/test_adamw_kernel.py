@@ -137,6 +137,25 @@ class TestFusedAdamW:
             else:  # the plain moments: all in [0, 32)
                 np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(before, np.float32))
 
+    @pytest.mark.parametrize("codec,n_plain", CASES)
+    @pytest.mark.parametrize("implementation", ["kernel", "reference"])
+    def test_params_of_a_range_in_their_own_buffers_update_as_the_whole_buffer(self, codec, n_plain, implementation):
+        """``range_params``: each range's params passed as a buffer of their own (a leaf's), the moments whole:
+        the pieces joined give the whole call's params, and the moments its moments, bit for bit."""
+        p, g, state, decay, hp, keys = inputs(6, codec, n_plain, jnp.bfloat16)
+        static = dict(codec=codec, n_plain_rows=n_plain)
+        run = (functools.partial(K.fused_adamw, interpret=interpret(), config=K.BlockConfig(block_rows=8))
+               if implementation == "kernel" else K.fused_adamw_reference)
+        whole = run(p, g, state, decay, hp, keys, **static)
+        pieces, new = [], state
+        for start, end in [(0, 16), (16, 48), (48, 88), (88, ROWS)]:
+            piece, new = run(p[start:end], g[start:end], new, decay, hp, keys, first_row=start, range_params=True,
+                             **static)
+            assert piece.shape == (end - start, K.ROW)
+            pieces.append(piece)
+        for a, b in zip(jax.tree.leaves((jnp.concatenate(pieces), new)), jax.tree.leaves(whole), strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
     @pytest.mark.parametrize("codec,n_plain", [("int8", 0), ("int8", 32), ("int4", 32)])
     @pytest.mark.parametrize("apply", [True, False])
     def test_reference_in_chunks_matches_the_reference_at_once(self, codec, n_plain, apply, monkeypatch):
@@ -175,7 +194,7 @@ class TestFusedAdamW:
 
     def test_row_ranges_are_checked(self):
         p, g, state, decay, hp, keys = inputs(0, "fp32", 0, jnp.float32)
-        with pytest.raises(ValueError, match=r"grads of rows \[120, 136\) do not lie in the params' 128 rows"):
+        with pytest.raises(ValueError, match=r"grads of rows \[120, 136\) do not lie in the buffer's 128 rows"):
             K.fused_adamw(p, g[:16], state, decay, hp, keys, codec="fp32", first_row=120)
         with pytest.raises(ValueError, match="update those rows in place: expected apply=True"):
             K.fused_adamw(p, g[:16], state, decay, hp, keys, codec="fp32", apply=False)
