@@ -3,7 +3,7 @@
 The tour is a list of steps (:data:`STEPS`), each a function of the shared :class:`Tour`, run in order:
 
 1. ``train_optimizers``: an MLP 784-256-256-10 on real MNIST, one epoch per optimizer variant (optax.adamw
-   with fp32 state; apexw with bf16 and int8 state through optax; the fused ``ApexW.step`` on FlatParams).
+   with fp32 state; apexw with bf16 and int8 state through optax; the fused ``ApexW.step`` on the params pytree).
 2. ``checkpoint_round_trip``: the fused variant's params and state saved with :class:`Checkpointer` and
    restored bit-exactly.
 3. ``optimizer_table``: final train loss, test accuracy, optimizer-state memory and median step time.
@@ -32,7 +32,6 @@ from rich.table import Table
 
 from apex_data import MNIST_CLASSES, MNIST_PIXELS, Mnist, load_mnist
 from apex_jax.checkpoint import Checkpointer
-from apex_jax.flat import FlatParams, flatten
 from apex_jax.transform import ApexW, ApexWState, apexw, state_nbytes
 from pc import PCNet, evaluate, init_params, train_epoch
 
@@ -148,18 +147,15 @@ def optax_variant(name: str, tx: optax.GradientTransformation) -> Variant:
 
 
 def fused_variant(name: str, opt: ApexW) -> Variant:
-    """Params as FlatParams: the gradient of their leaves (``flat.tree()``) and one fused ``opt.step``."""
+    """Params as a pytree, moments flat: one fused ``opt.step`` updates each leaf in place."""
 
-    def step(flat, state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(flat.tree(), x, y)
-        flat, state = opt.step(flat, grads, state)
-        return flat, state, loss
+    def step(params, state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        params, state = opt.step(params, grads, state)
+        return params, state, loss
 
-    def init(params):
-        flat = flatten(params)
-        return flat, opt.init(flat)
-
-    return Variant(name, init, jax.jit(step, donate_argnums=(0, 1)), FlatParams.tree)
+    return Variant(name, lambda params: (params, opt.init(params)), jax.jit(step, donate_argnums=(0, 1)),
+                   lambda params: params)
 
 
 def make_variants(config: DemoConfig) -> list[Variant]:
@@ -223,9 +219,9 @@ def train_optimizers(tour: Tour) -> None:
 
 
 def checkpoint_round_trip(tour: Tour) -> None:
-    """Saves the fused variant's FlatParams and ApexWState with Checkpointer and restores them bit-exactly."""
-    flat, state = tour.results[FUSED]
-    saved = {"params": flat, "opt_state": state}
+    """Saves the fused variant's params and ApexWState with Checkpointer and restores them bit-exactly."""
+    params, state = tour.results[FUSED]
+    saved = {"params": params, "opt_state": state}
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), saved)  # nothing but shapes
     with tempfile.TemporaryDirectory() as directory, Checkpointer(directory, handle_sigterm=False) as ckpt:
         step = int(state.count)
@@ -241,7 +237,7 @@ def checkpoint_round_trip(tour: Tour) -> None:
     nbytes = sum(leaf.nbytes for leaf in leaves)
     tour.results["checkpoint"] = restored
     tour.results["checkpoint_bytes"] = nbytes
-    tour.console.print(f"checkpoint: FlatParams + ApexWState (int8) at step {step} saved and restored "
+    tour.console.print(f"checkpoint: params + ApexWState (int8) at step {step} saved and restored "
                        f"bit-exactly ({len(leaves)} arrays, {nbytes:,} bytes)")
 
 
