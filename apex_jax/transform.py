@@ -204,15 +204,15 @@ class ApexW:
         # rows (a large leaf, or the small leaves joined) updated in its own buffer; a pytree of grads by row
         # ranges of the flat params; else one flat buffer per group.
         tree_params = apply and not isinstance(params, FlatParams) and not state.master
-        by_rows = tree_params or (apply and params.sharding is None and not state.master
-                                  and not isinstance(grads, FlatParams))
         if tree_params:
-            p_flat = None
+            p_flat, sharding = None, None
             p_buffers = tuple(tuple(rows for _, rows in pieces) for pieces in layout.row_ranges(params, align))
         else:
             p_flat = layout.flatten(params)
+            sharding = p_flat.sharding
             p_buffers = tuple((b,) for b in p_flat.buffers)
-        sharding = None if p_flat is None else p_flat.sharding
+        by_rows = tree_params or (apply and sharding is None and not state.master
+                                  and not isinstance(grads, FlatParams))
         if by_rows:
             g_pieces = layout.row_ranges(grads, align)
             g_buffers = tuple(tuple(rows for _, rows in pieces) for pieces in g_pieces)

@@ -367,6 +367,20 @@ def test_fused_step_on_the_params_pytree_equals_the_flat_step(state_dtype, imple
         assert raw_bits(runs[0]) == raw_bits(runs[1])
 
 
+def test_master_weights_on_the_params_pytree_flatten_them_as_flat_params_do():
+    """bf16 params as a pytree with a float32 master copy in the state (flattened for the step) take what
+    FlatParams of them take."""
+    params = {"w": jax.random.normal(jax.random.key(3), (64, 512)).astype(jnp.bfloat16),
+              "b": jnp.zeros((512,), jnp.bfloat16)}
+    opt = ApexW(1e-2, state_dtype=jnp.int8, master_weights=True, implementation="xla")
+    grads = grads_at(params, 0)
+    tree, _ = jax.jit(opt.step)(params, grads, opt.init(params))
+    flat = flatten(params)
+    from_flat, _ = jax.jit(opt.step)(flat, grads, opt.init(flat))
+    assert jax.tree.structure(tree) == jax.tree.structure(params)
+    assert raw_bits(tree) == raw_bits(from_flat.tree())
+
+
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.int8], **KIND_IDS)
 def test_fused_step_on_the_params_pytree_lowers_to_a_kernel_per_piece_in_place(state_dtype):
     """On an H200, params and grads as pytrees: one in-place apexw call per piece of ``row_ranges``, and no
