@@ -1,4 +1,4 @@
-"""apex-jax: compact-state fused AdamW (ApexW) for JAX, as an optax transform and a fused flat step."""
+"""apex-jax: compact-state fused AdamW (ApexW) for JAX, as an optax transform and a fused in-place step."""
 
 from apex_jax.flat import FlatLayout, FlatParams, RowSharding, flatten
 from apex_jax.transform import (

@@ -6,9 +6,10 @@ Two ways to use the same optimizer (same state, same checkpoints):
   and ``optax.apply_updates``. It accepts any params pytree: the leaves are concatenated into flat
   buffers, updated by one kernel launch per dtype and split back, so the update does not grow with the leaf
   count (the concatenate and split around it take a few ops per leaf).
-* ``ApexW(...).step(params, grads, state) -> (params, state)``: the fused step for :class:`FlatParams`.
-  Under ``jax.jit(..., donate_argnums=(0, 2))`` it updates params and moments in place in one pass, with
-  no ``updates`` array; bf16 params are stochastically rounded.
+* ``ApexW(...).step(params, grads, state) -> (params, state)``: the fused step, for the model's own params
+  pytree (each large leaf updated in its own buffer, the moments flat) or for :class:`FlatParams`. Under
+  ``jax.jit(..., donate_argnums=(0, 2))`` it updates params and moments in place in one pass, with no
+  ``updates`` array; bf16 params are stochastically rounded.
 
 FlatParams laid over a mesh (:class:`apex_jax.RowSharding`) get moments sharded by the same rows, and each
 device runs the update on its own rows under ``shard_map``: nothing is gathered but the updated params of ZeRO-1.
