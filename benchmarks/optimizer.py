@@ -6,8 +6,9 @@ never ends (optax at 8192 leaves) or a missing package costs one row, not the ru
 back to back (median of >= 20 runs), params and grads are fp32 random normals, working sets are GBs
 (far above the 50 MB L2). Floors count fp32 params and grads: read p and g, write p (12 B/param) plus
 moments read and written (16 B fp32, 8 B bf16, 2 B + scales int8), over the measured copy bandwidth. The fused
-step is timed fed one flat gradient buffer and fed the leaves' gradients (``ApexW.step``'s row ranges, no flat
-copy); every JAX row carries XLA's temporaries of its compiled step per parameter.
+step is timed on FlatParams fed one flat gradient buffer and fed the leaves' gradients (``ApexW.step``'s row
+ranges, no flat copy), and on the params pytree itself (each leaf in place in its own buffer); every JAX row
+carries XLA's temporaries of its compiled step per parameter.
 
     python benchmarks/optimizer.py                 # GPU: results/optimizer.json + optimizer.png
     python benchmarks/optimizer.py --cpu           # small CPU mode: results/optimizer_cpu.json
@@ -160,18 +161,23 @@ def jax_worker(group: str, n: int, size: int, blocks: dict) -> list[dict]:
                                            state_bytes_per_param=apex_jax.state_nbytes(state) / (n * size)))
                 flat = rows[-1].pop("carry")[0]
                 del state
-    else:  # the flat step fed one flat gradient buffer, then the params' leaves' gradients (ApexW.step)
+    else:  # the fused step on FlatParams fed one flat gradient buffer, then the leaves' gradients; then on the
+        # params pytree itself (ApexW.step)
         flat, flat_g = apex_jax.flatten(params), apex_jax.flatten(grads)
-        del params
-        for impl, g in (("apexw fused", flat_g), ("apexw fused (leaf grads)", grads)):
+        for impl, g in (("apexw fused", flat_g), ("apexw fused (leaf grads)", grads),
+                        ("apexw fused (params pytree)", grads)):
             for kind in STATE_KINDS:
                 rows_w = blocks.get(kind, (16, 4))
                 opt = apex_jax.ApexW(LR, state_dtype=apex_jax.STATE_DTYPES[kind], block=BlockConfig(*rows_w))
-                state = opt.init(flat)
-                rows.append(_time_compiled(jax.jit(opt.step, donate_argnums=(0, 2)), (flat, state), g,
+                p = params if impl.endswith("pytree)") else flat
+                state = opt.init(p)
+                rows.append(_time_compiled(jax.jit(opt.step, donate_argnums=(0, 2)), (p, state), g,
                                            impl=impl, state=kind, block=list(rows_w),
                                            state_bytes_per_param=apex_jax.state_nbytes(state) / (n * size)))
-                flat = rows[-1].pop("carry")[0]
+                if impl.endswith("pytree)"):
+                    params = rows[-1].pop("carry")[0]
+                else:
+                    flat = rows[-1].pop("carry")[0]
                 del state
     return rows
 

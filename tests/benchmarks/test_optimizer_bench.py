@@ -1,7 +1,7 @@
 """benchmarks/optimizer.py's workers on the CPU (the fused step runs its jnp reference there): the launch-geometry
 sweep over bf16 params names its rows apart from the fp32 sweep's, and the mixed-precision rows take the geometry
 swept for bf16 params, the master copy's rows the fp32 one's; the fused rows time the step fed flat and leaf
-gradients."""
+gradients, and on the params pytree."""
 
 from benchmarks import optimizer as bench
 
@@ -24,9 +24,10 @@ def test_mixed_rows_use_the_geometry_swept_for_their_params():
 
 
 def test_fused_rows_time_the_step_fed_flat_and_leaf_gradients():
-    """Every state kind is timed fed one flat gradient buffer and fed the leaves' gradients, each row with XLA's
-    temporaries of its compiled step."""
+    """Every state kind is timed on FlatParams fed one flat gradient buffer and fed the leaves' gradients, and on
+    the params pytree, each row with XLA's temporaries of its compiled step."""
     rows = bench.jax_worker("apexw-fused", 2, 4096, {})
     assert [(r["impl"], r["state"]) for r in rows] == [
-        (impl, kind) for impl in ("apexw fused", "apexw fused (leaf grads)") for kind in bench.STATE_KINDS]
+        (impl, kind) for impl in ("apexw fused", "apexw fused (leaf grads)", "apexw fused (params pytree)")
+        for kind in bench.STATE_KINDS]
     assert all(r["step_ms"] > 0 and r["temp_bytes_per_param"] >= 0 for r in rows)
