@@ -10,6 +10,10 @@ each starting on a 256-element row and each region padded to ``ROWS_ALIGN`` rows
 with respect to it returns flat gradients directly: ``FlatParams.tree()`` views the buffers as the
 original pytree through one ``lax.split`` per group, whose transpose is a single concatenate.
 
+The layout also serves params and gradients that stay a pytree: ``FlatLayout.row_ranges`` cuts one into
+pieces of the buffers' rows (a large leaf reshaped, no copy; the small leaves joined), which the optimizer
+updates against the flat moments at the same rows, and ``FlatLayout.from_row_ranges`` reads the leaves back.
+
 Over a mesh (:class:`RowSharding`), each buffer is split into equal blocks of rows along one mesh axis: FSDP
 shards the params too, ZeRO-1 keeps them replicated; the optimizer state is sharded the same way in both, and
 :class:`apex_jax.ApexW` updates each shard where it lives. A sharded layout pads each group to a multiple of
