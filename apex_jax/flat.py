@@ -177,8 +177,9 @@ class FlatLayout:
             for (first, _, members), (_, rows) in zip(self._pieces(group, align), group_pieces, strict=True):
                 flat = jnp.ravel(rows)
                 for i, offset in members:
-                    start = offset - first * ROW
-                    leaves[i] = jax.lax.slice_in_dim(flat, start, start + math.prod(self.shapes[i])).reshape(
+                    start, size = offset - first * ROW, math.prod(self.shapes[i])
+                    exact = start == 0 and size == flat.size  # the piece is this leaf: a reshape
+                    leaves[i] = (flat if exact else jax.lax.slice_in_dim(flat, start, start + size)).reshape(
                         self.shapes[i])
         return jax.tree.unflatten(self.treedef, leaves)
 

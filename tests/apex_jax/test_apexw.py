@@ -282,6 +282,21 @@ def test_row_ranges_lay_out_the_tree_as_flatten_does_and_copy_only_what_is_off_t
         layout.row_ranges(tree, 3)
 
 
+def test_from_row_ranges_reads_back_the_tree_and_copies_no_whole_leaf():
+    """``from_row_ranges(row_ranges(tree))`` is the tree bit for bit; the leaves that were pieces of their own come
+    back by reshapes alone (slices only out of the joined and padded pieces)."""
+    tree = mixed_model()
+    layout = apex_jax.FlatLayout.of(tree)
+    back = layout.from_row_ranges(layout.row_ranges(tree, 4), 4)
+    assert jax.tree.structure(back) == jax.tree.structure(tree) and raw_bits(back) == raw_bits(tree)
+    pieces = jax.tree.leaves(layout.row_ranges(tree, 4), is_leaf=lambda x: isinstance(x, jax.Array))
+    jaxpr = jax.make_jaxpr(lambda ps: layout.from_row_ranges(jax.tree.unflatten(
+        jax.tree.structure(layout.row_ranges(tree, 4)), ps), 4))(pieces)
+    sliced = sorted(e.outvars[0].aval.size for e in jaxpr.eqns if e.primitive.name == "slice")
+    whole = {"c_stack", "d_w1", "h"}  # reshaped to a piece of their own by row_ranges
+    assert not any(size in sliced for size in (tree[name].size for name in whole))
+
+
 @pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_fused_step_with_tree_grads_equals_flat_grads_bit_for_bit(state_dtype, implementation):
