@@ -185,6 +185,8 @@ class ApexW:
         flat state. So the model reads its params as they are: a view of one flat buffer (``FlatParams.tree()``)
         is a slice, which XLA copies wherever a whole array must exist, e.g. as an operand of a scan over layers
         (4 B/param of fp32 params, for the whole step). ``grads`` is then the pytree of the leaves' gradients.
+        A launch per large leaf suits a model that stacks its layers (a handful of leaves); for thousands of
+        large leaves FlatParams' one launch per group costs less time.
 
         ``params`` may be FlatParams (one buffer per dtype group, what a mesh needs: ``RowSharding``), updated by
         one launch per group; ``grads`` then FlatParams (``jax.grad`` with respect to the FlatParams, whose
