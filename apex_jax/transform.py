@@ -3,9 +3,9 @@
 Two ways to use the same optimizer (same state, same checkpoints):
 
 * ``apexw(...)``: an optax ``GradientTransformationExtraArgs`` for ``optax.chain``, ``inject_hyperparams``
-  and ``optax.apply_updates``. It accepts any params pytree: the leaves are concatenated into flat
-  buffers, updated by one kernel launch per dtype and split back, so the update does not grow with the leaf
-  count (the concatenate and split around it take a few ops per leaf).
+  and ``optax.apply_updates``. It accepts any params pytree, the moments laid out flat: each large leaf's
+  updates come from a launch over its own rows, the small leaves' from one launch over them joined (no copy of
+  the large leaves into one buffer, nor out of one); FlatParams take one launch per dtype.
 * ``ApexW(...).step(params, grads, state) -> (params, state)``: the fused step, for the model's own params
   pytree (each large leaf updated in its own buffer, the moments flat) or for :class:`FlatParams`. Under
   ``jax.jit(..., donate_argnums=(0, 2))`` it updates params and moments in place in one pass, with no
@@ -192,8 +192,8 @@ class ApexW:
         one launch per group; ``grads`` then FlatParams (``jax.grad`` with respect to the FlatParams, whose
         transpose of the split concatenates the leaves' gradients) or the pytree of the leaves' gradients
         (``jax.grad`` with respect to ``params.tree()``), which on one device without master weights feeds each
-        piece's update of its own rows, with no flat gradient made. With master weights, or over a mesh, params
-        and grads are flattened first.
+        piece's update of its own rows, with no flat gradient made. With master weights, or over a mesh (FlatParams
+        with a RowSharding, or a pytree of sharded leaves), params and grads are flattened first.
         """
         return self._run(params, grads, state, apply=True)
 
@@ -206,7 +206,7 @@ class ApexW:
         # How params and grads meet the flat moments (the step's docstring): a pytree of params, each piece of
         # rows (a large leaf, or the small leaves joined) updated in its own buffer; a pytree of grads by row
         # ranges of the flat params; else one flat buffer per group.
-        tree_params = apply and not isinstance(params, FlatParams) and not state.master
+        tree_params = not isinstance(params, FlatParams) and not state.master and not _on_a_mesh(params)
         if tree_params:
             p_flat, sharding = None, None
             p_buffers = tuple(tuple(rows for _, rows in pieces) for pieces in layout.row_ranges(params, align))
@@ -273,7 +273,7 @@ class ApexW:
         if self.skip_nonfinite:
             finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(g_buffers)]))
             # updates of -0.0: p + -0.0 is p bit for bit, signaling NaNs aside (+0.0 would turn -0.0 into +0.0)
-            unchanged = p_buffers if apply else tuple((jnp.full_like(g, -0.0),) for g in g_flat.buffers)
+            unchanged = p_buffers if apply else jax.tree.map(lambda g: jnp.full_like(g, -0.0), g_buffers)
             outs, moments, master = jax.lax.cond(finite, update_all,
                                                  lambda _: (unchanged, state.moments, state.master), None)
             new_state = ApexWState(jnp.where(finite, t, count), state.skipped + (~finite).astype(jnp.int32),
@@ -439,6 +439,12 @@ def apexw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
     opt = ApexW(learning_rate, b1, b2, eps, weight_decay, mask, state_dtype, quant_map, skip_nonfinite, seed,
                 implementation)
     return optax.GradientTransformationExtraArgs(opt.init, opt.update)
+
+
+def _on_a_mesh(tree) -> bool:
+    """Whether a leaf's type names mesh axes (sharded over devices): its pieces cannot meet the one-device flat
+    moments row by row, so such a pytree is flattened (FlatParams with a RowSharding are the sharded form)."""
+    return any(axis is not None for leaf in jax.tree.leaves(tree) for axis in jax.typeof(leaf).sharding.spec)
 
 
 def _sharding_of(params) -> RowSharding | None:

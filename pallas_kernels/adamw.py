@@ -456,9 +456,9 @@ def _check(p, g, state, decay, codec, n_plain_rows, quant_map, apply, copy_dtype
     if not 0 <= first_row <= first_row + g.shape[0] <= rows:
         raise ValueError(f"grads of rows [{first_row}, {first_row + g.shape[0]}) do not lie in the buffer's "
                          f"{rows} rows")
-    if g.shape[0] != rows and (not apply or copy_dtype is not None):
+    if g.shape[0] != rows and (copy_dtype is not None or not (apply or range_params)):
         raise ValueError(f"grads of rows [{first_row}, {first_row + g.shape[0]}) of {rows} update those rows "
-                         "in place: expected apply=True and no copy_dtype")
+                         "in place (apply=True, no copy_dtype), or give their updates with range_params")
     if decay.shape != (rows,):
         raise ValueError(f"decay must be [rows] = [{rows}], got {decay.shape}")
     if state[0].shape[0] != rows:
@@ -495,8 +495,8 @@ def fused_adamw(p, g, state, decay, hp: Hyper, keys, *, codec: str, n_plain_rows
         moments left as it is (``apply=True``, no ``copy_dtype``; donate them): one launch per leaf, each fed
         that leaf's own gradient, updates a buffer without first copying the gradients into one.
         ``range_params``: ``p`` too holds those rows only (``[g_rows, 256]``; the state and ``decay`` still the
-        whole buffer's): the params of one leaf, updated in place in their own buffer, so that a model's params
-        need not live in one flat buffer either.
+        whole buffer's): the params of one leaf, updated in place in their own buffer (or, ``apply=False``, their
+        updates returned), so that a model's params need not live in one flat buffer either.
       state: moment arrays of ``codec``: ``(m, v)`` for fp32/bf16, ``(m_codes, v_codes, m_scale,
         v_scale[, m_plain, v_plain])`` for int8: codes ``[rows, 256]`` and scales ``[rows]`` used on rows
         ``[n_plain_rows, rows)``, fp32 plain moments ``[plain_rows, 256]`` (``plain_rows <= rows``) on rows

@@ -175,9 +175,15 @@ def test_fused_flat_step_matches_transform(state_dtype, params_dtype):
         flat, flat_state = step(flat, flatten(grads), flat_state)
         updates, tree_state = tree_step(grads, tree_state, tree)
         tree = optax.apply_updates(tree, updates)
-    # Same moments; params agree up to the rounding of the separate add in the transform path.
+    # The same moments up to XLA's rounding of the transform's per-piece shapes (an ulp; a code one step apart
+    # where that moves a value across a rounding edge); params also up to the separate add of the transform path.
     for a, b in zip(jax.tree.leaves(flat_state), jax.tree.leaves(tree_state), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        a, b = np.asarray(a), np.asarray(b)
+        if np.issubdtype(a.dtype, np.integer) or a.dtype == jnp.int4:
+            diff = np.abs(a.astype(np.int32) - b.astype(np.int32))
+            assert diff.max() <= 1 and (diff > 0).mean() < 1e-2
+        else:
+            np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-5, atol=1e-12)
     tol = 1e-6 if params_dtype == jnp.float32 else 2e-2
     assert rel_max(tree, flat.tree()) < tol
 
@@ -410,6 +416,21 @@ def test_fused_step_on_the_params_pytree_lowers_to_a_kernel_per_piece_in_place(s
     made = sorted(size for n in re.findall(r"stablehlo.concatenate.*-> tensor<(\d+)x[bf]", text)
                   if (size := int(n)) >= 256)
     assert made == sorted([48 * 256, 28 * 256, 20 * 256, 16 * 256, 16 * 256] * 2)  # params' pieces and grads'
+
+
+def test_optax_transform_on_a_pytree_launches_per_piece_and_joins_only_small_leaves():
+    """``apexw(...)``'s update on an H200: one apexw call per piece of ``row_ranges`` giving that piece's updates,
+    no concatenate but the small pieces' of params and grads (the large leaves are never joined into one buffer,
+    nor split out of one)."""
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mixed_model())
+    tx = apexw(1e-3, state_dtype=jnp.int8, implementation="pallas")
+    state = jax.eval_shape(tx.init, params)
+    text = lower_for_h200(lambda g, s, p: tx.update(g, s, p), params, state, params)
+    pieces = apex_jax.FlatLayout.of(params).row_ranges(mixed_model(), 4)
+    assert [name for name, _ in inspect_lowered(text).triton_calls] == ["apexw_int8"] * sum(len(p) for p in pieces)
+    made = sorted(size for n in re.findall(r"stablehlo.concatenate.*-> tensor<(\d+)x[bf]", text)
+                  if (size := int(n)) >= 256)
+    assert made == sorted([48 * 256, 28 * 256, 20 * 256, 16 * 256, 16 * 256] * 2)
 
 
 @pytest.mark.parametrize("state_dtype", KINDS, **KIND_IDS)

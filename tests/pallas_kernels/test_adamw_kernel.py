@@ -139,11 +139,13 @@ class TestFusedAdamW:
 
     @pytest.mark.parametrize("codec,n_plain", CASES)
     @pytest.mark.parametrize("implementation", ["kernel", "reference"])
-    def test_params_of_a_range_in_their_own_buffers_update_as_the_whole_buffer(self, codec, n_plain, implementation):
+    @pytest.mark.parametrize("apply", [True, False])
+    def test_params_of_a_range_in_their_own_buffers_update_as_the_whole_buffer(self, codec, n_plain, implementation,
+                                                                               apply):
         """``range_params``: each range's params passed as a buffer of their own (a leaf's), the moments whole:
-        the pieces joined give the whole call's params, and the moments its moments, bit for bit."""
+        the pieces joined give the whole call's params (or updates), and the moments its moments, bit for bit."""
         p, g, state, decay, hp, keys = inputs(6, codec, n_plain, jnp.bfloat16)
-        static = dict(codec=codec, n_plain_rows=n_plain)
+        static = dict(codec=codec, n_plain_rows=n_plain, apply=apply)
         run = (functools.partial(K.fused_adamw, interpret=interpret(), config=K.BlockConfig(block_rows=8))
                if implementation == "kernel" else K.fused_adamw_reference)
         whole = run(p, g, state, decay, hp, keys, **static)
@@ -196,7 +198,7 @@ class TestFusedAdamW:
         p, g, state, decay, hp, keys = inputs(0, "fp32", 0, jnp.float32)
         with pytest.raises(ValueError, match=r"grads of rows \[120, 136\) do not lie in the buffer's 128 rows"):
             K.fused_adamw(p, g[:16], state, decay, hp, keys, codec="fp32", first_row=120)
-        with pytest.raises(ValueError, match="update those rows in place: expected apply=True"):
+        with pytest.raises(ValueError, match="update those rows in place .apply=True, no copy_dtype., or give"):
             K.fused_adamw(p, g[:16], state, decay, hp, keys, codec="fp32", apply=False)
         with pytest.raises(ValueError, match=r"first_row \(4\) and the grads' rows \(16\) must be multiples"):
             K.fused_adamw(p, g[:16], state, decay, hp, keys, codec="fp32", first_row=4,
