@@ -601,7 +601,7 @@ def _reference(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, app
         return _reference_block(p, g, state, decay, hp, keys, codec, n_plain_rows, quant_map, apply, out_dtype)
     rowwise = 4 if codec in QUANTIZED else 2  # the state arrays with a row per params row
     out_dtype = p.dtype if apply or out_dtype is None else out_dtype
-    out, rowwise_state, plain = (p if apply else jnp.zeros(p.shape, out_dtype)), tuple(state[:rowwise]), ()
+    out, rowwise_state = (p if apply else jnp.zeros(p.shape, out_dtype)), tuple(state[:rowwise])
 
     def update(first: int | jax.Array, n: int, out, rowwise_state, plain: tuple = (), n_plain=0):
         """Rows [first, first + n) of ``out`` and the row-wise state, from ``_reference_block`` on them (the params
