@@ -34,15 +34,18 @@ Triton first, which also takes float32 and any page size (the figures: the READM
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import attention as triton_flash
 from pallas_kernels import attention_mgpu as mosaic_flash
 from pallas_kernels import device
 from pallas_kernels import paged_attention as triton_paged
 from pallas_kernels import paged_attention_mgpu as mosaic_paged
+from pallas_kernels.common import MIN_TILE
 
 LOG = logging.getLogger(__name__)
 
@@ -208,9 +211,13 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Ar
                     interpret: bool = False) -> jax.Array:
     """Attention of every sequence packed along the token axis to itself (``pallas_kernels.attention``'s math).
 
+    Head dims that are not whole tiles (16 columns: a ViT's 72, say) are zero-padded to them: zero columns leave
+    every ``q . k`` as it is, and the output's padded columns are dropped (``scale`` defaults to the unpadded
+    ``head_dim ** -0.5``).
+
     Args:
       q: ``[tokens, q_heads, head_dim]``, bfloat16 or float32; k ``[tokens, kv_heads, head_dim]``, v ``[tokens,
-        kv_heads, v_head_dim]`` of q's dtype; head dims multiples of 16; ``q_heads`` a multiple of ``kv_heads``.
+        kv_heads, v_head_dim]`` of q's dtype; ``q_heads`` a multiple of ``kv_heads``.
       seq_starts: int ``[S+1]``: sequence s is rows ``seq_starts[s]:seq_starts[s+1]`` (nondecreasing).
       causal, scale, window, sinks: as ``attention.flash_attention``.
       implementation: "mosaic", "triton", "xla", a fallback chain of them, or None (module docstring).
@@ -220,18 +227,29 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_starts: jax.Ar
     Returns:
       ``[tokens, q_heads, v_head_dim]`` in q's dtype; zeros for rows outside every sequence.
     """
+    head_dim, v_head_dim = q.shape[-1], v.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    q, k, v = (_whole_tiles(x) for x in (q, k, v))
     triton_flash.check_inputs(q, k, v, seq_starts)
     triton_flash.check_window(window, sinks, q.shape[1], causal)
     choice = choose_flash_attention(q, k, v, window=window, sinks=sinks, implementation=implementation,
                                     triton_config=triton_config, mosaic_config=mosaic_config, interpret=interpret)
     if choice.implementation == "mosaic":
-        return mosaic_flash.flash_attention_mgpu(q, k, v, seq_starts, causal=causal, scale=scale,
-                                                 config=choice.config, interpret=interpret)
-    if choice.implementation == "triton":
-        return triton_flash.flash_attention(q, k, v, seq_starts, causal=causal, scale=scale, config=choice.config,
-                                            window=window, sinks=sinks, interpret=interpret)
-    return triton_flash.flash_attention_reference(q, k, v, seq_starts, causal=causal, scale=scale, window=window,
-                                                  sinks=sinks)
+        out = mosaic_flash.flash_attention_mgpu(q, k, v, seq_starts, causal=causal, scale=scale,
+                                                config=choice.config, interpret=interpret)
+    elif choice.implementation == "triton":
+        out = triton_flash.flash_attention(q, k, v, seq_starts, causal=causal, scale=scale, config=choice.config,
+                                           window=window, sinks=sinks, interpret=interpret)
+    else:
+        out = triton_flash.flash_attention_reference(q, k, v, seq_starts, causal=causal, scale=scale, window=window,
+                                                     sinks=sinks)
+    return out[..., :v_head_dim]
+
+
+def _whole_tiles(x: jax.Array) -> jax.Array:
+    """``x [tokens, heads, d]`` with zero columns up to a whole number of ``MIN_TILE`` columns (as it is if so)."""
+    pad = -x.shape[-1] % MIN_TILE
+    return jnp.pad(x, ((0, 0), (0, 0), (0, pad))) if pad and x.ndim == 3 else x
 
 
 # --------------------------------------------------------------------------- paged decode (GQA and MLA)

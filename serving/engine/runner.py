@@ -234,10 +234,10 @@ def _decode_steps(params: dict, kv: Any, packed: jax.Array, fed: jax.Array, samp
     return sampled, jnp.zeros_like(fed).at[:sizes[1]].set(sampled.tokens[-1]), kv, counts
 
 
-@functools.partial(jax.jit, static_argnames=("encode", "cfg"))
-def _encode(params: dict, pixels: jax.Array, layout: Any, *, encode: Callable,
-            cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    return encode(params, cfg, pixels, layout)
+@functools.partial(jax.jit, static_argnames=("encode", "cfg", "kernels"))
+def _encode(params: dict, pixels: jax.Array, layout: Any, *, encode: Callable, cfg: ModelConfig,
+            kernels: layers.KernelPolicy) -> tuple[jax.Array, jax.Array]:
+    return encode(params, cfg, pixels, layout, kernels)
 
 
 @functools.partial(jax.jit, static_argnames=("num_top", "draw"))
@@ -380,11 +380,11 @@ class ModelRunner:
         images = [image for request in requests for image in request.images]
         total = sum(len(image.pixels) for image in images)
         layout = patch_layout(self.cfg.vision, [image.grid for image in images], bucket(total, MIN_PATCHES_BUCKET))
-        pixels = np.zeros((len(layout.segments), self.cfg.vision.patch_dim), np.float32)
+        pixels = np.zeros((len(layout.pos_index), self.cfg.vision.patch_dim), np.float32)
         pixels[:total] = np.concatenate([image.pixels for image in images])
         with self.on_mesh():
             tokens, deepstack = _encode(self.params, self.place(pixels), jax.tree.map(self.place, tuple(layout)),
-                                        encode=self.encode, cfg=self.cfg)
+                                        encode=self.encode, cfg=self.cfg, kernels=self.kernels)
         tokens, deepstack = jax.device_get((tokens, deepstack))
         first = 0
         for request in requests:

@@ -78,10 +78,10 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.
     return {**decoder, "vision": vision.params_from_hf(cfg.vision, tensors, HF_VISION, dtype)}
 
 
-def encode_images(params: dict, cfg: ModelConfig, pixels: jax.Array,
-                  layout: vision.PatchLayout) -> tuple[jax.Array, jax.Array]:
+def encode_images(params: dict, cfg: ModelConfig, pixels: jax.Array, layout: vision.PatchLayout,
+                  kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, jax.Array]:
     """``vision.encode`` with this model's encoder: (tokens ``[M, D]``, DeepStack ``[L, M, D]``)."""
-    return vision.encode(params["vision"], cfg.vision, pixels, layout)
+    return vision.encode(params["vision"], cfg.vision, pixels, layout, kernels)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionBatch, kv: PagedKV,

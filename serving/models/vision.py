@@ -13,8 +13,9 @@ merge-block order: block row, block column, row in block, column in block):
 
 Several images go through one call (their patches concatenated; ``patch_layout`` gives each patch its image as an
 attention segment). The host computes everything that depends only on the images' grids (``patch_layout``), so
-one compiled encoder serves every image size whose patch count pads to the same bucket. Attention is the plain
-softmax over a ``[P, P]`` mask (every image of the call at once): a few thousand patches per call.
+one compiled encoder serves every image size whose patch count pads to the same bucket. Attention is
+``attention_ops.flash_attention`` over the images as packed sequences, not causal: a 1024-pixel image is 4096
+patches, whose ``[heads, P, P]`` scores would not stay in on-chip memory.
 
 Weights (``x @ W`` layout, replicated over the mesh: the encoder is small next to the decoder).
 """
@@ -26,11 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import attention_ops
 from serving.config import VisionConfig
-from serving.layers import MASKED, apply_rope
+from serving.layers import DEFAULT, KernelPolicy, apply_rope
 from serving.models.llama import WeightSpec, take
-
-PAD_SEGMENT = -1  # the segment of a padding patch: it attends to nothing and nothing attends to it
 
 
 class PatchLayout(NamedTuple):
@@ -39,7 +39,9 @@ class PatchLayout(NamedTuple):
     pos_index: np.ndarray  # [P, 4] int32 the four learned positions each patch's is resampled from (bilinear)
     pos_weight: np.ndarray  # [P, 4] float32 their weights
     rope_positions: np.ndarray  # [P, hd/2] int32 the row (first hd/4 frequencies) and column (the rest) per frequency
-    segments: np.ndarray  # [P] int32 the patch's image (PAD_SEGMENT: padding)
+    seq_starts: np.ndarray  # [P / merge_unit + 1] int32 image i is patches seq_starts[i]:seq_starts[i + 1]; padding
+    # patches lie past the last image (they attend to nothing, nothing attends to them); unused entries repeat the
+    # end (one shape per patch bucket: an image holds at least merge_unit patches)
 
 
 def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray]:
@@ -57,7 +59,7 @@ def patch_layout(cfg: VisionConfig, grids: list[tuple[int, int, int]], num_patch
     """The ``PatchLayout`` of images with patch grids ``grids`` ((t, h, w) each), padded to ``num_patches``
     (default: exactly their patches) with padding patches of segment ``PAD_SEGMENT``."""
     m, side, quarter = cfg.spatial_merge_size, round(cfg.num_position_embeddings ** 0.5), cfg.head_dim // 4
-    index, weight, rope, segments = [], [], [], []
+    index, weight, rope, sizes = [], [], [], []
     for image, (t, h, w) in enumerate(grids):
         if h % m or w % m:
             raise ValueError(f"patch_layout: image {image} grid {h}x{w}: expected multiples of spatial_merge_size={m}")
@@ -71,18 +73,19 @@ def patch_layout(cfg: VisionConfig, grids: list[tuple[int, int, int]], num_patch
         weight.append(np.tile((h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4), (t, 1)))
         rope.append(np.tile(np.concatenate([np.repeat(rows[:, None], quarter, 1),
                                             np.repeat(cols[:, None], quarter, 1)], axis=1), (t, 1)))
-        segments.append(np.full(t * h * w, image))
-    layout = PatchLayout(*(np.concatenate(a) for a in (index, weight, rope, segments)))
-    total = len(layout.segments)
+        sizes.append(t * h * w)
+    index, weight, rope = (np.concatenate(a) for a in (index, weight, rope))
+    total = len(index)
     num_patches = total if num_patches is None else num_patches
     if num_patches < total or num_patches % cfg.merge_unit:
         raise ValueError(f"patch_layout: num_patches={num_patches}: expected >= the images' {total} patches and a "
                          f"multiple of {cfg.merge_unit}")
     pad = num_patches - total
-    return PatchLayout(np.pad(layout.pos_index, ((0, pad), (0, 0))).astype(np.int32),
-                       np.pad(layout.pos_weight, ((0, pad), (0, 0))).astype(np.float32),
-                       np.pad(layout.rope_positions, ((0, pad), (0, 0))).astype(np.int32),
-                       np.pad(layout.segments, (0, pad), constant_values=PAD_SEGMENT).astype(np.int32))
+    starts = np.full(num_patches // cfg.merge_unit + 1, total, np.int32)
+    starts[:len(sizes)] = np.cumsum([0, *sizes[:-1]])
+    return PatchLayout(np.pad(index, ((0, pad), (0, 0))).astype(np.int32),
+                       np.pad(weight, ((0, pad), (0, 0))).astype(np.float32),
+                       np.pad(rope, ((0, pad), (0, 0))).astype(np.int32), starts)
 
 
 # --------------------------------------------------------------------------- weights
@@ -169,25 +172,25 @@ def _merge(x: jax.Array, p: dict, cfg: VisionConfig, postshuffle: bool) -> jax.A
 
 
 def _attention(x: jax.Array, p: dict, cfg: VisionConfig, rope_positions: jax.Array, inv_freq: np.ndarray,
-               segments: jax.Array) -> jax.Array:
-    """Bidirectional attention among the patches of one image (``segments`` equal), 2D RoPE on q and k."""
+               seq_starts: jax.Array, kernels: KernelPolicy) -> jax.Array:
+    """Bidirectional attention among the patches of each image (``seq_starts``), 2D RoPE on q and k."""
     n = x.shape[0]
     q, k, v = _dense(x, p["qkv"]).reshape(n, 3, cfg.heads, cfg.head_dim).transpose(1, 0, 2, 3)
     q, k = apply_rope(q, rope_positions, inv_freq), apply_rope(k, rope_positions, inv_freq)
-    scores = jnp.einsum("nhd,mhd->hnm", q, k, preferred_element_type=jnp.float32) * cfg.head_dim ** -0.5
-    same = (segments[:, None] == segments[None, :]) & (segments[:, None] != PAD_SEGMENT)
-    probs = jax.nn.softmax(jnp.where(same[None], scores, MASKED), axis=-1)
-    out = jnp.einsum("hnm,mhd->nhd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return _dense(out.astype(x.dtype).reshape(n, -1), p["proj"])
+    out = attention_ops.flash_attention(q.astype(v.dtype), k.astype(v.dtype), v, seq_starts, causal=False,
+                                        implementation=kernels.flash_attention, interpret=kernels.interpret)
+    return _dense(out.reshape(n, -1), p["proj"])
 
 
-def encode(params: dict, cfg: VisionConfig, pixels: jax.Array, layout: PatchLayout) -> tuple[jax.Array, jax.Array]:
+def encode(params: dict, cfg: VisionConfig, pixels: jax.Array, layout: PatchLayout,
+           kernels: KernelPolicy = DEFAULT) -> tuple[jax.Array, jax.Array]:
     """Patches ``[P, patch_dim]`` (``layout``'s, ``P`` a multiple of ``merge_unit``) -> (decoder-token embeddings
     ``[P / merge_unit, out_hidden]``, DeepStack features ``[len(deepstack_layers), P / merge_unit, out_hidden]``),
-    in the params' dtype. Rows of padding patches are meaningless."""
+    in the params' dtype, attention through the implementation ``kernels.flash_attention`` names. Rows of padding
+    patches are meaningless."""
     dtype = params["pos_embed"].dtype
     x = _dense(pixels.astype(dtype), params["patch"])
-    pos_index, pos_weight, rope_positions, segments = (jnp.asarray(a) for a in layout)
+    pos_index, pos_weight, rope_positions, seq_starts = (jnp.asarray(a) for a in layout)
     x = x + jnp.sum(params["pos_embed"][pos_index] * pos_weight[..., None].astype(dtype), axis=1)
     spatial = cfg.head_dim // 2  # each axis turns with the first hd/4 of the half-head frequencies
     inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, spatial, 2, dtype=np.float64) / spatial)
@@ -195,7 +198,7 @@ def encode(params: dict, cfg: VisionConfig, pixels: jax.Array, layout: PatchLayo
     deepstack = []
     for b, block in enumerate(params["blocks"]):
         x = x + _attention(_layer_norm_apply(x, block["norm1"], cfg.norm_eps), block, cfg, rope_positions, inv_freq,
-                           segments)
+                           seq_starts, kernels)
         h = _layer_norm_apply(x, block["norm2"], cfg.norm_eps)
         x = x + _dense(jax.nn.gelu(_dense(h, block["fc1"]), approximate=True), block["fc2"])
         if b in cfg.deepstack_layers:

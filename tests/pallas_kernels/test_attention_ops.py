@@ -173,6 +173,21 @@ def test_flash_attention_equals_the_reference(implementation, dtype):
     assert_close(out, triton_flash.flash_attention_reference(q, k, v, starts, window=9, sinks=sinks))
 
 
+@pytest.mark.parametrize("implementation", ["triton", "xla"])
+def test_head_dims_of_part_tiles_are_padded_and_equal_the_dense_softmax(implementation):
+    """A ViT's head dim 72 (not whole 16-column tiles), images as non-causal packed sequences, padding rows after
+    them: each row's softmax over its own image's keys, scaled by 72 ** -0.5; zeros past the last image."""
+    q, k, v, starts = packed_inputs(4, [24, 40], q_heads=4, kv_heads=4, head_dim=72, pad=(0, 8))
+    out = ops.flash_attention(q, k, v, starts, causal=False, implementation=implementation, interpret=interpret())
+    assert out.shape == v.shape
+    expected = jnp.zeros_like(v)
+    for lo, hi in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+        scores = jnp.einsum("nhd,mhd->hnm", q[lo:hi], k[lo:hi], precision="highest") * 72 ** -0.5
+        probs = jax.nn.softmax(scores, axis=-1)
+        expected = expected.at[lo:hi].set(jnp.einsum("hnm,mhd->nhd", probs, v[lo:hi], precision="highest"))
+    assert_close(out, expected)
+
+
 @pytest.mark.slow  # Pallas' Mosaic GPU interpreter: ~10 s on 2 cores
 def test_mosaic_through_the_op_equals_the_reference():
     q, k, v, starts = packed_inputs(2, [70, 30], q_heads=2, kv_heads=1, head_dim=64, dtype=jnp.bfloat16)
@@ -231,6 +246,15 @@ def test_none_lowers_to_mosaic_on_an_h200_and_to_triton_on_an_a100():
     assert 'name = "flash_attention_causal"' in windowed and MOSAIC_CALL_TARGET not in windowed
     ampere = lower_for_gpu(A100, lambda q, k, v, s: ops.flash_attention(q, k, v, s), Q, KV, KV, starts)
     assert 'name = "flash_attention_causal"' in ampere and MOSAIC_CALL_TARGET not in ampere
+
+
+def test_a_head_dim_of_part_tiles_lowers_to_the_triton_kernel_on_an_h200():
+    """72 is no whole number of Mosaic's 64-column tiles: Triton takes it, padded to 80 columns."""
+    vit = abstract((4096, 16, 72))
+    lowered = lower_for_gpu(H200, lambda q, k, v, s: ops.flash_attention(q, k, v, s, causal=False), vit, vit, vit,
+                            abstract((2,), jnp.int32))
+    assert 'name = "flash_attention"' in lowered and MOSAIC_CALL_TARGET not in lowered
+    assert "4096x16x80xbf16" in lowered
 
 
 def test_paged_attention_lowers_to_mosaic_only_when_named():

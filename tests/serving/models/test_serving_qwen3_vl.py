@@ -11,10 +11,11 @@ import PIL.Image
 import pytest
 from helpers.hf import BLOCK, FP32_RTOL, HF, MAX_BLOCKS, SEQS, TABLES, empty_cache, fixture, fixture_params
 
-from pallas_kernels.testing import assert_close
+from pallas_kernels.testing import assert_close, interpret
 from serving.config import ModelConfig
 from serving.images import ImageProcessorConfig, MultimodalInputs, image_spans, preprocess, rope_positions
 from serving.kv_cache import SeqChunk, make_batch
+from serving.layers import KernelPolicy
 from serving.models import qwen3_vl_moe, vision
 
 NAME = "qwen3_vl_moe"
@@ -97,6 +98,25 @@ def test_prefill_with_images_matches_hf_fp32():
         assert_close(np.asarray(logits[ends[s]:ends[s + 1]]), ref["logits"][s, :lengths[s]], rtol=FP32_RTOL,
                      name=f"prompt {s} logits")
     assert (np.asarray(counts).sum(-1) == sum(lengths) * cfg.top_k).all()
+
+
+def test_encoder_through_the_flash_kernel_equals_its_xla_path():
+    """The encoder's attention through the Triton flash kernel (head dim 8, padded to a tile of 16), the two images
+    packed as sequences with 24 padding patches after them, equals the XLA path's on every image row, and the call
+    without padding."""
+    cfg, _, ref = fixture(NAME)
+    grids = [tuple(g) for g in ref["image_grid_thw"].tolist()]
+    sizes = [t * h * w for t, h, w in grids]
+    layout = vision.patch_layout(cfg.vision, grids, sum(sizes) + 24)
+    assert layout.seq_starts.tolist() == [0, sizes[0], *[sum(sizes)] * ((sum(sizes) + 24) // 4 - 1)]
+    pixels = jnp.pad(jnp.asarray(ref["pixel_values"]), ((0, 24), (0, 0)))
+    params, rows = fixture_params(NAME, jnp.float32), sum(sizes) // cfg.vision.merge_unit
+    kernel, xla = (qwen3_vl_moe.encode_images(params, cfg, pixels, layout, KernelPolicy(flash_attention=name,
+                                                                                        interpret=interpret()))
+                   for name in ("triton", "xla"))
+    for got, expected, name in ((kernel[0], xla[0], "tokens"), (kernel[1], xla[1], "deepstack"),
+                                (xla[0], encoded()[0], "tokens without padding")):
+        assert_close(np.asarray(got)[..., :rows, :], np.asarray(expected)[..., :rows, :], name=name)
 
 
 def test_images_change_the_logits():
