@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import PIL.Image
 
@@ -243,15 +244,17 @@ class MultimodalInputs(NamedTuple):
     """A vision-language model's per-step inputs beside the tokens, per flat token ``[N, ...]`` (padding: zeros).
 
     ``rope_shift``: the multimodal RoPE positions minus the cache position (``rope_positions``; 0 for a plain text
-    sequence). ``embeds``, ``image_mask``, ``deepstack``: the image rows of the step's tokens (None in a step
-    without image tokens): a placeholder token where ``image_mask`` takes ``embeds`` as its input embedding and adds
-    ``deepstack[i]`` after decoder layer i.
+    sequence). ``image_rows``, ``embeds``, ``deepstack``: the step's image tokens (None in a step without any): a
+    placeholder token takes row ``image_rows[n]`` of ``embeds`` as its input embedding and adds that row of
+    ``deepstack[i]`` after decoder layer i; -1 marks a text token. ``embeds`` and ``deepstack`` are the encoder's
+    outputs as they lie on the device (a table of ``R`` rows): a step gathers its rows there, so the embeddings
+    never travel through the host.
     """
 
     rope_shift: jax.Array | np.ndarray  # [N, 3] int32
-    embeds: jax.Array | np.ndarray | None = None  # [N, D]
-    image_mask: jax.Array | np.ndarray | None = None  # [N] bool
-    deepstack: jax.Array | np.ndarray | None = None  # [L, N, D]
+    image_rows: jax.Array | np.ndarray | None = None  # [N] int32, -1: a text token
+    embeds: jax.Array | np.ndarray | None = None  # [R, D]
+    deepstack: jax.Array | np.ndarray | None = None  # [L, R, D]
 
 
 @dataclasses.dataclass(eq=False)
@@ -263,8 +266,11 @@ class RequestImages:
     spans: list[tuple[int, int]]  # each image's (first, end) placeholder positions
     rope_positions: np.ndarray  # [prompt length, 3] int32
     rope_delta: int  # what every token after the prompt adds to its position on the three axes
-    embeds: np.ndarray | None = None  # [M, D] every image's tokens in prompt order (M = the spans' total)
-    deepstack: np.ndarray | None = None  # [L, M, D]
+    # Once encoded: the encoder call's outputs (on the device, shared by every request of the call), whose rows
+    # first_row .. first_row + M are this request's image tokens in prompt order (M = the spans' total).
+    embeds: jax.Array | None = None  # [R, D]
+    deepstack: jax.Array | None = None  # [L, R, D]
+    first_row: int = 0
 
     @classmethod
     def place(cls, prompt_ids: Sequence[int], images: Sequence[ImageInput], vision: VisionConfig) -> "RequestImages":
@@ -282,7 +288,8 @@ class RequestImages:
         return ",".join(i.digest for i, (a, b) in zip(self.images, self.spans, strict=True) if a < end and b > first)
 
     def rows(self, start: int, count: int) -> np.ndarray:
-        """``[count]`` the row of ``embeds`` of each position in [start, start + count); -1 for a text token."""
+        """``[count]`` each position's row among this request's image tokens (``first_row + row`` of ``embeds``),
+        for the positions [start, start + count); -1 for a text token."""
         rows = np.full(count, -1, np.int64)
         offset = 0
         for a, b in self.spans:
@@ -301,33 +308,34 @@ class RequestImages:
         return shift
 
 
-def step_inputs(parts: Sequence[tuple[RequestImages | None, int, int]], num_tokens: int, hidden: int,
-                num_deepstack: int) -> MultimodalInputs | None:
+def step_inputs(parts: Sequence[tuple[RequestImages | None, int, int]], num_tokens: int) -> MultimodalInputs | None:
     """The ``MultimodalInputs`` of a step whose chunks are ``parts`` ((images or None, start, count) each, their
-    tokens flat in order, padded to ``num_tokens``); None when no chunk has images. Image rows come from the
-    encoded ``RequestImages`` (a chunk holding image tokens of images not encoded: ValueError)."""
+    tokens flat in order, padded to ``num_tokens``); None when no chunk has images. Image rows index the encoded
+    ``RequestImages``' tables, joined on the device where the step's images come from several encoder calls (a
+    chunk holding image tokens of images not encoded: ValueError)."""
     if all(images is None for images, _, _ in parts):
         return None
     shift = np.zeros((num_tokens, 3), np.int32)
-    rows, flat = [], 0
+    image_rows = np.full(num_tokens, -1, np.int32)
+    tables: dict[int, tuple[int, RequestImages]] = {}  # id(embeds) -> (its first row in the joined table, images)
+    flat = 0
     for images, start, count in parts:
         if images is not None:
             shift[flat:flat + count] = images.rope_shift(start, count)
             chunk_rows = images.rows(start, count)
-            if (chunk_rows >= 0).any():
+            inside = chunk_rows >= 0
+            if inside.any():
                 if not images.encoded:
                     raise ValueError(f"a step holds image tokens at positions {start}..{start + count - 1} of "
                                      "images not encoded yet: expected the prefill to encode them first")
-                rows.append((images, flat, chunk_rows))
+                offset, _ = tables.setdefault(id(images.embeds),
+                                              (sum(len(t.embeds) for _, t in tables.values()), images))
+                image_rows[flat:flat + count][inside] = offset + images.first_row + chunk_rows[inside]
         flat += count
-    if not rows:
+    if not tables:
         return MultimodalInputs(shift)
-    embeds = np.zeros((num_tokens, hidden), rows[0][0].embeds.dtype)
-    deepstack = np.zeros((num_deepstack, num_tokens, hidden), embeds.dtype)
-    mask = np.zeros(num_tokens, bool)
-    for images, flat, chunk_rows in rows:
-        inside = np.flatnonzero(chunk_rows >= 0)
-        embeds[flat + inside] = images.embeds[chunk_rows[inside]]
-        deepstack[:, flat + inside] = images.deepstack[:, chunk_rows[inside]]
-        mask[flat + inside] = True
-    return MultimodalInputs(shift, embeds, mask, deepstack)
+    sources = [images for _, images in tables.values()]
+    if len(sources) == 1:
+        return MultimodalInputs(shift, image_rows, sources[0].embeds, sources[0].deepstack)
+    return MultimodalInputs(shift, image_rows, jnp.concatenate([t.embeds for t in sources]),
+                            jnp.concatenate([t.deepstack for t in sources], axis=1))

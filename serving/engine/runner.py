@@ -373,7 +373,8 @@ class ModelRunner:
 
     def encode_images(self, requests: list[RequestImages]) -> None:
         """Run the image encoder once over every image of ``requests`` (their patches in one call, each image its
-        own attention segment) and keep each request's tokens and DeepStack features on it (host arrays)."""
+        own attention sequence) and give each request the call's tokens and DeepStack features (device arrays, not
+        waited for) and its first row in them."""
         if self.encode is None:
             raise ValueError(f"model family {self.cfg.family!r} has no image encoder: expected requests without "
                              "images")
@@ -385,20 +386,17 @@ class ModelRunner:
         with self.on_mesh():
             tokens, deepstack = _encode(self.params, self.place(pixels), jax.tree.map(self.place, tuple(layout)),
                                         encode=self.encode, cfg=self.cfg, kernels=self.kernels)
-        tokens, deepstack = jax.device_get((tokens, deepstack))
         first = 0
-        for request in requests:
-            count = sum(end - start for start, end in request.spans)
-            request.embeds, request.deepstack = tokens[first:first + count], deepstack[:, first:first + count]
-            first += count
+        for request in requests:  # the outputs stay on the device: each step gathers its rows there
+            request.embeds, request.deepstack, request.first_row = tokens, deepstack, first
+            first += sum(end - start for start, end in request.spans)
 
     def _multimodal(self, images: list[RequestImages | None] | None, chunks: list[SeqChunk],
                     num_tokens: int) -> MultimodalInputs | None:
         """The step's ``MultimodalInputs`` (placed as its inputs are), None without images."""
         if images is None:
             return None
-        mm = step_inputs([(i, c.start, c.count) for i, c in zip(images, chunks, strict=True)], num_tokens,
-                         self.cfg.hidden, len(self.cfg.vision.deepstack_layers) if self.cfg.vision else 0)
+        mm = step_inputs([(i, c.start, c.count) for i, c in zip(images, chunks, strict=True)], num_tokens)
         return None if mm is None else jax.tree.map(self.place, mm)
 
     def on_mesh(self) -> contextlib.AbstractContextManager:

@@ -96,9 +96,10 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionB
     rope_positions = (batch.positions[:, None] + shift)[:, axes]  # [N, hd/2]: each frequency's axis
     valid = batch.seq_ids >= 0
     x = params["embed"][tokens]
-    images = mm is not None and mm.embeds is not None
+    images = mm is not None and mm.image_rows is not None
     if images:
-        x = jnp.where(mm.image_mask[:, None], mm.embeds.astype(x.dtype), x)
+        is_image, image_rows = (mm.image_rows >= 0)[:, None], jnp.maximum(mm.image_rows, 0)
+        x = jnp.where(is_image, mm.embeds[image_rows].astype(x.dtype), x)
     counts = []
     for l, lp in enumerate(params["layers"]):
         h, kv = llama.attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_eps), batch, kv, l, rope,
@@ -111,6 +112,6 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, batch: AttentionB
             h, layer_counts = swiglu(h, **lp["mlp"]), jnp.zeros(cfg.num_experts, jnp.int32)
         x = x + h
         if images and l < mm.deepstack.shape[0]:
-            x = x + jnp.where(mm.image_mask[:, None], mm.deepstack[l].astype(x.dtype), 0)
+            x = x + jnp.where(is_image, mm.deepstack[l][image_rows].astype(x.dtype), 0)
         counts.append(layer_counts)
     return llama.logits(params, cfg, x, rows), kv, jnp.stack(counts)

@@ -10,7 +10,7 @@ import pytest
 from helpers import HF
 
 from serving import Engine, SamplingParams
-from serving.images import ImageProcessorConfig, expand_placeholders, preprocess
+from serving.images import ImageProcessorConfig, RequestImages, expand_placeholders, preprocess, step_inputs
 
 VL = HF / "qwen3_vl_moe"
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -89,3 +89,25 @@ def test_refusals():
         engine.add_request(prompts()[0], GREEDY, images=images())
     with pytest.raises(ValueError, match="one per image"):
         expand_placeholders([1, 2, 3], [images()[0]], engine.cfg.vision)
+
+
+def test_step_inputs_gather_each_tokens_rows_from_the_encoder_calls_tables():
+    """Requests a and b encoded in one call share its table (b from its first_row), c comes from another call: a
+    step's image rows index the tables joined in order of first use, text and padding tokens are -1, and a step
+    with one call's images takes its table as it is (no copy)."""
+    def placed(length, spans, table, first_row):
+        return RequestImages([], spans, np.zeros((length, 3), np.int32), 0, table,
+                             None if table is None else table[None] * 2, first_row)
+
+    call_1, call_2 = (jnp.arange(rows * 4, dtype=jnp.float32).reshape(rows, 4) + 100 * k
+                      for k, rows in ((1, 10), (2, 6)))
+    a, b, c = placed(6, [(2, 5)], call_1, 0), placed(4, [(1, 3)], call_1, 3), placed(4, [(0, 2)], call_2, 1)
+    mm = step_inputs([(a, 0, 6), (None, 0, 2), (b, 0, 4), (c, 1, 3)], 16)
+    expected = [-1, -1, 0, 1, 2, -1] + [-1, -1] + [-1, 3, 4, -1] + [12, -1, -1] + [-1]
+    assert mm.image_rows.tolist() == expected
+    np.testing.assert_array_equal(mm.embeds, jnp.concatenate([call_1, call_2]))
+    np.testing.assert_array_equal(mm.deepstack, 2 * jnp.concatenate([call_1, call_2])[None])
+    assert step_inputs([(a, 0, 6), (b, 0, 4)], 10).embeds is call_1
+    assert step_inputs([(a, 0, 2), (None, 0, 1)], 3).image_rows is None  # a's text tokens only
+    with pytest.raises(ValueError, match="not encoded yet"):
+        step_inputs([(placed(6, [(2, 5)], None, 0), 1, 3)], 3)

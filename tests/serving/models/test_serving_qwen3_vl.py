@@ -54,9 +54,7 @@ def step_inputs(cfg, ref, seqs: list[int], starts: list[int], counts: list[int],
     first_row = np.cumsum([0, *per_image])
     tokens = np.zeros(num_tokens, np.int32)
     shift = np.zeros((num_tokens, 3), np.int32)
-    embeds = np.zeros((num_tokens, cfg.hidden), np.float32)
-    mask = np.zeros(num_tokens, bool)
-    deepstack = np.zeros((deepstack_all.shape[0], num_tokens, cfg.hidden), np.float32)
+    image_rows = np.full(num_tokens, -1, np.int32)
     flat = 0
     for s, start, count in zip(seqs, starts, counts, strict=True):
         prompt = prompts(ref)[s]
@@ -69,10 +67,9 @@ def step_inputs(cfg, ref, seqs: list[int], starts: list[int], counts: list[int],
             tokens[flat] = full[p]
             shift[flat] = positions[p] - p if p < len(prompt) else delta
             if first <= p < end:
-                row = first_row[s] + p - first
-                mask[flat], embeds[flat], deepstack[:, flat] = True, tokens_all[row], deepstack_all[:, row]
+                image_rows[flat] = first_row[s] + p - first
             flat += 1
-    return tokens, MultimodalInputs(shift, embeds, mask, deepstack)
+    return tokens, MultimodalInputs(shift, image_rows, tokens_all, deepstack_all)
 
 
 def test_preprocessing_matches_the_hf_processor():
@@ -127,7 +124,7 @@ def test_images_change_the_logits():
     batch = make_batch([SeqChunk(TABLES[0], 0, n)], BLOCK, num_tokens=BUCKET, num_seqs=SEQS, max_blocks=MAX_BLOCKS)
     tokens, mm = step_inputs(cfg, ref, [0], [0], [n], BUCKET)
     params = fixture_params(NAME, jnp.float32)
-    for changed in (mm._replace(embeds=None, image_mask=None, deepstack=None),
+    for changed in (mm._replace(image_rows=None, embeds=None, deepstack=None),
                     mm._replace(deepstack=np.zeros_like(mm.deepstack)),
                     mm._replace(rope_shift=np.zeros_like(mm.rope_shift))):
         logits, _, _ = forward(params, cfg, tokens, batch, empty_cache(cfg, jnp.float32), changed)
