@@ -384,6 +384,8 @@ def image_prefill(cfg, runner, tables, settings: dict, rng) -> dict:
     holding it."""
     import statistics
 
+    import jax
+
     from serving.engine.sampler import SampleRow
     from serving.engine.sampling_params import SamplingParams
     from serving.images import RequestImages
