@@ -25,7 +25,8 @@ of synchronous steps: each is sampled from the same batch row, seed and position
 Images (vision-language models; ``add_request(images=...)``): the prompt holds each image's placeholder tokens
 (``images.expand_placeholders``); the first step that schedules a prefill chunk of such a request runs the image
 encoder once over the images of every such request in the step (``ModelRunner.encode_images``), and the request
-keeps the embeddings, so later chunks, a preempted request's recompute and its n samples reuse them. Placeholder
+keeps the embeddings (on the device) for its later chunks and its n samples, until every sample is past its last
+image token; a preempted request's recompute encodes them again where the cache lost the image's blocks. Placeholder
 tokens are prompt tokens: the token budget and chunked prefill schedule them as any other. A full block holding
 image tokens is named in the prefix cache by its tokens and its images' digests (``SequenceState.block_salt``).
 
@@ -734,11 +735,25 @@ class Engine:
                                       self.runner.mesh)
 
     def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
-        """Encode, in one call, the images of every request in ``chunks`` not encoded yet."""
+        """Encode, in one call, the images of every request in ``chunks`` not encoded yet whose chunk starts before
+        its last image token (a chunk past them, or a prompt whose image blocks the prefix cache holds, needs none)."""
         pending = list({id(c.seq.images): c.seq.images for c in chunks
-                        if c.seq.images is not None and not c.seq.images.encoded}.values())
+                        if c.seq.images is not None and not c.seq.images.encoded
+                        and c.start < c.seq.images.spans[-1][1]}.values())
         if pending:
             self.runner.encode_images(pending)
+
+    def _release_images(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """Drop the encoder's outputs of each request in ``chunks`` whose every sequence is past its last image token
+        (this chunk's end, or its cache): the steps already dispatched hold what they read, and a recompute after
+        preemption encodes the images afresh. Until then they hold device memory the cache's plan does not count."""
+        for c in chunks:
+            images = c.seq.images
+            if images is None or not images.encoded or c.start + c.count < images.spans[-1][1]:
+                continue
+            _, seqs = self._requests.get(c.seq.request_id, ((), ()))
+            if all(s is c.seq or s.num_computed >= images.spans[-1][1] for s in seqs):
+                images.embeds = images.deepstack = None
 
     def _images(self, seqs: Sequence[Seq]) -> list[RequestImages | None] | None:
         """The step's per-chunk images for the runner, None when no sequence has any."""
@@ -754,6 +769,7 @@ class Engine:
                                     [c.seq.tokens[c.start:c.start + c.count] for c in chunks],
                                     rows, MAX_LOGPROBS if wants_top else 0, images=self._images(seqs),
                                     targets=targets)
+        self._release_images(chunks)
         if all(c.count == 1 and c.samples and c.start > 0 for c in chunks):
             self._measure = ("decode", len(chunks), 1)
         if self.async_scheduling and not self.runner.batch_invariant and targets is None:
@@ -828,6 +844,7 @@ class Engine:
         else:
             step = self.runner.dispatch(seq_chunks, token_ids, sample_rows, num_top, previous=inflight.step,
                                         images=images)
+        self._release_images(next_chunks)
         return InFlight(next_chunks, step, n)
 
     @staticmethod

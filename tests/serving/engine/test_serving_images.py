@@ -1,6 +1,7 @@
 """Images through the engine (the Qwen3-VL-MoE fixture): HF's greedy tokens with chunked prefill across the image,
 multi-step and chained decode; one encoder call per step's new requests; image-aware prefix caching."""
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -66,10 +67,44 @@ def test_greedy_matches_hf_with_chunked_prefill_and_one_encoder_call(engine, mon
     assert calls == [2], "the first step's chunks start both prompts: one encoder call for both images, no other"
 
 
-def test_prefix_cache_keys_include_the_image(engine):
+def test_the_encoder_output_is_released_once_every_sample_is_past_the_image(engine, monkeypatch):
+    """Two greedy samples of one request, the prompt split inside its image: one encoder call serves every chunk of
+    both (none released early), both answer HF's tokens, and the request's embeddings are dropped by the end."""
+    encoded = []
+    encode = engine.runner.encode_images
+    monkeypatch.setattr(engine.runner, "encode_images", lambda requests: encoded.extend(requests) or
+                        encode(requests))
+    engine.reset_prefix_cache()
+    rid = engine.add_request(prompts()[0], dataclasses.replace(GREEDY, n=2), images=[images()[0]])
+    while engine.has_unfinished():
+        engine.step()
+    result = engine.release(rid)
+    assert [o.token_ids for o in result.outputs] == [reference()["greedy"][0].tolist()] * 2
+    assert len(encoded) == 1 and not encoded[0].encoded
+
+
+def test_preempted_requests_recompute_their_images_and_answer_hf():
+    """A cache of 14 blocks cannot hold both requests (~48 tokens each): one is preempted after its embeddings were
+    dropped and its image's blocks reused, so its recompute encodes that image again (a second call, of it alone)."""
+    small = Engine(VL, dtype=jnp.float32, num_blocks=14, block_size=4, max_running=4, token_budget=8,
+                   decode_steps=4)
+    calls, encode = [], small.runner.encode_images
+    small.runner.encode_images = lambda requests: calls.append(len(requests)) or encode(requests)
+    results = run(small, [(prompts()[s], [images()[s]]) for s in range(2)])
+    assert small.scheduler.num_preemptions > 0 and calls == [2, 1]
+    for s, result in enumerate(results):
+        np.testing.assert_array_equal(result.outputs[0].token_ids, reference()["greedy"][s], err_msg=f"prompt {s}")
+
+
+def test_prefix_cache_keys_include_the_image(engine, monkeypatch):
     engine.reset_prefix_cache()
     first, = run(engine, [(prompts()[0], [images()[0]])])
+    encode = engine.runner.encode_images
+    calls = []
+    monkeypatch.setattr(engine.runner, "encode_images", lambda requests: calls.append(len(requests)) or
+                        encode(requests))
     same, = run(engine, [(prompts()[0], [images()[0]])])
+    assert calls == [], "the cache holds every image token of the prompt: nothing to encode"
     other, = run(engine, [(prompts()[0], [images()[1]._replace(grid=images()[0].grid,
                                                                pixels=images()[0].pixels[::-1].copy(),
                                                                digest="another image")])])
