@@ -179,8 +179,8 @@ class TestFusedAdamW:
     def test_reference_updates_in_place_with_a_chunk_of_temporaries(self, codec):
         """XLA's temporaries of the jitted, donated reference are one chunk's (REFERENCE_CHUNK_ROWS rows, under 32
         bytes per element of it), the same for 4M params as for 8M: no copy of params or moments grows with the
-        buffer (a single pass over it needs 12 B/param for bf16 and 26 for int8; chunks writing back without
-        the barrier copied the whole moments once per chunk)."""
+        buffer (a single pass over it would hold its whole temporaries at once; chunks writing back without the
+        barrier would copy the whole moments once per chunk)."""
         chunk = K.REFERENCE_CHUNK_ROWS * K.ROW
         n_plain = 32 if codec in K.QUANTIZED else 0
 
