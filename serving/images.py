@@ -241,7 +241,8 @@ def rope_positions(length: int, spans: Sequence[tuple[int, int]], grids: Sequenc
 
 
 class MultimodalInputs(NamedTuple):
-    """A vision-language model's per-step inputs beside the tokens, per flat token ``[N, ...]`` (padding: zeros).
+    """A vision-language model's per-step inputs beside the tokens ``[N]``: per flat token (padding: no shift, no
+    image row) and the image-token tables the step reads.
 
     ``rope_shift``: the multimodal RoPE positions minus the cache position (``rope_positions``; 0 for a plain text
     sequence). ``image_rows``, ``embeds``, ``deepstack``: the step's image tokens (None in a step without any): a
@@ -278,6 +279,11 @@ class RequestImages:
         spans = image_spans(list(prompt_ids), images, vision)
         positions, delta = rope_positions(len(prompt_ids), spans, [i.grid for i in images], vision.spatial_merge_size)
         return cls(list(images), spans, positions, delta)
+
+    @property
+    def end(self) -> int:
+        """The position past the last image token: a chunk from here on reads no image rows."""
+        return self.spans[-1][1]
 
     @property
     def encoded(self) -> bool:

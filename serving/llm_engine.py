@@ -739,7 +739,7 @@ class Engine:
         its last image token (a chunk past them, or a prompt whose image blocks the prefix cache holds, needs none)."""
         pending = list({id(c.seq.images): c.seq.images for c in chunks
                         if c.seq.images is not None and not c.seq.images.encoded
-                        and c.start < c.seq.images.spans[-1][1]}.values())
+                        and c.start < c.seq.images.end}.values())
         if pending:
             self.runner.encode_images(pending)
 
@@ -749,10 +749,10 @@ class Engine:
         preemption encodes the images afresh. Until then they hold device memory the cache's plan does not count."""
         for c in chunks:
             images = c.seq.images
-            if images is None or not images.encoded or c.start + c.count < images.spans[-1][1]:
+            if images is None or not images.encoded or c.start + c.count < images.end:
                 continue
             _, seqs = self._requests.get(c.seq.request_id, ((), ()))
-            if all(s is c.seq or s.num_computed >= images.spans[-1][1] for s in seqs):
+            if all(s is c.seq or s.num_computed >= images.end for s in seqs):
                 images.embeds = images.deepstack = None
 
     def _images(self, seqs: Sequence[Seq]) -> list[RequestImages | None] | None:
