@@ -897,6 +897,7 @@ class Engine:
             [SeqChunk(s.block_table, c.start, 1) for s, c in zip(seqs, chunks, strict=True)],
             [s.tokens[c.start:c.start + 1] for s, c in zip(seqs, chunks, strict=True)], [_sample_row(s) for s in seqs],
             steps, MAX_LOGPROBS if any(s.params.logprobs for s in seqs) else 0, images=self._images(seqs))
+        self._release_images(chunks)
         self._measure = ("decode", len(chunks), steps)
         if self.async_scheduling:
             self._inflight = self._chain(InFlight(chunks, step, steps))

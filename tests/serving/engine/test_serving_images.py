@@ -83,6 +83,23 @@ def test_the_encoder_output_is_released_once_every_sample_is_past_the_image(engi
     assert len(encoded) == 1 and not encoded[0].encoded
 
 
+def test_synchronous_multi_step_decode_releases_the_encoder_output_before_the_request_ends():
+    """Without async scheduling, two samples prefilled in one step are past the image only once that step's tokens
+    are appended, so the first multi-step decode after it drops the embeddings, long before the 32 tokens end."""
+    sync = Engine(VL, dtype=jnp.float32, num_blocks=64, block_size=4, max_running=4, token_budget=64,
+                  decode_steps=4, async_scheduling=False)
+    rid = sync.add_request(prompts()[0], dataclasses.replace(GREEDY, n=2), images=[images()[0]])
+    seqs = sync._requests[rid][1]
+    images_of = seqs[0].images
+    sync.step()  # one chunk each: both prompts whole, neither past the image when it was dispatched
+    assert all(s.num_computed >= images_of.end for s in seqs) and images_of.embeds is not None
+    sync.step()  # a 4-step decode of both
+    assert sync.has_unfinished() and images_of.embeds is None and images_of.deepstack is None
+    while sync.has_unfinished():
+        sync.step()
+    assert [o.token_ids for o in sync.release(rid).outputs] == [reference()["greedy"][0].tolist()] * 2
+
+
 def test_preempted_requests_recompute_their_images_and_answer_hf():
     """A cache of 14 blocks cannot hold both requests (~48 tokens each): one is preempted after its embeddings were
     dropped and its image's blocks reused, so its recompute encodes that image again (a second call, of it alone)."""
