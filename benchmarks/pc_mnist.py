@@ -66,7 +66,7 @@ from apex_data import load_mnist
 from benchmarks.harness import format_table, save_plot, time_jax, write_results
 from benchmarks.pc_baselines import run_deepity, write_mnist_npz
 from pallas_kernels.pc_settle import EXCHANGES, OUTPUT_SUMS, PRECISIONS, SPINS, SettleConfig, launch_grid
-from pc import IMPLEMENTATIONS, PCNet, evaluate, init_params, train_epoch
+from pc import IMPLEMENTATIONS, STABLE_STEP, PCNet, curvature, evaluate, init_params, label_targets, train_epoch
 from pc.data import Dataset, load_dataset
 from pc.settle import KERNEL_CONFIGS, settle_from_input
 
@@ -595,11 +595,16 @@ def _plot_pcx(sweep: list[dict], final: dict, name: str, dataset: str = "mnist")
 # steps need ~L^2: on a 17-layer net (10k images, one epoch) it reached 88% against 79% for Euler at the same T = L and
 # dt. T = MUPC_STEPS_PER_LAYER x L: at T = L the errors of a 64-hidden-layer net's bottom quarter stay below 1e-5 (those
 # layers and the input layer do not learn), at 2L every layer's is >= 1/50 of the top's; one epoch on 10k images then
-# reached 87% instead of 76% (backprop on the same net: 86%). dt 0.3 (0.5 diverged). Adam's lr is MUPC_LR_SCALE /
+# reached 87% instead of 76% (backprop on the same net: 86%). dt: Nesterov settles while dt lambda_max <
+# pc.STABLE_STEP["nesterov"] = 1.36, and the curvature lambda_max (pc.curvature, in every row) grows in training: 4.1
+# at init, 4.9 after three epochs at 64 layers. dt 0.3 sits at the limit from the start (0.33) and crossed it in
+# epoch 1 of a 60k run (the settled energy of some minibatches rose far above its start, the net's weights jumped and
+# test accuracy fell from 92.6% to 89.1% in epoch 2); 0.2 keeps a margin up to lambda 6.8. Adam's lr is MUPC_LR_SCALE /
 # sqrt(L) (Depth-muP scales Adam's lr with 1/sqrt(depth)): 0.03 at L = 17, the best of 0.003 / 0.01 / 0.03 / 0.1 there
 # (PC and backprop alike), 0.015 at L = 65, where backprop took 0.01 over 0.03.
 MUPC_WIDTH, MUPC_HIDDEN_LAYERS, MUPC_STEPS_PER_LAYER = 128, 64, 2
-MUPC_ACTIVATION, MUPC_OUTPUT, MUPC_SOLVER, MUPC_DT, MUPC_BATCH = "relu", "gaussian", "nesterov", 0.3, 64
+MUPC_ACTIVATION, MUPC_OUTPUT, MUPC_SOLVER, MUPC_DT, MUPC_BATCH = "relu", "gaussian", "nesterov", 0.2, 64
+MUPC_PROBE_ROWS = 256  # training images whose activity Hessian gives each epoch's curvature
 MUPC_LR_SCALE = 0.12  # lr = MUPC_LR_SCALE / sqrt(L)
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # pixel mean and std over MNIST's training images
 MUPC_VARIANTS = {"muPC": True, "plain": False}  # impl -> residual (plain: the same depth without muPC, the control)
@@ -635,6 +640,8 @@ def mupc_suite(epochs: int, limit: int | None, hidden_layers: int = MUPC_HIDDEN_
                   epochs=epochs, train_images=n, test_images=int(data.test_x.shape[0]), seed=0,
                   time_budget_s=time_budget_s)
     key = jax.random.key(0)
+    probe_x, probe_target = train_x[:MUPC_PROBE_ROWS], label_targets(train_y[:MUPC_PROBE_ROWS], 10)
+    probe_curvature = jax.jit(lambda params, net: curvature(params, probe_x, net, probe_target), static_argnums=1)
     rows, start_all = [], time.perf_counter()
     for i, impl in enumerate(variants):
         print(f"{impl} ({hidden_layers} hidden layers of {width}):", flush=True)
@@ -652,10 +659,12 @@ def mupc_suite(epochs: int, limit: int | None, hidden_layers: int = MUPC_HIDDEN_
                                                  solver=MUPC_SOLVER)
             jax.block_until_ready(params)
             seconds = time.perf_counter() - start
+            lam = float(probe_curvature(params, net))
             rows.append(dict(impl=impl, epoch=epoch, seconds=seconds, energy=float(metrics["energy"]),
-                             lr=float(state.hyperparams["learning_rate"]),
+                             lr=float(state.hyperparams["learning_rate"]), curvature=lam,
+                             stable_dt=STABLE_STEP[MUPC_SOLVER] / lam,
                              test_accuracy=evaluate(params, test_x, data.test_y, net)))
-            print(f"  epoch {epoch}  {seconds:7.1f} s  energy {rows[-1]['energy']:.3g}  test "
+            print(f"  epoch {epoch}  {seconds:7.1f} s  energy {rows[-1]['energy']:.3g}  curvature {lam:.2f}  test "
                   f"{rows[-1]['test_accuracy']:.4f}", flush=True)
             summary = [summarize(rows, v, None) for v in dict.fromkeys(r["impl"] for r in rows)]
             payload = dict(config=config, summary=summary, rows=rows)

@@ -6,7 +6,16 @@ networks (config, params, forward) -> energy (E, errors, dE/dx) -> settle (solve
 from pc.energy import energy, energy_and_grads, errors
 from pc.generative import reconstruct, sample
 from pc.networks import ACTIVATIONS, OUTPUTS, PCNet, forward, init_params, parse_arch
-from pc.settle import IMPLEMENTATIONS, SOLVERS, SettleResult, settle, settle_activities
+from pc.settle import (
+    IMPLEMENTATIONS,
+    SOLVERS,
+    STABLE_STEP,
+    SettleResult,
+    curvature,
+    settle,
+    settle_activities,
+    stable_dt,
+)
 from pc.train import VARIANTS, evaluate, label_targets, train_epoch
 
 __all__ = [
@@ -15,10 +24,12 @@ __all__ = [
     "OUTPUTS",
     "PCNet",
     "SOLVERS",
+    "STABLE_STEP",
     "SettleResult",
     "VARIANTS",
     "energy",
     "energy_and_grads",
+    "curvature",
     "errors",
     "evaluate",
     "forward",
@@ -29,5 +40,6 @@ __all__ = [
     "sample",
     "settle",
     "settle_activities",
+    "stable_dt",
     "train_epoch",
 ]

@@ -49,6 +49,12 @@ from pc.networks import Params, PCNet, check_params, forward, predict
 SOLVERS = ("euler", "heun", "nesterov")
 # Momentum of the "nesterov" solver: 0.9 settled a 17-layer muPC net on MNIST better than 0.8 (dt 0.3, T = L).
 NESTEROV_MOMENTUM = 0.9
+# h = dt lambda below which a solver's step contracts a mode of curvature lambda (a quadratic energy, Hessian
+# eigenvalues in (0, lambda_max]): Euler |1 - h| < 1 and Heun |1 - h + h^2/2| < 1 for h < 2; Nesterov momentum m
+# has the characteristic polynomial mu^2 - (1 + m)(1 - h) mu + m (1 - h), whose roots stay inside the unit circle
+# for h < (2 + 2m) / (1 + 2m) (1.36 at m = 0.9: momentum buys fewer steps with a smaller step).
+STABLE_STEP = {"euler": 2.0, "heun": 2.0,
+               "nesterov": (2 + 2 * NESTEROV_MOMENTUM) / (1 + 2 * NESTEROV_MOMENTUM)}
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "xla")  # and None: resolve_implementation
 # The matmul precisions at which the fused kernel settles faster than the loop on an H200 (Deepity's net, T=20,
 # batch 250; benchmarks/results/pc_mnist_quick.json): None picks the kernel there. float32 was not timed.
@@ -129,6 +135,52 @@ def join_free(xs: list[jax.Array], free: tuple[int, ...], z: Activities) -> list
     for l, zl in zip(free, z, strict=True):
         full[l] = zl
     return full
+
+
+def curvature(params: Params, x0: jax.Array, net: PCNet, target: jax.Array | None = None, *,
+              iterations: int = 30) -> jax.Array:
+    """lambda_max, the largest eigenvalue of the energy's Hessian in the free activities at the feed-forward start
+    (over the whole batch: samples' energies are independent, so it is the largest of theirs), by power iteration
+    on Hessian-vector products (``jax.jvp`` of the closed-form dE/dz), ``iterations`` of them from a fixed random
+    start. A Rayleigh quotient: it approaches lambda_max from below.
+
+    Settling is stable while dt lambda_max < ``STABLE_STEP[solver]`` (:func:`stable_dt`). The curvature is a
+    property of the weights: in a muPC net (``pc.networks``) it starts near 4 (the chain of near-identity blocks,
+    a discrete Laplacian along depth) and grows as training moves the blocks away from the identity, so a dt
+    that settles the freshly initialised net can diverge later in training.
+    """
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations must be an int >= 1, got {iterations!r}")
+    xs = forward(params, x0, net)
+    if target is not None:
+        xs[-1] = target
+    clamped = target is not None
+    free = free_layers(net, output_clamped=clamped)
+    z0 = tuple(xs[l] for l in free)
+    grad = lambda z: tuple(energy_and_grads(params, join_free(xs, free, z), net, output_clamped=clamped)[1][l]
+                           for l in free)
+    keys = jax.random.split(jax.random.key(0), len(z0))
+    v0 = tuple(jax.random.normal(k, z.shape, z.dtype) for k, z in zip(keys, z0, strict=True))
+    norm = lambda v: jnp.sqrt(sum(jnp.sum(u * u) for u in v))
+
+    def power_step(v, _):
+        v = tuple(u / norm(v) for u in v)
+        hv = jax.jvp(grad, (z0,), (v,))[1]
+        return hv, sum(jnp.sum(u * w) for u, w in zip(v, hv, strict=True))
+
+    return jax.lax.scan(power_step, v0, None, length=iterations)[1][-1]
+
+
+def stable_dt(params: Params, x0: jax.Array, net: PCNet, target: jax.Array | None = None, *,
+              solver: str = "euler", iterations: int = 30) -> jax.Array:
+    """The step size at which ``solver`` stops contracting the stiffest mode of the energy at the feed-forward
+    start: ``STABLE_STEP[solver] / curvature(...)``. Settle below it, with a margin for the curvature's growth
+    during training (a Rayleigh quotient underestimates lambda_max a little, and the curvature away from the
+    start differs where activations bend)."""
+    if not isinstance(solver, str) or solver not in STABLE_STEP:
+        raise ValueError(f"stable_dt: solver {solver!r} has no known stability limit; expected one of "
+                         f"{tuple(STABLE_STEP)}")
+    return STABLE_STEP[solver] / curvature(params, x0, net, target, iterations=iterations)
 
 
 def fused_kernel_unsupported(net: PCNet, solver: str | optax.GradientTransformation, *, trace: bool = False,

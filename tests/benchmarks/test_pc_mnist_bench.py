@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import pc_mnist
 from pallas_kernels.pc_settle import SettleConfig
+from pc import STABLE_STEP
 from pc.data import Dataset
 
 
@@ -211,6 +212,9 @@ def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
     assert [(r["impl"], r["epoch"]) for r in payload["rows"]] == [
         (impl, epoch) for impl in ("muPC", "plain") for epoch in (1, 2)]
     assert all(r["seconds"] > 0 and np.isfinite(r["energy"]) for r in payload["rows"])
+    # the activity Hessian is I + J^T J >= I: its largest eigenvalue is at least 1; the step limit follows from it
+    assert all(r["curvature"] >= 1 and r["stable_dt"] == pytest.approx(STABLE_STEP["nesterov"] / r["curvature"])
+               for r in payload["rows"])
     assert [r["lr"] for r in payload["rows"]] == pytest.approx([0.06, 0.03] * 2)  # cosine per epoch, peak 0.12/sqrt(4)
     summary = {s["impl"]: s for s in payload["summary"]}
     assert set(summary) == {"muPC", "plain"} and all(s["epochs"] == 2 for s in summary.values())

@@ -64,6 +64,52 @@ def test_euler_with_tiny_dt_decreases_energy_monotonically():
     assert energies[-1] < 0.8 * energies[0]
 
 
+@pytest.mark.parametrize("net", [
+    pc.PCNet(SMALL, activation="tanh"),
+    pc.PCNet((6, 8, 8, 8, 4), activation="relu", residual=True, input_activation=False),
+    pc.PCNet(SMALL, activation="sigmoid", output="cross_entropy")], ids=["tanh", "mupc-relu", "sigmoid-ce"])
+def test_curvature_is_the_largest_eigenvalue_of_the_activity_hessian(net):
+    params = jax.tree.map(lambda p: 1.5 * p, pc.init_params(jax.random.key(0), net))
+    x0 = jax.random.normal(jax.random.key(1), (3, net.sizes[0]))
+    target = jax.nn.softmax(jax.random.normal(jax.random.key(2), (3, net.sizes[-1])))
+    xs = pc.forward(params, x0, net)
+    xs[-1] = target
+    hidden = xs[1:-1]
+
+    def total(flat):
+        parts = jnp.split(flat, np.cumsum([h.size for h in hidden])[:-1])
+        inner = [p.reshape(h.shape) for p, h in zip(parts, hidden, strict=True)]
+        return pc.energy(params, [x0, *inner, target], net, output_clamped=True).sum()
+
+    flat = jnp.concatenate([h.ravel() for h in hidden])
+    expected = np.linalg.eigvalsh(np.asarray(jax.hessian(total)(flat), np.float64)).max()
+    np.testing.assert_allclose(pc.curvature(params, x0, net, target, iterations=500), expected, rtol=1e-3)
+
+
+@pytest.mark.parametrize("solver", ["euler", "nesterov", "heun"])
+def test_settling_converges_below_stable_dt_and_diverges_above_it(solver):
+    """A linear muPC net's energy is quadratic in the activities, so ``stable_dt`` is the exact edge: 0.9x of it
+    settles (the energy falls), 1.1x of it blows up (to infinity within the 600 steps)."""
+    net = pc.PCNet((6, *(8,) * 12, 4), activation="linear", residual=True)
+    params = jax.tree.map(lambda p: 3.0 * p, pc.init_params(jax.random.key(0), net))  # blocks far from identity
+    x0, target = jax.random.normal(jax.random.key(1), (4, 6)), jax.random.normal(jax.random.key(2), (4, 4))
+    limit = float(pc.stable_dt(params, x0, net, target, solver=solver, iterations=500))
+    start = float(pc.settle(params, x0, net, T=1, dt=1e-9, solver=solver, target=target).energy)
+    below = float(pc.settle(params, x0, net, T=600, dt=0.9 * limit, solver=solver, target=target).energy)
+    above = float(pc.settle(params, x0, net, T=600, dt=1.1 * limit, solver=solver, target=target).energy)
+    assert below < 0.5 * start, (limit, start, below)
+    assert not np.isfinite(above) or above > 1e3 * start, (limit, start, above)  # inf or NaN once it overflows
+
+
+def test_stable_dt_refuses_a_solver_without_a_known_limit():
+    net = pc.PCNet(SMALL)
+    params, x0 = pc.init_params(jax.random.key(0), net), jnp.ones((2, SMALL[0]))
+    with pytest.raises(ValueError, match="no known stability limit"):
+        pc.stable_dt(params, x0, net, solver=optax.adam(0.1))
+    with pytest.raises(ValueError, match="iterations must be an int >= 1"):
+        pc.curvature(params, x0, net, iterations=0)
+
+
 def test_heun_beats_euler_against_a_fine_solution():
     net = pc.PCNet(SMALL, activation="tanh")
     params = pc.init_params(jax.random.key(0), net)
