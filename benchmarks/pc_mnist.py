@@ -597,7 +597,7 @@ def _plot_pcx(sweep: list[dict], final: dict, name: str, dataset: str = "mnist")
 # layers and the input layer do not learn), at 2L every layer's is >= 1/50 of the top's; one epoch on 10k images then
 # reached 87% instead of 76% (backprop on the same net: 86%). dt: Nesterov settles while dt lambda_max <
 # pc.STABLE_STEP["nesterov"] = 1.36, and the curvature lambda_max (pc.curvature, in every row) grows in training: 4.1
-# at init, 4.9 after three epochs at 64 layers. dt 0.3 sits at the limit from the start (0.33) and crossed it in
+# at init, 5.3-5.8 over seven epochs at 64 layers. dt 0.3 sits at the limit from the start (0.33) and crossed it in
 # epoch 1 of a 60k run (the settled energy of some minibatches rose far above its start, the net's weights jumped and
 # test accuracy fell from 92.6% to 89.1% in epoch 2); 0.2 keeps a margin up to lambda 6.8. Adam's lr is MUPC_LR_SCALE /
 # sqrt(L) (Depth-muP scales Adam's lr with 1/sqrt(depth)): 0.03 at L = 17, the best of 0.003 / 0.01 / 0.03 / 0.1 there
