@@ -207,7 +207,9 @@ def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
     assert written == ["pc_mupc_3_cpu"] * 4 and plotted == ["pc_mupc_3_cpu"]
     config = payload["config"]
     assert config["train_images"] == 1024 and config["hidden_layers"] == 3 and config["residual_blocks"] == 2
-    assert config["T"] == 8 and config["solver"] == "nesterov" and config["lr"] == pytest.approx(0.12 / 2)
+    assert config["T"] == 8 and config["solver"] == "nesterov"
+    lr = pc_mnist.MUPC_LR_SCALE / 2  # / sqrt(L), L = 4
+    assert config["lr"] == pytest.approx(lr)
     assert config["weight_scales"] == pytest.approx(dict(input=784**-0.5, block=(32 * 4) ** -0.5, output=1 / 32))
     assert [(r["impl"], r["epoch"]) for r in payload["rows"]] == [
         (impl, epoch) for impl in ("muPC", "plain") for epoch in (1, 2)]
@@ -215,7 +217,7 @@ def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
     # the activity Hessian is I + J^T J >= I: its largest eigenvalue is at least 1; the step limit follows from it
     assert all(r["curvature"] >= 1 and r["stable_dt"] == pytest.approx(STABLE_STEP["nesterov"] / r["curvature"])
                for r in payload["rows"])
-    assert [r["lr"] for r in payload["rows"]] == pytest.approx([0.06, 0.03] * 2)  # cosine per epoch, peak 0.12/sqrt(4)
+    assert [r["lr"] for r in payload["rows"]] == pytest.approx([lr, lr / 2] * 2)  # cosine per epoch, peak lr
     summary = {s["impl"]: s for s in payload["summary"]}
     assert set(summary) == {"muPC", "plain"} and all(s["epochs"] == 2 for s in summary.values())
     assert summary["muPC"]["final_accuracy"] > 0.4  # chance is 0.1; 32 steps of batch 64
@@ -230,4 +232,4 @@ def test_mupc_suite_stops_within_its_time_budget(monkeypatch):
     monkeypatch.setattr(pc_mnist, "plot", lambda rows, name, title: None)
     payload = pc_mnist.mupc_suite(epochs=5, limit=256, hidden_layers=2, width=8, time_budget_s=1e-3)
     assert [r["epoch"] for r in payload["rows"]] == [1]
-    assert payload["rows"][0]["lr"] == pytest.approx(0.12 / 3**0.5)
+    assert payload["rows"][0]["lr"] == pytest.approx(pc_mnist.MUPC_LR_SCALE / 3**0.5)
