@@ -151,10 +151,9 @@ def curvature(params: Params, x0: jax.Array, net: PCNet, target: jax.Array | Non
     """
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be an int >= 1, got {iterations!r}")
-    xs = forward(params, x0, net)
-    if target is not None:
+    xs, clamped = forward(params, x0, net), target is not None
+    if clamped:
         xs[-1] = target
-    clamped = target is not None
     free = free_layers(net, output_clamped=clamped)
     z0 = tuple(xs[l] for l in free)
     grad = lambda z: tuple(energy_and_grads(params, join_free(xs, free, z), net, output_clamped=clamped)[1][l]
