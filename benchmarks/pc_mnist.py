@@ -663,10 +663,12 @@ def mupc_suite(epochs: int, limit: int | None, hidden_layers: int = MUPC_HIDDEN_
             seconds = time.perf_counter() - start
             lam = float(probe_curvature(params, net))
             rows.append(dict(impl=impl, epoch=epoch, seconds=seconds, energy=float(metrics["energy"]),
+                             diverged=float(metrics["diverged"]),
                              lr=float(state.hyperparams["learning_rate"]), curvature=lam,
                              stable_dt=STABLE_STEP[MUPC_SOLVER] / lam,
                              test_accuracy=evaluate(params, test_x, data.test_y, net)))
-            print(f"  epoch {epoch}  {seconds:7.1f} s  energy {rows[-1]['energy']:.3g}  curvature {lam:.2f}  test "
+            print(f"  epoch {epoch}  {seconds:7.1f} s  energy {rows[-1]['energy']:.3g}  diverged "
+                  f"{rows[-1]['diverged']:.2%}  curvature {lam:.2f}  test "
                   f"{rows[-1]['test_accuracy']:.4f}", flush=True)
             summary = [summarize(rows, v, None) for v in dict.fromkeys(r["impl"] for r in rows)]
             payload = dict(config=config, summary=summary, rows=rows)

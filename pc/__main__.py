@@ -157,8 +157,9 @@ def train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dic
                 with open(out / LOG, "a") as log:
                     log.write(json.dumps(record) + "\n")
                 records.append(record)
-                progress.update(bar, advance=1, info=f"energy {record['energy']:.4g}  "
-                                                      f"test acc {record['test_accuracy']:.2%}  {seconds:.1f} s")
+                uphill = f"  diverged {record['diverged']:.1%}: lower --dt" if record.get("diverged") else ""
+                progress.update(bar, advance=1, info=f"energy {record['energy']:.4g}  test acc "
+                                                      f"{record['test_accuracy']:.2%}  {seconds:.1f} s{uphill}")
                 if ckpt.sigterm_received:
                     break
     return records

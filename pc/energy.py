@@ -82,6 +82,15 @@ def errors(params: Params, xs: list[jax.Array], net: PCNet, *, output_clamped: b
     return es
 
 
+def output_energy(prediction: jax.Array, target: jax.Array, net: PCNet) -> jax.Array:
+    """Per-sample energy ``[batch]`` of a clamped output x_L = ``target`` against its prediction mu_L
+    ``[batch, n_L]``: 0.5 ||x_L - mu_L||^2, or -sum x_L log softmax(mu_L) for a cross-entropy output. At the
+    feed-forward start every hidden error is zero, so this is the whole energy a supervised settling starts from."""
+    if net.output == "cross_entropy":
+        return -jnp.sum(target * jax.nn.log_softmax(prediction, axis=-1), axis=-1)
+    return 0.5 * jnp.sum((target - prediction) ** 2, axis=-1)
+
+
 def energy(params: Params, xs: list[jax.Array], net: PCNet, *, output_clamped: bool = False,
            input_prior: bool = False) -> jax.Array:
     """Per-sample energy E ``[batch]`` (see the module docstring)."""

@@ -43,7 +43,7 @@ import numpy as np
 import optax
 
 from pallas_kernels.pc_settle import SettleConfig, padded_rows
-from pc.energy import energy, energy_and_grads, errors
+from pc.energy import energy, energy_and_grads, errors, output_energy
 from pc.networks import Params, PCNet, check_params, forward
 from pc.settle import (
     check_implementation,
@@ -61,15 +61,32 @@ from pc.settle import (
 
 VARIANTS = ("supervised", "generative", "incremental")
 EVAL_BATCH = 1000  # rows per evaluation chunk: bounds the activities' memory; does not change the result
+# A settled energy above DIVERGED_RTOL x its start + DIVERGED_ATOL counts as uphill ("diverged" metric): float32
+# rounding of a settle that stayed put, where the start is already the minimum, moves it by far less.
+DIVERGED_RTOL, DIVERGED_ATOL = 1e-3, 1e-6
 
 
 def _weight_step(optimizer, params, opt_state, xs, net, input_prior=False):
-    """One optax step on the gradient of the batch-mean energy at fixed activities ``xs``."""
+    """One optax step on the gradient of the batch-mean energy at fixed activities ``xs``; also the per-sample
+    energies ``[batch]`` before the step."""
     xs = [jax.lax.stop_gradient(x) for x in xs]
-    loss = lambda p: jnp.mean(energy(p, xs, net, output_clamped=True, input_prior=input_prior))
-    mean_energy, grads = jax.value_and_grad(loss)(params)
+
+    def loss(p):
+        energies = energy(p, xs, net, output_clamped=True, input_prior=input_prior)
+        return jnp.mean(energies), energies
+
+    (_, energies), grads = jax.value_and_grad(loss, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, mean_energy
+    return optax.apply_updates(params, updates), opt_state, energies
+
+
+def _diverged(settled: jax.Array, start: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """Fraction of the (valid) rows whose settled energy ended above its start by more than rounding
+    (DIVERGED_RTOL), or is not finite: descent that went uphill, a step size past the curvature limit."""
+    uphill = ~(settled <= start * (1 + DIVERGED_RTOL) + DIVERGED_ATOL)  # NaN and inf count
+    if valid is None:
+        return jnp.mean(uphill)
+    return jnp.sum(uphill & valid) / jnp.maximum(jnp.sum(valid), 1)
 
 
 def _hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -93,12 +110,14 @@ def _clamp_label(params, x, y, smoothing, net):
 
 
 def _supervised(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, solver, implementation):
-    accuracy = _hits(forward(params, x, net)[-1], y)  # before this batch's update
+    start = forward(params, x, net)[-1]
+    accuracy = _hits(start, y)  # before this batch's update
     target = label_targets(y, net.sizes[-1], smoothing)
     settled = settle_from_input(params, x, net, T=T, dt=dt, solver=solver, target=target,
                                 implementation=implementation).xs
-    params, opt_state, mean_energy = _weight_step(optimizer, params, opt_state, settled, net)
-    return params, opt_state, {"energy": mean_energy, "accuracy": accuracy}
+    params, opt_state, energies = _weight_step(optimizer, params, opt_state, settled, net)
+    return params, opt_state, {"energy": jnp.mean(energies), "accuracy": accuracy,
+                               "diverged": _diverged(energies, output_energy(start, target, net))}
 
 
 def _operand_weights(params: Params, net: PCNet) -> Params:
@@ -125,7 +144,8 @@ def _supervised_fused(params, opt_state, operands, x, y, dt, smoothing, *, optim
     else:
         row_energy += 0.5 * jnp.sum(es[-1] * es[-1], axis=-1)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    metrics = {"energy": jnp.sum(row_energy) / n, "accuracy": accuracy}
+    metrics = {"energy": jnp.sum(row_energy) / n, "accuracy": accuracy,
+               "diverged": _diverged(row_energy, output_energy(start_logits, target, net), valid=y >= 0)}
     return optax.apply_updates(params, updates), opt_state, metrics
 
 
@@ -136,8 +156,8 @@ def _generative(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, so
     settled = settle_activities(params, xs, net, T=T, dt=dt, solver=solver, output_clamped=True,
                                 infer_input=True).xs
     mse = jnp.mean(errors(params, settled, net, output_clamped=True)[-1] ** 2)
-    params, opt_state, mean_energy = _weight_step(optimizer, params, opt_state, settled, net, input_prior=True)
-    return params, opt_state, {"energy": mean_energy, "mse": mse}
+    params, opt_state, energies = _weight_step(optimizer, params, opt_state, settled, net, input_prior=True)
+    return params, opt_state, {"energy": jnp.mean(energies), "mse": mse}
 
 
 def _incremental(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, solver, implementation):
@@ -154,8 +174,8 @@ def _incremental(params, opt_state, x, y, dt, smoothing, *, optimizer, net, T, s
         p, state, z, z_state = carry
         _, g = activity_grads(p, z)
         z_new, z_state = activity_opt.step(lambda v: activity_grads(p, v)[1], z, g, z_state, dt)
-        p, state, mean_energy = _weight_step(optimizer, p, state, join_free(xs, free, z), net)
-        return (p, state, z_new, z_state), mean_energy
+        p, state, energies = _weight_step(optimizer, p, state, join_free(xs, free, z), net)
+        return (p, state, z_new, z_state), jnp.mean(energies)
 
     z0 = tuple(xs[l] for l in free)
     (params, opt_state, _, _), energies = jax.lax.scan(step, (params, opt_state, z0, activity_opt.init(z0)),
@@ -229,7 +249,10 @@ def train_epoch(params: Params, opt_state: optax.OptState, optimizer: optax.Grad
     Returns:
       ``(params, opt_state, metrics)``; metrics are epoch means: "energy" (batch-mean settled energy; for
       "incremental" the energy before the last step) and "accuracy" (of the feed-forward prediction, before
-      each batch's update), or "mse" (squared error of the settled output prediction) for "generative".
+      each batch's update), or "mse" (squared error of the settled output prediction) for "generative";
+      "supervised" also "diverged": the fraction of samples whose settled energy ended above its feed-forward
+      start, 0 in a healthy run; above 0, dt is past the energy's curvature limit (``pc.stable_dt``) for some
+      minibatches, and their weight steps follow activities that ran away.
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")

@@ -101,6 +101,21 @@ def test_settling_converges_below_stable_dt_and_diverges_above_it(solver):
     assert not np.isfinite(above) or above > 1e3 * start, (limit, start, above)  # inf or NaN once it overflows
 
 
+def test_train_epoch_counts_the_samples_that_settled_uphill():
+    """The same linear net inside a training epoch: its activity Hessian is the same for every sample, so 0.9x
+    ``stable_dt`` leaves no sample above its start ("diverged" 0) and 1.1x sends all of them off (1.0: energies
+    that overflowed to inf or NaN count too)."""
+    net = pc.PCNet((6, *(8,) * 12, 4), activation="linear", residual=True)
+    params = jax.tree.map(lambda p: 3.0 * p, pc.init_params(jax.random.key(0), net))
+    x0, labels = jax.random.normal(jax.random.key(1), (8, 6)), jnp.arange(8) % 4
+    limit = float(pc.stable_dt(params, x0, net, pc.label_targets(labels, 4), iterations=500))
+    tx = optax.sgd(0.0)
+    diverged = lambda dt: float(pc.train_epoch(params, tx.init(params), tx, x0, labels, net=net, T=600, dt=dt,
+                                               batch_size=8, key=jax.random.key(2))[2]["diverged"])
+    assert diverged(0.9 * limit) == 0.0
+    assert diverged(1.1 * limit) == 1.0
+
+
 def test_stable_dt_refuses_a_solver_without_a_known_limit():
     net = pc.PCNet(SMALL)
     params, x0 = pc.init_params(jax.random.key(0), net), jnp.ones((2, SMALL[0]))
@@ -176,7 +191,7 @@ def test_train_epoch_learns_mnist_subset(mnist_subset, optimizer):
     params = pc.init_params(jax.random.key(0), net)
     params, _, metrics = pc.train_epoch(params, tx.init(params), tx, train_x, train_y, net=net, T=20, dt=0.1,
                                         batch_size=20, key=jax.random.key(1))
-    assert set(metrics) == {"energy", "accuracy"}
+    assert set(metrics) == {"energy", "accuracy", "diverged"} and float(metrics["diverged"]) == 0.0
     assert 0.5 < float(metrics["accuracy"]) and 0 < float(metrics["energy"]) < 2.3  # ln 10: chance-level CE
     accuracy = pc.evaluate(params, test_x, test_y, net)
     assert accuracy > 0.8, accuracy

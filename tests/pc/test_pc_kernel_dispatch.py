@@ -82,8 +82,22 @@ def test_train_epoch_with_the_kernel_gives_the_jnp_params(exchange, smoothing):
             step = b[name] - p0[name]
             assert float(jnp.linalg.norm(step)) > 1e-4, f"params[{l}][{name!r}] did not train"
             assert_close(a[name] - p0[name], step, rtol=UPDATE_RTOL, name=f"params[{l}][{name!r}] update")
-    for name in ("energy", "accuracy"):
+    for name in ("energy", "accuracy", "diverged"):
         np.testing.assert_allclose(fused_metrics[name], loop_metrics[name], rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("output", list(pc.OUTPUTS))
+def test_diverged_counts_real_rows_on_both_paths(output):
+    """Settling at 3x the curvature limit runs every sample uphill: "diverged" is 1 through the kernel too,
+    whose 9 real rows sit in a 64-row tile of padding rows (which settle at energy 0 and must not count)."""
+    net, params, x0, labels = small_problem(output, False)
+    dt = 3 * float(pc.stable_dt(params, x0, net, pc.label_targets(labels, SMALL[-1])))
+    tx = optax.sgd(0.0)
+    run = lambda implementation, dt: pc.train_epoch(
+        params, tx.init(params), tx, x0, labels, net=net, T=20, dt=dt, batch_size=9, key=jax.random.key(1),
+        implementation=implementation, kernel_config=SettleConfig(block_b=64, groups=1))[2]["diverged"]
+    assert float(run("pallas_interpret", dt)) == float(run("xla", dt)) == 1.0
+    assert float(run("pallas_interpret", dt / 4)) == float(run("xla", dt / 4)) == 0.0
 
 
 NET = dict(sizes=(784, 64, 64, 10), activation="sigmoid", output="cross_entropy", input_activation=False)
