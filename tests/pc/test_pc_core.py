@@ -9,6 +9,7 @@ import pytest
 import apex_jax
 import pc
 from apex_data import load_mnist
+from pc.energy import output_energy
 
 SMALL = (6, 9, 7, 4)  # a net small enough for long reference runs
 
@@ -99,6 +100,21 @@ def test_settling_converges_below_stable_dt_and_diverges_above_it(solver):
     above = float(pc.settle(params, x0, net, T=600, dt=1.1 * limit, solver=solver, target=target).energy)
     assert below < 0.5 * start, (limit, start, below)
     assert not np.isfinite(above) or above > 1e3 * start, (limit, start, above)  # inf or NaN once it overflows
+
+
+@pytest.mark.parametrize("output", list(pc.OUTPUTS))
+def test_output_energy_is_the_whole_energy_at_the_feed_forward_start(output):
+    """Where "diverged" starts from: at the feed-forward activities with the label clamped, every hidden error is
+    zero, so the energy is the output's term alone."""
+    net = pc.PCNet((12, 9, 7, 5), activation="tanh", output=output)
+    params = jax.tree.map(lambda p: p + 0.1, pc.init_params(jax.random.key(0), net))
+    x0, labels = jax.random.normal(jax.random.key(1), (6, 12)), jnp.arange(6) % 5
+    target = pc.label_targets(labels, 5, 0.1)
+    xs = pc.forward(params, x0, net)
+    start = output_energy(xs[-1], target, net)
+    xs[-1] = target
+    np.testing.assert_allclose(start, pc.energy(params, xs, net, output_clamped=True), rtol=1e-6)
+    assert float(jnp.min(start)) > 0.1
 
 
 def test_train_epoch_counts_the_samples_that_settled_uphill():
