@@ -612,31 +612,37 @@ MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # pixel mean and std over MNIST's traini
 MUPC_VARIANTS = {"muPC": True, "plain": False}  # impl -> residual (plain: the same depth without muPC, the control)
 
 
-def mupc_net(hidden_layers: int, width: int, residual: bool) -> PCNet:
-    return PCNet((784, *(width,) * hidden_layers, 10), activation=MUPC_ACTIVATION, output=MUPC_OUTPUT,
-                 residual=residual, input_activation=False)
+def mupc_net(hidden_layers: int, width: int, residual: bool, precision: str | None = None) -> PCNet:
+    """The suite's net; ``precision`` None is PCNet's default."""
+    net = PCNet((784, *(width,) * hidden_layers, 10), activation=MUPC_ACTIVATION, output=MUPC_OUTPUT,
+                residual=residual, input_activation=False)
+    return net if precision is None else dataclasses.replace(net, precision=precision)
 
 
 def mupc_suite(epochs: int, limit: int | None, hidden_layers: int = MUPC_HIDDEN_LAYERS, width: int = MUPC_WIDTH,
-               variants: Sequence[str] = ("muPC",), time_budget_s: float | None = None) -> dict:
+               variants: Sequence[str] = ("muPC",), time_budget_s: float | None = None,
+               precision: str | None = None) -> dict:
     """Each of ``variants`` (MUPC_VARIANTS) trained up to ``epochs`` epochs on the first ``limit`` training images
     (default all 60k); test accuracy per epoch (results/pc_mupc_H[_cpu].json + .png, rewritten after every epoch).
     Adam's lr follows a cosine from its peak to 0 over the planned epochs, one value per epoch: ``epochs``, or with
     ``time_budget_s`` as many as fit the variant's share of the budget at the last epoch's pace (replanned after every
-    epoch), so a run ends inside a fixed wall time with its lr decayed."""
+    epoch), so a run ends inside a fixed wall time with its lr decayed. ``precision``: the nets' matmul precision
+    (None: PCNet's default; another value names the results ``pc_mupc_H_PRECISION``)."""
     data = load_dataset("mnist")
     n = limit or data.train_x.shape[0]
     standardise = lambda x: (x - MNIST_MEAN) / MNIST_STD
     train_x, train_y = jax.device_put(standardise(data.train_x[:n])), jax.device_put(data.train_y[:n])
     test_x = standardise(data.test_x)
-    probe = mupc_net(hidden_layers, width, True)
+    probe = mupc_net(hidden_layers, width, True, precision)
     T, lr = MUPC_STEPS_PER_LAYER * probe.depth, MUPC_LR_SCALE / probe.depth**0.5
     optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=0.0)  # one object: the epoch compiles once
-    name = f"pc_mupc_{hidden_layers}" + ("_cpu" if jax.default_backend() == "cpu" else "")
+    name = (f"pc_mupc_{hidden_layers}" + ("" if precision is None else f"_{precision}")
+            + ("_cpu" if jax.default_backend() == "cpu" else ""))
     config = dict(arch=list(probe.sizes), hidden_layers=hidden_layers, residual_blocks=probe.num_residual,
                   weight_scales=dict(input=probe.weight_scale(0), block=probe.weight_scale(1),
                                      output=probe.weight_scale(probe.depth - 1)),
                   activation=MUPC_ACTIVATION, output=MUPC_OUTPUT, input="linear, standardised", solver=MUPC_SOLVER,
+                  precision=probe.precision,
                   T=T, dt=MUPC_DT, batch=MUPC_BATCH, lr=lr,
                   optimizer="adam, lr cosine-decayed to 0 over the planned epochs, per epoch",
                   epochs=epochs, train_images=n, test_images=int(data.test_x.shape[0]), seed=0,
@@ -647,7 +653,7 @@ def mupc_suite(epochs: int, limit: int | None, hidden_layers: int = MUPC_HIDDEN_
     rows, start_all = [], time.perf_counter()
     for i, impl in enumerate(variants):
         print(f"{impl} ({hidden_layers} hidden layers of {width}):", flush=True)
-        net = mupc_net(hidden_layers, width, MUPC_VARIANTS[impl])
+        net = mupc_net(hidden_layers, width, MUPC_VARIANTS[impl], precision)
         params = init_params(jax.random.fold_in(key, 0), net)
         state = optimizer.init(params)
         deadline = None if time_budget_s is None else start_all + time_budget_s * (i + 1) / len(variants)
@@ -708,19 +714,21 @@ def main(argv: list[str] | None = None) -> dict:
                         help="quick: the XLA_FLAGS sets its epochs run under (XLA_FLAG_SETS)")
     parser.add_argument("--impl", default="variant", help="epochs: the rows' impl name")
     parser.add_argument("--implementation", choices=IMPLEMENTATIONS, default=FUSED, help="epochs: settling")
-    parser.add_argument("--precision", choices=PRECISIONS, default="bfloat16", help="epochs: matmul precision")
+    parser.add_argument("--precision", choices=PRECISIONS,
+                        help="epochs: matmul precision (default bfloat16); mupc: the nets' (default PCNet's)")
     parser.add_argument("--epoch-config", type=fused_config, help="epochs: the fused kernel's configuration")
     parser.add_argument("--rows-out", type=Path, help="epochs: write the rows here (JSON)")
     args = parser.parse_args(argv)
     if args.suite == "pcx":
         return pcx_suite(args.epochs, args.limit, dataset=args.dataset, data_path=args.data_path)
     if args.suite == "mupc":
-        return mupc_suite(args.epochs, args.limit, args.hidden_layers, args.width, args.variants, args.time_budget)
+        return mupc_suite(args.epochs, args.limit, args.hidden_layers, args.width, args.variants, args.time_budget,
+                          args.precision)
     if args.suite == "epochs":
         if args.rows_out is None:
             parser.error("--suite epochs needs --rows-out")
-        return epochs_suite(args.impl, args.implementation, args.precision, args.epoch_config, args.epochs,
-                            args.rows_out, args.limit)
+        return epochs_suite(args.impl, args.implementation, args.precision or "bfloat16", args.epoch_config,
+                            args.epochs, args.rows_out, args.limit)
     fused = {precision: args.fused_configs for precision in args.fused_precisions}
     if args.suite in ("settle", "quick") and jax.default_backend() == "cpu":
         parser.error(f"--suite {args.suite} times the fused kernel on a GPU")

@@ -207,13 +207,16 @@ def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
     assert written == ["pc_mupc_3_cpu"] * 4 and plotted == ["pc_mupc_3_cpu"]
     config = payload["config"]
     assert config["train_images"] == 1024 and config["hidden_layers"] == 3 and config["residual_blocks"] == 2
-    assert config["T"] == 8 and config["solver"] == "nesterov"
+    assert config["T"] == 8 and config["solver"] == "nesterov" and config["precision"] == "tf32"  # PCNet's default
     lr = pc_mnist.MUPC_LR_SCALE / 2  # / sqrt(L), L = 4
     assert config["lr"] == pytest.approx(lr)
     assert config["weight_scales"] == pytest.approx(dict(input=784**-0.5, block=(32 * 4) ** -0.5, output=1 / 32))
     assert [(r["impl"], r["epoch"]) for r in payload["rows"]] == [
         (impl, epoch) for impl in ("muPC", "plain") for epoch in (1, 2)]
     assert all(r["seconds"] > 0 and np.isfinite(r["energy"]) for r in payload["rows"])
+    # muPC settles inside dt 0.2's limit; the plain net of the same depth has a curvature of 8-9.5 (limit 6.8) and
+    # some of its samples run uphill, which the diverged column counts
+    assert all((r["diverged"] == 0) == (r["impl"] == "muPC") for r in payload["rows"])
     # the activity Hessian is I + J^T J >= I: its largest eigenvalue is at least 1; the step limit follows from it
     assert all(r["curvature"] >= 1 and r["stable_dt"] == pytest.approx(STABLE_STEP["nesterov"] / r["curvature"])
                for r in payload["rows"])
@@ -224,12 +227,16 @@ def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
 
 
 def test_mupc_suite_stops_within_its_time_budget(monkeypatch):
-    """A budget shorter than one epoch: the first epoch runs (at the peak lr), then the suite stops with its rows."""
+    """A budget shorter than one epoch: the first epoch runs (at the peak lr), then the suite stops with its rows.
+    A precision other than PCNet's default reaches the nets and names the results."""
     data = pc_mnist.load_dataset("mnist")
     small = Dataset(data.train_x[:256], data.train_y[:256], data.test_x[:100], data.test_y[:100])
+    written = []
     monkeypatch.setattr(pc_mnist, "load_dataset", lambda name: small)
-    monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: None)
+    monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.append(name))
     monkeypatch.setattr(pc_mnist, "plot", lambda rows, name, title: None)
-    payload = pc_mnist.mupc_suite(epochs=5, limit=256, hidden_layers=2, width=8, time_budget_s=1e-3)
+    payload = pc_mnist.mupc_suite(epochs=5, limit=256, hidden_layers=2, width=8, time_budget_s=1e-3,
+                                  precision="bfloat16")
+    assert written == ["pc_mupc_2_bfloat16_cpu"] and payload["config"]["precision"] == "bfloat16"
     assert [r["epoch"] for r in payload["rows"]] == [1]
     assert payload["rows"][0]["lr"] == pytest.approx(pc_mnist.MUPC_LR_SCALE / 3**0.5)
