@@ -600,10 +600,8 @@ def _plot_pcx(sweep: list[dict], final: dict, name: str, dataset: str = "mnist")
 # at init, 5.3-5.8 over seven epochs at 64 layers. dt 0.3 sits at the limit from the start (0.33) and crossed it in
 # epoch 1 of a 60k run (the settled energy of some minibatches rose far above its start, the net's weights jumped and
 # test accuracy fell from 92.6% to 89.1% in epoch 2); 0.2 keeps a margin up to lambda 6.8. Adam's lr is MUPC_LR_SCALE /
-# sqrt(L) (Depth-muP scales Adam's lr with 1/sqrt(depth)). At L = 17 the best of 0.003 / 0.01 / 0.03 / 0.1 was 0.03
-# (scale 0.12; PC and backprop alike); at L = 65 (64 hidden layers, 3 epochs, cosine) scale 0.03 /
-# 0.06 / 0.12 reached 92.90 / 93.77 / 93.35% on 20k images, and on all 60k 0.06 reached 94.54% against 0.12's 92.95%;
-# over 7 epochs 0.12 dipped to 89.2% mid-run, while the lr was high (results/pc_mupc_64_cpu_7epochs.json).
+# sqrt(L) (Depth-muP scales Adam's lr with 1/sqrt(depth)); the scale is the best of a sweep at 64 hidden layers, where
+# a twice larger one trains worse while the lr is high (README's muPC paragraph, results/pc_mupc_64_cpu*.json).
 MUPC_WIDTH, MUPC_HIDDEN_LAYERS, MUPC_STEPS_PER_LAYER = 128, 64, 2
 MUPC_ACTIVATION, MUPC_OUTPUT, MUPC_SOLVER, MUPC_DT, MUPC_BATCH = "relu", "gaussian", "nesterov", 0.2, 64
 MUPC_PROBE_ROWS = 256  # training images whose activity Hessian gives each epoch's curvature
