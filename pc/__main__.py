@@ -49,9 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "1/sqrt(D) (input), 1/sqrt(N L) (blocks), 1/N (output)")
     t.add_argument("--linear-input", action="store_true",
                    help="feed pixels linearly, mu_1 = x_0 W_0 + b_0 (default: f(x_0), as in Whittington & Bogacz)")
-    t.add_argument("--precision", choices=PRECISIONS, default="tf32",
+    t.add_argument("--precision", choices=PRECISIONS,
                    help="matmul precision: how matmuls round their operands (float32 accumulation); tf32 is "
-                        "exact float32 on a CPU")
+                        "exact float32 on a CPU (default: float32 with --residual, else tf32)")
     t.add_argument("--T", type=int, default=20, help="settling steps per minibatch")
     t.add_argument("--dt", type=float, default=0.1, help="settling step size")
     t.add_argument("--solver", choices=SOLVERS, default="euler")

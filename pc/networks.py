@@ -71,7 +71,12 @@ class PCNet:
         (``lax.Precision.DEFAULT``: TF32 tensor cores on an NVIDIA GPU, exact float32 on a CPU; what ``x @ w``
         gives) or "bfloat16" (operands rounded to bf16). The names are the fused kernel's
         (``pallas_kernels.pc_settle.PRECISIONS``); its ``dot_args`` maps each to an operand dtype and a
-        ``lax.Precision``, for both paths.
+        ``lax.Precision``, for both paths. None (the default) picks "float32" for a residual net and "tf32" for
+        a plain one: a residual block's error e = x_{l+1} - x_l - a f(x_l) W - b is a small difference of O(1)
+        terms, which in the lower blocks of a deep net is as small as TF32's 2^-11 relative rounding of the
+        matmul. Measured on an H200 (muPC, 64 hidden layers, MNIST): at tf32 19-29% test accuracy after one
+        epoch (14% of the samples settling uphill, curvature 4.1 -> 6.5), 90.5% after 34; at float32 93.2% after
+        one, 94.9% after 29, at 1.27x tf32's epoch time (results/pc_mupc_64*.json).
     """
 
     sizes: tuple[int, ...]
@@ -79,9 +84,11 @@ class PCNet:
     output: str = "gaussian"
     residual: bool = False
     input_activation: bool = True
-    precision: str = "tf32"
+    precision: str | None = None
 
     def __post_init__(self):
+        if self.precision is None:
+            object.__setattr__(self, "precision", "float32" if self.residual else "tf32")
         sizes = tuple(self.sizes)
         if len(sizes) < 2:
             raise ValueError(f"sizes needs at least 2 layers (input and output), got {sizes}")

@@ -207,7 +207,7 @@ def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
     assert written == ["pc_mupc_3_cpu"] * 4 and plotted == ["pc_mupc_3_cpu"]
     config = payload["config"]
     assert config["train_images"] == 1024 and config["hidden_layers"] == 3 and config["residual_blocks"] == 2
-    assert config["T"] == 8 and config["solver"] == "nesterov" and config["precision"] == "tf32"  # PCNet's default
+    assert config["T"] == 8 and config["solver"] == "nesterov" and config["precision"] == "float32"  # muPC default
     lr = pc_mnist.MUPC_LR_SCALE / 2  # / sqrt(L), L = 4
     assert config["lr"] == pytest.approx(lr)
     assert config["weight_scales"] == pytest.approx(dict(input=784**-0.5, block=(32 * 4) ** -0.5, output=1 / 32))

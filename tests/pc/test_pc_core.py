@@ -257,6 +257,12 @@ def test_parse_arch_and_net_checks():
     mixed = pc.PCNet((6, 8, 8, 5, 5, 5, 3), residual=True)  # runs split where the width changes
     assert mixed.layer_runs == ((0, 1), (1, 2), (2, 3), (3, 5), (5, 6))
     assert mixed.weight_scale(2) == pytest.approx(8**-0.5)  # a width change: no skip, 1/sqrt(fan-in)
+    # matmul precision: float32 for muPC (its small block errors drown in TF32 rounding on a GPU), tf32 plain;
+    # an explicit choice stays, and a resolved net is a stable jit key (equal and hashed alike)
+    assert (net.precision, pc.PCNet((784, 128, 10)).precision) == ("float32", "tf32")
+    assert pc.PCNet(net.sizes, residual=True, precision="tf32").precision == "tf32"
+    assert net == pc.PCNet(net.sizes, residual=True, precision="float32") and hash(net) == hash(
+        pc.PCNet(net.sizes, residual=True, precision="float32"))
 
 
 _NET = pc.PCNet((4, 5, 3))
