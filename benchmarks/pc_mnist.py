@@ -625,7 +625,8 @@ def mupc_suite(epochs: int, limit: int | None, hidden_layers: int = MUPC_HIDDEN_
     Adam's lr follows a cosine from its peak to 0 over the planned epochs, one value per epoch: ``epochs``, or with
     ``time_budget_s`` as many as fit the variant's share of the budget at the last epoch's pace (replanned after every
     epoch), so a run ends inside a fixed wall time with its lr decayed. ``precision``: the nets' matmul precision
-    (None: PCNet's default; another value names the results ``pc_mupc_H_PRECISION``)."""
+    (None: PCNet's default; another value names the results ``pc_mupc_H_PRECISION``); a width other than
+    MUPC_WIDTH names them ``pc_mupc_H_wWIDTH``."""
     data = load_dataset("mnist")
     n = limit or data.train_x.shape[0]
     standardise = lambda x: (x - MNIST_MEAN) / MNIST_STD
@@ -634,8 +635,8 @@ def mupc_suite(epochs: int, limit: int | None, hidden_layers: int = MUPC_HIDDEN_
     probe = mupc_net(hidden_layers, width, True, precision)
     T, lr = MUPC_STEPS_PER_LAYER * probe.depth, MUPC_LR_SCALE / probe.depth**0.5
     optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=0.0)  # one object: the epoch compiles once
-    name = (f"pc_mupc_{hidden_layers}" + ("" if precision is None else f"_{precision}")
-            + ("_cpu" if jax.default_backend() == "cpu" else ""))
+    name = (f"pc_mupc_{hidden_layers}" + ("" if width == MUPC_WIDTH else f"_w{width}")
+            + ("" if precision is None else f"_{precision}") + ("_cpu" if jax.default_backend() == "cpu" else ""))
     config = dict(arch=list(probe.sizes), hidden_layers=hidden_layers, residual_blocks=probe.num_residual,
                   weight_scales=dict(input=probe.weight_scale(0), block=probe.weight_scale(1),
                                      output=probe.weight_scale(probe.depth - 1)),

@@ -204,7 +204,7 @@ def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
     monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.append(name))
     monkeypatch.setattr(pc_mnist, "plot", lambda rows, name, title: plotted.append(name))
     payload = pc_mnist.mupc_suite(epochs=2, limit=1024, hidden_layers=3, width=32, variants=("muPC", "plain"))
-    assert written == ["pc_mupc_3_cpu"] * 4 and plotted == ["pc_mupc_3_cpu"]
+    assert written == ["pc_mupc_3_w32_cpu"] * 4 and plotted == ["pc_mupc_3_w32_cpu"]
     config = payload["config"]
     assert config["train_images"] == 1024 and config["hidden_layers"] == 3 and config["residual_blocks"] == 2
     assert config["T"] == 8 and config["solver"] == "nesterov" and config["precision"] == "float32"  # muPC default
@@ -228,7 +228,7 @@ def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
 
 def test_mupc_suite_stops_within_its_time_budget(monkeypatch):
     """A budget shorter than one epoch: the first epoch runs (at the peak lr), then the suite stops with its rows.
-    A precision other than PCNet's default reaches the nets and names the results."""
+    A precision other than PCNet's default reaches the nets and names the results, as a width other than 128 does."""
     data = pc_mnist.load_dataset("mnist")
     small = Dataset(data.train_x[:256], data.train_y[:256], data.test_x[:100], data.test_y[:100])
     written = []
@@ -237,6 +237,6 @@ def test_mupc_suite_stops_within_its_time_budget(monkeypatch):
     monkeypatch.setattr(pc_mnist, "plot", lambda rows, name, title: None)
     payload = pc_mnist.mupc_suite(epochs=5, limit=256, hidden_layers=2, width=8, time_budget_s=1e-3,
                                   precision="bfloat16")
-    assert written == ["pc_mupc_2_bfloat16_cpu"] and payload["config"]["precision"] == "bfloat16"
+    assert written == ["pc_mupc_2_w8_bfloat16_cpu"] and payload["config"]["precision"] == "bfloat16"
     assert [r["epoch"] for r in payload["rows"]] == [1]
     assert payload["rows"][0]["lr"] == pytest.approx(pc_mnist.MUPC_LR_SCALE / 3**0.5)
