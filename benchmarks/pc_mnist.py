@@ -619,30 +619,32 @@ def mupc_net(hidden_layers: int, width: int, residual: bool, precision: str | No
 
 def mupc_suite(epochs: int, limit: int | None, hidden_layers: int = MUPC_HIDDEN_LAYERS, width: int = MUPC_WIDTH,
                variants: Sequence[str] = ("muPC",), time_budget_s: float | None = None,
-               precision: str | None = None) -> dict:
+               precision: str | None = None, lr_scale: float = MUPC_LR_SCALE) -> dict:
     """Each of ``variants`` (MUPC_VARIANTS) trained up to ``epochs`` epochs on the first ``limit`` training images
     (default all 60k); test accuracy per epoch (results/pc_mupc_H[_cpu].json + .png, rewritten after every epoch).
     Adam's lr follows a cosine from its peak to 0 over the planned epochs, one value per epoch: ``epochs``, or with
     ``time_budget_s`` as many as fit the variant's share of the budget at the last epoch's pace (replanned after every
     epoch), so a run ends inside a fixed wall time with its lr decayed. ``precision``: the nets' matmul precision
     (None: PCNet's default; another value names the results ``pc_mupc_H_PRECISION``); a width other than
-    MUPC_WIDTH names them ``pc_mupc_H_wWIDTH``."""
+    MUPC_WIDTH names them ``pc_mupc_H_wWIDTH``, Adam's peak lr ``lr_scale / sqrt(L)`` other than MUPC_LR_SCALE's
+    ``pc_mupc_H_lrSCALE``."""
     data = load_dataset("mnist")
     n = limit or data.train_x.shape[0]
     standardise = lambda x: (x - MNIST_MEAN) / MNIST_STD
     train_x, train_y = jax.device_put(standardise(data.train_x[:n])), jax.device_put(data.train_y[:n])
     test_x = standardise(data.test_x)
     probe = mupc_net(hidden_layers, width, True, precision)
-    T, lr = MUPC_STEPS_PER_LAYER * probe.depth, MUPC_LR_SCALE / probe.depth**0.5
+    T, lr = MUPC_STEPS_PER_LAYER * probe.depth, lr_scale / probe.depth**0.5
     optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=0.0)  # one object: the epoch compiles once
     name = (f"pc_mupc_{hidden_layers}" + ("" if width == MUPC_WIDTH else f"_w{width}")
-            + ("" if precision is None else f"_{precision}") + ("_cpu" if jax.default_backend() == "cpu" else ""))
+            + ("" if lr_scale == MUPC_LR_SCALE else f"_lr{lr_scale:g}") + ("" if precision is None else f"_{precision}")
+            + ("_cpu" if jax.default_backend() == "cpu" else ""))
     config = dict(arch=list(probe.sizes), hidden_layers=hidden_layers, residual_blocks=probe.num_residual,
                   weight_scales=dict(input=probe.weight_scale(0), block=probe.weight_scale(1),
                                      output=probe.weight_scale(probe.depth - 1)),
                   activation=MUPC_ACTIVATION, output=MUPC_OUTPUT, input="linear, standardised", solver=MUPC_SOLVER,
                   precision=probe.precision,
-                  T=T, dt=MUPC_DT, batch=MUPC_BATCH, lr=lr,
+                  T=T, dt=MUPC_DT, batch=MUPC_BATCH, lr=lr, lr_scale=lr_scale,
                   optimizer="adam, lr cosine-decayed to 0 over the planned epochs, per epoch",
                   epochs=epochs, train_images=n, test_images=int(data.test_x.shape[0]), seed=0,
                   time_budget_s=time_budget_s)
@@ -704,6 +706,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--variants", nargs="+", choices=tuple(MUPC_VARIANTS), default=["muPC"],
                         help="mupc: muPC and/or the plain net of the same depth (the control)")
     parser.add_argument("--time-budget", type=float, help="mupc: seconds; stop early to fit them (all variants)")
+    parser.add_argument("--lr-scale", type=float, default=MUPC_LR_SCALE, help="mupc: Adam's peak lr x sqrt(L)")
     parser.add_argument("--fused-configs", nargs="+", type=fused_config, default=list(map(fused_config, FUSED_CONFIGS)),
                         metavar="BxGxW[-EXCHANGE][-SPIN]",
                         help=f"GPU settle sweep: configurations (default {' '.join(FUSED_CONFIGS)})")
@@ -722,7 +725,7 @@ def main(argv: list[str] | None = None) -> dict:
         return pcx_suite(args.epochs, args.limit, dataset=args.dataset, data_path=args.data_path)
     if args.suite == "mupc":
         return mupc_suite(args.epochs, args.limit, args.hidden_layers, args.width, args.variants, args.time_budget,
-                          args.precision)
+                          args.precision, args.lr_scale)
     if args.suite == "epochs":
         if args.rows_out is None:
             parser.error("--suite epochs needs --rows-out")

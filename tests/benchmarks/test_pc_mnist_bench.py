@@ -228,7 +228,8 @@ def test_mupc_suite_trains_both_variants_and_reports_each_epoch(monkeypatch):
 
 def test_mupc_suite_stops_within_its_time_budget(monkeypatch):
     """A budget shorter than one epoch: the first epoch runs (at the peak lr), then the suite stops with its rows.
-    A precision other than PCNet's default reaches the nets and names the results, as a width other than 128 does."""
+    A precision other than PCNet's default reaches the nets and names the results, as a width other than 128 and an
+    lr scale other than the default do."""
     data = pc_mnist.load_dataset("mnist")
     small = Dataset(data.train_x[:256], data.train_y[:256], data.test_x[:100], data.test_y[:100])
     written = []
@@ -236,7 +237,7 @@ def test_mupc_suite_stops_within_its_time_budget(monkeypatch):
     monkeypatch.setattr(pc_mnist, "write_results", lambda name, payload: written.append(name))
     monkeypatch.setattr(pc_mnist, "plot", lambda rows, name, title: None)
     payload = pc_mnist.mupc_suite(epochs=5, limit=256, hidden_layers=2, width=8, time_budget_s=1e-3,
-                                  precision="bfloat16")
-    assert written == ["pc_mupc_2_w8_bfloat16_cpu"] and payload["config"]["precision"] == "bfloat16"
+                                  precision="bfloat16", lr_scale=0.03)
+    assert written == ["pc_mupc_2_w8_lr0.03_bfloat16_cpu"] and payload["config"]["precision"] == "bfloat16"
     assert [r["epoch"] for r in payload["rows"]] == [1]
-    assert payload["rows"][0]["lr"] == pytest.approx(pc_mnist.MUPC_LR_SCALE / 3**0.5)
+    assert payload["rows"][0]["lr"] == pytest.approx(0.03 / 3**0.5) and payload["config"]["lr_scale"] == 0.03
