@@ -139,10 +139,16 @@ def join_free(xs: list[jax.Array], free: tuple[int, ...], z: Activities) -> list
 
 def curvature(params: Params, x0: jax.Array, net: PCNet, target: jax.Array | None = None, *,
               iterations: int = 30) -> jax.Array:
-    """lambda_max, the largest eigenvalue of the energy's Hessian in the free activities at the feed-forward start
-    (over the whole batch: samples' energies are independent, so it is the largest of theirs), by power iteration
-    on Hessian-vector products (``jax.jvp`` of the closed-form dE/dz), ``iterations`` of them from a fixed random
-    start. A Rayleigh quotient: it approaches lambda_max from below.
+    """lambda_max, the largest eigenvalue of the energy's Hessian H in the free activities at the feed-forward start
+    (over the whole batch: samples' energies are independent, so it is the largest of theirs), by ``iterations``
+    Lanczos steps on Hessian-vector products (``jax.jvp`` of the closed-form dE/dz) from a fixed random start: the
+    largest eigenvalue of the tridiagonal T_k = V_k^T H V_k of the Krylov basis, which approaches lambda_max from
+    below. Lanczos, not power iteration, because a deep net's top eigenvalues cluster (one per sample and mode):
+    power iteration's error shrinks like (lambda_2 / lambda_1)^k and Lanczos' like exp(-4k sqrt(gap)), gap the
+    relative spectral gap (Kaniel-Paige). On a 16-layer muPC net trained at a constant lr, 30 power steps read 7.09,
+    300 read 7.32, and 30 Lanczos steps 7.32; samples of curvature above 6.8 (nesterov's limit at dt 0.2) ran away.
+    The basis is not reorthogonalised: lost orthogonality repeats converged Ritz values, it does not exceed the
+    spectrum, so the maximum stays a lower bound; a breakdown (beta = 0, an invariant subspace) pads T with zeros.
 
     Settling is stable while dt lambda_max < ``STABLE_STEP[solver]`` (:func:`stable_dt`). The curvature is a
     property of the weights: in a muPC net (``pc.networks``) it starts near 4 (the chain of near-identity blocks,
@@ -159,23 +165,33 @@ def curvature(params: Params, x0: jax.Array, net: PCNet, target: jax.Array | Non
     grad = lambda z: tuple(energy_and_grads(params, join_free(xs, free, z), net, output_clamped=clamped)[1][l]
                            for l in free)
     keys = jax.random.split(jax.random.key(0), len(z0))
+    dot = lambda a, b: sum(jnp.sum(u * w) for u, w in zip(a, b, strict=True))
+    axpy = lambda c, a, b: tuple(c * u + w for u, w in zip(a, b, strict=True))  # c a + b
     v0 = tuple(jax.random.normal(k, z.shape, z.dtype) for k, z in zip(keys, z0, strict=True))
-    norm = lambda v: jnp.sqrt(sum(jnp.sum(u * u) for u in v))
+    v0 = tuple(u / jnp.sqrt(dot(v0, v0)) for u in v0)
 
-    def power_step(v, _):
-        v = tuple(u / norm(v) for u in v)
-        hv = jax.jvp(grad, (z0,), (v,))[1]
-        return hv, sum(jnp.sum(u * w) for u, w in zip(v, hv, strict=True))
+    def lanczos_step(carry, _):
+        v, v_prev, beta = carry  # v_j, v_{j-1}, beta_j = ||w_{j-1}||
+        w = axpy(-beta, v_prev, jax.jvp(grad, (z0,), (v,))[1])
+        alpha = dot(w, v)
+        w = axpy(-alpha, v, w)
+        beta_next = jnp.sqrt(dot(w, w))
+        v_next = tuple(jnp.where(beta_next > 0, u / jnp.where(beta_next > 0, beta_next, 1.0), 0.0) for u in w)
+        return (v_next, v, beta_next), (alpha, beta_next)
 
-    return jax.lax.scan(power_step, v0, None, length=iterations)[1][-1]
+    zero = tuple(jnp.zeros_like(z) for z in z0)
+    _, (alphas, betas) = jax.lax.scan(lanczos_step, (v0, zero, jnp.float32(0.0)), None, length=iterations)
+    off = betas[:-1]
+    tridiagonal = jnp.diag(alphas) + jnp.diag(off, 1) + jnp.diag(off, -1)
+    return jnp.linalg.eigvalsh(tridiagonal)[-1]
 
 
 def stable_dt(params: Params, x0: jax.Array, net: PCNet, target: jax.Array | None = None, *,
               solver: str = "euler", iterations: int = 30) -> jax.Array:
     """The step size at which ``solver`` stops contracting the stiffest mode of the energy at the feed-forward
     start: ``STABLE_STEP[solver] / curvature(...)``. Settle below it, with a margin for the curvature's growth
-    during training (a Rayleigh quotient underestimates lambda_max a little, and the curvature away from the
-    start differs where activations bend)."""
+    during training (the Lanczos estimate is a lower bound, and the curvature away from the start differs where
+    activations bend)."""
     if not isinstance(solver, str) or solver not in STABLE_STEP:
         raise ValueError(f"stable_dt: solver {solver!r} has no known stability limit; expected one of "
                          f"{tuple(STABLE_STEP)}")
