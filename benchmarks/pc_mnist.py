@@ -599,12 +599,17 @@ def _plot_pcx(sweep: list[dict], final: dict, name: str, dataset: str = "mnist")
 # pc.STABLE_STEP["nesterov"] = 1.36, and the curvature lambda_max (pc.curvature, in every row) grows in training: 4.1
 # at init, 5.3-5.8 over seven epochs at 64 layers. dt 0.3 sits at the limit from the start (0.33) and crossed it in
 # epoch 1 of a 60k run (the settled energy of some minibatches rose far above its start, the net's weights jumped and
-# test accuracy fell from 92.6% to 89.1% in epoch 2); 0.2 keeps a margin up to lambda 6.8. Adam's lr is MUPC_LR_SCALE /
+# test accuracy fell from 92.6% to 89.1% in epoch 2); 0.2 keeps a margin up to lambda 6.8. Past it, settling runs away
+# slowly (a 16-layer net trained at a constant lr reached 7.3: its samples above 6.8 ended 500x+ above their start after
+# 272 steps), so each epoch settles at dt = min(MUPC_DT, MUPC_DT_MARGIN x 1.36 / lambda) from the curvature probed
+# before it (at init, then after the previous epoch); the margin covers the rows the probe does not see and the
+# growth within an epoch. Adam's lr is MUPC_LR_SCALE /
 # sqrt(L) (Depth-muP scales Adam's lr with 1/sqrt(depth)); the scale is the best of a sweep at 64 hidden layers, where
 # a twice larger one trains worse while the lr is high (README's muPC paragraph, results/pc_mupc_64_cpu*.json).
 MUPC_WIDTH, MUPC_HIDDEN_LAYERS, MUPC_STEPS_PER_LAYER = 128, 64, 2
 MUPC_ACTIVATION, MUPC_OUTPUT, MUPC_SOLVER, MUPC_DT, MUPC_BATCH = "relu", "gaussian", "nesterov", 0.2, 64
 MUPC_PROBE_ROWS = 256  # training images whose activity Hessian gives each epoch's curvature
+MUPC_DT_MARGIN = 0.9  # an epoch's dt is at most this fraction of the probed stability limit
 MUPC_LR_SCALE = 0.06  # lr = MUPC_LR_SCALE / sqrt(L)
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # pixel mean and std over MNIST's training images
 MUPC_VARIANTS = {"muPC": True, "plain": False}  # impl -> residual (plain: the same depth without muPC, the control)
@@ -624,7 +629,9 @@ def mupc_suite(epochs: int, limit: int | None, hidden_layers: int = MUPC_HIDDEN_
     (default all 60k); test accuracy per epoch (results/pc_mupc_H[_cpu].json + .png, rewritten after every epoch).
     Adam's lr follows a cosine from its peak to 0 over the planned epochs, one value per epoch: ``epochs``, or with
     ``time_budget_s`` as many as fit the variant's share of the budget at the last epoch's pace (replanned after every
-    epoch), so a run ends inside a fixed wall time with its lr decayed. ``precision``: the nets' matmul precision
+    epoch), so a run ends inside a fixed wall time with its lr decayed. Each epoch settles at
+    dt = min(MUPC_DT, MUPC_DT_MARGIN x pc.STABLE_STEP / curvature), the curvature probed on MUPC_PROBE_ROWS training
+    images before it (every row records both). ``precision``: the nets' matmul precision
     (None: PCNet's default; another value names the results ``pc_mupc_H_PRECISION``); a width other than
     MUPC_WIDTH names them ``pc_mupc_H_wWIDTH``, Adam's peak lr ``lr_scale / sqrt(L)`` other than MUPC_LR_SCALE's
     ``pc_mupc_H_lrSCALE``."""
@@ -644,7 +651,8 @@ def mupc_suite(epochs: int, limit: int | None, hidden_layers: int = MUPC_HIDDEN_
                                      output=probe.weight_scale(probe.depth - 1)),
                   activation=MUPC_ACTIVATION, output=MUPC_OUTPUT, input="linear, standardised", solver=MUPC_SOLVER,
                   precision=probe.precision,
-                  T=T, dt=MUPC_DT, batch=MUPC_BATCH, lr=lr, lr_scale=lr_scale,
+                  T=T, dt=f"min({MUPC_DT}, {MUPC_DT_MARGIN} x pc.stable_dt) per epoch, from the curvature probed "
+                           "before it", batch=MUPC_BATCH, lr=lr, lr_scale=lr_scale,
                   optimizer="adam, lr cosine-decayed to 0 over the planned epochs, per epoch",
                   epochs=epochs, train_images=n, test_images=int(data.test_x.shape[0]), seed=0,
                   time_budget_s=time_budget_s)
@@ -658,23 +666,24 @@ def mupc_suite(epochs: int, limit: int | None, hidden_layers: int = MUPC_HIDDEN_
         params = init_params(jax.random.fold_in(key, 0), net)
         state = optimizer.init(params)
         deadline = None if time_budget_s is None else start_all + time_budget_s * (i + 1) / len(variants)
-        planned, epoch = epochs, 0
+        planned, epoch, lam = epochs, 0, float(probe_curvature(params, net))
         while epoch < planned:
             epoch += 1
             state.hyperparams["learning_rate"] = jnp.float32(lr * (1 + np.cos(np.pi * (epoch - 1) / planned)) / 2)
+            dt = min(MUPC_DT, MUPC_DT_MARGIN * STABLE_STEP[MUPC_SOLVER] / lam)
             start = time.perf_counter()
-            params, state, metrics = train_epoch(params, state, optimizer, train_x, train_y, net=net, T=T, dt=MUPC_DT,
+            params, state, metrics = train_epoch(params, state, optimizer, train_x, train_y, net=net, T=T, dt=dt,
                                                  batch_size=MUPC_BATCH, key=jax.random.fold_in(key, epoch),
                                                  solver=MUPC_SOLVER)
             jax.block_until_ready(params)
             seconds = time.perf_counter() - start
             lam = float(probe_curvature(params, net))
-            rows.append(dict(impl=impl, epoch=epoch, seconds=seconds, energy=float(metrics["energy"]),
+            rows.append(dict(impl=impl, epoch=epoch, seconds=seconds, dt=dt, energy=float(metrics["energy"]),
                              diverged=float(metrics["diverged"]),
                              lr=float(state.hyperparams["learning_rate"]), curvature=lam,
                              stable_dt=STABLE_STEP[MUPC_SOLVER] / lam,
                              test_accuracy=evaluate(params, test_x, data.test_y, net)))
-            print(f"  epoch {epoch}  {seconds:7.1f} s  energy {rows[-1]['energy']:.3g}  diverged "
+            print(f"  epoch {epoch}  {seconds:7.1f} s  dt {dt:.3f}  energy {rows[-1]['energy']:.3g}  diverged "
                   f"{rows[-1]['diverged']:.2%}  curvature {lam:.2f}  test "
                   f"{rows[-1]['test_accuracy']:.4f}", flush=True)
             summary = [summarize(rows, v, None) for v in dict.fromkeys(r["impl"] for r in rows)]
