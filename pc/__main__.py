@@ -120,7 +120,7 @@ def train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dic
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} is a file; expected a folder (new, or an earlier run's)")
     out.mkdir(parents=True, exist_ok=True)
-    config = run_config(args)
+    config = run_config(args) | {"precision": net.precision}  # resolved: a stored default still means what it did
     records = []
     with Checkpointer(out / "checkpoints", max_to_keep=2) as ckpt:
         done = ckpt.latest_step() or 0

@@ -83,7 +83,9 @@ def test_resume_refuses_changed_options_and_a_fresh_start_over_a_run(tmp_path, c
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["arch"] == "784-64-10" and config["T"] == 4 and config["lr"] == 3e-3 and config["limit"] == 2000
     assert not {"epochs", "resume", "out", "command"} & set(config)
+    assert config["precision"] == "tf32"  # stored resolved (a plain net's default), so resuming without it matches
     for changed, named in [(["--arch", "784-32-10"], "--arch '784-64-10' -> '784-32-10'"),
+                           (["--precision", "float32"], "--precision 'tf32' -> 'float32'"),
                            (["--optimizer", "apexw"], "--optimizer 'adamw' -> 'apexw'"),
                            (["--seed", "1", "--lr", "1e-3"], "--lr 0.003 -> 0.001, --seed 0 -> 1"),
                            (["--batch", "50", "--T", "5"], "--T 4 -> 5, --batch 100 -> 50")]:
