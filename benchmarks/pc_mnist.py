@@ -599,13 +599,13 @@ def _plot_pcx(sweep: list[dict], final: dict, name: str, dataset: str = "mnist")
 # pc.STABLE_STEP["nesterov"] = 1.36, and the curvature lambda_max (pc.curvature, in every row) grows in training: 4.1
 # at init, 5.3-5.8 over seven epochs at 64 layers. dt 0.3 sits at the limit from the start (0.33) and crossed it in
 # epoch 1 of a 60k run (the settled energy of some minibatches rose far above its start, the net's weights jumped and
-# test accuracy fell from 92.6% to 89.1% in epoch 2); 0.2 keeps a margin up to lambda 6.8. Past it, settling runs away
-# slowly (a 16-layer net trained at a constant lr reached 7.3: its samples above 6.8 ended 500x+ above their start after
-# 272 steps), so each epoch settles at dt = min(MUPC_DT, MUPC_DT_MARGIN x 1.36 / lambda) from the curvature probed
-# before it (at init, then after the previous epoch); the margin covers the rows the probe does not see and the
-# growth within an epoch. Adam's lr is MUPC_LR_SCALE /
-# sqrt(L) (Depth-muP scales Adam's lr with 1/sqrt(depth)); the scale is the best of a sweep at 64 hidden layers, where
-# a twice larger one trains worse while the lr is high (README's muPC paragraph, results/pc_mupc_64_cpu*.json).
+# test accuracy fell from 92.6% to 89.1% in epoch 2); 0.2 keeps a margin up to lambda 6.8. The curvature keeps growing
+# in training and settling past the limit runs away (slowly, just past it), so each epoch settles at
+# dt = min(MUPC_DT, MUPC_DT_MARGIN x 1.36 / lambda) from the curvature probed before it (at init, then after the
+# previous epoch); the margin covers the rows the probe does not see and the growth within an epoch. Adam's lr is
+# MUPC_LR_SCALE / sqrt(L) (Depth-muP scales Adam's lr with 1/sqrt(depth)); the scale is the best of a sweep at 64
+# hidden layers, where a twice larger one trains worse while the lr is high (README's muPC paragraph,
+# results/pc_mupc_64_cpu*.json).
 MUPC_WIDTH, MUPC_HIDDEN_LAYERS, MUPC_STEPS_PER_LAYER = 128, 64, 2
 MUPC_ACTIVATION, MUPC_OUTPUT, MUPC_SOLVER, MUPC_DT, MUPC_BATCH = "relu", "gaussian", "nesterov", 0.2, 64
 MUPC_PROBE_ROWS = 256  # training images whose activity Hessian gives each epoch's curvature
@@ -617,9 +617,8 @@ MUPC_VARIANTS = {"muPC": True, "plain": False}  # impl -> residual (plain: the s
 
 def mupc_net(hidden_layers: int, width: int, residual: bool, precision: str | None = None) -> PCNet:
     """The suite's net; ``precision`` None is PCNet's default."""
-    net = PCNet((784, *(width,) * hidden_layers, 10), activation=MUPC_ACTIVATION, output=MUPC_OUTPUT,
-                residual=residual, input_activation=False)
-    return net if precision is None else dataclasses.replace(net, precision=precision)
+    return PCNet((784, *(width,) * hidden_layers, 10), activation=MUPC_ACTIVATION, output=MUPC_OUTPUT,
+                 residual=residual, input_activation=False, precision=precision)
 
 
 def mupc_suite(epochs: int, limit: int | None, hidden_layers: int = MUPC_HIDDEN_LAYERS, width: int = MUPC_WIDTH,
