@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 try:  # Benchmark machines have no display; matplotlib is optional (only save_plot needs it).
@@ -97,6 +98,15 @@ def time_jax_steps(step: Callable[..., tuple], carry: tuple, *, steps_per_run: i
         jax.block_until_ready(carry)
         times_ms.append((time.perf_counter() - start) * 1e3 / steps_per_run)
     return _summarize(times_ms), carry
+
+
+def copy_bandwidth_tb_s(gib: float = 1.0) -> float:
+    """Bytes read + written per second (TB/s) by an elementwise pass over a ``gib`` GiB float32 buffer on the
+    default device: the ceiling that memory-bound results here are reported against, measured in the same run on
+    the same device rather than taken from a data sheet (4.27 on our H200, whose sheet says 4.8)."""
+    x = jnp.zeros(int(gib * 2**30) // 4, jnp.float32)
+    timing = time_jax(jax.jit(jnp.negative), x, warmup=3, iters=MIN_TIMED_RUNS)
+    return 2 * x.nbytes / (timing.median_ms * 1e-3) / 1e12
 
 
 def time_torch(fn: Callable[[], Any], warmup: int = 3, iters: int = 30) -> Timing:

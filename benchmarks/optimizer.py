@@ -5,14 +5,16 @@ Each (implementation group, layout) runs in its own subprocess under a time limi
 never ends (optax at 8192 leaves) or a missing package costs one row, not the run. Steps are timed
 back to back (median of >= 20 runs), params and grads are fp32 random normals, working sets are GBs
 (far above the 50 MB L2). Floors count fp32 params and grads: read p and g, write p (12 B/param) plus
-moments read and written (16 B fp32, 8 B bf16, 2 B + scales int8), over the measured copy bandwidth. The fused
+moments read and written (16 B fp32, 8 B bf16, 2 B + scales int8), over the copy bandwidth measured first in the same
+run (``harness.copy_bandwidth_tb_s``, its own subprocess; ``floor_tb_s`` in the JSON). The fused
 step is timed on FlatParams fed one flat gradient buffer and fed the leaves' gradients (``ApexW.step``'s row
 ranges, no flat copy), and on the params pytree itself (each leaf in place in its own buffer); every JAX row
 carries XLA's temporaries of its compiled step per parameter.
 
     python benchmarks/optimizer.py                 # GPU: results/optimizer.json + optimizer.png
     python benchmarks/optimizer.py --cpu           # small CPU mode: results/optimizer_cpu.json
-    python benchmarks/optimizer.py --layouts 4x32M --groups apexw-fused   # a subset, merged into the JSON
+    python benchmarks/optimizer.py --layouts 4x32M --groups apexw-fused   # a subset, merged into the JSON of the
+        # same device kind (a results file from another device is replaced, never mixed with)
     python benchmarks/optimizer.py --groups apexw-fused-mixed --blocks '{"fp32": [4, 1]}'   # kinds not given in
         # --blocks are swept on 4x32M first; the mixed group sweeps bf16 and int8 state over bf16 params too
     python benchmarks/optimizer.py --groups apexw-fused --kernel-file old_adamw.py   # another version of the
@@ -30,9 +32,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import RESULTS_DIR, format_table, save_plot, time_jax_steps, time_torch, write_results
+from benchmarks.harness import (
+    RESULTS_DIR,
+    copy_bandwidth_tb_s,
+    format_table,
+    save_plot,
+    time_jax_steps,
+    time_torch,
+    write_results,
+)
 
-BANDWIDTH_TB_S = 4.27  # device-to-device copy on our H200, bytes read + written
 GPU_LAYOUTS = {"4x32M": (4, 32 << 20), "1024x128K": (1024, 128 << 10), "8192x16K": (8192, 16 << 10),
                "4x256M": (4, 256 << 20)}
 CPU_LAYOUTS = {"4x256K": (4, 256 << 10), "128x8K": (128, 8 << 10), "4x8M": (4, 8 << 20)}
@@ -305,7 +314,11 @@ def main() -> None:
         blocks = {k: tuple(v) for k, v in json.loads(args.blocks).items()}
         if args.kernel_file:
             use_kernel_file(args.kernel_file)
-        if args.worker == "sweep":
+        if args.worker == "copy":
+            import jax
+
+            rows = [dict(device=jax.devices()[0].device_kind, tb_s=copy_bandwidth_tb_s())]
+        elif args.worker == "sweep":
             rows = sweep_worker(n, size, [k for k in STATE_KINDS if k not in blocks])
         elif args.worker == "sweep-bf16":
             rows = sweep_worker(n, size, [k for k in MIXED_SWEEP_KINDS if f"bf16:{k}" not in blocks], "bf16")
@@ -336,19 +349,26 @@ def main() -> None:
     if sweep:
         print("  best blocks:", blocks, flush=True)
 
+    copy = None if args.cpu else run_case("copy", "-", (0, 0), {}, DEFAULT_TIMEOUT_S)[0]
+    bandwidth = copy and copy.get("tb_s")
+    if not args.cpu:
+        print(f"  copy bandwidth: {bandwidth} TB/s on {copy.get('device')}", flush=True)
     previous = RESULTS_DIR / f"{name}.json"
     old = json.loads(previous.read_text()) if previous.exists() and (args.layouts or args.groups) else None
+    if old and copy and old["meta"]["device"] != copy.get("device"):
+        print(f"  {previous.name} holds {old['meta']['device']} rows: replaced, not merged", flush=True)
+        old = None
     rows = []
     for layout, (n, size) in layouts.items():
         for group in groups:
             case = run_case(group, layout, (n, size), blocks, TIMEOUT_S.get(group, DEFAULT_TIMEOUT_S), kernel_file)
-            rows += finish_rows(case, layout, n, size, None if args.cpu else BANDWIDTH_TB_S)
+            rows += finish_rows(case, layout, n, size, bandwidth)
             merged = rows
             if old:  # a partial run replaces its own rows only
                 key = lambda r: (r["layout"], r["impl"], r.get("state"), r.get("precision"))  # noqa: E731
                 measured = {key(r) for r in rows}
                 merged = [r for r in old["rows"] if key(r) not in measured] + rows
-            write_results(name, dict(floor_tb_s=BANDWIDTH_TB_S, block_sweep=sweep or (old or {}).get("block_sweep", []),
+            write_results(name, dict(floor_tb_s=bandwidth, block_sweep=sweep or (old or {}).get("block_sweep", []),
                                      rows=add_speedups(merged)))  # after every case: a cut-short run keeps its rows
     rows = merged
     plot(rows, name)

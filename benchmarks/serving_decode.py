@@ -22,7 +22,8 @@ serving cases (``serving_worker``): every call through the engine's own runner (
 packed on the host per call as the engine packs it), no scheduler; calls dispatched back to back, a decode call fed
 the one before's samples on the device, as the engine chains them:
   * decode: B in ``DECODE_BATCHES`` sequences at context ``CONTEXT``, one new token each per call, forward + greedy
-    sample; tokens/s = B / step time. Roofline: the bytes a step must read over ``BANDWIDTH_TB_S``: every
+    sample; tokens/s = B / step time. Roofline: the bytes a step must read over the copy bandwidth the worker
+    measured first (``harness.copy_bandwidth_tb_s``, ``bandwidth_tb_s`` in every row): every
     weight but the routed experts and the embedding once (the embedding's B rows; a tied head reads it whole),
     the routed experts the step actually touched (``expert_counts > 0``, per layer) and each sequence's cached
     K and V (of a sliding-window layer only the window's); ``roofline_pct`` = measured / roofline tokens/s.
@@ -78,6 +79,7 @@ import gzip
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,10 +91,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # This process only spawns the workers and writes results: it must not take the GPU's memory from them.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from benchmarks.harness import RESULTS_DIR, format_table, save_plot, write_results  # noqa: E402
+from benchmarks.harness import RESULTS_DIR, copy_bandwidth_tb_s, format_table, save_plot, write_results  # noqa: E402
 from serving import enable_command_buffers  # noqa: E402
 
-BANDWIDTH_TB_S = 4.27  # H200 HBM3e, measured device-to-device copy (benchmarks/optimizer.py)
+COPY_PROBE_GIB = {"gpu": 1.0, "cpu": 0.125}  # the copy bandwidth probe's buffer, far above the last-level cache
 BLOCK_SIZE = 16  # cache page size (the paged kernel's measured configuration)
 QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
                      num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -332,6 +334,7 @@ def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
 
     settings = SETTINGS[mode]
     context = settings["context"]
+    bandwidth_tb_s = copy_bandwidth_tb_s(COPY_PROBE_GIB[mode])  # before the model takes the memory
     cfg, params, kv, tables = serving_setup(name, hf_config, settings, layers, smollm2_gguf)
     kv_bytes_per_token = sum(x.nbytes for x in jax.tree.leaves(kv)) // (len(tables) * context)
     # a step reads each layer's last min(context, window) tokens of K and V
@@ -347,13 +350,13 @@ def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
         step_ms = timing.median_ms / steps
         total, experts = weight_bytes_per_step(params, cfg, batch, counts)
         kv_bytes = batch * read_positions * kv_bytes_per_token
-        roofline_ms = (total + kv_bytes) / (BANDWIDTH_TB_S * 1e9)
+        roofline_ms = (total + kv_bytes) / (bandwidth_tb_s * 1e9)
         return base | dict(case=case, batch=batch, steps_per_call=steps, step_ms=step_ms,
                            p10_ms=timing.p10_ms / steps, p90_ms=timing.p90_ms / steps, compile_s=compile_s,
                            tokens_per_s=batch / (step_ms * 1e-3), ms_per_layer=step_ms / cfg.layers,
                            weight_gb=total / 1e9, expert_gb=experts / 1e9, kv_gb=kv_bytes / 1e9,
-                           roofline_ms=roofline_ms, roofline_tokens_per_s=batch / (roofline_ms * 1e-3),
-                           roofline_pct=100 * roofline_ms / step_ms,
+                           bandwidth_tb_s=bandwidth_tb_s, roofline_ms=roofline_ms,
+                           roofline_tokens_per_s=batch / (roofline_ms * 1e-3), roofline_pct=100 * roofline_ms / step_ms,
                            touched_experts_per_layer=float(np.count_nonzero(counts, axis=1).mean()))
 
     for batch in settings["batches"]:
@@ -785,14 +788,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     result_name = "serving_decode_cpu" if args.cpu else "serving_decode"
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
     previous = out_dir / f"{result_name}.json"
-    old = json.loads(previous.read_text())["rows"] if previous.exists() and not args.cpu else []
+    old = json.loads(previous.read_text()) if previous.exists() and not args.cpu else None
+    if old and old["meta"]["device"] != jax.devices()[0].device_kind:  # rows of another device are never mixed in
+        print(f"  {previous.name} holds {old['meta']['device']} rows: replaced, not merged", flush=True)
+        old = None
+    old = old["rows"] if old else []
     rows = []
     for name in names:
         for engine in engines:
             rows += run_case(name, engine, args, args.timeout or TIMEOUT_S[engine])
             measured = {(r["model"], r["engine"], r["layers"]) for r in rows}
             merged = add_speedups([r for r in old if (r["model"], r["engine"], r["layers"]) not in measured] + rows)
-            write_results(result_name, dict(mode=mode, bandwidth_tb_s=BANDWIDTH_TB_S, block_size=BLOCK_SIZE,
+            measured_tb_s = [r["bandwidth_tb_s"] for r in rows if "bandwidth_tb_s" in r]
+            bandwidth = statistics.median(measured_tb_s) if measured_tb_s else None
+            write_results(result_name, dict(mode=mode, bandwidth_tb_s=bandwidth, block_size=BLOCK_SIZE,
                                             settings=SETTINGS[mode], hf_new_tokens=HF_NEW_TOKENS,
                                             layers_override=args.layers, rows=merged), out_dir=out_dir)
     plot(merged, result_name, out_dir)

@@ -32,6 +32,23 @@ def test_time_torch_without_cuda_uses_wall_clock(monkeypatch):
     assert 0 <= timing.p10_ms <= timing.median_ms <= timing.p90_ms
 
 
+def test_copy_bandwidth_counts_bytes_read_and_written_over_the_median_pass(monkeypatch):
+    timed = {}
+
+    def fake_time_jax(fn, x, **_):
+        timed["x"], timed["out"] = x, fn(x)
+        return harness.Timing(median_ms=2.0, p10_ms=1.0, p90_ms=3.0, runs=20)
+
+    monkeypatch.setattr(harness, "time_jax", fake_time_jax)
+    tb_s = harness.copy_bandwidth_tb_s(gib=1 / 64)
+    assert timed["x"].nbytes == 2**30 // 64 and timed["out"].shape == timed["x"].shape  # a pass over all of it
+    assert tb_s == pytest.approx(2 * 2**30 / 64 / 2e-3 / 1e12)
+
+
+def test_copy_bandwidth_on_this_cpu_is_a_memory_speed():
+    assert 1e-4 < harness.copy_bandwidth_tb_s(gib=1 / 256) < 10  # 100 MB/s .. 10 TB/s
+
+
 def test_write_results(tmp_path, monkeypatch):
     monkeypatch.setenv("APEX_GIT_COMMIT", "abc123")
     monkeypatch.setenv("OUT", str(tmp_path / "out"))

@@ -35,7 +35,9 @@ def test_cpu_mode_measures_prefill_and_decode_and_writes_them(tmp_path):
     for r in rows[:-1]:
         assert r["steps_per_call"] == (settings["decode_steps"] if r["case"] == "decode-multi" else 1)
         assert 0 < r["roofline_pct"] and r["roofline_tokens_per_s"] > 0
+        assert r["roofline_ms"] * 1e9 * r["bandwidth_tb_s"] == pytest.approx(r["weight_gb"] * 1e9 + r["kv_gb"] * 1e9)
         assert 1 <= r["touched_experts_per_layer"] <= min(8, r["batch"] * 2)  # tiny-moe: 8 experts, top-2
+    assert result["bandwidth_tb_s"] == rows[0]["bandwidth_tb_s"] > 0  # measured by the (one) worker
     assert (tmp_path / "serving_decode_cpu.png").is_file()
 
 
