@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The parent reads the device only for the results' metadata: it must not take the memory its workers time in.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from benchmarks.harness import (
     RESULTS_DIR,
