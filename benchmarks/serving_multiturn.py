@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help=f"comma-separated ways of copying pages (KVTiers copies, of {COPIES}): a tiered mode "
                         f"each; one but {COPIES[0]!r} adds '/<way>' to the mode's name (default {COPIES[0]})")
     parser.add_argument("--think-ms", type=float, help="a user's pause between an answer and its next turn")
+    parser.add_argument("--decode-steps", type=int, help="Engine(decode_steps=N): decode steps per device call "
+                        "(default: the engine's, by backend and batch)")
     parser.add_argument("--no-warm-up", action="store_true", help="skip Engine.warm_up (on the CPU it is skipped: "
                         "the untimed rounds compile what the timed ones meet)")
     parser.add_argument("--name", default=None, help="results file name (default: serving_multiturn[_cpu])")
@@ -232,6 +234,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for key, value in settings.items():
         if key != "model" and (value < 0 if key == "think_ms" else value <= 0):
             parser.error(f"--{key.replace('_', '-')}={value}: expected {'>= 0' if key == 'think_ms' else '> 0'}")
+    if args.decode_steps is not None and args.decode_steps < 1:
+        parser.error(f"--decode-steps={args.decode_steps}: expected >= 1")
     workload = Workload(*(settings[k] for k in ("users", "turns", "system_len", "user_len", "answer_len", "think_ms")))
     try:
         host_batches = [int(x) for x in args.host_batches.split(",")]
@@ -255,7 +259,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dtype = jnp.float32 if on_cpu else jnp.bfloat16
     loaded = load_model(settings["model"], dtype)
     options = dict(dtype=dtype, num_blocks=settings["num_blocks"], block_size=settings["block_size"],
-                   max_running=settings["max_running"], token_budget=settings["token_budget"], max_model_len=max_len)
+                   max_running=settings["max_running"], token_budget=settings["token_budget"], max_model_len=max_len,
+                   decode_steps=args.decode_steps)
     engine = Engine(loaded, host_cache_gb=settings["host_cache_gb"], **options)
     host_blocks = engine.tiers.host_blocks
     if not (on_cpu or args.no_warm_up):
@@ -278,6 +283,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(format_table(rows, ["mode", "requests", "ttft_median_ms", "ttft_p99_ms", "prefill_tokens",
                               "cached_prompt_tokens", "output_tokens_per_s", "preemptions", "same_answers",
                               "ttft_median_speedup", "prefill_reduction", "throughput_ratio"]))
+    settings["decode_steps"] = dataclasses.asdict(engine.decode_steps)
     write_results(name, dict(benchmark=name, settings=settings, working_set_blocks=working_set, rows=rows),
                   args.out_dir)
     plot(rows, name, args.out_dir)
