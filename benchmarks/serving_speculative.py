@@ -10,7 +10,8 @@ At concurrency c the engine (``max_running=c``) answers ``max(--prompts, c)`` pr
 each configuration: ``none_d1`` and ``none_d8`` (no drafting, ``decode_steps`` 1 and 8: the baseline is the faster
 of the two), then the drafters of ``--drafters``: ``ngram`` (prompt lookup, k = 4) and ``suffix`` (suffix drafting
 over the request's context and the finished outputs, k = 8), both adaptive (``AdaptivePolicy``: draft lengths, or
-none, from measured acceptance and step times) with ``decode_steps`` 8 between verifications, ``suffix_static``
+none, from measured acceptance and step times) on top of the baseline that won (its ``decode_steps`` between
+verifications; 8 where no baseline ran), so that a row's speedup is what drafting adds to it, ``suffix_static``
 (k = 8 drafts every step) and, with ``--drafter DIR``, ``block`` (``BlockDrafter``, adaptive lengths). One
 ``LoadedModel`` serves every engine. Each configuration runs twice untimed (compiles; the second time with the
 prompts' prefixes cached, as in the timed run; the adaptive policy keeps what it measured, as a server would) and
@@ -47,7 +48,8 @@ from serving.spec_decode import NgramDrafter, SpecConfig, SuffixDrafter
 CONCURRENCIES = (1, 16, 64)
 PROMPT_SETS = ("chat", "agentic")
 BASELINES = {"none_d1": 1, "none_d8": 8}  # decode_steps of the non-speculative rows
-DECODE_STEPS = 8  # between a drafting engine's verifications
+DECODE_STEPS = 8  # between an adaptive drafting engine's verifications where no baseline ran (else the winner's)
+BEST_BASELINE = None  # a config's decode_steps: those of the faster baseline of its group
 NGRAM_K, SUFFIX_K = 4, 8
 HELD_OUT = TrainConfig().num_eval_prompts  # train_drafter's held-out chats (same seed)
 DRAFTERS = ("ngram", "suffix", "suffix_static")
@@ -99,14 +101,14 @@ Configs = dict[str, tuple[Callable[[], SpecConfig | None], int]]
 
 
 def configs(drafter: str | None, names: tuple[str, ...]) -> Configs:
-    """(a maker of the speculative config: a fresh drafter per engine, decode_steps) by row name: the baselines,
-    then ``names`` (and ``block``)."""
+    """(a maker of the speculative config: a fresh drafter per engine, decode_steps or BEST_BASELINE) by row name:
+    the baselines, then ``names`` (and ``block``)."""
     rows: Configs = {name: (lambda: None, steps) for name, steps in BASELINES.items()}
     make = {"ngram": lambda: SpecConfig(NgramDrafter(), k=NGRAM_K, name="ngram", adaptive=True),
             "suffix": lambda: SpecConfig(SuffixDrafter(), k=SUFFIX_K, name="suffix", adaptive=True),
             "suffix_static": lambda: SpecConfig(SuffixDrafter(), k=SUFFIX_K, name="suffix")}
     for name in names:
-        rows[name] = make[name], DECODE_STEPS if name != "suffix_static" else 1
+        rows[name] = make[name], BEST_BASELINE if name != "suffix_static" else 1
     if drafter is not None:
         rows["block"] = lambda: SpecConfig.from_method("block", drafter, adaptive=True), 1
     return rows
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, skipped = [], []
     meta = {"device": jax.devices()[0].device_kind, "model": args.model or "SmolLM2-135M-Instruct",
             "matmul_precision": args.matmul_precision, "max_tokens": args.max_tokens, "ngram_k": NGRAM_K,
-            "suffix_k": SUFFIX_K, "decode_steps": DECODE_STEPS, "drafter": args.drafter, "rows": rows,
+            "suffix_k": SUFFIX_K, "drafter": args.drafter, "rows": rows,
             "skipped": skipped}
     for concurrency in levels:  # concurrency 1 of every set first: the rows a --time-budget must keep
         for prompts_name in sets:
@@ -207,6 +209,10 @@ def main(argv: list[str] | None = None) -> None:
                 if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
                     skipped.append({"prompts": prompts_name, "concurrency": concurrency, "drafter": name})
                     continue
+                if decode_steps is BEST_BASELINE:
+                    baselines = [r for r in group if r["drafter"] in BASELINES]
+                    decode_steps = (max(baselines, key=lambda r: r["tokens_per_s"])["decode_steps"] if baselines
+                                    else DECODE_STEPS)
                 result = run(model, make(), decode_steps, concurrency, prompts, args.max_tokens)
                 reference = reference or result["outputs"]
                 group.append({"prompts": prompts_name, "drafter": name, "concurrency": concurrency,

@@ -679,8 +679,8 @@ class Engine:
         self.chained_wait_s = None
         outputs = self._step()
         if self.spec_policy is not None and self._measure is not None and adaptive.traces() == traced:
-            kind, size, per_step = self._measure  # the cost model learns the time of a step that compiled nothing
-            self.spec_policy.cost.observe(kind, size, (time.perf_counter() - start) / per_step)
+            kind, size, per_step = self._measure  # the policy learns the time of a step that compiled nothing
+            self.spec_policy.observe(kind, size, (time.perf_counter() - start) / per_step, per_step)
         return outputs
 
     def _step(self) -> list[StepOutput]:
@@ -971,7 +971,7 @@ class Engine:
         if self._observes() or self.spec_policy is None:
             return True
         limits = [0 if n is None else self._room(s) for s, n in zip(seqs, names, strict=True)]
-        return any(self.spec_policy.plan([s.seq_id for s in seqs], limits, self._steps(len(seqs))))
+        return any(self.spec_policy.choose([s.seq_id for s in seqs], limits, self._steps(len(seqs)))[0])
 
     def _propose(self) -> tuple[list[Seq], Proposal, dict[int, int]] | None:
         """Drafts for every running sequence that is decoding (``draft_ids``) from its drafter, at most

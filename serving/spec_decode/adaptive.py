@@ -18,6 +18,14 @@ Measurement. ``a_s`` is an exponential moving average over verification steps of
 over every sequence's steps (the server's recent acceptance), which starts at ``prior``. While a sequence is not
 drafted its estimate relaxes towards the pooled one, and while no sequence is, the pooled one relaxes towards
 ``prior`` (``recovery`` per step), so drafting is tried again where text turned repetitive.
+
+Exploration. Estimates that say "not worth it" stop the very verifications that would correct them: a run of
+rejections, or a costly first verification, would end drafting for good wherever the prior sits below the
+break-even (SmolLM2 on a CPU, code editing: the policy stopped after its first pass while drafting every step ran
+1.39x faster). So plain decode steps earn a probing credit, ``explore`` of their measured time (``observe``), and
+once the credit covers what the best plan's verification costs beyond a plain step, ``plan`` proposes that plan
+anyway (a probe, paid for whether or not the drafter finds drafts): while nothing is drafted, probing costs at most
+``explore`` of the time, and a probe that is accepted lifts the estimates back over the bar.
 ``CostModel`` gives ``verify`` and ``decode`` from a linear prior (``step_seconds + token_seconds * N``, plus
 ``dispatch_seconds`` per device call) until the engine's measured step times replace it, per power-of-two size
 bucket (``observe``). The engine measures only steps that traced nothing (``traces``: a step that compiled is not
@@ -37,6 +45,7 @@ EMA_WEIGHT = 0.3  # of the newest step in the acceptance and cost averages (abou
 PRIOR_ACCEPTANCE = 0.5  # a new sequence's acceptance estimate
 RECOVERY = 0.02  # per undrafted step: the fraction of the way an estimate relaxes back to the prior
 MIN_SPEEDUP = 1.05  # a plan must promise this over a plain step (the model's error margin)
+EXPLORE = 0.03  # the most of the plain steps' time that probes spend while nothing is drafted
 OUTLIER = 4.0  # a measured step this many times its bucket's estimate is a hiccup: not averaged in
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"  # every jit cache miss traces (then compiles or loads)
 _traced = [0]  # trace events in this process
@@ -130,6 +139,9 @@ class AdaptivePolicy:
     ema: float = EMA_WEIGHT
     recovery: float = RECOVERY
     min_speedup: float = MIN_SPEEDUP
+    explore: float = EXPLORE
+    credit: float = 0.0  # seconds of probing earned by plain decode steps, spent by probes
+    probing: bool = False  # the last plan is a probe: ``worth`` lets its drafts be verified
     accepted: dict[int, float] = dataclasses.field(default_factory=dict)  # seq_id -> EMA of accepted drafts
     tried: dict[int, float] = dataclasses.field(default_factory=dict)  # seq_id -> EMA of tried drafts
     pooled: list[float] = dataclasses.field(default_factory=list)  # [accepted, tried] EMAs over every sequence
@@ -137,7 +149,7 @@ class AdaptivePolicy:
     def __post_init__(self):
         checks = (("max_k", self.max_k >= 1, ">= 1"), ("prior", 0 <= self.prior < 1, "in [0, 1)"),
                   ("ema", 0 < self.ema <= 1, "in (0, 1]"), ("recovery", 0 <= self.recovery <= 1, "in [0, 1]"),
-                  ("min_speedup", self.min_speedup > 0, "> 0"))
+                  ("min_speedup", self.min_speedup > 0, "> 0"), ("explore", 0 <= self.explore < 1, "in [0, 1)"))
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"AdaptivePolicy.{name} = {getattr(self, name)!r}: expected {expected}")
@@ -162,20 +174,44 @@ class AdaptivePolicy:
         """Tokens per second of plain decode steps of ``batch`` sequences."""
         return batch / self.cost.decode(batch, decode_steps)
 
-    def plan(self, seq_ids: Sequence[int], limits: Sequence[int] | None = None, decode_steps: int = 1) -> list[int]:
-        """Drafts per sequence for this step (all 0: a plain step), each at most ``limits[i]`` (default max_k);
-        the sequences left at 0 relax towards the pooled estimate, which relaxes towards the prior if all are."""
+    def observe(self, kind: str, size: int, seconds: float, steps: int = 1) -> None:
+        """A measured step that compiled nothing (``CostModel.observe``: ``seconds`` per step); a plain decode call of
+        ``steps`` steps also earns ``explore`` of its time as probing credit."""
+        self.cost.observe(kind, size, seconds)
+        if kind == "decode":
+            self.credit += self.explore * seconds * steps
+
+    def choose(self, seq_ids: Sequence[int], limits: Sequence[int] | None = None,
+               decode_steps: int = 1) -> tuple[list[int], float | None]:
+        """What ``plan`` would draft now, changing nothing: (drafts per sequence, the probe's cost beyond a plain step
+        where the drafts are a probe, else None)."""
         limits = [self.max_k] * len(seq_ids) if limits is None else [min(n, self.max_k) for n in limits]
         gains = sorted(((self.acceptance(s) ** j, i, j) for i, s in enumerate(seq_ids)
                         for j in range(1, limits[i] + 1)), key=lambda g: (-g[0], g[1], g[2]))
         batch = len(seq_ids)
+        drafts = [0] * batch
+        if not gains:
+            return drafts, None
         emitted = batch + np.cumsum([0.0] + [g[0] for g in gains])
         rates = emitted / np.array([self.cost.verify(batch + m) for m in range(len(gains) + 1)])
-        best = int(np.argmax(rates))  # the first of equal rates: fewer drafts
-        drafts = [0] * batch
-        if best > 0 and rates[best] >= self.min_speedup * self.plain_rate(batch, decode_steps):
-            for _, i, _ in gains[:best]:
-                drafts[i] += 1
+        best, probe = int(np.argmax(rates)), None  # the first of equal rates: fewer drafts
+        if not (best > 0 and rates[best] >= self.min_speedup * self.plain_rate(batch, decode_steps)):
+            best = 1 + int(np.argmax(rates[1:]))  # the best plan that drafts, as a probe if the credit pays for it
+            probe = max(0.0, self.cost.verify(batch + best) - self.cost.decode(batch, decode_steps))
+            if probe > self.credit:
+                return drafts, None
+        for _, i, _ in gains[:best]:
+            drafts[i] += 1
+        return drafts, probe
+
+    def plan(self, seq_ids: Sequence[int], limits: Sequence[int] | None = None, decode_steps: int = 1) -> list[int]:
+        """Drafts per sequence for this step (all 0: a plain step), each at most ``limits[i]`` (default max_k): the
+        best plan if it clears the bar, else a probe the credit pays for (charged now), else none; the sequences
+        left at 0 relax towards the pooled estimate, which relaxes towards the prior if all are."""
+        drafts, probe = self.choose(seq_ids, limits, decode_steps)
+        self.probing = probe is not None
+        if self.probing:
+            self.credit -= probe
         for s, d in zip(seq_ids, drafts, strict=True):
             if d == 0 and s in self.tried:
                 self.accepted[s] += self.recovery * (self.pooled_acceptance() * self.tried[s] - self.accepted[s])
@@ -184,8 +220,9 @@ class AdaptivePolicy:
         return drafts
 
     def worth(self, seq_ids: Sequence[int], drafts: Sequence[int], decode_steps: int = 1) -> bool:
-        """Whether a verification pass with these (proposed) drafts beats plain decode steps."""
-        return any(drafts) and (self.rate(seq_ids, drafts)
+        """Whether a verification pass with these (proposed) drafts beats plain decode steps, or they are the
+        drafts of the probe the last ``plan`` paid for."""
+        return any(drafts) and (self.probing or self.rate(seq_ids, drafts)
                                 >= self.min_speedup * self.plain_rate(len(seq_ids), decode_steps))
 
     def update(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:

@@ -54,6 +54,8 @@ def test_a_run_on_the_tiny_model_compares_each_drafter_with_the_best_baseline(tm
     rows = result["rows"]
     assert [r["drafter"] for r in rows] == ["none_d1", "none_d8", "suffix"]
     best = max(r["tokens_per_s"] for r in rows[:2])
+    winner = max(rows[:2], key=lambda r: r["tokens_per_s"])
+    assert rows[2]["decode_steps"] == winner["decode_steps"]  # adaptive drafting on top of the winning baseline
     for row in rows:
         assert row["speedup"] == round(row["tokens_per_s"] / best, 3)
         assert row["identical_outputs"] == 2 and row["tokens"] == 12  # greedy: every row the same tokens

@@ -167,6 +167,46 @@ def test_an_undrafted_sequence_relaxes_back_and_is_tried_again():
     assert 0 < tried < 40 and low < policy.acceptance(0) < policy.prior
 
 
+def test_plain_steps_pay_for_probes_that_bring_drafting_back_when_it_pays_again():
+    # a costly pass (verifying 8 tokens: 4x a plain step) and a run of rejections: the estimate says never draft
+    cost = CostModel(dispatch_seconds=0.0, step_seconds=1e-3, token_seconds=4e-4, online=False)
+    policy = history(AdaptivePolicy(4, cost, prior=0.2, recovery=0.0), 0, [(4, 0)] * 8)
+    assert policy.plan([0]) == [0] and policy.choose([0])[0] == [0]
+    plain = cost.decode(1)
+    probes, steps = [], 0
+    while not probes:  # plain steps earn explore of their time; the first plan it covers is a probe
+        policy.observe("decode", 1, plain)
+        steps += 1
+        assert policy.choose([0])[0] == policy.plan([0])  # choose changes nothing, plan charges the probe
+        if policy.probing:
+            probes.append(steps)
+    extra = cost.verify(2) - plain  # the best probe drafts one token: the pass over 2 tokens, beyond a plain step
+    assert probes == [int(np.ceil(extra / (policy.explore * plain)))]  # at most explore of the plain time
+    assert policy.credit == pytest.approx(steps * policy.explore * plain - extra) and policy.credit < extra
+    assert policy.worth([0], [1])  # the probe's drafts are verified though the estimate says no
+    policy.update(0, 1, 1)  # accepted
+    assert policy.plan([0]) == [0] and not policy.worth([0], [1])  # one acceptance is not enough here: no credit
+    plans = []
+    while len(plans) < 100 and not (plans and plans[-1][0] != [0] and not plans[-1][1]):
+        policy.observe("decode", 1, plain)  # probes keep coming at the same pace, and the text is repetitive now
+        plans.append((policy.plan([0]), policy.probing))
+        if plans[-1][0] != [0]:
+            policy.update(0, plans[-1][0][0], plans[-1][0][0])
+    assert 1 <= sum(probing for _, probing in plans) < len(plans) < 100  # more probes, then a drafting plan
+    assert policy.acceptance(0) > 0.5 and policy.plan([0]) != [0] and not policy.probing  # drafting pays again
+
+
+def test_without_credit_or_drafters_nothing_is_probed():
+    policy = history(AdaptivePolicy(4, LOADED, explore=0.0), 0, [(4, 0)] * 8)
+    for _ in range(100):
+        policy.observe("decode", 64, 1.0)
+        assert policy.plan(list(range(64))) == [0] * 64 and policy.credit == 0
+    policy = AdaptivePolicy(4, LOADED)
+    policy.observe("decode", 1, 10.0)
+    assert policy.plan([0], limits=[0]) == [0] and not policy.probing  # no drafter: no probe, credit kept
+    assert policy.credit == pytest.approx(10.0 * policy.explore)
+
+
 def test_acceptance_is_an_average_of_accepted_over_tried_drafts():
     policy = AdaptivePolicy(4, FLAT, prior=0.5, ema=0.5)
     assert policy.acceptance(7) == 0.5
@@ -214,6 +254,8 @@ def test_bad_policy_arguments_raise_clear_errors():
         AdaptivePolicy(4, prior=1)
     with pytest.raises(ValueError, match="AdaptivePolicy.max_k = 0"):
         AdaptivePolicy(0)
+    with pytest.raises(ValueError, match=r"AdaptivePolicy.explore = 1: expected in \[0, 1\)"):
+        AdaptivePolicy(4, explore=1)
 
 
 # --------------------------------------------------------------------------- the engine, end to end
