@@ -28,8 +28,8 @@ is the scan's divided by their count: what a training epoch pays, without a host
   weight decay) are chosen by the accuracy on a 10k validation split (MNIST's own; the last 10k training images of
   Fashion-MNIST) after training on the other 50k; the chosen one is then trained on all 60k from each seed and
   tested once on the 10k test set.
-* ``--suite mupc``: muPC's residual nets, 64 or 128 hidden layers (``--hidden-layers``) of 128 relu units, T = 2L
-  Nesterov settling steps; ``--variants muPC plain`` adds the same depth without muPC.
+* ``--suite mupc``: muPC's residual nets, 64 or 128 hidden layers (``--hidden-layers``) of 512 relu units
+  (``--width``), T = 2L Nesterov settling steps; ``--variants muPC plain`` adds the same depth without muPC.
 
     python benchmarks/pc_mnist.py --epochs 20 --ours-epochs 8   # CPU: results/pc_mnist_cpu.json + .png
     python benchmarks/pc_mnist.py --epochs 20           # GPU: results/pc_mnist.json + .png
