@@ -19,19 +19,21 @@ over every sequence's steps (the server's recent acceptance), which starts at ``
 drafted its estimate relaxes towards the pooled one, and while no sequence is, the pooled one relaxes towards
 ``prior`` (``recovery`` per step), so drafting is tried again where text turned repetitive.
 
-Exploration. Estimates that say "not worth it" stop the very verifications that would correct them: a run of
-rejections, or a costly first verification, would end drafting for good wherever the prior sits below the
-break-even (SmolLM2 on a CPU, code editing: the policy stopped after its first pass while drafting every step ran
-1.39x faster). So plain decode steps earn a probing credit, ``explore`` of their measured time (``observe``), and
-once the credit covers what the best plan's verification costs beyond a plain step, ``plan`` proposes that plan
-anyway (a probe, paid for whether or not the drafter finds drafts): while nothing is drafted, probing costs at most
-``explore`` of the time, and a probe that is accepted lifts the estimates back over the bar.
 ``CostModel`` gives ``verify`` and ``decode`` from a linear prior (``step_seconds + token_seconds * N``, plus
 ``dispatch_seconds`` per device call) until the engine's measured step times replace it, per power-of-two size
 bucket (``observe``). The engine measures only steps that traced nothing (``traces``: a step that compiled is not
 a step's cost); a faster sample replaces the estimate at once, a slower one moves it by ``EMA_WEIGHT`` and one
 ``OUTLIER`` times the estimate (a hiccup) is ignored, so an estimate too high, which would stop the very steps
 that measure it, does not last.
+
+Exploration. Estimates that say "not worth it" stop the very verifications that would correct them: a run of
+rejections, or a costly first verification, would end drafting for good wherever the prior sits below the
+break-even (SmolLM2 on a CPU, code editing: it drafted nothing after its first pass, where drafting every step was
+faster; the README's speculative figures). So plain decode steps earn a probing credit, ``explore`` of their
+measured time (``AdaptivePolicy.observe``), and once the credit covers what the best plan's verification costs
+beyond a plain step, ``plan`` proposes that plan anyway (a probe, paid for whether or not the drafter finds drafts):
+while nothing is drafted, probing costs at most ``explore`` of the time, and a probe that is accepted lifts the
+estimates back over the bar.
 """
 
 import dataclasses
