@@ -214,6 +214,18 @@ def write_results(name: str, payload: dict[str, Any], out_dir: str | Path | None
     return path
 
 
+def previous_results(path: Path, device: str | None) -> dict[str, Any] | None:
+    """The results a partial run merges its rows into: ``path``'s JSON when it exists and was measured on
+    ``device`` (``run_metadata()["device"]``), else None, so that rows of two device kinds never share a file."""
+    if not path.exists():
+        return None
+    old = json.loads(path.read_text())
+    if old["meta"]["device"] != device:
+        print(f"  {path.name} holds {old['meta']['device']} rows: replaced, not merged", flush=True)
+        return None
+    return old
+
+
 def save_plot(fig: Any, name: str, out_dir: str | Path | None = None) -> Path:
     """Save a matplotlib figure as `{out_dir}/{name}.png` (default `benchmarks/results/`)."""
     path = _result_path(name, ".png", out_dir)

@@ -38,6 +38,7 @@ from benchmarks.harness import (
     RESULTS_DIR,
     copy_bandwidth_tb_s,
     format_table,
+    previous_results,
     save_plot,
     time_jax_steps,
     time_torch,
@@ -351,15 +352,11 @@ def main() -> None:
     if sweep:
         print("  best blocks:", blocks, flush=True)
 
-    copy = None if args.cpu else run_case("copy", "-", (0, 0), {}, DEFAULT_TIMEOUT_S)[0]
-    bandwidth = copy and copy.get("tb_s")
+    copy = {"device": "cpu"} if args.cpu else run_case("copy", "-", (0, 0), {}, DEFAULT_TIMEOUT_S)[0]
+    bandwidth, device = copy.get("tb_s"), copy.get("device")  # no floor on the CPU
     if not args.cpu:
-        print(f"  copy bandwidth: {bandwidth} TB/s on {copy.get('device')}", flush=True)
-    previous = RESULTS_DIR / f"{name}.json"
-    old = json.loads(previous.read_text()) if previous.exists() and (args.layouts or args.groups) else None
-    if old and copy and old["meta"]["device"] != copy.get("device"):
-        print(f"  {previous.name} holds {old['meta']['device']} rows: replaced, not merged", flush=True)
-        old = None
+        print(f"  copy bandwidth: {bandwidth} TB/s on {device}", flush=True)
+    old = previous_results(RESULTS_DIR / f"{name}.json", device) if args.layouts or args.groups else None
     rows = []
     for layout, (n, size) in layouts.items():
         for group in groups:

@@ -91,7 +91,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # This process only spawns the workers and writes results: it must not take the GPU's memory from them.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from benchmarks.harness import RESULTS_DIR, copy_bandwidth_tb_s, format_table, save_plot, write_results  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    RESULTS_DIR,
+    copy_bandwidth_tb_s,
+    format_table,
+    previous_results,
+    save_plot,
+    write_results,
+)
 from serving import enable_command_buffers  # noqa: E402
 
 COPY_PROBE_GIB = {"gpu": 1.0, "cpu": 0.125}  # the copy bandwidth probe's buffer, far above the last-level cache
@@ -787,11 +794,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         engines = [e for e in engines if e != "hf"]  # torch is on the GPU image only
     result_name = "serving_decode_cpu" if args.cpu else "serving_decode"
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
-    previous = out_dir / f"{result_name}.json"
-    old = json.loads(previous.read_text()) if previous.exists() and not args.cpu else None
-    if old and old["meta"]["device"] != jax.devices()[0].device_kind:  # rows of another device are never mixed in
-        print(f"  {previous.name} holds {old['meta']['device']} rows: replaced, not merged", flush=True)
-        old = None
+    old = None if args.cpu else previous_results(out_dir / f"{result_name}.json", jax.devices()[0].device_kind)
     old = old["rows"] if old else []
     rows = []
     for name in names:

@@ -49,6 +49,14 @@ def test_copy_bandwidth_on_this_cpu_is_a_memory_speed():
     assert 1e-4 < harness.copy_bandwidth_tb_s(gib=1 / 256) < 10  # 100 MB/s .. 10 TB/s
 
 
+def test_previous_results_are_merged_into_only_on_the_device_they_came_from(tmp_path):
+    path = tmp_path / "bench.json"
+    assert harness.previous_results(path, "NVIDIA H200") is None  # nothing yet
+    path.write_text(json.dumps({"meta": {"device": "NVIDIA H200"}, "rows": [1]}))
+    assert harness.previous_results(path, "NVIDIA H200")["rows"] == [1]
+    assert harness.previous_results(path, "NVIDIA H100 80GB HBM3") is None  # replaced, never mixed
+
+
 def test_write_results(tmp_path, monkeypatch):
     monkeypatch.setenv("APEX_GIT_COMMIT", "abc123")
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
