@@ -103,7 +103,7 @@ def time_jax_steps(step: Callable[..., tuple], carry: tuple, *, steps_per_run: i
 def copy_bandwidth_tb_s(gib: float = 1.0) -> float:
     """Bytes read + written per second (TB/s) by an elementwise pass over a ``gib`` GiB float32 buffer on the
     default device: the ceiling that memory-bound results here are reported against, measured in the same run on
-    the same device rather than taken from a data sheet (4.27 on our H200, whose sheet says 4.8)."""
+    the same device rather than taken from a data sheet, which states a peak no kernel reaches."""
     x = jnp.zeros(int(gib * 2**30) // 4, jnp.float32)
     timing = time_jax(jax.jit(jnp.negative), x, warmup=3, iters=MIN_TIMED_RUNS)
     return 2 * x.nbytes / (timing.median_ms * 1e-3) / 1e12

@@ -605,9 +605,8 @@ def _plot_pcx(sweep: list[dict], final: dict, name: str, dataset: str = "mnist")
 # previous epoch); the margin covers the rows the probe does not see and the growth within an epoch. Adam's lr is
 # MUPC_LR_SCALE / sqrt(L) (Depth-muP scales Adam's lr with 1/sqrt(depth)); the scale is the best of a sweep at 64
 # hidden layers and width 128, where a twice larger one trains worse while the lr is high (pc_mupc_64_w128_cpu*).
-# Width N = 512, the paper's: wider nets train better at the same depth (on the CPU, 16 hidden layers, 20k images, 2
-# epochs: 94.82 / 95.29 / 95.88% at N = 128 / 256 / 512; on the GPU, 64 hidden layers: results/pc_mupc_64.json against
-# pc_mupc_64_w128.json); an epoch took 31.7 s on an H100 (6.0 s at width 128 on an H200: not the same card).
+# Width N = 512, the paper's: wider nets train better at the same depth, at more time per epoch (README's muPC table:
+# results/pc_mupc_64.json against pc_mupc_64_w128.json).
 MUPC_WIDTH, MUPC_HIDDEN_LAYERS, MUPC_STEPS_PER_LAYER = 512, 64, 2
 MUPC_ACTIVATION, MUPC_OUTPUT, MUPC_SOLVER, MUPC_DT, MUPC_BATCH = "relu", "gaussian", "nesterov", 0.2, 64
 MUPC_PROBE_ROWS = 256  # training images whose activity Hessian gives each epoch's curvature
