@@ -24,7 +24,10 @@ drafted its estimate relaxes towards the pooled one, and while no sequence is, t
 bucket (``observe``). The engine measures only steps that traced nothing (``traces``: a step that compiled is not
 a step's cost); a faster sample replaces the estimate at once, a slower one moves it by ``EMA_WEIGHT`` and one
 ``OUTLIER`` times the estimate (a hiccup) is ignored, so an estimate too high, which would stop the very steps
-that measure it, does not last.
+that measure it, does not last. A bucket not measured yet is read off the measured ones of its kind, never
+cheaper than a smaller one (``CostModel.estimate``): the prior's slope is a GPU's, and on a CPU, which pays per
+token, it had an unmeasured 128-token pass look cheaper than the measured 64-token one, so that plans drafted
+there, only for ``worth`` to turn down the drafts the drafter had made.
 
 Exploration. Estimates that say "not worth it" stop the very verifications that would correct them: a run of
 rejections, or a costly first verification, would end drafting for good wherever the prior sits below the
@@ -78,8 +81,9 @@ class CostModel:
     Prior: a device call costs ``dispatch_seconds`` (host work, shared by the ``decode_steps`` steps of a multi-step
     decode) plus ``step_seconds + token_seconds * N`` on the device. ``observe`` replaces the prior per size bucket
     with an average of measured times (``online``; False: the prior stays, e.g. for a reproducible plan); a bucket
-    not measured yet takes the prior times ``scale``, the average ratio of measured to prior times, so that a
-    measured verification is weighed against a decode step on the same machine's scale.
+    not measured yet is read off the measured ones of its kind (``estimate``) or, with none, takes the prior times
+    ``scale``, the average ratio of measured to prior times, so that a measured verification is weighed against a
+    decode step on the same machine's scale.
     """
 
     dispatch_seconds: float = 2e-4
@@ -102,13 +106,39 @@ class CostModel:
 
     def verify(self, num_tokens: int) -> float:
         """Seconds of a verification pass (one device call) over ``num_tokens`` tokens."""
-        key = "verify", size_bucket(num_tokens)
-        return self.measured[key] if key in self.measured else self.scale * self.prior("verify", num_tokens)
+        return self.estimate("verify", num_tokens)
 
     def decode(self, batch: int, decode_steps: int = 1) -> float:
         """Seconds per token of each of ``batch`` sequences in a plain decode of ``decode_steps`` steps per call."""
-        key = "decode", size_bucket(batch)
-        return self.measured[key] if key in self.measured else self.scale * self.prior("decode", batch, decode_steps)
+        return self.estimate("decode", batch, decode_steps)
+
+    def estimate(self, kind: str, size: int, decode_steps: int = 1) -> float:
+        """Seconds of a step of ``kind`` and ``size``: its bucket's measured time, else one read off the measured
+        buckets of that kind (x: the bucket's size, the padded size a step runs at), else the scaled prior.
+
+        Steps cost more the larger they are, and the prior's slope can be far off (a CPU pays per token what a GPU
+        pays per call), so between two measured buckets the time is interpolated linearly, below the smallest it is
+        at most that one's, and above the largest it grows at least at the slope of the two largest, from the
+        largest: an unmeasured bucket never looks cheaper than a smaller measured one.
+        """
+        bucket = size_bucket(size)
+        if (kind, bucket) in self.measured:
+            return self.measured[kind, bucket]
+        guess = self.scale * self.prior(kind, size, decode_steps)
+        points = sorted((b, t) for (k, b), t in self.measured.items() if k == kind)
+        below, above = [p for p in points if p[0] < bucket], [p for p in points if p[0] > bucket]
+        if below and above:
+            (b0, t0), (b1, t1) = below[-1], above[0]
+            return t0 + (t1 - t0) * (bucket - b0) / (b1 - b0)
+        if above:
+            return min(guess, above[0][1])
+        if below:
+            (b1, t1), slope = below[-1], 0.0
+            if len(below) > 1:
+                b0, t0 = below[-2]
+                slope = max(0.0, (t1 - t0) / (b1 - b0))
+            return max(guess, t1 + slope * (bucket - b1))
+        return guess
 
     def observe(self, kind: str, size: int, seconds: float) -> None:
         """A measured step (one that compiled nothing): ``kind`` "verify" (size: tokens, seconds: the pass) or

@@ -233,6 +233,7 @@ def test_the_cost_model_replaces_its_prior_with_measured_times_per_size_bucket()
     scale = cost.scale  # the measured times are 2-4x the prior's: unmeasured buckets are scaled alike
     assert 2 < scale < 4 and cost.verify(17) == pytest.approx(scale * (1e-4 + 1e-3 + 1.7e-4))
     assert cost.decode(8, decode_steps=4) == pytest.approx(scale * (2.5e-5 + 1e-3 + 8e-5))
+    assert cost.verify(3) == cost.verify(16) < scale * (1e-4 + 1e-3 + 3e-5)  # the prior's, capped by a larger one
     fixed = CostModel(online=False)
     for _ in range(3):
         fixed.observe("decode", 4, 1.0)
@@ -241,6 +242,28 @@ def test_the_cost_model_replaces_its_prior_with_measured_times_per_size_bucket()
         cost.observe("prefill", 1, 1.0)
     with pytest.raises(ValueError, match="CostModel.token_seconds = -1"):
         CostModel(token_seconds=-1)
+
+
+def test_unmeasured_buckets_are_read_off_the_measured_ones_never_cheaper_than_a_smaller_one():
+    """A CPU pays per token: 16 -> 97 ms, 32 -> 153 ms, 64 -> 229 ms measured, against a GPU-shaped prior whose
+    128-token pass, scaled to those, would cost ~63 ms (it did, in serving_speculative at concurrency 16)."""
+    cost = CostModel(dispatch_seconds=2e-4, step_seconds=1e-3, token_seconds=2e-6)
+    for size, seconds in ((16, 0.097), (32, 0.153), (64, 0.229), (4, 0.067)):
+        cost.observe("verify", size, seconds)
+    assert cost.scale * cost.prior("verify", 128) < 0.229  # the prior says cheaper than 64 tokens: overruled
+    assert cost.verify(65) == cost.verify(128) == pytest.approx(0.229 + (0.229 - 0.153) / 32 * 64)  # their slope
+    assert cost.verify(7) == pytest.approx(0.067 + (0.097 - 0.067) * (8 - 4) / (16 - 4))  # between 4 and 16
+    assert cost.verify(2) == pytest.approx(min(cost.scale * cost.prior("verify", 2), 0.067))  # at most 4's
+    cost.observe("decode", 16, 0.077)  # another kind's buckets are its own: decode 64 from its prior
+    assert cost.decode(64) == pytest.approx(max(cost.scale * cost.prior("decode", 64), 0.077))
+    flat = CostModel(dispatch_seconds=0.0, step_seconds=1e-3, token_seconds=0.0)
+    flat.observe("verify", 16, 5e-3)
+    flat.observe("verify", 32, 4e-3)  # noise made the larger bucket faster: no negative slope
+    assert flat.verify(100) == pytest.approx(max(flat.scale * flat.prior("verify", 100), 4e-3))
+    policy = AdaptivePolicy(4, cost)
+    for s in range(16):
+        policy.update(s, 4, 1)  # a quarter accepted: drafting 16 or more sequences' worth never pays on this CPU
+    assert policy.choose(list(range(16)))[0] == [0] * 16
 
 
 def test_traces_count_jit_cache_misses():
