@@ -23,8 +23,11 @@ by the cache, output tokens/s over the run, preemptions, the tier counters, and 
 GPU-only run's. Ratios: TTFT median and p99 (GPU only / tiered), prefill tokens (GPU only / tiered) and throughput
 (tiered / GPU only).
 
-Models: ``tiny`` (``serving_decode.TINY_MOE``, random weights, fp32) and ``moe-1b`` (``serving_decode.MOE_1B``,
-random weights, bfloat16 on a GPU); ``--cpu``: tiny, 4 users x 3 turns (seconds; the tests run it).
+Models: ``tiny`` (``serving_decode.TINY_MOE``, random weights, fp32), ``moe-1b`` (``serving_decode.MOE_1B``) and
+``qwen3-30b-a3b`` (``serving_decode.QWEN3_30B_A3B``), random weights, bfloat16 on a GPU; ``--layers N`` keeps a
+model's first N layers. A model's prefill cost per token sets how much of a TTFT the tier can save: the 1B MoE
+recomputes a long history in less time than a request waits for the multi-step call in flight, Qwen3-30B-A3B's
+shape does not. ``--cpu``: tiny, 4 users x 3 turns (seconds; the tests run it).
 
     python -m benchmarks.serving_multiturn                # GPU: moe-1b, results/serving_multiturn.json + .png
     python -m benchmarks.serving_multiturn --cpu          # CPU: results/serving_multiturn_cpu.json + .png
@@ -42,13 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import format_table, save_plot, write_results
-from benchmarks.serving_decode import MOE_1B, TINY_MOE
+from benchmarks.serving_decode import MOE_1B, QWEN3_30B_A3B, TINY_MOE
 from serving import Engine, LoadedModel, SamplingParams, enable_command_buffers
 from serving.config import ModelConfig
 from serving.engine.kv_tiers import COPIES, MAX_BATCH, KVTiers
 from serving.models import model_module
 
-MODELS = {"tiny": TINY_MOE, "moe-1b": MOE_1B}
+MODELS = {"tiny": TINY_MOE, "moe-1b": MOE_1B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 # The GPU workload: 32 users x 8 turns reach 4096 tokens each, a working set of 6208 blocks over 3072 GPU blocks;
 # Engine.warm_up of moe-1b took ~3 minutes cold on an H200 at serving_load's larger token budget (2048).
 GPU_WORKLOAD = dict(model="moe-1b", users=32, turns=8, system_len=1024, user_len=256, answer_len=128, think_ms=0.0,
@@ -74,9 +77,9 @@ class Workload:
         return -(-self.system_len // block_size) + self.users * -(-private // block_size)
 
 
-def load_model(name: str, dtype: jnp.dtype) -> LoadedModel:
-    """``name``'s config with random weights (seeded: every run serves the same model)."""
-    cfg = ModelConfig.from_hf(MODELS[name])
+def load_model(config: dict, dtype: jnp.dtype) -> LoadedModel:
+    """A HF config's model with random weights (seeded: every run serves the same model)."""
+    cfg = ModelConfig.from_hf(config)
     return LoadedModel(cfg, model_module(cfg.family).init_params(cfg, jax.random.key(0), dtype), None, ())
 
 
@@ -214,6 +217,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for key in ("users", "turns", "system_len", "user_len", "answer_len", "num_blocks", "block_size",
                 "max_running", "token_budget"):
         parser.add_argument("--" + key.replace("_", "-"), type=int)
+    parser.add_argument("--layers", type=int, help="the model's first N layers (a shape whose whole compile or "
+                        "weights do not fit)")
     parser.add_argument("--host-cache-gb", type=float)
     parser.add_argument("--host-batches", default=str(MAX_BATCH),
                         help="comma-separated host batch sizes (KVTiers max_batch, powers of two): a tiered mode "
@@ -236,6 +241,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             parser.error(f"--{key.replace('_', '-')}={value}: expected {'>= 0' if key == 'think_ms' else '> 0'}")
     if args.decode_steps is not None and args.decode_steps < 1:
         parser.error(f"--decode-steps={args.decode_steps}: expected >= 1")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers={args.layers}: expected >= 1")
+    config = MODELS[settings["model"]] | ({"num_hidden_layers": args.layers} if args.layers else {})
+    settings["layers"] = config["num_hidden_layers"]
     workload = Workload(*(settings[k] for k in ("users", "turns", "system_len", "user_len", "answer_len", "think_ms")))
     try:
         host_batches = [int(x) for x in args.host_batches.split(",")]
@@ -248,16 +257,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not tier_copies or any(c not in COPIES for c in tier_copies):
         parser.error(f"--tier-copies={args.tier_copies!r}: expected comma-separated ways of {COPIES}")
     max_len = workload.system_len + workload.turns * (workload.user_len + workload.answer_len)
-    if max_len >= MODELS[settings["model"]]["max_position_embeddings"]:
+    if max_len >= config["max_position_embeddings"]:
         parser.error(f"conversations reach {max_len} tokens: expected fewer than the model's "
-                     f"{MODELS[settings['model']]['max_position_embeddings']}")
+                     f"{config['max_position_embeddings']}")
     working_set = workload.working_set_blocks(settings["block_size"])
     if working_set <= settings["num_blocks"]:
         parser.error(f"the working set ({working_set} blocks) fits the GPU's {settings['num_blocks']} blocks: "
                      "expected a load where the GPU tier alone evicts")
     on_cpu = jax.default_backend() == "cpu"
     dtype = jnp.float32 if on_cpu else jnp.bfloat16
-    loaded = load_model(settings["model"], dtype)
+    loaded = load_model(config, dtype)
     options = dict(dtype=dtype, num_blocks=settings["num_blocks"], block_size=settings["block_size"],
                    max_running=settings["max_running"], token_budget=settings["token_budget"], max_model_len=max_len,
                    decode_steps=args.decode_steps)
@@ -278,7 +287,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "gpu+host" + ("" if size == MAX_BATCH else f"/{size}") + ("" if copies == COPIES[0] else f"/{copies}"):
             lambda size=size, copies=copies: tiers(size, copies)
         for size in host_batches for copies in tier_copies}
-    rows = measure(engine, modes, workload, MODELS[settings["model"]]["vocab_size"])
+    rows = measure(engine, modes, workload, config["vocab_size"])
     name = args.name or ("serving_multiturn_cpu" if args.cpu else "serving_multiturn")
     print(format_table(rows, ["mode", "requests", "ttft_median_ms", "ttft_p99_ms", "prefill_tokens",
                               "cached_prompt_tokens", "output_tokens_per_s", "preemptions", "same_answers",

@@ -14,12 +14,13 @@ def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path):
     think_ms = 20.0  # each user pauses between turns: its turns span at least (turns - 1) pauses
     rows = serving_multiturn.main(["--cpu", "--name", "multiturn", "--think-ms", str(think_ms), "--host-batches",
                                    "64,2", "--tier-copies", "put,program", "--decode-steps", "2",
-                                   "--out-dir", str(tmp_path)])
+                                   "--layers", "1", "--out-dir", str(tmp_path)])
     result = json.loads((tmp_path / "multiturn.json").read_text())
     assert result["rows"] == rows and [r["mode"] for r in rows] == ["gpu", "gpu+host", "gpu+host/program",
                                                                     "gpu+host/2", "gpu+host/2/program"]
     assert result["working_set_blocks"] > result["settings"]["num_blocks"]
     assert result["settings"]["decode_steps"]["n"] == 2  # the engine's multi-step decode, as asked
+    assert result["settings"]["layers"] == 1  # of the tiny model's 2
     gpu, tiered, program, small, small_program = rows
     workload = serving_multiturn.CPU_WORKLOAD
     turn_len = workload["user_len"] + workload["answer_len"]
@@ -49,7 +50,8 @@ def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path):
 
 @pytest.mark.parametrize("argv", [["--num-blocks", "4096"], ["--users", "0"], ["--turns", "100"],
                                   ["--think-ms", "-1"], ["--host-batches", "3"], ["--host-batches", "128"],
-                                  ["--host-batches", "a"], ["--tier-copies", "put,dma"], ["--decode-steps", "0"]])
+                                  ["--host-batches", "a"], ["--tier-copies", "put,dma"], ["--decode-steps", "0"],
+                                  ["--layers", "0"]])
 def test_rejects_a_workload_that_fits_or_is_bad(argv):
     with pytest.raises(SystemExit):
         serving_multiturn.main(["--cpu", *argv])
