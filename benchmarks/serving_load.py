@@ -490,11 +490,11 @@ class ServerProcess:
 def models(mode: str, layers: int | None = None) -> dict[str, dict]:
     """The mode's models: how ``serve`` gets each (a HF config: random weights, ``layers`` of them when given), its
     vocabulary (prompt ids) and its depth."""
-    from benchmarks.serving_decode import MOE_1B, QWEN3_30B_A3B, SMOLLM2_135M, TINY_MOE
+    from benchmarks.serving_decode import MOE_1B, QWEN3_30B_A3B, SMOLLM2_135M, TINY_MOE, num_layers, with_layers
 
     def random(config: dict) -> dict:
-        config = config | ({"num_hidden_layers": layers} if layers else {})
-        return dict(config=config, vocab=config["vocab_size"], layers=config["num_hidden_layers"])
+        config = with_layers(config, layers)
+        return dict(config=config, vocab=config["vocab_size"], layers=num_layers(config))
 
     smollm2 = dict(model="smollm2", vocab=SMOLLM2_135M["vocab_size"], layers=SMOLLM2_135M["num_hidden_layers"])
     if mode == "cpu":

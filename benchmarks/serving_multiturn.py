@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import format_table, save_plot, write_results
-from benchmarks.serving_decode import MOE_1B, QWEN3_30B_A3B, TINY_MOE
+from benchmarks.serving_decode import MOE_1B, QWEN3_30B_A3B, TINY_MOE, num_layers, with_layers
 from serving import Engine, LoadedModel, SamplingParams, enable_command_buffers
 from serving.config import ModelConfig
 from serving.engine.kv_tiers import COPIES, MAX_BATCH, KVTiers
@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--decode-steps={args.decode_steps}: expected >= 1")
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers={args.layers}: expected >= 1")
-    config = MODELS[settings["model"]] | ({"num_hidden_layers": args.layers} if args.layers else {})
-    settings["layers"] = config["num_hidden_layers"]
+    config = with_layers(MODELS[settings["model"]], args.layers)
+    settings["layers"] = num_layers(config)
     workload = Workload(*(settings[k] for k in ("users", "turns", "system_len", "user_len", "answer_len", "think_ms")))
     try:
         host_batches = [int(x) for x in args.host_batches.split(",")]
