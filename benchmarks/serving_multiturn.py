@@ -25,9 +25,9 @@ GPU-only run's. Ratios: TTFT median and p99 (GPU only / tiered), prefill tokens 
 
 Models: ``tiny`` (``serving_decode.TINY_MOE``, random weights, fp32), ``moe-1b`` (``serving_decode.MOE_1B``) and
 ``qwen3-30b-a3b`` (``serving_decode.QWEN3_30B_A3B``), random weights, bfloat16 on a GPU; ``--layers N`` keeps a
-model's first N layers. A model's prefill cost per token bounds the TTFT the tier can save: on the 1B MoE the
-recomputed histories hardly showed in the median TTFT (README), so Qwen3-30B-A3B's shape, with several times its
-compute per token, is the other model. ``--cpu``: tiny, 4 users x 3 turns (seconds; the tests run it).
+model's first N layers. A model's prefill cost per token bounds the TTFT the tier can save, so beside the 1B MoE
+there is Qwen3-30B-A3B's shape, with several times its compute per token. ``--cpu``: tiny, 4 users x 3 turns
+(seconds; the tests run it).
 
     python -m benchmarks.serving_multiturn                # GPU: moe-1b, results/serving_multiturn.json + .png
     python -m benchmarks.serving_multiturn --cpu          # CPU: results/serving_multiturn_cpu.json + .png

@@ -26,8 +26,8 @@ a step's cost); a faster sample replaces the estimate at once, a slower one move
 ``OUTLIER`` times the estimate (a hiccup) is ignored, so an estimate too high, which would stop the very steps
 that measure it, does not last. A bucket not measured yet is read off the measured ones of its kind, never
 cheaper than a smaller one (``CostModel.estimate``): the prior's slope is a GPU's, and on a CPU, which pays per
-token, the scaled prior had an unmeasured 128-token pass look cheaper than the measured 64-token one, so every plan
-at concurrency 16 drafted for it, and ``worth`` then turned the drafts down.
+token, the scaled prior can make a larger unmeasured pass look cheaper than a smaller measured one, so plans would
+draft for passes that ``worth`` then turns down.
 
 Exploration. Estimates that say "not worth it" stop the very verifications that would correct them: a run of
 rejections, or a costly first verification, would end drafting for good wherever the prior sits below the

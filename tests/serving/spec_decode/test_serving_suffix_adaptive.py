@@ -245,8 +245,8 @@ def test_the_cost_model_replaces_its_prior_with_measured_times_per_size_bucket()
 
 
 def test_unmeasured_buckets_are_read_off_the_measured_ones_never_cheaper_than_a_smaller_one():
-    """A CPU pays per token: 16 -> 97 ms, 32 -> 153 ms, 64 -> 229 ms measured, against a GPU-shaped prior whose
-    128-token pass, scaled to those, would cost ~63 ms (it did, in serving_speculative at concurrency 16)."""
+    """A CPU pays per token (16 -> 97 ms, 32 -> 153 ms, 64 -> 229 ms), where the GPU-shaped prior scaled to those
+    times would put a 128-token pass below the 64-token one."""
     cost = CostModel(dispatch_seconds=2e-4, step_seconds=1e-3, token_seconds=2e-6)
     for size, seconds in ((16, 0.097), (32, 0.153), (64, 0.229), (4, 0.067)):
         cost.observe("verify", size, seconds)
