@@ -39,7 +39,8 @@ largest concurrency level runs and queues, and refuses the rest with 503s). ``st
 ready (the server: until /health says ok; the engine: building it, and its ``warm_up`` where it has one;
 the device: setup and compiles), ``compilation_cache`` whether JAX's persistent compilation cache was cold
 (the run's own, empty: the first engine or server of a model) or warm (filled by the path before);
-``ms_per_layer``: the median TPOT over the model's layers.
+``ms_per_layer``: the median TPOT over the model's layers; ``traces`` and ``compiles`` (engine path): JAX trace and
+compile events during the load, after ``warm_up`` (nonzero: a shape compiled while serving).
 
 Models: ``smollm2`` (the embedded SmolLM2-135M-Instruct, real weights; offline, pass ``--smollm2-gguf``),
 ``moe-1b`` and ``qwen3-30b-a3b`` (``benchmarks.serving_decode``'s ``MOE_1B`` and ``QWEN3_30B_A3B``, random weights
@@ -532,6 +533,7 @@ def _level_bodies(name: str, spec: dict, settings: dict, loads: Sequence[dict], 
 def _engine_worker(args: list[str], loads: list[dict], level_bodies: list[list[dict]], out: Any) -> None:
     """The engine path in a spawned process: build the spec of ``serve args``, warm it up, run each load; puts
     (startup_s, [summary per load]) as JSON on ``out``."""
+    from benchmarks.harness import COMPILE_EVENTS, compile_events
     from serving.__main__ import parser
     from serving.api import cli
 
@@ -541,8 +543,13 @@ def _engine_worker(args: list[str], loads: list[dict], level_bodies: list[list[d
     if hasattr(engine, "warm_up"):
         engine.warm_up()
     startup_s = time.perf_counter() - started
-    summaries = [summarize(engine_load(engine, bodies, **load)) | {"client_cpu": None}  # the engine is the client
-                 for load, bodies in zip(loads, level_bodies, strict=True)]
+    summaries = []
+    for load, bodies in zip(loads, level_bodies, strict=True):
+        with compile_events() as events:  # after warm_up none should come: a shape compiled while serving
+            summary = summarize(engine_load(engine, bodies, **load))
+        trace_event, compile_event = COMPILE_EVENTS
+        summaries.append(summary | {"client_cpu": None,  # the engine is the client
+                                    "traces": events.count(trace_event), "compiles": events.count(compile_event)})
     out.put(json.dumps([startup_s, summaries]))
 
 
@@ -679,7 +686,8 @@ def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requ
 
 TABLE_COLUMNS = ["model", "path", "concurrency", "rate", "startup_s", "compilation_cache", "ms_per_layer", "requests",
                  "failed", "request_throughput", "output_throughput", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms",
-                 "tpot_p99_ms", "itl_p99_ms", "e2e_median_ms", "e2e_p99_ms", "client_cpu", "frontend_cpu", "core_cpu"]
+                 "tpot_p99_ms", "itl_p99_ms", "e2e_median_ms", "e2e_p99_ms", "client_cpu", "frontend_cpu", "core_cpu",
+                 "compiles"]
 
 
 def plot(rows: list[dict], name: str, out_dir: Path) -> None:

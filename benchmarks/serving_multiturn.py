@@ -17,11 +17,11 @@ starts with an empty GPU prefix cache
 (``Engine.reset_prefix_cache``). Before timing, the engine compiles every step shape and the tiers' copies
 (``Engine.warm_up``, on an accelerator; ``--no-warm-up`` skips it) and each mode runs an untimed round of the same
 workload with other prompts (the same lengths, so the same shapes). Per mode: TTFT (a request's queueing, the moment
-its user is done thinking, to its first token, over every request: median and p99), prefill tokens computed (prompt
-tokens the model ran, preemptions' recomputation included: counted from the scheduled chunks), prompt tokens served
-by the cache, output tokens/s over the run, preemptions, the tier counters, and the fraction of answers equal to the
-GPU-only run's. Ratios: TTFT median and p99 (GPU only / tiered), prefill tokens (GPU only / tiered) and throughput
-(tiered / GPU only).
+its user is done thinking, to its first token, over every request: median, p99 and all of them sorted), prefill
+tokens computed (prompt tokens the model ran, preemptions' recomputation included: counted from the scheduled
+chunks), prompt tokens served by the cache, output tokens/s over the run, preemptions, the tier counters, and the
+fraction of answers equal to the GPU-only run's. Ratios: TTFT median and p99 (GPU only / tiered), prefill tokens
+(GPU only / tiered) and throughput (tiered / GPU only).
 
 Models: ``tiny`` (``serving_decode.TINY_MOE``, random weights, fp32), ``moe-1b`` (``serving_decode.MOE_1B``) and
 ``qwen3-30b-a3b`` (``serving_decode.QWEN3_30B_A3B``), random weights, bfloat16 on a GPU; ``--layers N`` keeps a
@@ -175,7 +175,8 @@ def measure(engine: Engine, modes: dict[str, Callable[[], KVTiers | None]], work
                    ttft_p99_ms=float(np.percentile(ttft_ms, 99)), prefill_tokens=counter.tokens,
                    cached_prompt_tokens=result["cached_tokens"], output_tokens=result["output_tokens"],
                    seconds=result["seconds"], output_tokens_per_s=result["output_tokens"] / result["seconds"],
-                   preemptions=engine.scheduler.num_preemptions - preemptions, answers=result["answers"])
+                   preemptions=engine.scheduler.num_preemptions - preemptions, answers=result["answers"],
+                   ttft_ms=np.round(np.sort(ttft_ms), 2).tolist())
         if engine.tier_stats is not None:  # this run's tiers' counters (they start at 0)
             row["tiers"] = dataclasses.asdict(engine.tier_stats)
         rows.append(row)
@@ -192,13 +193,19 @@ def measure(engine: Engine, modes: dict[str, Callable[[], KVTiers | None]], work
 
 
 def plot(rows: list[dict], name: str, out_dir: str | Path | None = None) -> None:
-    """Bars per mode: TTFT median and p99, prefill tokens computed, output tokens/s."""
+    """Bars per mode: TTFT median and p99, prefill tokens computed, output tokens/s; and each mode's TTFTs as a
+    distribution (the fraction of requests whose first token came within t)."""
     import matplotlib.pyplot as plt
 
     panels = [("ttft_median_ms", "TTFT median (ms)"), ("ttft_p99_ms", "TTFT p99 (ms)"),
               ("prefill_tokens", "prefill tokens computed"), ("output_tokens_per_s", "output tokens/s")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.8))
-    for ax, (key, title) in zip(axes, panels, strict=True):
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4 * (len(panels) + 1), 3.8))
+    for i, row in enumerate(rows):
+        ttft = row["ttft_ms"]
+        axes[-1].step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", color=f"C{i}", label=row["mode"])
+    axes[-1].set(xscale="log", xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT distribution")
+    axes[-1].legend(fontsize=8)
+    for ax, (key, title) in zip(axes, panels, strict=False):
         values = [r[key] for r in rows]
         ax.bar([r["mode"] for r in rows], values, color=[f"C{i}" for i in range(len(rows))])
         for i, v in enumerate(values):
