@@ -39,8 +39,11 @@ the one before's samples on the device, as the engine chains them:
     prefill), ``encoder_ms`` and ``prefill_ms`` apart. HF: one
     forward of ``Qwen3VLMoeForConditionalGeneration`` over the same patches and prompt (``logits_to_keep=1``).
 serving-bi cases (``--batch-invariant``): the same cases with the step through ``serving.batch_invariant`` (fixed-
-geometry Pallas matmuls, sums and attention splits: logits independent of the batch); ``overhead_vs_serving`` =
-its step time over the serving row's (same model, depth, case and batch).
+geometry Pallas matmuls, sums and attention splits: logits independent of the batch); serving-int8 and
+serving-fp8 cases (``--engines serving,serving-fp8``): the same cases with the weights quantized as
+``python -m serving quantize`` writes them (``quantization.quantize_params``: attention and expert projections,
+per-column scales), their roofline over the quantized bytes; ``overhead_vs_serving`` = a row's step time over the
+serving row's (same model, depth, case and batch).
 hf cases (``hf_worker``): ``AutoModelForCausalLM.from_config`` (random bf16 weights on the GPU, no download),
 B prompts of ``CONTEXT`` random tokens: time to first token = ``generate(max_new_tokens=1)``; decode tokens/s
 = B * HF_NEW_TOKENS / (T(1 + HF_NEW_TOKENS tokens) - T(1 token)), greedy, default (dynamic) cache.
@@ -154,7 +157,8 @@ MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B, "moe-1b": MOE_1B, "gpt-oss-20b": GPT_O
           "qwen3-vl-30b-a3b": QWEN3_VL_30B_A3B}
 CPU_MODELS = {"tiny-moe": TINY_MOE, "tiny-vl-moe": TINY_VL_MOE}
 REAL_WEIGHTS = ("smollm2-135m",)
-ENGINES = ("serving", "hf")
+QUANTIZED_ENGINES = {"serving-int8": "int8", "serving-fp8": "fp8"}  # the serving cases on quantized weights
+ENGINES = ("serving", "hf", *QUANTIZED_ENGINES)
 INVARIANT_ENGINE = "serving-bi"  # --batch-invariant: the serving cases in batch-invariant mode
 # Per mode: context length, decode batches, prompts in the prefill-throughput step, timed runs.
 # image_side: the image-prefill case's square image, in pixels.
@@ -167,7 +171,7 @@ SETTINGS = {"gpu": dict(context=2048, batches=(1, 8, 64), prefill_seqs=4, decode
 HF_NEW_TOKENS = 32  # decode tokens per HF generate call (after the first)
 HF_RUNS = 3  # generate calls per timing (median): each prefills B x CONTEXT tokens
 # per (model, engine) subprocess; the device tool allows 600 s a command
-TIMEOUT_S = {"serving": 540, INVARIANT_ENGINE: 540, "hf": 540}
+TIMEOUT_S = {"serving": 540, INVARIANT_ENGINE: 540, "hf": 540} | dict.fromkeys(QUANTIZED_ENGINES, 540)
 PROFILE_STEPS = 5  # decode steps traced per batch (--profile): counts and times are per step
 PROFILE_TOP = 20  # kernel names printed per batch, most time first (the JSON has them all)
 # --profile --gather-configs sweep: the decode experts' gather_matmul geometries, block_n x block_k x num_warps x
@@ -254,9 +258,9 @@ def weight_bytes_per_step(params: dict, cfg, batch: int, expert_counts) -> tuple
         for key, group in lp.items():
             routed = isinstance(group, dict) and "router" in group
             for weight, leaf in (group.items() if isinstance(group, dict) else [(key, group)]):
-                if routed and weight in ("gate", "up", "down"):
+                if routed and weight in ("gate", "up", "down"):  # a QuantizedWeight: its codes and scales
                     touched = int(np.count_nonzero(np.asarray(expert_counts)[layer]))
-                    experts += touched * leaf.nbytes // leaf.shape[0]
+                    experts += touched * sum(x.nbytes for x in jax.tree.leaves(leaf)) // leaf.shape[0]
                 else:
                     total += sum(x.nbytes for x in jax.tree.leaves(leaf))
     return total + experts, experts
@@ -329,10 +333,11 @@ def time_runner(call, calls_per_run: int, iters: int):
 
 
 def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, smollm2_gguf: str | None,
-                   batch_invariant: bool = False):
+                   batch_invariant: bool = False, quantize: str | None = None):
     """Print one JSON row per measurement (decode per batch, multi-step decode per batch, then prefill) as each
     finishes, every call through the engine's runner (``serving_runner``); ``batch_invariant``: a batch-invariant
-    runner (engine ``INVARIANT_ENGINE``; no multi-step decode there, as in the engine)."""
+    runner (engine ``INVARIANT_ENGINE``; no multi-step decode there, as in the engine); ``quantize``: the weights
+    quantized to that kind first (engine ``serving-<kind>``)."""
     import jax
     import numpy as np
 
@@ -343,13 +348,18 @@ def serving_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
     context = settings["context"]
     bandwidth_tb_s = copy_bandwidth_tb_s(COPY_PROBE_GIB[mode])  # before the model takes the memory
     cfg, params, kv, tables = serving_setup(name, hf_config, settings, layers, smollm2_gguf)
+    if quantize:
+        from serving.quantization import quantize_params
+
+        params = quantize_params(params, quantize, cfg)
     kv_bytes_per_token = sum(x.nbytes for x in jax.tree.leaves(kv)) // (len(tables) * context)
     # a step reads each layer's last min(context, window) tokens of K and V
     read_positions = sum(min(context, cfg.window(l) or context) for l in range(cfg.layers)) / cfg.layers
     runner = serving_runner(cfg, params, kv, tables, batch_invariant)
     del kv  # donated to the runner's steps
     rng = np.random.default_rng(0)
-    base = dict(model=name, engine=INVARIANT_ENGINE if batch_invariant else "serving", layers=cfg.layers,
+    engine = INVARIANT_ENGINE if batch_invariant else f"serving-{quantize}" if quantize else "serving"
+    base = dict(model=name, engine=engine, layers=cfg.layers,
                 context=context, weights="real" if name in REAL_WEIGHTS else "random",
                 params_b=sum(x.size for x in jax.tree.leaves(params)) / 1e9)
 
@@ -676,7 +686,8 @@ def run_case(name: str, engine: str, args: argparse.Namespace, timeout: float) -
 
 def add_speedups(rows: list[dict]) -> list[dict]:
     """``speedup_vs_hf`` of every serving decode row: its tokens/s over HF generate's, same model, depth, batch;
-    ``overhead_vs_serving`` of every serving-bi row: its step time over the serving row's, same case too."""
+    ``overhead_vs_serving`` of every serving-bi, -int8 and -fp8 row: its step time over the serving row's, same case
+    too."""
     hf = {(r["model"], r["layers"], r["batch"]): r["tokens_per_s"] for r in rows
           if r["engine"] == "hf" and r.get("case") == "decode" and r.get("tokens_per_s")}
     hf_images = {(r["model"], r["layers"]): r["tokens_per_s"] for r in rows
@@ -685,12 +696,12 @@ def add_speedups(rows: list[dict]) -> list[dict]:
                if r["engine"] == "serving" and r.get("step_ms")}
     for r in rows:
         base = hf.get((r["model"], r.get("layers"), r.get("batch")))
-        if r["engine"] in ("serving", INVARIANT_ENGINE) and r.get("case") == "decode":
+        if r["engine"] in ("serving", INVARIANT_ENGINE, *QUANTIZED_ENGINES) and r.get("case") == "decode":
             r["speedup_vs_hf"] = r["tokens_per_s"] / base if base else None
         if r["engine"] == "serving" and r.get("case") == "image-prefill":
             base = hf_images.get((r["model"], r["layers"]))
             r["speedup_vs_hf"] = r["tokens_per_s"] / base if base else None
-        if r["engine"] == INVARIANT_ENGINE and r.get("step_ms"):
+        if r["engine"] in (INVARIANT_ENGINE, *QUANTIZED_ENGINES) and r.get("step_ms"):
             plain = serving.get((r["model"], r["layers"], r["case"], r["batch"]))
             r["overhead_vs_serving"] = r["step_ms"] / plain if plain else None
     return rows
@@ -729,7 +740,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="a tiny random MoE on the CPU (reference path)")
     parser.add_argument("--models", help=f"comma-separated subset of {list(MODELS)}")
-    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {ENGINES}")
+    parser.add_argument("--engines", default="serving,hf", help=f"comma-separated subset of {ENGINES} (default "
+                        "serving,hf)")
     parser.add_argument("--layers", type=int, help="run every model with this many layers (per-layer figures)")
     parser.add_argument("--smollm2-gguf", help="SmolLM2-135M-Instruct GGUF (default: the embedded model's cache)")
     parser.add_argument("--timeout", type=float, help="seconds per (model, engine) subprocess")
@@ -773,9 +785,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 parser.error(f"--gather-configs: {e}")
 
     if args.worker:
-        if args.worker in ("serving", INVARIANT_ENGINE):
+        if args.worker in ("serving", INVARIANT_ENGINE, *QUANTIZED_ENGINES):
             serving_worker(names[0], models[names[0]], mode, args.layers, args.smollm2_gguf,
-                           batch_invariant=args.worker == INVARIANT_ENGINE)
+                           batch_invariant=args.worker == INVARIANT_ENGINE, quantize=QUANTIZED_ENGINES.get(args.worker))
         else:
             hf_worker(names[0], models[names[0]], mode, args.layers)
         return []

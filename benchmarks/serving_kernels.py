@@ -14,6 +14,12 @@ block-config sweep.
     tokens x top-8 = 512 rows), uniform random routing; TFLOP/s over the routed rows and GB/s over x, the output
     and the touched experts' weights; x_ragged_dot and x_triton: a row's speed-up over ragged_dot and over the
     fastest Triton config.
+  * quantized_experts: the same shapes with weight-only int8 and fp8 (e4m3) experts (``serving.quantization``'s
+    per-column scales): the Triton grouped matmul on the codes (impl pallas, ``weights`` int8 / fp8) against
+    ``quantization.linear``'s ragged_dot on them (the XLA path, which converts the codes) and against both on the
+    bf16 weights, at each kernel's default config; GB/s over each row's own bytes (1-byte codes and their scales),
+    x_bf16: a row's speed-up over the Triton kernel on bf16 weights, x_xla: over ragged_dot on the same weights.
+    rel_err is against ragged_dot on the bf16 weights: the quantization's error, not the kernel's.
 
 Every row carries rel_err, the relative Frobenius error against the competitor's output (the first listed).
 A failing implementation or config (a Triton compile error, cudnn missing) costs its row, not the run. Each
@@ -102,7 +108,7 @@ SWEEPS = {  # the first config of each list is the kernel's default
         prefill=[G(16, 32, 32), MG(64, 64, 64, 2)], decode=[G(16, 32, 32), MG(64, 64, 64, 2)],
     ),
 }
-KERNELS = ("flash_attention", "paged_attention", "paged_mla_attention", "grouped_matmul")
+KERNELS = ("flash_attention", "paged_attention", "paged_mla_attention", "grouped_matmul", "quantized_experts")
 
 
 def relative_error(actual, expected) -> float:
@@ -282,6 +288,41 @@ def grouped_matmul_rows(mode: str, interpret: bool) -> list[dict]:
     return rows
 
 
+def quantized_experts_rows(mode: str, interpret: bool) -> list[dict]:
+    """Per shape: ragged_dot and the Triton kernel on bf16, int8 and fp8 expert weights (module docstring)."""
+    from serving.quantization import linear, quantize
+
+    rows = []
+    for shape, (tokens, top_k, experts, k, n) in SHAPES[mode]["grouped_matmul"].items():
+        sizes = routed_group_sizes(tokens, top_k, experts)
+        m, touched = tokens * top_k, int((sizes > 0).sum())
+        x, w = random_normal(0, (m, k)), random_normal(1, (experts, k, n), scale=k**-0.5)
+        weights = {"bf16": w} | {kind: quantize(w.astype(jnp.float32), kind) for kind in ("int8", "fp8")}
+        config = grouped_matmul.default_config(m, experts)
+        kernel = functools.partial(grouped_matmul.grouped_matmul, config=config, interpret=interpret)
+        xla = jax.jit(lambda x, w, g: linear(x, w, group_sizes=g))
+        codes = jax.jit(lambda x, w, g, kernel=kernel: kernel(x, w.q, g, w_scale=w.scale))  # w: a QuantizedWeight
+        shape_rows, expected, group_sizes = [], None, jnp.asarray(sizes)
+        for kind, weight in weights.items():
+            weight_bytes = touched * k * n * (2 if kind == "bf16" else 1) + (0 if kind == "bf16" else 4 * touched * n)
+            for impl, fn in (("ragged_dot", xla), ("pallas", jax.jit(kernel) if kind == "bf16" else codes)):
+                row, out = measure(fn, (x, weight, group_sizes), reps=REPS[mode], expected=expected,
+                                   flop=2 * m * k * n, nbytes=2 * (m * k + m * n) + weight_bytes)
+                expected = out if expected is None else expected
+                shape_rows.append(dict(kernel="quantized_experts", shape=shape, impl=impl, weights=kind,
+                                       config=config_name(config) if impl == "pallas" else None) | row)
+        ok = {(r["impl"], r["weights"]): r["median_ms"] for r in shape_rows if r["status"] == "ok"}
+        for r in shape_rows:
+            if r["status"] == "ok":
+                r |= {key: ok[ref] / r["median_ms"] for key, ref in (("x_bf16", ("pallas", "bf16")),
+                                                                     ("x_xla", ("ragged_dot", r["weights"])))
+                      if ref in ok}
+            print(f"  quantized_experts    {shape:<12} {r['impl']:<10} {r['weights']:<5} "
+                  f"{r.get('median_ms') or 0:9.4f} ms  {r['status'][:80]}", flush=True)
+        rows += shape_rows
+    return rows
+
+
 def speedups(row: dict, rows: list[dict]) -> dict:
     """``row``'s speed-up over ragged_dot and over the fastest Triton config of its case (``rows``), where both
     ran."""
@@ -295,7 +336,8 @@ def speedups(row: dict, rows: list[dict]) -> dict:
 
 
 ROWS = {"flash_attention": flash_attention_rows, "paged_attention": paged_attention_rows,
-        "paged_mla_attention": paged_mla_attention_rows, "grouped_matmul": grouped_matmul_rows}
+        "paged_mla_attention": paged_mla_attention_rows, "grouped_matmul": grouped_matmul_rows,
+        "quantized_experts": quantized_experts_rows}
 
 
 def plot(rows: list[dict], name: str, out_dir: str | Path | None = None, *, peaks: bool = True) -> None:
@@ -389,8 +431,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         write_results(name, dict(mode=mode, reps_per_run=REPS[mode], peak_tflop_s=PEAK_TFLOP_S, peak_gb_s=PEAK_GB_S,
                                  shapes=SHAPES[mode], rows=rows), out_dir=args.out_dir)
     plot(rows, name, args.out_dir, peaks=mode == "gpu")
-    columns = ["kernel", "shape", "impl", "config", "median_ms", "tflop_s", "gb_s", "tflop_pct", "bw_pct", "rel_err",
-               "x_ragged_dot", "x_triton", "best", "status"]
+    columns = ["kernel", "shape", "impl", "weights", "config", "median_ms", "tflop_s", "gb_s", "tflop_pct", "bw_pct",
+               "rel_err", "x_ragged_dot", "x_triton", "x_bf16", "x_xla", "best", "status"]
     print(format_table(rows, columns))
     return rows
 

@@ -8,6 +8,16 @@ x ``[m, k]`` holds the routed token rows sorted by expert; group g (expert g) ow
 
 bf16 (or fp32) operands, fp32 accumulation, any output dtype.
 
+Weight-only quantized experts (``w_scale``): w holds int8 or float8_e4m3fn codes q with one float32 scale per
+expert and output column, ``w[g] ~ q[g] * w_scale[g]`` (``w_scale [groups, 1, n]``, serving's
+``QuantizedWeight`` of stacked experts), and
+
+    out[r] = (x[r] @ convert(q[g(r)], x.dtype)) * w_scale[g(r)]
+
+each weight tile converted in registers after its load (int8 and e4m3 values are exact in bf16), the scale
+applied once to the fp32 accumulator. The weights then cross HBM at 1 byte per element instead of 2: what bounds
+a decode step's expert matmuls.
+
 Design
 ------
 Tiles are aligned to the groups, not to the row axis: the wrapper cuts every group's rows into
@@ -61,6 +71,7 @@ from pallas_kernels.common import (
 )
 
 MAX_GRID_Y = 65535  # CUDA's limit on a launch's second grid dimension, which holds the visits
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # weight-only codes (``w_scale``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +89,12 @@ class GroupedMatmulConfig:
         check_tile(self, ("block_m", "block_n", "block_k"))
         check_num_stages(self)
 
-    def shared_memory_bytes(self, dtype, weights: int = 1) -> int:
-        """Shared memory a program uses: the x tiles and the tiles of each of ``weights`` weights in flight
-        (``common.pipeline_buffers``)."""
-        tile = (self.block_m * self.block_k + weights * self.block_k * self.block_n) * jnp.dtype(dtype).itemsize
+    def shared_memory_bytes(self, dtype, weights: int = 1, weight_dtype=None) -> int:
+        """Shared memory a program uses: the x tiles (``dtype``) and the tiles of each of ``weights`` weights
+        (``weight_dtype``, default ``dtype``) in flight (``common.pipeline_buffers``)."""
+        weight_bytes = jnp.dtype(weight_dtype or dtype).itemsize
+        tile = (self.block_m * self.block_k * jnp.dtype(dtype).itemsize
+                + weights * self.block_k * self.block_n * weight_bytes)
         return pipeline_buffers(self.num_stages, dtype) * tile
 
 
@@ -142,9 +155,12 @@ def _and(a, b):
     return b if a is None else a if b is None else a & b
 
 
-def _gmm_kernel(plan_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, num_groups, per_row, repeat):
-    up_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])  # up: gather_matmul's SwiGLU hidden
-    k_dim, n_dim = w_ref.shape[1:]
+def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, per_row, repeat, num_weights,
+                scaled):
+    # refs: the weights (w, and gather_matmul's SwiGLU up), their scales where quantized, the output
+    weight_refs, o_ref = refs[:num_weights], refs[-1]
+    scale_refs = refs[num_weights:2 * num_weights] if scaled else ()
+    k_dim, n_dim = weight_refs[0].shape[1:]
     if per_row:  # gather_matmul: grid (rows, column tiles); plan_ref holds ids [m]; visit r is row r
         visit, n_tile = pl.program_id(0), pl.program_id(1)
         group = plan_ref[visit]
@@ -160,8 +176,6 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, num_gr
     rows_ok = (row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < row_end
     cols_ok = (col0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)) < n_dim if n_dim % block_n else None
 
-    weight_refs = (w_ref,) if up_ref is None else (w_ref, up_ref)
-
     def step(i, accs):
         k0 = i * block_k
         k_ok = None
@@ -171,14 +185,17 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, num_gr
                        mask=_and(rows_ok, None if k_ok is None else k_ok[None, :]), other=0.0)
         w_mask = _and(cols_ok, None if k_ok is None else k_ok[:, None])
         ws = [plgpu.load(ref.at[expert, pl.ds(k0, block_k), pl.ds(col0, block_n)], mask=w_mask,
-                         other=None if w_mask is None else 0.0) for ref in weight_refs]
-        return tuple(acc + dot(x, w) for acc, w in zip(accs, ws, strict=True))
+                         other=None if w_mask is None else jnp.zeros((), ref.dtype)) for ref in weight_refs]
+        return tuple(acc + dot(x, w.astype(x.dtype)) for acc, w in zip(accs, ws, strict=True))
 
     # int32 branches, not Python ints: Pallas' Triton lowering gives a weak-typed literal operand of select_n the
     # predicate's type, i1, so the K-step count became an i1 `false` and scf.for's bounds mismatched (i32 vs i1).
     steps = jnp.where(group < num_groups, jnp.int32(pl.cdiv(k_dim, block_k)), jnp.int32(0))
     accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in weight_refs))
-    out = accs[0] if up_ref is None else jax.nn.silu(accs[0]) * accs[1]
+    accs = [acc * plgpu.load(ref.at[expert, pl.ds(0, 1), pl.ds(col0, block_n)], mask=cols_ok,
+                             other=None if cols_ok is None else 0.0) for acc, ref in zip(accs, scale_refs, strict=True)
+            ] if scaled else accs
+    out = accs[0] if num_weights == 1 else jax.nn.silu(accs[0]) * accs[1]
     plgpu.store(o_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], out.astype(o_ref.dtype),
                 mask=_and(rows_ok, cols_ok))
 
@@ -186,13 +203,27 @@ def _gmm_kernel(plan_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, num_gr
 # --------------------------------------------------------------------------- public API
 
 
-def check_inputs(x, w, group_sizes=None, ids=None, up=None, repeat=1) -> None:
+def check_inputs(x, w, group_sizes=None, ids=None, up=None, repeat=1, w_scale=None, up_scale=None) -> None:
     """Raise ValueError unless the operands are those of :func:`grouped_matmul` (with ``group_sizes``) or
-    :func:`gather_matmul` (with ``ids``, ``up``, ``repeat``): shapes, integer sizes or ids, one float dtype."""
+    :func:`gather_matmul` (with ``ids``, ``up``, ``repeat``): shapes, integer sizes or ids, one float dtype, or
+    quantized weights (int8 / float8_e4m3fn) with float32 scales ``[groups, 1, n]``."""
     if x.ndim != 2 or w.ndim != 3 or w.shape[1] != x.shape[1]:
         raise ValueError(f"x must be [m, k] and w [groups, k, n] with the same k, got {x.shape} and {w.shape}")
     if up is not None and (up.shape != w.shape or up.dtype != w.dtype):
         raise ValueError(f"up must be w's shape and dtype {w.dtype}{list(w.shape)}, got {up.dtype}{list(up.shape)}")
+    if (up_scale is not None) != (up is not None and w_scale is not None):
+        raise ValueError("up_scale must come exactly with up and w_scale: both weights quantized, or neither")
+    scale_shape = (w.shape[0], 1, w.shape[2])
+    for name, scale in (("w_scale", w_scale), ("up_scale", up_scale)):
+        if scale is not None and (scale.shape != scale_shape or scale.dtype != jnp.float32):
+            raise ValueError(f"{name} must be float32{list(scale_shape)} (one scale per group and output column), "
+                             f"got {scale.dtype}{list(scale.shape)}")
+    if w_scale is not None:
+        if x.dtype not in DTYPES or w.dtype not in QUANTIZED_DTYPES:
+            raise ValueError(f"with w_scale, x must be bfloat16 or float32 and w int8 or float8_e4m3fn codes; got "
+                             f"{x.dtype} and {w.dtype}")
+    elif w.dtype in QUANTIZED_DTYPES:
+        raise ValueError(f"w holds {w.dtype} codes: pass their scales as w_scale")
     if group_sizes is not None and (group_sizes.shape != (w.shape[0],)
                                     or not jnp.issubdtype(group_sizes.dtype, jnp.integer)):
         raise ValueError(f"group_sizes must be integer [groups={w.shape[0]}], got "
@@ -202,46 +233,49 @@ def check_inputs(x, w, group_sizes=None, ids=None, up=None, repeat=1) -> None:
     if ids is not None and (ids.shape != (x.shape[0] * repeat,) or not jnp.issubdtype(ids.dtype, jnp.integer)):
         raise ValueError(f"ids must be integer [m={x.shape[0] * repeat}] (x's {x.shape[0]} rows x repeat={repeat}), "
                          f"got {ids.dtype}{list(ids.shape)}")
-    if x.dtype != w.dtype or x.dtype not in DTYPES:
+    if w_scale is None and (x.dtype != w.dtype or x.dtype not in DTYPES):
         raise ValueError(f"x and w must share one dtype, bfloat16 or float32; got {x.dtype} and {w.dtype}")
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
-                   config: GroupedMatmulConfig | None = None, interpret: bool = False) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, w_scale: jax.Array | None = None,
+                   out_dtype=None, config: GroupedMatmulConfig | None = None, interpret: bool = False) -> jax.Array:
     """``jax.lax.ragged_dot(x, w, group_sizes)`` (module docstring) in one launch.
 
     Args:
       x: ``[m, k]`` rows sorted by group, bfloat16 or float32.
-      w: ``[groups, k, n]``, x's dtype.
+      w: ``[groups, k, n]``, x's dtype; or int8 / float8_e4m3fn codes with ``w_scale``.
       group_sizes: int ``[groups]``, nonnegative: rows per group, in order.
+      w_scale: float32 ``[groups, 1, n]``, the codes' scales (weight-only quantization, module docstring).
       out_dtype: output dtype (default x's); accumulation is always fp32.
       config: launch geometry (default :func:`default_config`).
 
     Returns:
       ``[m, n]``; rows past ``sum(group_sizes)`` are 0.
     """
-    check_inputs(x, w, group_sizes)
+    check_inputs(x, w, group_sizes, w_scale=w_scale)
     m, num_groups = x.shape[0], w.shape[0]
     config = config or default_config(m, num_groups)
     if (visits := max_visits(m, num_groups, config.block_m)) > MAX_GRID_Y:
         raise ValueError(f"{m} rows in blocks of {config.block_m} over {num_groups} groups need {visits} visits, "
                          f"more than CUDA's {MAX_GRID_Y} grid rows; use a larger block_m")
     plan = visit_plan(group_sizes, m, config.block_m)
-    return _launch(plan, x, (w,), config, out_dtype, interpret, per_row=False)
+    return _launch(plan, x, (w,), () if w_scale is None else (w_scale,), config, out_dtype, interpret, per_row=False)
 
 
-def _launch(plan, x, weights, config, out_dtype, interpret, *, per_row, repeat=1):
+def _launch(plan, x, weights, scales, config, out_dtype, interpret, *, per_row, repeat=1):
     """The kernel over ``plan`` (visit_plan's ``[3, visits]``, or ``per_row``: ids ``[m]``, one visit a row, x's
-    row ``r // repeat``) and ``weights``: ``(w,)``, or ``(gate, up)`` for the SwiGLU hidden."""
+    row ``r // repeat``) and ``weights``: ``(w,)``, or ``(gate, up)`` for the SwiGLU hidden; ``scales``: theirs
+    where they are quantized codes, else ``()``."""
     m, (num_groups, _, n) = x.shape[0] * repeat, weights[0].shape
     block_n = min(config.block_n, max(MIN_TILE, pl.next_power_of_2(n)))  # no all-padding tiles for small n
     if not interpret:
         launched = dataclasses.replace(config, block_n=block_n)
         device.check_shared_memory(f"{'gather_matmul' if per_row else 'grouped_matmul'} in {x.dtype}", launched,
-                                   launched.shared_memory_bytes(x.dtype, len(weights)), device.gpu())
+                                   launched.shared_memory_bytes(x.dtype, len(weights), weights[0].dtype), device.gpu())
     kernel = functools.partial(_gmm_kernel, block_m=config.block_m, block_n=block_n, block_k=config.block_k,
-                               num_groups=num_groups, per_row=per_row, repeat=repeat)
+                               num_groups=num_groups, per_row=per_row, repeat=repeat, num_weights=len(weights),
+                               scaled=bool(scales))
     n_tiles = pl.cdiv(n, block_n)
     return pl.pallas_call(
         kernel,
@@ -250,52 +284,64 @@ def _launch(plan, x, weights, config, out_dtype, interpret, *, per_row, repeat=1
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="gather_matmul" if per_row else "grouped_matmul",
-    )(plan, x, *weights)
+    )(plan, x, *weights, *scales)
 
 
 @functools.partial(jax.jit, static_argnames=("repeat", "out_dtype", "config", "interpret"))
 def gather_matmul(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.Array | None = None, *, repeat: int = 1,
-                  out_dtype=None, config: GroupedMatmulConfig = GATHER_CONFIG, interpret: bool = False) -> jax.Array:
+                  w_scale: jax.Array | None = None, up_scale: jax.Array | None = None, out_dtype=None,
+                  config: GroupedMatmulConfig = GATHER_CONFIG, interpret: bool = False) -> jax.Array:
     """``out[r] = x[r // repeat] @ w[ids[r]]`` for rows in any order (module docstring) in one launch; with ``up``,
     SwiGLU's hidden ``silu(x[r // repeat] @ w[ids[r]]) * (x[r // repeat] @ up[ids[r]])`` (w the gate), both
     products of a tile in one program.
 
     Args:
       x: ``[m / repeat, k]``, bfloat16 or float32.
-      w: ``[groups, k, n]``, x's dtype.
+      w: ``[groups, k, n]``, x's dtype; or int8 / float8_e4m3fn codes with ``w_scale``.
       ids: int ``[m]``: each row's group; an id outside ``[0, groups)`` gives a row of zeros (no weights read).
       up: optional ``[groups, k, n]``, w's dtype.
       repeat: output rows per row of x (a token's top-k pairs read its row ``repeat = k`` times: no repeated copy).
+      w_scale, up_scale: float32 ``[groups, 1, n]``, the scales of quantized ``w`` and ``up`` (module docstring).
       out_dtype: output dtype (default x's); accumulation (and the SwiGLU product) is always fp32.
       config: launch geometry; one row of each ``block_m``-row tile is used.
 
     Returns:
       ``[m, n]``.
     """
-    check_inputs(x, w, ids=ids, up=up, repeat=repeat)
-    return _launch(ids.astype(jnp.int32), x, (w,) if up is None else (w, up), config, out_dtype, interpret,
-                   per_row=True, repeat=repeat)
+    check_inputs(x, w, ids=ids, up=up, repeat=repeat, w_scale=w_scale, up_scale=up_scale)
+    weights, scales = ((w,), (w_scale,)) if up is None else ((w, up), (w_scale, up_scale))
+    return _launch(ids.astype(jnp.int32), x, weights, () if w_scale is None else scales, config, out_dtype,
+                   interpret, per_row=True, repeat=repeat)
 
 
-def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None) -> jax.Array:
-    """``jax.lax.ragged_dot`` with fp32 accumulation (IEEE fp32 products for fp32 operands)."""
-    check_inputs(x, w, group_sizes)
-    out = jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
+def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, w_scale: jax.Array | None = None,
+                             out_dtype=None) -> jax.Array:
+    """``jax.lax.ragged_dot`` with fp32 accumulation (IEEE fp32 products for fp32 operands); quantized codes
+    converted to x's dtype, each row then times its group's scales."""
+    check_inputs(x, w, group_sizes, w_scale=w_scale)
+    sizes = group_sizes.astype(jnp.int32)
+    out = jax.lax.ragged_dot(x, w.astype(x.dtype), sizes, precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
+    if w_scale is not None:  # row r of group g: times w_scale[g]; rows past sum(group_sizes) are 0 either way
+        row_group = jnp.repeat(jnp.arange(w.shape[0]), jnp.maximum(sizes, 0), total_repeat_length=x.shape[0])
+        out = out * w_scale[row_group, 0]
     return out.astype(out_dtype or x.dtype)
 
 
 def gather_matmul_reference(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.Array | None = None, *,
-                            repeat: int = 1, out_dtype=None) -> jax.Array:
+                            repeat: int = 1, w_scale: jax.Array | None = None, up_scale: jax.Array | None = None,
+                            out_dtype=None) -> jax.Array:
     """:func:`gather_matmul` in plain jnp: each row ``x[r // repeat]`` times its gathered matrices ``w[ids[r]]``
-    (and ``up[ids[r]]``) with fp32 accumulation."""
-    check_inputs(x, w, ids=ids, up=up, repeat=repeat)
+    (and ``up[ids[r]]``) with fp32 accumulation; quantized codes converted to x's dtype, times their scales."""
+    check_inputs(x, w, ids=ids, up=up, repeat=repeat, w_scale=w_scale, up_scale=up_scale)
     x = jnp.repeat(x, repeat, axis=0)
     known = (ids >= 0) & (ids < w.shape[0])
+    rows = jnp.where(known, ids, 0)
 
-    def product(w):
-        return jnp.einsum("mk,mkn->mn", x, w[jnp.where(known, ids, 0)], precision=jax.lax.Precision.HIGHEST,
-                          preferred_element_type=jnp.float32)
+    def product(w, scale):
+        out = jnp.einsum("mk,mkn->mn", x, w[rows].astype(x.dtype), precision=jax.lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
+        return out if scale is None else out * scale[rows, 0]
 
-    out = product(w) if up is None else jax.nn.silu(product(w)) * product(up)
+    out = product(w, w_scale) if up is None else jax.nn.silu(product(w, w_scale)) * product(up, up_scale)
     return jnp.where(known[:, None], out, 0.0).astype(out_dtype or x.dtype)

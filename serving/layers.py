@@ -28,7 +28,8 @@ GPU and, in a process lowering for a GPU it has not got, behind ``jax.lax.platfo
   and attention sinks (a weight) go to both ops, whose Triton kernels skip the key blocks wholly before a
   token's window (the Mosaic flash attention has neither, so such a layer's prefill runs the Triton one).
 * ``moe``'s three expert matmuls run as ``grouped_matmul`` over the (token, expert) pairs sorted by expert
-  (plain weights of the activations' dtype; quantized weights keep ``quantization.linear``); up to
+  (plain weights of the activations' dtype, or int8 / fp8 ``QuantizedWeight`` codes with their per-column scales,
+  converted in the kernel: half the weight bytes of bf16 where decode is bound by them); up to
   ``PAIRWISE_MAX_ROWS`` pairs (decode) as two ``gather_matmul`` launches over the pairs unsorted (the SwiGLU
   hidden with gate and up together, then down), each pair a row read with its expert's weights: no sort,
   visit plan or unsort kernels, and no copy of x per pair (``repeat=k``). ``KernelPolicy.gather_config`` is
@@ -76,13 +77,14 @@ from pallas_kernels.grouped_matmul import (
     DECODE_CONFIG,
     DECODE_ROWS_PER_GROUP,
     GATHER_CONFIG,
+    QUANTIZED_DTYPES,
     GroupedMatmulConfig,
     gather_matmul,
     grouped_matmul,
 )
 from serving.config import ModelConfig, RopeConfig
 from serving.kv_cache import AttentionBatch
-from serving.quantization import LinearWeight, linear
+from serving.quantization import LinearWeight, QuantizedWeight, linear
 
 MASKED = -1e30  # score of a key a query may not see: finite, so a fully masked (padding) row stays NaN-free
 # MLA's packed prefill has R + P = 576-wide rows: the paged MLA kernel's accumulator size (32 x 512 fp32 at 8 warps).
@@ -465,11 +467,12 @@ def expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Arra
     (``expert_matmul``) and unsorted; that is also the reference path, and batch-invariant mode's (one grouped
     geometry at every row count).
     """
-    plain = all(isinstance(params[name], jax.Array) and params[name].dtype == x.dtype
-                for name in ("gate", "up", "down")) and x.dtype in attention_kernels.DTYPES
+    operands = [_kernel_operands(x, params[name]) for name in ("gate", "up", "down")]
+    same_kind = operands[0] is not None and operands[1] is not None and operands[0][0].dtype == operands[1][0].dtype
     swiglu_only = "gate_bias" not in params and not cfg.swiglu_limit  # gather_matmul fuses a plain SwiGLU
     sorted_outputs = functools.partial(_sorted_expert_outputs, cfg=cfg, kernels=kernels)
-    if experts.size > PAIRWISE_MAX_ROWS or not plain or not swiglu_only or kernels.batch_invariant:
+    if (experts.size > PAIRWISE_MAX_ROWS or not same_kind or operands[2] is None or not swiglu_only
+            or kernels.batch_invariant):
         return sorted_outputs(x, params, experts)
     return _dispatch(kernels, _experts_use_kernels(kernels),
                      functools.partial(_gathered_expert_outputs, config=kernels.gather_config), sorted_outputs, x,
@@ -495,9 +498,26 @@ def _gathered_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts
     SwiGLU hidden in one launch (gate and up together), then down."""
     num_tokens, top_k = experts.shape
     ids = experts.reshape(-1)
-    hidden = gather_matmul(x, params["gate"], ids, params["up"], repeat=top_k, config=config, interpret=interpret)
-    return gather_matmul(hidden, params["down"], ids, config=config,
+    (gate, gate_scale), (up, up_scale), (down, down_scale) = (_kernel_operands(x, params[name])
+                                                               for name in ("gate", "up", "down"))
+    hidden = gather_matmul(x, gate, ids, up, repeat=top_k, w_scale=gate_scale, up_scale=up_scale, config=config,
+                           interpret=interpret)
+    return gather_matmul(hidden, down, ids, w_scale=down_scale, config=config,
                          interpret=interpret).reshape(num_tokens, top_k, -1)
+
+
+def _kernel_operands(x: jax.Array, w: LinearWeight) -> tuple[jax.Array, jax.Array | None] | None:
+    """``w`` as the Triton expert kernels take it beside activations ``x``: ``(w, None)`` for a plain weight of x's
+    dtype, ``(codes, scales)`` for an int8 / fp8 ``QuantizedWeight`` with one scale per expert and output column;
+    None for anything else (the reference path, ``quantization.linear``)."""
+    if x.dtype not in attention_kernels.DTYPES:
+        return None
+    if isinstance(w, jax.Array):
+        return (w, None) if w.dtype == x.dtype else None
+    if (isinstance(w, QuantizedWeight) and w.q.ndim == 3 and w.q.dtype in QUANTIZED_DTYPES
+            and w.scale.shape == (w.q.shape[0], 1, w.q.shape[2]) and w.scale.dtype == jnp.float32):
+        return w.q, w.scale
+    return None
 
 
 def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: jax.Array, cfg: ModelConfig,
@@ -519,19 +539,24 @@ def expert_swiglu(rows: jax.Array, params: dict[str, jax.Array], group_sizes: ja
 def expert_matmul(x: jax.Array, w: LinearWeight, group_sizes: jax.Array,
                   kernels: KernelPolicy = DEFAULT) -> jax.Array:
     """Grouped matmul ``x [M, in]`` (rows sorted by expert) times ``w [E, in, out]`` -> ``[M, out]``, row r by its
-    expert's matrix: ``grouped_matmul`` for a plain weight of x's dtype where ``kernels`` runs the expert kernels
-    (``grouped_matmul_mgpu`` where ``kernels.experts`` is "mosaic" and it takes the call), else
-    ``quantization.linear`` (``ragged_dot``; quantized weights)."""
-    plain = isinstance(w, jax.Array) and w.dtype == x.dtype and x.dtype in attention_kernels.DTYPES
-    if not plain:
+    expert's matrix: ``grouped_matmul`` for a plain weight of x's dtype or int8 / fp8 codes with their scales
+    (``_kernel_operands``) where ``kernels`` runs the expert kernels (``grouped_matmul_mgpu`` for a plain weight
+    where ``kernels.experts`` is "mosaic" and it takes the call), else ``quantization.linear`` (``ragged_dot``)."""
+    operands = _kernel_operands(x, w)
+    quantized = operands is not None and operands[1] is not None
+    if operands is None or quantized and kernels.batch_invariant:  # that mode: plain weights only
         return linear(x, w, group_sizes=group_sizes)
     config = INVARIANT_GROUPED_CONFIG if kernels.batch_invariant else None
-    kernel = functools.partial(grouped_matmul, config=config)
-    if _experts_mosaic(kernels, x, w):
-        kernel = mosaic_grouped.grouped_matmul_mgpu
-    return _dispatch(kernels, _experts_use_kernels(kernels),
-                     lambda x, w, g, interpret: kernel(x, w, g, interpret=interpret),
-                     lambda x, w, g: linear(x, w, group_sizes=g), x, w, group_sizes)
+
+    def kernel(x: jax.Array, w: LinearWeight, group_sizes: jax.Array, interpret: bool) -> jax.Array:
+        if quantized:
+            return grouped_matmul(x, w.q, group_sizes, w_scale=w.scale, config=config, interpret=interpret)
+        if _experts_mosaic(kernels, x, w):
+            return mosaic_grouped.grouped_matmul_mgpu(x, w, group_sizes, interpret=interpret)
+        return grouped_matmul(x, w, group_sizes, config=config, interpret=interpret)
+
+    return _dispatch(kernels, _experts_use_kernels(kernels), kernel, lambda x, w, g: linear(x, w, group_sizes=g),
+                     x, w, group_sizes)
 
 
 # --------------------------------------------------------------------------- attention

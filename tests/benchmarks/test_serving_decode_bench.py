@@ -21,12 +21,18 @@ from serving.models import model_module
 
 
 def test_cpu_mode_measures_prefill_and_decode_and_writes_them(tmp_path):
-    serving_decode.main(["--cpu", "--out-dir", str(tmp_path)])
+    serving_decode.main(["--cpu", "--out-dir", str(tmp_path), "--engines", "serving,serving-fp8"])
     result = json.loads((tmp_path / "serving_decode_cpu.json").read_text())
     assert result["benchmark"] == "serving_decode_cpu" and result["meta"]["platform"] == "cpu"
     rows = result["rows"]
     settings = serving_decode.SETTINGS["cpu"]
     decode_cases = [(case, b) for b in settings["batches"] for case in ("decode", "decode-multi")]
+    # The fp8 engine: the same cases on quantized weights, fewer bytes a step, timed against the serving rows.
+    fp8, rows = [r for r in rows if r["engine"] == "serving-fp8"], [r for r in rows if r["engine"] != "serving-fp8"]
+    assert [(r["case"], r["batch"]) for r in fp8] == decode_cases + [("prefill", 1)]
+    for plain, quantized in zip(rows[:-1], fp8[:-1], strict=True):
+        assert quantized["weight_gb"] < plain["weight_gb"] and quantized["overhead_vs_serving"] == pytest.approx(
+            quantized["step_ms"] / plain["step_ms"])
     assert [(r["case"], r["batch"]) for r in rows] == decode_cases + [("prefill", 1)]
     for r in rows:
         assert r["status"] == "ok" and r["engine"] == "serving" and r["step_ms"] > 0, r
@@ -37,7 +43,8 @@ def test_cpu_mode_measures_prefill_and_decode_and_writes_them(tmp_path):
         assert 0 < r["roofline_pct"] and r["roofline_tokens_per_s"] > 0
         assert r["roofline_ms"] * 1e9 * r["bandwidth_tb_s"] == pytest.approx(r["weight_gb"] * 1e9 + r["kv_gb"] * 1e9)
         assert 1 <= r["touched_experts_per_layer"] <= min(8, r["batch"] * 2)  # tiny-moe: 8 experts, top-2
-    assert result["bandwidth_tb_s"] == rows[0]["bandwidth_tb_s"] > 0  # measured by the (one) worker
+    # each worker measures the copy bandwidth once; the run's is their median
+    assert result["bandwidth_tb_s"] == pytest.approx(np.median([rows[0]["bandwidth_tb_s"], fp8[0]["bandwidth_tb_s"]]))
     assert (tmp_path / "serving_decode_cpu.png").is_file()
 
 
@@ -55,6 +62,18 @@ def test_weight_bytes_count_touched_experts_and_skip_the_untied_embedding():
     assert experts == 3 * expert
     all_experts = cfg.layers * cfg.num_experts * expert
     assert total == every - all_experts - embed + 4 * cfg.hidden * 2 + 3 * expert
+
+
+def test_weight_bytes_count_quantized_experts_codes_and_scales():
+    from serving.quantization import quantize_params
+
+    cfg = ModelConfig.from_hf(serving_decode.TINY_MOE)
+    params = model_module(cfg.family).init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    counts = np.ones((cfg.layers, cfg.num_experts), np.int32)  # every expert touched
+    plain_total, plain_experts = serving_decode.weight_bytes_per_step(params, cfg, 1, counts)
+    total, experts = serving_decode.weight_bytes_per_step(quantize_params(params, "fp8", cfg), cfg, 1, counts)
+    scales = cfg.layers * cfg.num_experts * (2 * cfg.moe_intermediate + cfg.hidden) * 4  # float32, per column
+    assert experts == plain_experts // 2 + scales and total < plain_total
 
 
 def trace_event(pid, tid, name, ts, dur):

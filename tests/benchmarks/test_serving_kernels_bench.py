@@ -19,8 +19,19 @@ def test_cpu_mode_times_every_kernel_against_its_competitor(tmp_path):
     assert all(r["status"] == "ok" and r["median_ms"] > 0 and r["tflop_s"] > 0 for r in rows), rows
     expected = {("flash_attention", "xla"), ("paged_attention", "jnp reference"),
                 ("paged_mla_attention", "jnp reference"), ("grouped_matmul", "ragged_dot"),
-                ("grouped_matmul", "pallas_mosaic")}
+                ("grouped_matmul", "pallas_mosaic"), ("quantized_experts", "ragged_dot")}
     assert {(r["kernel"], r["impl"]) for r in rows if r["impl"] != "pallas"} == expected
+    # Quantized experts: ragged_dot and the Triton kernel on bf16, int8 and fp8 weights per shape; their error
+    # against bf16 ragged_dot is the quantization's (int8 finer than e4m3's 3 mantissa bits).
+    quantized = [r for r in rows if r["kernel"] == "quantized_experts"]
+    rows = [r for r in rows if r["kernel"] != "quantized_experts"]
+    assert {(r["shape"], r["impl"], r["weights"]) for r in quantized} == {
+        (shape, impl, kind) for shape in ("prefill", "decode") for impl in ("ragged_dot", "pallas")
+        for kind in ("bf16", "int8", "fp8")}
+    bound = {"bf16": BF16_RTOL, "int8": 1e-2, "fp8": 4e-2}
+    assert all(r.get("rel_err", 0) <= bound[r["weights"]] and r["x_bf16"] > 0 and r["x_xla"] > 0
+               for r in quantized), quantized
+    assert all(r["x_bf16"] == 1 for r in quantized if (r["impl"], r["weights"]) == ("pallas", "bf16"))
     cases = {(r["kernel"], r["shape"]) for r in rows}
     assert {shape for kernel, shape in cases if kernel == "grouped_matmul"} == {"prefill", "decode"}
     for kernel, shape in cases:

@@ -157,6 +157,90 @@ class TestGatherMatmul:
         assert 'name = "gather_matmul"' in text
 
 
+def quantized(w, kind):
+    """``w [groups, k, n]`` as codes and float32 scales ``[groups, 1, n]``: a per-column absmax (serving's
+    ``quantization.quantize`` of stacked experts, written out here so the kernels' tests import nothing above)."""
+    dtype, qmax = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}[kind]
+    scale = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=1, keepdims=True) / qmax
+    codes = w.astype(jnp.float32) / jnp.where(scale > 0, scale, 1.0)
+    return (jnp.round(codes) if kind == "int8" else codes).astype(dtype), scale
+
+
+class TestQuantizedWeights:
+    """Weight-only int8 / fp8 experts: ``(x @ convert(q)) * scale`` per group and column, the codes converted in
+    the kernel, the scale applied to the fp32 accumulator."""
+
+    @pytest.mark.parametrize("kind", ["int8", "fp8"])
+    @pytest.mark.parametrize("case", ["ragged", "bf16_decode_tiles"])
+    def test_grouped_matches_its_reference_and_the_dequantized_weights(self, case, kind):
+        m, k, n, group_sizes, config, dtype, _ = CASES[case]
+        x, w, sizes = inputs(len(case) + len(kind), m, k, n, group_sizes, dtype)
+        q, scale = quantized(w, kind)
+        out = K.grouped_matmul(x, q, sizes, w_scale=scale, out_dtype=jnp.float32, config=config,
+                               interpret=interpret())
+        assert_close(out, K.grouped_matmul_reference(x, q, sizes, w_scale=scale, out_dtype=jnp.float32))
+        dequantized = (q.astype(jnp.float32) * scale).astype(dtype)  # exact in bf16 only up to rounding of q*s
+        assert_close(out, K.grouped_matmul_reference(x, dequantized, sizes, out_dtype=jnp.float32), rtol=2e-2)
+        past = min(sum(group_sizes), m)
+        np.testing.assert_array_equal(np.asarray(out[past:]), 0.0)
+
+    @pytest.mark.parametrize("kind", ["int8", "fp8"])
+    def test_gather_swiglu_and_down_match_their_references(self, kind):
+        num_groups, tokens, top_k = 6, 3, 4
+        x, gate, _ = inputs(9, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)
+        up = inputs(10, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)[1]
+        down = inputs(11, tokens, 48, 40, [0] * num_groups, jnp.bfloat16)[1]
+        (gq, gs), (uq, us), (dq, ds) = (quantized(w, kind) for w in (gate, up, down))
+        ids = jnp.asarray(np.random.default_rng(3).integers(0, num_groups + 1, tokens * top_k), jnp.int32)
+        config = K.GroupedMatmulConfig(16, 32, 16)
+        hidden = K.gather_matmul(x, gq, ids, uq, repeat=top_k, w_scale=gs, up_scale=us, config=config,
+                                 interpret=interpret())
+        assert_close(hidden, K.gather_matmul_reference(x, gq, ids, uq, repeat=top_k, w_scale=gs, up_scale=us))
+        out = K.gather_matmul(hidden, dq, ids, w_scale=ds, config=config, interpret=interpret())
+        assert_close(out, K.gather_matmul_reference(hidden, dq, ids, w_scale=ds))
+        assert not np.asarray(out[np.asarray(ids) == num_groups], np.float32).any()  # no group: a zero row
+
+    def test_rejects_codes_without_scales_and_bad_scales(self):
+        x, w, sizes = inputs(0, 32, 16, 24, [10, 22], jnp.bfloat16)
+        q, scale = quantized(w, "int8")
+        with pytest.raises(ValueError, match="w holds int8 codes: pass their scales as w_scale"):
+            K.grouped_matmul(x, q, sizes)
+        with pytest.raises(ValueError, match=r"w_scale must be float32\[2, 1, 24\] .*, got float32\[2, 24\]"):
+            K.grouped_matmul(x, q, sizes, w_scale=scale[:, 0])
+        with pytest.raises(ValueError, match=r"w_scale must be float32\[2, 1, 24\] .*, got bfloat16"):
+            K.grouped_matmul_reference(x, q, sizes, w_scale=scale.astype(jnp.bfloat16))
+        with pytest.raises(ValueError, match="x must be bfloat16 or float32 and w int8 or float8_e4m3fn codes; "
+                                             "got bfloat16 and bfloat16"):
+            K.grouped_matmul(x, w, sizes, w_scale=scale)
+        ids = jnp.zeros(32, jnp.int32)
+        with pytest.raises(ValueError, match="up_scale must come exactly with up and w_scale"):
+            K.gather_matmul(x, q, ids, q, w_scale=scale)
+        with pytest.raises(ValueError, match="up_scale must come exactly with up and w_scale"):
+            K.gather_matmul(x, w, ids, w, up_scale=scale)
+
+    @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
+    def test_lowers_for_h200(self, dtype):
+        """Qwen3-30B-A3B's decode expert matmuls (64 tokens x top-8) on quantized weights: the SwiGLU gather,
+        the down gather and the sorted grouped matmul."""
+        def weight(k, n):
+            return jax.ShapeDtypeStruct((128, k, n), dtype), jax.ShapeDtypeStruct((128, 1, n), jnp.float32)
+
+        (gate, gs), (down, ds) = weight(2048, 768), weight(768, 2048)
+        x, hidden = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((512, 768), jnp.bfloat16)
+        ids = jax.ShapeDtypeStruct((512,), jnp.int32)
+        swiglu = lower_for_h200(lambda x, g, i, u, s, t: K.gather_matmul(x, g, i, u, repeat=8, w_scale=s, up_scale=t),
+                                x, gate, ids, gate, gs, gs)
+        assert 'name = "gather_matmul"' in swiglu
+        assert 'name = "gather_matmul"' in lower_for_h200(lambda h, d, i, s: K.gather_matmul(h, d, i, w_scale=s),
+                                                          hidden, down, ids, ds)
+        sizes = jax.ShapeDtypeStruct((128,), jnp.int32)
+        assert "grouped_matmul" in lower_for_h200(lambda h, d, g, s: K.grouped_matmul(h, d, g, w_scale=s),
+                                                  hidden, down, sizes, ds)
+        (odd, odd_scale), rows = weight(200, 72), jax.ShapeDtypeStruct((512, 200), jnp.bfloat16)  # masked tiles
+        assert "grouped_matmul" in lower_for_h200(lambda h, d, g, s: K.grouped_matmul(h, d, g, w_scale=s),
+                                                  rows, odd, sizes, odd_scale)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_visit_plan_covers_every_row_once_within_one_group(seed):
     rng = np.random.default_rng(seed)

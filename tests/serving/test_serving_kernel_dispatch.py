@@ -23,7 +23,7 @@ from serving.engine.sampler import SampleRow
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk, make_batch
 from serving.loaders import read_checkpoint
 from serving.models import model_module
-from serving.quantization import quantize
+from serving.quantization import quantize, quantize_params
 
 BLOCK = 4
 NUM_BLOCKS = 32
@@ -182,11 +182,35 @@ def test_moe_expert_kernels_equal_ragged_dot(dtype, tokens, kernel):
     assert int(counts.sum()) == (tokens - 3) * cfg.top_k
 
 
-def test_quantized_experts_keep_the_ragged_dot_path():
-    w = quantize(normal(0, (4, 32, 16), jnp.float32), "int8")
-    x, sizes = normal(1, (10, 32), jnp.float32), jnp.array([3, 0, 5, 2], jnp.int32)
-    assert not runs_a_pallas_kernel(layers.INTERPRET, layers.expert_matmul, x, w, sizes)
-    assert runs_a_pallas_kernel(layers.INTERPRET, layers.expert_matmul, x, normal(0, (4, 32, 16), jnp.float32), sizes)
+@pytest.mark.parametrize("tokens, kernel", [(layers.PAIRWISE_MAX_ROWS // 2, "gather_matmul"),
+                                            (layers.PAIRWISE_MAX_ROWS, "grouped_matmul")])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantized_moe_experts_run_the_kernels_and_equal_ragged_dot(kind, tokens, kernel):
+    """int8 / fp8 expert codes go to the same Triton kernels as plain weights (converted there, each column then
+    times its scale), gathered at decode sizes and sorted past them, and equal ``quantization.linear``'s
+    ragged_dot path; batch-invariant mode (plain weights only) keeps that path."""
+    cfg, dtype = moe_config(), jnp.bfloat16
+    e, d, i = cfg.num_experts, cfg.hidden, cfg.moe_intermediate
+    params = {"router": normal(0, (d, e), dtype)} | {
+        name: quantize(normal(seed, shape, jnp.float32) * shape[1] ** -0.5, kind)
+        for seed, (name, shape) in enumerate([("gate", (e, d, i)), ("up", (e, d, i)), ("down", (e, i, d))], 1)}
+    x = normal(4, (tokens, d), dtype)
+    valid = jnp.arange(tokens) < tokens - 3
+
+    def run(x, params, valid, kernels):
+        return layers.moe(x, params, cfg, valid, kernels=kernels)
+
+    assert traced_kernels(layers.INTERPRET, run, x, params, valid) == {kernel}
+    (y, counts), (y_ref, counts_ref) = (in_mode(layers.INTERPRET, run, x, params, valid),
+                                        in_mode(layers.REFERENCE, run, x, params, valid))
+    assert_close(y, y_ref)
+    assert float(jnp.abs(y[:-3].astype(jnp.float32)).min(axis=1).max()) > 0
+    assert not np.asarray(y[-3:], np.float32).any()
+    np.testing.assert_array_equal(counts, counts_ref)
+    sizes = jnp.array([3, 0, 5, 2], jnp.int32)
+    w = quantize(normal(0, (4, 32, 16), jnp.float32), kind)
+    assert runs_a_pallas_kernel(layers.INTERPRET, layers.expert_matmul, normal(1, (10, 32), dtype), w, sizes)
+    assert not runs_a_pallas_kernel(layers.BATCH_INVARIANT, layers.expert_matmul, normal(1, (10, 32), dtype), w, sizes)
 
 
 @pytest.mark.parametrize("tokens, experts, mosaic", [
@@ -296,6 +320,20 @@ def test_a_whole_decode_step_lowers_to_the_triton_kernels_for_an_h200(name, atte
     assert ('name = "flash_attention_causal"' in text) != paged_only
     assert 'name = "grouped_matmul"' not in text and "stablehlo.sort" not in text  # no sort, no visit plan
     assert "ragged_dot" not in text  # the reference branch is not lowered for cuda
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_quantized_moe_decode_step_lowers_to_the_expert_kernels_for_an_h200(kind):
+    """Quantized weights (`python -m serving quantize`): the decode step's experts run gather_matmul on the codes."""
+    cfg, params = fixture("qwen3_moe", jnp.bfloat16)
+    params = quantize_params(params, kind, cfg)
+    batch = make_batch([SeqChunk([2, 5], 6, 1), SeqChunk([7], 1, 1)], BLOCK, num_tokens=8, num_seqs=2)
+    kv = jax.eval_shape(lambda: create_cache(cfg, NUM_BLOCKS, jnp.bfloat16))
+    step = functools.partial(model_module(cfg.family).forward, cfg=cfg, kernels=policy(layers.DEFAULT, True))
+    text = lower_for_h200(lambda p, t, b, c: step(p, tokens=t, batch=b, kv=c), params,
+                          jax.ShapeDtypeStruct((8,), jnp.int32), batch, kv)
+    assert 'name = "gather_matmul"' in text and "ragged_dot" not in text
+    assert ("f8E4M3FN" in text) == (kind == "fp8")
 
 
 def test_a_gpt_oss_decode_step_lowers_to_the_triton_kernels_for_an_h200():
