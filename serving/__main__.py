@@ -7,10 +7,10 @@
 
 ``serve`` and ``chat`` (the HTTP API and a streaming terminal chat) are described in ``serving.api.cli``.
 
-``quantize`` loads a checkpoint (the embedded SmolLM2-135M-Instruct, a HF safetensors folder or a GGUF file)
-in ``--dtype``, quantizes its attention and MLP/expert projections per output channel
-(``serving.quantization.quantize_params``) and writes a folder ``serving.loaders.load_model`` reads back as
-quantized params, with the tokenizer files beside it.
+``quantize`` loads a checkpoint (the embedded SmolLM2-135M-Instruct, a HF safetensors folder, also a published
+block-scaled fp8 one, dequantized at load, or a GGUF file) in ``--dtype``, quantizes its attention and MLP/expert
+projections per output channel (``serving.quantization.quantize_params``) and writes a folder
+``serving.loaders.load_model`` reads back as quantized params, with the tokenizer files beside it.
 """
 
 import argparse
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from serving import enable_command_buffers, quantization, weights
 from serving.api import cli as api_cli
-from serving.config import ModelConfig
+from serving.config import QUANT_METHOD, ModelConfig
 from serving.llm_engine import DTYPES
 from serving.loaders import quantized
 from serving.loaders.gguf import load_gguf
@@ -50,9 +50,10 @@ def quantize_command(args: argparse.Namespace) -> Path:
     source = weights.default_model_gguf() if args.model == DEFAULT_MODEL else Path(args.model)
     out = Path(args.out)
     if source.is_dir():
-        if quantized.quantization_config(source) is not None:
-            raise ValueError(f"--model {args.model!r} is already quantized ({quantized.quantization_config(source)})"
-                             ": expected an unquantized checkpoint")
+        qconfig = quantized.quantization_config(source)
+        if qconfig is not None and qconfig.get("quant_method") == QUANT_METHOD:  # others dequantize at load or fail
+            raise ValueError(f"--model {args.model!r} is already quantized ({qconfig}): expected an unquantized "
+                             "checkpoint")
         hf_config = json.loads((source / "config.json").read_text())
         tensors, tokenizer = read_tensors(source), None
     elif source.is_file():

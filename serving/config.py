@@ -396,7 +396,8 @@ def _reject_unsupported(config: dict[str, Any], family: str) -> None:
     if act != "silu":
         raise ValueError(f"config.json hidden_act = {act!r}: only 'silu' (SwiGLU) is supported")
     quant = config.get("quantization_config")
-    readable = (QUANT_METHOD, "mxfp4") if family == "gpt_oss" else (QUANT_METHOD,)  # mxfp4: dequantized at load
+    # mxfp4 and "fp8" (block-scaled e4m3, loaders/fp8_blocks.py): dequantized at load
+    readable = (QUANT_METHOD, "fp8", "mxfp4") if family == "gpt_oss" else (QUANT_METHOD, "fp8")
     if quant is not None and quant.get("quant_method") not in readable:
         raise ValueError(f"config.json quantization_config.quant_method = {quant.get('quant_method')!r}: only "
                          f"unquantized checkpoints and quant_method in {list(readable)} load for {family}; "

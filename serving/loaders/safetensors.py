@@ -16,7 +16,7 @@ import safetensors
 from safetensors import safe_open
 
 from serving.config import ModelConfig
-from serving.loaders import mxfp4
+from serving.loaders import fp8_blocks, mxfp4
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,7 +35,7 @@ def read_config(path: str | Path) -> ModelConfig:
 
 def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint in ``path`` as numpy arrays (bf16 as ``ml_dtypes.bfloat16``; MXFP4 experts
-    dequantized to float32: ``mxfp4.dequantize_checkpoint``)."""
+    and block-scaled fp8 weights dequantized to float32: ``mxfp4`` / ``fp8_blocks.dequantize_checkpoint``)."""
     folder = Path(path)
     index_file = folder / INDEX_FILE
     if index_file.is_file():
@@ -55,7 +55,9 @@ def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
         if not shard_file.is_file():
             raise FileNotFoundError(f"shard {shard!r} listed in {INDEX_FILE} is missing from {str(path)!r}")
         tensors |= read_file(shard_file, names or None, source=f"shard {shard!r}")
-    return mxfp4.dequantize_checkpoint(tensors)
+    config_file = folder / "config.json"
+    quantization = json.loads(config_file.read_text()).get("quantization_config") if config_file.is_file() else None
+    return fp8_blocks.dequantize_checkpoint(mxfp4.dequantize_checkpoint(tensors), quantization)
 
 
 def read_file(file: str | Path, names: Sequence[str] | None = None, source: str | None = None) -> dict[str, np.ndarray]:

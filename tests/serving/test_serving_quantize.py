@@ -269,10 +269,10 @@ def test_loader_rejects_foreign_quantization_and_missing_tensors(tmp_path):
     cfg, _ = read_checkpoint(HF / "llama")
     hf_config = json.loads((HF / "llama" / "config.json").read_text())
     save_quantized(tmp_path, hf_config, quantize_params(fixture_params("llama", jnp.bfloat16), "int8", cfg))
-    foreign = {**hf_config, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    foreign = {**hf_config, "quantization_config": {"quant_method": "gptq", "bits": 4}}
     (tmp_path / "config.json").write_text(json.dumps(foreign))
-    with pytest.raises(ValueError, match=r"quant_method = 'fp8': only unquantized checkpoints and quant_method in "
-                       r"\['apex_jax'\]"):
+    with pytest.raises(ValueError, match=r"quant_method = 'gptq': only unquantized checkpoints and quant_method in "
+                       r"\['apex_jax', 'fp8'\]"):
         load_params(tmp_path)
     save_quantized(tmp_path, hf_config, quantize_params(fixture_params("llama", jnp.bfloat16), "fp8", cfg))
     tensors = read_file(tmp_path / SAFETENSORS_FILE)
@@ -282,6 +282,66 @@ def test_loader_rejects_foreign_quantization_and_missing_tensors(tmp_path):
         load_params(tmp_path)
     with pytest.raises(ValueError, match="expected exactly one of"):
         save_quantized(tmp_path, hf_config, fixture_params("llama", jnp.bfloat16))  # nothing quantized
+
+
+def published_fp8_checkpoint(name: str, folder, block: tuple[int, int] = (16, 16)) -> dict:
+    """Fixture ``name`` copied to ``folder`` in the format of the published fp8 checkpoints (DeepSeek-V3,
+    Qwen3-FP8): every projection's ``weight`` as e4m3 codes of its ``block`` tiles, each tile scaled by its absmax /
+    448, beside ``weight_scale_inv`` (the multipliers); embeddings, norms and the router stay as they are. Returns
+    the stored tensors (codes and multipliers as written)."""
+    import ml_dtypes
+
+    shutil.copytree(HF / name, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
+                                     "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps(config))
+    stored = {}
+    for key, w in read_file(HF / name / "model.safetensors").items():
+        if key.endswith("_proj.weight") and w.ndim == 2:
+            out, inp = w.shape
+            grid = (-(-out // block[0]), -(-inp // block[1]))
+            tiles = np.zeros((grid[0] * block[0], grid[1] * block[1]), np.float32)
+            tiles[:out, :inp] = w
+            scale = np.abs(tiles.reshape(grid[0], block[0], grid[1], block[1])).max(axis=(1, 3)) / 448.0
+            scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+            full = np.repeat(np.repeat(scale, block[0], axis=0), block[1], axis=1)[:out, :inp]
+            stored[key] = (w.astype(np.float32) / full).astype(ml_dtypes.float8_e4m3fn)
+            stored[key + "_scale_inv"] = scale
+        else:
+            stored[key] = w
+    # the safetensors layout written out (its numpy writer has no float8): u64 header length, JSON header, data
+    dtypes = {"float32": "F32", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "int64": "I64"}
+    header, offset = {}, 0
+    for key, v in stored.items():
+        header[key] = {"dtype": dtypes[v.dtype.name], "shape": list(v.shape),
+                       "data_offsets": [offset, offset + v.nbytes]}
+        offset += v.nbytes
+    encoded = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded
+                                               + b"".join(np.ascontiguousarray(v).tobytes() for v in stored.values()))
+    return stored
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_published_fp8_block_checkpoints_load_dequantized(tmp_path, name):
+    """A block-scaled fp8 checkpoint loads with each projection dequantized exactly (codes x their tile's
+    multiplier), keeps fp8's top-1 agreement with the fp32 model, and re-quantizes per column through the CLI."""
+    stored = published_fp8_checkpoint(name, tmp_path / "fp8")
+    cfg, tensors = read_checkpoint(tmp_path / "fp8")
+    assert cfg == read_checkpoint(HF / name)[0] and not any(k.endswith("_scale_inv") for k in tensors)
+    scaled = [k for k in stored if k + "_scale_inv" in stored]
+    assert len(scaled) == 7 * cfg.layers if name == "llama" else len(scaled) > 7 * cfg.layers  # experts one by one
+    for key in scaled:
+        out, inp = tensors[key].shape
+        multipliers = np.repeat(np.repeat(stored[key + "_scale_inv"], 16, axis=0), 16, axis=1)[:out, :inp]
+        np.testing.assert_array_equal(tensors[key], stored[key].astype(np.float32) * multipliers)
+    _, params = load_params(tmp_path / "fp8", jnp.float32)
+    got, want = teacher_forced_logits(name, params), fp32_logits(name)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= MIN_TOP1_AGREEMENT["fp8"]
+    assert np.abs(got - want).max() > 0
+    cli.main(["quantize", "--model", str(tmp_path / "fp8"), "--kind", "fp8", "--out", str(tmp_path / "columns")])
+    assert count_quantized(load_params(tmp_path / "columns")[1]) == 7 * cfg.layers
 
 
 def test_cli_writes_a_folder_the_loader_reads(tmp_path, capsys):
