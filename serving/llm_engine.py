@@ -86,6 +86,7 @@ from serving.images import ImageInput, ImageProcessorConfig, RequestImages, expa
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.loaders import LoadedModel, load_model
 from serving.models import model_module
+from serving.quantization import is_quantized
 from serving.spec_decode import (
     OFF,
     Drafter,
@@ -259,8 +260,9 @@ def create_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.
 
 def resolve_dtype(dtype: str | jnp.dtype, model: str | Path | LoadedModel | None) -> jnp.dtype:
     """The params and cache dtype ``dtype`` names for ``model``: a dtype (or its name in ``DTYPES``) as given;
-    "auto": a ``LoadedModel``'s params' floating dtype (the most common), else float32 on the CPU, else the
-    checkpoint's float16 if its config.json says so, else bfloat16."""
+    "auto": a ``LoadedModel``'s params' floating dtype (the most common among its plain arrays: quantized weights'
+    codes and scales say nothing of it), else float32 on the CPU, else the checkpoint's float16 if its config.json
+    says so, else bfloat16."""
     if isinstance(dtype, str) and dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: expected 'auto' or one of {list(DTYPES)}")
@@ -270,7 +272,8 @@ def resolve_dtype(dtype: str | jnp.dtype, model: str | Path | LoadedModel | None
             raise TypeError(f"dtype={dtype!r}: expected a floating dtype or 'auto'")
         return jnp.dtype(dtype)
     if isinstance(model, LoadedModel):
-        floats = [leaf.dtype for leaf in jax.tree.leaves(model.params) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+        floats = [leaf.dtype for leaf in jax.tree.leaves(model.params, is_leaf=is_quantized)
+                  if not is_quantized(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating)]
         return collections.Counter(floats).most_common(1)[0][0] if floats else jnp.dtype(jnp.float32)
     if jax.default_backend() == "cpu":
         return jnp.dtype(jnp.float32)

@@ -6,7 +6,9 @@ The server's front end never builds the engine itself: it hands the spec to the 
 
 ``model``: ``DEFAULT_MODEL`` (the embedded SmolLM2-135M-Instruct), a HF folder or a .gguf file; with
 ``random_weights`` a HF ``config.json`` (or its folder) whose shape is served with the family's ``init_params``
-(seed ``RANDOM_WEIGHTS_SEED``), with the ``tokenizer.json`` beside it when there is one. ``data_parallel x
+(seed ``RANDOM_WEIGHTS_SEED``), with the ``tokenizer.json`` beside it when there is one. ``quantize`` ("int8" or
+"fp8"): the loaded weights quantized per output column before serving (``quantization.quantize_params``, as
+``python -m serving quantize`` writes them; the expert matmuls then read 1-byte codes). ``data_parallel x
 tensor_parallel x expert_parallel`` is the mesh over every device of the process that builds the engine
 (all 1: one device).
 """
@@ -26,8 +28,10 @@ from serving.config import ModelConfig
 from serving.images import PROCESSOR_FILE
 from serving.llm_engine import DTYPES as ENGINE_DTYPES
 from serving.llm_engine import Engine, resolve_dtype
-from serving.loaders.model import LoadedModel, eos_from_folder, image_processor_from_folder
+from serving.loaders.model import LoadedModel, eos_from_folder, image_processor_from_folder, load_model
 from serving.models import model_module
+from serving.quantization import KINDS as QUANTIZED_KINDS
+from serving.quantization import is_quantized, quantize_params
 from serving.spec_decode import SpecConfig
 from serving.tokenizer import Tokenizer
 
@@ -64,6 +68,7 @@ class EngineSpec:
     disk_cache: str | None = None  # the disk tier's folder under the host tier (None: none)
     persist_disk_cache: bool = False  # at stop, copy the GPU's cached blocks to the disk tier too
     admission_window: float = 0.0  # the core's AdmissionWindow fraction (0: off; engine_core.py, not an Engine's)
+    quantize: str | None = None  # "int8" | "fp8": quantize the loaded weights per output column (None: as loaded)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -73,6 +78,11 @@ class EngineSpec:
                              f"disk tier sits under the host tier), got {self.host_cache_gb}")
         if self.persist_disk_cache and self.disk_cache is None:
             raise ValueError("--persist-disk-cache needs --disk-cache DIR")
+        if self.quantize is not None and self.quantize not in QUANTIZED_KINDS:
+            raise ValueError(f"--quantize {self.quantize!r}: expected one of {list(QUANTIZED_KINDS)}")
+        if self.quantize is not None and self.batch_invariant:
+            raise ValueError(f"--quantize {self.quantize} with --batch-invariant: that mode runs plain bf16/fp32 "
+                             "weights only")
         if not 0 <= self.admission_window < 1:
             raise ValueError(f"--admission-window {self.admission_window}: expected a fraction in [0, 1) (0: off)")
         if self.speculative is None and (self.drafter or self.num_speculative_tokens or self.static_speculation):
@@ -124,8 +134,16 @@ class EngineSpec:
         _, path = self.served_name()
         if self.random_weights:
             config = _config_file(self.model)
-            return Engine(_load_random(config, resolve_dtype(self.dtype, config.parent)), **options)
-        return Engine(path, **options)
+            loaded = _load_random(config, resolve_dtype(self.dtype, config.parent))
+        elif self.quantize is None:
+            return Engine(path, **options)
+        else:
+            loaded = load_model(path, resolve_dtype(self.dtype, path))
+        if self.quantize is not None:
+            if any(is_quantized(leaf) for leaf in jax.tree.leaves(loaded.params, is_leaf=is_quantized)):
+                raise ValueError(f"--quantize {self.quantize}: --model {self.model!r} is quantized already")
+            loaded = loaded._replace(params=quantize_params(loaded.params, self.quantize, loaded.cfg))
+        return Engine(loaded, **options)
 
     def _mesh(self) -> Mesh | None:
         """The ``data x tensor x expert`` mesh over every device, or None (one device) when all three are 1."""
