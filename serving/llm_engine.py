@@ -365,6 +365,11 @@ class Engine:
         folder, False: not turned on by the engine).
       async_scheduling: dispatch the next decode step before fetching the tokens of the one running (module
         docstring); False: every step waits for its tokens.
+      eager_admission: after a step in which a sequence finished, while a running slot is free, the decode
+        dispatched ahead is a single step instead of a multi-step call. A request that arrives meanwhile (over
+        HTTP, a closed-loop client's next turn comes right after its last answer) then waits for one short step
+        before its prefill, not for a whole ``decode_steps`` call; the price is one more device call per finish.
+        Off by default: not measured on a GPU yet.
       host_cache_blocks, host_cache_gb: the prefix cache's host-memory tier (``kv_tiers``), in blocks or GiB (one
         of the two; 0 / None: no tiers): full blocks the GPU evicts are kept there and loaded back on a prefix hit.
       disk_cache_dir: the disk tier's folder under the host tier (None: none); a new engine of the same model over
@@ -379,6 +384,7 @@ class Engine:
                  speculative: SpecConfig | None = None, batch_invariant: bool = False, mesh: Mesh | None = None,
                  decode_steps: int | DecodeSteps | None = None, prefill_chunk: int | None = None,
                  compilation_cache: str | Path | bool = True, async_scheduling: bool = True,
+                 eager_admission: bool = False,
                  host_cache_blocks: int = 0, host_cache_gb: float | None = None,
                  disk_cache_dir: str | Path | None = None, disk_cache_blocks: int | None = None,
                  kernels: layers.KernelPolicy = layers.DEFAULT):
@@ -431,7 +437,8 @@ class Engine:
         self.spec_policy = speculative.policy() if speculative else None
         self._measure: tuple[str, int, int] | None = None  # this step's kind, size and tokens per sequence
         self.spec_stats = SpecStats()
-        self.async_scheduling = async_scheduling
+        self.async_scheduling, self.eager_admission = async_scheduling, eager_admission
+        self._freed = False  # a sequence finished since the last step dispatched ahead (eager_admission)
         self._inflight: InFlight | None = None
         self.chained_wait_s: float | None = None  # the last step's wait for the call it found in flight (_advance)
         self._ahead: list[ScheduledChunk] = []  # the chunks of the step being dispatched ahead (``_chain``)
@@ -799,6 +806,7 @@ class Engine:
         one scores its prompt, blocks are not free, nothing is left to run, or the next step should draft
         (``_drafts_next``)."""
         k, chunks = inflight.steps, inflight.chunks
+        freed, self._freed = self._freed, False
         running = {s.seq_id for s in self.scheduler.running}
         if len(running) > len(chunks) or not running <= {c.seq.seq_id for c in chunks}:
             return None
@@ -825,6 +833,8 @@ class Engine:
             # stop token); only the context must hold them all
             n = self._steps(len(seqs))
             n = n if n > 1 and all(s.max_len - s.num_tokens >= k + n and not s.params.logit_bias for s in seqs) else 1
+            if self.eager_admission and freed and len(self.scheduler.running) < self.scheduler.max_running:
+                n = 1  # a slot was just freed: a request arriving meanwhile joins the call after a short one
             if not self.scheduler.reserve_next(seqs, [p - s.num_computed for s, p in decoding], n):
                 return None
             next_chunks = [ScheduledChunk(s, p, n, True) for s, p in decoding]
@@ -933,6 +943,7 @@ class Engine:
                                           seq.finished and last, seq.finish_reason if last else None, entry))
             if seq.finished:
                 self._forget(seq, learn=True)
+                self._freed = True
         return outputs
 
     def _forget(self, seq: Seq, learn: bool = False) -> None:

@@ -157,6 +157,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-steps", type=int, default=None, metavar="N",
                         help="decode steps per device call when every running sequence decodes (the same tokens; "
                              "a step with a prefill or a constrained row runs one; default: by backend, 1 on the CPU)")
+    parser.add_argument("--eager-admission", action="store_true",
+                        help="after a sequence finishes, while a slot is free, dispatch the next decode as one step "
+                             "so that a request arriving meanwhile waits less (serving.Engine eager_admission)")
     parser.add_argument("--quantize", default=None, choices=("int8", "fp8"),
                         help="quantize the loaded weights per output column before serving (attention and expert "
                              "projections; as `python -m serving quantize` writes them)")

@@ -69,6 +69,7 @@ class EngineSpec:
     persist_disk_cache: bool = False  # at stop, copy the GPU's cached blocks to the disk tier too
     admission_window: float = 0.0  # the core's AdmissionWindow fraction (0: off; engine_core.py, not an Engine's)
     quantize: str | None = None  # "int8" | "fp8": quantize the loaded weights per output column (None: as loaded)
+    eager_admission: bool = False  # Engine(eager_admission=...): a short decode after a finish while a slot is free
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -127,6 +128,7 @@ class EngineSpec:
                        max_model_len=self.max_model_len, max_queue=self.max_queue,
                        batch_invariant=self.batch_invariant, mesh=self._mesh(), decode_steps=self.decode_steps,
                        prefill_chunk=self.prefill_chunk, compilation_cache=self.compilation_cache,
+                       eager_admission=self.eager_admission,
                        host_cache_gb=self.host_cache_gb or None, disk_cache_dir=self.disk_cache,
                        speculative=SpecConfig.from_method(self.speculative, self.drafter, self.num_speculative_tokens,
                                                           adaptive=not self.static_speculation)

@@ -279,3 +279,38 @@ def test_decode_steps_by_batch_run_more_steps_per_call_for_a_small_batch_with_th
         calls = count_calls(monkeypatch, "_decode_steps")
         got = [r.outputs[0].token_ids for r in engine(folder, by_batch).generate(prompts[:batch], params)]
         assert got == want and len(calls) == calls_wanted, batch
+
+
+def test_eager_admission_runs_one_step_after_a_finish_and_lets_a_late_request_in_sooner(folder, monkeypatch):
+    """``eager_admission``: once a sequence finishes while a slot is free, the decode dispatched ahead is a single
+    step. A request that arrives after that dispatch (as over HTTP: the client's next turn follows its last answer)
+    then waits behind one device step, not a whole multi-step call: fewer of the other sequence's tokens are
+    computed before its first one. Every token is the same as without it."""
+    params = dataclasses.replace(GREEDY, ignore_eos=True)
+    prompts = prompts_of(engine(folder, 1))[:3]
+    short, long = dataclasses.replace(params, max_tokens=5), dataclasses.replace(params, max_tokens=40)
+
+    def run(eager: bool) -> tuple[list, int]:
+        """(every request's tokens, the long request's tokens out before the late one's first)"""
+        eng = engine(folder, 4, eager_admission=eager)
+        ids = [eng.add_request(prompts[0], short), eng.add_request(prompts[1], long)]
+        finished_at, late, long_out, before_first = None, None, 0, None
+        while eng.has_unfinished():
+            outputs = eng.step()
+            long_out += sum(o.request_id == ids[1] for o in outputs)
+            if late is not None and before_first is None and any(o.request_id == late for o in outputs):
+                before_first = long_out
+            if finished_at is None and any(o.finished for o in outputs):
+                finished_at = 0
+            elif finished_at is not None and late is None:  # one step later: after the next call was dispatched
+                late = eng.add_request(prompts[2], short)
+                ids.append(late)
+        return [eng.release(i).outputs[0].token_ids for i in ids], before_first
+
+    eager_tokens, eager_before = run(True)
+    plain_tokens, plain_before = run(False)
+    assert eager_tokens == plain_tokens
+    assert eager_before < plain_before, (eager_before, plain_before)
+    command = ["serve", "--model", str(folder), "--num-blocks", "16"]
+    assert not cli._engine(serving_main.parser().parse_args(command))[0].eager_admission
+    assert cli._engine(serving_main.parser().parse_args([*command, "--eager-admission"]))[0].eager_admission
