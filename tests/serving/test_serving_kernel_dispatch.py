@@ -160,12 +160,20 @@ def moe_config() -> ModelConfig:
 # Up to layers.PAIRWISE_MAX_ROWS (token, expert) pairs the experts run as gather_matmul, past it grouped_matmul.
 @pytest.mark.parametrize("tokens, kernel", [(layers.PAIRWISE_MAX_ROWS // 2, "gather_matmul"),
                                             (layers.PAIRWISE_MAX_ROWS, "grouped_matmul")])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_moe_expert_kernels_equal_ragged_dot(dtype, tokens, kernel):
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "fp8"])
+def test_moe_expert_kernels_equal_ragged_dot(weights, tokens, kernel):
+    """Plain experts of the activations' dtype, and int8 / fp8 codes with bf16 activations (converted in the
+    kernels, each column then times its scale: ``quantization.linear``'s ragged_dot path as the reference)."""
     cfg = moe_config()  # top-2: 32 tokens are 64 pairs, 64 tokens 128
+    dtype = jnp.float32 if weights == "fp32" else jnp.bfloat16
     e, d, i = cfg.num_experts, cfg.hidden, cfg.moe_intermediate
-    params = {"router": normal(0, (d, e), dtype), "gate": normal(1, (e, d, i), dtype) * d**-0.5,
-              "up": normal(2, (e, d, i), dtype) * d**-0.5, "down": normal(3, (e, i, d), dtype) * i**-0.5}
+
+    def expert(seed, shape):
+        w = normal(seed, shape, jnp.float32) * shape[1] ** -0.5
+        return w.astype(dtype) if weights in ("fp32", "bf16") else quantize(w, weights)
+
+    params = {"router": normal(0, (d, e), dtype), "gate": expert(1, (e, d, i)), "up": expert(2, (e, d, i)),
+              "down": expert(3, (e, i, d))}
     x = normal(4, (tokens, d), dtype)
     valid = jnp.arange(tokens) < tokens - 3  # three padding tokens: their pairs read no expert
 
@@ -182,35 +190,12 @@ def test_moe_expert_kernels_equal_ragged_dot(dtype, tokens, kernel):
     assert int(counts.sum()) == (tokens - 3) * cfg.top_k
 
 
-@pytest.mark.parametrize("tokens, kernel", [(layers.PAIRWISE_MAX_ROWS // 2, "gather_matmul"),
-                                            (layers.PAIRWISE_MAX_ROWS, "grouped_matmul")])
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_quantized_moe_experts_run_the_kernels_and_equal_ragged_dot(kind, tokens, kernel):
-    """int8 / fp8 expert codes go to the same Triton kernels as plain weights (converted there, each column then
-    times its scale), gathered at decode sizes and sorted past them, and equal ``quantization.linear``'s
-    ragged_dot path; batch-invariant mode (plain weights only) keeps that path."""
-    cfg, dtype = moe_config(), jnp.bfloat16
-    e, d, i = cfg.num_experts, cfg.hidden, cfg.moe_intermediate
-    params = {"router": normal(0, (d, e), dtype)} | {
-        name: quantize(normal(seed, shape, jnp.float32) * shape[1] ** -0.5, kind)
-        for seed, (name, shape) in enumerate([("gate", (e, d, i)), ("up", (e, d, i)), ("down", (e, i, d))], 1)}
-    x = normal(4, (tokens, d), dtype)
-    valid = jnp.arange(tokens) < tokens - 3
-
-    def run(x, params, valid, kernels):
-        return layers.moe(x, params, cfg, valid, kernels=kernels)
-
-    assert traced_kernels(layers.INTERPRET, run, x, params, valid) == {kernel}
-    (y, counts), (y_ref, counts_ref) = (in_mode(layers.INTERPRET, run, x, params, valid),
-                                        in_mode(layers.REFERENCE, run, x, params, valid))
-    assert_close(y, y_ref)
-    assert float(jnp.abs(y[:-3].astype(jnp.float32)).min(axis=1).max()) > 0
-    assert not np.asarray(y[-3:], np.float32).any()
-    np.testing.assert_array_equal(counts, counts_ref)
-    sizes = jnp.array([3, 0, 5, 2], jnp.int32)
+def test_quantized_experts_take_the_kernel_but_not_in_batch_invariant_mode(kind):
     w = quantize(normal(0, (4, 32, 16), jnp.float32), kind)
-    assert runs_a_pallas_kernel(layers.INTERPRET, layers.expert_matmul, normal(1, (10, 32), dtype), w, sizes)
-    assert not runs_a_pallas_kernel(layers.BATCH_INVARIANT, layers.expert_matmul, normal(1, (10, 32), dtype), w, sizes)
+    x, sizes = normal(1, (10, 32), jnp.bfloat16), jnp.array([3, 0, 5, 2], jnp.int32)
+    assert runs_a_pallas_kernel(layers.INTERPRET, layers.expert_matmul, x, w, sizes)
+    assert not runs_a_pallas_kernel(layers.BATCH_INVARIANT, layers.expert_matmul, x, w, sizes)
 
 
 @pytest.mark.parametrize("tokens, experts, mosaic", [
