@@ -92,15 +92,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--busy-iters", type=int, default=200, help="matmuls of the computation in flight")
     parser.add_argument("--size", type=int, default=4096, help="their matrices' side")
+    parser.add_argument("--leaves", type=int, default=8, help="cache leaves (a model's K and V per layer: 96 for "
+                        "Qwen3-30B-A3B's 48 layers); each copy's programs take every one")
+    parser.add_argument("--page", default="16,8,128", help="a leaf's block shape: block size, kv heads, head dim "
+                        "(Qwen3-30B-A3B: 16,4,128)")
     parser.add_argument("--out-dir", help="where tier_copy_probe.json goes (default benchmarks/results/; a copy "
                         "into $OUT when set)")
     args = parser.parse_args(argv)
-    rows = probe(busy_iters=args.busy_iters, size=args.size)
+    try:
+        page = tuple(int(n) for n in args.page.split(","))
+    except ValueError:
+        parser.error(f"--page {args.page!r}: expected comma-separated integers")
+    if args.leaves < 1 or not page or min(page) < 1:
+        parser.error(f"--leaves {args.leaves} / --page {args.page}: expected positive sizes")
+    rows = probe(page=page, leaves=args.leaves, busy_iters=args.busy_iters, size=args.size)
     for row in rows:
         print(f"{row['call']:<28} returned {row['returned_ms']:8.2f} ms  ready {row['ready_ms']:8.2f} ms  "
               f"(computation in flight: {row['busy_ms']:.1f} ms)" + (f"  COMPILED {row['compiles']}x" if row["compiles"]
                                                                       else ""))
-    write_results("tier_copy_probe", dict(busy_iters=args.busy_iters, size=args.size, rows=rows), args.out_dir)
+    write_results("tier_copy_probe", dict(busy_iters=args.busy_iters, size=args.size, leaves=args.leaves, page=page,
+                                          rows=rows), args.out_dir)
     return rows
 
 

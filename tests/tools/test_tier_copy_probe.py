@@ -7,10 +7,12 @@ from tools import tier_copy_probe
 
 
 def test_probe_times_each_tier_copy_with_work_in_flight(tmp_path):
-    rows = tier_copy_probe.main(["--busy-iters", "2", "--size", "256", "--out-dir", str(tmp_path)])
+    rows = tier_copy_probe.main(["--busy-iters", "2", "--size", "256", "--leaves", "3", "--page", "4,2,8",
+                                 "--out-dir", str(tmp_path)])
     assert [r["call"] for r in rows] == ["gather", "to pinned_host", "from pinned_host", "scatter",
                                          "gather to host (program)", "scatter from host (program)"]
     assert all(0 <= r["returned_ms"] <= r["ready_ms"] and r["busy_ms"] > 0 for r in rows)
     assert [r["compiles"] for r in rows] == [0] * len(rows)
     result = json.loads((tmp_path / "tier_copy_probe.json").read_text())
     assert result["rows"] == rows and result["meta"]["git_commit"]
+    assert (result["leaves"], result["page"]) == (3, [4, 2, 8])
