@@ -24,7 +24,9 @@ ready: no untimed warm-up load, so a shape compiled while serving shows in the l
 
 * ``device``: the engine's runner alone (``_device_worker``: ``serving_decode.serving_runner``, bfloat16, no
   scheduler, one step per call): the decode step of ``concurrency`` sequences at the requests' mean context (TPOT;
-  output tokens/s = concurrency / step) and the prefill of one prompt (TTFT), with ``ms_per_layer``.
+  output tokens/s = concurrency / step) and the prefill of one prompt (TTFT), with ``ms_per_layer``; and
+  ``tpot_multi_ms``, the step of the multi-step call the engine makes at that batch (``decode_steps`` tokens per
+  call), which is the device's own where one step's dispatch costs the host more than the step.
 * ``http``: ``python -m serving serve`` (its engine core in a process of its own) in a subprocess on a free
   loopback port (``ServerProcess``), the requests streamed to ``/v1/completions``. ``client_cpu`` is the busiest
   client process's CPU time over the run's: near 1, the client bounds what it measures (raise
@@ -560,11 +562,14 @@ def _device_worker(name: str, spec: dict, settings: dict, levels: list[int], smo
     context (TPOT; output tokens/s = c / step) and the prefill of one ``input_len`` prompt (TTFT), each timed over
     ``DEVICE_RUNS`` runs of ``DEVICE_STEPS_PER_RUN`` steps dispatched back to back (a decode step fed the one
     before's samples on the device, as the engine chains them); puts (startup_s: setup and
-    compiles, [row fields per level]) as JSON on ``out``."""
+    compiles, [row fields per level]) as JSON on ``out``. Beside each level's single step, its multi-step call as
+    the engine dispatches it (``decode_steps`` at that batch: ``decode_steps``, ``tpot_multi_ms`` per token), whose
+    step is the device's own where a single step's dispatch costs the host more than the step."""
     import jax
 
     from benchmarks import serving_decode
     from serving.kv_cache import SeqChunk
+    from serving.llm_engine import default_decode_steps
 
     started = time.perf_counter()
     mean_context = settings["input_len"] + settings["output_len"] // 2
@@ -576,8 +581,9 @@ def _device_worker(name: str, spec: dict, settings: dict, levels: list[int], smo
     runner, rng = serving_decode.serving_runner(cfg, params, kv, tables), np.random.default_rng(0)
     del kv  # donated to the runner's steps
 
-    def per_step_ms(chunks: list) -> np.ndarray:
-        call = serving_decode.runner_call(runner, chunks, cfg.vocab, rng)
+    def per_step_ms(chunks: list, steps: int = 1) -> np.ndarray:
+        """ms per token of each run of calls of ``steps`` tokens per sequence."""
+        call = serving_decode.runner_call(runner, chunks, cfg.vocab, rng, steps)
         last = jax.block_until_ready(call(None))  # compiles
         times = []
         for _ in range(DEVICE_RUNS):
@@ -585,7 +591,7 @@ def _device_worker(name: str, spec: dict, settings: dict, levels: list[int], smo
             for _ in range(DEVICE_STEPS_PER_RUN):
                 last = call(last)
             jax.block_until_ready(last)
-            times.append((time.perf_counter() - start) * 1e3 / DEVICE_STEPS_PER_RUN)
+            times.append((time.perf_counter() - start) * 1e3 / (DEVICE_STEPS_PER_RUN * steps))
         return np.asarray(times)
 
     ttft = per_step_ms([SeqChunk(tables[0], 0, settings["input_len"])])
@@ -593,9 +599,13 @@ def _device_worker(name: str, spec: dict, settings: dict, levels: list[int], smo
     for c in levels:
         tpot = per_step_ms([SeqChunk(tables[s], mean_context, 1) for s in range(c)])
         step_ms = float(np.median(tpot))
+        steps = default_decode_steps().at(runner.decode_tokens(c))
+        multi_ms = step_ms if steps == 1 else float(np.median(
+            per_step_ms([SeqChunk(tables[s], mean_context - steps, 1) for s in range(c)], steps)))
         rows.append({"output_throughput": c / (step_ms * 1e-3), "ttft_median_ms": float(np.median(ttft)),
                      "ttft_p99_ms": float(np.percentile(ttft, 99)), "tpot_median_ms": step_ms,
-                     "tpot_p99_ms": float(np.percentile(tpot, 99)), "ms_per_layer": step_ms / cfg.layers})
+                     "tpot_p99_ms": float(np.percentile(tpot, 99)), "ms_per_layer": step_ms / cfg.layers,
+                     "decode_steps": steps, "tpot_multi_ms": multi_ms})
     out.put(json.dumps([time.perf_counter() - started, rows]))
 
 
@@ -686,8 +696,8 @@ def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requ
 
 TABLE_COLUMNS = ["model", "path", "concurrency", "rate", "startup_s", "compilation_cache", "ms_per_layer", "requests",
                  "failed", "request_throughput", "output_throughput", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms",
-                 "tpot_p99_ms", "itl_p99_ms", "e2e_median_ms", "e2e_p99_ms", "client_cpu", "frontend_cpu", "core_cpu",
-                 "compiles"]
+                 "tpot_p99_ms", "tpot_multi_ms", "itl_p99_ms", "e2e_median_ms", "e2e_p99_ms", "client_cpu",
+                 "frontend_cpu", "core_cpu", "compiles"]
 
 
 def plot(rows: list[dict], name: str, out_dir: Path) -> None:
