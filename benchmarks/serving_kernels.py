@@ -14,6 +14,11 @@ block-config sweep.
     tokens x top-8 = 512 rows), uniform random routing; TFLOP/s over the routed rows and GB/s over x, the output
     and the touched experts' weights; x_ragged_dot and x_triton: a row's speed-up over ragged_dot and over the
     fastest Triton config.
+  * flash_shapes: the packed causal prefill over a sweep of shapes (``FLASH_SHAPES``: 1k..32k tokens a sequence,
+    GQA 1 / 4 / 8, head dims 64 and 128, and packed sequences of mixed lengths) against cuDNN in the same run (dense
+    batches; the mixed lengths padded to the longest with ``query_seq_lengths``), and XLA up to ``XLA_MAX_SEQ``: the
+    Mosaic GPU and Triton kernels at their device defaults (``attention_ops.flash_attention(implementation=)``);
+    TFLOP/s over the causal FLOPs of the real lengths; x_cudnn: a row's speed-up over cuDNN.
   * quantized_experts: the same shapes with weight-only int8 and fp8 (e4m3) experts (``serving.quantization``'s
     per-column scales): the Triton grouped matmul on the codes (impl pallas, ``weights`` int8 / fp8) against
     ``quantization.linear``'s ragged_dot on them (the XLA path, which converts the codes) and against both on the
@@ -54,6 +59,7 @@ from benchmarks.harness import format_table, save_plot, time_jax, write_results 
 from pallas_kernels import (  # noqa: E402
     attention,
     attention_mgpu,
+    attention_ops,
     grouped_matmul,
     grouped_matmul_mgpu,
     paged_attention,
@@ -108,7 +114,17 @@ SWEEPS = {  # the first config of each list is the kernel's default
         prefill=[G(16, 32, 32), MG(64, 64, 64, 2)], decode=[G(16, 32, 32), MG(64, 64, 64, 2)],
     ),
 }
-KERNELS = ("flash_attention", "paged_attention", "paged_mla_attention", "grouped_matmul", "quantized_experts")
+KERNELS = ("flash_attention", "paged_attention", "paged_mla_attention", "grouped_matmul", "quantized_experts",
+           "flash_shapes")
+# flash_shapes: name -> (sequence lengths, q_heads, kv_heads, head_dim); every sequence causal, packed end to end.
+FLASH_SHAPES = {
+    "gpu": {"S1k_gqa4_d128": ([1024] * 16, 32, 8, 128), "S4k_gqa4_d128": ([4096] * 4, 32, 8, 128),
+            "S16k_gqa4_d128": ([16384], 32, 8, 128), "S32k_gqa4_d128": ([32768], 32, 8, 128),
+            "S4k_mha_d128": ([4096] * 4, 32, 32, 128), "S4k_gqa8_d128": ([4096] * 4, 32, 4, 128),
+            "S4k_gqa4_d64": ([4096] * 4, 32, 8, 64), "mixed_gqa4_d128": ([1024, 3072, 512, 7680], 32, 8, 128)},
+    "cpu": {"S64_gqa2_d32": ([64] * 2, 4, 2, 32), "mixed_mha_d16": ([16, 40, 8], 2, 2, 16)},
+}
+XLA_MAX_SEQ = 4096  # XLA's dense attention materializes the S x S scores: past this it does not fit or crawls
 
 
 def relative_error(actual, expected) -> float:
@@ -309,7 +325,7 @@ def quantized_experts_rows(mode: str, interpret: bool) -> list[dict]:
                 row, out = measure(fn, (x, weight, group_sizes), reps=REPS[mode], expected=expected,
                                    flop=2 * m * k * n, nbytes=2 * (m * k + m * n) + weight_bytes)
                 expected = out if expected is None else expected
-                shape_rows.append(dict(kernel="quantized_experts", shape=shape, impl=impl, weights=kind,
+                shape_rows.append(dict(kernel="quantized_experts", shape=f"{shape}/{kind}", impl=impl, weights=kind,
                                        config=config_name(config) if impl == "pallas" else None) | row)
         ok = {(r["impl"], r["weights"]): r["median_ms"] for r in shape_rows if r["status"] == "ok"}
         for r in shape_rows:
@@ -317,8 +333,62 @@ def quantized_experts_rows(mode: str, interpret: bool) -> list[dict]:
                 r |= {key: ok[ref] / r["median_ms"] for key, ref in (("x_bf16", ("pallas", "bf16")),
                                                                      ("x_xla", ("ragged_dot", r["weights"])))
                       if ref in ok}
-            print(f"  quantized_experts    {shape:<12} {r['impl']:<10} {r['weights']:<5} "
+            print(f"  quantized_experts    {r['shape']:<18} {r['impl']:<10} "
                   f"{r.get('median_ms') or 0:9.4f} ms  {r['status'][:80]}", flush=True)
+        rows += shape_rows
+    return rows
+
+
+def dense_attention(implementation: str, lengths: list[int]) -> Callable:
+    """Packed causal ``(q, k, v) -> out`` through ``jax.nn.dot_product_attention`` (``implementation``) on the
+    sequences of ``lengths`` as a dense batch, each padded to the longest with its length given."""
+    longest, starts = max(lengths), np.cumsum([0, *lengths])
+    rows_of = np.concatenate([s + np.minimum(np.arange(longest), n - 1)
+                              for s, n in zip(starts[:-1], lengths, strict=True)])
+    packed_of = np.concatenate([b * longest + np.arange(n) for b, n in enumerate(lengths)])
+    seq_lengths = jnp.asarray(lengths, jnp.int32)
+
+    def run(q, k, v):
+        qd, kd, vd = (x[rows_of].reshape(len(lengths), longest, *x.shape[1:]) for x in (q, k, v))
+        out = jax.nn.dot_product_attention(qd, kd, vd, is_causal=True, implementation=implementation,
+                                           query_seq_lengths=seq_lengths, key_value_seq_lengths=seq_lengths)
+        return out.reshape(len(lengths) * longest, *out.shape[2:])[packed_of]
+
+    return jax.jit(run)
+
+
+def packed_attention(implementation: str, lengths: list[int], interpret: bool) -> Callable:
+    """Packed causal ``(q, k, v) -> out`` through ``attention_ops.flash_attention(implementation=)``."""
+    starts = jnp.asarray(np.cumsum([0, *lengths]), jnp.int32)
+    return jax.jit(lambda q, k, v: attention_ops.flash_attention(q, k, v, starts, implementation=implementation,
+                                                                 interpret=interpret))
+
+
+def flash_shapes_rows(mode: str, interpret: bool) -> list[dict]:
+    """Per shape of ``FLASH_SHAPES``: cuDNN (GPU), XLA (short sequences), the Mosaic GPU (GPU) and Triton kernels at
+    their defaults (module docstring); outputs compared packed, against the first competitor's."""
+    rows = []
+    for shape, (lengths, q_heads, kv_heads, head_dim) in FLASH_SHAPES[mode].items():
+        tokens = sum(lengths)
+        args = (random_normal(0, (tokens, q_heads, head_dim)), random_normal(1, (tokens, kv_heads, head_dim)),
+                random_normal(2, (tokens, kv_heads, head_dim)))
+        impls = ([("cudnn", dense_attention("cudnn", lengths))] if mode == "gpu" else []) + (
+            [("xla", dense_attention("xla", lengths))] if max(lengths) <= XLA_MAX_SEQ else []) + (
+            [("pallas_mosaic", packed_attention("mosaic", lengths, interpret))] if mode == "gpu" else []) + [
+            ("pallas", packed_attention("triton", lengths, interpret))]
+        flop = sum(4 * q_heads * n * n * head_dim / 2 for n in lengths)
+        nbytes = 2 * sum(x.size for x in args) + 2 * args[0].size
+        shape_rows, expected = [], None
+        for impl, fn in impls:
+            row, out = measure(fn, args, reps=REPS[mode], expected=expected, flop=flop, nbytes=nbytes)
+            expected = out if expected is None else expected
+            shape_rows.append(dict(kernel="flash_shapes", shape=shape, impl=impl, config="default") | row)
+        cudnn = [r["median_ms"] for r in shape_rows if r["impl"] == "cudnn" and r["status"] == "ok"]
+        for r in shape_rows:
+            if cudnn and r["status"] == "ok":
+                r["x_cudnn"] = cudnn[0] / r["median_ms"]
+            print(f"  flash_shapes         {shape:<16} {r['impl']:<14} {r.get('median_ms') or 0:9.4f} ms  "
+                  f"{r['status'][:80]}", flush=True)
         rows += shape_rows
     return rows
 
@@ -337,7 +407,7 @@ def speedups(row: dict, rows: list[dict]) -> dict:
 
 ROWS = {"flash_attention": flash_attention_rows, "paged_attention": paged_attention_rows,
         "paged_mla_attention": paged_mla_attention_rows, "grouped_matmul": grouped_matmul_rows,
-        "quantized_experts": quantized_experts_rows}
+        "quantized_experts": quantized_experts_rows, "flash_shapes": flash_shapes_rows}
 
 
 def plot(rows: list[dict], name: str, out_dir: str | Path | None = None, *, peaks: bool = True) -> None:
@@ -432,7 +502,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                  shapes=SHAPES[mode], rows=rows), out_dir=args.out_dir)
     plot(rows, name, args.out_dir, peaks=mode == "gpu")
     columns = ["kernel", "shape", "impl", "weights", "config", "median_ms", "tflop_s", "gb_s", "tflop_pct", "bw_pct",
-               "rel_err", "x_ragged_dot", "x_triton", "x_bf16", "x_xla", "best", "status"]
+               "rel_err", "x_ragged_dot", "x_triton", "x_bf16", "x_xla", "x_cudnn", "best", "status"]
     print(format_table(rows, columns))
     return rows
 

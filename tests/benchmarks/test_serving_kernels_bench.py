@@ -19,14 +19,19 @@ def test_cpu_mode_times_every_kernel_against_its_competitor(tmp_path):
     assert all(r["status"] == "ok" and r["median_ms"] > 0 and r["tflop_s"] > 0 for r in rows), rows
     expected = {("flash_attention", "xla"), ("paged_attention", "jnp reference"),
                 ("paged_mla_attention", "jnp reference"), ("grouped_matmul", "ragged_dot"),
-                ("grouped_matmul", "pallas_mosaic"), ("quantized_experts", "ragged_dot")}
+                ("grouped_matmul", "pallas_mosaic"), ("quantized_experts", "ragged_dot"), ("flash_shapes", "xla")}
     assert {(r["kernel"], r["impl"]) for r in rows if r["impl"] != "pallas"} == expected
     # Quantized experts: ragged_dot and the Triton kernel on bf16, int8 and fp8 weights per shape; their error
     # against bf16 ragged_dot is the quantization's (int8 finer than e4m3's 3 mantissa bits).
     quantized = [r for r in rows if r["kernel"] == "quantized_experts"]
-    rows = [r for r in rows if r["kernel"] != "quantized_experts"]
+    # The flash attention shape sweep: XLA (no cuDNN on the CPU) and the Triton kernel on every shape, agreeing.
+    shapes = [r for r in rows if r["kernel"] == "flash_shapes"]
+    assert {(r["shape"], r["impl"]) for r in shapes} == {
+        (shape, impl) for shape in serving_kernels.FLASH_SHAPES["cpu"] for impl in ("xla", "pallas")}
+    assert all(r["rel_err"] <= BF16_RTOL for r in shapes if r["impl"] == "pallas"), shapes
+    rows = [r for r in rows if r["kernel"] not in ("quantized_experts", "flash_shapes")]
     assert {(r["shape"], r["impl"], r["weights"]) for r in quantized} == {
-        (shape, impl, kind) for shape in ("prefill", "decode") for impl in ("ragged_dot", "pallas")
+        (f"{shape}/{kind}", impl, kind) for shape in ("prefill", "decode") for impl in ("ragged_dot", "pallas")
         for kind in ("bf16", "int8", "fp8")}
     bound = {"bf16": BF16_RTOL, "int8": 1e-2, "fp8": 4e-2}
     assert all(r.get("rel_err", 0) <= bound[r["weights"]] and r["x_bf16"] > 0 and r["x_xla"] > 0
