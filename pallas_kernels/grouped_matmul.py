@@ -155,11 +155,9 @@ def _and(a, b):
     return b if a is None else a if b is None else a & b
 
 
-def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, per_row, repeat, num_weights,
-                scaled):
-    # refs: the weights (w, and gather_matmul's SwiGLU up), their scales where quantized, the output
-    weight_refs, o_ref = refs[:num_weights], refs[-1]
-    scale_refs = refs[num_weights:2 * num_weights] if scaled else ()
+def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, per_row, repeat, num_weights):
+    # refs: the weights (w, and gather_matmul's SwiGLU up), their scales where quantized (else none), the output
+    weight_refs, scale_refs, o_ref = refs[:num_weights], refs[num_weights:-1], refs[-1]
     k_dim, n_dim = weight_refs[0].shape[1:]
     if per_row:  # gather_matmul: grid (rows, column tiles); plan_ref holds ids [m]; visit r is row r
         visit, n_tile = pl.program_id(0), pl.program_id(1)
@@ -192,9 +190,10 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
     # predicate's type, i1, so the K-step count became an i1 `false` and scf.for's bounds mismatched (i32 vs i1).
     steps = jnp.where(group < num_groups, jnp.int32(pl.cdiv(k_dim, block_k)), jnp.int32(0))
     accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in weight_refs))
-    accs = [acc * plgpu.load(ref.at[expert, pl.ds(0, 1), pl.ds(col0, block_n)], mask=cols_ok,
-                             other=None if cols_ok is None else 0.0) for acc, ref in zip(accs, scale_refs, strict=True)
-            ] if scaled else accs
+    if scale_refs:
+        accs = [acc * plgpu.load(ref.at[expert, pl.ds(0, 1), pl.ds(col0, block_n)], mask=cols_ok,
+                                 other=None if cols_ok is None else 0.0)
+                for acc, ref in zip(accs, scale_refs, strict=True)]
     out = accs[0] if num_weights == 1 else jax.nn.silu(accs[0]) * accs[1]
     plgpu.store(o_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], out.astype(o_ref.dtype),
                 mask=_and(rows_ok, cols_ok))
@@ -274,8 +273,7 @@ def _launch(plan, x, weights, scales, config, out_dtype, interpret, *, per_row, 
         device.check_shared_memory(f"{'gather_matmul' if per_row else 'grouped_matmul'} in {x.dtype}", launched,
                                    launched.shared_memory_bytes(x.dtype, len(weights), weights[0].dtype), device.gpu())
     kernel = functools.partial(_gmm_kernel, block_m=config.block_m, block_n=block_n, block_k=config.block_k,
-                               num_groups=num_groups, per_row=per_row, repeat=repeat, num_weights=len(weights),
-                               scaled=bool(scales))
+                               num_groups=num_groups, per_row=per_row, repeat=repeat, num_weights=len(weights))
     n_tiles = pl.cdiv(n, block_n)
     return pl.pallas_call(
         kernel,
