@@ -38,6 +38,7 @@ HF_MODEL_TYPES = {family: family for family in FAMILIES}
 HF_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 # quantization_config.quant_method of the checkpoints `python -m serving quantize` writes (loaders/quantized.py).
 QUANT_METHOD = "apex_jax"
+FP8_BLOCKS_METHOD = "fp8"  # the published block-scaled fp8 checkpoints' quant_method (loaders/fp8_blocks.py)
 # GPT-OSS's SwiGLU constants when a config does not name them (transformers' GptOssConfig defaults).
 GPT_OSS_SWIGLU_ALPHA = 1.702
 GPT_OSS_SWIGLU_LIMIT = 7.0
@@ -396,8 +397,8 @@ def _reject_unsupported(config: dict[str, Any], family: str) -> None:
     if act != "silu":
         raise ValueError(f"config.json hidden_act = {act!r}: only 'silu' (SwiGLU) is supported")
     quant = config.get("quantization_config")
-    # mxfp4 and "fp8" (block-scaled e4m3, loaders/fp8_blocks.py): dequantized at load
-    readable = (QUANT_METHOD, "fp8", "mxfp4") if family == "gpt_oss" else (QUANT_METHOD, "fp8")
+    # mxfp4 and block-scaled fp8: dequantized at load
+    readable = (QUANT_METHOD, FP8_BLOCKS_METHOD, "mxfp4") if family == "gpt_oss" else (QUANT_METHOD, FP8_BLOCKS_METHOD)
     if quant is not None and quant.get("quant_method") not in readable:
         raise ValueError(f"config.json quantization_config.quant_method = {quant.get('quant_method')!r}: only "
                          f"unquantized checkpoints and quant_method in {list(readable)} load for {family}; "

@@ -19,7 +19,8 @@ import math
 import ml_dtypes
 import numpy as np
 
-QUANT_METHOD = "fp8"  # quantization_config.quant_method of these checkpoints
+from serving.config import FP8_BLOCKS_METHOD
+
 SCALE_SUFFIX = "_scale_inv"  # X.weight's multipliers: X.weight_scale_inv
 
 
@@ -56,9 +57,9 @@ def dequantize_checkpoint(tensors: dict[str, np.ndarray], quantization_config: d
     if not scaled:
         return tensors
     method = (quantization_config or {}).get("quant_method")
-    if method != QUANT_METHOD:
+    if method != FP8_BLOCKS_METHOD:
         raise ValueError(f"checkpoint has {scaled[0]}{SCALE_SUFFIX} but config.json quantization_config.quant_method "
-                         f"is {method!r}: expected {QUANT_METHOD!r} with weight_block_size")
+                         f"is {method!r}: expected {FP8_BLOCKS_METHOD!r} with weight_block_size")
     block = block_size(quantization_config)
     out = dict(tensors)
     for name in scaled:

@@ -17,7 +17,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from serving.config import QUANT_METHOD, ModelConfig
-from serving.loaders.safetensors import read_file
+from serving.loaders.safetensors import quantization_config, read_file
 from serving.models import model_module
 from serving.quantization import KINDS, QuantizedWeight, is_quantized, quantize_params
 
@@ -56,14 +56,6 @@ def save_quantized(path: str | Path, hf_config: Mapping[str, Any], params: dict)
                                                    "per_channel": True, "format_version": FORMAT_VERSION}}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
-
-
-def quantization_config(path: str | Path) -> dict | None:
-    """The ``quantization_config`` of the checkpoint folder ``path``'s config.json, or None (not quantized)."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return None
-    return json.loads(config_file.read_text()).get("quantization_config")
 
 
 def load_quantized(path: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelConfig, dict]:

@@ -33,6 +33,14 @@ def read_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads(config_file.read_text()))
 
 
+def quantization_config(path: str | Path) -> dict | None:
+    """The ``quantization_config`` of the checkpoint folder ``path``'s config.json, or None (not quantized)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    return json.loads(config_file.read_text()).get("quantization_config")
+
+
 def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint in ``path`` as numpy arrays (bf16 as ``ml_dtypes.bfloat16``; MXFP4 experts
     and block-scaled fp8 weights dequantized to float32: ``mxfp4`` / ``fp8_blocks.dequantize_checkpoint``)."""
@@ -55,9 +63,7 @@ def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
         if not shard_file.is_file():
             raise FileNotFoundError(f"shard {shard!r} listed in {INDEX_FILE} is missing from {str(path)!r}")
         tensors |= read_file(shard_file, names or None, source=f"shard {shard!r}")
-    config_file = folder / "config.json"
-    quantization = json.loads(config_file.read_text()).get("quantization_config") if config_file.is_file() else None
-    return fp8_blocks.dequantize_checkpoint(mxfp4.dequantize_checkpoint(tensors), quantization)
+    return fp8_blocks.dequantize_checkpoint(mxfp4.dequantize_checkpoint(tensors), quantization_config(folder))
 
 
 def read_file(file: str | Path, names: Sequence[str] | None = None, source: str | None = None) -> dict[str, np.ndarray]:
