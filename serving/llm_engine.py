@@ -369,7 +369,7 @@ class Engine:
         dispatched ahead is a single step instead of a multi-step call. A request that arrives meanwhile (over
         HTTP, a closed-loop client's next turn comes right after its last answer) then waits for one short step
         before its prefill, not for a whole ``decode_steps`` call; the price is one more device call per finish.
-        Off by default: not measured on a GPU yet.
+        Off by default (the README's serving figures say where it stands).
       host_cache_blocks, host_cache_gb: the prefix cache's host-memory tier (``kv_tiers``), in blocks or GiB (one
         of the two; 0 / None: no tiers): full blocks the GPU evicts are kept there and loaded back on a prefix hit.
       disk_cache_dir: the disk tier's folder under the host tier (None: none); a new engine of the same model over
