@@ -12,7 +12,12 @@ flight, how long each call takes to return on the host and how long until its re
 * ``gather to host (program)``: ``kv_tiers._gather_to_host``, whose program writes the pages into host memory
   (a save with ``KVTiers(copies="program")``);
 * ``scatter from host (program)``: ``kv_tiers._scatter`` of the pinned host batch itself, moved by its program
-  (that mode's load, in one call).
+  (that mode's load, in one call);
+* ``apply: save`` / ``apply: load`` (both ways of copying): ``KVTiers.apply`` as the engine's runner calls it,
+  on the cache as a step's compiled executable leaves it (every leaf uncommitted), that step in flight: a save of
+  ``rows`` blocks, then their load into other blocks;
+* ``commit each leaf``: a ``device_put`` of each such leaf to its own sharding, what ``apply`` did before every
+  copy until its copies ran as compiled executables (a jitted copy keys its cache on committed arguments).
 
 A row whose ``returned_ms`` is close to ``busy_ms`` waited for the device; ``compiles`` counts the compile events
 during the measured call (a nonzero one timed a compile, not a copy). Prints a table and writes
@@ -33,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.harness import compile_events, write_results  # noqa: E402
-from serving.engine.kv_tiers import _committed, _gather, _gather_to_host, _memory_kind, _scatter  # noqa: E402
+from serving.engine.kv_tiers import COPIES, KVTiers, _gather, _gather_to_host, _memory_kind, _scatter  # noqa: E402
 
 
 def probe(blocks: int = 1024, rows: int = 64, page: tuple[int, ...] = (16, 8, 128), leaves: int = 8,
@@ -41,11 +46,15 @@ def probe(blocks: int = 1024, rows: int = 64, page: tuple[int, ...] = (16, 8, 12
     """Each call's host return time and ready time, in ms from its dispatch, while ``busy`` (``busy_iters``
     matmuls of ``size`` squared) runs; every call compiled and run once before."""
     dtype = jnp.bfloat16
-    # committed, as the engine's cache is (kv_tiers._committed): an uncommitted one would make the first pass
-    # compile for other argument shardings than the measured pass meets
-    kv = _committed([jnp.zeros((blocks, *page), dtype) for _ in range(leaves)])
+    # committed: the jitted calls' first pass then compiles for the argument shardings the measured pass meets
+    kv = jax.device_put([jnp.zeros((blocks, *page), dtype) for _ in range(leaves)], jax.devices()[0])
     busy = jax.jit(lambda kv, x: ([leaf + 1 for leaf in kv], jax.lax.fori_loop(
         0, busy_iters, lambda i, a: jnp.tanh(a @ a * 1e-3), x)), donate_argnums=0)
+    step = busy.lower(kv, jnp.ones((size, size), dtype)).compile()  # as the runner calls it: leaves uncommitted
+    tiers = {copies: KVTiers(kv, host_blocks=2 * rows, max_batch=rows, copies=copies) for copies in COPIES}
+    for t in tiers.values():
+        kv = t.warm_up(kv)
+    saved = 0  # names of saved blocks, new each pass
     x = jnp.ones((size, size), dtype)
     ids = np.arange(rows, dtype=np.int32)
     kv, _ = jax.block_until_ready(busy(kv, x))  # the cache as a step leaves it (committed), as the tiers see it
@@ -55,11 +64,12 @@ def probe(blocks: int = 1024, rows: int = 64, page: tuple[int, ...] = (16, 8, 12
 
     def one_pass(kv):
         """Each call dispatched right after ``busy``, on the cache ``busy`` is writing: (rows, the cache)."""
+        nonlocal saved
         out = []
 
-        def timed(name, fn):
+        def timed(name, fn, compiled_step=False):
             nonlocal kv
-            kv, y = busy(kv, x)
+            kv, y = (step if compiled_step else busy)(kv, x)
             with compile_events() as events:
                 start = time.perf_counter()
                 result = fn(kv)
@@ -78,6 +88,17 @@ def probe(blocks: int = 1024, rows: int = 64, page: tuple[int, ...] = (16, 8, 12
         timed("gather to host (program)", lambda kv: _gather_to_host(kv, ids))
         kv = timed("scatter from host (program)", lambda kv: _scatter(kv, padding, host_batch,
                                                                       np.zeros(rows, np.int32)))
+        for copies, t in tiers.items():
+            names = [f"{saved + i}".encode() for i in range(rows)]
+            saved += rows
+            for block, name in enumerate(names):
+                t.save(block, name)
+            kv = timed(f"apply: save {rows} blocks ({copies})", t.apply, compiled_step=True)
+            for block, name in enumerate(names):
+                t.load(rows + block, t.lookup(name))
+            kv = timed(f"apply: load {rows} blocks ({copies})", t.apply, compiled_step=True)
+        kv = timed("commit each leaf", lambda kv: [jax.device_put(leaf, leaf.sharding) for leaf in kv],
+                   compiled_step=True)
         return out, kv
 
     _, kv = one_pass(kv)  # compiles every call on the signatures the measured pass meets
@@ -107,7 +128,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--leaves {args.leaves} / --page {args.page}: expected positive sizes")
     rows = probe(page=page, leaves=args.leaves, busy_iters=args.busy_iters, size=args.size)
     for row in rows:
-        print(f"{row['call']:<28} returned {row['returned_ms']:8.2f} ms  ready {row['ready_ms']:8.2f} ms  "
+        print(f"{row['call']:<32} returned {row['returned_ms']:8.2f} ms  ready {row['ready_ms']:8.2f} ms  "
               f"(computation in flight: {row['busy_ms']:.1f} ms)" + (f"  COMPILED {row['compiles']}x" if row["compiles"]
                                                                       else ""))
     write_results("tier_copy_probe", dict(busy_iters=args.busy_iters, size=args.size, leaves=args.leaves, page=page,

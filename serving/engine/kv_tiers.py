@@ -22,9 +22,12 @@ well under recomputing them, or the tier is no gain. The host thread should wait
 each scatter after the gathers and steps before it. Whether a ``device_put`` between memories returns before its
 source is computed is the runtime's business, so ``KVTiers(copies="program")`` moves the pages inside the gather's
 and the scatter's own programs instead (``jax.memory.Space``), one dispatch per copy; ``tools/tier_copy_probe``
-times both ways on a busy device. Ordering within a window: a block saved and then loaded in the same
-window is gathered before the scatter overwrites it; a block loaded and then saved again is saved from the data
-being loaded (no device read).
+times both ways on a busy device. The gathers and scatters run as executables compiled once per batch size and kind
+of host batch (``warm_up`` compiles them all): a compiled call takes the cache as a step leaves it, where a jitted
+call would need every leaf committed first (a step's compiled executable returns them uncommitted, and jit keys its
+cache on that), one ``device_put`` per leaf per copy, 96 for Qwen3-30B-A3B's cache, host time a step's worth.
+Ordering within a window: a block saved and then loaded in the same window is gathered before the scatter
+overwrites it; a block loaded and then saved again is saved from the data being loaded (no device read).
 
 Tiers are LRU. The host tier holds at most ``host_blocks`` blocks' pages in memory: the oldest entries are dropped
 until the batches still holding a live entry fit (a batch's memory is freed with its last entry; a batch is at most
@@ -275,6 +278,7 @@ class KVTiers:
         self._held = 0
         self.batch_limit = min(max_batch, 1 << (host_blocks.bit_length() - 1))  # a batch fits the tier
         self._unwritten: list[_Batch] = []  # saved batches not yet written through to the disk tier
+        self._programs: dict[tuple, jax.stages.Compiled] = {}  # the copies' executables (``_run``)
 
     @property
     def num_host(self) -> int:
@@ -323,8 +327,6 @@ class KVTiers:
         saves are written through to the disk tier."""
         start = time.perf_counter()
         self._write_through(wait=False)
-        if self._saves or self._loads:
-            kv = _committed(kv)
         if self._saves:
             # entries dropped since their save are gathered only for the disk tier or a load in this window, and
             # apart from live ones, so a host batch holds live rows only
@@ -358,7 +360,7 @@ class KVTiers:
                     rows = np.zeros(size, np.int32)
                     part = pairs[i:i + size]
                     blocks[:len(part)], rows[:len(part)] = zip(*part, strict=True)
-                    kv = _scatter(kv, blocks, data, rows)
+                    kv = self._run(_scatter, kv, blocks, data, rows)
                 self.stats.host_to_device_bytes += size * self.block_bytes
             self.stats.loaded_blocks += len(self._loads)
             self.stats.load_batches += len(by_batch)
@@ -370,12 +372,11 @@ class KVTiers:
         """Run the gather, the host round trip and the scatter once at every batch size ``apply`` uses (powers of
         two up to ``batch_limit``), with no effect: every scattered block is out of range. Returns the cache to use
         (the scatter donates it)."""
-        kv = _committed(kv)
         for n in (1 << i for i in range(self.batch_limit.bit_length())):
             data = self._scatter_input(self._host_batch(kv, np.zeros(n, np.int32)))
-            kv = _scatter(kv, np.full(n, self.num_blocks, np.int32), data, np.zeros(n, np.int32))
+            kv = self._run(_scatter, kv, np.full(n, self.num_blocks, np.int32), data, np.zeros(n, np.int32))
         pages = np.zeros((1, *self.block_shape), self.dtype)  # a block read from disk
-        kv = _scatter(kv, np.full(1, self.num_blocks, np.int32), pages, np.zeros(1, np.int32))
+        kv = self._run(_scatter, kv, np.full(1, self.num_blocks, np.int32), pages, np.zeros(1, np.int32))
         return jax.block_until_ready(kv)
 
     def drain(self) -> None:
@@ -395,11 +396,23 @@ class KVTiers:
 
     def _host_batch(self, kv: Any, blocks: np.ndarray) -> jax.Array:
         """The pages of GPU ``blocks`` as a host batch ``[n, leaves, block_size, *page]``, not waited for."""
-        return _gather_to_host(kv, blocks) if self.copies == "program" else _to_host(_gather(kv, blocks))
+        if self.copies == "program":
+            return self._run(_gather_to_host, kv, blocks)
+        return _to_host(self._run(_gather, kv, blocks))
 
     def _scatter_input(self, array: Any) -> Any:
         """A host batch as ``_scatter`` takes it: as it is for "program" (its program reads the host memory)."""
         return array if self.copies == "program" else _to_device(array)
+
+    def _run(self, program: Any, kv: Any, *args: Any) -> Any:
+        """``program(kv, *args)`` (a jitted copy) through its executable for these arguments' shapes, dtypes and
+        memories, compiled at the first such call (``warm_up`` makes them all): it takes ``kv``'s leaves committed
+        or not (module docstring)."""
+        key = (program, *((a.shape, a.dtype, _memory(a)) for a in args))
+        compiled = self._programs.get(key)
+        if compiled is None:
+            compiled = self._programs[key] = program.lower(kv, *args).compile()
+        return compiled(kv, *args)
 
     def _put(self, entry: _Entry) -> None:
         """Keep ``entry`` as the most recent host entry, then drop the oldest while the memory held exceeds
@@ -446,10 +459,9 @@ class KVTiers:
         self._unwritten = keep
 
 
-def _committed(kv: Any) -> Any:
-    """``kv`` with every leaf committed to its sharding (a step's output may not be): the gathers and scatters
-    then meet one argument signature, the one ``warm_up`` compiles."""
-    return jax.tree.map(lambda leaf: leaf if leaf.committed else jax.device_put(leaf, leaf.sharding), kv)
+def _memory(array: Any) -> str | None:
+    """Where an argument of a copy lives: a jax array's memory kind, None for numpy (moved by the call)."""
+    return array.sharding.memory_kind if isinstance(array, jax.Array) else None
 
 
 def _to_host(array: jax.Array) -> jax.Array:

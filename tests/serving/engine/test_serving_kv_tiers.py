@@ -249,6 +249,29 @@ def test_after_the_tiers_warm_up_saves_and_loads_compile_nothing(tmp_path, copie
         np.testing.assert_array_equal(_block(kv, block), original[saved])
 
 
+@pytest.mark.parametrize("copies", COPIES)
+def test_copies_take_the_cache_as_a_compiled_step_leaves_it(copies, monkeypatch):
+    """A step's compiled executable returns the cache's leaves uncommitted. The copies take them so: no
+    ``device_put`` of each leaf before a copy (host time per leaf, per copy), nothing compiled after warm-up, and
+    the pages round-trip."""
+    kv = _cache()
+    tiers = KVTiers(kv, host_blocks=8, copies=copies)
+    step = jax.jit(lambda kv: jax.tree.map(lambda leaf: leaf * 1, kv)).lower(kv).compile()
+    kv = step(tiers.warm_up(kv))
+    assert not any(leaf.committed for leaf in jax.tree.leaves(kv))
+    original = _block(kv, 1)
+    puts, device_put = [], jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *args, **kwargs: puts.append(x) or device_put(x, *args, **kwargs))
+    with compile_events() as events:
+        tiers.save(1, b"one")
+        kv = step(tiers.apply(kv))
+        tiers.load(3, tiers.lookup(b"one"))
+        kv = tiers.apply(kv)
+    assert events == []
+    assert len(puts) == (2 if copies == "put" else 0)  # the host batch out and back in; none of the cache's leaves
+    np.testing.assert_array_equal(_block(kv, 3), original)
+
+
 def test_allocator_restores_a_prefix_from_the_host():
     kv = _cache()
     tiers = KVTiers(kv, host_blocks=8)
