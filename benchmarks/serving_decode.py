@@ -51,13 +51,14 @@ B prompts of ``CONTEXT`` random tokens: time to first token = ``generate(max_new
 Decode steps without a prefill chunk are traced with ``serving.layers.KernelPolicy(paged_only=True)``, as the
 engine's runner traces them (every token through the paged attention kernel, no packed prefill kernel).
 
-``--profile``: no timing rows; for each decode batch (``--batches``) of the serving engine, ``PROFILE_STEPS`` decode
-steps traced with ``jax.profiler`` (CUPTI on a GPU), and per step: wall time (untraced), the GPU kernels' summed
-time and count (per layer too), and the kernels grouped by name (numeric suffixes dropped: XLA's
-``loop_add_fusion_12`` counts as ``loop_add_fusion``), most time first: the top ``PROFILE_TOP`` printed, all of them
-in ``serving_decode_profile.json`` (under ``--out-dir``). ``--gather-configs sweep`` repeats it for each decode
-experts' ``gather_matmul`` geometry of ``GATHER_SWEEP`` (printing only their ``gather_matmul`` lines after the
-first): pick the geometry with the least wall time.
+``--profile``: no timing rows; for each decode batch (``--batches``) of the serving engine (or the one quantized
+engine named in ``--engines``: ``serving-int8`` / ``serving-fp8``, whose experts run the gather kernel on 1-byte
+codes), ``PROFILE_STEPS`` decode steps traced with ``jax.profiler`` (CUPTI on a GPU), and per step: wall time
+(untraced), the GPU kernels' summed time and count (per layer too), and the kernels grouped by name (numeric
+suffixes dropped: XLA's ``loop_add_fusion_12`` counts as ``loop_add_fusion``), most time first: the top
+``PROFILE_TOP`` printed, all of them in ``serving_decode_profile.json`` (under ``--out-dir``). ``--gather-configs
+sweep`` repeats it for each decode experts' ``gather_matmul`` geometry of ``GATHER_SWEEP`` (printing only their
+``gather_matmul`` lines after the first): pick the geometry with the least wall time.
 
 Each (model, engine) runs in its own subprocess under a time limit and prints a row per measurement as it
 goes, so a compile that never ends or a missing package costs the rows not yet printed; the JSON is written
@@ -74,6 +75,8 @@ after every case, and a subset run (``--models``, ``--engines``, ``--layers``) r
     python benchmarks/serving_decode.py --cpu --models tiny-vl-moe       # a tiny VL model's rows, image prefill too
     python benchmarks/serving_decode.py --profile --models qwen3-30b-a3b --layers 8 --batches 1,64
     python benchmarks/serving_decode.py --profile --models qwen3-30b-a3b --layers 8 --batches 1,8 --gather-configs sweep
+    python benchmarks/serving_decode.py --profile --models qwen3-30b-a3b --layers 8 --batches 1,8 \
+        --engines serving-int8 --gather-configs sweep
 """
 
 import argparse
@@ -510,11 +513,13 @@ def gather_config(spec: str):
 
 
 def profile_worker(name: str, hf_config: dict, mode: str, layers: int | None, smollm2_gguf: str | None,
-                   batches: list[int], gather_specs: list[str], out_dir: Path | None) -> list[dict]:
+                   batches: list[int], gather_specs: list[str], out_dir: Path | None,
+                   quantize: str | None = None) -> list[dict]:
     """For each ``gather_matmul`` geometry (``gather_specs``; none: the default) and decode batch, ``PROFILE_STEPS``
-    steps timed, then traced. Prints ``format_profile`` (the first geometry's kernels, then only the others'
-    ``gather_matmul`` lines) and writes every kernel name of every run to ``serving_decode_profile[_cpu].json``
-    after each (output truncation loses nothing). Returns the rows."""
+    steps timed, then traced (``quantize``: on the weights quantized to that kind, as engine ``serving-<kind>``).
+    Prints ``format_profile`` (the first geometry's kernels, then only the others' ``gather_matmul`` lines) and
+    writes every kernel name of every run to ``serving_decode_profile[_cpu].json`` after each (output truncation
+    loses nothing). Returns the rows."""
     import dataclasses
 
     import jax
@@ -525,6 +530,11 @@ def profile_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
 
     settings = SETTINGS[mode] | dict(batches=batches)
     cfg, params, kv, tables = serving_setup(name, hf_config, settings, layers, smollm2_gguf)
+    if quantize:
+        from serving.quantization import quantize_params
+
+        params = quantize_params(params, quantize, cfg)
+    engine = f"serving-{quantize}" if quantize else "serving"
     rng = np.random.default_rng(0)
     rows = []
 
@@ -550,11 +560,12 @@ def profile_worker(name: str, hf_config: dict, mode: str, layers: int | None, sm
                 with gzip.open(next(Path(trace_dir).rglob("*.trace.json.gz"))) as f:
                     profile = kernel_profile(device_kernels(json.load(f)), PROFILE_STEPS)
             paged_only = traces_kernels(runner.kernels)  # a decode step's trace (the runner's)
-            title = (f"{name}, {cfg.layers} layers, context {settings['context']}, decode batch {batch}"
+            title = (f"{name}{f' ({quantize})' if quantize else ''}, {cfg.layers} layers, context "
+                     f"{settings['context']}, decode batch {batch}"
                      + (" (paged only)" if paged_only else "") + (f", gather {spec}" if spec else ""))
             print(format_profile(title, wall_ms, profile, cfg.layers, only=None if i == 0 else "gather_matmul"),
                   flush=True)
-            rows.append(dict(model=name, layers=cfg.layers, context=settings["context"], batch=batch,
+            rows.append(dict(model=name, engine=engine, layers=cfg.layers, context=settings["context"], batch=batch,
                              paged_only=paged_only, gather_config=spec or "default", wall_ms=wall_ms,
                              kernels_per_step=profile.count, busy_us=profile.busy_us, span_us=profile.span_us,
                              kernels=[dict(name=k, per_step=n, us_per_step=us) for k, n, us in profile.by_name]))
@@ -775,6 +786,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             parser.error(f"--batches={args.batches!r}: expected comma-separated integers >= 1")
     if args.profile and len(names) != 1:
         parser.error(f"--profile traces one model: got --models {','.join(names)}")
+    profiled = [e for e in engines if e in ("serving", *QUANTIZED_ENGINES)]
+    if args.profile and len(profiled) != 1:
+        parser.error(f"--profile traces one serving engine (serving or one of {list(QUANTIZED_ENGINES)}): got "
+                     f"--engines {args.engines}")
     gather_specs = []
     if args.gather_configs:
         gather_specs = list(GATHER_SWEEP) if args.gather_configs == "sweep" else args.gather_configs.split(",")
@@ -800,7 +815,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"the GPU benchmark needs a GPU (backend is {jax.default_backend()}); use --cpu")
     if args.profile:
         profile_worker(names[0], models[names[0]], mode, args.layers, args.smollm2_gguf, batches, gather_specs,
-                       Path(args.out_dir) if args.out_dir else None)
+                       Path(args.out_dir) if args.out_dir else None, quantize=QUANTIZED_ENGINES.get(profiled[0]))
         return []
     if mode == "cpu":
         engines = [e for e in engines if e != "hf"]  # torch is on the GPU image only

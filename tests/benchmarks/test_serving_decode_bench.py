@@ -137,6 +137,15 @@ def test_cpu_profile_mode_traces_each_decode_batch_and_gather_geometry(tmp_path,
     assert all("32x64x4x2" in line and "16x32x2x1" in line for line in ranking)
 
 
+def test_cpu_profile_mode_traces_a_quantized_engine(tmp_path, capsys):
+    """``--engines serving-int8``: the steps traced are those of the int8 weights (their rows say so)."""
+    argv = ["--cpu", "--profile", "--batches", "1", "--engines", "serving-int8", "--out-dir", str(tmp_path)]
+    assert serving_decode.main(argv) == []
+    assert "tiny-moe (int8), 2 layers, context 64, decode batch 1:" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "serving_decode_profile_cpu.json").read_text())["rows"]
+    assert [(r["engine"], r["batch"]) for r in rows] == [("serving-int8", 1)]
+
+
 def test_gather_configs_parse_and_the_sweep_is_valid():
     assert serving_decode.gather_config("32x256x4x3") == GroupedMatmulConfig(16, 32, 256, 4, 3)
     assert len({serving_decode.gather_config(spec) for spec in serving_decode.GATHER_SWEEP}) == len(
@@ -147,7 +156,8 @@ def test_gather_configs_parse_and_the_sweep_is_valid():
 
 
 @pytest.mark.parametrize("argv", [["--profile", "--models", "tiny-moe,tiny-moe"], ["--batches", "1,0"],
-                                  ["--batches", "one"], ["--profile", "--gather-configs", "32x128x4"]])
+                                  ["--batches", "one"], ["--profile", "--gather-configs", "32x128x4"],
+                                  ["--profile", "--engines", "serving,serving-fp8"]])
 def test_rejects_bad_profile_arguments(argv):
     with pytest.raises(SystemExit):
         serving_decode.main(["--cpu", *argv])
