@@ -40,7 +40,8 @@ After the closed loops, the engine and http paths run Poisson arrivals at each o
 largest concurrency level runs and queues, and refuses the rest with 503s). ``startup_s`` in a row: launch ->
 ready (the server: until /health says ok; the engine: building it, and its ``warm_up`` where it has one;
 the device: setup and compiles), ``compilation_cache`` whether JAX's persistent compilation cache was cold
-(the run's own, empty: the first engine or server of a model) or warm (filled by the path before);
+(the run's own, empty: the first engine or server of a model) or warm (filled by the path before, or by an earlier
+run: ``--compilation-cache DIR`` keeps one across runs, which saves an A/B script a cold compile per run);
 ``ms_per_layer``: the median TPOT over the model's layers; ``traces`` and ``compiles`` (engine path): JAX trace and
 compile events during the load, after ``warm_up`` (nonzero: a shape compiled while serving).
 
@@ -644,10 +645,11 @@ def _server_load(server: ServerProcess, bodies: list[dict], client_processes: in
 def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requests: int | None,
               smollm2_gguf: str | None, env: dict[str, str], paths: Sequence[str] = PATHS,
               rates: Sequence[float] = (), on_path: Callable[[list[dict]], None] = lambda rows: None,
-              ) -> list[dict]:
+              compilation_cache: Path | None = None) -> list[dict]:
     """``name`` along each of ``paths``: one row per path and load (each concurrency level, then each Poisson
     rate but on the device path), the timed rounds right after ready; ``on_path(rows)`` after each path (so a
-    run cut short keeps the paths it finished)."""
+    run cut short keeps the paths it finished). ``compilation_cache``: the engine and server's JAX compilation
+    cache folder, kept across runs (None: one of the run's own, empty at its start)."""
     from benchmarks.harness import format_table
 
     rows = []
@@ -655,11 +657,12 @@ def run_model(name: str, spec: dict, settings: dict, levels: Sequence[int], requ
     loads = [{"concurrency": c} for c in levels] + [{"rate": r} for r in rates]
     level_bodies = _level_bodies(name, spec, settings, loads, requests)
     with tempfile.TemporaryDirectory() as folder:
-        # A compilation cache of the run's own: the first engine or server to start compiles everything (cold),
-        # the next one reads it back (warm).
+        # A compilation cache of the run's own unless given: the first engine or server to start with it empty
+        # compiles everything (cold), the next one reads it back (warm).
+        cache_dir = compilation_cache or Path(folder) / "jax-compilation"
+        cache = "warm" if cache_dir.is_dir() and any(cache_dir.iterdir()) else "cold"
         args = [*serve_args(name, spec, settings, levels, Path(folder), smollm2_gguf),
-                "--compilation-cache", str(Path(folder) / "jax-compilation")]
-        cache = "cold"
+                "--compilation-cache", str(cache_dir)]
         for path in paths:
             timeout_s = STARTUP_TIMEOUT_S + REQUEST_TIMEOUT_S * len(loads)
             measured = loads[:len(levels)] if path == "device" else loads
@@ -774,6 +777,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "(recorded in the JSON's settings)")
     parser.add_argument("--smollm2-gguf", help="SmolLM2-135M-Instruct GGUF (default: the embedded model's cache)")
     parser.add_argument("--out-dir", help="where the JSON and PNG go (default benchmarks/results/)")
+    parser.add_argument("--compilation-cache", metavar="DIR",
+                        help="the engine and server's JAX compilation cache, kept for later runs (default: one of "
+                             "the run's own); rows say whether it held anything when their path started")
     args = parser.parse_args(argv)
     mode = "cpu" if args.cpu else "gpu"
     if args.layers is not None and args.layers < 1:
@@ -822,7 +828,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     for name in names:
         rows += run_model(name, specs[name], settings, levels, args.requests, args.smollm2_gguf, env, paths, rates,
-                          on_path=save)
+                          on_path=save,
+                          compilation_cache=Path(args.compilation_cache) if args.compilation_cache else None)
     plot(merged, result_name, out_dir)
     print(format_table(merged, TABLE_COLUMNS))
     return merged

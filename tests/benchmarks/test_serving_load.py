@@ -243,3 +243,15 @@ def test_benchmark_cpu_mode_writes_rows_json_and_png(tmp_path):
     # 0, below /proc's clock tick (10 ms)
     assert all(any(r[f"{name}_cpu"] > 0 for r in rows[5:]) for name in ("frontend", "core")), rows[5:]
     assert (tmp_path / "serving_load_cpu.png").is_file()
+
+
+def test_a_kept_compilation_cache_makes_the_next_run_start_warm(tmp_path):
+    """``--compilation-cache DIR``: the first run fills it (cold), a later run of the same model reads it (warm)."""
+    cache = tmp_path / "cache"
+    argv = ["--cpu", "--models", "tiny-moe", "--paths", "engine", "--concurrency", "1", "--rates", "", "--requests",
+            "2", "--input-len", "8", "--output-len", "4", "--compilation-cache", str(cache)]
+    first = serving_load.main([*argv, "--out-dir", str(tmp_path / "first")])
+    assert [r["compilation_cache"] for r in first] == ["cold"] and any(cache.iterdir())
+    second = serving_load.main([*argv, "--out-dir", str(tmp_path / "second")])
+    assert [r["compilation_cache"] for r in second] == ["warm"]
+    assert second[0]["output_throughput"] > 0 and second[0]["compiles"] == 0
