@@ -23,8 +23,11 @@ block-config sweep.
     per-column scales): the Triton grouped matmul on the codes (impl pallas, ``weights`` int8 / fp8) against
     ``quantization.linear``'s ragged_dot on them (the XLA path, which converts the codes) and against both on the
     bf16 weights, at each kernel's default config; GB/s over each row's own bytes (1-byte codes and their scales),
-    x_bf16: a row's speed-up over the Triton kernel on bf16 weights, x_xla: over ragged_dot on the same weights.
-    rel_err is against ragged_dot on the bf16 weights: the quantization's error, not the kernel's.
+    x_bf16: a row's speed-up over the Triton kernel on bf16 weights (its fastest config), x_xla: over ragged_dot on
+    the same weights. rel_err is against ragged_dot on the bf16 weights: the quantization's error, not the
+    kernel's. ``--quantized-configs sweep`` runs every Triton config of the grouped-matmul sweep (prefill or decode,
+    by shape) on each kind of weights instead of the default only, and ``--expert-shapes`` picks shapes: 1-byte
+    tiles may want another geometry than bf16's.
 
 Every row carries rel_err, the relative Frobenius error against the competitor's output (the first listed).
 A failing implementation or config (a Triton compile error, cudnn missing) costs its row, not the run. Each
@@ -304,37 +307,52 @@ def grouped_matmul_rows(mode: str, interpret: bool) -> list[dict]:
     return rows
 
 
-def quantized_experts_rows(mode: str, interpret: bool) -> list[dict]:
-    """Per shape: ragged_dot and the Triton kernel on bf16, int8 and fp8 expert weights (module docstring)."""
+def quantized_experts_rows(mode: str, interpret: bool, sweep: bool = False,
+                           shapes: list[str] | None = None) -> list[dict]:
+    """Per shape (``shapes``: a subset by name): ragged_dot and the Triton kernel on bf16, int8 and fp8 expert
+    weights, the kernel at its default config or (``sweep``) every Triton config of the shape's sweep (module
+    docstring)."""
     from serving.quantization import linear, quantize
 
     rows = []
     for shape, (tokens, top_k, experts, k, n) in SHAPES[mode]["grouped_matmul"].items():
+        if shapes is not None and shape not in shapes:
+            continue
         sizes = routed_group_sizes(tokens, top_k, experts)
         m, touched = tokens * top_k, int((sizes > 0).sum())
         x, w = random_normal(0, (m, k)), random_normal(1, (experts, k, n), scale=k**-0.5)
         weights = {"bf16": w} | {kind: quantize(w.astype(jnp.float32), kind) for kind in ("int8", "fp8")}
-        config = grouped_matmul.default_config(m, experts)
-        kernel = functools.partial(grouped_matmul.grouped_matmul, config=config, interpret=interpret)
+        configs = [grouped_matmul.default_config(m, experts)]
+        if sweep:
+            configs += [c for c in SWEEPS[mode]["decode" if shape.startswith("decode") else "prefill"]
+                        if isinstance(c, G) and c not in configs]
         xla = jax.jit(lambda x, w, g: linear(x, w, group_sizes=g))
-        codes = jax.jit(lambda x, w, g, kernel=kernel: kernel(x, w.q, g, w_scale=w.scale))  # w: a QuantizedWeight
         shape_rows, expected, group_sizes = [], None, jnp.asarray(sizes)
         for kind, weight in weights.items():
             weight_bytes = touched * k * n * (2 if kind == "bf16" else 1) + (0 if kind == "bf16" else 4 * touched * n)
-            for impl, fn in (("ragged_dot", xla), ("pallas", jax.jit(kernel) if kind == "bf16" else codes)):
-                row, out = measure(fn, (x, weight, group_sizes), reps=REPS[mode], expected=expected,
-                                   flop=2 * m * k * n, nbytes=2 * (m * k + m * n) + weight_bytes)
-                expected = out if expected is None else expected
-                shape_rows.append(dict(kernel="quantized_experts", shape=f"{shape}/{kind}", impl=impl, weights=kind,
-                                       config=config_name(config) if impl == "pallas" else None) | row)
-        ok = {(r["impl"], r["weights"]): r["median_ms"] for r in shape_rows if r["status"] == "ok"}
+            measured = dict(reps=REPS[mode], flop=2 * m * k * n, nbytes=2 * (m * k + m * n) + weight_bytes)
+            row, out = measure(xla, (x, weight, group_sizes), expected=expected, **measured)
+            expected = out if expected is None else expected
+            shape_rows.append(dict(kernel="quantized_experts", shape=f"{shape}/{kind}", impl="ragged_dot",
+                                   weights=kind, config=None) | row)
+            for config in configs:
+                kernel = functools.partial(grouped_matmul.grouped_matmul, config=config, interpret=interpret)
+                fn = (jax.jit(kernel) if kind == "bf16" else  # w: a QuantizedWeight
+                      jax.jit(lambda x, w, g, kernel=kernel: kernel(x, w.q, g, w_scale=w.scale)))
+                row, _ = measure(fn, (x, weight, group_sizes), expected=expected, **measured)
+                shape_rows.append(dict(kernel="quantized_experts", shape=f"{shape}/{kind}", impl="pallas",
+                                       weights=kind, config=config_name(config)) | row)
+        ok = [r for r in shape_rows if r["status"] == "ok"]
+        fastest = {(r["impl"], r["weights"]): min(q["median_ms"] for q in ok if (q["impl"], q["weights"]) ==
+                                                  (r["impl"], r["weights"])) for r in ok}
         for r in shape_rows:
             if r["status"] == "ok":
-                r |= {key: ok[ref] / r["median_ms"] for key, ref in (("x_bf16", ("pallas", "bf16")),
-                                                                     ("x_xla", ("ragged_dot", r["weights"])))
-                      if ref in ok}
-            print(f"  quantized_experts    {r['shape']:<18} {r['impl']:<10} "
-                  f"{r.get('median_ms') or 0:9.4f} ms  {r['status'][:80]}", flush=True)
+                r |= {key: fastest[ref] / r["median_ms"] for key, ref in (("x_bf16", ("pallas", "bf16")),
+                                                                          ("x_xla", ("ragged_dot", r["weights"])))
+                      if ref in fastest}
+                r["best"] = r["impl"] == "pallas" and r["median_ms"] == fastest[("pallas", r["weights"])]
+            print(f"  quantized_experts    {r['shape']:<22} {r['impl']:<10} {r.get('median_ms') or 0:9.4f} ms  "
+                  f"{r['config'] or '':<60} {r['status'][:80]}", flush=True)
         rows += shape_rows
     return rows
 
@@ -479,6 +497,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "(Triton: block_q x block_k x num_warps x num_stages; Mosaic GPU: mosaic:block_k x "
                              "stages); the JSON is then "
                              "serving_kernels_flash_sweep")
+    parser.add_argument("--quantized-configs", choices=("default", "sweep"), default="default",
+                        help="quantized_experts: the Triton kernel at its default config, or every Triton config "
+                             "of the grouped-matmul sweep on each kind of weights")
+    parser.add_argument("--expert-shapes", help="quantized_experts: comma-separated subset of the grouped-matmul "
+                        "shapes (gpu: prefill_up, prefill_gate_up, prefill_down, decode_up, decode_down)")
     args = parser.parse_args(argv)
     kernels = args.kernels.split(",")
     if unknown := set(kernels) - set(KERNELS):
@@ -486,12 +509,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.flash_configs and "flash_attention" not in kernels:
         parser.error("--flash-configs needs flash_attention among --kernels")
     mode = "cpu" if args.cpu else "gpu"
+    expert_shapes = args.expert_shapes.split(",") if args.expert_shapes else None
+    if unknown := set(expert_shapes or ()) - set(SHAPES[mode]["grouped_matmul"]):
+        parser.error(f"--expert-shapes: unknown {sorted(unknown)}; expected some of "
+                     f"{list(SHAPES[mode]['grouped_matmul'])}")
     if mode == "gpu" and jax.default_backend() != "gpu":
         parser.error(f"the GPU benchmark needs a GPU (backend is {jax.default_backend()}); use --cpu")
     name = "serving_kernels" + ("_cpu" if args.cpu else "") + ("_flash_sweep" if args.flash_configs else "")
     rows = []
     for kernel in kernels:
-        sweep = {"configs": args.flash_configs} if kernel == "flash_attention" else {}
+        sweep = ({"configs": args.flash_configs} if kernel == "flash_attention" else
+                 {"sweep": args.quantized_configs == "sweep", "shapes": expert_shapes}
+                 if kernel == "quantized_experts" else {})
         for row in ROWS[kernel](mode, interpret=mode == "cpu", **sweep):
             if mode == "gpu" and row["status"] == "ok":
                 row["tflop_pct"] = 100 * row["tflop_s"] / PEAK_TFLOP_S

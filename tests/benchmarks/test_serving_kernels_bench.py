@@ -59,6 +59,29 @@ def test_flash_configs_replace_the_flash_sweep(tmp_path):
     assert all(r["status"] == "ok" and r["rel_err"] <= BF16_RTOL for r in pallas), pallas
 
 
+def test_quantized_configs_sweep_each_kind_over_the_triton_configs_of_its_shape(tmp_path):
+    """``--quantized-configs sweep``: the default and every Triton config of the shape's sweep on each kind of
+    weights, one best per kind; ``--expert-shapes`` keeps the named shapes only."""
+    rows = serving_kernels.main(["--cpu", "--kernels", "quantized_experts", "--quantized-configs", "sweep",
+                                 "--expert-shapes", "decode", "--out-dir", str(tmp_path)])
+    triton = [serving_kernels.config_name(c) for c in serving_kernels.SWEEPS["cpu"]["decode"]
+              if isinstance(c, serving_kernels.G)]
+    default = serving_kernels.config_name(serving_kernels.grouped_matmul.default_config(16, 8))
+    configs = list(dict.fromkeys([default, *triton]))
+    assert len(configs) == 2
+    for kind in ("bf16", "int8", "fp8"):
+        mine = [r for r in rows if r["weights"] == kind]
+        assert [(r["shape"], r["impl"], r["config"]) for r in mine] == [
+            (f"decode/{kind}", "ragged_dot", None), *((f"decode/{kind}", "pallas", c) for c in configs)]
+        assert all(r["status"] == "ok" for r in mine) and sum(r["best"] for r in mine) == 1, mine
+    assert max(r["x_bf16"] for r in rows if (r["impl"], r["weights"]) == ("pallas", "bf16")) == 1
+
+
+def test_unknown_expert_shapes_are_refused():
+    with pytest.raises(SystemExit):
+        serving_kernels.main(["--cpu", "--kernels", "quantized_experts", "--expert-shapes", "prefill,huge"])
+
+
 # Shapes the Mosaic GPU kernels take (bf16, head dims multiples of 64, 16-token pages): GQA (batch, context,
 # page_size, q_heads, kv_heads, head_dim) and MLA (batch, context, page_size, heads, R, P).
 MOSAIC_CPU_SHAPES = {"paged_attention": (2, 64, 16, 4, 2, 64), "paged_mla_attention": (2, 64, 16, 16, 128, 64)}
