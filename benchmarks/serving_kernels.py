@@ -342,9 +342,11 @@ def quantized_experts_rows(mode: str, interpret: bool, sweep: bool = False,
                 row, _ = measure(fn, (x, weight, group_sizes), expected=expected, **measured)
                 shape_rows.append(dict(kernel="quantized_experts", shape=f"{shape}/{kind}", impl="pallas",
                                        weights=kind, config=config_name(config)) | row)
-        ok = [r for r in shape_rows if r["status"] == "ok"]
-        fastest = {(r["impl"], r["weights"]): min(q["median_ms"] for q in ok if (q["impl"], q["weights"]) ==
-                                                  (r["impl"], r["weights"])) for r in ok}
+        fastest = {}  # (impl, weights) -> its fastest row's median_ms
+        for r in shape_rows:
+            if r["status"] == "ok":
+                key = (r["impl"], r["weights"])
+                fastest[key] = min(fastest.get(key, r["median_ms"]), r["median_ms"])
         for r in shape_rows:
             if r["status"] == "ok":
                 r |= {key: fastest[ref] / r["median_ms"] for key, ref in (("x_bf16", ("pallas", "bf16")),

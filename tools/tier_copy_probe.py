@@ -16,8 +16,9 @@ flight, how long each call takes to return on the host and how long until its re
 * ``apply: save`` / ``apply: load`` (both ways of copying): ``KVTiers.apply`` as the engine's runner calls it,
   on the cache as a step's compiled executable leaves it (every leaf uncommitted), that step in flight: a save of
   ``rows`` blocks, then their load into other blocks;
-* ``commit each leaf``: a ``device_put`` of each such leaf to its own sharding, what ``apply`` did before every
-  copy until its copies ran as compiled executables (a jitted copy keys its cache on committed arguments).
+* ``commit each leaf``: a ``device_put`` of each such leaf to its own sharding, what a jitted copy would need
+  before every call on such a cache (jit keys its cache on committed arguments; ``apply``'s compiled copies take
+  the leaves as they are), timed beside ``apply`` for comparison.
 
 A row whose ``returned_ms`` is close to ``busy_ms`` waited for the device; ``compiles`` counts the compile events
 during the measured call (a nonzero one timed a compile, not a copy). Prints a table and writes

@@ -25,7 +25,7 @@ and the scatter's own programs instead (``jax.memory.Space``), one dispatch per 
 times both ways on a busy device. The gathers and scatters run as executables compiled once per batch size and kind
 of host batch (``warm_up`` compiles them all): a compiled call takes the cache as a step leaves it, where a jitted
 call would need every leaf committed first (a step's compiled executable returns them uncommitted, and jit keys its
-cache on that), one ``device_put`` per leaf per copy, 96 for Qwen3-30B-A3B's cache, host time a step's worth.
+cache on that): one ``device_put`` per leaf per copy, a Python call each, 96 for Qwen3-30B-A3B's cache.
 Ordering within a window: a block saved and then loaded in the same window is gathered before the scatter
 overwrites it; a block loaded and then saved again is saved from the data being loaded (no device read).
 
