@@ -180,7 +180,10 @@ PROFILE_TOP = 20  # kernel names printed per batch, most time first (the JSON ha
 # --profile --gather-configs sweep: the decode experts' gather_matmul geometries, block_n x block_k x num_warps x
 # num_stages (block_m 16: the smallest tl.dot tile). At batch 1 the 8 pairs' gate/up launch has 8 x 768 / block_n
 # programs (96 at block_n 64, fewer than the H200's 132 SMs), so narrower column tiles and deeper K steps compete.
-GATHER_SWEEP = ("64x128x4x4", "32x128x4x4", "32x256x4x3", "16x256x4x3", "64x256x4x3", "32x128x2x4", "128x64x4x4")
+# "fma:" computes the row on CUDA cores (GroupedMatmulConfig.tensor_cores=False): no 16-row MMA tile, no operand
+# layout shuffle of converted 1-byte codes; its [block_k, block_n] fp32 accumulator bounds the tile.
+GATHER_SWEEP = ("64x128x4x4", "32x128x4x4", "32x256x4x3", "16x256x4x3", "64x256x4x3", "32x128x2x4", "128x64x4x4",
+                "fma:64x64x4x4", "fma:128x32x4x4", "fma:64x128x8x3", "fma:128x64x8x3")
 
 
 # ----------------------------------------------------------------------------- serving (JAX) worker
@@ -500,16 +503,18 @@ def format_profile(title: str, wall_ms: float, profile: KernelProfile, layers: i
 
 
 def gather_config(spec: str):
-    """``GATHER_SWEEP``'s ``"block_n x block_k x num_warps x num_stages"`` -> a ``GroupedMatmulConfig`` (block_m:
-    the decode geometry's)."""
+    """``GATHER_SWEEP``'s ``"[fma:]block_n x block_k x num_warps x num_stages"`` -> a ``GroupedMatmulConfig``
+    (block_m: the decode geometry's; ``fma:`` the row on CUDA cores, ``tensor_cores=False``)."""
     from pallas_kernels.grouped_matmul import GATHER_CONFIG, GroupedMatmulConfig
 
+    fma = spec.startswith("fma:")
     try:
-        block_n, block_k, num_warps, num_stages = (int(v) for v in spec.split("x"))
-        return GroupedMatmulConfig(GATHER_CONFIG.block_m, block_n, block_k, num_warps, num_stages)
+        block_n, block_k, num_warps, num_stages = (int(v) for v in spec.removeprefix("fma:").split("x"))
+        return GroupedMatmulConfig(GATHER_CONFIG.block_m, block_n, block_k, num_warps, num_stages,
+                                   tensor_cores=not fma)
     except ValueError as e:
-        raise ValueError(f"gather config {spec!r}: expected block_n x block_k x num_warps x num_stages, powers of "
-                         f"two >= 16 for the blocks (e.g. 32x128x4x4): {e}") from None
+        raise ValueError(f"gather config {spec!r}: expected [fma:]block_n x block_k x num_warps x num_stages, powers "
+                         f"of two >= 16 for the blocks (e.g. 32x128x4x4 or fma:64x64x4x4): {e}") from None
 
 
 def profile_worker(name: str, hf_config: dict, mode: str, layers: int | None, smollm2_gguf: str | None,

@@ -49,6 +49,16 @@ run together and rows sharing an expert read that tile from HBM about once (L2 s
 wastes 15 of its 16-row MMA tile: irrelevant where the weights' bytes bound the time. Given the up weights
 too, a program accumulates both of SwiGLU's products of its tile and stores ``silu(gate) * up``: one launch
 for the expert's hidden instead of two matmuls and an elementwise kernel.
+
+``tensor_cores=False`` (gather_matmul only) computes the row without an MMA: per K step the row's ``block_k``
+values times the ``[block_k, block_n]`` weight tile as elementwise FMAs into an fp32 ``[block_k, block_n]``
+accumulator, summed over its K axis once after the loop,
+
+    out[r, c] = sum_k acc[k, c],    acc[k, c] = sum_{steps i} x[r, i block_k + k] w[i block_k + k, c].
+
+A 16-row MMA tile spends 16x the multiplies of the one real row, and 1-byte codes must be converted and moved
+into the MMA's operand layout in registers before every step; the FMAs read the converted tile where it was
+loaded. Which is faster per dtype and decode batch is measured (``serving_decode --profile --gather-configs``).
 """
 
 import dataclasses
@@ -83,11 +93,14 @@ class GroupedMatmulConfig:
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 4  # K-loop tiles in flight (Triton software pipelining)
+    tensor_cores: bool = True  # False: gather_matmul's row as FMAs on CUDA cores (module docstring), no MMA tile
 
     def __post_init__(self):
         check_power_of_2(self, ("block_m", "block_n", "block_k", "num_warps"))
         check_tile(self, ("block_m", "block_n", "block_k"))
         check_num_stages(self)
+        if not isinstance(self.tensor_cores, bool):
+            raise TypeError(f"GroupedMatmulConfig.tensor_cores must be a bool, got {self.tensor_cores!r}")
 
     def shared_memory_bytes(self, dtype, weights: int = 1, weight_dtype=None) -> int:
         """Shared memory a program uses: the x tiles (``dtype``) and the tiles of each of ``weights`` weights
@@ -155,7 +168,8 @@ def _and(a, b):
     return b if a is None else a if b is None else a & b
 
 
-def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, per_row, repeat, num_weights):
+def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, per_row, repeat, num_weights,
+                tensor_cores):
     # refs: the weights (w, and gather_matmul's SwiGLU up), their scales where quantized (else none), the output
     weight_refs, scale_refs, o_ref = refs[:num_weights], refs[num_weights:-1], refs[-1]
     k_dim, n_dim = weight_refs[0].shape[1:]
@@ -179,24 +193,32 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
         k_ok = None
         if k_dim % block_k:
             k_ok = k0 + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0) < k_dim
-        x = plgpu.load(x_ref.at[pl.ds(x_row0, block_m), pl.ds(k0, block_k)],
-                       mask=_and(rows_ok, None if k_ok is None else k_ok[None, :]), other=0.0)
         w_mask = _and(cols_ok, None if k_ok is None else k_ok[:, None])
         ws = [plgpu.load(ref.at[expert, pl.ds(k0, block_k), pl.ds(col0, block_n)], mask=w_mask,
                          other=None if w_mask is None else jnp.zeros((), ref.dtype)) for ref in weight_refs]
+        if not tensor_cores:  # the one row's products, accumulated per (k, column); summed over k after the loop
+            x = plgpu.load(x_ref.at[x_row0, pl.ds(k0, block_k)], mask=k_ok, other=None if k_ok is None else 0.0)
+            x = x.astype(jnp.float32)[:, None]
+            return tuple(acc + x * w.astype(jnp.float32) for acc, w in zip(accs, ws, strict=True))
+        x = plgpu.load(x_ref.at[pl.ds(x_row0, block_m), pl.ds(k0, block_k)],
+                       mask=_and(rows_ok, None if k_ok is None else k_ok[None, :]), other=0.0)
         return tuple(acc + dot(x, w.astype(x.dtype)) for acc, w in zip(accs, ws, strict=True))
 
     # int32 branches, not Python ints: Pallas' Triton lowering gives a weak-typed literal operand of select_n the
     # predicate's type, i1, so the K-step count became an i1 `false` and scf.for's bounds mismatched (i32 vs i1).
     steps = jnp.where(group < num_groups, jnp.int32(pl.cdiv(k_dim, block_k)), jnp.int32(0))
-    accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in weight_refs))
+    acc_shape = (block_m, block_n) if tensor_cores else (block_k, block_n)
+    accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in weight_refs))
+    out_rows, out_rows_ok = block_m, rows_ok
+    if not tensor_cores:  # [1, block_n]: the row (a per_row visit's one row is always in [0, m))
+        accs, out_rows, out_rows_ok = [jnp.sum(acc, axis=0, keepdims=True) for acc in accs], 1, None
     if scale_refs:
         accs = [acc * plgpu.load(ref.at[expert, pl.ds(0, 1), pl.ds(col0, block_n)], mask=cols_ok,
                                  other=None if cols_ok is None else 0.0)
                 for acc, ref in zip(accs, scale_refs, strict=True)]
     out = accs[0] if num_weights == 1 else jax.nn.silu(accs[0]) * accs[1]
-    plgpu.store(o_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], out.astype(o_ref.dtype),
-                mask=_and(rows_ok, cols_ok))
+    plgpu.store(o_ref.at[pl.ds(row0, out_rows), pl.ds(col0, block_n)], out.astype(o_ref.dtype),
+                mask=_and(out_rows_ok, cols_ok))
 
 
 # --------------------------------------------------------------------------- public API
@@ -272,8 +294,12 @@ def _launch(plan, x, weights, scales, config, out_dtype, interpret, *, per_row, 
         launched = dataclasses.replace(config, block_n=block_n)
         device.check_shared_memory(f"{'gather_matmul' if per_row else 'grouped_matmul'} in {x.dtype}", launched,
                                    launched.shared_memory_bytes(x.dtype, len(weights), weights[0].dtype), device.gpu())
+    if not (per_row or config.tensor_cores):
+        raise ValueError("tensor_cores=False is gather_matmul's one-row geometry; grouped_matmul's row tiles use "
+                         "tensor cores")
     kernel = functools.partial(_gmm_kernel, block_m=config.block_m, block_n=block_n, block_k=config.block_k,
-                               num_groups=num_groups, per_row=per_row, repeat=repeat, num_weights=len(weights))
+                               num_groups=num_groups, per_row=per_row, repeat=repeat, num_weights=len(weights),
+                               tensor_cores=config.tensor_cores)
     n_tiles = pl.cdiv(n, block_n)
     return pl.pallas_call(
         kernel,

@@ -1,6 +1,7 @@
 """pallas_kernels.grouped_matmul: the MoE grouped matmul against jax.lax.ragged_dot, its visit plan, gather_matmul
 (rows in any order), and the H200 lowering."""
 
+import dataclasses
 import functools
 
 import jax
@@ -80,17 +81,27 @@ class TestGroupedMatmul:
             K.GroupedMatmulConfig(block_k=8)
         with pytest.raises(ValueError, match="num_stages"):
             K.GroupedMatmulConfig(num_stages=0)
+        with pytest.raises(TypeError, match="tensor_cores must be a bool, got 0"):
+            K.GroupedMatmulConfig(tensor_cores=0)
+        with pytest.raises(ValueError, match="tensor_cores=False is gather_matmul's one-row geometry"):
+            K.grouped_matmul(x, w, sizes, config=K.GroupedMatmulConfig(16, 16, 16, tensor_cores=False))
+
+
+# gather_matmul's two ways to compute a row: a 16-row MMA tile, or FMAs on CUDA cores (tensor_cores=False)
+ROW_PATHS = pytest.mark.parametrize("tensor_cores", [True, False], ids=["mma", "fma"])
 
 
 class TestGatherMatmul:
     """gather_matmul: ``x[r] @ w[ids[r]]`` for rows in any order, an id outside the groups a zero row."""
 
+    @ROW_PATHS
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-    def test_matches_ragged_dot_on_the_rows_sorted(self, dtype):
+    def test_matches_ragged_dot_on_the_rows_sorted(self, dtype, tensor_cores):
         num_groups, m = 5, 21
         x, w, _ = inputs(3, m, 40, 48, [0] * num_groups, dtype)  # k and n not multiples of the blocks
         ids = jnp.asarray(np.random.default_rng(0).integers(-1, num_groups + 2, m), jnp.int32)  # some out of range
-        out = K.gather_matmul(x, w, ids, config=K.GroupedMatmulConfig(16, 32, 16), interpret=interpret())
+        config = K.GroupedMatmulConfig(16, 32, 16, tensor_cores=tensor_cores)
+        out = K.gather_matmul(x, w, ids, config=config, interpret=interpret())
         assert_close(out, K.gather_matmul_reference(x, w, ids))
         known = np.flatnonzero((ids >= 0) & (ids < num_groups))
         order = known[np.argsort(np.asarray(ids)[known], kind="stable")]
@@ -99,37 +110,42 @@ class TestGatherMatmul:
         unknown = np.setdiff1d(np.arange(m), known)
         assert len(unknown) and not np.asarray(out[unknown], np.float32).any()
 
+    @ROW_PATHS
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-    def test_with_up_weights_gives_the_swiglu_hidden(self, dtype):
+    def test_with_up_weights_gives_the_swiglu_hidden(self, dtype, tensor_cores):
         num_groups, m = 4, 13
         x, gate, _ = inputs(5, m, 48, 40, [0] * num_groups, dtype)
         up = inputs(6, m, 48, 40, [0] * num_groups, dtype)[1]
         ids = jnp.asarray(np.random.default_rng(1).integers(0, num_groups + 1, m), jnp.int32)  # id 4: zero rows
-        out = K.gather_matmul(x, gate, ids, up, config=K.GroupedMatmulConfig(16, 16, 32), interpret=interpret())
+        out = K.gather_matmul(x, gate, ids, up, config=K.GroupedMatmulConfig(16, 16, 32, tensor_cores=tensor_cores),
+                              interpret=interpret())
         hidden = (jax.nn.silu(K.gather_matmul_reference(x, gate, ids, out_dtype=jnp.float32))
                   * K.gather_matmul_reference(x, up, ids, out_dtype=jnp.float32))
         assert_close(out, hidden.astype(dtype))
         assert_close(out, K.gather_matmul_reference(x, gate, ids, up))
         assert not np.asarray(out[np.asarray(ids) == num_groups], np.float32).any()
 
+    @ROW_PATHS
     @pytest.mark.parametrize("gated", [False, True], ids=["plain", "swiglu"])
-    def test_repeat_reads_each_row_of_x_for_its_pairs(self, gated):
+    def test_repeat_reads_each_row_of_x_for_its_pairs(self, gated, tensor_cores):
         """``repeat=k``: output row r is x[r // k]'s, as if x had been repeated k times (a token's top-k pairs)."""
         num_groups, tokens, top_k = 6, 3, 4
         x, gate, _ = inputs(7, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)
         up = inputs(8, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)[1] if gated else None
         ids = jnp.asarray(np.random.default_rng(2).integers(0, num_groups + 1, tokens * top_k), jnp.int32)
-        out = K.gather_matmul(x, gate, ids, up, repeat=top_k, config=K.GroupedMatmulConfig(16, 32, 16),
-                              interpret=interpret())
+        config = K.GroupedMatmulConfig(16, 32, 16, tensor_cores=tensor_cores)
+        out = K.gather_matmul(x, gate, ids, up, repeat=top_k, config=config, interpret=interpret())
         repeated = jnp.repeat(x, top_k, axis=0)
         assert_close(out, K.gather_matmul_reference(repeated, gate, ids, up))
         assert_close(out, K.gather_matmul_reference(x, gate, ids, up, repeat=top_k))
 
-    def test_rows_of_unknown_or_unused_groups_never_read_weights(self):
+    @ROW_PATHS
+    def test_rows_of_unknown_or_unused_groups_never_read_weights(self, tensor_cores):
         x, w, _ = inputs(4, 6, 32, 32, [0, 0, 0, 0])
         ids = jnp.asarray([2, 0, 4, 2, -1, 0], jnp.int32)  # groups 1 and 3 unused; 4 and -1 are not groups
         poisoned = w.at[jnp.asarray([1, 3])].set(jnp.nan)
-        out = K.gather_matmul(x, poisoned, ids, config=K.GroupedMatmulConfig(16, 16, 16), interpret=interpret())
+        out = K.gather_matmul(x, poisoned, ids, config=K.GroupedMatmulConfig(16, 16, 16, tensor_cores=tensor_cores),
+                              interpret=interpret())
         assert_close(out, K.gather_matmul_reference(x, w, ids))
 
     def test_rejects_bad_ids(self):
@@ -146,14 +162,16 @@ class TestGatherMatmul:
                                              r"float32\[2, 16, 8\]"):
             K.gather_matmul(x, w, jnp.zeros(8, jnp.int32), w[..., :8])
 
+    @ROW_PATHS
     @pytest.mark.parametrize("k, n, gated", [(2048, 768, True), (768, 2048, False)], ids=["gate_up", "down"])
-    def test_lowers_for_h200(self, k, n, gated):
+    def test_lowers_for_h200(self, k, n, gated, tensor_cores):
         """The Qwen3-30B-A3B expert matmuls at 8 decode tokens x top-8 = 64 pairs (gate/up: the 8 tokens' rows
         read 8 times each)."""
         w = jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16)
         x = jax.ShapeDtypeStruct((8 if gated else 64, k), jnp.bfloat16)
         args = (x, w, jax.ShapeDtypeStruct((64,), jnp.int32), *([w] if gated else []))
-        text = lower_for_h200(functools.partial(K.gather_matmul, repeat=8 if gated else 1), *args)
+        config = dataclasses.replace(K.GATHER_CONFIG, tensor_cores=tensor_cores)
+        text = lower_for_h200(functools.partial(K.gather_matmul, repeat=8 if gated else 1, config=config), *args)
         assert 'name = "gather_matmul"' in text
 
 
@@ -184,15 +202,16 @@ class TestQuantizedWeights:
         past = min(sum(group_sizes), m)
         np.testing.assert_array_equal(np.asarray(out[past:]), 0.0)
 
+    @ROW_PATHS
     @pytest.mark.parametrize("kind", ["int8", "fp8"])
-    def test_gather_swiglu_and_down_match_their_references(self, kind):
+    def test_gather_swiglu_and_down_match_their_references(self, kind, tensor_cores):
         num_groups, tokens, top_k = 6, 3, 4
         x, gate, _ = inputs(9, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)
         up = inputs(10, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)[1]
         down = inputs(11, tokens, 48, 40, [0] * num_groups, jnp.bfloat16)[1]
         (gq, gs), (uq, us), (dq, ds) = (quantized(w, kind) for w in (gate, up, down))
         ids = jnp.asarray(np.random.default_rng(3).integers(0, num_groups + 1, tokens * top_k), jnp.int32)
-        config = K.GroupedMatmulConfig(16, 32, 16)
+        config = K.GroupedMatmulConfig(16, 32, 16, tensor_cores=tensor_cores)
         hidden = K.gather_matmul(x, gq, ids, uq, repeat=top_k, w_scale=gs, up_scale=us, config=config,
                                  interpret=interpret())
         assert_close(hidden, K.gather_matmul_reference(x, gq, ids, uq, repeat=top_k, w_scale=gs, up_scale=us))
@@ -218,8 +237,9 @@ class TestQuantizedWeights:
         with pytest.raises(ValueError, match="up_scale must come exactly with up and w_scale"):
             K.gather_matmul(x, w, ids, w, up_scale=scale)
 
+    @ROW_PATHS
     @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
-    def test_lowers_for_h200(self, dtype):
+    def test_lowers_for_h200(self, dtype, tensor_cores):
         """Qwen3-30B-A3B's decode expert matmuls (64 tokens x top-8) on quantized weights: the SwiGLU gather,
         the down gather and the sorted grouped matmul."""
         def weight(k, n):
@@ -228,11 +248,12 @@ class TestQuantizedWeights:
         (gate, gs), (down, ds) = weight(2048, 768), weight(768, 2048)
         x, hidden = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((512, 768), jnp.bfloat16)
         ids = jax.ShapeDtypeStruct((512,), jnp.int32)
-        swiglu = lower_for_h200(lambda x, g, i, u, s, t: K.gather_matmul(x, g, i, u, repeat=8, w_scale=s, up_scale=t),
-                                x, gate, ids, gate, gs, gs)
+        config = dataclasses.replace(K.GATHER_CONFIG, tensor_cores=tensor_cores)
+        swiglu = lower_for_h200(lambda x, g, i, u, s, t: K.gather_matmul(x, g, i, u, repeat=8, w_scale=s, up_scale=t,
+                                                                         config=config), x, gate, ids, gate, gs, gs)
         assert 'name = "gather_matmul"' in swiglu
-        assert 'name = "gather_matmul"' in lower_for_h200(lambda h, d, i, s: K.gather_matmul(h, d, i, w_scale=s),
-                                                          hidden, down, ids, ds)
+        assert 'name = "gather_matmul"' in lower_for_h200(
+            lambda h, d, i, s: K.gather_matmul(h, d, i, w_scale=s, config=config), hidden, down, ids, ds)
         sizes = jax.ShapeDtypeStruct((128,), jnp.int32)
         assert "grouped_matmul" in lower_for_h200(lambda h, d, g, s: K.grouped_matmul(h, d, g, w_scale=s),
                                                   hidden, down, sizes, ds)
