@@ -106,7 +106,8 @@ SWEEPS = {  # the first config of each list is the kernel's default
         paged_mla_attention=[paged_attention.MLA_CONFIG, P(16, 32, num_warps=4), P(64, 16, num_warps=8),
                              P(32, 64, num_warps=8, num_stages=2), paged_attention_mgpu.MLA_CONFIG,
                              MP(stages=2, num_splits=2)],
-        prefill=[grouped_matmul.PREFILL_CONFIG, G(128, 256, 64, 8, 3), G(64, 128, 64, 4, 4), G(128, 128, 32, 4, 5),
+        prefill=[grouped_matmul.PREFILL_CONFIG, G(128, 256, 64, 8, 3), G(64, 128, 64, 4, 4),
+                 grouped_matmul.QUANTIZED_PREFILL_CONFIG,
                  G(64, 256, 64, 8, 3), grouped_matmul_mgpu.DEFAULT_CONFIG, MG(128, 192, 64, 4), MG(128, 128, 64, 5),
                  MG(64, 256, 64, 4), MG(128, 128, 128, 3)],
         decode=[grouped_matmul.DECODE_CONFIG, G(16, 128, 128, 4, 4), G(16, 64, 256, 4, 3), G(32, 64, 128, 4, 4),
@@ -322,10 +323,7 @@ def quantized_experts_rows(mode: str, interpret: bool, sweep: bool = False,
         m, touched = tokens * top_k, int((sizes > 0).sum())
         x, w = random_normal(0, (m, k)), random_normal(1, (experts, k, n), scale=k**-0.5)
         weights = {"bf16": w} | {kind: quantize(w.astype(jnp.float32), kind) for kind in ("int8", "fp8")}
-        configs = [grouped_matmul.default_config(m, experts)]
-        if sweep:
-            configs += [c for c in SWEEPS[mode]["decode" if shape.startswith("decode") else "prefill"]
-                        if isinstance(c, G) and c not in configs]
+        swept = [c for c in SWEEPS[mode]["decode" if shape.startswith("decode") else "prefill"] if isinstance(c, G)]
         xla = jax.jit(lambda x, w, g: linear(x, w, group_sizes=g))
         shape_rows, expected, group_sizes = [], None, jnp.asarray(sizes)
         for kind, weight in weights.items():
@@ -335,7 +333,8 @@ def quantized_experts_rows(mode: str, interpret: bool, sweep: bool = False,
             expected = out if expected is None else expected
             shape_rows.append(dict(kernel="quantized_experts", shape=f"{shape}/{kind}", impl="ragged_dot",
                                    weights=kind, config=None) | row)
-            for config in configs:
+            default = grouped_matmul.default_config(m, experts, w.dtype if kind == "bf16" else weight.q.dtype)
+            for config in [default] + ([c for c in swept if c != default] if sweep else []):
                 kernel = functools.partial(grouped_matmul.grouped_matmul, config=config, interpret=interpret)
                 fn = (jax.jit(kernel) if kind == "bf16" else  # w: a QuantizedWeight
                       jax.jit(lambda x, w, g, kernel=kernel: kernel(x, w.q, g, w_scale=w.scale)))

@@ -282,9 +282,13 @@ def test_visit_plan_covers_every_row_once_within_one_group(seed):
     assert touched == set(np.flatnonzero(rows_per_group).tolist())  # a group without rows is never visited
 
 
-def test_default_config_by_rows_per_group():
+def test_default_config_by_rows_per_group_and_weight_dtype():
     assert K.default_config(512, 128) == K.DECODE_CONFIG
-    assert K.default_config(32768, 128) == K.PREFILL_CONFIG
+    assert K.default_config(512, 128, jnp.int8) == K.DECODE_CONFIG
+    assert K.default_config(32768, 128) == K.default_config(32768, 128, jnp.bfloat16) == K.PREFILL_CONFIG
+    for codes in (jnp.int8, jnp.float8_e4m3fn):
+        assert K.default_config(32768, 128, codes) == K.QUANTIZED_PREFILL_CONFIG
+    assert K.QUANTIZED_PREFILL_CONFIG != K.PREFILL_CONFIG
 
 
 # The Qwen3-30B-A3B expert matmuls (128 experts; gate/up K=2048 -> N=768, down K=768 -> N=2048) at prefill
