@@ -28,6 +28,10 @@ block-config sweep.
     kernel's. ``--quantized-configs sweep`` runs every Triton config of the grouped-matmul sweep (prefill or decode,
     by shape) on each kind of weights instead of the default only, and ``--expert-shapes`` picks shapes: 1-byte
     tiles may want another geometry than bf16's.
+  * gather_experts: one layer's decode experts as the serving layer runs them (``gather_matmul``'s SwiGLU and down
+    launches, no sort) at decode batches 1 and 8 of Qwen3-30B-A3B (``GATHER_SHAPES``), on bf16 weights and on int8
+    / fp8 codes stored ``[E, in, out]`` or K-major, against XLA's gather of each pair's weights on the same
+    weights; GB/s over the touched experts' bytes, x_bf16 over the bf16 kernel, x_xla over XLA.
 
 Every row carries rel_err, the relative Frobenius error against the competitor's output (the first listed).
 A failing implementation or config (a Triton compile error, cudnn missing) costs its row, not the run. Each
@@ -119,7 +123,11 @@ SWEEPS = {  # the first config of each list is the kernel's default
     ),
 }
 KERNELS = ("flash_attention", "paged_attention", "paged_mla_attention", "grouped_matmul", "quantized_experts",
-           "flash_shapes")
+           "gather_experts", "flash_shapes")
+# gather_experts: decode tokens -> (tokens, top_k, experts, hidden, intermediate), Qwen3-30B-A3B's experts
+GATHER_SHAPES = {"gpu": {"decode_b1": (1, 8, 128, 2048, 768), "decode_b8": (8, 8, 128, 2048, 768)},
+                 "cpu": {"decode_b2": (2, 2, 4, 64, 32)}}
+GATHER_KINDS = ("bf16", "int8", "int8_k_major", "fp8", "fp8_k_major")  # the first: the baseline of x_bf16
 # flash_shapes: name -> (sequence lengths, q_heads, kv_heads, head_dim); every sequence causal, packed end to end.
 FLASH_SHAPES = {
     "gpu": {"S1k_gqa4_d128": ([1024] * 16, 32, 8, 128), "S4k_gqa4_d128": ([4096] * 4, 32, 8, 128),
@@ -358,6 +366,66 @@ def quantized_experts_rows(mode: str, interpret: bool, sweep: bool = False,
     return rows
 
 
+def gather_experts_rows(mode: str, interpret: bool) -> list[dict]:
+    """A decode step's experts for one layer, as the serving layer runs them up to ``PAIRWISE_MAX_ROWS`` pairs:
+    ``gather_matmul``'s SwiGLU launch (gate and up) then its down launch, per (token, expert) pair with no sort, on
+    bf16 weights and on int8 / fp8 codes stored ``[E, in, out]`` or K-major (``pallas_kernels.grouped_matmul``,
+    "K-major codes"), against XLA's gather of each pair's weights (``gather_matmul_reference``) on the same
+    weights. GB/s over the touched experts' bytes (codes and scales); x_bf16: the bf16 kernel's time over the
+    row's; x_xla: XLA's on the same weights over the kernel's."""
+    from serving.quantization import quantize
+
+    rows = []
+    for shape, (tokens, top_k, experts, hidden, inter) in GATHER_SHAPES[mode].items():
+        rng = np.random.default_rng(0)
+        ids = jnp.asarray(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).reshape(-1),
+                          jnp.int32)
+        touched = len(set(np.asarray(ids).tolist()))
+        x = random_normal(0, (tokens, hidden))
+        bf16 = {name: random_normal(i + 1, (experts, k, n), scale=k**-0.5)
+                for i, (name, k, n) in enumerate((("gate", hidden, inter), ("up", hidden, inter),
+                                                  ("down", inter, hidden)))}
+        flop = 2 * tokens * top_k * 3 * hidden * inter
+        shape_rows, expected = [], None
+        for kind in GATHER_KINDS:
+            codes, k_major = kind.removesuffix("_k_major"), kind.endswith("_k_major")
+            if codes == "bf16":
+                weights = {name: (w, None) for name, w in bf16.items()}
+            else:
+                quantized = {name: quantize(w.astype(jnp.float32), codes) for name, w in bf16.items()}
+                weights = {name: (jnp.swapaxes(q.q, 1, 2) if k_major else q.q, q.scale)
+                           for name, q in quantized.items()}
+            nbytes = touched * 3 * hidden * inter * (2 if codes == "bf16" else 1) + (
+                0 if codes == "bf16" else touched * 4 * (2 * inter + hidden))
+
+            def experts_fn(x, weights, ids, kernel, k_major=k_major, top_k=top_k):
+                (gate, gs), (up, us), (down, ds) = (weights[name] for name in ("gate", "up", "down"))
+                extra = {"k_major": k_major} | ({} if kernel is grouped_matmul.gather_matmul_reference
+                                                else {"interpret": interpret})
+                h = kernel(x, gate, ids, up, repeat=top_k, w_scale=gs, up_scale=us, **extra)
+                return kernel(h, down, ids, w_scale=ds, **extra)
+
+            for impl, kernel in (("xla", grouped_matmul.gather_matmul_reference),
+                                 ("pallas", grouped_matmul.gather_matmul)):
+                fn = jax.jit(functools.partial(experts_fn, kernel=kernel))
+                row, out = measure(fn, (x, weights, ids), reps=REPS[mode], expected=expected, flop=flop,
+                                   nbytes=nbytes)
+                expected = out if expected is None else expected
+                shape_rows.append(dict(kernel="gather_experts", shape=f"{shape}/{kind}", impl=impl, weights=kind,
+                                       config=config_name(grouped_matmul.GATHER_CONFIG) if impl == "pallas" else None)
+                                  | row)
+        ok = {(r["impl"], r["weights"]): r["median_ms"] for r in shape_rows if r["status"] == "ok"}
+        for r in shape_rows:
+            if r["status"] == "ok":
+                r |= {key: ok[ref] / r["median_ms"] for key, ref in (("x_bf16", ("pallas", "bf16")),
+                                                                      ("x_xla", ("xla", r["weights"])))
+                      if ref in ok and (key == "x_bf16" or r["impl"] == "pallas")}
+            print(f"  gather_experts    {r['shape']:<24} {r['impl']:<7} {r.get('median_ms') or 0:9.4f} ms  "
+                  f"{r['status'][:80]}", flush=True)
+        rows += shape_rows
+    return rows
+
+
 def dense_attention(implementation: str, lengths: list[int]) -> Callable:
     """Packed causal ``(q, k, v) -> out`` through ``jax.nn.dot_product_attention`` (``implementation``) on the
     sequences of ``lengths`` as a dense batch, each padded to the longest with its length given."""
@@ -426,7 +494,8 @@ def speedups(row: dict, rows: list[dict]) -> dict:
 
 ROWS = {"flash_attention": flash_attention_rows, "paged_attention": paged_attention_rows,
         "paged_mla_attention": paged_mla_attention_rows, "grouped_matmul": grouped_matmul_rows,
-        "quantized_experts": quantized_experts_rows, "flash_shapes": flash_shapes_rows}
+        "quantized_experts": quantized_experts_rows, "gather_experts": gather_experts_rows,
+        "flash_shapes": flash_shapes_rows}
 
 
 def plot(rows: list[dict], name: str, out_dir: str | Path | None = None, *, peaks: bool = True) -> None:

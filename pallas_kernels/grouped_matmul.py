@@ -50,6 +50,15 @@ wastes 15 of its 16-row MMA tile: irrelevant where the weights' bytes bound the 
 too, a program accumulates both of SwiGLU's products of its tile and stores ``silu(gate) * up``: one launch
 for the expert's hidden instead of two matmuls and an elementwise kernel.
 
+K-major codes (``k_major=True``): w ``[groups, n, k]``, each output column's K values contiguous, the kernel
+reading ``[block_n, block_k]`` tiles and using them transposed. The MMA's B operand wants, per thread, a few
+consecutive K values of one column. From ``[k, n]`` tiles, 2-byte values get them with ``ldmatrix.trans``, but
+1-byte codes have no transposing ldmatrix: Triton 3.6 (sm_90) loads them from shared memory one byte at a time, 128
+``ld.shared.b8`` per K step of the decode geometry against bf16's 16 ``ldmatrix``. The same codes K-major load as
+plain 16-bit ``ldmatrix`` words, and their global copies go 16 bytes at a time instead of 8 (PTX of the batch-1
+gate+up launch). The same math either way; what the layout costs is measured (``serving_kernels --kernels
+gather_experts``).
+
 ``tensor_cores=False`` (gather_matmul only) computes the row without an MMA: per K step the row's ``block_k``
 values times the ``[block_k, block_n]`` weight tile as elementwise FMAs into an fp32 ``[block_k, block_n]``
 accumulator, summed over its K axis once after the loop,
@@ -177,10 +186,10 @@ def _and(a, b):
 
 
 def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, per_row, repeat, num_weights,
-                tensor_cores):
+                tensor_cores, k_major):
     # refs: the weights (w, and gather_matmul's SwiGLU up), their scales where quantized (else none), the output
     weight_refs, scale_refs, o_ref = refs[:num_weights], refs[num_weights:-1], refs[-1]
-    k_dim, n_dim = weight_refs[0].shape[1:]
+    k_dim, n_dim = weight_refs[0].shape[1:][::-1] if k_major else weight_refs[0].shape[1:]
     if per_row:  # gather_matmul: grid (rows, column tiles); plan_ref holds ids [m]; visit r is row r
         visit, n_tile = pl.program_id(0), pl.program_id(1)
         group = plan_ref[visit]
@@ -202,8 +211,13 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
         if k_dim % block_k:
             k_ok = k0 + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0) < k_dim
         w_mask = _and(cols_ok, None if k_ok is None else k_ok[:, None])
-        ws = [plgpu.load(ref.at[expert, pl.ds(k0, block_k), pl.ds(col0, block_n)], mask=w_mask,
-                         other=None if w_mask is None else jnp.zeros((), ref.dtype)) for ref in weight_refs]
+        if k_major:  # a [block_n, block_k] tile of the [groups, n, k] codes, used transposed
+            w_mask = None if w_mask is None else w_mask.T
+            ws = [plgpu.load(ref.at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask=w_mask,
+                             other=None if w_mask is None else jnp.zeros((), ref.dtype)).T for ref in weight_refs]
+        else:
+            ws = [plgpu.load(ref.at[expert, pl.ds(k0, block_k), pl.ds(col0, block_n)], mask=w_mask,
+                             other=None if w_mask is None else jnp.zeros((), ref.dtype)) for ref in weight_refs]
         if not tensor_cores:  # the one row's products, accumulated per (k, column); summed over k after the loop
             x = plgpu.load(x_ref.at[x_row0, pl.ds(k0, block_k)], mask=k_ok, other=None if k_ok is None else 0.0)
             x = x.astype(jnp.float32)[:, None]
@@ -230,6 +244,12 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
 
 
 # --------------------------------------------------------------------------- public API
+
+
+def _kn(w: jax.Array | None, k_major: bool) -> jax.Array | None:
+    """``w [groups, k, n]`` as the math reads it, from its storage (``[groups, n, k]`` where ``k_major``); under jit
+    the kernels only read its shape, the references its values."""
+    return jnp.swapaxes(w, 1, 2) if k_major and w is not None else w
 
 
 def check_inputs(x, w, group_sizes=None, ids=None, up=None, repeat=1, w_scale=None, up_scale=None) -> None:
@@ -266,9 +286,10 @@ def check_inputs(x, w, group_sizes=None, ids=None, up=None, repeat=1, w_scale=No
         raise ValueError(f"x and w must share one dtype, bfloat16 or float32; got {x.dtype} and {w.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "k_major"))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, w_scale: jax.Array | None = None,
-                   out_dtype=None, config: GroupedMatmulConfig | None = None, interpret: bool = False) -> jax.Array:
+                   out_dtype=None, config: GroupedMatmulConfig | None = None, interpret: bool = False,
+                   k_major: bool = False) -> jax.Array:
     """``jax.lax.ragged_dot(x, w, group_sizes)`` (module docstring) in one launch.
 
     Args:
@@ -278,25 +299,27 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, w_scal
       w_scale: float32 ``[groups, 1, n]``, the codes' scales (weight-only quantization, module docstring).
       out_dtype: output dtype (default x's); accumulation is always fp32.
       config: launch geometry (default :func:`default_config`).
+      k_major: w is given as ``[groups, n, k]`` (module docstring, "K-major codes").
 
     Returns:
       ``[m, n]``; rows past ``sum(group_sizes)`` are 0.
     """
-    check_inputs(x, w, group_sizes, w_scale=w_scale)
+    check_inputs(x, _kn(w, k_major), group_sizes, w_scale=w_scale)
     m, num_groups = x.shape[0], w.shape[0]
     config = config or default_config(m, num_groups, w.dtype)
     if (visits := max_visits(m, num_groups, config.block_m)) > MAX_GRID_Y:
         raise ValueError(f"{m} rows in blocks of {config.block_m} over {num_groups} groups need {visits} visits, "
                          f"more than CUDA's {MAX_GRID_Y} grid rows; use a larger block_m")
     plan = visit_plan(group_sizes, m, config.block_m)
-    return _launch(plan, x, (w,), () if w_scale is None else (w_scale,), config, out_dtype, interpret, per_row=False)
+    return _launch(plan, x, (w,), () if w_scale is None else (w_scale,), config, out_dtype, interpret, per_row=False,
+                   k_major=k_major)
 
 
-def _launch(plan, x, weights, scales, config, out_dtype, interpret, *, per_row, repeat=1):
+def _launch(plan, x, weights, scales, config, out_dtype, interpret, *, per_row, repeat=1, k_major=False):
     """The kernel over ``plan`` (visit_plan's ``[3, visits]``, or ``per_row``: ids ``[m]``, one visit a row, x's
     row ``r // repeat``) and ``weights``: ``(w,)``, or ``(gate, up)`` for the SwiGLU hidden; ``scales``: theirs
     where they are quantized codes, else ``()``."""
-    m, (num_groups, _, n) = x.shape[0] * repeat, weights[0].shape
+    m, num_groups, n = x.shape[0] * repeat, weights[0].shape[0], weights[0].shape[1 if k_major else 2]
     block_n = min(config.block_n, max(MIN_TILE, pl.next_power_of_2(n)))  # no all-padding tiles for small n
     if not interpret:
         launched = dataclasses.replace(config, block_n=block_n)
@@ -307,7 +330,7 @@ def _launch(plan, x, weights, scales, config, out_dtype, interpret, *, per_row, 
                          "tensor cores")
     kernel = functools.partial(_gmm_kernel, block_m=config.block_m, block_n=block_n, block_k=config.block_k,
                                num_groups=num_groups, per_row=per_row, repeat=repeat, num_weights=len(weights),
-                               tensor_cores=config.tensor_cores)
+                               tensor_cores=config.tensor_cores, k_major=k_major)
     n_tiles = pl.cdiv(n, block_n)
     return pl.pallas_call(
         kernel,
@@ -319,10 +342,11 @@ def _launch(plan, x, weights, scales, config, out_dtype, interpret, *, per_row, 
     )(plan, x, *weights, *scales)
 
 
-@functools.partial(jax.jit, static_argnames=("repeat", "out_dtype", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("repeat", "out_dtype", "config", "interpret", "k_major"))
 def gather_matmul(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.Array | None = None, *, repeat: int = 1,
                   w_scale: jax.Array | None = None, up_scale: jax.Array | None = None, out_dtype=None,
-                  config: GroupedMatmulConfig = GATHER_CONFIG, interpret: bool = False) -> jax.Array:
+                  config: GroupedMatmulConfig = GATHER_CONFIG, interpret: bool = False,
+                  k_major: bool = False) -> jax.Array:
     """``out[r] = x[r // repeat] @ w[ids[r]]`` for rows in any order (module docstring) in one launch; with ``up``,
     SwiGLU's hidden ``silu(x[r // repeat] @ w[ids[r]]) * (x[r // repeat] @ up[ids[r]])`` (w the gate), both
     products of a tile in one program.
@@ -336,20 +360,23 @@ def gather_matmul(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.Array | No
       w_scale, up_scale: float32 ``[groups, 1, n]``, the scales of quantized ``w`` and ``up`` (module docstring).
       out_dtype: output dtype (default x's); accumulation (and the SwiGLU product) is always fp32.
       config: launch geometry; one row of each ``block_m``-row tile is used.
+      k_major: w and up are given as ``[groups, n, k]`` (module docstring, "K-major codes").
 
     Returns:
       ``[m, n]``.
     """
-    check_inputs(x, w, ids=ids, up=up, repeat=repeat, w_scale=w_scale, up_scale=up_scale)
+    check_inputs(x, _kn(w, k_major), ids=ids, up=_kn(up, k_major), repeat=repeat, w_scale=w_scale,
+                 up_scale=up_scale)
     weights, scales = ((w,), (w_scale,)) if up is None else ((w, up), (w_scale, up_scale))
     return _launch(ids.astype(jnp.int32), x, weights, () if w_scale is None else scales, config, out_dtype,
-                   interpret, per_row=True, repeat=repeat)
+                   interpret, per_row=True, repeat=repeat, k_major=k_major)
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, w_scale: jax.Array | None = None,
-                             out_dtype=None) -> jax.Array:
+                             out_dtype=None, k_major: bool = False) -> jax.Array:
     """``jax.lax.ragged_dot`` with fp32 accumulation (IEEE fp32 products for fp32 operands); quantized codes
     converted to x's dtype, each row then times its group's scales."""
+    w = _kn(w, k_major)
     check_inputs(x, w, group_sizes, w_scale=w_scale)
     sizes = group_sizes.astype(jnp.int32)
     out = jax.lax.ragged_dot(x, w.astype(x.dtype), sizes, precision=jax.lax.Precision.HIGHEST,
@@ -362,9 +389,10 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
 
 def gather_matmul_reference(x: jax.Array, w: jax.Array, ids: jax.Array, up: jax.Array | None = None, *,
                             repeat: int = 1, w_scale: jax.Array | None = None, up_scale: jax.Array | None = None,
-                            out_dtype=None) -> jax.Array:
+                            out_dtype=None, k_major: bool = False) -> jax.Array:
     """:func:`gather_matmul` in plain jnp: each row ``x[r // repeat]`` times its gathered matrices ``w[ids[r]]``
     (and ``up[ids[r]]``) with fp32 accumulation; quantized codes converted to x's dtype, times their scales."""
+    w, up = _kn(w, k_major), _kn(up, k_major)
     check_inputs(x, w, ids=ids, up=up, repeat=repeat, w_scale=w_scale, up_scale=up_scale)
     x = jnp.repeat(x, repeat, axis=0)
     known = (ids >= 0) & (ids < w.shape[0])

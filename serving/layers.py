@@ -84,7 +84,7 @@ from pallas_kernels.grouped_matmul import (
 )
 from serving.config import ModelConfig, RopeConfig
 from serving.kv_cache import AttentionBatch
-from serving.quantization import LinearWeight, QuantizedWeight, linear
+from serving.quantization import LinearWeight, QuantizedWeight, linear, with_expert_layout
 
 MASKED = -1e30  # score of a key a query may not see: finite, so a fully masked (padding) row stays NaN-free
 # MLA's packed prefill has R + P = 576-wide rows: the paged MLA kernel's accumulator size (32 x 512 fp32 at 8 warps).
@@ -231,6 +231,16 @@ def _experts_use_kernels(kernels: KernelPolicy) -> bool:
     if kernels.experts is not None:
         return kernels.experts != "xla"
     return kernels.interpret or device.target() is not None
+
+
+def kernel_layout(params: Any, kernels: KernelPolicy) -> Any:
+    """``params`` stored as the policy's expert kernels read them fastest: stacked int8 / fp8 expert codes K-major
+    (``quantization.with_expert_layout``) where ``kernels`` runs the experts through the Triton matmuls, whose
+    MMA tiles load 1-byte codes K-major as whole words and ``[E, in, out]`` a byte at a time (``pallas_kernels.
+    grouped_matmul``); otherwise (XLA's ``ragged_dot``, batch-invariant mode) ``params`` as they are."""
+    if kernels.batch_invariant or not _experts_use_kernels(kernels):
+        return params
+    return with_expert_layout(params, k_major=True)
 
 
 def _experts_mosaic(kernels: KernelPolicy, x: jax.Array, w: jax.Array) -> bool:
@@ -468,7 +478,8 @@ def expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts: jax.Arra
     geometry at every row count).
     """
     operands = [_kernel_operands(x, params[name]) for name in ("gate", "up", "down")]
-    same_kind = operands[0] is not None and operands[1] is not None and operands[0][0].dtype == operands[1][0].dtype
+    same_kind = (operands[0] is not None and operands[1] is not None  # gate and up: one launch, one storage
+                 and (operands[0][0].dtype, operands[0][2]) == (operands[1][0].dtype, operands[1][2]))
     swiglu_only = "gate_bias" not in params and not cfg.swiglu_limit  # gather_matmul fuses a plain SwiGLU
     sorted_outputs = functools.partial(_sorted_expert_outputs, cfg=cfg, kernels=kernels)
     if (experts.size > PAIRWISE_MAX_ROWS or not same_kind or operands[2] is None or not swiglu_only
@@ -498,25 +509,26 @@ def _gathered_expert_outputs(x: jax.Array, params: dict[str, jax.Array], experts
     SwiGLU hidden in one launch (gate and up together), then down."""
     num_tokens, top_k = experts.shape
     ids = experts.reshape(-1)
-    (gate, gate_scale), (up, up_scale), (down, down_scale) = (_kernel_operands(x, params[name])
-                                                               for name in ("gate", "up", "down"))
+    (gate, gate_scale, gate_k_major), (up, up_scale, _), (down, down_scale, down_k_major) = (
+        _kernel_operands(x, params[name]) for name in ("gate", "up", "down"))
     hidden = gather_matmul(x, gate, ids, up, repeat=top_k, w_scale=gate_scale, up_scale=up_scale, config=config,
-                           interpret=interpret)
-    return gather_matmul(hidden, down, ids, w_scale=down_scale, config=config,
-                         interpret=interpret).reshape(num_tokens, top_k, -1)
+                           interpret=interpret, k_major=gate_k_major)
+    return gather_matmul(hidden, down, ids, w_scale=down_scale, config=config, interpret=interpret,
+                         k_major=down_k_major).reshape(num_tokens, top_k, -1)
 
 
-def _kernel_operands(x: jax.Array, w: LinearWeight) -> tuple[jax.Array, jax.Array | None] | None:
-    """``w`` as the Triton expert kernels take it beside activations ``x``: ``(w, None)`` for a plain weight of x's
-    dtype, ``(codes, scales)`` for an int8 / fp8 ``QuantizedWeight`` with one scale per expert and output column;
-    None for anything else (the reference path, ``quantization.linear``)."""
+def _kernel_operands(x: jax.Array, w: LinearWeight) -> tuple[jax.Array, jax.Array | None, bool] | None:
+    """``w`` as the Triton expert kernels take it beside activations ``x``: ``(w, None, False)`` for a plain weight
+    of x's dtype, ``(codes, scales, k_major)`` for an int8 / fp8 ``QuantizedWeight`` with one scale per expert and
+    output column (codes as stored: K-major where ``w.k_major``); None for anything else (the reference path,
+    ``quantization.linear``)."""
     if x.dtype not in attention_kernels.DTYPES:
         return None
     if isinstance(w, jax.Array):
-        return (w, None) if w.dtype == x.dtype else None
+        return (w, None, False) if w.dtype == x.dtype else None
     if (isinstance(w, QuantizedWeight) and w.q.ndim == 3 and w.q.dtype in QUANTIZED_DTYPES
-            and w.scale.shape == (w.q.shape[0], 1, w.q.shape[2]) and w.scale.dtype == jnp.float32):
-        return w.q, w.scale
+            and w.scale.shape == (w.shape[0], 1, w.shape[2]) and w.scale.dtype == jnp.float32):
+        return w.q, w.scale, w.k_major
     return None
 
 
@@ -550,7 +562,8 @@ def expert_matmul(x: jax.Array, w: LinearWeight, group_sizes: jax.Array,
 
     def kernel(x: jax.Array, w: LinearWeight, group_sizes: jax.Array, interpret: bool) -> jax.Array:
         if quantized:
-            return grouped_matmul(x, w.q, group_sizes, w_scale=w.scale, config=config, interpret=interpret)
+            return grouped_matmul(x, w.q, group_sizes, w_scale=w.scale, config=config, interpret=interpret,
+                                  k_major=w.k_major)
         if _experts_mosaic(kernels, x, w):
             return mosaic_grouped.grouped_matmul_mgpu(x, w, group_sizes, interpret=interpret)
         return grouped_matmul(x, w, group_sizes, config=config, interpret=interpret)

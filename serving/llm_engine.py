@@ -411,6 +411,8 @@ class Engine:
         if mesh is not None:
             sharding.check_mesh(mesh, self.cfg)
             params = sharding.shard_params(params, model_module(self.cfg.family).param_specs(self.cfg), mesh)
+        else:  # the runner's layout (it would relayout too), here before the cache takes the memory the copy needs
+            params = layers.kernel_layout(params, layers.BATCH_INVARIANT if batch_invariant else kernels)
         self.max_queue, self.dtype, self.decode_steps = max_queue, dtype, decode_steps
         kv = create_cache(self.cfg, num_blocks, block_size, dtype, mesh)
         self.tiers = _tiers(kv, self.cfg, params, dtype, block_size, host_cache_blocks, host_cache_gb,

@@ -24,9 +24,10 @@ that a small error can flip (a token or an expert); norms and biases are vectors
 ``serving.loaders.quantized`` writes and reads such params as a checkpoint folder.
 """
 
+import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,17 +46,31 @@ MLP_KEYS = ("mlp", "shared_mlp")  # a layer's SwiGLU MLPs: gate/up ``[.., D, I]`
 MLP_PROJECTIONS = ("gate", "up", "down")
 
 
-class QuantizedWeight(NamedTuple):
-    """A quantized weight (a pytree): ``q [.., *in, *out]`` int8 or float8_e4m3fn, and ``scale`` float32 of the
-    same rank with size 1 on the ``in`` axes (``[.., 1, out]`` for a ``[.., in, out]`` matrix); ``w ~ q * scale``."""
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("q", "scale"), meta_fields=("k_major",))
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized weight (a pytree of ``q`` and ``scale``): ``q [.., *in, *out]`` int8 or float8_e4m3fn, and
+    ``scale`` float32 of the same rank with size 1 on the ``in`` axes (``[.., 1, out]`` for a ``[.., in, out]``
+    matrix); ``w ~ q * scale``.
+
+    ``k_major`` (static): a stack of expert matrices ``[E, in, out]`` whose codes are stored ``q [E, out, in]``,
+    each output column's inputs contiguous (``scale`` stays ``[E, 1, out]``): the layout whose 1-byte tiles the
+    expert kernels load as whole words (``pallas_kernels.grouped_matmul``, "K-major codes"; ``with_expert_layout``).
+    """
 
     q: jax.Array
     scale: jax.Array
+    k_major: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The weight's shape (q's), as code written for plain arrays reads it."""
-        return self.q.shape
+        """The weight's shape, as code written for plain arrays reads it: q's, ``[E, in, out]`` where K-major."""
+        return (self.q.shape[0], self.q.shape[2], self.q.shape[1]) if self.k_major else self.q.shape
+
+    @property
+    def codes(self) -> jax.Array:
+        """q in the weight's own layout (a transposed view where K-major: a copy once materialized)."""
+        return jnp.swapaxes(self.q, 1, 2) if self.k_major else self.q
 
 
 LinearWeight = jax.Array | QuantizedWeight  # what a model projection (``linear``) accepts
@@ -95,7 +110,7 @@ def _quantize(w: jax.Array, kind: str, in_axes: tuple[int, ...]) -> QuantizedWei
 
 def dequantize(qw: QuantizedWeight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """``q * scale`` in ``dtype`` (computed in fp32): the weight ``qw`` stands for."""
-    return (qw.q.astype(jnp.float32) * qw.scale).astype(dtype)
+    return (qw.codes.astype(jnp.float32) * qw.scale).astype(dtype)
 
 
 def linear(x: jax.Array, w: LinearWeight, *, axes: int = 1, group_sizes: jax.Array | None = None) -> jax.Array:
@@ -108,7 +123,7 @@ def linear(x: jax.Array, w: LinearWeight, *, axes: int = 1, group_sizes: jax.Arr
     """
     if not isinstance(w, QuantizedWeight):
         return jnp.tensordot(x, w, axes) if group_sizes is None else jax.lax.ragged_dot(x, w, group_sizes)
-    q = w.q.astype(x.dtype)
+    q = w.codes.astype(x.dtype)
     if group_sizes is None:
         y = jnp.tensordot(x, q, axes, preferred_element_type=jnp.float32)
         scale = w.scale.reshape(w.scale.shape[axes:])  # [*out]: the contracted axes have size 1
@@ -147,6 +162,22 @@ def quantize_params(params: dict, kind: str, cfg: ModelConfig) -> dict:
     return {**params, "layers": layers}
 
 
+def with_expert_layout(params: Any, k_major: bool) -> Any:
+    """``params`` with every stacked-expert ``QuantizedWeight`` (3-D codes under ``MLP_KEYS``) stored K-major
+    (``k_major``) or ``[E, in, out]``, the other leaves as they are. The math is the same either way; the layout
+    is what the consumer reads fastest: the Triton expert kernels K-major, XLA's ``ragged_dot`` and checkpoints
+    ``[E, in, out]``."""
+    def relayout(path: tuple, leaf: Any) -> Any:
+        keys = [getattr(key, "key", None) for key in path]
+        expert = (isinstance(leaf, QuantizedWeight) and leaf.q.ndim == 3 and len(keys) >= 2
+                  and keys[-2] in MLP_KEYS and keys[-1] in MLP_PROJECTIONS)
+        if not expert or leaf.k_major == k_major:
+            return leaf
+        return QuantizedWeight(jnp.swapaxes(leaf.q, 1, 2), leaf.scale, k_major)
+
+    return jax.tree_util.tree_map_with_path(relayout, params, is_leaf=is_quantized)
+
+
 def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedWeight)
 
@@ -160,7 +191,8 @@ def quantized_specs(specs: Any, params: Any) -> Any:
             return weight_spec
         axes = tuple(weight_spec) + (None,) * (leaf.scale.ndim - len(weight_spec))
         scale_axes = (None if n == 1 else axis for axis, n in zip(axes, leaf.scale.shape, strict=True))
-        return QuantizedWeight(weight_spec, P(*scale_axes))
+        q_axes = (*axes[:-2], axes[-1], axes[-2]) if leaf.k_major else axes
+        return QuantizedWeight(P(*q_axes) if leaf.k_major else weight_spec, P(*scale_axes), leaf.k_major)
 
     return jax.tree.map(spec, specs, params, is_leaf=is_quantized)
 

@@ -290,10 +290,12 @@ class ModelRunner:
                  max_blocks: int | None = None, score_tokens: int | None = None):
         if not isinstance(kernels, layers.KernelPolicy):
             raise TypeError(f"ModelRunner: kernels={kernels!r}: expected a layers.KernelPolicy")
-        self.cfg, self.params, self.forward, self.kv, self.block_size = cfg, params, forward, kv, block_size
-        self.encode = encode
         self.batch_invariant = batch_invariant  # every step with policy layers.BATCH_INVARIANT (module docstring)
         self.kernels = layers.BATCH_INVARIANT if batch_invariant else kernels
+        if mesh is None:  # quantized expert codes K-major where the Triton kernels run them (a copy of those leaves)
+            params = layers.kernel_layout(params, self.kernels)
+        self.cfg, self.params, self.forward, self.kv, self.block_size = cfg, params, forward, kv, block_size
+        self.encode = encode
         self.mesh, self.max_seqs = mesh, max_seqs
         self.expert_load = np.zeros((cfg.layers, cfg.num_experts), np.int64)
         self.overlap_masks = True

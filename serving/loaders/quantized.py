@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 from serving.config import QUANT_METHOD, ModelConfig
 from serving.loaders.safetensors import quantization_config, read_file
 from serving.models import model_module
-from serving.quantization import KINDS, QuantizedWeight, is_quantized, quantize_params
+from serving.quantization import KINDS, QuantizedWeight, is_quantized, quantize_params, with_expert_layout
 
 # ``quantization_config["quant_method"]`` of the folders save_quantized writes (tensors in this repo's layout).
 FORMAT_VERSION = 1
@@ -50,6 +50,7 @@ def save_quantized(path: str | Path, hf_config: Mapping[str, Any], params: dict)
                          f"exactly one of {list(KINDS)} (call quantize_params first)")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
+    params = with_expert_layout(params, k_major=False)  # a checkpoint holds every weight [.., in, out]
     tensors = {_tensor_name(p): np.asarray(leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     save_file(tensors, folder / SAFETENSORS_FILE)
     config = {**hf_config, "quantization_config": {"quant_method": QUANT_METHOD, "kind": kinds.pop(),

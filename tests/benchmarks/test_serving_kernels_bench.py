@@ -19,7 +19,8 @@ def test_cpu_mode_times_every_kernel_against_its_competitor(tmp_path):
     assert all(r["status"] == "ok" and r["median_ms"] > 0 and r["tflop_s"] > 0 for r in rows), rows
     expected = {("flash_attention", "xla"), ("paged_attention", "jnp reference"),
                 ("paged_mla_attention", "jnp reference"), ("grouped_matmul", "ragged_dot"),
-                ("grouped_matmul", "pallas_mosaic"), ("quantized_experts", "ragged_dot"), ("flash_shapes", "xla")}
+                ("grouped_matmul", "pallas_mosaic"), ("quantized_experts", "ragged_dot"), ("gather_experts", "xla"),
+                ("flash_shapes", "xla")}
     assert {(r["kernel"], r["impl"]) for r in rows if r["impl"] != "pallas"} == expected
     # Quantized experts: ragged_dot and the Triton kernel on bf16, int8 and fp8 weights per shape; their error
     # against bf16 ragged_dot is the quantization's (int8 finer than e4m3's 3 mantissa bits).
@@ -29,7 +30,17 @@ def test_cpu_mode_times_every_kernel_against_its_competitor(tmp_path):
     assert {(r["shape"], r["impl"]) for r in shapes} == {
         (shape, impl) for shape in serving_kernels.FLASH_SHAPES["cpu"] for impl in ("xla", "pallas")}
     assert all(r["rel_err"] <= BF16_RTOL for r in shapes if r["impl"] == "pallas"), shapes
-    rows = [r for r in rows if r["kernel"] not in ("quantized_experts", "flash_shapes")]
+    # One layer's decode experts: XLA's gather and the kernel on bf16 and on int8 / fp8 codes in both layouts, the
+    # same outputs either way (rel_err against bf16 XLA: the quantization's), each with its speed-up over bf16's.
+    gathered = {(r["weights"], r["impl"]): r for r in rows if r["kernel"] == "gather_experts"}
+    assert set(gathered) == {(kind, impl) for kind in serving_kernels.GATHER_KINDS for impl in ("xla", "pallas")}
+    assert all(r.get("rel_err", 0) <= bound and r["x_bf16"] > 0 for (kind, _), r in gathered.items()
+               for bound in [{"bf16": BF16_RTOL, "int8": 2e-2, "fp8": 8e-2}[kind.removesuffix("_k_major")]])
+    for codes in ("int8", "fp8"):
+        assert gathered[(f"{codes}_k_major", "pallas")]["rel_err"] == pytest.approx(
+            gathered[(codes, "pallas")]["rel_err"], rel=1e-3)
+    assert all("x_xla" in r for (_, impl), r in gathered.items() if impl == "pallas")
+    rows = [r for r in rows if r["kernel"] not in ("quantized_experts", "gather_experts", "flash_shapes")]
     assert {(r["shape"], r["impl"], r["weights"]) for r in quantized} == {
         (f"{shape}/{kind}", impl, kind) for shape in ("prefill", "decode") for impl in ("ragged_dot", "pallas")
         for kind in ("bf16", "int8", "fp8")}

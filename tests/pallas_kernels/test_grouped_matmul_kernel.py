@@ -89,6 +89,8 @@ class TestGroupedMatmul:
 
 # gather_matmul's two ways to compute a row: a 16-row MMA tile, or FMAs on CUDA cores (tensor_cores=False)
 ROW_PATHS = pytest.mark.parametrize("tensor_cores", [True, False], ids=["mma", "fma"])
+# quantized codes stored [groups, k, n] or K-major [groups, n, k]
+K_MAJOR = pytest.mark.parametrize("k_major", [False, True], ids=["kn", "nk"])
 
 
 class TestGatherMatmul:
@@ -188,23 +190,28 @@ class TestQuantizedWeights:
     """Weight-only int8 / fp8 experts: ``(x @ convert(q)) * scale`` per group and column, the codes converted in
     the kernel, the scale applied to the fp32 accumulator."""
 
+    @K_MAJOR
     @pytest.mark.parametrize("kind", ["int8", "fp8"])
     @pytest.mark.parametrize("case", ["ragged", "bf16_decode_tiles"])
-    def test_grouped_matches_its_reference_and_the_dequantized_weights(self, case, kind):
+    def test_grouped_matches_its_reference_and_the_dequantized_weights(self, case, kind, k_major):
         m, k, n, group_sizes, config, dtype, _ = CASES[case]
         x, w, sizes = inputs(len(case) + len(kind), m, k, n, group_sizes, dtype)
         q, scale = quantized(w, kind)
-        out = K.grouped_matmul(x, q, sizes, w_scale=scale, out_dtype=jnp.float32, config=config,
-                               interpret=interpret())
+        stored = jnp.swapaxes(q, 1, 2) if k_major else q
+        out = K.grouped_matmul(x, stored, sizes, w_scale=scale, out_dtype=jnp.float32, config=config,
+                               interpret=interpret(), k_major=k_major)
         assert_close(out, K.grouped_matmul_reference(x, q, sizes, w_scale=scale, out_dtype=jnp.float32))
+        assert_close(out, K.grouped_matmul_reference(x, stored, sizes, w_scale=scale, out_dtype=jnp.float32,
+                                                     k_major=k_major))
         dequantized = (q.astype(jnp.float32) * scale).astype(dtype)  # exact in bf16 only up to rounding of q*s
         assert_close(out, K.grouped_matmul_reference(x, dequantized, sizes, out_dtype=jnp.float32), rtol=2e-2)
         past = min(sum(group_sizes), m)
         np.testing.assert_array_equal(np.asarray(out[past:]), 0.0)
 
+    @K_MAJOR
     @ROW_PATHS
     @pytest.mark.parametrize("kind", ["int8", "fp8"])
-    def test_gather_swiglu_and_down_match_their_references(self, kind, tensor_cores):
+    def test_gather_swiglu_and_down_match_their_references(self, kind, tensor_cores, k_major):
         num_groups, tokens, top_k = 6, 3, 4
         x, gate, _ = inputs(9, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)
         up = inputs(10, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)[1]
@@ -212,10 +219,14 @@ class TestQuantizedWeights:
         (gq, gs), (uq, us), (dq, ds) = (quantized(w, kind) for w in (gate, up, down))
         ids = jnp.asarray(np.random.default_rng(3).integers(0, num_groups + 1, tokens * top_k), jnp.int32)
         config = K.GroupedMatmulConfig(16, 32, 16, tensor_cores=tensor_cores)
-        hidden = K.gather_matmul(x, gq, ids, uq, repeat=top_k, w_scale=gs, up_scale=us, config=config,
-                                 interpret=interpret())
+        store = (lambda q: jnp.swapaxes(q, 1, 2)) if k_major else (lambda q: q)
+        hidden = K.gather_matmul(x, store(gq), ids, store(uq), repeat=top_k, w_scale=gs, up_scale=us, config=config,
+                                 interpret=interpret(), k_major=k_major)
         assert_close(hidden, K.gather_matmul_reference(x, gq, ids, uq, repeat=top_k, w_scale=gs, up_scale=us))
-        out = K.gather_matmul(hidden, dq, ids, w_scale=ds, config=config, interpret=interpret())
+        assert_close(hidden, K.gather_matmul_reference(x, store(gq), ids, store(uq), repeat=top_k, w_scale=gs,
+                                                       up_scale=us, k_major=k_major))
+        out = K.gather_matmul(hidden, store(dq), ids, w_scale=ds, config=config, interpret=interpret(),
+                              k_major=k_major)
         assert_close(out, K.gather_matmul_reference(hidden, dq, ids, w_scale=ds))
         assert not np.asarray(out[np.asarray(ids) == num_groups], np.float32).any()  # no group: a zero row
 
@@ -237,29 +248,34 @@ class TestQuantizedWeights:
         with pytest.raises(ValueError, match="up_scale must come exactly with up and w_scale"):
             K.gather_matmul(x, w, ids, w, up_scale=scale)
 
+    @K_MAJOR
     @ROW_PATHS
     @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
-    def test_lowers_for_h200(self, dtype, tensor_cores):
+    def test_lowers_for_h200(self, dtype, tensor_cores, k_major):
         """Qwen3-30B-A3B's decode expert matmuls (64 tokens x top-8) on quantized weights: the SwiGLU gather,
         the down gather and the sorted grouped matmul."""
         def weight(k, n):
-            return jax.ShapeDtypeStruct((128, k, n), dtype), jax.ShapeDtypeStruct((128, 1, n), jnp.float32)
+            return (jax.ShapeDtypeStruct((128, n, k) if k_major else (128, k, n), dtype),
+                    jax.ShapeDtypeStruct((128, 1, n), jnp.float32))
 
         (gate, gs), (down, ds) = weight(2048, 768), weight(768, 2048)
         x, hidden = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((512, 768), jnp.bfloat16)
         ids = jax.ShapeDtypeStruct((512,), jnp.int32)
         config = dataclasses.replace(K.GATHER_CONFIG, tensor_cores=tensor_cores)
         swiglu = lower_for_h200(lambda x, g, i, u, s, t: K.gather_matmul(x, g, i, u, repeat=8, w_scale=s, up_scale=t,
-                                                                         config=config), x, gate, ids, gate, gs, gs)
+                                                                         config=config, k_major=k_major),
+                                x, gate, ids, gate, gs, gs)
         assert 'name = "gather_matmul"' in swiglu
         assert 'name = "gather_matmul"' in lower_for_h200(
-            lambda h, d, i, s: K.gather_matmul(h, d, i, w_scale=s, config=config), hidden, down, ids, ds)
+            lambda h, d, i, s: K.gather_matmul(h, d, i, w_scale=s, config=config, k_major=k_major), hidden, down, ids,
+            ds)
         sizes = jax.ShapeDtypeStruct((128,), jnp.int32)
-        assert "grouped_matmul" in lower_for_h200(lambda h, d, g, s: K.grouped_matmul(h, d, g, w_scale=s),
-                                                  hidden, down, sizes, ds)
+        grouped = functools.partial(K.grouped_matmul, k_major=k_major)
+        assert "grouped_matmul" in lower_for_h200(lambda h, d, g, s: grouped(h, d, g, w_scale=s), hidden, down, sizes,
+                                                  ds)
         (odd, odd_scale), rows = weight(200, 72), jax.ShapeDtypeStruct((512, 200), jnp.bfloat16)  # masked tiles
-        assert "grouped_matmul" in lower_for_h200(lambda h, d, g, s: K.grouped_matmul(h, d, g, w_scale=s),
-                                                  rows, odd, sizes, odd_scale)
+        assert "grouped_matmul" in lower_for_h200(lambda h, d, g, s: grouped(h, d, g, w_scale=s), rows, odd, sizes,
+                                                  odd_scale)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -15,7 +15,7 @@ from helpers import HF
 
 from pallas_kernels import device
 from pallas_kernels.testing import H200, TRITON_CALL_TARGET, assert_close, lower_for_h200, on_gpu
-from serving import SamplingParams, layers
+from serving import SamplingParams, layers, quantization
 from serving.config import ModelConfig
 from serving.engine import runner as runner_module
 from serving.engine.runner import ModelRunner
@@ -160,10 +160,12 @@ def moe_config() -> ModelConfig:
 # Up to layers.PAIRWISE_MAX_ROWS (token, expert) pairs the experts run as gather_matmul, past it grouped_matmul.
 @pytest.mark.parametrize("tokens, kernel", [(layers.PAIRWISE_MAX_ROWS // 2, "gather_matmul"),
                                             (layers.PAIRWISE_MAX_ROWS, "grouped_matmul")])
-@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "fp8"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "fp8", "int8_k_major", "fp8_k_major"])
 def test_moe_expert_kernels_equal_ragged_dot(weights, tokens, kernel):
     """Plain experts of the activations' dtype, and int8 / fp8 codes with bf16 activations (converted in the
-    kernels, each column then times its scale: ``quantization.linear``'s ragged_dot path as the reference)."""
+    kernels, each column then times its scale: ``quantization.linear``'s ragged_dot path as the reference), the
+    codes stored ``[E, in, out]`` or K-major (``layers.kernel_layout``: what the engine stores for the kernels)."""
+    weights, k_major = weights.removesuffix("_k_major"), weights.endswith("_k_major")
     cfg = moe_config()  # top-2: 32 tokens are 64 pairs, 64 tokens 128
     dtype = jnp.float32 if weights == "fp32" else jnp.bfloat16
     e, d, i = cfg.num_experts, cfg.hidden, cfg.moe_intermediate
@@ -174,6 +176,10 @@ def test_moe_expert_kernels_equal_ragged_dot(weights, tokens, kernel):
 
     params = {"router": normal(0, (d, e), dtype), "gate": expert(1, (e, d, i)), "up": expert(2, (e, d, i)),
               "down": expert(3, (e, i, d))}
+    if k_major:
+        params = layers.kernel_layout({"layers": [{"mlp": params}]}, layers.INTERPRET)["layers"][0]["mlp"]
+        assert all(params[name].k_major and params[name].q.shape[1:] == params[name].shape[:0:-1]
+                   for name in ("gate", "up", "down"))
     x = normal(4, (tokens, d), dtype)
     valid = jnp.arange(tokens) < tokens - 3  # three padding tokens: their pairs read no expert
 
@@ -196,6 +202,15 @@ def test_quantized_experts_take_the_kernel_but_not_in_batch_invariant_mode(kind)
     x, sizes = normal(1, (10, 32), jnp.bfloat16), jnp.array([3, 0, 5, 2], jnp.int32)
     assert runs_a_pallas_kernel(layers.INTERPRET, layers.expert_matmul, x, w, sizes)
     assert not runs_a_pallas_kernel(layers.BATCH_INVARIANT, layers.expert_matmul, x, w, sizes)
+
+
+def test_kernel_layout_stores_codes_k_major_only_where_the_triton_experts_run():
+    tree = {"layers": [{"mlp": {"gate": quantize(normal(0, (4, 32, 16), jnp.float32), "int8"),
+                                "router": normal(1, (32, 4), jnp.float32)}}]}
+    assert layers.kernel_layout(tree, layers.INTERPRET)["layers"][0]["mlp"]["gate"].k_major
+    for kernels in (layers.REFERENCE, layers.BATCH_INVARIANT, layers.KernelPolicy(experts="xla")):
+        assert layers.kernel_layout(tree, kernels) is tree  # ragged_dot reads [E, in, out]
+    assert layers.kernel_layout(tree, layers.DEFAULT) is tree  # no GPU here: the reference path
 
 
 @pytest.mark.parametrize("tokens, experts, mosaic", [
@@ -307,11 +322,15 @@ def test_a_whole_decode_step_lowers_to_the_triton_kernels_for_an_h200(name, atte
     assert "ragged_dot" not in text  # the reference branch is not lowered for cuda
 
 
+@pytest.mark.parametrize("k_major", [False, True], ids=["kn", "k_major"])
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_a_quantized_moe_decode_step_lowers_to_the_expert_kernels_for_an_h200(kind):
-    """Quantized weights (`python -m serving quantize`): the decode step's experts run gather_matmul on the codes."""
+def test_a_quantized_moe_decode_step_lowers_to_the_expert_kernels_for_an_h200(kind, k_major):
+    """Quantized weights (`python -m serving quantize`): the decode step's experts run gather_matmul on the codes,
+    as loaded or K-major (as the engine stores them for the kernels: no transpose in the step)."""
     cfg, params = fixture("qwen3_moe", jnp.bfloat16)
     params = quantize_params(params, kind, cfg)
+    if k_major:
+        params = quantization.with_expert_layout(params, k_major=True)
     batch = make_batch([SeqChunk([2, 5], 6, 1), SeqChunk([7], 1, 1)], BLOCK, num_tokens=8, num_seqs=2)
     kv = jax.eval_shape(lambda: create_cache(cfg, NUM_BLOCKS, jnp.bfloat16))
     step = functools.partial(model_module(cfg.family).forward, cfg=cfg, kernels=policy(layers.DEFAULT, True))
@@ -319,6 +338,7 @@ def test_a_quantized_moe_decode_step_lowers_to_the_expert_kernels_for_an_h200(ki
                           jax.ShapeDtypeStruct((8,), jnp.int32), batch, kv)
     assert 'name = "gather_matmul"' in text and "ragged_dot" not in text
     assert ("f8E4M3FN" in text) == (kind == "fp8")
+    assert "stablehlo.transpose" not in text or not k_major  # the codes are read as stored
 
 
 def test_a_gpt_oss_decode_step_lowers_to_the_triton_kernels_for_an_h200():

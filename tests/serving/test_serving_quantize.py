@@ -167,6 +167,30 @@ def test_quantized_specs_replicate_the_scales_contracted_axes():
     assert specs["embed"] == P("tensor", None)  # unquantized weights keep their spec
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_k_major_expert_codes_stand_for_the_same_weights(kind):
+    """``with_expert_layout``: stacked expert codes stored ``[E, out, in]`` (the kernels' layout), every other
+    leaf as it was; the same weight for ``shape``, ``dequantize``, ``linear`` and the specs, and back bit-exact."""
+    cfg, _ = read_checkpoint(HF / "qwen3_moe")
+    params = quantize_params(fixture_params("qwen3_moe", jnp.float32), kind, cfg)
+    k_major = quantization.with_expert_layout(params, k_major=True)
+    moe_layer = next(l for l, lp in enumerate(params["layers"]) if "router" in lp["mlp"])
+    before, after = params["layers"][moe_layer], k_major["layers"][moe_layer]
+    for name in ("gate", "up", "down"):
+        w, wk = before["mlp"][name], after["mlp"][name]
+        assert not w.k_major and wk.k_major and wk.shape == w.shape and wk.q.shape == (w.shape[0], *w.shape[:0:-1])
+        np.testing.assert_array_equal(np.asarray(dequantize(wk)), np.asarray(dequantize(w)))
+        x, sizes = jnp.asarray(channel_weights((12, w.shape[1]), 1)), jnp.array([5, 0, 7] + [0] * (w.shape[0] - 3))
+        np.testing.assert_array_equal(linear(x, wk, group_sizes=sizes), linear(x, w, group_sizes=sizes))
+    assert after["attn"]["q"] is before["attn"]["q"] and not after["attn"]["q"].k_major  # 3-D, not experts
+    for layer in k_major["layers"]:  # dense MLPs (2-D) keep their layout
+        assert "router" in layer["mlp"] or not layer["mlp"]["gate"].k_major
+    specs = quantization.quantized_specs(model_module(cfg.family).param_specs(cfg), k_major)
+    assert specs["layers"][moe_layer]["mlp"]["down"] == QuantizedWeight(P("expert", None, "tensor"),
+                                                                      P("expert", None, None), k_major=True)
+    assert_bit_exact(quantization.with_expert_layout(k_major, k_major=False), params)
+
+
 def test_expert_parallel_moe_consumes_quantized_experts():
     """``sharding.moe_expert_parallel`` on a 2x2x2 mesh (experts and their hidden dim split) equals ``layers.moe``
     on the same int8 experts: each device scales its local experts' rows by their own channels."""
@@ -263,6 +287,8 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, name, kind):
     loaded_cfg, loaded = load_params(tmp_path, jnp.bfloat16)
     assert loaded_cfg == cfg
     assert_bit_exact(loaded, quantized)
+    save_quantized(tmp_path / "k_major", hf_config, quantization.with_expert_layout(quantized, k_major=True))
+    assert_bit_exact(load_params(tmp_path / "k_major", jnp.bfloat16)[1], quantized)  # written [E, in, out]
 
 
 def test_loader_rejects_foreign_quantization_and_missing_tensors(tmp_path):
