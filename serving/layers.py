@@ -237,7 +237,9 @@ def kernel_layout(params: Any, kernels: KernelPolicy) -> Any:
     """``params`` stored as the policy's expert kernels read them fastest: stacked int8 / fp8 expert codes K-major
     (``quantization.with_expert_layout``) where ``kernels`` runs the experts through the Triton matmuls, whose
     MMA tiles load 1-byte codes K-major as whole words and ``[E, in, out]`` a byte at a time (``pallas_kernels.
-    grouped_matmul``); otherwise (XLA's ``ragged_dot``, batch-invariant mode) ``params`` as they are."""
+    grouped_matmul``); otherwise (XLA's ``ragged_dot``, batch-invariant mode) ``params`` as they are. The new
+    codes live beside the caller's until it drops them: one more copy of the expert codes at start-up, less than the
+    bf16 weights ``quantize_params`` makes them from."""
     if kernels.batch_invariant or not _experts_use_kernels(kernels):
         return params
     return with_expert_layout(params, k_major=True)
