@@ -18,6 +18,7 @@ reads), and nothing prunes it: files of older sources stay until the folder is c
 
 import hashlib
 import importlib.metadata
+import json
 import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -30,6 +31,7 @@ from jax import export
 import pallas_kernels
 from serving.engine.sampler import SampleResult, SamplingBatch
 from serving.kv_cache import AttentionBatch, PagedKV, PagedLatentKV
+from serving.quantization import QuantizedWeight
 
 # The Pallas kernels' custom calls carry their own module (Mosaic GPU) or Triton IR: our code, serialized with the
 # source it came from (SOURCE_SALT), not a target whose compatibility jax.export can vouch for.
@@ -53,12 +55,19 @@ _registered: set[type] = set()
 
 
 def _register_pytrees() -> None:
-    """The named tuples the runner's calls take and return, serializable in an exported call's pytree."""
+    """The pytree nodes the runner's calls take and return, serializable in an exported call's pytree: named tuples,
+    and the quantized weights (their static ``k_major`` as JSON)."""
     with _lock:
         for cls in (AttentionBatch, PagedKV, PagedLatentKV, SampleResult, SamplingBatch):
             if cls not in _registered:
                 export.register_namedtuple_serialization(cls, serialized_name=f"apex_jax.{cls.__name__}")
                 _registered.add(cls)
+        if QuantizedWeight not in _registered:
+            export.register_pytree_node_serialization(
+                QuantizedWeight, serialized_name="apex_jax.QuantizedWeight",
+                serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
+                deserialize_auxdata=lambda data: tuple(json.loads(data)))
+            _registered.add(QuantizedWeight)
 
 
 def _stable(value: Any) -> str:

@@ -16,6 +16,8 @@ from helpers.server import model_folder
 
 from benchmarks.harness import compile_events
 from serving import llm_engine as engine_module
+from serving import quantization
+from serving.engine import executables
 from serving.engine.runner import BLOCKS_BUCKET_BASE, MIN_BLOCKS_BUCKET, StepShape, bucket, buckets
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.llm_engine import Engine
@@ -186,7 +188,13 @@ def counted(*args, **kwargs):  # the model traced: each call is one trace of a s
     events.update(["forward"])
     return forward(*args, **kwargs)
 llama.forward = counted
-eng = Engine(sys.argv[1], num_blocks=8, block_size=4, max_running=1, token_budget=8, max_model_len=32,
+from serving.loaders import load_model
+from serving.quantization import quantize_params
+model = sys.argv[1]
+if sys.argv[3]:  # the weights quantized as serve --quantize does: QuantizedWeight nodes in every call's pytree
+    model = load_model(model, jax.numpy.float32)
+    model = model._replace(params=quantize_params(model.params, sys.argv[3], model.cfg))
+eng = Engine(model, num_blocks=8, block_size=4, max_running=1, token_budget=8, max_model_len=32,
              compilation_cache=sys.argv[2])
 events.clear()
 entries = eng.warm_up()
@@ -197,18 +205,19 @@ print(json.dumps({"dtype": str(eng.dtype), "hits": events["cache_hits"], "misses
 """
 
 
-def test_a_restart_reads_every_call_and_compile_back_from_the_caches(tmp_path):
+@pytest.mark.parametrize("quantize", ["", "int8"], ids=["plain", "int8"])
+def test_a_restart_reads_every_call_and_compile_back_from_the_caches(tmp_path, quantize):
     """Two processes warm up the same engine with the same cache folder: the first traces every call, keeps it
     exported and compiles it; the second traces none of the model (each call read back from the folder of exported
     calls: only their thin wrappers are traced), compiles nothing (XLA's cache holds them all) and samples the same
-    tokens."""
+    tokens. Quantized weights too (their pytree nodes serialize with the calls)."""
     cache = tmp_path / "jax-cache"
 
     def start() -> dict:
         env = os.environ | {"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "true"}
         env.pop("XLA_FLAGS", None)
-        run = subprocess.run([sys.executable, "-c", STARTUP, str(HF / "llama"), str(cache)], capture_output=True,
-                             text=True, env=env, cwd=REPO, timeout=600)
+        run = subprocess.run([sys.executable, "-c", STARTUP, str(HF / "llama"), str(cache), quantize],
+                             capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
         assert run.returncode == 0, run.stderr[-2000:]
         return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -219,6 +228,16 @@ def test_a_restart_reads_every_call_and_compile_back_from_the_caches(tmp_path):
     assert warm["misses"] == 0 and warm["hits"] == cold["misses"] + cold["hits"]
     assert warm["loaded"] == warm["entries"] == cold["entries"] and warm["tokens"] == cold["tokens"]
     assert cold["traced"] == 3 and warm["traced"] == 0  # a step, its scoring variant, a decode step
+
+
+def test_k_major_quantized_weights_keep_their_layout_through_an_exported_call():
+    executables._register_pytrees()
+    w = quantization.with_expert_layout(
+        {"mlp": {"gate": quantization.quantize(jax.numpy.arange(24.0).reshape(2, 3, 4), "int8")}}, k_major=True)
+    exported = jax.export.export(jax.jit(lambda p: quantization.dequantize(p["mlp"]["gate"])))(w)
+    back = jax.export.deserialize(exported.serialize())
+    assert back.in_tree == exported.in_tree  # a PyTreeDef's equality compares k_major (the node's static data)
+    assert (back.call(w) == quantization.dequantize(w["mlp"]["gate"])).all()
 
 
 def test_the_cli_defaults_are_the_engines(folder):
