@@ -180,8 +180,8 @@ PROFILE_TOP = 20  # kernel names printed per batch, most time first (the JSON ha
 # --profile --gather-configs sweep: the decode experts' gather_matmul geometries, block_n x block_k x num_warps x
 # num_stages (block_m 16: the smallest tl.dot tile). At batch 1 the 8 pairs' gate/up launch has 8 x 768 / block_n
 # programs (96 at block_n 64, fewer than the H200's 132 SMs), so narrower column tiles and deeper K steps compete.
-# "fma:" computes the row on CUDA cores (GroupedMatmulConfig.tensor_cores=False): no 16-row MMA tile, no operand
-# layout shuffle of converted 1-byte codes; its [block_k, block_n] fp32 accumulator bounds the tile.
+# "fma:" computes the row on CUDA cores (GroupedMatmulConfig.tensor_cores=False): no 16-row MMA tile and no MMA
+# operand layout; its [block_k, block_n] fp32 accumulator bounds the tile.
 GATHER_SWEEP = ("64x128x4x4", "32x128x4x4", "32x256x4x3", "16x256x4x3", "64x256x4x3", "32x128x2x4", "128x64x4x4",
                 "fma:64x64x4x4", "fma:128x32x4x4", "fma:64x128x8x3", "fma:128x64x8x3")
 

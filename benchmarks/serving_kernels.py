@@ -400,13 +400,11 @@ def gather_experts_rows(mode: str, interpret: bool) -> list[dict]:
 
             def experts_fn(x, weights, ids, kernel, k_major=k_major, top_k=top_k):
                 (gate, gs), (up, us), (down, ds) = (weights[name] for name in ("gate", "up", "down"))
-                extra = {"k_major": k_major} | ({} if kernel is grouped_matmul.gather_matmul_reference
-                                                else {"interpret": interpret})
-                h = kernel(x, gate, ids, up, repeat=top_k, w_scale=gs, up_scale=us, **extra)
-                return kernel(h, down, ids, w_scale=ds, **extra)
+                h = kernel(x, gate, ids, up, repeat=top_k, w_scale=gs, up_scale=us, k_major=k_major)
+                return kernel(h, down, ids, w_scale=ds, k_major=k_major)
 
             for impl, kernel in (("xla", grouped_matmul.gather_matmul_reference),
-                                 ("pallas", grouped_matmul.gather_matmul)):
+                                 ("pallas", functools.partial(grouped_matmul.gather_matmul, interpret=interpret))):
                 fn = jax.jit(functools.partial(experts_fn, kernel=kernel))
                 row, out = measure(fn, (x, weights, ids), reps=REPS[mode], expected=expected, flop=flop,
                                    nbytes=nbytes)

@@ -53,11 +53,10 @@ for the expert's hidden instead of two matmuls and an elementwise kernel.
 K-major codes (``k_major=True``): w ``[groups, n, k]``, each output column's K values contiguous, the kernel
 reading ``[block_n, block_k]`` tiles and using them transposed. The MMA's B operand wants, per thread, a few
 consecutive K values of one column. From ``[k, n]`` tiles, 2-byte values get them with ``ldmatrix.trans``, but
-1-byte codes have no transposing ldmatrix: Triton 3.6 (sm_90) loads them from shared memory one byte at a time, 128
-``ld.shared.b8`` per K step of the decode geometry against bf16's 16 ``ldmatrix``. The same codes K-major load as
-plain 16-bit ``ldmatrix`` words, and their global copies go 16 bytes at a time instead of 8 (PTX of the batch-1
-gate+up launch). The same math either way; what the layout costs is measured (``serving_kernels --kernels
-gather_experts``).
+1-byte codes have no transposing ldmatrix, so Triton (sm_90) loads them from shared memory one byte at a time
+(``ld.shared.b8``), and copies them from HBM in 8-byte pieces. The same codes K-major load as plain 16-bit
+``ldmatrix`` words and copy 16 bytes at a time. The same math either way; ``serving_kernels --kernels
+gather_experts`` times both layouts.
 
 ``tensor_cores=False`` (gather_matmul only) computes the row without an MMA: per K step the row's ``block_k``
 values times the ``[block_k, block_n]`` weight tile as elementwise FMAs into an fp32 ``[block_k, block_n]``
@@ -65,10 +64,9 @@ accumulator, summed over its K axis once after the loop,
 
     out[r, c] = sum_k acc[k, c],    acc[k, c] = sum_{steps i} x[r, i block_k + k] w[i block_k + k, c].
 
-A 16-row MMA tile spends 16x the multiplies of the one real row; the FMAs need no MMA operand layout. Measured
-on an H100 (Qwen3-30B-A3B, 8 layers, batch 1, 14c2497; ``serving_decode --profile --gather-configs fma:...``):
-on bf16 the FMAs lose (gate+up 279-565 us a step against the MMA tile's 189); on ``[k, n]`` int8 codes they win
-gate+up (386 us at best against 454) and lose down (171 against 147). The default stays on tensor cores.
+A 16-row MMA tile spends 16x the multiplies of the one real row; the FMAs need no MMA operand layout, but run on
+CUDA cores at a fraction of the tensor cores' rate. Which wins depends on dtype, layout and batch
+(``serving_decode --profile --gather-configs fma:...`` times both); the default is the MMA tile.
 """
 
 import dataclasses
@@ -123,9 +121,9 @@ class GroupedMatmulConfig:
 
 # Prefill (hundreds of rows per expert): large tiles for tensor-core efficiency.
 PREFILL_CONFIG = GroupedMatmulConfig()
-# Prefill on 1-byte codes (int8 / e4m3): shallower K steps, 4 warps and 5 tiles in flight, the fastest of the
-# five swept geometries for both Qwen3-30B-A3B expert matmuls on both codes, 4-12% faster than PREFILL_CONFIG
-# (H100 at 9a6d9e3, benchmarks/results/h100_logs/serving_kernels_quantized_sweep_9a6d9e3.json).
+# Prefill on 1-byte codes (int8 / e4m3): shallower K steps, 4 warps and 5 tiles in flight, the codes' own geometry
+# because their tiles are converted in registers before each wgmma, unlike bf16's (``serving_kernels --kernels
+# quantized_experts --quantized-configs sweep`` compares it with the other prefill geometries on both codes).
 QUANTIZED_PREFILL_CONFIG = GroupedMatmulConfig(block_m=128, block_n=128, block_k=32, num_warps=4, num_stages=5)
 # Decode (a few rows per expert): the smallest row tile, and wide K steps to keep weight bytes in flight.
 DECODE_CONFIG = GroupedMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
