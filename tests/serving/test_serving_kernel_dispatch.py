@@ -210,7 +210,9 @@ def test_kernel_layout_stores_codes_k_major_only_where_the_triton_experts_run():
     assert layers.kernel_layout(tree, layers.INTERPRET)["layers"][0]["mlp"]["gate"].k_major
     for kernels in (layers.REFERENCE, layers.BATCH_INVARIANT, layers.KernelPolicy(experts="xla")):
         assert layers.kernel_layout(tree, kernels) is tree  # ragged_dot reads [E, in, out]
-    assert layers.kernel_layout(tree, layers.DEFAULT) is tree  # no GPU here: the reference path
+    default = layers.kernel_layout(tree, layers.DEFAULT)  # the Triton experts on a GPU, the reference path on CPU
+    assert (default is not tree) == (device.target() is not None)
+    assert default["layers"][0]["mlp"]["gate"].k_major == (device.target() is not None)
 
 
 @pytest.mark.parametrize("tokens, experts, mosaic", [
