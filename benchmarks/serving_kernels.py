@@ -20,7 +20,8 @@ block-config sweep.
     Mosaic GPU and Triton kernels at their device defaults (``attention_ops.flash_attention(implementation=)``);
     TFLOP/s over the causal FLOPs of the real lengths; x_cudnn: a row's speed-up over cuDNN.
   * quantized_experts: the same shapes with weight-only int8 and fp8 (e4m3) experts (``serving.quantization``'s
-    per-column scales): the Triton grouped matmul on the codes (impl pallas, ``weights`` int8 / fp8) against
+    per-column scales), their codes ``[E, in, out]`` or K-major (``int8_k_major``, ``fp8_k_major``): the Triton
+    grouped matmul on the codes (impl pallas, ``weights`` as named) against
     ``quantization.linear``'s ragged_dot on them (the XLA path, which converts the codes) and against both on the
     bf16 weights, at each kernel's default config; GB/s over each row's own bytes (1-byte codes and their scales),
     x_bf16: a row's speed-up over the Triton kernel on bf16 weights (its fastest config), x_xla: over ragged_dot on
@@ -122,6 +123,11 @@ SWEEPS = {  # the first config of each list is the kernel's default
         prefill=[G(16, 32, 32), MG(64, 64, 64, 2)], decode=[G(16, 32, 32), MG(64, 64, 64, 2)],
     ),
 }
+# quantized_experts --quantized-configs sweep on prefill shapes: deeper K steps, which K-major codes load as whole
+# 16-byte words, beside the prefill sweep's Triton configs
+QUANTIZED_PREFILL_SWEEP = {"gpu": [G(128, 128, 64, 4, 4), G(128, 128, 64, 8, 4), G(128, 128, 128, 8, 3),
+                                   G(128, 256, 64, 8, 3), G(64, 128, 128, 4, 3)],
+                           "cpu": [G(16, 32, 32)]}
 KERNELS = ("flash_attention", "paged_attention", "paged_mla_attention", "grouped_matmul", "quantized_experts",
            "gather_experts", "flash_shapes")
 # gather_experts: decode tokens -> (tokens, top_k, experts, hidden, intermediate), Qwen3-30B-A3B's experts
@@ -321,7 +327,7 @@ def quantized_experts_rows(mode: str, interpret: bool, sweep: bool = False,
     """Per shape (``shapes``: a subset by name): ragged_dot and the Triton kernel on bf16, int8 and fp8 expert
     weights, the kernel at its default config or (``sweep``) every Triton config of the shape's sweep (module
     docstring)."""
-    from serving.quantization import linear, quantize
+    from serving.quantization import QuantizedWeight, linear, quantize
 
     rows = []
     for shape, (tokens, top_k, experts, k, n) in SHAPES[mode]["grouped_matmul"].items():
@@ -331,7 +337,10 @@ def quantized_experts_rows(mode: str, interpret: bool, sweep: bool = False,
         m, touched = tokens * top_k, int((sizes > 0).sum())
         x, w = random_normal(0, (m, k)), random_normal(1, (experts, k, n), scale=k**-0.5)
         weights = {"bf16": w} | {kind: quantize(w.astype(jnp.float32), kind) for kind in ("int8", "fp8")}
+        weights |= {f"{kind}_k_major": QuantizedWeight(jnp.swapaxes(weights[kind].q, 1, 2), weights[kind].scale, True)
+                    for kind in ("int8", "fp8")}
         swept = [c for c in SWEEPS[mode]["decode" if shape.startswith("decode") else "prefill"] if isinstance(c, G)]
+        swept += [c for c in ([] if shape.startswith("decode") else QUANTIZED_PREFILL_SWEEP[mode]) if c not in swept]
         xla = jax.jit(lambda x, w, g: linear(x, w, group_sizes=g))
         shape_rows, expected, group_sizes = [], None, jnp.asarray(sizes)
         for kind, weight in weights.items():
@@ -341,10 +350,13 @@ def quantized_experts_rows(mode: str, interpret: bool, sweep: bool = False,
             expected = out if expected is None else expected
             shape_rows.append(dict(kernel="quantized_experts", shape=f"{shape}/{kind}", impl="ragged_dot",
                                    weights=kind, config=None) | row)
-            default = grouped_matmul.default_config(m, experts, w.dtype if kind == "bf16" else weight.q.dtype)
+            k_major = kind.endswith("_k_major")
+            default = grouped_matmul.default_config(m, experts, w.dtype if kind == "bf16" else weight.q.dtype,
+                                                    k_major=k_major)
             for config in [default] + ([c for c in swept if c != default] if sweep else []):
-                kernel = functools.partial(grouped_matmul.grouped_matmul, config=config, interpret=interpret)
-                fn = (jax.jit(kernel) if kind == "bf16" else  # w: a QuantizedWeight
+                kernel = functools.partial(grouped_matmul.grouped_matmul, config=config, interpret=interpret,
+                                           k_major=k_major)
+                fn = (jax.jit(kernel) if kind == "bf16" else  # w: a QuantizedWeight, its codes as stored
                       jax.jit(lambda x, w, g, kernel=kernel: kernel(x, w.q, g, w_scale=w.scale)))
                 row, _ = measure(fn, (x, weight, group_sizes), expected=expected, **measured)
                 shape_rows.append(dict(kernel="quantized_experts", shape=f"{shape}/{kind}", impl="pallas",

@@ -133,9 +133,9 @@ GATHER_CONFIG = DECODE_CONFIG
 DECODE_ROWS_PER_GROUP = 32  # below this mean rows per group, row tiles would be mostly padding: DECODE_CONFIG
 
 
-def default_config(m: int, num_groups: int, weight_dtype=None) -> GroupedMatmulConfig:
+def default_config(m: int, num_groups: int, weight_dtype=None, k_major: bool = False) -> GroupedMatmulConfig:
     """The default geometry for ``m`` rows over ``num_groups`` groups of weights in ``weight_dtype`` (default:
-    x's float dtype; int8 / float8_e4m3fn codes prefill with their own tiles)."""
+    x's float dtype; int8 / float8_e4m3fn codes prefill with their own tiles), stored K-major where ``k_major``."""
     if m < DECODE_ROWS_PER_GROUP * num_groups:
         return DECODE_CONFIG
     quantized = weight_dtype is not None and jnp.dtype(weight_dtype) in QUANTIZED_DTYPES
@@ -305,7 +305,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, w_scal
     """
     check_inputs(x, _kn(w, k_major), group_sizes, w_scale=w_scale)
     m, num_groups = x.shape[0], w.shape[0]
-    config = config or default_config(m, num_groups, w.dtype)
+    config = config or default_config(m, num_groups, w.dtype, k_major)
     if (visits := max_visits(m, num_groups, config.block_m)) > MAX_GRID_Y:
         raise ValueError(f"{m} rows in blocks of {config.block_m} over {num_groups} groups need {visits} visits, "
                          f"more than CUDA's {MAX_GRID_Y} grid rows; use a larger block_m")
