@@ -1,5 +1,6 @@
 """benchmarks/serving_kernels.py in its tiny CPU mode: every kernel and competitor runs, agrees, and is written."""
 
+import itertools
 import json
 
 import jax
@@ -43,10 +44,15 @@ def test_cpu_mode_times_every_kernel_against_its_competitor(tmp_path):
     rows = [r for r in rows if r["kernel"] not in ("quantized_experts", "gather_experts", "flash_shapes")]
     assert {(r["shape"], r["impl"], r["weights"]) for r in quantized} == {
         (f"{shape}/{kind}", impl, kind) for shape in ("prefill", "decode") for impl in ("ragged_dot", "pallas")
-        for kind in ("bf16", "int8", "fp8")}
+        for kind in ("bf16", "int8", "fp8", "int8_k_major", "fp8_k_major")}
     bound = {"bf16": BF16_RTOL, "int8": 1e-2, "fp8": 4e-2}
-    assert all(r.get("rel_err", 0) <= bound[r["weights"]] and r["x_bf16"] > 0 and r["x_xla"] > 0
-               for r in quantized), quantized
+    assert all(r.get("rel_err", 0) <= bound[r["weights"].removesuffix("_k_major")] and r["x_bf16"] > 0
+               and r["x_xla"] > 0 for r in quantized), quantized
+    by_case = {(r["shape"], r["impl"]): r for r in quantized}
+    for shape in ("prefill", "decode"):  # the same codes, read K-major: the same products
+        for codes, impl in itertools.product(("int8", "fp8"), ("ragged_dot", "pallas")):
+            assert by_case[(f"{shape}/{codes}_k_major", impl)]["rel_err"] == pytest.approx(
+                by_case[(f"{shape}/{codes}", impl)]["rel_err"], rel=1e-3)
     assert all(r["x_bf16"] == 1 for r in quantized if (r["impl"], r["weights"]) == ("pallas", "bf16"))
     cases = {(r["kernel"], r["shape"]) for r in rows}
     assert {shape for kernel, shape in cases if kernel == "grouped_matmul"} == {"prefill", "decode"}
