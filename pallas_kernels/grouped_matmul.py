@@ -18,6 +18,16 @@ each weight tile converted in registers after its load (int8 and e4m3 values are
 applied once to the fp32 accumulator. The weights then cross HBM at 1 byte per element instead of 2: what bounds
 a decode step's expert matmuls.
 
+With bf16 x, e4m3 tiles multiply as f16, not bf16: sm_90 converts e4m3 pairs to f16 pairs in one instruction,
+but has no e4m3 to bf16 conversion, and its f16 to bf16 one is scalar and runs at a quarter of the integer rate
+(the PTX had 128 of them per K step of a 64-column decode tile). x's tile then needs f16's range: each of its rows
+is scaled by a power of two 2^s that puts the row's absmax in ``[2^14, 2^15)``, and the step's products by 2^-s,
+
+    x[r] @ q  =  2^-s(r) (f16(2^s(r) x[r]) @ f16(q)),
+
+exact for every bf16 value within 2^-28 of its row's absmax (f16's normal range below 2^15; f16 holds every bf16
+mantissa there), so rows of any magnitude give the same products as bf16 (``_f16_rows``).
+
 Design
 ------
 Tiles are aligned to the groups, not to the row axis: the wrapper cuts every group's rows into
@@ -184,6 +194,18 @@ def _and(a, b):
     return b if a is None else a if b is None else a & b
 
 
+def _f16_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x [rows, k]`` as f16 times ``2^s`` per row, and ``2^-s`` ``[rows, 1]``: s puts the row's absmax in
+    ``[2^14, 2^15)`` (from its float32 exponent E, s = 141 - E), so every value within ``2^-28`` of it is a
+    normal f16 and bf16 values stay exact. A zero row keeps a finite scale; inf and NaN stay inf and NaN."""
+    xf = x.astype(jnp.float32)
+    biased = jax.lax.shift_right_logical(
+        jax.lax.bitcast_convert_type(jnp.max(jnp.abs(xf), axis=1, keepdims=True), jnp.int32), jnp.int32(23))
+    scale = jax.lax.bitcast_convert_type(jax.lax.shift_left(jnp.minimum(268 - biased, 254), jnp.int32(23)),
+                                         jnp.float32)
+    return (xf * scale).astype(jnp.float16), 1.0 / scale
+
+
 def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, per_row, repeat, num_weights,
                 tensor_cores, k_major):
     # refs: the weights (w, and gather_matmul's SwiGLU up), their scales where quantized (else none), the output
@@ -223,10 +245,15 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
             return tuple(acc + x * w.astype(jnp.float32) for acc, w in zip(accs, ws, strict=True))
         x = plgpu.load(x_ref.at[pl.ds(x_row0, block_m), pl.ds(k0, block_k)],
                        mask=_and(rows_ok, None if k_ok is None else k_ok[None, :]), other=0.0)
+        if e4m3_f16:  # an f16 MMA on codes converted in pairs, rows scaled into f16's range
+            x, unscale = _f16_rows(x)
+            return tuple(acc + dot(x, w.astype(x.dtype)) * unscale for acc, w in zip(accs, ws, strict=True))
         return tuple(acc + dot(x, w.astype(x.dtype)) for acc, w in zip(accs, ws, strict=True))
 
     # int32 branches, not Python ints: Pallas' Triton lowering gives a weak-typed literal operand of select_n the
     # predicate's type, i1, so the K-step count became an i1 `false` and scf.for's bounds mismatched (i32 vs i1).
+    e4m3_f16 = (tensor_cores and x_ref.dtype == jnp.bfloat16
+                 and jnp.dtype(weight_refs[0].dtype) == jnp.dtype(jnp.float8_e4m3fn))
     steps = jnp.where(group < num_groups, jnp.int32(pl.cdiv(k_dim, block_k)), jnp.int32(0))
     acc_shape = (block_m, block_n) if tensor_cores else (block_k, block_n)
     accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in weight_refs))

@@ -230,6 +230,24 @@ class TestQuantizedWeights:
         assert_close(out, K.gather_matmul_reference(hidden, dq, ids, w_scale=ds))
         assert not np.asarray(out[np.asarray(ids) == num_groups], np.float32).any()  # no group: a zero row
 
+    @K_MAJOR
+    def test_e4m3_codes_keep_bf16_rows_of_any_magnitude(self, k_major):
+        """e4m3 codes run an f16 MMA, each row of x scaled into f16's range: rows from 2^-100 to 2^100 (and a zero
+        row) give the float32 products of their bf16 values, neither flushed nor overflowed."""
+        num_groups, k, n = 2, 64, 32
+        x, w, _ = inputs(12, 6, k, n, [0] * num_groups, jnp.bfloat16)
+        x = x * jnp.asarray([2.0**-100, 2.0**-20, 1.0, 2.0**20, 2.0**100, 0.0], jnp.float32)[:, None]
+        x = x.astype(jnp.bfloat16)
+        q, scale = quantized(w, "fp8")
+        ids = jnp.asarray([0, 1, 1, 0, 1, 0], jnp.int32)
+        out = K.gather_matmul(x, jnp.swapaxes(q, 1, 2) if k_major else q, ids, w_scale=scale,
+                              config=K.GroupedMatmulConfig(16, 32, 32), out_dtype=jnp.float32,
+                              interpret=interpret(), k_major=k_major)
+        exact = np.einsum("rk,rkn->rn", np.asarray(x, np.float64),
+                          np.asarray(q.astype(jnp.float32), np.float64)[np.asarray(ids)]) * np.asarray(
+                              scale, np.float64)[np.asarray(ids), 0]
+        np.testing.assert_allclose(np.asarray(out, np.float64), exact, rtol=1e-5, atol=0)
+
     def test_rejects_codes_without_scales_and_bad_scales(self):
         x, w, sizes = inputs(0, 32, 16, 24, [10, 22], jnp.bfloat16)
         q, scale = quantized(w, "int8")
