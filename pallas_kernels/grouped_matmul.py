@@ -26,7 +26,9 @@ is scaled by a power of two 2^s that puts the row's absmax in ``[2^14, 2^15)``, 
     x[r] @ q  =  2^-s(r) (f16(2^s(r) x[r]) @ f16(q)),
 
 exact for every bf16 value within 2^-28 of its row's absmax (f16's normal range below 2^15; f16 holds every bf16
-mantissa there), so rows of any magnitude give the same products as bf16 (``_f16_rows``).
+mantissa there), so rows of any magnitude give the same products as bf16 (``_f16_rows``). That costs a
+``[block_m, block_n]`` multiply-add per K step and a second accumulator, so only decode-shaped tiles take it
+(``block_m < block_k``: the weight tile outnumbers x's); prefill tiles keep bf16.
 
 Design
 ------
@@ -252,8 +254,8 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
 
     # int32 branches, not Python ints: Pallas' Triton lowering gives a weak-typed literal operand of select_n the
     # predicate's type, i1, so the K-step count became an i1 `false` and scf.for's bounds mismatched (i32 vs i1).
-    e4m3_f16 = (tensor_cores and x_ref.dtype == jnp.bfloat16
-                 and jnp.dtype(weight_refs[0].dtype) == jnp.dtype(jnp.float8_e4m3fn))
+    e4m3_f16 = (tensor_cores and block_m < block_k and x_ref.dtype == jnp.bfloat16
+                and jnp.dtype(weight_refs[0].dtype) == jnp.dtype(jnp.float8_e4m3fn))
     steps = jnp.where(group < num_groups, jnp.int32(pl.cdiv(k_dim, block_k)), jnp.int32(0))
     acc_shape = (block_m, block_n) if tensor_cores else (block_k, block_n)
     accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in weight_refs))
