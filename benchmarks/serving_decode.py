@@ -503,18 +503,22 @@ def format_profile(title: str, wall_ms: float, profile: KernelProfile, layers: i
 
 
 def gather_config(spec: str):
-    """``GATHER_SWEEP``'s ``"[fma:]block_n x block_k x num_warps x num_stages"`` -> a ``GroupedMatmulConfig``
-    (block_m: the decode geometry's; ``fma:`` the row on CUDA cores, ``tensor_cores=False``)."""
+    """``GATHER_SWEEP``'s ``"[fma:|f16:]block_n x block_k x num_warps x num_stages"`` -> a ``GroupedMatmulConfig``
+    (block_m: the decode geometry's; ``fma:`` the row on CUDA cores, ``tensor_cores=False``; ``f16:`` e4m3 codes
+    multiplied as f16, ``e4m3_f16=True``)."""
     from pallas_kernels.grouped_matmul import GATHER_CONFIG, GroupedMatmulConfig
 
-    fma = spec.startswith("fma:")
+    prefix = spec.split(":")[0] if ":" in spec else ""
     try:
-        block_n, block_k, num_warps, num_stages = (int(v) for v in spec.removeprefix("fma:").split("x"))
+        if prefix not in ("", "fma", "f16"):
+            raise ValueError(f"unknown prefix {prefix!r}")
+        block_n, block_k, num_warps, num_stages = (int(v) for v in spec.split(":")[-1].split("x"))
         return GroupedMatmulConfig(GATHER_CONFIG.block_m, block_n, block_k, num_warps, num_stages,
-                                   tensor_cores=not fma)
+                                   tensor_cores=prefix != "fma", e4m3_f16=prefix == "f16")
     except ValueError as e:
-        raise ValueError(f"gather config {spec!r}: expected [fma:]block_n x block_k x num_warps x num_stages, powers "
-                         f"of two >= 16 for the blocks (e.g. 32x128x4x4 or fma:64x64x4x4): {e}") from None
+        raise ValueError(f"gather config {spec!r}: expected [fma:|f16:]block_n x block_k x num_warps x num_stages, "
+                         f"powers of two >= 16 for the blocks (e.g. 32x128x4x4, fma:64x64x4x4 or f16:64x128x4x4): "
+                         f"{e}") from None
 
 
 def profile_worker(name: str, hf_config: dict, mode: str, layers: int | None, smollm2_gguf: str | None,

@@ -31,8 +31,9 @@ block-config sweep.
     tiles may want another geometry than bf16's.
   * gather_experts: one layer's decode experts as the serving layer runs them (``gather_matmul``'s SwiGLU and down
     launches, no sort) at decode batches 1 and 8 of Qwen3-30B-A3B (``GATHER_SHAPES``), on bf16 weights and on int8
-    / fp8 codes stored ``[E, in, out]`` or K-major, against XLA's gather of each pair's weights on the same
-    weights; GB/s over the touched experts' bytes, x_bf16 over the bf16 kernel, x_xla over XLA.
+    / fp8 codes stored ``[E, in, out]`` or K-major (and fp8 K-major multiplied as f16, ``fp8_f16_k_major``),
+    against XLA's gather of each pair's weights on the same weights; GB/s over the touched experts' bytes, x_bf16
+    over the bf16 kernel, x_xla over XLA.
 
 Every row carries rel_err, the relative Frobenius error against the competitor's output (the first listed).
 A failing implementation or config (a Triton compile error, cudnn missing) costs its row, not the run. Each
@@ -51,6 +52,7 @@ timed run dispatches ``REPS`` calls back to back and waits once, so host dispatc
 """
 
 import argparse
+import dataclasses
 import functools
 import sys
 import traceback
@@ -133,7 +135,8 @@ KERNELS = ("flash_attention", "paged_attention", "paged_mla_attention", "grouped
 # gather_experts: decode tokens -> (tokens, top_k, experts, hidden, intermediate), Qwen3-30B-A3B's experts
 GATHER_SHAPES = {"gpu": {"decode_b1": (1, 8, 128, 2048, 768), "decode_b8": (8, 8, 128, 2048, 768)},
                  "cpu": {"decode_b2": (2, 2, 4, 64, 32)}}
-GATHER_KINDS = ("bf16", "int8", "int8_k_major", "fp8", "fp8_k_major")  # the first: the baseline of x_bf16
+# the first: the baseline of x_bf16; "_f16": e4m3 codes multiplied as f16 (GroupedMatmulConfig.e4m3_f16)
+GATHER_KINDS = ("bf16", "int8", "int8_k_major", "fp8", "fp8_k_major", "fp8_f16_k_major")
 # flash_shapes: name -> (sequence lengths, q_heads, kv_heads, head_dim); every sequence causal, packed end to end.
 FLASH_SHAPES = {
     "gpu": {"S1k_gqa4_d128": ([1024] * 16, 32, 8, 128), "S4k_gqa4_d128": ([4096] * 4, 32, 8, 128),
@@ -400,7 +403,8 @@ def gather_experts_rows(mode: str, interpret: bool) -> list[dict]:
         flop = 2 * tokens * top_k * 3 * hidden * inter
         shape_rows, expected = [], None
         for kind in GATHER_KINDS:
-            codes, k_major = kind.removesuffix("_k_major"), kind.endswith("_k_major")
+            codes, k_major = kind.split("_")[0], kind.endswith("_k_major")
+            config = dataclasses.replace(grouped_matmul.GATHER_CONFIG, e4m3_f16="_f16" in kind)
             if codes == "bf16":
                 weights = {name: (w, None) for name, w in bf16.items()}
             else:
@@ -416,13 +420,14 @@ def gather_experts_rows(mode: str, interpret: bool) -> list[dict]:
                 return kernel(h, down, ids, w_scale=ds, k_major=k_major)
 
             for impl, kernel in (("xla", grouped_matmul.gather_matmul_reference),
-                                 ("pallas", functools.partial(grouped_matmul.gather_matmul, interpret=interpret))):
+                                 ("pallas", functools.partial(grouped_matmul.gather_matmul, config=config,
+                                                              interpret=interpret))):
                 fn = jax.jit(functools.partial(experts_fn, kernel=kernel))
                 row, out = measure(fn, (x, weights, ids), reps=REPS[mode], expected=expected, flop=flop,
                                    nbytes=nbytes)
                 expected = out if expected is None else expected
                 shape_rows.append(dict(kernel="gather_experts", shape=f"{shape}/{kind}", impl=impl, weights=kind,
-                                       config=config_name(grouped_matmul.GATHER_CONFIG) if impl == "pallas" else None)
+                                       config=config_name(config) if impl == "pallas" else None)
                                   | row)
         ok = {(r["impl"], r["weights"]): r["median_ms"] for r in shape_rows if r["status"] == "ok"}
         for r in shape_rows:

@@ -18,17 +18,19 @@ each weight tile converted in registers after its load (int8 and e4m3 values are
 applied once to the fp32 accumulator. The weights then cross HBM at 1 byte per element instead of 2: what bounds
 a decode step's expert matmuls.
 
-With bf16 x, e4m3 tiles multiply as f16, not bf16: sm_90 converts e4m3 pairs to f16 pairs in one instruction,
-but has no e4m3 to bf16 conversion, and its f16 to bf16 one is scalar and runs at a quarter of the integer rate
-(the PTX had 128 of them per K step of a 64-column decode tile). x's tile then needs f16's range: each of its rows
-is scaled by a power of two 2^s that puts the row's absmax in ``[2^14, 2^15)``, and the step's products by 2^-s,
+With bf16 x and ``config.e4m3_f16``, e4m3 tiles multiply as f16, not bf16: sm_90 converts e4m3 pairs to f16
+pairs in one instruction, but has no e4m3 to bf16 conversion, and its f16 to bf16 one is scalar and runs at a
+quarter of the integer rate (128 of them in the compiled decode-geometry kernel). x's tile then needs f16's
+range: each of its rows is scaled by a power of two 2^s that puts the row's absmax in ``[2^14, 2^15)``, and the
+step's products by 2^-s,
 
     x[r] @ q  =  2^-s(r) (f16(2^s(r) x[r]) @ f16(q)),
 
 exact for every bf16 value within 2^-28 of its row's absmax (f16's normal range below 2^15; f16 holds every bf16
 mantissa there), so rows of any magnitude give the same products as bf16 (``_f16_rows``). That costs a
-``[block_m, block_n]`` multiply-add per K step and a second accumulator, so only decode-shaped tiles take it
-(``block_m < block_k``: the weight tile outnumbers x's); prefill tiles keep bf16.
+``[block_m, block_n]`` multiply-add per K step and a second accumulator, for decode-shaped tiles (the weight
+tile outnumbering x's) less than the conversions it saves. It is opt-in (``GroupedMatmulConfig.e4m3_f16``) until
+timed on a GPU; the compiled kernel has no scalar conversion left (872 SASS instructions against 984).
 
 Design
 ------
@@ -114,13 +116,15 @@ class GroupedMatmulConfig:
     num_warps: int = 8
     num_stages: int = 4  # K-loop tiles in flight (Triton software pipelining)
     tensor_cores: bool = True  # False: gather_matmul's row as FMAs on CUDA cores (module docstring), no MMA tile
+    e4m3_f16: bool = False  # e4m3 codes with bf16 x multiply as f16, x's rows scaled (module docstring)
 
     def __post_init__(self):
         check_power_of_2(self, ("block_m", "block_n", "block_k", "num_warps"))
         check_tile(self, ("block_m", "block_n", "block_k"))
         check_num_stages(self)
-        if not isinstance(self.tensor_cores, bool):
-            raise TypeError(f"GroupedMatmulConfig.tensor_cores must be a bool, got {self.tensor_cores!r}")
+        for field in ("tensor_cores", "e4m3_f16"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"GroupedMatmulConfig.{field} must be a bool, got {getattr(self, field)!r}")
 
     def shared_memory_bytes(self, dtype, weights: int = 1, weight_dtype=None) -> int:
         """Shared memory a program uses: the x tiles (``dtype``) and the tiles of each of ``weights`` weights
@@ -209,7 +213,7 @@ def _f16_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, per_row, repeat, num_weights,
-                tensor_cores, k_major):
+                tensor_cores, e4m3_f16, k_major):
     # refs: the weights (w, and gather_matmul's SwiGLU up), their scales where quantized (else none), the output
     weight_refs, scale_refs, o_ref = refs[:num_weights], refs[num_weights:-1], refs[-1]
     k_dim, n_dim = weight_refs[0].shape[1:][::-1] if k_major else weight_refs[0].shape[1:]
@@ -254,7 +258,7 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
 
     # int32 branches, not Python ints: Pallas' Triton lowering gives a weak-typed literal operand of select_n the
     # predicate's type, i1, so the K-step count became an i1 `false` and scf.for's bounds mismatched (i32 vs i1).
-    e4m3_f16 = (tensor_cores and block_m < block_k and x_ref.dtype == jnp.bfloat16
+    e4m3_f16 = (e4m3_f16 and tensor_cores and x_ref.dtype == jnp.bfloat16
                 and jnp.dtype(weight_refs[0].dtype) == jnp.dtype(jnp.float8_e4m3fn))
     steps = jnp.where(group < num_groups, jnp.int32(pl.cdiv(k_dim, block_k)), jnp.int32(0))
     acc_shape = (block_m, block_n) if tensor_cores else (block_k, block_n)
@@ -358,7 +362,8 @@ def _launch(plan, x, weights, scales, config, out_dtype, interpret, *, per_row, 
                          "tensor cores")
     kernel = functools.partial(_gmm_kernel, block_m=config.block_m, block_n=block_n, block_k=config.block_k,
                                num_groups=num_groups, per_row=per_row, repeat=repeat, num_weights=len(weights),
-                               tensor_cores=config.tensor_cores, k_major=k_major)
+                               tensor_cores=config.tensor_cores, e4m3_f16=config.e4m3_f16,
+                               k_major=k_major)
     n_tiles = pl.cdiv(n, block_n)
     return pl.pallas_call(
         kernel,

@@ -210,15 +210,16 @@ class TestQuantizedWeights:
 
     @K_MAJOR
     @ROW_PATHS
-    @pytest.mark.parametrize("kind", ["int8", "fp8"])
+    @pytest.mark.parametrize("kind", ["int8", "fp8", "fp8_f16"])  # fp8_f16: GroupedMatmulConfig.e4m3_f16
     def test_gather_swiglu_and_down_match_their_references(self, kind, tensor_cores, k_major):
+        kind, e4m3_f16 = kind.removesuffix("_f16"), kind.endswith("_f16")
         num_groups, tokens, top_k = 6, 3, 4
         x, gate, _ = inputs(9, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)
         up = inputs(10, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)[1]
         down = inputs(11, tokens, 48, 40, [0] * num_groups, jnp.bfloat16)[1]
         (gq, gs), (uq, us), (dq, ds) = (quantized(w, kind) for w in (gate, up, down))
         ids = jnp.asarray(np.random.default_rng(3).integers(0, num_groups + 1, tokens * top_k), jnp.int32)
-        config = K.GroupedMatmulConfig(16, 32, 32, tensor_cores=tensor_cores)  # block_m < block_k: fp8 as f16
+        config = K.GroupedMatmulConfig(16, 32, 32, tensor_cores=tensor_cores, e4m3_f16=e4m3_f16)
         store = (lambda q: jnp.swapaxes(q, 1, 2)) if k_major else (lambda q: q)
         hidden = K.gather_matmul(x, store(gq), ids, store(uq), repeat=top_k, w_scale=gs, up_scale=us, config=config,
                                  interpret=interpret(), k_major=k_major)
@@ -232,8 +233,8 @@ class TestQuantizedWeights:
 
     @K_MAJOR
     def test_e4m3_codes_keep_bf16_rows_of_any_magnitude(self, k_major):
-        """e4m3 codes run an f16 MMA, each row of x scaled into f16's range: rows from 2^-100 to 2^100 (and a zero
-        row) give the float32 products of their bf16 values, neither flushed nor overflowed."""
+        """e4m3 codes as an f16 MMA (``e4m3_f16``), each row of x scaled into f16's range: rows from 2^-100 to
+        2^100 (and a zero row) give the float32 products of their bf16 values, neither flushed nor overflowed."""
         num_groups, k, n = 2, 64, 32
         x, w, _ = inputs(12, 6, k, n, [0] * num_groups, jnp.bfloat16)
         x = x * jnp.asarray([2.0**-100, 2.0**-20, 1.0, 2.0**20, 2.0**100, 0.0], jnp.float32)[:, None]
@@ -241,7 +242,7 @@ class TestQuantizedWeights:
         q, scale = quantized(w, "fp8")
         ids = jnp.asarray([0, 1, 1, 0, 1, 0], jnp.int32)
         out = K.gather_matmul(x, jnp.swapaxes(q, 1, 2) if k_major else q, ids, w_scale=scale,
-                              config=K.GroupedMatmulConfig(16, 32, 32), out_dtype=jnp.float32,
+                              config=K.GroupedMatmulConfig(16, 32, 32, e4m3_f16=True), out_dtype=jnp.float32,
                               interpret=interpret(), k_major=k_major)
         exact = np.einsum("rk,rkn->rn", np.asarray(x, np.float64),
                           np.asarray(q.astype(jnp.float32), np.float64)[np.asarray(ids)]) * np.asarray(
@@ -268,8 +269,9 @@ class TestQuantizedWeights:
 
     @K_MAJOR
     @ROW_PATHS
-    @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
-    def test_lowers_for_h200(self, dtype, tensor_cores, k_major):
+    @pytest.mark.parametrize("dtype, e4m3_f16", [(jnp.int8, False), (jnp.float8_e4m3fn, False),
+                                                 (jnp.float8_e4m3fn, True)], ids=["int8", "fp8", "fp8_f16"])
+    def test_lowers_for_h200(self, dtype, e4m3_f16, tensor_cores, k_major):
         """Qwen3-30B-A3B's decode expert matmuls (64 tokens x top-8) on quantized weights: the SwiGLU gather,
         the down gather and the sorted grouped matmul."""
         def weight(k, n):
@@ -279,7 +281,7 @@ class TestQuantizedWeights:
         (gate, gs), (down, ds) = weight(2048, 768), weight(768, 2048)
         x, hidden = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((512, 768), jnp.bfloat16)
         ids = jax.ShapeDtypeStruct((512,), jnp.int32)
-        config = dataclasses.replace(K.GATHER_CONFIG, tensor_cores=tensor_cores)
+        config = dataclasses.replace(K.GATHER_CONFIG, tensor_cores=tensor_cores, e4m3_f16=e4m3_f16)
         swiglu = lower_for_h200(lambda x, g, i, u, s, t: K.gather_matmul(x, g, i, u, repeat=8, w_scale=s, up_scale=t,
                                                                          config=config, k_major=k_major),
                                 x, gate, ids, gate, gs, gs)
