@@ -4,7 +4,6 @@ configuration, and (slow) its quick GPU suite run end to end on a CPU with a tin
 import argparse
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
@@ -184,16 +183,6 @@ def test_pcx_suite_on_fashion_mnist_holds_out_the_last_training_images(monkeypat
     assert [r["lr"] for r in sweep] == [1e-3, 2e-3] and sweep[0]["valid_curve"] != sweep[1]["valid_curve"]
     assert final["lr"] == max(sweep, key=lambda r: r["valid_accuracy"])["lr"]
     assert final["weight_decay"] == pc_mnist.PCX_WEIGHT_DECAY
-
-
-def test_mirrored_flips_a_random_half_left_to_right():
-    images = jax.random.uniform(jax.random.key(0), (256, 784))
-    out = np.asarray(pc_mnist.mirrored(images, jax.random.key(1))).reshape(-1, 28, 28)
-    square = np.asarray(images).reshape(-1, 28, 28)
-    same = (out == square).all(axis=(1, 2))
-    assert ((out == square[:, :, ::-1]).all(axis=(1, 2)) | same).all()  # each image as it was or mirrored
-    assert 64 < (~same).sum() < 192  # about half mirrored
-    assert (np.asarray(pc_mnist.mirrored(images, jax.random.key(2))) != out.reshape(256, 784)).any()  # per key
 
 
 def test_train_pcx_applies_its_weight_decay():
