@@ -354,8 +354,7 @@ def quantized_experts_rows(mode: str, interpret: bool, sweep: bool = False,
             shape_rows.append(dict(kernel="quantized_experts", shape=f"{shape}/{kind}", impl="ragged_dot",
                                    weights=kind, config=None) | row)
             k_major = kind.endswith("_k_major")
-            default = grouped_matmul.default_config(m, experts, w.dtype if kind == "bf16" else weight.q.dtype,
-                                                    k_major=k_major)
+            default = grouped_matmul.default_config(m, experts, w.dtype if kind == "bf16" else weight.q.dtype)
             for config in [default] + ([c for c in swept if c != default] if sweep else []):
                 kernel = functools.partial(grouped_matmul.grouped_matmul, config=config, interpret=interpret,
                                            k_major=k_major)

@@ -149,9 +149,9 @@ GATHER_CONFIG = DECODE_CONFIG
 DECODE_ROWS_PER_GROUP = 32  # below this mean rows per group, row tiles would be mostly padding: DECODE_CONFIG
 
 
-def default_config(m: int, num_groups: int, weight_dtype=None, k_major: bool = False) -> GroupedMatmulConfig:
+def default_config(m: int, num_groups: int, weight_dtype=None) -> GroupedMatmulConfig:
     """The default geometry for ``m`` rows over ``num_groups`` groups of weights in ``weight_dtype`` (default:
-    x's float dtype; int8 / float8_e4m3fn codes prefill with their own tiles), stored K-major where ``k_major``."""
+    x's float dtype; int8 / float8_e4m3fn codes prefill with their own tiles)."""
     if m < DECODE_ROWS_PER_GROUP * num_groups:
         return DECODE_CONFIG
     quantized = weight_dtype is not None and jnp.dtype(weight_dtype) in QUANTIZED_DTYPES
@@ -231,6 +231,8 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
     col0 = n_tile * block_n
     rows_ok = (row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < row_end
     cols_ok = (col0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)) < n_dim if n_dim % block_n else None
+    e4m3_f16 = (e4m3_f16 and tensor_cores and x_ref.dtype == jnp.bfloat16
+                and jnp.dtype(weight_refs[0].dtype) == jnp.dtype(jnp.float8_e4m3fn))
 
     def step(i, accs):
         k0 = i * block_k
@@ -258,8 +260,6 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
 
     # int32 branches, not Python ints: Pallas' Triton lowering gives a weak-typed literal operand of select_n the
     # predicate's type, i1, so the K-step count became an i1 `false` and scf.for's bounds mismatched (i32 vs i1).
-    e4m3_f16 = (e4m3_f16 and tensor_cores and x_ref.dtype == jnp.bfloat16
-                and jnp.dtype(weight_refs[0].dtype) == jnp.dtype(jnp.float8_e4m3fn))
     steps = jnp.where(group < num_groups, jnp.int32(pl.cdiv(k_dim, block_k)), jnp.int32(0))
     acc_shape = (block_m, block_n) if tensor_cores else (block_k, block_n)
     accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in weight_refs))
@@ -338,7 +338,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, w_scal
     """
     check_inputs(x, _kn(w, k_major), group_sizes, w_scale=w_scale)
     m, num_groups = x.shape[0], w.shape[0]
-    config = config or default_config(m, num_groups, w.dtype, k_major)
+    config = config or default_config(m, num_groups, w.dtype)
     if (visits := max_visits(m, num_groups, config.block_m)) > MAX_GRID_Y:
         raise ValueError(f"{m} rows in blocks of {config.block_m} over {num_groups} groups need {visits} visits, "
                          f"more than CUDA's {MAX_GRID_Y} grid rows; use a larger block_m")
