@@ -20,17 +20,16 @@ a decode step's expert matmuls.
 
 With bf16 x and ``config.e4m3_f16``, e4m3 tiles multiply as f16, not bf16: sm_90 converts e4m3 pairs to f16
 pairs in one instruction, but has no e4m3 to bf16 conversion, and its f16 to bf16 one is scalar and runs at a
-quarter of the integer rate (128 of them in the compiled decode-geometry kernel). x's tile then needs f16's
-range: each of its rows is scaled by a power of two 2^s that puts the row's absmax in ``[2^14, 2^15)``, and the
-step's products by 2^-s,
+quarter of the integer rate, one per code. x's tile then needs f16's range: each of its rows is scaled by a power
+of two 2^s that puts the row's absmax in ``[2^14, 2^15)``, and the step's products by 2^-s,
 
     x[r] @ q  =  2^-s(r) (f16(2^s(r) x[r]) @ f16(q)),
 
 exact for every bf16 value within 2^-28 of its row's absmax (f16's normal range below 2^15; f16 holds every bf16
 mantissa there), so rows of any magnitude give the same products as bf16 (``_f16_rows``). That costs a
 ``[block_m, block_n]`` multiply-add per K step and a second accumulator, for decode-shaped tiles (the weight
-tile outnumbering x's) less than the conversions it saves. It is opt-in (``GroupedMatmulConfig.e4m3_f16``) until
-timed on a GPU; the compiled kernel has no scalar conversion left (872 SASS instructions against 984).
+tile outnumbering x's) less than the conversions it saves, and leaves no scalar conversion in the compiled kernel.
+It is opt-in (``GroupedMatmulConfig.e4m3_f16``) until timed on a GPU.
 
 Design
 ------
