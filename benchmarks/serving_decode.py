@@ -503,21 +503,21 @@ def format_profile(title: str, wall_ms: float, profile: KernelProfile, layers: i
 
 
 def gather_config(spec: str):
-    """``GATHER_SWEEP``'s ``"[fma:|f16:]block_n x block_k x num_warps x num_stages"`` -> a ``GroupedMatmulConfig``
-    (block_m: the decode geometry's; ``fma:`` the row on CUDA cores, ``tensor_cores=False``; ``f16:`` e4m3 codes
-    multiplied as f16, ``e4m3_f16=True``)."""
+    """``GATHER_SWEEP``'s ``"[fma:|bf16:]block_n x block_k x num_warps x num_stages"`` -> a ``GroupedMatmulConfig``
+    (block_m: the decode geometry's; e4m3 codes multiplied as f16, ``e4m3_f16``, as the default does; ``fma:`` the
+    row on CUDA cores, ``tensor_cores=False``; ``bf16:`` e4m3 codes multiplied as bf16)."""
     from pallas_kernels.grouped_matmul import GATHER_CONFIG, GroupedMatmulConfig
 
     prefix = spec.split(":")[0] if ":" in spec else ""
     try:
-        if prefix not in ("", "fma", "f16"):
+        if prefix not in ("", "fma", "bf16"):
             raise ValueError(f"unknown prefix {prefix!r}")
         block_n, block_k, num_warps, num_stages = (int(v) for v in spec.split(":")[-1].split("x"))
         return GroupedMatmulConfig(GATHER_CONFIG.block_m, block_n, block_k, num_warps, num_stages,
-                                   tensor_cores=prefix != "fma", e4m3_f16=prefix == "f16")
+                                   tensor_cores=prefix != "fma", e4m3_f16=prefix == "" and GATHER_CONFIG.e4m3_f16)
     except ValueError as e:
-        raise ValueError(f"gather config {spec!r}: expected [fma:|f16:]block_n x block_k x num_warps x num_stages, "
-                         f"powers of two >= 16 for the blocks (e.g. 32x128x4x4, fma:64x64x4x4 or f16:64x128x4x4): "
+        raise ValueError(f"gather config {spec!r}: expected [fma:|bf16:]block_n x block_k x num_warps x num_stages, "
+                         f"powers of two >= 16 for the blocks (e.g. 32x128x4x4, fma:64x64x4x4 or bf16:64x128x4x4): "
                          f"{e}") from None
 
 

@@ -31,7 +31,8 @@ block-config sweep.
     tiles may want another geometry than bf16's.
   * gather_experts: one layer's decode experts as the serving layer runs them (``gather_matmul``'s SwiGLU and down
     launches, no sort) at decode batches 1 and 8 of Qwen3-30B-A3B (``GATHER_SHAPES``), on bf16 weights and on int8
-    / fp8 codes stored ``[E, in, out]`` or K-major (and fp8 K-major multiplied as f16, ``fp8_f16_k_major``),
+    / fp8 codes stored ``[E, in, out]`` or K-major (fp8 multiplied as f16, as ``GATHER_CONFIG`` does, and K-major
+    as bf16, ``fp8_k_major_bf16_mma``),
     against XLA's gather of each pair's weights on the same weights; GB/s over the touched experts' bytes, x_bf16
     over the bf16 kernel, x_xla over XLA.
 
@@ -127,7 +128,7 @@ SWEEPS = {  # the first config of each list is the kernel's default
 }
 # quantized_experts --quantized-configs sweep on prefill shapes: deeper K steps, which K-major codes load as whole
 # 16-byte words, beside the prefill sweep's Triton configs
-QUANTIZED_PREFILL_SWEEP = {"gpu": [G(128, 128, 64, 4, 4), G(128, 128, 64, 8, 4), G(128, 128, 128, 8, 3),
+QUANTIZED_PREFILL_SWEEP = {"gpu": [G(128, 128, 32, 4, 5), G(128, 128, 64, 8, 4), G(128, 128, 128, 8, 3),
                                    G(128, 256, 64, 8, 3), G(64, 128, 128, 4, 3)],
                            "cpu": [G(16, 32, 32)]}
 KERNELS = ("flash_attention", "paged_attention", "paged_mla_attention", "grouped_matmul", "quantized_experts",
@@ -135,8 +136,9 @@ KERNELS = ("flash_attention", "paged_attention", "paged_mla_attention", "grouped
 # gather_experts: decode tokens -> (tokens, top_k, experts, hidden, intermediate), Qwen3-30B-A3B's experts
 GATHER_SHAPES = {"gpu": {"decode_b1": (1, 8, 128, 2048, 768), "decode_b8": (8, 8, 128, 2048, 768)},
                  "cpu": {"decode_b2": (2, 2, 4, 64, 32)}}
-# the first: the baseline of x_bf16; "_f16": e4m3 codes multiplied as f16 (GroupedMatmulConfig.e4m3_f16)
-GATHER_KINDS = ("bf16", "int8", "int8_k_major", "fp8", "fp8_k_major", "fp8_f16_k_major")
+# the first: the baseline of x_bf16; "_bf16_mma": e4m3 codes multiplied as bf16, not as f16 as GATHER_CONFIG does
+# (GroupedMatmulConfig.e4m3_f16)
+GATHER_KINDS = ("bf16", "int8", "int8_k_major", "fp8", "fp8_k_major", "fp8_k_major_bf16_mma")
 # flash_shapes: name -> (sequence lengths, q_heads, kv_heads, head_dim); every sequence causal, packed end to end.
 FLASH_SHAPES = {
     "gpu": {"S1k_gqa4_d128": ([1024] * 16, 32, 8, 128), "S4k_gqa4_d128": ([4096] * 4, 32, 8, 128),
@@ -402,8 +404,10 @@ def gather_experts_rows(mode: str, interpret: bool) -> list[dict]:
         flop = 2 * tokens * top_k * 3 * hidden * inter
         shape_rows, expected = [], None
         for kind in GATHER_KINDS:
-            codes, k_major = kind.split("_")[0], kind.endswith("_k_major")
-            config = dataclasses.replace(grouped_matmul.GATHER_CONFIG, e4m3_f16="_f16" in kind)
+            codes, k_major = kind.split("_")[0], "_k_major" in kind
+            config = grouped_matmul.GATHER_CONFIG
+            if kind.endswith("_bf16_mma"):
+                config = dataclasses.replace(config, e4m3_f16=False)
             if codes == "bf16":
                 weights = {name: (w, None) for name, w in bf16.items()}
             else:

@@ -29,7 +29,8 @@ exact for every bf16 value within 2^-28 of its row's absmax (f16's normal range 
 mantissa there), so rows of any magnitude give the same products as bf16 (``_f16_rows``). That costs a
 ``[block_m, block_n]`` multiply-add per K step and a second accumulator, for decode-shaped tiles (the weight
 tile outnumbering x's) less than the conversions it saves, and leaves no scalar conversion in the compiled kernel.
-It is opt-in (``GroupedMatmulConfig.e4m3_f16``) until timed on a GPU.
+The decode geometry takes it (``DECODE_CONFIG``); prefill tiles, x's as large as the weights', do not: there the
+row scaling costs more than the conversions it saves.
 
 Design
 ------
@@ -136,12 +137,14 @@ class GroupedMatmulConfig:
 
 # Prefill (hundreds of rows per expert): large tiles for tensor-core efficiency.
 PREFILL_CONFIG = GroupedMatmulConfig()
-# Prefill on 1-byte codes (int8 / e4m3): shallower K steps, 4 warps and 5 tiles in flight, the codes' own geometry
-# because their tiles are converted in registers before each wgmma, unlike bf16's (``serving_kernels --kernels
-# quantized_experts --quantized-configs sweep`` compares it with the other prefill geometries on both codes).
-QUANTIZED_PREFILL_CONFIG = GroupedMatmulConfig(block_m=128, block_n=128, block_k=32, num_warps=4, num_stages=5)
-# Decode (a few rows per expert): the smallest row tile, and wide K steps to keep weight bytes in flight.
-DECODE_CONFIG = GroupedMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+# Prefill on 1-byte codes (int8 / e4m3): 4 warps, the codes' own geometry because their tiles are converted in
+# registers before each wgmma, unlike bf16's; 64-deep K steps, which K-major codes (serving's layout) load as whole
+# 16-byte words (``serving_kernels --kernels quantized_experts --quantized-configs sweep`` compares it with the
+# other prefill geometries on both layouts).
+QUANTIZED_PREFILL_CONFIG = GroupedMatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
+# Decode (a few rows per expert): the smallest row tile, wide K steps to keep weight bytes in flight, and e4m3 codes
+# multiplied as f16 (module docstring).
+DECODE_CONFIG = GroupedMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, e4m3_f16=True)
 # gather_matmul (one row per visit): the decode geometry (benchmarks/serving_decode.py --profile --gather-configs
 # times the candidates in the whole decode step).
 GATHER_CONFIG = DECODE_CONFIG
