@@ -332,7 +332,7 @@ def quantized_experts_rows(mode: str, interpret: bool, sweep: bool = False,
     """Per shape (``shapes``: a subset by name): ragged_dot and the Triton kernel on bf16, int8 and fp8 expert
     weights, the kernel at its default config or (``sweep``) every Triton config of the shape's sweep (module
     docstring)."""
-    from serving.quantization import QuantizedWeight, linear, quantize
+    from serving.quantization import linear, quantize
 
     rows = []
     for shape, (tokens, top_k, experts, k, n) in SHAPES[mode]["grouped_matmul"].items():
@@ -342,8 +342,7 @@ def quantized_experts_rows(mode: str, interpret: bool, sweep: bool = False,
         m, touched = tokens * top_k, int((sizes > 0).sum())
         x, w = random_normal(0, (m, k)), random_normal(1, (experts, k, n), scale=k**-0.5)
         weights = {"bf16": w} | {kind: quantize(w.astype(jnp.float32), kind) for kind in ("int8", "fp8")}
-        weights |= {f"{kind}_k_major": QuantizedWeight(jnp.swapaxes(weights[kind].q, 1, 2), weights[kind].scale, True)
-                    for kind in ("int8", "fp8")}
+        weights |= {f"{kind}_k_major": weights[kind].with_layout(k_major=True) for kind in ("int8", "fp8")}
         swept = [c for c in SWEEPS[mode]["decode" if shape.startswith("decode") else "prefill"] if isinstance(c, G)]
         swept += [c for c in ([] if shape.startswith("decode") else QUANTIZED_PREFILL_SWEEP[mode]) if c not in swept]
         xla = jax.jit(lambda x, w, g: linear(x, w, group_sizes=g))
@@ -412,8 +411,7 @@ def gather_experts_rows(mode: str, interpret: bool) -> list[dict]:
                 weights = {name: (w, None) for name, w in bf16.items()}
             else:
                 quantized = {name: quantize(w.astype(jnp.float32), codes) for name, w in bf16.items()}
-                weights = {name: (jnp.swapaxes(q.q, 1, 2) if k_major else q.q, q.scale)
-                           for name, q in quantized.items()}
+                weights = {name: (q.with_layout(k_major).q, q.scale) for name, q in quantized.items()}
             nbytes = touched * 3 * hidden * inter * (2 if codes == "bf16" else 1) + (
                 0 if codes == "bf16" else touched * 4 * (2 * inter + hidden))
 

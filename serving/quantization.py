@@ -72,6 +72,15 @@ class QuantizedWeight:
         """q in the weight's own layout (a transposed view where K-major: a copy once materialized)."""
         return jnp.swapaxes(self.q, 1, 2) if self.k_major else self.q
 
+    def with_layout(self, k_major: bool) -> "QuantizedWeight":
+        """The same stacked-expert weight with its codes stored K-major (``k_major``) or ``[E, in, out]``."""
+        if k_major == self.k_major:
+            return self
+        if self.q.ndim != 3:
+            raise ValueError(f"only a stack of expert matrices [E, in, out] has a K-major layout, got codes of "
+                             f"shape {self.q.shape}")
+        return QuantizedWeight(jnp.swapaxes(self.q, 1, 2), self.scale, k_major)
+
 
 LinearWeight = jax.Array | QuantizedWeight  # what a model projection (``linear``) accepts
 
@@ -171,9 +180,7 @@ def with_expert_layout(params: Any, k_major: bool) -> Any:
         keys = [getattr(key, "key", None) for key in path]
         expert = (isinstance(leaf, QuantizedWeight) and leaf.q.ndim == 3 and len(keys) >= 2
                   and keys[-2] in MLP_KEYS and keys[-1] in MLP_PROJECTIONS)
-        if not expert or leaf.k_major == k_major:
-            return leaf
-        return QuantizedWeight(jnp.swapaxes(leaf.q, 1, 2), leaf.scale, k_major)
+        return leaf.with_layout(k_major) if expert else leaf
 
     return jax.tree_util.tree_map_with_path(relayout, params, is_leaf=is_quantized)
 

@@ -189,6 +189,10 @@ def test_k_major_expert_codes_stand_for_the_same_weights(kind):
     assert specs["layers"][moe_layer]["mlp"]["down"] == QuantizedWeight(P("expert", None, "tensor"),
                                                                       P("expert", None, None), k_major=True)
     assert_bit_exact(quantization.with_expert_layout(k_major, k_major=False), params)
+    assert before["mlp"]["gate"].with_layout(k_major=False) is before["mlp"]["gate"]  # already so: no copy
+    dense = quantization.quantize(jnp.ones((8, 4), jnp.float32), kind)  # one matrix, not a stack of experts
+    with pytest.raises(ValueError, match=r"only a stack of expert matrices \[E, in, out\] has a K-major layout"):
+        dense.with_layout(k_major=True)
 
 
 def test_expert_parallel_moe_consumes_quantized_experts():
