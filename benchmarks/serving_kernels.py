@@ -126,8 +126,8 @@ SWEEPS = {  # the first config of each list is the kernel's default
         prefill=[G(16, 32, 32), MG(64, 64, 64, 2)], decode=[G(16, 32, 32), MG(64, 64, 64, 2)],
     ),
 }
-# quantized_experts --quantized-configs sweep on prefill shapes: deeper K steps, which K-major codes load as whole
-# 16-byte words, beside the prefill sweep's Triton configs
+# quantized_experts --quantized-configs sweep on prefill shapes, beside the prefill sweep's Triton configs: the
+# shallower K steps tuned on [E, in, out] codes, and deeper ones, which K-major codes load as whole 16-byte words
 QUANTIZED_PREFILL_SWEEP = {"gpu": [G(128, 128, 32, 4, 5), G(128, 128, 64, 8, 4), G(128, 128, 128, 8, 3),
                                    G(128, 256, 64, 8, 3), G(64, 128, 128, 4, 3)],
                            "cpu": [G(16, 32, 32)]}

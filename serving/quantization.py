@@ -70,7 +70,7 @@ class QuantizedWeight:
     @property
     def codes(self) -> jax.Array:
         """q in the weight's own layout (a transposed view where K-major: a copy once materialized)."""
-        return jnp.swapaxes(self.q, 1, 2) if self.k_major else self.q
+        return self.with_layout(k_major=False).q
 
     def with_layout(self, k_major: bool) -> "QuantizedWeight":
         """The same stacked-expert weight with its codes stored K-major (``k_major``) or ``[E, in, out]``."""
