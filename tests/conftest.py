@@ -84,3 +84,13 @@ def _release_compiled_executables():
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()
         gc.collect()
+
+
+@pytest.fixture
+def float32_products():
+    """fp32 matmuls multiply in fp32 on every platform while the test runs: a GPU's default rounds their operands
+    to tf32 (10 mantissa bits), which code and reference would do at different places, far beyond fp32 bounds."""
+    import jax
+
+    with jax.default_matmul_precision("float32"):
+        yield

@@ -25,6 +25,7 @@ from serving.loaders import read_checkpoint
 from serving.models import model_module
 from serving.quantization import quantize, quantize_params
 
+pytestmark = pytest.mark.usefixtures("float32_products")  # tests/conftest.py: fp32 products on a GPU too
 BLOCK = 4
 NUM_BLOCKS = 32
 # A mixed step: a decode token, a first prefill chunk, a chunk continuing a cached prefix, another decode token.
@@ -33,14 +34,6 @@ NUM_TOKENS, NUM_SEQS, MAX_BLOCKS = 16, 6, 4  # padded: 4 padding tokens, 2 paddi
 # fp32 kernels and references sum in different orders (online vs dense softmax): a few ulps; through the
 # fixture models' two or three layers the logits stay within 1e-5 relative (observed ~1e-6).
 LOGITS_RTOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def float32_products():
-    """fp32 matmuls multiply in fp32 on every platform: a GPU's default rounds their operands to tf32 (10 mantissa
-    bits), which kernels and references would do at different places, far beyond the fp32 bounds above."""
-    with jax.default_matmul_precision("float32"):
-        yield
 
 
 def create_cache(cfg: ModelConfig, num_blocks: int, dtype: jnp.dtype):

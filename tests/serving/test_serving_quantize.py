@@ -22,6 +22,8 @@ from serving.loaders.safetensors import read_file
 from serving.models import model_module
 from serving.quantization import QuantizedWeight, dequantize, linear, quantize_params
 
+pytestmark = pytest.mark.usefixtures("float32_products")  # tests/conftest.py: fp32 products on a GPU too
+
 KINDS = tuple(quantization.KINDS)
 # Top-1 agreement with the fp32 model over the fixtures' 81 teacher-forced positions (2 prompts + their 32-token
 # greedy continuations): the brief's 95% for int8 (measured 98.8% on llama and qwen3_moe; bf16 itself: 100%).
@@ -195,6 +197,7 @@ def test_k_major_expert_codes_stand_for_the_same_weights(kind):
         dense.with_layout(k_major=True)
 
 
+@pytest.mark.needs_devices(8)
 def test_expert_parallel_moe_consumes_quantized_experts():
     """``sharding.moe_expert_parallel`` on a 2x2x2 mesh (experts and their hidden dim split) equals ``layers.moe``
     on the same int8 experts: each device scales its local experts' rows by their own channels."""
