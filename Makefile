@@ -66,7 +66,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow" $(FAST_TESTS)
 
 # On the GPU machine, with its own python3 (no venv; carry .whl): every kernel test file and a smoke test of each
-# part, compiled, in one table; JSON under $$OUT or benchmarks/results/gpu_check.json. ARGS="-k NAME,NAME" for some jobs.
+# part, compiled, in one table; JSON under $$OUT or benchmarks/results/gpu_check.json. ARGS="-k NAME,NAME" for some jobs;
+# ARGS="--set parts" (a second command) for the parts' test files that run the kernels by default.
 gpu-check:
 	python3 -m tools.gpu_check $(ARGS)
 

