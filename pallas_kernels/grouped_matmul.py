@@ -72,6 +72,18 @@ consecutive K values of one column. From ``[k, n]`` tiles, 2-byte values get the
 ``ldmatrix`` words and copy 16 bytes at a time. The same math either way; ``serving_kernels --kernels
 gather_experts`` times both layouts.
 
+Split K (``split_k = S``, gather_matmul only): at a decode step's few rows a program's K loop is a chain of
+dependent steps, and the launch has fewer programs than the GPU has SMs (8 pairs x 768 / 64 columns = 96 at batch
+1), so the weights stream at a fraction of HBM's rate; bf16 weights took about as long as their 1-byte codes (H100,
+``results/h100_logs/serving_decode_profile_*``). With S splits, program (r, c, s) runs K steps
+``[s ceil(K_steps / S), (s + 1) ceil(K_steps / S))`` and writes its fp32 partial product of each weight,
+
+    out[r] = sum_s P_s[r]        (SwiGLU: silu(sum_s G_s[r]) * sum_s U_s[r]),
+
+summed by one XLA fusion after the launch (which also applies SwiGLU and the cast): S times the programs, 1/S of
+the chain each, for ``S x weights x m x n`` fp32 partials through L2 (8 x 2 x 768 x 4 B = 48 KB a split at batch 1).
+The default is 1; ``serving_kernels --kernels gather_experts`` times ``*_split4`` kinds beside it.
+
 ``tensor_cores=False`` (gather_matmul only) computes the row without an MMA: per K step the row's ``block_k``
 values times the ``[block_k, block_n]`` weight tile as elementwise FMAs into an fp32 ``[block_k, block_n]``
 accumulator, summed over its K axis once after the loop,
@@ -117,6 +129,7 @@ class GroupedMatmulConfig:
     num_stages: int = 4  # K-loop tiles in flight (Triton software pipelining)
     tensor_cores: bool = True  # False: gather_matmul's row as FMAs on CUDA cores (module docstring), no MMA tile
     e4m3_f16: bool = False  # e4m3 codes with bf16 x multiply as f16, x's rows scaled (module docstring)
+    split_k: int = 1  # gather_matmul: programs per output tile, each over 1/split_k of K (module docstring)
 
     def __post_init__(self):
         check_power_of_2(self, ("block_m", "block_n", "block_k", "num_warps"))
@@ -125,6 +138,8 @@ class GroupedMatmulConfig:
         for field in ("tensor_cores", "e4m3_f16"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"GroupedMatmulConfig.{field} must be a bool, got {getattr(self, field)!r}")
+        if not isinstance(self.split_k, int) or isinstance(self.split_k, bool) or self.split_k < 1:
+            raise ValueError(f"GroupedMatmulConfig.split_k must be an int >= 1, got {self.split_k!r}")
 
     def shared_memory_bytes(self, dtype, weights: int = 1, weight_dtype=None) -> int:
         """Shared memory a program uses: the x tiles (``dtype``) and the tiles of each of ``weights`` weights
@@ -215,8 +230,9 @@ def _f16_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, per_row, repeat, num_weights,
-                tensor_cores, e4m3_f16, k_major):
+                tensor_cores, e4m3_f16, k_major, split_k):
     # refs: the weights (w, and gather_matmul's SwiGLU up), their scales where quantized (else none), the output
+    # (with split_k > 1: fp32 partial products [split_k, num_weights, m, n], summed by the wrapper)
     weight_refs, scale_refs, o_ref = refs[:num_weights], refs[num_weights:-1], refs[-1]
     k_dim, n_dim = weight_refs[0].shape[1:][::-1] if k_major else weight_refs[0].shape[1:]
     if per_row:  # gather_matmul: grid (rows, column tiles); plan_ref holds ids [m]; visit r is row r
@@ -236,8 +252,15 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
     e4m3_f16 = (e4m3_f16 and tensor_cores and x_ref.dtype == jnp.bfloat16
                 and jnp.dtype(weight_refs[0].dtype) == jnp.dtype(jnp.float8_e4m3fn))
 
+    # K steps: all of them, or split s's share (split_k > 1, gather_matmul's grid axis 2); int32 scalars, see below
+    k_steps, first = pl.cdiv(k_dim, block_k), jnp.int32(0)
+    if split_k > 1:
+        share = pl.cdiv(k_steps, split_k)
+        first = pl.program_id(2) * share
+        k_steps = jnp.clip(k_steps - first, 0, share)
+
     def step(i, accs):
-        k0 = i * block_k
+        k0 = (first + i) * block_k
         k_ok = None
         if k_dim % block_k:
             k_ok = k0 + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0) < k_dim
@@ -262,7 +285,7 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
 
     # int32 branches, not Python ints: Pallas' Triton lowering gives a weak-typed literal operand of select_n the
     # predicate's type, i1, so the K-step count became an i1 `false` and scf.for's bounds mismatched (i32 vs i1).
-    steps = jnp.where(group < num_groups, jnp.int32(pl.cdiv(k_dim, block_k)), jnp.int32(0))
+    steps = jnp.where(group < num_groups, jnp.asarray(k_steps, jnp.int32), jnp.int32(0))
     acc_shape = (block_m, block_n) if tensor_cores else (block_k, block_n)
     accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in weight_refs))
     out_rows, out_rows_ok = block_m, rows_ok
@@ -272,6 +295,11 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
         accs = [acc * plgpu.load(ref.at[expert, pl.ds(0, 1), pl.ds(col0, block_n)], mask=cols_ok,
                                  other=None if cols_ok is None else 0.0)
                 for acc, ref in zip(accs, scale_refs, strict=True)]
+    if split_k > 1:  # each weight's partial product; SwiGLU needs the whole sums
+        for j, acc in enumerate(accs):
+            index = (pl.program_id(2), jnp.int32(j), pl.ds(row0, out_rows), pl.ds(col0, block_n))  # no Python int
+            plgpu.store(o_ref.at[index], acc, mask=_and(out_rows_ok, cols_ok))
+        return
     out = accs[0] if num_weights == 1 else jax.nn.silu(accs[0]) * accs[1]
     plgpu.store(o_ref.at[pl.ds(row0, out_rows), pl.ds(col0, block_n)], out.astype(o_ref.dtype),
                 mask=_and(out_rows_ok, cols_ok))
@@ -362,19 +390,28 @@ def _launch(plan, x, weights, scales, config, out_dtype, interpret, *, per_row, 
     if not (per_row or config.tensor_cores):
         raise ValueError("tensor_cores=False is gather_matmul's one-row geometry; grouped_matmul's row tiles use "
                          "tensor cores")
+    if not per_row and config.split_k > 1:
+        raise ValueError(f"split_k={config.split_k} is gather_matmul's (decode rows); grouped_matmul's row tiles "
+                         f"take split_k=1")
+    split_k = config.split_k
     kernel = functools.partial(_gmm_kernel, block_m=config.block_m, block_n=block_n, block_k=config.block_k,
                                num_groups=num_groups, per_row=per_row, repeat=repeat, num_weights=len(weights),
                                tensor_cores=config.tensor_cores, e4m3_f16=config.e4m3_f16,
-                               k_major=k_major)
+                               k_major=k_major, split_k=split_k)
     n_tiles = pl.cdiv(n, block_n)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
-        grid=(m, n_tiles) if per_row else (n_tiles, plan.shape[1]),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),
+        grid=((m, n_tiles) if split_k == 1 else (m, n_tiles, split_k)) if per_row else (n_tiles, plan.shape[1]),
+        out_shape=jax.ShapeDtypeStruct((m, n) if split_k == 1 else (split_k, len(weights), m, n),
+                                       (out_dtype or x.dtype) if split_k == 1 else jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="gather_matmul" if per_row else "grouped_matmul",
     )(plan, x, *weights, *scales)
+    if split_k == 1:
+        return out
+    sums = out.sum(axis=0)  # one XLA fusion with the SwiGLU product and the cast
+    return (sums[0] if len(weights) == 1 else jax.nn.silu(sums[0]) * sums[1]).astype(out_dtype or x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("repeat", "out_dtype", "config", "interpret", "k_major"))

@@ -150,10 +150,12 @@ def test_gather_configs_parse_and_the_sweep_is_valid():
     assert serving_decode.gather_config("32x256x4x3") == GroupedMatmulConfig(16, 32, 256, 4, 3, e4m3_f16=True)
     assert serving_decode.gather_config("fma:64x64x4x4") == GroupedMatmulConfig(16, 64, 64, 4, 4, tensor_cores=False)
     assert serving_decode.gather_config("bf16:64x128x4x4") == GroupedMatmulConfig(16, 64, 128, 4, 4)
+    assert serving_decode.gather_config("64x128x4x3x4") == GroupedMatmulConfig(16, 64, 128, 4, 3, e4m3_f16=True,
+                                                                               split_k=4)
     assert len({serving_decode.gather_config(spec) for spec in serving_decode.GATHER_SWEEP}) == len(
         serving_decode.GATHER_SWEEP)
     assert serving_decode.gather_config(serving_decode.GATHER_SWEEP[0]) == GATHER_CONFIG  # the default runs first
-    for spec in ("32x100x4x3", "bf8:64x128x4x4"):
+    for spec in ("32x100x4x3", "bf8:64x128x4x4", "64x128x4x4x0", "64x128x4x4x2x2"):
         with pytest.raises(ValueError, match=rf"gather config '{spec}': expected \[fma:\|bf16:\]block_n x block_k"):
             serving_decode.gather_config(spec)
 

@@ -85,6 +85,11 @@ class TestGroupedMatmul:
             K.GroupedMatmulConfig(tensor_cores=0)
         with pytest.raises(ValueError, match="tensor_cores=False is gather_matmul's one-row geometry"):
             K.grouped_matmul(x, w, sizes, config=K.GroupedMatmulConfig(16, 16, 16, tensor_cores=False))
+        for bad in (0, True, 2.0):
+            with pytest.raises(ValueError, match=f"split_k must be an int >= 1, got {bad!r}"):
+                K.GroupedMatmulConfig(split_k=bad)
+        with pytest.raises(ValueError, match="split_k=2 is gather_matmul's"):
+            K.grouped_matmul(x, w, sizes, config=K.GroupedMatmulConfig(16, 16, 16, split_k=2))
 
 
 # gather_matmul's two ways to compute a row: a 16-row MMA tile, or FMAs on CUDA cores (tensor_cores=False)
@@ -150,6 +155,26 @@ class TestGatherMatmul:
                               interpret=interpret())
         assert_close(out, K.gather_matmul_reference(x, w, ids))
 
+    @ROW_PATHS
+    @pytest.mark.parametrize("gated", [False, True], ids=["plain", "swiglu"])
+    @pytest.mark.parametrize("split_k", [2, 3, 8])
+    def test_split_k_sums_the_same_rows(self, split_k, gated, tensor_cores):
+        """``split_k``: 3 K steps (k = 40, block_k 16) over 2 splits (2 + 1), 3 (1 each) or 8 (5 with none); the
+        partial products summed (and SwiGLU applied) after the launch give split_k=1's rows."""
+        num_groups, tokens, top_k = 5, 3, 2
+        x, gate, _ = inputs(13, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)
+        up = inputs(14, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)[1] if gated else None
+        ids = jnp.asarray(np.random.default_rng(4).integers(-1, num_groups + 1, tokens * top_k), jnp.int32)
+        run = functools.partial(K.gather_matmul, x, gate, ids, up, repeat=top_k, interpret=interpret())
+        config = K.GroupedMatmulConfig(16, 32, 16, tensor_cores=tensor_cores)
+        out = run(config=dataclasses.replace(config, split_k=split_k))
+        assert out.dtype == jnp.bfloat16 and out.shape == (tokens * top_k, 48)
+        assert_close(out, run(config=config))
+        assert_close(out, K.gather_matmul_reference(x, gate, ids, up, repeat=top_k))
+        known = (np.asarray(ids) >= 0) & (np.asarray(ids) < num_groups)
+        assert not np.asarray(out[~known], np.float32).any()
+        assert run(config=dataclasses.replace(config, split_k=split_k), out_dtype=jnp.float32).dtype == jnp.float32
+
     def test_rejects_bad_ids(self):
         x, w, _ = inputs(0, 8, 16, 16, [0, 0])
         with pytest.raises(ValueError, match=r"ids must be integer \[m=8\] .*, got float32\[8\]"):
@@ -210,8 +235,9 @@ class TestQuantizedWeights:
 
     @K_MAJOR
     @ROW_PATHS
-    @pytest.mark.parametrize("kind", ["int8", "fp8", "fp8_f16"])  # fp8_f16: GroupedMatmulConfig.e4m3_f16
-    def test_gather_swiglu_and_down_match_their_references(self, kind, tensor_cores, k_major):
+    @pytest.mark.parametrize("kind", ["int8", "fp8", "fp8_f16", "fp8_f16_split2"])  # GroupedMatmulConfig's e4m3_f16,
+    def test_gather_swiglu_and_down_match_their_references(self, kind, tensor_cores, k_major):  # split_k
+        kind, split_k = kind.removesuffix("_split2"), 2 if kind.endswith("_split2") else 1
         kind, e4m3_f16 = kind.removesuffix("_f16"), kind.endswith("_f16")
         num_groups, tokens, top_k = 6, 3, 4
         x, gate, _ = inputs(9, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)
@@ -219,7 +245,7 @@ class TestQuantizedWeights:
         down = inputs(11, tokens, 48, 40, [0] * num_groups, jnp.bfloat16)[1]
         (gq, gs), (uq, us), (dq, ds) = (quantized(w, kind) for w in (gate, up, down))
         ids = jnp.asarray(np.random.default_rng(3).integers(0, num_groups + 1, tokens * top_k), jnp.int32)
-        config = K.GroupedMatmulConfig(16, 32, 32, tensor_cores=tensor_cores, e4m3_f16=e4m3_f16)
+        config = K.GroupedMatmulConfig(16, 32, 16, tensor_cores=tensor_cores, e4m3_f16=e4m3_f16, split_k=split_k)
         store = (lambda q: jnp.swapaxes(q, 1, 2)) if k_major else (lambda q: q)
         hidden = K.gather_matmul(x, store(gq), ids, store(uq), repeat=top_k, w_scale=gs, up_scale=us, config=config,
                                  interpret=interpret(), k_major=k_major)
@@ -269,9 +295,10 @@ class TestQuantizedWeights:
 
     @K_MAJOR
     @ROW_PATHS
-    @pytest.mark.parametrize("dtype, e4m3_f16", [(jnp.int8, False), (jnp.float8_e4m3fn, False),
-                                                 (jnp.float8_e4m3fn, True)], ids=["int8", "fp8", "fp8_f16"])
-    def test_lowers_for_h200(self, dtype, e4m3_f16, tensor_cores, k_major):
+    @pytest.mark.parametrize("dtype, e4m3_f16, split_k", [(jnp.int8, False, 1), (jnp.float8_e4m3fn, False, 1),
+                                                          (jnp.float8_e4m3fn, True, 1), (jnp.float8_e4m3fn, True, 4)],
+                             ids=["int8", "fp8", "fp8_f16", "fp8_f16_split4"])
+    def test_lowers_for_h200(self, dtype, e4m3_f16, split_k, tensor_cores, k_major):
         """Qwen3-30B-A3B's decode expert matmuls (64 tokens x top-8) on quantized weights: the SwiGLU gather,
         the down gather and the sorted grouped matmul."""
         def weight(k, n):
@@ -281,7 +308,7 @@ class TestQuantizedWeights:
         (gate, gs), (down, ds) = weight(2048, 768), weight(768, 2048)
         x, hidden = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((512, 768), jnp.bfloat16)
         ids = jax.ShapeDtypeStruct((512,), jnp.int32)
-        config = dataclasses.replace(K.GATHER_CONFIG, tensor_cores=tensor_cores, e4m3_f16=e4m3_f16)
+        config = dataclasses.replace(K.GATHER_CONFIG, tensor_cores=tensor_cores, e4m3_f16=e4m3_f16, split_k=split_k)
         swiglu = lower_for_h200(lambda x, g, i, u, s, t: K.gather_matmul(x, g, i, u, repeat=8, w_scale=s, up_scale=t,
                                                                          config=config, k_major=k_major),
                                 x, gate, ids, gate, gs, gs)
@@ -289,6 +316,8 @@ class TestQuantizedWeights:
         assert 'name = "gather_matmul"' in lower_for_h200(
             lambda h, d, i, s: K.gather_matmul(h, d, i, w_scale=s, config=config, k_major=k_major), hidden, down, ids,
             ds)
+        if split_k > 1:
+            return  # the grouped matmul takes no split_k
         sizes = jax.ShapeDtypeStruct((128,), jnp.int32)
         grouped = functools.partial(K.grouped_matmul, k_major=k_major)
         assert "grouped_matmul" in lower_for_h200(lambda h, d, g, s: grouped(h, d, g, w_scale=s), hidden, down, sizes,
