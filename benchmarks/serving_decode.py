@@ -182,9 +182,9 @@ PROFILE_TOP = 20  # kernel names printed per batch, most time first (the JSON ha
 # programs (96 at block_n 64, fewer than the H200's 132 SMs), so narrower column tiles and deeper K steps compete.
 # "fma:" computes the row on CUDA cores (GroupedMatmulConfig.tensor_cores=False): no 16-row MMA tile and no MMA
 # operand layout; its [block_k, block_n] fp32 accumulator bounds the tile. A fifth number is split_k (K split over
-# that many programs per tile, their partial sums added after the launch).
+# that many programs per tile, their partial sums added after the launch; "auto": GroupedMatmulConfig.split_k=None).
 GATHER_SWEEP = ("64x128x4x4", "32x128x4x4", "32x256x4x3", "16x256x4x3", "64x256x4x3", "32x128x2x4", "128x64x4x4",
-                "64x128x4x4x2", "64x128x4x4x4", "64x128x4x3x4", "32x128x4x3x4",
+                "64x128x4x4x2", "64x128x4x4x4", "64x128x4x3x4", "32x128x4x3x4", "64x128x4x4xauto",
                 "fma:64x64x4x4", "fma:128x32x4x4", "fma:64x128x8x3", "fma:128x64x8x3")
 
 
@@ -508,23 +508,24 @@ def gather_config(spec: str):
     """``GATHER_SWEEP``'s ``"[fma:|bf16:]block_n x block_k x num_warps x num_stages [x split_k]"`` -> a
     ``GroupedMatmulConfig`` (block_m: the decode geometry's; e4m3 codes multiplied as f16, ``e4m3_f16``, as the
     default does; ``fma:`` the row on CUDA cores, ``tensor_cores=False``; ``bf16:`` e4m3 codes multiplied as bf16;
-    split_k default 1)."""
+    split_k default 1, ``auto`` None)."""
     from pallas_kernels.grouped_matmul import GATHER_CONFIG, GroupedMatmulConfig
 
     prefix = spec.split(":")[0] if ":" in spec else ""
     try:
         if prefix not in ("", "fma", "bf16"):
             raise ValueError(f"unknown prefix {prefix!r}")
-        numbers = [int(v) for v in spec.split(":")[-1].split("x")]
-        if len(numbers) not in (4, 5):
-            raise ValueError(f"{len(numbers)} numbers")
-        block_n, block_k, num_warps, num_stages, split_k = (*numbers, 1)[:5]
+        fields = spec.split(":")[-1].split("x")
+        if len(fields) not in (4, 5):
+            raise ValueError(f"{len(fields)} numbers")
+        block_n, block_k, num_warps, num_stages = (int(v) for v in fields[:4])
+        split_k = 1 if len(fields) == 4 else None if fields[4] == "auto" else int(fields[4])
         return GroupedMatmulConfig(GATHER_CONFIG.block_m, block_n, block_k, num_warps, num_stages,
                                    tensor_cores=prefix != "fma", e4m3_f16=prefix == "" and GATHER_CONFIG.e4m3_f16,
                                    split_k=split_k)
     except ValueError as e:
         raise ValueError(f"gather config {spec!r}: expected [fma:|bf16:]block_n x block_k x num_warps x num_stages "
-                         f"[x split_k], powers of two >= 16 for the blocks (e.g. 32x128x4x4, 64x128x4x4x4, "
+                         f"[x split_k|auto], powers of two >= 16 for the blocks (e.g. 32x128x4x4, 64x128x4x4x4, "
                          f"fma:64x64x4x4 or bf16:64x128x4x4): {e}") from None
 
 

@@ -139,7 +139,8 @@ GATHER_SHAPES = {"gpu": {"decode_b1": (1, 8, 128, 2048, 768), "decode_b8": (8, 8
 # the first: the baseline of x_bf16; "_bf16_mma": e4m3 codes multiplied as bf16, not as f16 as GATHER_CONFIG does
 # (GroupedMatmulConfig.e4m3_f16)
 GATHER_KINDS = ("bf16", "int8", "int8_k_major", "fp8", "fp8_k_major", "fp8_k_major_bf16_mma", "bf16_split4",
-                "int8_k_major_split4", "fp8_k_major_split4")  # _split4: GroupedMatmulConfig.split_k = 4
+                "int8_k_major_split4", "fp8_k_major_split4", "bf16_splitauto", "int8_k_major_splitauto",
+                "fp8_k_major_splitauto")  # _splitN / _splitauto: GroupedMatmulConfig.split_k = N / None
 # flash_shapes: name -> (sequence lengths, q_heads, kv_heads, head_dim); every sequence causal, packed end to end.
 FLASH_SHAPES = {
     "gpu": {"S1k_gqa4_d128": ([1024] * 16, 32, 8, 128), "S4k_gqa4_d128": ([4096] * 4, 32, 8, 128),
@@ -409,7 +410,8 @@ def gather_experts_rows(mode: str, interpret: bool) -> list[dict]:
             if kind.endswith("_bf16_mma"):
                 config = dataclasses.replace(config, e4m3_f16=False)
             if "_split" in kind:
-                config = dataclasses.replace(config, split_k=int(kind.rsplit("_split", 1)[1]))
+                split = kind.rsplit("_split", 1)[1]
+                config = dataclasses.replace(config, split_k=None if split == "auto" else int(split))
             if codes == "bf16":
                 weights = {name: (w, None) for name, w in bf16.items()}
             else:

@@ -82,7 +82,9 @@ dependent steps, and the launch has fewer programs than the GPU has SMs (8 pairs
 
 summed by one XLA fusion after the launch (which also applies SwiGLU and the cast): S times the programs, 1/S of
 the chain each, for ``S x weights x m x n`` fp32 partials through L2 (8 x 2 x 768 x 4 B = 48 KB a split at batch 1).
-The default is 1; ``serving_kernels --kernels gather_experts`` times ``*_split4`` kinds beside it.
+``split_k=None`` picks S from the launch: ``ceil(2 x SMs / (rows x column tiles))``, capped at the K steps (at
+batch 1 on 132 SMs: 3 for gate/up's 96 tiles, 2 for down's 256; 1 from batch 4 on). The default is 1 until timed;
+``serving_kernels --kernels gather_experts`` times ``*_split4`` and ``*_splitauto`` kinds beside it.
 
 ``tensor_cores=False`` (gather_matmul only) computes the row without an MMA: per K step the row's ``block_k``
 values times the ``[block_k, block_n]`` weight tile as elementwise FMAs into an fp32 ``[block_k, block_n]``
@@ -115,6 +117,7 @@ from pallas_kernels.common import (
 )
 
 MAX_GRID_Y = 65535  # CUDA's limit on a launch's second grid dimension, which holds the visits
+SPLIT_PROGRAMS_PER_SM = 2  # split_k=None aims for this many gather_matmul programs per SM
 QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # weight-only codes (``w_scale``)
 
 
@@ -129,7 +132,9 @@ class GroupedMatmulConfig:
     num_stages: int = 4  # K-loop tiles in flight (Triton software pipelining)
     tensor_cores: bool = True  # False: gather_matmul's row as FMAs on CUDA cores (module docstring), no MMA tile
     e4m3_f16: bool = False  # e4m3 codes with bf16 x multiply as f16, x's rows scaled (module docstring)
-    split_k: int = 1  # gather_matmul: programs per output tile, each over 1/split_k of K (module docstring)
+    # gather_matmul: programs per output tile, each over 1/split_k of K; None: enough for SPLIT_PROGRAMS_PER_SM
+    # programs per SM of the launch target, 1 where the rows alone give that many (module docstring)
+    split_k: int | None = 1
 
     def __post_init__(self):
         check_power_of_2(self, ("block_m", "block_n", "block_k", "num_warps"))
@@ -138,8 +143,9 @@ class GroupedMatmulConfig:
         for field in ("tensor_cores", "e4m3_f16"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"GroupedMatmulConfig.{field} must be a bool, got {getattr(self, field)!r}")
-        if not isinstance(self.split_k, int) or isinstance(self.split_k, bool) or self.split_k < 1:
-            raise ValueError(f"GroupedMatmulConfig.split_k must be an int >= 1, got {self.split_k!r}")
+        if self.split_k is not None and (not isinstance(self.split_k, int) or isinstance(self.split_k, bool)
+                                         or self.split_k < 1):
+            raise ValueError(f"GroupedMatmulConfig.split_k must be None or an int >= 1, got {self.split_k!r}")
 
     def shared_memory_bytes(self, dtype, weights: int = 1, weight_dtype=None) -> int:
         """Shared memory a program uses: the x tiles (``dtype``) and the tiles of each of ``weights`` weights
@@ -377,6 +383,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, w_scal
                    k_major=k_major)
 
 
+def auto_split_k(rows: int, column_tiles: int, k_steps: int) -> int:
+    """``split_k=None``'s splits: enough that the ``rows x column_tiles`` output tiles give the launch target
+    ``SPLIT_PROGRAMS_PER_SM`` programs per SM (its SM count read from the device), at most one per K step."""
+    want = SPLIT_PROGRAMS_PER_SM * device.gpu().cores
+    return max(1, min(k_steps, pl.cdiv(want, rows * column_tiles)))
+
+
 def _launch(plan, x, weights, scales, config, out_dtype, interpret, *, per_row, repeat=1, k_major=False):
     """The kernel over ``plan`` (visit_plan's ``[3, visits]``, or ``per_row``: ids ``[m]``, one visit a row, x's
     row ``r // repeat``) and ``weights``: ``(w,)``, or ``(gate, up)`` for the SwiGLU hidden; ``scales``: theirs
@@ -390,10 +403,11 @@ def _launch(plan, x, weights, scales, config, out_dtype, interpret, *, per_row, 
     if not (per_row or config.tensor_cores):
         raise ValueError("tensor_cores=False is gather_matmul's one-row geometry; grouped_matmul's row tiles use "
                          "tensor cores")
-    if not per_row and config.split_k > 1:
+    if not per_row and config.split_k != 1:
         raise ValueError(f"split_k={config.split_k} is gather_matmul's (decode rows); grouped_matmul's row tiles "
                          f"take split_k=1")
-    split_k = config.split_k
+    split_k = config.split_k or auto_split_k(m, pl.cdiv(n, block_n), pl.cdiv(weights[0].shape[2 if k_major else 1],
+                                                                             config.block_k))
     kernel = functools.partial(_gmm_kernel, block_m=config.block_m, block_n=block_n, block_k=config.block_k,
                                num_groups=num_groups, per_row=per_row, repeat=repeat, num_weights=len(weights),
                                tensor_cores=config.tensor_cores, e4m3_f16=config.e4m3_f16,

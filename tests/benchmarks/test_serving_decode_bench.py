@@ -152,6 +152,7 @@ def test_gather_configs_parse_and_the_sweep_is_valid():
     assert serving_decode.gather_config("bf16:64x128x4x4") == GroupedMatmulConfig(16, 64, 128, 4, 4)
     assert serving_decode.gather_config("64x128x4x3x4") == GroupedMatmulConfig(16, 64, 128, 4, 3, e4m3_f16=True,
                                                                                split_k=4)
+    assert serving_decode.gather_config("64x128x4x4xauto").split_k is None
     assert len({serving_decode.gather_config(spec) for spec in serving_decode.GATHER_SWEEP}) == len(
         serving_decode.GATHER_SWEEP)
     assert serving_decode.gather_config(serving_decode.GATHER_SWEEP[0]) == GATHER_CONFIG  # the default runs first

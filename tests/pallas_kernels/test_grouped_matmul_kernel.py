@@ -86,10 +86,11 @@ class TestGroupedMatmul:
         with pytest.raises(ValueError, match="tensor_cores=False is gather_matmul's one-row geometry"):
             K.grouped_matmul(x, w, sizes, config=K.GroupedMatmulConfig(16, 16, 16, tensor_cores=False))
         for bad in (0, True, 2.0):
-            with pytest.raises(ValueError, match=f"split_k must be an int >= 1, got {bad!r}"):
+            with pytest.raises(ValueError, match=f"split_k must be None or an int >= 1, got {bad!r}"):
                 K.GroupedMatmulConfig(split_k=bad)
-        with pytest.raises(ValueError, match="split_k=2 is gather_matmul's"):
-            K.grouped_matmul(x, w, sizes, config=K.GroupedMatmulConfig(16, 16, 16, split_k=2))
+        for split_k in (2, None):
+            with pytest.raises(ValueError, match=f"split_k={split_k} is gather_matmul's"):
+                K.grouped_matmul(x, w, sizes, config=K.GroupedMatmulConfig(16, 16, 16, split_k=split_k))
 
 
 # gather_matmul's two ways to compute a row: a 16-row MMA tile, or FMAs on CUDA cores (tensor_cores=False)
@@ -157,10 +158,11 @@ class TestGatherMatmul:
 
     @ROW_PATHS
     @pytest.mark.parametrize("gated", [False, True], ids=["plain", "swiglu"])
-    @pytest.mark.parametrize("split_k", [2, 3, 8])
+    @pytest.mark.parametrize("split_k", [2, 3, 8, None])
     def test_split_k_sums_the_same_rows(self, split_k, gated, tensor_cores):
-        """``split_k``: 3 K steps (k = 40, block_k 16) over 2 splits (2 + 1), 3 (1 each) or 8 (5 with none); the
-        partial products summed (and SwiGLU applied) after the launch give split_k=1's rows."""
+        """``split_k``: 3 K steps (k = 40, block_k 16) over 2 splits (2 + 1), 3 (1 each), 8 (5 with none) or
+        None's (3 here: 6 rows x 2 column tiles are far fewer than 2 per SM); the partial products summed (and
+        SwiGLU applied) after the launch give split_k=1's rows."""
         num_groups, tokens, top_k = 5, 3, 2
         x, gate, _ = inputs(13, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)
         up = inputs(14, tokens, 40, 48, [0] * num_groups, jnp.bfloat16)[1] if gated else None
@@ -174,6 +176,16 @@ class TestGatherMatmul:
         known = (np.asarray(ids) >= 0) & (np.asarray(ids) < num_groups)
         assert not np.asarray(out[~known], np.float32).any()
         assert run(config=dataclasses.replace(config, split_k=split_k), out_dtype=jnp.float32).dtype == jnp.float32
+
+    def test_auto_split_k_fills_the_sms_and_stops_at_the_k_steps(self):
+        """split_k=None on the launch target (on a CPU the abstract H200's 132 SMs): Qwen3-30B-A3B's experts at
+        batch 1 (8 pairs: gate/up 8 x 12 tiles of 64 columns over 16 K steps, down 8 x 32 over 6), at batch 8 (64
+        pairs: no split), and a launch of one tile (every K step its own program)."""
+        cores = K.device.gpu().cores
+        assert K.auto_split_k(8, 12, 16) == -(-2 * cores // 96)
+        assert K.auto_split_k(8, 32, 6) == -(-2 * cores // 256)
+        assert K.auto_split_k(64, 12, 16) == 1
+        assert K.auto_split_k(1, 1, 4) == 4
 
     def test_rejects_bad_ids(self):
         x, w, _ = inputs(0, 8, 16, 16, [0, 0])
