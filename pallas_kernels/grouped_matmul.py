@@ -259,14 +259,14 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
                 and jnp.dtype(weight_refs[0].dtype) == jnp.dtype(jnp.float8_e4m3fn))
 
     # K steps: all of them, or split s's share (split_k > 1, gather_matmul's grid axis 2); int32 scalars, see below
-    k_steps, first = pl.cdiv(k_dim, block_k), jnp.int32(0)
+    k_steps, first = pl.cdiv(k_dim, block_k), None  # split_k 1: the kernel exactly as it was before splits
     if split_k > 1:
         share = pl.cdiv(k_steps, split_k)
         first = pl.program_id(2) * share
         k_steps = jnp.clip(k_steps - first, 0, share)
 
     def step(i, accs):
-        k0 = (first + i) * block_k
+        k0 = (i if first is None else first + i) * block_k
         k_ok = None
         if k_dim % block_k:
             k_ok = k0 + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0) < k_dim
