@@ -153,12 +153,17 @@ def moe_config() -> ModelConfig:
 # Up to layers.PAIRWISE_MAX_ROWS (token, expert) pairs the experts run as gather_matmul, past it grouped_matmul.
 @pytest.mark.parametrize("tokens, kernel", [(layers.PAIRWISE_MAX_ROWS // 2, "gather_matmul"),
                                             (layers.PAIRWISE_MAX_ROWS, "grouped_matmul")])
-@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "fp8", "int8_k_major", "fp8_k_major"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "fp8", "int8_k_major", "fp8_k_major", "bf16_split2",
+                                     "fp8_k_major_splitauto"])
 def test_moe_expert_kernels_equal_ragged_dot(weights, tokens, kernel):
     """Plain experts of the activations' dtype, and int8 / fp8 codes with bf16 activations (converted in the
     kernels, each column then times its scale: ``quantization.linear``'s ragged_dot path as the reference), the
-    codes stored ``[E, in, out]`` or K-major (``layers.kernel_layout``: what the engine stores for the kernels)."""
+    codes stored ``[E, in, out]`` or K-major (``layers.kernel_layout``: what the engine stores for the kernels);
+    ``_splitN`` / ``_splitauto``: the policy's gather geometry with ``split_k`` N / None."""
+    weights, split = weights.split("_split") if "_split" in weights else (weights, "1")
     weights, k_major = weights.removesuffix("_k_major"), weights.endswith("_k_major")
+    interpret = dataclasses.replace(layers.INTERPRET, gather_config=dataclasses.replace(
+        layers.INTERPRET.gather_config, split_k=None if split == "auto" else int(split)))
     cfg = moe_config()  # top-2: 32 tokens are 64 pairs, 64 tokens 128
     dtype = jnp.float32 if weights == "fp32" else jnp.bfloat16
     e, d, i = cfg.num_experts, cfg.hidden, cfg.moe_intermediate
@@ -170,7 +175,7 @@ def test_moe_expert_kernels_equal_ragged_dot(weights, tokens, kernel):
     params = {"router": normal(0, (d, e), dtype), "gate": expert(1, (e, d, i)), "up": expert(2, (e, d, i)),
               "down": expert(3, (e, i, d))}
     if k_major:
-        params = layers.kernel_layout({"layers": [{"mlp": params}]}, layers.INTERPRET)["layers"][0]["mlp"]
+        params = layers.kernel_layout({"layers": [{"mlp": params}]}, interpret)["layers"][0]["mlp"]
         assert all(params[name].k_major and params[name].q.shape[1:] == params[name].shape[:0:-1]
                    for name in ("gate", "up", "down"))
     x = normal(4, (tokens, d), dtype)
@@ -179,8 +184,8 @@ def test_moe_expert_kernels_equal_ragged_dot(weights, tokens, kernel):
     def run(x, params, valid, kernels):
         return layers.moe(x, params, cfg, valid, kernels=kernels)
 
-    assert traced_kernels(layers.INTERPRET, run, x, params, valid) == {kernel}
-    (y, counts), (y_ref, counts_ref) = (in_mode(layers.INTERPRET, run, x, params, valid),
+    assert traced_kernels(interpret, run, x, params, valid) == {kernel}
+    (y, counts), (y_ref, counts_ref) = (in_mode(interpret, run, x, params, valid),
                                         in_mode(layers.REFERENCE, run, x, params, valid))
     assert_close(y, y_ref)
     assert float(jnp.abs(y[:-3].astype(jnp.float32)).min(axis=1).max()) > 0
