@@ -83,7 +83,7 @@ dependent steps, and the launch has fewer programs than the GPU has SMs (8 pairs
 summed by one XLA fusion after the launch (which also applies SwiGLU and the cast): S times the programs, 1/S of
 the chain each, for ``S x weights x m x n`` fp32 partials through L2 (8 x 2 x 768 x 4 B = 48 KB a split at batch 1).
 ``split_k=None`` picks S from the launch: ``ceil(2 x SMs / (rows x column tiles))``, capped at the K steps (at
-batch 1 on 132 SMs: 3 for gate/up's 96 tiles, 2 for down's 256; 1 from batch 4 on). The default is 1 until timed;
+batch 1 on 132 SMs: 3 for gate/up's 96 tiles, 2 for down's 256; 1 from batch 4 on). The default is 1;
 ``serving_kernels --kernels gather_experts`` times ``*_split4`` and ``*_splitauto`` kinds beside it.
 
 ``tensor_cores=False`` (gather_matmul only) computes the row without an MMA: per K step the row's ``block_k``
@@ -259,7 +259,7 @@ def _gmm_kernel(plan_ref, x_ref, *refs, block_m, block_n, block_k, num_groups, p
                 and jnp.dtype(weight_refs[0].dtype) == jnp.dtype(jnp.float8_e4m3fn))
 
     # K steps: all of them, or split s's share (split_k > 1, gather_matmul's grid axis 2); int32 scalars, see below
-    k_steps, first = pl.cdiv(k_dim, block_k), None  # split_k 1: the kernel exactly as it was before splits
+    k_steps, first = pl.cdiv(k_dim, block_k), None  # split_k 1: no K offset, the unsplit kernel's trace
     if split_k > 1:
         share = pl.cdiv(k_steps, split_k)
         first = pl.program_id(2) * share
