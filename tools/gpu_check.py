@@ -135,7 +135,7 @@ def run_job(name: str, args: list[str], reports: Path, env: dict[str, str]) -> d
         counts["passed"] = total - counts["failed"] - counts["skipped"]
     ok = not timed_out and counts["failed"] == 0 and counts["skipped"] == 0 and counts["passed"] > 0
     return {"job": name, "ok": ok, **counts, "timed_out": timed_out, "seconds": round(seconds, 1),
-            "output_tail": output[-6000:]}
+            "output_tail": output[-20000:]}
 
 
 def versions() -> dict:

@@ -15,8 +15,8 @@ from helpers import HF, REPO
 from helpers.server import model_folder
 
 from benchmarks.harness import compile_events
+from serving import layers, quantization
 from serving import llm_engine as engine_module
-from serving import quantization
 from serving.engine import executables
 from serving.engine.runner import BLOCKS_BUCKET_BASE, MIN_BLOCKS_BUCKET, StepShape, bucket, buckets
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -42,8 +42,6 @@ def folder(tmp_path_factory) -> Path:
 def test_only_decode_steps_are_paged_only(folder):
     """A kernel-tracing runner's shapes: every (N, W) of a step on the general path, and the decode steps' own
     (N up to the bucket of max_running = 4 tokens) traced paged-only; a reference runner traces nothing apart."""
-    from serving import layers
-
     on_gpu = jax.default_backend() == "gpu"  # the default policy traces the kernels where there is a GPU
     for kernels, paged in ((layers.INTERPRET, True), (layers.REFERENCE, False), (layers.DEFAULT, on_gpu)):
         eng = Engine(folder, dtype="float32", num_blocks=64, block_size=4, max_running=4, token_budget=32,
@@ -62,11 +60,13 @@ def test_after_warm_up_a_varied_workload_compiles_nothing(folder):
     with compile_events() as events:
         done = eng.warm_up(lambda i, n: seen.append((i, n)))
     assert len(events) >= len(done)  # the listener sees them: each entry traced and compiled
-    widths = buckets(16, MIN_BLOCKS_BUCKET, BLOCKS_BUCKET_BASE)
+    # On a GPU the kernels are traced: one table width (the widest) and decode steps paged-only (runner docstring).
+    paged = layers.traces_kernels(eng.runner.kernels)
+    widths = [eng.runner.fixed_width] if eng.runner.fixed_width else buckets(16, MIN_BLOCKS_BUCKET, BLOCKS_BUCKET_BASE)
     steps = [StepShape(n, 4, w, False) for n in (8, 16) for w in widths]
     samplers = [("sample", 4, top, draw, masked, biased) for top in (0, MAX_LOGPROBS) for draw in (False, True)
                 for masked in (False, True) for biased in (False, True)]
-    decode = [StepShape(n, 4, 16, False) for n in buckets(4, eng.runner.min_decode_tokens)]  # to max_running
+    decode = [StepShape(n, 4, 16, paged) for n in buckets(4, eng.runner.min_decode_tokens)]  # to max_running
     decodes = [("decode", d, 2, top, draw) for d in decode for top in (0, MAX_LOGPROBS) for draw in (False, True)]
     scores = [s for s in steps if s.num_tokens == 16]  # every scoring step padded to the token budget's bucket
     assert done == [("step", s) for s in steps] + [("scores", s) for s in scores] + samplers \
@@ -152,15 +152,18 @@ def test_on_a_mesh_warm_up_leaves_nothing_to_compile(speculative):
 
 
 def test_dtype_auto_and_decode_steps_follow_the_backend():
-    assert jax.default_backend() == "cpu"
-    assert engine_module.resolve_dtype("auto", HF / "llama") == jax.numpy.float32  # the CPU
+    backend = jax.default_backend()
+    # "auto": float32 on the CPU, else the checkpoint's float16 if it says so, else bfloat16 (the fixture: float32)
+    assert engine_module.resolve_dtype("auto", HF / "llama") == (jax.numpy.float32 if backend == "cpu"
+                                                                 else jax.numpy.bfloat16)
     assert engine_module.resolve_dtype("bfloat16", None) == jax.numpy.bfloat16
     assert engine_module.resolve_dtype(jax.numpy.float32, None) == jax.numpy.float32
     with pytest.raises(ValueError, match="dtype='fp8': expected 'auto' or one of"):
         engine_module.resolve_dtype("fp8", None)
     with pytest.raises(TypeError, match="expected a floating dtype"):
         engine_module.resolve_dtype(jax.numpy.int8, None)
-    assert engine_module.default_decode_steps() == engine_module.DECODE_STEPS["cpu"] == engine_module.DecodeSteps(1)
+    assert engine_module.DECODE_STEPS["cpu"] == engine_module.DecodeSteps(1)
+    assert engine_module.default_decode_steps() == engine_module.DECODE_STEPS[backend]
 
 
 def test_the_compilation_cache_is_in_the_project_cache_folder_unless_one_is_set(tmp_path, monkeypatch):
@@ -214,7 +217,8 @@ def test_a_restart_reads_every_call_and_compile_back_from_the_caches(tmp_path, q
     cache = tmp_path / "jax-cache"
 
     def start() -> dict:
-        env = os.environ | {"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "true"}
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)  # the caller's packages too
+        env = os.environ | {"PYTHONPATH": path, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "true"}
         env.pop("XLA_FLAGS", None)
         run = subprocess.run([sys.executable, "-c", STARTUP, str(HF / "llama"), str(cache), quantize],
                              capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
@@ -247,7 +251,7 @@ def test_the_cli_defaults_are_the_engines(folder):
     command = ["serve", "--model", str(folder), "--num-blocks", "16", "--no-compilation-cache"]
     eng = cli._engine(serving_main.parser().parse_args(command))[0]
     assert (eng.dtype, eng.decode_steps, eng.scheduler.prefill_chunk, eng.compilation_cache) == (
-        jax.numpy.float32, engine_module.DecodeSteps(1), 256, None)
+        engine_module.resolve_dtype("auto", folder), engine_module.default_decode_steps(), 256, None)
     flags = ["--dtype", "bfloat16", "--prefill-chunk", "100", "--token-budget", "200"]
     eng = cli._engine(serving_main.parser().parse_args(command + flags))[0]
     assert (eng.dtype, eng.scheduler.prefill_chunk) == (jax.numpy.bfloat16, 100)
@@ -261,8 +265,6 @@ def test_a_run_over_padding_leaves_the_cache_and_the_outputs_as_they_were(folder
     every slot of its batch is PAD, so a cache holding a request's blocks is bitwise unchanged, and the request run
     again (its prefix cached) gives the same tokens."""
     import numpy as np
-
-    from serving import layers
 
     policy = {"default": layers.DEFAULT, "interpret": layers.INTERPRET}[kernels]  # interpret: the Pallas kernels
     eng = Engine(folder, dtype="float32", num_blocks=32, block_size=4, max_running=4, token_budget=16,

@@ -22,6 +22,7 @@ from serving.layers import apply_rope, paged_mla_attention
 from serving.loaders import read_checkpoint
 from serving.models import deepseek, llama, model_module
 
+pytestmark = pytest.mark.usefixtures("float32_products")  # tests/conftest.py: fp32 products on a GPU too
 NAME = "deepseek_v3"
 FIXTURE = HF / NAME
 # Routing margins (fp32, on the biased sigmoid scores that choose: the topk_group-th best group minus the next,

@@ -35,6 +35,7 @@ from serving.loaders.safetensors import read_tensors
 from serving.models import gpt_oss, llama, model_module
 from serving.models import moe as moe_model
 
+pytestmark = pytest.mark.usefixtures("float32_products")  # tests/conftest.py: fp32 products on a GPU too
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "mixtral_window", "gpt_oss")
 # Top-k routing margins (k-th minus (k+1)-th router probability, fp32) under which bf16 rounding (observed to
 # move margins by up to 1.3e-3 here) may pick another expert, in HF's bf16 run or in ours.

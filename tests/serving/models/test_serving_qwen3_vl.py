@@ -18,6 +18,7 @@ from serving.kv_cache import SeqChunk, make_batch
 from serving.layers import KernelPolicy
 from serving.models import qwen3_vl_moe, vision
 
+pytestmark = pytest.mark.usefixtures("float32_products")  # tests/conftest.py: fp32 products on a GPU too
 NAME = "qwen3_vl_moe"
 BUCKET = 40  # the two prompts hold 32 tokens
 
