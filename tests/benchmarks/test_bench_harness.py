@@ -35,13 +35,15 @@ def test_time_torch_without_cuda_uses_wall_clock(monkeypatch):
 def test_copy_bandwidth_counts_bytes_read_and_written_over_the_median_pass(monkeypatch):
     timed = {}
 
-    def fake_time_jax(fn, x, **_):
-        timed["x"], timed["out"] = x, fn(x)
-        return harness.Timing(median_ms=2.0, p10_ms=1.0, p90_ms=3.0, runs=20)
+    def fake_time_jax_steps(step, carry, **_):
+        (x,) = carry
+        timed["shape"], timed["nbytes"] = x.shape, x.nbytes
+        (timed["out"],) = step(x)
+        return harness.Timing(median_ms=2.0, p10_ms=1.0, p90_ms=3.0, runs=20), (timed["out"],)
 
-    monkeypatch.setattr(harness, "time_jax", fake_time_jax)
+    monkeypatch.setattr(harness, "time_jax_steps", fake_time_jax_steps)
     tb_s = harness.copy_bandwidth_tb_s(gib=1 / 64)
-    assert timed["x"].nbytes == 2**30 // 64 and timed["out"].shape == timed["x"].shape  # a pass over all of it
+    assert timed["nbytes"] == 2**30 // 64 and timed["out"].shape == timed["shape"]  # a pass over all of it
     assert tb_s == pytest.approx(2 * 2**30 / 64 / 2e-3 / 1e12)
 
 
