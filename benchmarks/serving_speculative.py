@@ -6,21 +6,23 @@ Prompt sets (greedy, ``--max-tokens`` each):
     trains on, same seed), which no drafter has seen;
   * ``agentic``: code editing with the file in the prompt (``agentic_prompts``: a Python module built from a
     seeded generator, and an edit to make, answered with the whole file), built offline and deterministically.
-At concurrency c the engine (``max_running=c``) answers ``max(--prompts, c)`` prompts of the set (cycled), for
-each configuration: ``none_d1`` and ``none_d8`` (no drafting, ``decode_steps`` 1 and 8: the baseline is the faster
-of the two), then the drafters of ``--drafters``: ``ngram`` (prompt lookup, k = 4) and ``suffix`` (suffix drafting
-over the request's context and the finished outputs, k = 8), both adaptive (``AdaptivePolicy``: draft lengths, or
-none, from measured acceptance and step times) on top of the baseline that won (its ``decode_steps`` between
-verifications; 8 where no baseline ran), so that a row's speedup is what drafting adds to it, ``suffix_static``
-(k = 8 drafts every step) and, with ``--drafter DIR``, ``block`` (``BlockDrafter``, adaptive lengths). One
-``LoadedModel`` serves every engine. Each configuration runs twice untimed (compiles; the second time with the
-prompts' prefixes cached, as in the timed run; the adaptive policy keeps what it measured, as a server would) and
-once timed. The suffix drafter's global store is emptied before each pass: it never holds the outputs of the
-prompts it drafts for from an earlier pass (within a pass a finished request's output does serve later ones, as
-on a server). Reported: output tokens/s, ``speedup`` over the best baseline, mean acceptance length (tokens per
-drafted sequence-step), acceptance rate, ``drafted_steps`` (sequence-steps with drafts), and ``identical_outputs``:
-prompts whose tokens equal ``none_d1``'s (true fp32 matmuls by default: ``--matmul-precision``). JSON is rewritten
-after every row (a run cut short keeps its rows); ``--time-budget`` skips the rows left once it is spent.
+At concurrency c the engine (``max_running=c``) answers ``max(--prompts, c)`` prompts of the set (cycled), for each
+configuration: ``none_d1`` and ``none_d8`` (no drafting, ``decode_steps`` 1 and 8: the baseline is the faster of the
+two), then the drafters of ``--drafters``: ``ngram`` (prompt lookup, k = 4) and ``suffix`` (suffix drafting over the
+request's context and the finished outputs, k = 8), both adaptive (``AdaptivePolicy``: draft lengths, or none, from
+measured acceptance and step times) on top of the baseline that won (its ``decode_steps`` between verifications; 8
+where no baseline ran), so that a row's speedup is what drafting adds to it, ``suffix_static`` (k = 8 drafts every
+step) and, with ``--drafter DIR``, ``block`` (``BlockDrafter``, adaptive lengths). One ``LoadedModel`` serves every
+engine. Each configuration runs twice untimed (compiles; the second time with the prompts' prefixes cached, as in
+the timed run; the adaptive policy keeps what it measured, as a server would), then until a pass compiles nothing,
+that pass timed (``compiles_timed``: what the timed pass still compiled, 0 unless ``MAX_PASSES`` ran out; a server
+compiles its verification shapes before serving). The suffix drafter's global store is emptied before each pass: it
+never holds the outputs of the prompts it drafts for from an earlier pass (within a pass a finished request's output
+does serve later ones, as on a server). Reported: output tokens/s, ``speedup`` over the best baseline, mean
+acceptance length (tokens per drafted sequence-step), acceptance rate, ``drafted_steps`` (sequence-steps with
+drafts), and ``identical_outputs``: prompts whose tokens equal ``none_d1``'s (true fp32 matmuls by default:
+``--matmul-precision``). JSON is rewritten after every row (a run cut short keeps its rows); ``--time-budget`` skips
+the rows left once it is spent.
 
 Run: ``python -m benchmarks.serving_speculative`` (SmolLM2-135M-Instruct; CPU: writes
 ``results/serving_speculative_cpu.json`` and .png; on a GPU pass ``--name serving_speculative``). ``--model`` takes
@@ -37,7 +39,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from benchmarks.harness import format_table, save_plot, write_results
+from benchmarks.harness import compile_events, format_table, save_plot, write_results
 from examples.train_drafter.prompts import chat_prompts
 from examples.train_drafter.train import TrainConfig
 from serving import SamplingParams, enable_command_buffers
@@ -54,6 +56,7 @@ NGRAM_K, SUFFIX_K = 4, 8
 HELD_OUT = TrainConfig().num_eval_prompts  # train_drafter's held-out chats (same seed)
 DRAFTERS = ("ngram", "suffix", "suffix_static")
 ENGINE_OPTIONS = dict(num_blocks=2048, block_size=16, token_budget=1024)
+UNTIMED_PASSES, MAX_PASSES = 2, 5  # run(): passes before the timed one at least, and passes at most
 
 NAMES = ["total", "count", "items", "values", "limit", "offset", "result", "buffer", "scale", "width", "height",
          "index", "weights", "prices", "scores", "names"]
@@ -116,17 +119,23 @@ def configs(drafter: str | None, names: tuple[str, ...]) -> Configs:
 
 def run(model: LoadedModel, spec: SpecConfig | None, decode_steps: int, concurrency: int, prompts: list[Prompt],
         max_tokens: int) -> dict:
-    """Two untimed passes over ``prompts``, then a timed one: tokens/s and the speculation counters."""
+    """Passes over ``prompts`` until one after the first two compiles nothing (at most ``MAX_PASSES``), that one
+    timed: tokens/s, the speculation counters and ``compiles_timed``, the trace and compile events of the timed
+    pass (0 unless no pass settled). A server compiles every step shape before it serves (``Engine.warm_up``), but
+    warm-up takes minutes per engine on a CPU; a pass that met a new verification shape would time its compile."""
     engine = Engine(model, max_running=concurrency, decode_steps=decode_steps, speculative=spec, **ENGINE_OPTIONS)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    for _ in range(3):  # the last pass is timed
+    for done in range(1, MAX_PASSES + 1):
         for drafter in engine.drafters.values():
             if isinstance(drafter, SuffixDrafter):
                 drafter.clear()
         engine.spec_stats = type(engine.spec_stats)()
-        start = time.perf_counter()
-        results = engine.generate(prompts, params)
-        seconds = time.perf_counter() - start
+        with compile_events() as events:
+            start = time.perf_counter()
+            results = engine.generate(prompts, params)
+            seconds = time.perf_counter() - start
+        if done >= UNTIMED_PASSES + 1 and not events:
+            break
     outputs = [r.outputs[0].token_ids for r in results]
     stats = engine.spec_stats
     del engine, results
@@ -134,7 +143,7 @@ def run(model: LoadedModel, spec: SpecConfig | None, decode_steps: int, concurre
     return {"tokens": sum(map(len, outputs)), "seconds": seconds, "tokens_per_s": sum(map(len, outputs)) / seconds,
             "mean_acceptance_length": stats.mean_acceptance_length if stats.num_steps else 1.0,
             "acceptance_rate": stats.acceptance_rate if spec else None, "drafted_steps": stats.num_steps,
-            "outputs": outputs}
+            "passes": done, "compiles_timed": len(events), "outputs": outputs}
 
 
 def plot(rows: list[dict], name: str, out_dir: str | Path | None = None) -> None:
@@ -221,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                               "speedup": None, "mean_acceptance_length": round(result["mean_acceptance_length"], 3),
                               "acceptance_rate": None if result["acceptance_rate"] is None else
                               round(result["acceptance_rate"], 3), "drafted_steps": result["drafted_steps"],
+                              "passes": result["passes"], "compiles_timed": result["compiles_timed"],
                               "identical_outputs": sum(o == b for o, b in zip(result["outputs"], reference,
                                                                                strict=True))})
                 best = max((r["tokens_per_s"] for r in group if r["drafter"] in BASELINES), default=None)
@@ -230,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
                 write_results(args.name, meta | {"rows": rows + group}, args.out_dir)
             rows += group
     columns = ["prompts", "drafter", "concurrency", "tokens_per_s", "speedup", "mean_acceptance_length",
-               "acceptance_rate", "identical_outputs", "num_prompts"]
+               "acceptance_rate", "identical_outputs", "num_prompts", "compiles_timed"]
     print(format_table(rows, columns))
     if skipped:
         print(f"skipped (--time-budget {args.time_budget} s): {skipped}")

@@ -59,4 +59,5 @@ def test_a_run_on_the_tiny_model_compares_each_drafter_with_the_best_baseline(tm
     for row in rows:
         assert row["speedup"] == round(row["tokens_per_s"] / best, 3)
         assert row["identical_outputs"] == 2 and row["tokens"] == 12  # greedy: every row the same tokens
+        assert row["compiles_timed"] == 0 and 3 <= row["passes"] <= serving_speculative.MAX_PASSES  # nothing compiled
     assert result["meta"]["git_commit"] and (tmp_path / "spec.png").exists()
