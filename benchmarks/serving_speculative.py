@@ -13,16 +13,20 @@ request's context and the finished outputs, k = 8), both adaptive (``AdaptivePol
 measured acceptance and step times) on top of the baseline that won (its ``decode_steps`` between verifications; 8
 where no baseline ran), so that a row's speedup is what drafting adds to it, ``suffix_static`` (k = 8 drafts every
 step) and, with ``--drafter DIR``, ``block`` (``BlockDrafter``, adaptive lengths). One ``LoadedModel`` serves every
-engine. Each configuration runs twice untimed (compiles; the second time with the prompts' prefixes cached, as in
-the timed run; the adaptive policy keeps what it measured, as a server would), then until a pass compiles nothing,
-that pass timed (``compiles_timed``: what the timed pass still compiled, 0 unless ``MAX_PASSES`` ran out; a server
-compiles its verification shapes before serving). The suffix drafter's global store is emptied before each pass: it
-never holds the outputs of the prompts it drafts for from an earlier pass (within a pass a finished request's output
-does serve later ones, as on a server). Reported: output tokens/s, ``speedup`` over the best baseline, mean
-acceptance length (tokens per drafted sequence-step), acceptance rate, ``drafted_steps`` (sequence-steps with
-drafts), and ``identical_outputs``: prompts whose tokens equal ``none_d1``'s (true fp32 matmuls by default:
-``--matmul-precision``). JSON is rewritten after every row (a run cut short keeps its rows); ``--time-budget`` skips
-the rows left once it is spent.
+engine. Each configuration first runs twice untimed (compiles; the second time with the prompts' prefixes cached,
+as in the timed runs; the adaptive policy keeps what it measured, as a server would), then until a pass compiles
+nothing (that pass picks the faster baseline; a server compiles its verification shapes before serving). Then the
+group's configurations, their engines kept, are timed in ``--rounds`` rounds of one pass each (the order rotated
+per round): a row's ``speedup`` is the median over rounds of its tokens/s over that round's best baseline
+(``speedups``: each round's), so that a slow stretch of a shared machine weighs on every row of a
+round alike, not on whichever row ran then; ``tokens_per_s`` is the median pass, ``compiles_timed`` what the timed
+passes still compiled (0 unless ``MAX_PASSES`` ran out). The suffix drafter's global store is emptied before each
+pass: it never holds the outputs of the prompts it drafts for from an earlier pass (within a pass a finished
+request's output does serve later ones, as on a server). Reported (over the timed passes): output tokens/s,
+``speedup``, mean acceptance length (tokens per drafted sequence-step), acceptance rate, ``drafted_steps``
+(sequence-steps with drafts), and ``identical_outputs``: prompts whose tokens equal ``none_d1``'s (true fp32 matmuls
+by default: ``--matmul-precision``). JSON is rewritten after every group of rows (a run cut short keeps its
+groups); ``--time-budget`` skips the configurations left once it is spent.
 
 Run: ``python -m benchmarks.serving_speculative`` (SmolLM2-135M-Instruct; CPU: writes
 ``results/serving_speculative_cpu.json`` and .png; on a GPU pass ``--name serving_speculative``). ``--model`` takes
@@ -30,8 +34,10 @@ a HF folder or GGUF file with a tokenizer instead.
 """
 
 import argparse
+import dataclasses
 import gc
 import random
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +51,7 @@ from examples.train_drafter.train import TrainConfig
 from serving import SamplingParams, enable_command_buffers
 from serving.llm_engine import Engine, Prompt
 from serving.loaders import LoadedModel, load_model
-from serving.spec_decode import NgramDrafter, SpecConfig, SuffixDrafter
+from serving.spec_decode import NgramDrafter, SpecConfig, SpecStats, SuffixDrafter
 
 CONCURRENCIES = (1, 16, 64)
 PROMPT_SETS = ("chat", "agentic")
@@ -56,7 +62,8 @@ NGRAM_K, SUFFIX_K = 4, 8
 HELD_OUT = TrainConfig().num_eval_prompts  # train_drafter's held-out chats (same seed)
 DRAFTERS = ("ngram", "suffix", "suffix_static")
 ENGINE_OPTIONS = dict(num_blocks=2048, block_size=16, token_budget=1024)
-UNTIMED_PASSES, MAX_PASSES = 2, 5  # run(): passes before the timed one at least, and passes at most
+UNTIMED_PASSES, MAX_PASSES = 2, 5  # Config.warm: passes before the compile-free one at least, and passes at most
+ROUNDS = 3  # timed rounds: one pass of every row each
 
 NAMES = ["total", "count", "items", "values", "limit", "offset", "result", "buffer", "scale", "width", "height",
          "index", "weights", "prices", "scores", "names"]
@@ -117,33 +124,72 @@ def configs(drafter: str | None, names: tuple[str, ...]) -> Configs:
     return rows
 
 
-def run(model: LoadedModel, spec: SpecConfig | None, decode_steps: int, concurrency: int, prompts: list[Prompt],
-        max_tokens: int) -> dict:
-    """Passes over ``prompts`` until one after the first two compiles nothing (at most ``MAX_PASSES``), that one
-    timed: tokens/s, the speculation counters and ``compiles_timed``, the trace and compile events of the timed
-    pass (0 unless no pass settled). A server compiles every step shape before it serves (``Engine.warm_up``), but
-    warm-up takes minutes per engine on a CPU; a pass that met a new verification shape would time its compile."""
-    engine = Engine(model, max_running=concurrency, decode_steps=decode_steps, speculative=spec, **ENGINE_OPTIONS)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    for done in range(1, MAX_PASSES + 1):
-        for drafter in engine.drafters.values():
+class Config:
+    """One row's engine over a prompt set: passes until it compiles nothing (``warm``), then timed passes (``time``)
+    taken in rounds with every other row's engine, so that each round compares the rows under the same load."""
+
+    def __init__(self, model: LoadedModel, spec: SpecConfig | None, decode_steps: int, concurrency: int,
+                 prompts: list[Prompt], max_tokens: int):
+        self.engine = Engine(model, max_running=concurrency, decode_steps=decode_steps, speculative=spec,
+                             **ENGINE_OPTIONS)
+        self.decode_steps = decode_steps
+        self.prompts, self.params = prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.passes, self.compiles_timed = 0, 0
+        self.stats = SpecStats()  # over the timed passes
+        self.outputs: list[list[int]] = []
+        self.tokens_per_s: list[float] = []
+
+    def _pass(self) -> tuple[float, list[str]]:
+        """One pass over the prompts (the suffix drafter's store emptied first): (seconds, compile events)."""
+        for drafter in self.engine.drafters.values():
             if isinstance(drafter, SuffixDrafter):
                 drafter.clear()
-        engine.spec_stats = type(engine.spec_stats)()
+        self.engine.spec_stats = type(self.engine.spec_stats)()
         with compile_events() as events:
             start = time.perf_counter()
-            results = engine.generate(prompts, params)
+            results = self.engine.generate(self.prompts, self.params)
             seconds = time.perf_counter() - start
-        if done >= UNTIMED_PASSES + 1 and not events:
-            break
-    outputs = [r.outputs[0].token_ids for r in results]
-    stats = engine.spec_stats
-    del engine, results
-    gc.collect()  # the engine's cache freed before the next one's
-    return {"tokens": sum(map(len, outputs)), "seconds": seconds, "tokens_per_s": sum(map(len, outputs)) / seconds,
-            "mean_acceptance_length": stats.mean_acceptance_length if stats.num_steps else 1.0,
-            "acceptance_rate": stats.acceptance_rate if spec else None, "drafted_steps": stats.num_steps,
-            "passes": done, "compiles_timed": len(events), "outputs": outputs}
+        self.passes += 1
+        self.outputs = [r.outputs[0].token_ids for r in results]
+        return seconds, events
+
+    def warm(self) -> float:
+        """Passes until one after the first ``UNTIMED_PASSES`` compiles nothing (at most ``MAX_PASSES``; a server
+        compiles its shapes in ``Engine.warm_up``, which takes minutes per engine on a CPU): that pass's tokens/s,
+        what picks the baseline the drafting rows build on."""
+        while True:
+            seconds, events = self._pass()
+            if (self.passes > UNTIMED_PASSES and not events) or self.passes >= MAX_PASSES:
+                return sum(map(len, self.outputs)) / seconds
+
+    def time(self) -> float:
+        """One timed pass: its tokens/s (kept, with the speculation counters and what it compiled)."""
+        seconds, events = self._pass()
+        self.compiles_timed += len(events)
+        for field in dataclasses.fields(SpecStats):
+            name = field.name
+            setattr(self.stats, name, getattr(self.stats, name) + getattr(self.engine.spec_stats, name))
+        self.tokens_per_s.append(sum(map(len, self.outputs)) / seconds)
+        return self.tokens_per_s[-1]
+
+    def close(self) -> None:
+        """Free the engine (its cache) before the next group's."""
+        del self.engine
+        gc.collect()
+
+
+def timed_rounds(configs: dict[str, Config], rounds: int) -> dict[str, list[float]]:
+    """``rounds`` rounds of one timed pass per config (the order rotated each round, so that none always runs
+    right after the same one): each config's speedups, one a round over that round's best baseline (none where no
+    baseline runs)."""
+    names = list(configs)
+    speedups: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        speeds = {name: configs[name].time() for name in names[r % len(names):] + names[:r % len(names)]}
+        best = max((speeds[n] for n in names if n in BASELINES), default=None)
+        for name in names if best else ():
+            speedups[name].append(speeds[name] / best)
+    return speedups
 
 
 def plot(rows: list[dict], name: str, out_dir: str | Path | None = None) -> None:
@@ -188,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sets", default=",".join(PROMPT_SETS))
     parser.add_argument("--drafters", default=",".join(DRAFTERS), help=f"among {DRAFTERS}")
     parser.add_argument("--drafter", default=None, help="a block drafter checkpoint folder (adds the block row)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed passes per row, one per round")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; rows left after it are skipped")
     parser.add_argument("--name", default="serving_speculative_cpu")
     parser.add_argument("--out-dir", default=None)
@@ -213,33 +260,39 @@ def main(argv: list[str] | None = None) -> None:
     for concurrency in levels:  # concurrency 1 of every set first: the rows a --time-budget must keep
         for prompts_name in sets:
             prompts = prompt_set(prompts_name, max(args.prompts, concurrency))
-            group, reference = [], None
+            group: dict[str, Config] = {}
+            warm_speed: dict[str, float] = {}
             for name, (make, decode_steps) in configs(args.drafter, names).items():
                 if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
                     skipped.append({"prompts": prompts_name, "concurrency": concurrency, "drafter": name})
                     continue
-                if decode_steps is BEST_BASELINE:
-                    baselines = [r for r in group if r["drafter"] in BASELINES]
-                    decode_steps = (max(baselines, key=lambda r: r["tokens_per_s"])["decode_steps"] if baselines
+                if decode_steps is BEST_BASELINE:  # the baseline that was faster in its compile-free warm pass
+                    baselines = [n for n in group if n in BASELINES]
+                    decode_steps = (group[max(baselines, key=warm_speed.get)].decode_steps if baselines
                                     else DECODE_STEPS)
-                result = run(model, make(), decode_steps, concurrency, prompts, args.max_tokens)
-                reference = reference or result["outputs"]
-                group.append({"prompts": prompts_name, "drafter": name, "concurrency": concurrency,
-                              "decode_steps": decode_steps, "num_prompts": len(prompts), "tokens": result["tokens"],
-                              "seconds": round(result["seconds"], 3), "tokens_per_s": round(result["tokens_per_s"], 2),
-                              "speedup": None, "mean_acceptance_length": round(result["mean_acceptance_length"], 3),
-                              "acceptance_rate": None if result["acceptance_rate"] is None else
-                              round(result["acceptance_rate"], 3), "drafted_steps": result["drafted_steps"],
-                              "passes": result["passes"], "compiles_timed": result["compiles_timed"],
-                              "identical_outputs": sum(o == b for o, b in zip(result["outputs"], reference,
-                                                                               strict=True))})
-                best = max((r["tokens_per_s"] for r in group if r["drafter"] in BASELINES), default=None)
-                for row in group:  # over the best baseline so far (final once both baselines ran, first)
-                    row["speedup"] = None if best is None else round(row["tokens_per_s"] / best, 3)
-                print(format_table(group[-1:], list(group[-1])), flush=True)
-                write_results(args.name, meta | {"rows": rows + group}, args.out_dir)
-            rows += group
-    columns = ["prompts", "drafter", "concurrency", "tokens_per_s", "speedup", "mean_acceptance_length",
+                group[name] = Config(model, make(), decode_steps, concurrency, prompts, args.max_tokens)
+                warm_speed[name] = group[name].warm()
+            speedups = timed_rounds(group, args.rounds) if group else {}
+            reference = next(iter(group.values())).outputs if group else []
+            for name, config in group.items():
+                ratios = speedups[name]
+                rows.append({"prompts": prompts_name, "drafter": name, "concurrency": concurrency,
+                             "decode_steps": config.decode_steps, "num_prompts": len(prompts),
+                             "tokens": sum(map(len, config.outputs)),
+                             "tokens_per_s": round(statistics.median(config.tokens_per_s), 2),
+                             "speedup": round(statistics.median(ratios), 3) if ratios else None,
+                             "speedups": [round(r, 3) for r in ratios], "rounds": args.rounds,
+                             "mean_acceptance_length": round(config.stats.mean_acceptance_length, 3)
+                             if config.stats.num_steps else 1.0,
+                             "acceptance_rate": round(config.stats.acceptance_rate, 3)
+                             if config.engine.drafters else None,
+                             "drafted_steps": config.stats.num_steps, "passes": config.passes,
+                             "compiles_timed": config.compiles_timed,
+                             "identical_outputs": sum(o == b for o, b in zip(config.outputs, reference, strict=True))})
+                config.close()
+            print(format_table(rows[-len(group):], list(rows[-1])) if group else "", flush=True)
+            write_results(args.name, meta | {"rows": rows}, args.out_dir)
+    columns = ["prompts", "drafter", "concurrency", "tokens_per_s", "speedup", "speedups", "mean_acceptance_length",
                "acceptance_rate", "identical_outputs", "num_prompts", "compiles_timed"]
     print(format_table(rows, columns))
     if skipped:
