@@ -4,6 +4,12 @@ Each chunk is a sequence's new tokens with its drafts last; the forward pass ret
 ``1 + len(drafts)`` positions of each chunk (and, for a ``HiddenStateDrafter``, the hidden states it reads). A
 constrained chunk's masks (its grammar after each draft prefix) are computed on the host while the device runs
 the forward pass, as ``ModelRunner.run`` does for one token.
+
+The output head runs on the scored positions alone, ``R = min(N, S * (k + 1))`` rows for a step of N tokens and S
+sequences (``sum_s (1 + d_s) <= N`` real ones, the rest padding), and the ``[S * (k + 1), V]`` layout that
+``verify`` takes is gathered from them after the head: a verification with few drafts pays for its drafts' logits,
+not for ``k + 1`` per sequence. Where the head is a large part of the model (SmolLM2: its 28M-parameter head is a
+fifth of the weights) that was what a verification with no drafts cost over a decode step on a CPU (1.8x at 16).
 """
 
 import functools
@@ -25,13 +31,14 @@ from serving.structured import fill_draft_bitmask
 
 
 @functools.partial(jax.jit, static_argnames=("forward", "cfg", "hidden_layers", "kernels"), donate_argnames="kv")
-def _score_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, rows: jax.Array, *, forward: Callable,
-                cfg: ModelConfig, hidden_layers: tuple[int, ...],
+def _score_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, rows: jax.Array, take: jax.Array, *,
+                forward: Callable, cfg: ModelConfig, hidden_layers: tuple[int, ...],
                 kernels: layers.KernelPolicy) -> tuple[jax.Array, Any, jax.Array, jax.Array | None]:
     """The target's forward over ``tokens [N]`` (its layers as the policy ``kernels`` says): its logits at the flat
-    indices ``rows`` ``[S * (k + 1), V]``, the cache, the expert counts and, when ``hidden_layers`` names any, the
-    hidden states after them ``[N, len(hidden_layers), D]``. In batch-invariant mode a position's logits are those a
-    one-token step gives."""
+    indices ``rows [R]`` (the head runs on those alone), gathered to ``take [S * (k + 1)]`` (indices into rows)
+    ``[S * (k + 1), V]``, the cache, the expert counts and, when ``hidden_layers`` names any, the hidden states after
+    them ``[N, len(hidden_layers), D]``. In batch-invariant mode a position's logits are those a one-token step
+    gives."""
     def model(params, tokens, batch, kv):
         return forward(params, cfg, tokens, batch, kv, kernels=kernels, rows=rows,
                        **({"hidden_layers": hidden_layers} if hidden_layers else {}))
@@ -39,7 +46,7 @@ def _score_step(params: dict, kv: Any, tokens: jax.Array, batch: Any, rows: jax.
     if kernels.batch_invariant:
         model = batch_invariant.invariant(model)
     logits, kv, expert_counts, *hidden = model(params, tokens, batch, kv)
-    return logits, kv, expert_counts, hidden[0] if hidden_layers else None
+    return logits[take], kv, expert_counts, hidden[0] if hidden_layers else None
 
 
 @functools.partial(jax.jit, static_argnames=("num_top", "draw"))
@@ -74,7 +81,9 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
     """
     tokens, batch = runner.prepare([c.chunk for c in chunks], [c.token_ids for c in chunks])
     num_seqs = batch.context_lens.shape[0]
-    rows = np.zeros((num_seqs, k + 1), np.int32)
+    rows = np.zeros(scored_rows(len(tokens), num_seqs, k), np.int32)  # the positions the head scores
+    take = np.zeros((num_seqs, k + 1), np.int32)  # each sequence's k + 1 logits rows, as indices into rows
+    scored = 0
     draft_tokens = np.full((num_seqs, k), NO_DRAFT, np.int32)
     draft_counts = np.zeros(num_seqs, np.int32)
     draft_rows = np.zeros(num_seqs, np.int32)
@@ -84,7 +93,9 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
         if d > k:
             raise ValueError(f"verify_step: chunk {s} has {d} drafts, expected at most k={k}")
         end += c.chunk.count
-        rows[s] = end - 1 - d + np.minimum(np.arange(k + 1), d)
+        rows[scored:scored + d + 1] = np.arange(end - 1 - d, end)
+        take[s] = scored + np.minimum(np.arange(k + 1), d)
+        scored += d + 1
         draft_tokens[s, :d], draft_counts[s], draft_rows[s] = c.drafts, d, c.proposal_row
         if c.row.params.uses_penalties:  # the only reader of output_ids (copying histories costs at batch 16)
             history, out = list(c.row.output_ids) + list(c.drafts), len(c.row.output_ids)
@@ -96,7 +107,7 @@ def verify_step(runner: ModelRunner, chunks: Sequence[VerifyChunk], k: int, draf
     bitmask = None if runner.overlap_masks else _draft_masks(runner, chunks, k, num_seqs)
     with runner.on_mesh():  # on a mesh the host inputs go replicated, as the runner's own steps' do
         logits, runner.kv, counts, hidden = _score_step(
-            runner.params, runner.kv, *runner.place((tokens, batch, rows.reshape(-1))), forward=runner.forward,
+            runner.params, runner.kv, *runner.place((tokens, batch, rows, take.reshape(-1))), forward=runner.forward,
             cfg=runner.cfg, hidden_layers=observer.hidden_layers if observer else (),
             kernels=runner.step_kernels(layers.all_paged(batch)))  # returns at once; the device computes
         if runner.overlap_masks:
@@ -124,12 +135,21 @@ def compile_score(runner: ModelRunner, shape: StepShape, k: int) -> jax.ShapeDty
     batch = AttentionBatch(*(np.zeros(size, np.int32) for size in step_shapes(n, s, w)[1:-1]))
     with runner.on_mesh():
         compiled = _score_step.lower(
-            runner.params, runner.kv, *runner.place((np.zeros(n, np.int32), batch, np.zeros(s * (k + 1), np.int32))),
+            runner.params, runner.kv, *runner.place((np.zeros(n, np.int32), batch,
+                                                     np.zeros(scored_rows(n, s, k), np.int32),
+                                                     np.zeros(s * (k + 1), np.int32))),
             forward=runner.forward, cfg=runner.cfg, hidden_layers=(),
             kernels=runner.step_kernels(shape.paged_only)).compile()
     info = compiled.out_info[0]
     return jax.ShapeDtypeStruct(info.shape, info.dtype,
                                 sharding=None if runner.mesh is None else compiled.output_shardings[0])
+
+
+def scored_rows(num_tokens: int, num_seqs: int, k: int) -> int:
+    """Rows the head scores in a verification step of ``num_tokens`` (padded) tokens and ``num_seqs`` (padded)
+    sequences with up to ``k`` drafts each: every scored position is a token of the step, and at most ``k + 1`` are
+    a sequence's."""
+    return min(num_tokens, num_seqs * (k + 1))
 
 
 def compile_verify(runner: ModelRunner, logits: jax.ShapeDtypeStruct, k: int, num_top: int, draw: bool,
