@@ -15,18 +15,19 @@ where no baseline ran), so that a row's speedup is what drafting adds to it, ``s
 step) and, with ``--drafter DIR``, ``block`` (``BlockDrafter``, adaptive lengths). One ``LoadedModel`` serves every
 engine. Each configuration first runs twice untimed (compiles; the second time with the prompts' prefixes cached,
 as in the timed runs; the adaptive policy keeps what it measured, as a server would), then until a pass compiles
-nothing (that pass picks the faster baseline; a server compiles its verification shapes before serving). Then the
-group's configurations, their engines kept, are timed in ``--rounds`` rounds of one pass each (the order rotated
-per round): a row's ``speedup`` is the median over rounds of its tokens/s over that round's best baseline
-(``speedups``: each round's), so that a slow stretch of a shared machine weighs on every row of a
-round alike, not on whichever row ran then; ``tokens_per_s`` is the median pass, ``compiles_timed`` what the timed
-passes still compiled (0 unless ``MAX_PASSES`` ran out). The suffix drafter's global store is emptied before each
-pass: it never holds the outputs of the prompts it drafts for from an earlier pass (within a pass a finished
-request's output does serve later ones, as on a server). Reported (over the timed passes): output tokens/s,
-``speedup``, mean acceptance length (tokens per drafted sequence-step), acceptance rate, ``drafted_steps``
-(sequence-steps with drafts), and ``identical_outputs``: prompts whose tokens equal ``none_d1``'s (true fp32 matmuls
-by default: ``--matmul-precision``). JSON is rewritten after every group of rows (a run cut short keeps its
-groups); ``--time-budget`` skips the configurations left once it is spent.
+nothing (a server compiles its verification shapes before serving). Timed passes come in rounds of one pass per
+configuration, the order rotated per round, with every engine of the group kept: first ``--rounds`` rounds of the
+baselines alone, whose medians pick the baseline the drafting rows build on, then ``--rounds`` rounds of every row.
+A row's ``speedup`` is the median over those last rounds of its tokens/s over that round's best baseline
+(``speedups``: each round's), so that a slow stretch of a shared machine weighs on every row of a round alike, not
+on whichever row ran then; ``tokens_per_s`` is its median pass there, ``compiles_timed`` what its timed passes
+still compiled (0 unless ``MAX_PASSES`` ran out). The suffix drafter's global store is emptied before each pass: it
+never holds the outputs of the prompts it drafts for from an earlier pass (within a pass a finished request's output
+does serve later ones, as on a server). Also reported (over the timed passes): mean acceptance length (tokens per
+drafted sequence-step), acceptance rate, ``drafted_steps`` (sequence-steps with drafts), and ``identical_outputs``:
+prompts whose tokens equal ``none_d1``'s (true fp32 matmuls by default: ``--matmul-precision``). JSON is rewritten
+after every group of rows (a run cut short keeps its groups); ``--time-budget`` skips the configurations left once
+it is spent.
 
 Run: ``python -m benchmarks.serving_speculative`` (SmolLM2-135M-Instruct; CPU: writes
 ``results/serving_speculative_cpu.json`` and .png; on a GPU pass ``--name serving_speculative``). ``--model`` takes
@@ -137,7 +138,6 @@ class Config:
         self.passes, self.compiles_timed = 0, 0
         self.stats = SpecStats()  # over the timed passes
         self.outputs: list[list[int]] = []
-        self.tokens_per_s: list[float] = []
 
     def _pass(self) -> tuple[float, list[str]]:
         """One pass over the prompts (the suffix drafter's store emptied first): (seconds, compile events)."""
@@ -153,14 +153,13 @@ class Config:
         self.outputs = [r.outputs[0].token_ids for r in results]
         return seconds, events
 
-    def warm(self) -> float:
+    def warm(self) -> "Config":
         """Passes until one after the first ``UNTIMED_PASSES`` compiles nothing (at most ``MAX_PASSES``; a server
-        compiles its shapes in ``Engine.warm_up``, which takes minutes per engine on a CPU): that pass's tokens/s,
-        what picks the baseline the drafting rows build on."""
+        compiles its shapes in ``Engine.warm_up``, which takes minutes per engine on a CPU)."""
         while True:
-            seconds, events = self._pass()
+            _, events = self._pass()
             if (self.passes > UNTIMED_PASSES and not events) or self.passes >= MAX_PASSES:
-                return sum(map(len, self.outputs)) / seconds
+                return self
 
     def time(self) -> float:
         """One timed pass: its tokens/s (kept, with the speculation counters and what it compiled)."""
@@ -169,8 +168,7 @@ class Config:
         for field in dataclasses.fields(SpecStats):
             name = field.name
             setattr(self.stats, name, getattr(self.stats, name) + getattr(self.engine.spec_stats, name))
-        self.tokens_per_s.append(sum(map(len, self.outputs)) / seconds)
-        return self.tokens_per_s[-1]
+        return sum(map(len, self.outputs)) / seconds
 
     def close(self) -> None:
         """Free the engine (its cache) before the next group's."""
@@ -179,17 +177,24 @@ class Config:
 
 
 def timed_rounds(configs: dict[str, Config], rounds: int) -> dict[str, list[float]]:
-    """``rounds`` rounds of one timed pass per config (the order rotated each round, so that none always runs
-    right after the same one): each config's speedups, one a round over that round's best baseline (none where no
-    baseline runs)."""
+    """``rounds`` rounds of one timed pass per config, the order rotated each round (so that none always runs
+    right after the same one): each config's tokens/s, one a round."""
     names = list(configs)
-    speedups: dict[str, list[float]] = {name: [] for name in names}
+    speeds: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        speeds = {name: configs[name].time() for name in names[r % len(names):] + names[:r % len(names)]}
-        best = max((speeds[n] for n in names if n in BASELINES), default=None)
-        for name in names if best else ():
-            speedups[name].append(speeds[name] / best)
-    return speedups
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            speeds[name].append(configs[name].time())
+    return speeds
+
+
+def best_baseline(group: dict[str, Config], rounds: int) -> int:
+    """The decode_steps of the faster baseline of ``group`` by its median in rounds of the baselines alone
+    (``DECODE_STEPS`` where none ran): what the drafting rows build on."""
+    baselines = {name: config for name, config in group.items() if name in BASELINES}
+    if not baselines:
+        return DECODE_STEPS
+    speeds = timed_rounds(baselines, rounds)
+    return baselines[max(speeds, key=lambda name: statistics.median(speeds[name]))].decode_steps
 
 
 def plot(rows: list[dict], name: str, out_dir: str | Path | None = None) -> None:
@@ -261,25 +266,24 @@ def main(argv: list[str] | None = None) -> None:
         for prompts_name in sets:
             prompts = prompt_set(prompts_name, max(args.prompts, concurrency))
             group: dict[str, Config] = {}
-            warm_speed: dict[str, float] = {}
-            for name, (make, decode_steps) in configs(args.drafter, names).items():
+            chosen = None  # the decode_steps of the best baseline, once the first drafting row needs it
+            for name, (make, decode_steps) in configs(args.drafter, names).items():  # the baselines first
                 if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
                     skipped.append({"prompts": prompts_name, "concurrency": concurrency, "drafter": name})
                     continue
-                if decode_steps is BEST_BASELINE:  # the baseline that was faster in its compile-free warm pass
-                    baselines = [n for n in group if n in BASELINES]
-                    decode_steps = (group[max(baselines, key=warm_speed.get)].decode_steps if baselines
-                                    else DECODE_STEPS)
-                group[name] = Config(model, make(), decode_steps, concurrency, prompts, args.max_tokens)
-                warm_speed[name] = group[name].warm()
-            speedups = timed_rounds(group, args.rounds) if group else {}
+                if decode_steps is BEST_BASELINE:
+                    chosen = chosen or best_baseline(group, args.rounds)
+                    decode_steps = chosen
+                group[name] = Config(model, make(), decode_steps, concurrency, prompts, args.max_tokens).warm()
+            speeds = timed_rounds(group, args.rounds)
+            best = [max((speeds[n][r] for n in group if n in BASELINES), default=None) for r in range(args.rounds)]
             reference = next(iter(group.values())).outputs if group else []
             for name, config in group.items():
-                ratios = speedups[name]
+                ratios = [speed / b for speed, b in zip(speeds[name], best, strict=True) if b]
                 rows.append({"prompts": prompts_name, "drafter": name, "concurrency": concurrency,
                              "decode_steps": config.decode_steps, "num_prompts": len(prompts),
                              "tokens": sum(map(len, config.outputs)),
-                             "tokens_per_s": round(statistics.median(config.tokens_per_s), 2),
+                             "tokens_per_s": round(statistics.median(speeds[name]), 2),
                              "speedup": round(statistics.median(ratios), 3) if ratios else None,
                              "speedups": [round(r, 3) for r in ratios], "rounds": args.rounds,
                              "mean_acceptance_length": round(config.stats.mean_acceptance_length, 3)
