@@ -18,16 +18,17 @@ as in the timed runs; the adaptive policy keeps what it measured, as a server wo
 nothing (a server compiles its verification shapes before serving). Timed passes come in rounds of one pass per
 configuration, the order rotated per round, with every engine of the group kept: first ``--rounds`` rounds of the
 baselines alone, whose medians pick the baseline the drafting rows build on, then ``--rounds`` rounds of every row.
-A row's ``speedup`` is the median over those last rounds of its tokens/s over that round's best baseline
-(``speedups``: each round's), so that a slow stretch of a shared machine weighs on every row of a round alike, not
-on whichever row ran then; ``tokens_per_s`` is its median pass there, ``compiles_timed`` what its timed passes
-still compiled (0 unless ``MAX_PASSES`` ran out). The suffix drafter's global store is emptied before each pass: it
-never holds the outputs of the prompts it drafts for from an earlier pass (within a pass a finished request's output
-does serve later ones, as on a server). Also reported (over the timed passes): mean acceptance length (tokens per
-drafted sequence-step), acceptance rate, ``drafted_steps`` (sequence-steps with drafts), and ``identical_outputs``:
-prompts whose tokens equal ``none_d1``'s (true fp32 matmuls by default: ``--matmul-precision``). JSON is rewritten
-after every group of rows (a run cut short keeps its groups); ``--time-budget`` skips the configurations left once
-it is spent.
+A row's ``speedup`` is the median over those last rounds of its tokens/s over the best baseline's in that round
+(the best: the baseline of the higher median there; ``speedups``: each round's), so that a slow stretch of a shared
+machine weighs on every row of a round alike, not on whichever row ran then (nor is it the round's faster baseline,
+whose max over two noisy passes is biased above either). ``tokens_per_s`` is a row's median pass there,
+``compiles_timed`` what its timed passes still compiled (0 unless ``MAX_PASSES`` ran out). The suffix drafter's
+global store is emptied before each pass: it never holds the outputs of the prompts it drafts for from an earlier
+pass (within a pass a finished request's output does serve later ones, as on a server). Also reported (over the
+timed passes): mean acceptance length (tokens per drafted sequence-step), acceptance rate, ``drafted_steps``
+(sequence-steps with drafts), and ``identical_outputs``: prompts whose tokens equal ``none_d1``'s (true fp32 matmuls
+by default: ``--matmul-precision``). JSON is rewritten after every group of rows (a run cut short keeps its
+groups); ``--time-budget`` skips the configurations left once it is spent.
 
 Run: ``python -m benchmarks.serving_speculative`` (SmolLM2-135M-Instruct; CPU: writes
 ``results/serving_speculative_cpu.json`` and .png; on a GPU pass ``--name serving_speculative``). ``--model`` takes
@@ -276,10 +277,10 @@ def main(argv: list[str] | None = None) -> None:
                     decode_steps = chosen
                 group[name] = Config(model, make(), decode_steps, concurrency, prompts, args.max_tokens).warm()
             speeds = timed_rounds(group, args.rounds)
-            best = [max((speeds[n][r] for n in group if n in BASELINES), default=None) for r in range(args.rounds)]
+            best = max((n for n in group if n in BASELINES), key=lambda n: statistics.median(speeds[n]), default=None)
             reference = next(iter(group.values())).outputs if group else []
             for name, config in group.items():
-                ratios = [speed / b for speed, b in zip(speeds[name], best, strict=True) if b]
+                ratios = [] if best is None else [a / b for a, b in zip(speeds[name], speeds[best], strict=True)]
                 rows.append({"prompts": prompts_name, "drafter": name, "concurrency": concurrency,
                              "decode_steps": config.decode_steps, "num_prompts": len(prompts),
                              "tokens": sum(map(len, config.outputs)),

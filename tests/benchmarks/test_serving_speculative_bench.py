@@ -54,8 +54,7 @@ def test_a_run_on_the_tiny_model_compares_each_drafter_with_the_best_baseline_ro
     rows = result["rows"]
     assert [r["drafter"] for r in rows] == ["none_d1", "none_d8", "suffix"]
     assert rows[2]["decode_steps"] in (rows[0]["decode_steps"], rows[1]["decode_steps"])  # on a baseline's
-    for i in range(3):  # each round: every row over that round's faster baseline
-        assert max(rows[0]["speedups"][i], rows[1]["speedups"][i]) == 1.0
+    assert [1.0, 1.0, 1.0] in (rows[0]["speedups"], rows[1]["speedups"])  # every row over one baseline, each round
     for row in rows:
         assert row["rounds"] == len(row["speedups"]) == 3
         assert row["speedup"] == sorted(row["speedups"])[1]  # the median round
