@@ -19,13 +19,14 @@ nothing (a server compiles its verification shapes before serving). Timed passes
 configuration, the order rotated per round, with every engine of the group kept: first ``--rounds`` rounds of the
 baselines alone, whose medians pick the baseline the drafting rows build on, then ``--rounds`` rounds of every row.
 A row's ``speedup`` is the median over those last rounds of its tokens/s over the best baseline's in that round
-(the best: the baseline of the higher median there; ``speedups``: each round's), so that a slow stretch of a shared
-machine weighs on every row of a round alike, not on whichever row ran then (nor is it the round's faster baseline,
-whose max over two noisy passes is biased above either). ``tokens_per_s`` is a row's median pass there,
-``compiles_timed`` what its timed passes still compiled (0 unless ``MAX_PASSES`` ran out). The suffix drafter's
-global store is emptied before each pass: it never holds the outputs of the prompts it drafts for from an earlier
-pass (within a pass a finished request's output does serve later ones, as on a server). Also reported (over the
-timed passes): mean acceptance length (tokens per drafted sequence-step), acceptance rate, ``drafted_steps``
+(the best: the baseline of the higher median there; ``speedups``: each round's, null where either pass compiled
+something, a verification shape the warm passes never met, which a server compiles before serving), so that a slow
+stretch of a shared machine weighs on every row of a round alike, not on whichever row ran then (nor is it the
+round's faster baseline, whose max over two noisy passes is biased above either). ``tokens_per_s`` is a row's
+median pass there (of those that compiled nothing), ``compiles_timed`` what its timed passes compiled. The suffix
+drafter's global store is emptied before each pass: it never holds the outputs of the prompts it drafts for from an
+earlier pass (within a pass a finished request's output does serve later ones, as on a server). Also reported (over
+the timed passes): mean acceptance length (tokens per drafted sequence-step), acceptance rate, ``drafted_steps``
 (sequence-steps with drafts), and ``identical_outputs``: prompts whose tokens equal ``none_d1``'s (true fp32 matmuls
 by default: ``--matmul-precision``). JSON is rewritten after every group of rows (a run cut short keeps its
 groups); ``--time-budget`` skips the configurations left once it is spent.
@@ -162,14 +163,15 @@ class Config:
             if (self.passes > UNTIMED_PASSES and not events) or self.passes >= MAX_PASSES:
                 return self
 
-    def time(self) -> float:
-        """One timed pass: its tokens/s (kept, with the speculation counters and what it compiled)."""
+    def time(self) -> float | None:
+        """One timed pass: its tokens/s, or None where it compiled something (its time is partly a compile's,
+        which a server pays before it serves); the speculation counters and the compiles kept."""
         seconds, events = self._pass()
         self.compiles_timed += len(events)
         for field in dataclasses.fields(SpecStats):
             name = field.name
             setattr(self.stats, name, getattr(self.stats, name) + getattr(self.engine.spec_stats, name))
-        return sum(map(len, self.outputs)) / seconds
+        return None if events else sum(map(len, self.outputs)) / seconds
 
     def close(self) -> None:
         """Free the engine (its cache) before the next group's."""
@@ -177,15 +179,21 @@ class Config:
         gc.collect()
 
 
-def timed_rounds(configs: dict[str, Config], rounds: int) -> dict[str, list[float]]:
+def timed_rounds(configs: dict[str, Config], rounds: int) -> dict[str, list[float | None]]:
     """``rounds`` rounds of one timed pass per config, the order rotated each round (so that none always runs
-    right after the same one): each config's tokens/s, one a round."""
+    right after the same one): each config's tokens/s, one a round (None: that pass compiled)."""
     names = list(configs)
-    speeds: dict[str, list[float]] = {name: [] for name in names}
+    speeds: dict[str, list[float | None]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             speeds[name].append(configs[name].time())
     return speeds
+
+
+def median(values: list[float | None]) -> float | None:
+    """The median of the passes that compiled nothing (None if every one did)."""
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
 
 
 def best_baseline(group: dict[str, Config], rounds: int) -> int:
@@ -195,7 +203,7 @@ def best_baseline(group: dict[str, Config], rounds: int) -> int:
     if not baselines:
         return DECODE_STEPS
     speeds = timed_rounds(baselines, rounds)
-    return baselines[max(speeds, key=lambda name: statistics.median(speeds[name]))].decode_steps
+    return baselines[max(speeds, key=lambda name: median(speeds[name]) or 0.0)].decode_steps
 
 
 def plot(rows: list[dict], name: str, out_dir: str | Path | None = None) -> None:
@@ -277,16 +285,17 @@ def main(argv: list[str] | None = None) -> None:
                     decode_steps = chosen
                 group[name] = Config(model, make(), decode_steps, concurrency, prompts, args.max_tokens).warm()
             speeds = timed_rounds(group, args.rounds)
-            best = max((n for n in group if n in BASELINES), key=lambda n: statistics.median(speeds[n]), default=None)
+            best = max((n for n in group if n in BASELINES), key=lambda n: median(speeds[n]) or 0.0, default=None)
             reference = next(iter(group.values())).outputs if group else []
             for name, config in group.items():
-                ratios = [] if best is None else [a / b for a, b in zip(speeds[name], speeds[best], strict=True)]
+                ratios = [None if a is None or b is None else a / b  # a round where either compiled: none
+                          for a, b in zip(speeds[name], speeds[best] if best else [None] * args.rounds, strict=True)]
                 rows.append({"prompts": prompts_name, "drafter": name, "concurrency": concurrency,
                              "decode_steps": config.decode_steps, "num_prompts": len(prompts),
                              "tokens": sum(map(len, config.outputs)),
-                             "tokens_per_s": round(statistics.median(speeds[name]), 2),
-                             "speedup": round(statistics.median(ratios), 3) if ratios else None,
-                             "speedups": [round(r, 3) for r in ratios], "rounds": args.rounds,
+                             "tokens_per_s": None if median(speeds[name]) is None else round(median(speeds[name]), 2),
+                             "speedup": None if median(ratios) is None else round(median(ratios), 3),
+                             "speedups": [None if r is None else round(r, 3) for r in ratios], "rounds": args.rounds,
                              "mean_acceptance_length": round(config.stats.mean_acceptance_length, 3)
                              if config.stats.num_steps else 1.0,
                              "acceptance_rate": round(config.stats.acceptance_rate, 3)

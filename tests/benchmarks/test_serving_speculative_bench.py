@@ -39,6 +39,11 @@ def test_plot_draws_every_drafter_at_every_concurrency_it_ran(tmp_path):
     assert agentic.get_title() == "agentic prompts"
 
 
+def test_a_pass_that_compiled_counts_in_no_median():
+    assert serving_speculative.median([None, 2.0, 5.0, 4.0]) == 4.0
+    assert serving_speculative.median([None, None]) is None
+
+
 def test_plot_without_drafted_rows_writes_nothing(tmp_path):
     serving_speculative.plot([_row("chat", "none_d1", 1, 200.0, 1.0, 1.0)], "spec", tmp_path)
     assert not (tmp_path / "spec.png").exists()
