@@ -208,7 +208,8 @@ def best_baseline(group: dict[str, Config], rounds: int) -> int:
 
 def plot(rows: list[dict], name: str, out_dir: str | Path | None = None) -> None:
     """Per prompt set, per drafter, one bar per concurrency: speed-up over the best non-speculative setting
-    (labelled with tokens/s and mean acceptance length)."""
+    (labelled with tokens/s and mean acceptance length; whiskers: the slowest and fastest round, where rows have
+    ``speedups``)."""
     import matplotlib.pyplot as plt
 
     drafted = [r for r in rows if r["drafter"] not in BASELINES and r["speedup"] is not None]
@@ -225,9 +226,13 @@ def plot(rows: list[dict], name: str, out_dir: str | Path | None = None) -> None
             at = {r["drafter"]: r for r in mine if r["concurrency"] == level}
             x = [j + (i - (len(levels) - 1) / 2) * width for j, n in enumerate(names) if n in at]
             present = [at[n] for n in names if n in at]
-            bars = ax.bar(x, [r["speedup"] for r in present], width, color=f"C{i}", label=f"concurrency {level}")
+            spread = [[v for v in r.get("speedups") or [r["speedup"]] if v is not None] for r in present]
+            whiskers = [[r["speedup"] - min(v) for r, v in zip(present, spread, strict=True)],
+                        [max(v) - r["speedup"] for r, v in zip(present, spread, strict=True)]]
+            bars = ax.bar(x, [r["speedup"] for r in present], width, yerr=whiskers, capsize=3, color=f"C{i}",
+                          label=f"concurrency {level}")
             ax.bar_label(bars, [f"x{r['speedup']:.2f}\n{r['tokens_per_s']:.0f}/s\nacc {r['mean_acceptance_length']:.2f}"
-                                for r in present], fontsize=7)
+                                for r in present], fontsize=7, label_type="center")
         ax.axhline(1, color="k", ls="--", lw=1, label="best of decode_steps 1, 8")
         ax.set_xticks(range(len(names)), names)
         ax.set(ylabel="output tokens/s over the best non-speculative", title=f"{prompts} prompts")
