@@ -8,8 +8,8 @@ the forward pass, as ``ModelRunner.run`` does for one token.
 The output head runs on the scored positions alone, ``R = min(N, S * (k + 1))`` rows for a step of N tokens and S
 sequences (``sum_s (1 + d_s) <= N`` real ones, the rest padding), and the ``[S * (k + 1), V]`` layout that
 ``verify`` takes is gathered from them after the head: a verification with few drafts pays for its drafts' logits,
-not for ``k + 1`` per sequence. Where the head is a large part of the model (SmolLM2: its 28M-parameter head is a
-fifth of the weights) that was what a verification with no drafts cost over a decode step on a CPU (1.8x at 16).
+not for ``k + 1`` per sequence. That matters where the head is a large part of the model (SmolLM2: its
+28M-parameter head is a fifth of the weights) and the device pays per row (a CPU; a GPU's verification at batch).
 """
 
 import functools
