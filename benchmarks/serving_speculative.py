@@ -196,6 +196,11 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(kept) if kept else None
 
 
+def rounded(value: float | None, digits: int) -> float | None:
+    """``round(value, digits)``; None (a median of passes that all compiled) stays None."""
+    return None if value is None else round(value, digits)
+
+
 def best_baseline(group: dict[str, Config], rounds: int) -> int:
     """The decode_steps of the faster baseline of ``group`` by its median in rounds of the baselines alone
     (``DECODE_STEPS`` where none ran): what the drafting rows build on."""
@@ -295,12 +300,12 @@ def main(argv: list[str] | None = None) -> None:
             for name, config in group.items():
                 ratios = [None if a is None or b is None else a / b  # a round where either compiled: none
                           for a, b in zip(speeds[name], speeds[best] if best else [None] * args.rounds, strict=True)]
+                tokens_per_s, speedup = median(speeds[name]), median(ratios)
                 rows.append({"prompts": prompts_name, "drafter": name, "concurrency": concurrency,
                              "decode_steps": config.decode_steps, "num_prompts": len(prompts),
                              "tokens": sum(map(len, config.outputs)),
-                             "tokens_per_s": None if median(speeds[name]) is None else round(median(speeds[name]), 2),
-                             "speedup": None if median(ratios) is None else round(median(ratios), 3),
-                             "speedups": [None if r is None else round(r, 3) for r in ratios], "rounds": args.rounds,
+                             "tokens_per_s": rounded(tokens_per_s, 2), "speedup": rounded(speedup, 3),
+                             "speedups": [rounded(r, 3) for r in ratios], "rounds": args.rounds,
                              "mean_acceptance_length": round(config.stats.mean_acceptance_length, 3)
                              if config.stats.num_steps else 1.0,
                              "acceptance_rate": round(config.stats.acceptance_rate, 3)
