@@ -8,6 +8,7 @@ any response starts, and a streamed response only ever fails with an error event
 import asyncio
 import hashlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -32,6 +33,9 @@ DISCONNECT_POLL_S = 0.05  # how often a non-streaming request checks that its cl
 # JSON nesting a body may have: a pydantic model's tool schema nests ~10-20 deep; Python's parser and every
 # recursive walk after it (validation, schema compilation) would overflow the stack near 1000
 MAX_JSON_DEPTH = 64
+# a JSON escape of a UTF-16 surrogate: the only way a lone one (not valid Unicode) gets into a parsed string, since
+# the body's bytes are decoded as UTF-8, which refuses encoded surrogates, and json pairs the escapes it can
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 Model = TypeVar("Model", bound=pydantic.BaseModel)
 
 
@@ -74,7 +78,32 @@ def load_json(data: bytes) -> Any:
         raise too_deep from None
     if json_depth(value) > MAX_JSON_DEPTH:
         raise too_deep
+    if _SURROGATE_ESCAPE.search(data) and (where := _lone_surrogate(value)) is not None:
+        raise APIError(400, f"request body: the string at {where} holds an unpaired UTF-16 surrogate escape "
+                       "(\\ud800-\\udfff): not valid Unicode; expected a high surrogate followed by a low one")
     return value
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The path ("messages[0].content") of the first string or key in ``value`` that holds an unpaired surrogate,
+    or None: such a string cannot be encoded as UTF-8, so echoing it back (a response's tools, a tokenizer's input)
+    would fail after the request was accepted."""
+    pending = [(value, "body")]
+    while pending:
+        node, path = pending.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in items:
+            name = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else key  # printable
+            where = f"{path}[{name}]" if isinstance(node, list) else f"{path}.{name}"
+            for text in (key, child) if isinstance(key, str) else (child,):
+                if isinstance(text, str):
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return where
+            if isinstance(child, dict | list):
+                pending.append((child, where))
+    return None
 
 
 class Frontend:

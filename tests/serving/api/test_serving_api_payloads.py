@@ -74,6 +74,16 @@ BAD = {
         "name": "f", "parameters": "DEEP"}}], tool_choice="required"), 5000), 400, "deeper than"),
     "5k-deep anthropic tool schema": (MESSAGES_ROUTE, with_deep_schema(messages(tools=[
         {"name": "f", "input_schema": "DEEP"}]), 5000), 400, "deeper than"),
+    # an escaped lone surrogate parses to a str that UTF-8 cannot encode: echoed back, it failed the response
+    "lone surrogate in content": (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", '
+                                        b'"content": "a\\ud800"}]}', 400,
+                                  "body.messages[0].content holds an unpaired UTF-16 surrogate"),
+    "lone surrogate in a key": (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "a"}], '
+                                      b'"metadata": {"\\udc00": 1}}', 400, "body.metadata.\\udc00"),
+    "lone surrogate in a responses tool schema": (RESPONSES, json.dumps(response(tools=[
+        {"type": "function", "name": "f", "parameters": {"type": "\ud800"}}])).encode(), 400, "unpaired"),
+    "lone surrogate in anthropic text": (MESSAGES_ROUTE, json.dumps(messages(messages=[
+        {"role": "user", "content": [{"type": "text", "text": "\udfff"}]}])).encode(), 400, "unpaired"),
     "NaN temperature": (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], '
                               b'"temperature": NaN}', 400, "temperature"),
     "Infinity temperature": (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], '
