@@ -203,8 +203,13 @@ class ProcessEngine:
                             tokenizer.decode_stream() if tokenizer is not None else None) for i in range(params.n)]
         self._requests[request_id] = _Request(stream, list(prompt_ids), samples, [None] * params.n,
                                               [[] for _ in range(params.n)] if params.logprobs is not None else None)
-        if not self._send([ipc.ADD, request_id, list(prompt_ids), ipc.params_to_wire(params), cache_salt,
-                           ipc.images_to_wire(images or [])]):
+        try:
+            sent = self._send([ipc.ADD, request_id, list(prompt_ids), ipc.params_to_wire(params), cache_salt,
+                               ipc.images_to_wire(images or [])])
+        except BaseException:  # not packable: nothing reached the core, so its room is given back here
+            self._release(request_id)
+            raise
+        if not sent:
             self._release(request_id)
             raise EngineUnavailableError("the engine core is not connected (it exited)")
         return stream

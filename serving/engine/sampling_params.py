@@ -14,9 +14,10 @@ class SamplingParams:
     """Per-request sampling and stopping.
 
     temperature 0 is greedy. Filters apply in order top-k, top-p, min-p to ``softmax(penalized logits / T)``;
-    0 (top_k, min_p) or 1 (top_p) switch a filter off. Penalties: ``repetition_penalty`` r divides positive
-    (multiplies negative) logits of tokens seen in the prompt or output; ``presence_penalty`` subtracts a constant
-    from tokens seen in the output, ``frequency_penalty`` that times their count. ``seed`` makes sampling
+    0 (top_k, min_p) or 1 (top_p) switch a filter off, and a top_k of the vocabulary or more keeps every token (it
+    must fit the sampler's int32). Penalties: ``repetition_penalty`` r divides positive (multiplies negative)
+    logits of tokens seen in the prompt or output; ``presence_penalty`` subtracts a constant from tokens seen in
+    the output, ``frequency_penalty`` that times their count. ``seed`` makes sampling
     reproducible (sample i of ``n`` uses seed + i). ``logprobs`` = n returns the chosen token's logprob and the
     top n (from the model's raw distribution, before penalties and temperature). ``prompt_logprobs`` = k scores the
     prompt as the prefill computes it: each prompt token i >= 1 gets ``log_softmax(logits at i - 1)[token i]`` and
@@ -52,7 +53,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         checks = (("n", self.n >= 1, ">= 1"), ("max_tokens", self.max_tokens >= 1, ">= 1"),
-                  ("temperature", self.temperature >= 0, ">= 0"), ("top_k", self.top_k >= 0, ">= 0 (0: off)"),
+                  ("temperature", self.temperature >= 0, ">= 0"),
+                  ("top_k", 0 <= self.top_k < 2**31, "in [0, 2**31) (0: off)"),
                   ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
                   ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
                   ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),

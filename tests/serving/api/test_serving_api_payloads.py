@@ -98,6 +98,8 @@ BAD = {
     "min_p 2": (CHAT, chat(min_p=2), 400, "min_p"),
     "top_k -5": (CHAT, chat(top_k=-5), 400, "top_k"),
     "top_k a float": (CHAT, chat(top_k=1.5), 400, "top_k"),
+    "top_k past int32": (CHAT, chat(top_k=2**31), 400, "top_k"),  # the sampler's int32: it failed the whole step
+    "top_k past 64 bits": (CHAT, chat(top_k=2**64), 400, "top_k"),
     "n 0": (CHAT, chat(n=0), 400, "n"),
     "n huge": (CHAT, chat(n=10**9), 400, "n"),
     "n a string": (CHAT, chat(n="2"), 400, "n"),
@@ -210,6 +212,7 @@ BAD = {
     "anthropic temperature 1.5": (MESSAGES_ROUTE, messages(temperature=1.5), 400, "temperature"),
     "anthropic top_p 2": (MESSAGES_ROUTE, messages(top_p=2), 400, "top_p"),
     "anthropic top_k -1": (MESSAGES_ROUTE, messages(top_k=-1), 400, "top_k"),
+    "anthropic top_k past int32": (MESSAGES_ROUTE, messages(top_k=2**40), 400, "top_k"),
     "anthropic system role in messages": (MESSAGES_ROUTE, messages(messages=[{"role": "system", "content": "x"}]),
                                           400, "role"),
     "anthropic unknown role": (MESSAGES_ROUTE, messages(messages=[{"role": "robot", "content": "x"}]), 400,

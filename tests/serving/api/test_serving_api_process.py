@@ -268,6 +268,24 @@ def test_a_non_streaming_client_that_disconnects_is_aborted(url):
     assert metric(url, "serving_generated_tokens_total") - generated < DISCONNECT_TOKENS
 
 
+def test_a_request_the_wire_cannot_carry_gives_its_room_back(url, monkeypatch):
+    """A request that fails to pack for the core (a value msgpack cannot hold; the API validates those first)
+    never reached it: a 500 JSON error, and the front end's count of sequences in flight is back to 0."""
+    pack = ipc.pack
+
+    def refuse_adds(command: list) -> bytes:
+        if command[0] == ipc.ADD:
+            raise OverflowError("Integer value out of range")
+        return pack(command)
+
+    monkeypatch.setattr(ipc, "pack", refuse_adds)
+    response = httpx.post(f"{url}{CHAT}", json=chat(), timeout=TIMEOUT_S)
+    assert response.status_code == 500 and "OverflowError" in response.json()["error"]["message"]
+    assert stats(url)["in_flight"] == 0
+    monkeypatch.undo()
+    assert httpx.post(f"{url}{CHAT}", json=chat(), timeout=TIMEOUT_S).status_code == 200
+
+
 def test_speculative_counters_and_expert_loads_come_from_the_core(tmp_path):
     folder = tmp_path / "tiny-qwen3-moe"
     shutil.copytree(LLAMA.parent / "qwen3_moe", folder)

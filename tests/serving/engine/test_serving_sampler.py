@@ -152,8 +152,8 @@ def test_temperature_sampling_follows_the_softmax_distribution():
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
-                                          ("n", 0), ("max_tokens", 0), ("min_p", 2.0), ("logprobs", 99),
-                                          ("repetition_penalty", 0.0), ("seed", -1), ("stop", ("",)),
+                                          ("top_k", 2**31), ("n", 0), ("max_tokens", 0), ("min_p", 2.0),
+                                          ("logprobs", 99), ("repetition_penalty", 0.0), ("seed", -1), ("stop", ("",)),
                                           ("logit_bias", ((1, 101.0),)), ("logit_bias", ((-1, 1.0),))])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} = "):
