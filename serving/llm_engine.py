@@ -161,8 +161,9 @@ class StepOutput:
     token_id: int
     text: str  # new text (may be "" while a character or a possible stop string is incomplete)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" once finished
+    finish_reason: str | None  # "stop" | "length" once finished, "error" if its output constraint failed
     logprobs: dict | None  # {"logprob": chosen, "top": [(id, logprob), ...]} when requested
+    error: str | None = None  # why, when finish_reason is "error" (the request's other samples are aborted)
 
 
 @dataclasses.dataclass
@@ -170,8 +171,9 @@ class Completion:
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: str  # "stop" | "length" | "error" (its output constraint failed: ``error`` says how)
     logprobs: list[dict] | None
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -942,7 +944,8 @@ class Engine:
                     seq.logprobs.append(entry)
                 last = j == len(texts) - 1
                 outputs.append(StepOutput(seq.request_id, seq.index, seq.output_ids[first + j], text,
-                                          seq.finished and last, seq.finish_reason if last else None, entry))
+                                          seq.finished and last, seq.finish_reason if last else None, entry,
+                                          seq.error if last else None))
             if seq.finished:
                 self._forget(seq, learn=True)
                 self._freed = True
@@ -1058,7 +1061,7 @@ class Engine:
         """The request's outputs so far (complete once every sample finished)."""
         ids, seqs = self._requests[request_id]
         outputs = [Completion(s.index, list(s.output_ids), s.text, s.finish_reason,
-                              s.logprobs if s.params.logprobs is not None else None) for s in seqs]
+                              s.logprobs if s.params.logprobs is not None else None, s.error) for s in seqs]
         return RequestResult(request_id, ids, outputs, seqs[0].num_cached_tokens, seqs[0].prompt_logprobs)
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -184,7 +184,9 @@ class ConstraintMatcher:
             raise ValueError(f"advance: token {token_id} after eos")
         if token_id in self.eos_token_ids:
             if not self._matcher.is_accepting():
-                raise ValueError(f"advance: eos {token_id} before the output is complete ({self.num_tokens} tokens)")
+                why = f": {self._matcher.get_error().splitlines()[0]}" if self._matcher.is_error() else ""
+                raise ValueError(f"advance: eos {token_id} before the output is complete ({self.num_tokens} tokens)"
+                                 f"{why}")
             self._ended = True
         elif not self._matcher.consume_token(token_id):
             error = self._matcher.get_error().splitlines()[0]
@@ -257,6 +259,11 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: Tokenizer, vocab_size: i
     matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab_size), _grammar(spec), log_level=0)
     if matcher.is_error():
         raise InvalidConstraintError(f"invalid {spec.kind} constraint {_preview(spec.value)}: {matcher.get_error()}")
+    probe = matcher.deep_copy()  # the first mask: a grammar that cannot start (an empty character class, a
+    probe.compute_bitmask()  # schema that only refers to itself) fails here, before any step samples under it
+    if probe.is_error():
+        raise InvalidConstraintError(f"{spec.kind} constraint {_preview(spec.value)} admits no output: "
+                                     f"{probe.get_error().splitlines()[0]}")
     return CompiledConstraint(spec, vocab_size, frozenset(tokenizer.eos_token_ids), matcher)
 
 

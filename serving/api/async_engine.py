@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from serving.api.engine_client import OK, Admission, EngineStats, EngineUnavailableError, OnStep
+from serving.engine.request import ERROR
 from serving.engine.sampling_params import SamplingParams
 from serving.images import ImageInput
 from serving.llm_engine import Engine, RequestResult, StepError, StepOutput
@@ -201,6 +202,9 @@ class AsyncEngine:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
+                continue
+            if output.finish_reason == ERROR:  # its constraint failed: the client's request, alone, gets a 400
+                self._fail([output.request_id], ValueError(output.error))
                 continue
             stepped[output.request_id] = stream
             stream.put(output)

@@ -29,6 +29,7 @@ from serving.api import ipc
 from serving.api.engine_client import EngineStats
 from serving.api.engine_spec import EngineSpec
 from serving.api.profiling import freeze_heap, profiled
+from serving.engine.request import ERROR
 from serving.engine.sampling_params import SamplingParams
 from serving.llm_engine import Engine, StepError
 
@@ -244,6 +245,13 @@ class EngineCore:
             self._fail(list(self.unfinished), f"{type(e).__name__}: {e}", event)
             return
         for out in outputs:
+            if out.finish_reason == ERROR:  # its constraint failed: refused from here on, as a ValueError (a 400)
+                if self.unfinished.pop(out.request_id, None) is not None:
+                    self.engine.abort(out.request_id)
+                    event["refused"].append([out.request_id, "ValueError", out.error])
+                continue
+            if out.request_id not in self.unfinished:  # a request refused earlier in this step
+                continue
             event["outputs"].append([out.request_id, out.index, out.token_id, out.finished, out.finish_reason,
                                      out.logprobs])
             if out.finished and out.request_id in self.unfinished:

@@ -18,7 +18,8 @@ Events (dicts with a "kind"):
                ...]`` for every sequence that sampled, ``done`` ``{request_id: num_cached_tokens}`` of requests
                whose samples all finished, ``prompt_logprobs`` ``{request_id: [entry or None, ...]}`` of those done
                with ``SamplingParams.prompt_logprobs`` (``RequestResult.prompt_logprobs``), ``refused``
-               ``[[request_id, error type, message]]``, ``failed`` ``[[request_ids, message]]`` (a step's
+               ``[[request_id, error type, message]]`` (requests the engine would not take, or whose output
+               constraint failed mid-output: each fails alone), ``failed`` ``[[request_ids, message]]`` (a step's
                ``StepError``), ``aborted`` request ids, and ``stats``
   ``error``    the core could not start (``message``); it exits
 """

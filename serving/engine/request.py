@@ -14,6 +14,9 @@ from serving.structured import ConstraintMatcher
 from serving.tokenizer import Detokenizer
 
 STOP, LENGTH = "stop", "length"  # finish reasons: a stop condition met, or max_tokens / the context length
+# finish reason of a sequence whose output constraint failed (its grammar gave up, or admitted no token but an early
+# eos): the request fails alone, with ``SequenceState.error``, and the other sequences of its step go on
+ERROR = "error"
 
 
 @dataclasses.dataclass(eq=False)
@@ -39,6 +42,7 @@ class SequenceState:
     text: str = ""  # output text so far (a stop string and anything after it cut off)
     emitted: int = 0  # characters of text already returned
     finish_reason: str | None = None
+    error: str | None = None  # why the sequence failed (finish_reason ERROR)
     draft_ids: list[int] = dataclasses.field(default_factory=list)  # speculative tokens to verify this step
     matcher: ConstraintMatcher | None = None  # structured-output state (params.constraint), advanced by append
     images: RequestImages | None = None  # the prompt's images (vision-language models), shared by the n samples
@@ -71,11 +75,16 @@ class SequenceState:
         """Add a sampled token, apply the stop conditions, and return the new text safe to emit.
 
         An eos or stop token ends the sequence and adds no text. A stop string ends it with the text cut before
-        the stop string; while the text ends in a possible start of a stop string, that tail is held back.
+        the stop string; while the text ends in a possible start of a stop string, that tail is held back. A token
+        the output constraint cannot take (``ConstraintMatcher.advance`` raised) ends it with ``ERROR``.
         """
         self.output_ids.append(token)
         if self.matcher is not None:
-            self.matcher.advance(token)
+            try:
+                self.matcher.advance(token)
+            except ValueError as e:
+                self.finish_reason, self.error = ERROR, f"the output constraint failed: {e}"
+                return ""
         p = self.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             self.finish_reason = STOP

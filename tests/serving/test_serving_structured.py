@@ -103,6 +103,15 @@ def test_invalid_constraint_is_a_value_error_naming_it(tok, spec, match):
     assert f"invalid {spec.kind} constraint" in str(info.value)
 
 
+@pytest.mark.parametrize("spec", [ConstraintSpec.regex("[^\\x00-\\x{10FFFF}]"),  # an empty character class
+                                  ConstraintSpec.json_schema({"$ref": "#"})])  # a schema that is only itself
+def test_a_constraint_that_admits_no_output_is_refused_at_compile(tok, spec):
+    """llguidance accepts these grammars, and only their first mask fails: every row sampled under them could end
+    in nothing but an eos the matcher then refuses."""
+    with pytest.raises(InvalidConstraintError, match="admits no output"):
+        compile_constraint(spec, tok)
+
+
 def test_compile_is_cached_per_spec_and_vocab(tok):
     schema = SCHEMAS["person"]
     first = compile_constraint(ConstraintSpec.json_schema(schema), tok)
@@ -370,6 +379,21 @@ def test_smollm2_constrained_greedy_is_identical_with_speculation(smollm2_engine
     drafted = stats.num_draft_tokens - before.num_draft_tokens
     assert 0 < accepted and (accepted <= drafted if drafter else accepted < drafted), (before, stats)  # suffix drafts
     # may replay the outputs of the test before (the server's store): all accepted
+
+
+def test_a_constraint_that_fails_mid_output_fails_its_request_alone(smollm2_engine):
+    """A regex whose lexer gives up once it is used (``a{1000000}``: llguidance builds too many expressions) ends
+    its sequence with finish_reason "error" and the grammar's message; the unconstrained request of the same
+    steps runs to its end (a failing constraint used to fail the whole step, every request in it)."""
+    free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    bad, good = smollm2_engine.generate(["Say a", "The capital of France is"],
+                                        [SamplingParams(temperature=0.0, max_tokens=8,
+                                                        constraint=ConstraintSpec.regex("a{1000000}")), free])
+    failed = bad.outputs[0]
+    assert failed.finish_reason == "error" and "the output constraint failed" in failed.error, failed
+    assert "too many expressions" in failed.error, failed.error
+    assert good.outputs[0].finish_reason == "length" and len(good.outputs[0].token_ids) == 8
+    assert good.outputs[0].error is None
 
 
 def test_engine_rejects_an_invalid_constraint_before_queueing(smollm2_engine):

@@ -161,12 +161,31 @@ def test_bad_constraints_are_openai_shaped_400s(api_server, route):
     cases = [({"guided_regex": "([a-z"}, "guided_regex"), ({"guided_choice": []}, "guided_choice"),
              ({"guided_json": {"type": "no-such-type"}}, "guided_json"), ({"guided_json": "{oops"}, "guided_json"),
              ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-             ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex")]
+             ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"),
+             ({"guided_regex": "[^\\x00-\\x{10FFFF}]"}, "guided_regex"),  # admits no output
+             ({"guided_json": {"$ref": "#"}}, "guided_json")]  # a schema that is only itself: no output either
     for fields, param in cases:
         response = httpx.post(f"{api_server.url}{route}", json={**body, **fields}, timeout=TIMEOUT_S)
         error = response.json()["error"]
         assert response.status_code == 400 and error["type"] == "invalid_request_error", (fields, error)
         assert error["param"] == param and error["message"].startswith(param), (fields, error)
+
+
+def test_a_constraint_that_fails_mid_output_fails_its_request_alone(api_server):
+    """A regex the grammar library gives up on once used (``a{1000000}``) gets a 400 naming the failure, and a
+    request running in the same steps streams to its end: one bad constraint used to fail the whole step."""
+    # most of the 1024-token context: still decoding when the bad request's first step comes, on any machine
+    long = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{api_server.url}/v1/completions", json=long, timeout=TIMEOUT_S) as running:
+        lines = running.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))  # the long request runs
+        bad = httpx.post(f"{api_server.url}/v1/chat/completions", timeout=TIMEOUT_S, json={
+            "model": MODEL_NAME, "messages": chat(), "max_tokens": 4, "guided_regex": "a{1000000}"})
+        rest = [first, *lines]
+    error = bad.json()["error"]
+    assert bad.status_code == 400 and "the output constraint failed" in error["message"], error
+    events = [json.loads(line[len("data: "):]) for line in rest if line.startswith("data: {")]
+    assert all("error" not in e for e in events) and events[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_anthropic_messages(claude):

@@ -268,6 +268,22 @@ def test_a_non_streaming_client_that_disconnects_is_aborted(url):
     assert metric(url, "serving_generated_tokens_total") - generated < DISCONNECT_TOKENS
 
 
+def test_a_constraint_that_fails_in_the_core_fails_its_request_alone(url):
+    """The core's side of a constraint that fails mid-output (``a{1000000}``): the request gets a 400 naming it,
+    its room is given back, and a request streaming in the same steps runs to its end."""
+    long = {"model": MODEL_NAME, "prompt": "x", "max_tokens": DISCONNECT_TOKENS, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=TIMEOUT_S) as running:
+        lines = running.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))  # the long request runs
+        bad = httpx.post(f"{url}{CHAT}", json=chat(max_tokens=4, guided_regex="a{1000000}"), timeout=TIMEOUT_S)
+        rest = [first, *lines]
+    error = bad.json()["error"]
+    assert bad.status_code == 400 and "the output constraint failed" in error["message"], error
+    events = [json.loads(line[len("data: "):]) for line in rest if line.startswith("data: {")]
+    assert all("error" not in e for e in events) and events[-1]["choices"][0]["finish_reason"] == "length"
+    assert wait_until_idle(url, FREED_WITHIN_S)["in_flight"] == 0
+
+
 def test_a_request_the_wire_cannot_carry_gives_its_room_back(url, monkeypatch):
     """A request that fails to pack for the core (a value msgpack cannot hold; the API validates those first)
     never reached it: a 500 JSON error, and the front end's count of sequences in flight is back to 0."""
