@@ -72,6 +72,7 @@ class RopeConfig:
     interleaved: bool = False
 
     def __post_init__(self):
+        _check_numbers(self, "rope.")
         _check(self.kind in ROPE_KINDS, "rope.kind", self.kind, f"one of {ROPE_KINDS}")
         _check(self.theta > 0, "rope.theta", self.theta, "> 0")
         _check(self.factor > 0, "rope.factor", self.factor, "> 0")
@@ -118,6 +119,7 @@ class VisionConfig:
     vision_end_token_id: int = 0
 
     def __post_init__(self):
+        _check_numbers(self, "vision.")
         for name in ("depth", "hidden", "intermediate", "heads", "out_hidden", "patch_size", "temporal_patch_size",
                      "spatial_merge_size", "in_channels", "num_position_embeddings"):
             _check(getattr(self, name) > 0, f"vision.{name}", getattr(self, name), "> 0")
@@ -196,6 +198,7 @@ class ModelConfig:
     vision: VisionConfig | None = None  # the image encoder of a vision-language model
 
     def __post_init__(self):
+        _check_numbers(self, "")
         _check(self.family in FAMILIES, "family", self.family, f"one of {FAMILIES}")
         for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "max_position"):
             _check(getattr(self, name) > 0, name, getattr(self, name), "> 0")
@@ -360,6 +363,25 @@ def _check(ok: bool, name: str, value: Any, expected: str) -> None:
         raise ValueError(f"ModelConfig.{name} = {value!r}: expected {expected}")
 
 
+def _number(value: Any) -> Any:
+    """A config.json number as a float; anything else as it is, for the config's checks to refuse by name (a
+    string such as "1e6" is not read as a number)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+
+def _check_numbers(config: Any, prefix: str) -> None:
+    """Each ``int`` field of the dataclass ``config`` holds an int and each ``float`` field a number (bools are
+    neither), before any comparison: a config.json with ``"num_hidden_layers": "2"`` gets a ValueError naming the
+    field, not a TypeError from inside the checks."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        kinds = {int: (int,), "int": (int,), float: (int, float), "float": (int, float),
+                 float | None: (int, float, type(None)), "float | None": (int, float, type(None))}.get(field.type)
+        if kinds is not None:
+            _check(isinstance(value, kinds) and not isinstance(value, bool), prefix + field.name, value,
+                   "an int" if kinds == (int,) else "a number")
+
+
 def _require(config: dict[str, Any], key: str) -> Any:
     if config.get(key) is None:
         raise ValueError(f"config.json has no {key!r} (needed for {_hf_family(config)})")
@@ -499,7 +521,7 @@ def _hf_rope(config: dict[str, Any], family: str) -> RopeConfig:
     if hf_kind not in HF_ROPE_TYPES:
         raise ValueError(f"config.json {source} rope_type = {hf_kind!r}: expected one of {list(HF_ROPE_TYPES)}")
     kind = HF_ROPE_TYPES[hf_kind]
-    fields: dict[str, Any] = dict(theta=float(theta), kind=kind,
+    fields: dict[str, Any] = dict(theta=_number(theta), kind=kind,
                                   interleaved=family == "deepseek_v3" and config.get("rope_interleave", True))
     original = params.get("original_max_position_embeddings") or config.get("max_position_embeddings")
     factor = params.get("factor")
@@ -508,14 +530,14 @@ def _hf_rope(config: dict[str, Any], family: str) -> RopeConfig:
     if kind != "none":
         if factor is None:
             raise ValueError(f"config.json {source} has no 'factor' (needed for {hf_kind} scaling)")
-        fields["factor"] = float(factor)
+        fields["factor"] = _number(factor)
     if kind == "llama3":
-        fields.update(original_max_position=original, low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-                      high_freq_factor=float(params.get("high_freq_factor", 4.0)))
+        fields.update(original_max_position=original, low_freq_factor=_number(params.get("low_freq_factor", 1.0)),
+                      high_freq_factor=_number(params.get("high_freq_factor", 4.0)))
     elif kind == "yarn":
         # As in transformers: a missing or 0 beta takes its default (`x or default`); mscale 0 means unset.
-        fields.update(original_max_position=original, beta_fast=float(params.get("beta_fast") or 32.0),
-                      beta_slow=float(params.get("beta_slow") or 1.0), mscale=float(params.get("mscale") or 0.0),
-                      mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        fields.update(original_max_position=original, beta_fast=_number(params.get("beta_fast") or 32.0),
+                      beta_slow=_number(params.get("beta_slow") or 1.0), mscale=_number(params.get("mscale") or 0.0),
+                      mscale_all_dim=_number(params.get("mscale_all_dim") or 0.0),
                       attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)))
     return RopeConfig(**fields)
