@@ -369,14 +369,16 @@ def _number(value: Any) -> Any:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
 
 
+_NUMBER_TYPES = {int: (int,), float: (int, float), float | None: (int, float, type(None))}  # annotation: accepted
+
+
 def _check_numbers(config: Any, prefix: str) -> None:
     """Each ``int`` field of the dataclass ``config`` holds an int and each ``float`` field a number (bools are
     neither), before any comparison: a config.json with ``"num_hidden_layers": "2"`` gets a ValueError naming the
     field, not a TypeError from inside the checks."""
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        kinds = {int: (int,), "int": (int,), float: (int, float), "float": (int, float),
-                 float | None: (int, float, type(None)), "float | None": (int, float, type(None))}.get(field.type)
+        kinds = _NUMBER_TYPES.get(field.type)
         if kinds is not None:
             _check(isinstance(value, kinds) and not isinstance(value, bool), prefix + field.name, value,
                    "an int" if kinds == (int,) else "a number")

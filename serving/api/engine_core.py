@@ -254,7 +254,7 @@ class EngineCore:
                 continue
             event["outputs"].append([out.request_id, out.index, out.token_id, out.finished, out.finish_reason,
                                      out.logprobs])
-            if out.finished and out.request_id in self.unfinished:
+            if out.finished:
                 self.unfinished[out.request_id] -= 1
                 if self.unfinished[out.request_id] == 0:
                     del self.unfinished[out.request_id]

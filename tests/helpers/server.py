@@ -1,6 +1,6 @@
 """Shared by the API tests (no tests here): the tiny Llama fixture with a byte-level tokenizer and a chat
-template written for it, the tiny Qwen3-VL-MoE fixture with one whose template writes image placeholders, and a
-server on loopback."""
+template written for it, the tiny Qwen3-VL-MoE fixture with one whose template writes image placeholders, a
+server on loopback, and a request whose output constraint fails beside a running stream."""
 
 import contextlib
 import json
@@ -8,6 +8,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import jax.numpy as jnp
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -92,3 +93,18 @@ def running_server(engine: Engine, name: str = MODEL_NAME, **kwargs) -> Iterator
     app = create_app(engine, name, **kwargs)
     with Server(app) as server:
         yield server, app
+
+
+def failing_constraint_beside_a_stream(url: str, tokens: int, timeout_s: float) -> tuple[httpx.Response, list[dict]]:
+    """Stream a ``tokens``-token completion from the server at ``url`` and, once it runs, send a chat request whose
+    ``guided_regex`` compiles but fails at its first token (llguidance's lexer builds too many expressions for
+    ``a{1000000}``): (that request's response, the events of the stream, read to its end)."""
+    long = {"model": MODEL_NAME, "prompt": "x", "max_tokens": tokens, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=timeout_s) as running:
+        lines = running.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))  # the long request runs
+        bad = httpx.post(f"{url}/v1/chat/completions", timeout=timeout_s, json={
+            "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "guided_regex": "a{1000000}"})
+        rest = [first, *lines]
+    return bad, [json.loads(line[len("data: "):]) for line in rest if line.startswith("data: {")]

@@ -10,7 +10,7 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-from helpers.server import LLAMA, MODEL_NAME
+from helpers.server import LLAMA, MODEL_NAME, failing_constraint_beside_a_stream
 from prometheus_client import generate_latest
 
 from serving.api.engine_client import EngineStats
@@ -175,16 +175,9 @@ def test_a_constraint_that_fails_mid_output_fails_its_request_alone(api_server):
     """A regex the grammar library gives up on once used (``a{1000000}``) gets a 400 naming the failure, and a
     request running in the same steps streams to its end: one bad constraint used to fail the whole step."""
     # most of the 1024-token context: still decoding when the bad request's first step comes, on any machine
-    long = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{api_server.url}/v1/completions", json=long, timeout=TIMEOUT_S) as running:
-        lines = running.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))  # the long request runs
-        bad = httpx.post(f"{api_server.url}/v1/chat/completions", timeout=TIMEOUT_S, json={
-            "model": MODEL_NAME, "messages": chat(), "max_tokens": 4, "guided_regex": "a{1000000}"})
-        rest = [first, *lines]
+    bad, events = failing_constraint_beside_a_stream(api_server.url, 1000, TIMEOUT_S)
     error = bad.json()["error"]
     assert bad.status_code == 400 and "the output constraint failed" in error["message"], error
-    events = [json.loads(line[len("data: "):]) for line in rest if line.startswith("data: {")]
     assert all("error" not in e for e in events) and events[-1]["choices"][0]["finish_reason"] == "length"
 
 

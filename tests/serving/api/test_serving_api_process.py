@@ -24,7 +24,15 @@ import numpy as np
 import openai
 import pytest
 from helpers import HF, REPO
-from helpers.server import BLOCK, LLAMA, MODEL_NAME, make_engine, model_folder, write_tokenizer
+from helpers.server import (
+    BLOCK,
+    LLAMA,
+    MODEL_NAME,
+    failing_constraint_beside_a_stream,
+    make_engine,
+    model_folder,
+    write_tokenizer,
+)
 
 from serving.api import ipc
 from serving.api.engine_core import EngineCore
@@ -271,15 +279,9 @@ def test_a_non_streaming_client_that_disconnects_is_aborted(url):
 def test_a_constraint_that_fails_in_the_core_fails_its_request_alone(url):
     """The core's side of a constraint that fails mid-output (``a{1000000}``): the request gets a 400 naming it,
     its room is given back, and a request streaming in the same steps runs to its end."""
-    long = {"model": MODEL_NAME, "prompt": "x", "max_tokens": DISCONNECT_TOKENS, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=TIMEOUT_S) as running:
-        lines = running.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))  # the long request runs
-        bad = httpx.post(f"{url}{CHAT}", json=chat(max_tokens=4, guided_regex="a{1000000}"), timeout=TIMEOUT_S)
-        rest = [first, *lines]
+    bad, events = failing_constraint_beside_a_stream(url, DISCONNECT_TOKENS, TIMEOUT_S)
     error = bad.json()["error"]
     assert bad.status_code == 400 and "the output constraint failed" in error["message"], error
-    events = [json.loads(line[len("data: "):]) for line in rest if line.startswith("data: {")]
     assert all("error" not in e for e in events) and events[-1]["choices"][0]["finish_reason"] == "length"
     assert wait_until_idle(url, FREED_WITHIN_S)["in_flight"] == 0
 
