@@ -181,7 +181,7 @@ def test_config_is_a_static_jit_argument():
     (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
     (lambda c: c.update(quantization_config={"quant_method": "mxfp4"}), "quant_method"),
     (lambda c: c.update(rms_norm_eps=0.0), "rms_eps"),
-    (lambda c: c.update(num_hidden_layers="2"), r"ModelConfig.layers = '2': expected an int"),  # was a TypeError
+    (lambda c: c.update(num_hidden_layers="2"), r"ModelConfig.layers = '2': expected an int"),  # not a TypeError
     (lambda c: c.update(num_hidden_layers=2.0), "layers = 2.0: expected an int"),
     (lambda c: c.update(num_experts=True), "num_experts = True: expected an int"),
     (lambda c: c.update(rms_norm_eps="1e-6"), "rms_eps = '1e-6': expected a number"),

@@ -384,7 +384,7 @@ def test_smollm2_constrained_greedy_is_identical_with_speculation(smollm2_engine
 def test_a_constraint_that_fails_mid_output_fails_its_request_alone(smollm2_engine):
     """A regex whose lexer gives up once it is used (``a{1000000}``: llguidance builds too many expressions) ends
     its sequence with finish_reason "error" and the grammar's message; the unconstrained request of the same
-    steps runs to its end (a failing constraint used to fail the whole step, every request in it)."""
+    steps runs to its end (the failure stays with its own sequence, not the step)."""
     free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     bad, good = smollm2_engine.generate(["Say a", "The capital of France is"],
                                         [SamplingParams(temperature=0.0, max_tokens=8,

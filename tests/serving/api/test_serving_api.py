@@ -173,7 +173,7 @@ def test_bad_constraints_are_openai_shaped_400s(api_server, route):
 
 def test_a_constraint_that_fails_mid_output_fails_its_request_alone(api_server):
     """A regex the grammar library gives up on once used (``a{1000000}``) gets a 400 naming the failure, and a
-    request running in the same steps streams to its end: one bad constraint used to fail the whole step."""
+    request running in the same steps streams to its end: one bad constraint fails its own request only."""
     # most of the 1024-token context: still decoding when the bad request's first step comes, on any machine
     bad, events = failing_constraint_beside_a_stream(api_server.url, 1000, TIMEOUT_S)
     error = bad.json()["error"]

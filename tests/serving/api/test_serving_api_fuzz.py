@@ -1,12 +1,11 @@
 """Seeded random bodies against every POST route never get a 5xx: each valid request below is mutated (a value
-replaced by one of ``VALUES``, a field deleted, a known field added with a random value, a constraint swapped
-for one of ``CONSTRAINTS``), sent plain or streamed, and the answer must be a 2xx, or a 4xx JSON error; a stream
-must carry no 5xx error event; the server is healthy, with nothing in flight, at the end.
+replaced by one of ``VALUES``, a field deleted, a known field added with a random value, an output constraint
+built from ``SCHEMAS`` or ``REGEXES``), sent plain or streamed, and the answer must be a 2xx, or a 4xx JSON
+error; a stream must carry no 5xx error event; the server is healthy, with nothing in flight, at the end.
 
 The table of bad payloads (``test_serving_api_payloads.py``) names each case and its message; this test looks for
-the cases nobody listed. It found an unpaired surrogate escape echoed into a response (a 500), a top_k past int32
-that failed the whole engine step, and a regex whose grammar fails mid-output (``a{1000000}``), which failed
-every request of its step."""
+the cases nobody listed: values echoed back that cannot be encoded, numbers past what the engine's arrays hold,
+and output constraints that fail only once used, each of which must fail its own request with a 4xx."""
 
 import copy
 import json

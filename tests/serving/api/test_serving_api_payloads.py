@@ -74,7 +74,7 @@ BAD = {
         "name": "f", "parameters": "DEEP"}}], tool_choice="required"), 5000), 400, "deeper than"),
     "5k-deep anthropic tool schema": (MESSAGES_ROUTE, with_deep_schema(messages(tools=[
         {"name": "f", "input_schema": "DEEP"}]), 5000), 400, "deeper than"),
-    # an escaped lone surrogate parses to a str that UTF-8 cannot encode: echoed back, it failed the response
+    # an escaped lone surrogate parses to a str that UTF-8 cannot encode, so no response could echo it
     "lone surrogate in content": (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", '
                                         b'"content": "a\\ud800"}]}', 400,
                                   "body.messages[0].content holds an unpaired UTF-16 surrogate"),
@@ -98,7 +98,7 @@ BAD = {
     "min_p 2": (CHAT, chat(min_p=2), 400, "min_p"),
     "top_k -5": (CHAT, chat(top_k=-5), 400, "top_k"),
     "top_k a float": (CHAT, chat(top_k=1.5), 400, "top_k"),
-    "top_k past int32": (CHAT, chat(top_k=2**31), 400, "top_k"),  # the sampler's int32: it failed the whole step
+    "top_k past int32": (CHAT, chat(top_k=2**31), 400, "top_k"),  # past the sampler's int32: fails in the step
     "top_k past 64 bits": (CHAT, chat(top_k=2**64), 400, "top_k"),
     "n 0": (CHAT, chat(n=0), 400, "n"),
     "n huge": (CHAT, chat(n=10**9), 400, "n"),
