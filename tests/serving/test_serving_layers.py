@@ -11,6 +11,8 @@ from serving.config import ModelConfig, RopeConfig
 from serving.kv_cache import PAD, PagedKV, SeqChunk, make_batch, pack_step, unpack_step
 from serving.layers import apply_rope, moe, paged_attention, rms_norm, rope_frequencies, route, swiglu, yarn_mscale
 
+pytestmark = pytest.mark.usefixtures("float32_products")  # fp32 references on a GPU too (tests/conftest.py)
+
 RTOL = 1e-5  # fp32 results of reordered sums
 
 

@@ -243,6 +243,7 @@ def test_rows_asking_for_logprobs_run_several_steps_with_the_single_step_logprob
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.needs_devices(8)
 def test_on_a_mesh_the_hf_greedy_tokens():
     """Qwen3-MoE on a 2 x 2 x 2 mesh of host devices, 4 decode steps per call: HF's greedy tokens."""
     with np.load(HF / "qwen3_moe" / "reference.npz") as ref:
@@ -261,24 +262,29 @@ def test_decode_steps_must_be_positive_and_the_cli_flag_sets_it(folder):
     with pytest.raises(ValueError, match=r"expected n >= 1"):
         DecodeSteps(0)
     command = ["serve", "--model", str(folder), "--num-blocks", "16"]
-    for flags, expected in (([], 1), (["--decode-steps", "4"], 4)):
-        assert cli._engine(serving_main.parser().parse_args(command + flags))[0].decode_steps == DecodeSteps(expected)
+    for flags, expected in (([], engine_module.default_decode_steps()), (["--decode-steps", "4"], DecodeSteps(4))):
+        assert cli._engine(serving_main.parser().parse_args(command + flags))[0].decode_steps == expected
 
 
 def test_decode_steps_by_batch_run_more_steps_per_call_for_a_small_batch_with_the_same_tokens(folder, monkeypatch):
-    """``DecodeSteps(2, small_n=4, small_batch=1)``: one sequence alone decodes 4 tokens per call, two decode 2
-    (the CPU pads a decode batch to no more than its size); the tokens are the single steps'. The GPU's default
-    takes 16 steps for batches padded to 8, 8 above."""
+    """``DecodeSteps(2, small_n=4, small_batch=1)``: a decode batch padded to one sequence decodes 4 tokens per
+    call, one padded to more decodes 2 (the CPU pads a decode batch to no more than its size, so one sequence alone
+    takes 4 and two take 2; a GPU pads both to 8); the tokens are the single steps'. The GPU's default takes 16
+    steps for batches padded to 8, 8 above."""
     by_batch = DecodeSteps(2, small_n=4, small_batch=1)
     assert [by_batch.at(b) for b in (1, 2, 8)] == [4, 2, 2]
     assert [engine_module.DECODE_STEPS["gpu"].at(b) for b in (8, 16, 64)] == [16, 8, 8]
     params = dataclasses.replace(GREEDY, max_tokens=17, ignore_eos=True)  # a prefill token, then 16 decoded
     prompts = prompts_of(engine(folder, 1))[:2]
-    for batch, calls_wanted in ((1, 16 // 4), (2, 16 // 2)):
+    steps = []
+    for batch in (1, 2):
         want = [r.outputs[0].token_ids for r in engine(folder, 1).generate(prompts[:batch], params)]
         calls = count_calls(monkeypatch, "_decode_steps")
-        got = [r.outputs[0].token_ids for r in engine(folder, by_batch).generate(prompts[:batch], params)]
-        assert got == want and len(calls) == calls_wanted, batch
+        eng = engine(folder, by_batch)
+        got = [r.outputs[0].token_ids for r in eng.generate(prompts[:batch], params)]
+        steps.append(by_batch.at(eng.runner.decode_tokens(batch)))
+        assert got == want and len(calls) == 16 // steps[-1], batch
+    assert steps == ([4, 2] if jax.default_backend() == "cpu" else [2, 2])
 
 
 def test_eager_admission_runs_one_step_after_a_finish_and_lets_a_late_request_in_sooner(folder, monkeypatch):

@@ -68,6 +68,7 @@ def _check_valid(engine: Engine, spec: ConstraintSpec, ids: list[int]) -> None:
 
 
 @pytest.mark.slow  # ~40 s on 2 shared cores: four SmolLM2 batches of ~20 decode steps
+@pytest.mark.smollm2
 def test_overlapped_masks_give_the_serial_tokens(engine):
     constrained = [(prompt, dataclasses.replace(params, constraint=spec)) for prompt, spec, params in CONSTRAINED]
     masks_before = engine.runner.mask_seconds
@@ -87,6 +88,7 @@ def test_overlapped_masks_give_the_serial_tokens(engine):
     assert overlapped[3:3 + len(FREE)] == free_alone  # the masks of the other rows do not reach these
 
 
+@pytest.mark.smollm2
 def test_masks_are_computed_while_the_forward_pass_runs(engine, monkeypatch):
     """Overlapped: each step dispatches the forward pass, then computes the masks; serial: the other order. The real
     functions run (the wrappers only record the order)."""

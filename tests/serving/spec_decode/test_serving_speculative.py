@@ -195,8 +195,10 @@ def test_greedy_output_is_identical_with_and_without_speculation(drafter):
 def test_seeded_sampled_requests_are_reproducible_alone_and_batched(drafter):
     prompts, greedy = reference()
     sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=12, seed=7, logprobs=1)
-    alone = engine(drafter).generate([prompts[0]], sampled)[0]
-    eng = engine(drafter)
+    # single steps: a step without drafts is a multi-step call where decode_steps > 1 (a GPU's default), which
+    # could decode the 12 tokens before the drafter finds any
+    alone = engine(drafter, decode_steps=1).generate([prompts[0]], sampled)[0]
+    eng = engine(drafter, decode_steps=1)
     batched = eng.generate([prompts[1], prompts[0]],
                            [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), sampled])
     assert alone.outputs[0].token_ids == batched[1].outputs[0].token_ids
