@@ -182,7 +182,8 @@ def test_clamped_output_moves_hidden_free_output_stays_at_zero_error():
         free = pc.settle(params, x0, net, T=20, dt=0.1, solver=solver)
         assert float(free.energy) == 0.0
         for l, (x, f) in enumerate(zip(free.xs, ff, strict=True)):
-            np.testing.assert_array_equal(x, f, err_msg=f"free x_{l} moved ({solver})")
+            # to an ulp: on a GPU the settle's forward pass and pc.forward compile apart and may round apart
+            np.testing.assert_allclose(x, f, rtol=1e-6, atol=1e-6, err_msg=f"free x_{l} moved ({solver})")
 
 
 def test_early_stop_at_steady_state():
