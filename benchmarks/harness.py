@@ -2,8 +2,9 @@
 
 A benchmark script times its cases with `time_jax` / `time_torch`, then calls `write_results(name,
 payload)` (and `save_plot(fig, name)`), which write `benchmarks/results/{name}.json|png` with
-`run_metadata()` attached. On the GPU machine, set `APEX_GIT_COMMIT` (its copy of the tree has no
-`.git`); files are also copied to `$OUT`, the folder that machine sends back.
+`run_metadata()` attached. On the GPU machine, set `APEX_GIT_COMMIT` (its copy of the tree may carry an older
+checkout's `.git`, whose HEAD `git_commit` then marks `+modified`); files are also copied to `$OUT`, the folder
+that machine sends back.
 """
 
 import contextlib
@@ -141,18 +142,22 @@ def time_torch(fn: Callable[[], Any], warmup: int = 3, iters: int = 30) -> Timin
     return _summarize(times_ms)
 
 
-def git_commit() -> str:
-    """``$APEX_GIT_COMMIT`` where set (a device call's copy of the tree may carry another clone's .git), else git's
-    HEAD, else "unknown"."""
+def git_commit(where: Path | None = None) -> str:
+    """``$APEX_GIT_COMMIT`` where set, else the HEAD of the git checkout holding ``where`` (default: this file's)
+    with ``+modified`` where tracked files differ from it, else "unknown". A device call's copy of the tree carries the .git of the session's first checkout, whose HEAD is not
+    the tree that ran: the suffix says so rather than naming that older commit as the code measured."""
     if commit := os.environ.get("APEX_GIT_COMMIT"):
         return commit
+    here = where or Path(__file__).resolve().parent
     try:
-        result = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True
-        )
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                capture_output=True, text=True)
     except OSError:  # git is not installed
         return "unknown"
-    return result.stdout.strip() if result.returncode == 0 else "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("+modified" if status.returncode == 0 and status.stdout.strip() else "")
 
 
 def run_metadata() -> dict[str, Any]:

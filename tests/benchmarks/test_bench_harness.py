@@ -1,6 +1,7 @@
 """Tests of benchmarks/harness.py: timers, result files and tables."""
 
 import json
+import subprocess
 import sys
 import types
 
@@ -75,6 +76,24 @@ def test_write_results(tmp_path, monkeypatch):
     assert meta["git_commit"] == "abc123" and meta["note"] == "hi" and meta["platform"] == "cpu"
     assert {"python", "jax", "jaxlib", "numpy", "optax"} <= set(meta["versions"])
     assert (tmp_path / "out" / "demo.json").read_text() == path.read_text()
+
+
+def test_git_commit_names_head_and_says_when_tracked_files_differ_from_it(tmp_path, monkeypatch):
+    """A device call's tree comes with the .git of an older checkout: its HEAD alone would name the wrong code."""
+    monkeypatch.delenv("APEX_GIT_COMMIT", raising=False)
+    assert harness.git_commit(tmp_path) == "unknown"  # no checkout
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    (tmp_path / "untracked.txt").write_text("results\n")
+    assert harness.git_commit(tmp_path) == head  # untracked files (results, logs) change nothing
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert harness.git_commit(tmp_path) == head + "+modified"
+    monkeypatch.setenv("APEX_GIT_COMMIT", "abc123")
+    assert harness.git_commit(tmp_path) == "abc123"
 
 
 def test_write_results_into_out_itself(tmp_path, monkeypatch):
