@@ -144,8 +144,9 @@ def time_torch(fn: Callable[[], Any], warmup: int = 3, iters: int = 30) -> Timin
 
 def git_commit(where: Path | None = None) -> str:
     """``$APEX_GIT_COMMIT`` where set, else the HEAD of the git checkout holding ``where`` (default: this file's)
-    with ``+modified`` where tracked files differ from it, else "unknown". A device call's copy of the tree carries the .git of the session's first checkout, whose HEAD is not
-    the tree that ran: the suffix says so rather than naming that older commit as the code measured."""
+    with ``+modified`` where tracked files differ from it, else "unknown". A device call's copy of the tree carries
+    the .git of the session's first checkout, whose HEAD is not the tree that ran: the suffix says so rather than
+    naming that older commit as the code measured."""
     if commit := os.environ.get("APEX_GIT_COMMIT"):
         return commit
     here = where or Path(__file__).resolve().parent
