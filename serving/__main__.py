@@ -23,6 +23,7 @@ from pathlib import Path
 from serving import enable_command_buffers, quantization, weights
 from serving.api import cli as api_cli
 from serving.config import QUANT_METHOD, ModelConfig
+from serving.json_files import read_json
 from serving.llm_engine import DTYPES
 from serving.loaders import quantized
 from serving.loaders.gguf import load_gguf
@@ -54,7 +55,7 @@ def quantize_command(args: argparse.Namespace) -> Path:
         if qconfig is not None and qconfig.get("quant_method") == QUANT_METHOD:  # others dequantize at load or fail
             raise ValueError(f"--model {args.model!r} is already quantized ({qconfig}): expected an unquantized "
                              "checkpoint")
-        hf_config = json.loads((source / "config.json").read_text())
+        hf_config = read_json(source / "config.json")
         tensors, tokenizer = read_tensors(source), None
     elif source.is_file():
         hf_config, tensors, tokenizer = load_gguf(source)

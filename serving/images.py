@@ -19,7 +19,6 @@ import binascii
 import dataclasses
 import hashlib
 import io
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ import numpy as np
 import PIL.Image
 
 from serving.config import VisionConfig
+from serving.json_files import read_json
 
 PROCESSOR_FILE = "preprocessor_config.json"
 MAX_ASPECT_RATIO = 200  # smart_resize refuses longer sides more than 200x the shorter (as HF's processor)
@@ -67,7 +67,7 @@ class ImageProcessorConfig:
         if not file.is_file():
             raise FileNotFoundError(f"no {PROCESSOR_FILE} in {str(path)!r}: a vision-language checkpoint needs its "
                                     "image processor's settings")
-        raw = json.loads(file.read_text())
+        raw = read_json(file)
         for key, expected in (("do_resize", True), ("do_rescale", True), ("do_normalize", True),
                               ("do_convert_rgb", True), ("resample", 3)):
             if raw.get(key, expected) != expected:

@@ -59,7 +59,6 @@ import concurrent.futures
 import contextvars
 import dataclasses
 import itertools
-import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -83,6 +82,7 @@ from serving.engine.sampler import SampleRow
 from serving.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.engine.scheduler import ScheduledChunk, Scheduler
 from serving.images import ImageInput, ImageProcessorConfig, RequestImages, expand_placeholders
+from serving.json_files import read_json
 from serving.kv_cache import PagedKV, PagedLatentKV, SeqChunk
 from serving.loaders import LoadedModel, load_model
 from serving.models import model_module
@@ -281,7 +281,7 @@ def resolve_dtype(dtype: str | jnp.dtype, model: str | Path | LoadedModel | None
         return jnp.dtype(jnp.float32)
     config = Path(model) / "config.json" if model is not None else None
     if config is not None and config.is_file():
-        hf = json.loads(config.read_text())
+        hf = read_json(config)
         if (hf.get("torch_dtype") or hf.get("dtype")) == "float16":
             return jnp.dtype(jnp.float16)
     return jnp.dtype(jnp.bfloat16)

@@ -27,6 +27,8 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from serving.json_files import read_json
+
 # What decoding an incomplete UTF-8 sequence yields: a byte-level token can end inside a character.
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -212,8 +214,11 @@ class Tokenizer:
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"{tokenizer_file} not found: expected a Hugging Face tokenizer folder")
-        hf = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        config = _read_json(path / "tokenizer_config.json")
+        try:
+            hf = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{tokenizer_file}: not a tokenizers file ({e})") from None
+        config = read_json(path / "tokenizer_config.json", missing={})
         special_tokens = {}
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
             token = config.get(key)
@@ -227,7 +232,7 @@ class Tokenizer:
             if eos_id is None:
                 raise ValueError(f"{path}: eos_token {special_tokens['eos_token']!r} is not in the vocabulary")
             eos_ids.append(eos_id)
-        generation_eos = _read_json(path / "generation_config.json").get("eos_token_id", [])
+        generation_eos = read_json(path / "generation_config.json", missing={}).get("eos_token_id", [])
         eos_ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
         return cls(hf, chat_template=_hf_chat_template(path, config), special_tokens=special_tokens,
                    eos_token_ids=eos_ids)
@@ -297,16 +302,6 @@ def _required(metadata: Mapping[str, Any], key: str) -> Any:
     if key not in metadata:
         raise ValueError(f"GGUF metadata has no {key!r}: cannot build the tokenizer")
     return metadata[key]
-
-
-def _read_json(path: Path) -> dict:
-    """The JSON object in `path`, or {} when the file does not exist."""
-    if not path.is_file():
-        return {}
-    value = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a {type(value).__name__}, expected a JSON object")
-    return value
 
 
 def _hf_chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:

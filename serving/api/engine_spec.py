@@ -14,7 +14,6 @@ tensor_parallel x expert_parallel`` is the mesh over every device of the process
 """
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from jax.sharding import Mesh
 from serving import sharding
 from serving.config import ModelConfig
 from serving.images import PROCESSOR_FILE
+from serving.json_files import read_json
 from serving.llm_engine import DTYPES as ENGINE_DTYPES
 from serving.llm_engine import Engine, resolve_dtype
 from serving.loaders.model import LoadedModel, eos_from_folder, image_processor_from_folder, load_model
@@ -179,14 +179,14 @@ def _config_file(model: str) -> Path:
 def _check_config(config: Path) -> None:
     """``ModelConfig.from_hf`` of the file ``config``, its ValueError prefixed with the file."""
     try:
-        ModelConfig.from_hf(json.loads(config.read_text()))
+        ModelConfig.from_hf(read_json(config))
     except ValueError as e:
         raise ValueError(f"--model {str(config.parent)!r}: {e}") from None
 
 
 def _load_random(config: Path, dtype: jnp.dtype) -> LoadedModel:
     """Random weights of the model ``config`` describes, with the tokenizer beside it if any."""
-    cfg = ModelConfig.from_hf(json.loads(config.read_text()))
+    cfg = ModelConfig.from_hf(read_json(config))
     params = model_module(cfg.family).init_params(cfg, jax.random.key(RANDOM_WEIGHTS_SEED), dtype)
     folder = config.parent
     tokenizer = Tokenizer.from_hf_folder(folder) if (folder / "tokenizer.json").is_file() else None

@@ -5,7 +5,6 @@ tokenizer and eos ids that come with the checkpoint (and a vision-language model
 folder whose config.json has a ``quantization_config`` holds quantized params (``quantized.py``).
 """
 
-import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -14,6 +13,7 @@ import jax.numpy as jnp
 from serving import weights
 from serving.config import QUANT_METHOD, ModelConfig
 from serving.images import ImageProcessorConfig
+from serving.json_files import read_json
 from serving.loaders import quantized
 from serving.loaders.gguf import load_gguf
 from serving.loaders.safetensors import read_checkpoint
@@ -44,10 +44,9 @@ def load_params(path: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[Mode
 def eos_from_folder(path: Path) -> tuple[int, ...]:
     """eos ids of a HF folder without a tokenizer: generation_config.json, else config.json."""
     for name in ("generation_config.json", "config.json"):
-        if (path / name).is_file():
-            eos = json.loads((path / name).read_text()).get("eos_token_id")
-            if eos is not None:
-                return tuple(eos) if isinstance(eos, list) else (eos,)
+        eos = read_json(path / name, missing={}).get("eos_token_id")
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, list) else (eos,)
     return ()
 
 

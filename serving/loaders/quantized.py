@@ -17,6 +17,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from serving.config import QUANT_METHOD, ModelConfig
+from serving.json_files import read_json
 from serving.loaders.safetensors import quantization_config, read_file
 from serving.models import model_module
 from serving.quantization import KINDS, QuantizedWeight, is_quantized, quantize_params, with_expert_layout
@@ -69,7 +70,7 @@ def load_quantized(path: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[M
     if not qconfig or qconfig.get("quant_method") != QUANT_METHOD or qconfig.get("kind") not in KINDS:
         raise ValueError(f"checkpoint {str(path)!r} has quantization_config {qconfig!r}: expected quant_method="
                          f"{QUANT_METHOD!r} with kind in {list(KINDS)} (the format save_quantized writes)")
-    cfg = ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
+    cfg = ModelConfig.from_hf(read_json(Path(path) / "config.json"))
     module = model_module(cfg.family)
     # The pytree save_quantized wrote, as shapes and dtypes, without computing any weight.
     expected = jax.eval_shape(

@@ -6,16 +6,16 @@ exist and hold every tensor the index puts in it. ``read_file`` is the one reade
 tensors (quantized checkpoints) included.
 """
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import safetensors
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from serving.config import ModelConfig
+from serving.json_files import read_json
 from serving.loaders import fp8_blocks, mxfp4
 
 SINGLE_FILE = "model.safetensors"
@@ -30,15 +30,12 @@ def read_config(path: str | Path) -> ModelConfig:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in checkpoint folder {str(path)!r}")
-    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+    return ModelConfig.from_hf(read_json(config_file))
 
 
 def quantization_config(path: str | Path) -> dict | None:
     """The ``quantization_config`` of the checkpoint folder ``path``'s config.json, or None (not quantized)."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return None
-    return json.loads(config_file.read_text()).get("quantization_config")
+    return read_json(Path(path) / "config.json", missing={}).get("quantization_config")
 
 
 def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
@@ -47,7 +44,7 @@ def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
     folder = Path(path)
     index_file = folder / INDEX_FILE
     if index_file.is_file():
-        weight_map = json.loads(index_file.read_text()).get("weight_map")
+        weight_map = read_json(index_file).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index_file} has no 'weight_map' of tensor name -> shard file")
         shards: dict[str, list[str]] = {}
@@ -70,7 +67,11 @@ def read_file(file: str | Path, names: Sequence[str] | None = None, source: str 
     """The tensors ``names`` (None: all, sorted by name) of one safetensors file as numpy arrays (bf16 as
     ``ml_dtypes.bfloat16``, float8 as ``ml_dtypes.float8_e4m3fn``). A name the file lacks -> ValueError naming
     ``source`` (default: the file)."""
-    with safe_open(file, framework="np") as f:
+    try:
+        opened = safe_open(file, framework="np")
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+    with opened as f:
         stored = set(f.keys())
         missing = [n for n in names or () if n not in stored]
         if missing:
