@@ -18,7 +18,8 @@ runs the same test files on a real GPU with the machine's own ``python3`` (its j
    (``gpu_check_parts.json`` for ``--set parts``).
 
 Tests marked ``needs_devices`` are left out: they need a mesh of several devices, which CI's CPU has (8 host
-devices) and a one-GPU machine has not.
+devices) and a one-GPU machine has not; so are those of ``LEFT_OUT`` whose data wheel was not carried. The table's
+"left out" column counts them per job.
 
 Exit status 0 only when every job passed and none was skipped or failed.
 """
@@ -31,6 +32,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -142,8 +144,10 @@ def run_job(name: str, args: list[str], reports: Path, env: dict[str, str]) -> d
                   "skipped": int(suite.get("skipped", 0))}
         counts["passed"] = total - counts["failed"] - counts["skipped"]
     ok = not timed_out and counts["failed"] == 0 and counts["skipped"] == 0 and counts["passed"] > 0
-    return {"job": name, "ok": ok, **counts, "timed_out": timed_out, "seconds": round(seconds, 1),
-            "output_tail": output[-20000:]}
+    # left out by the job's -m / -k (LEFT_OUT's data, needs_devices): counted on pytest's summary line only
+    deselected = re.findall(r"(\d+) deselected", output)
+    return {"job": name, "ok": ok, **counts, "deselected": int(deselected[-1]) if deselected else 0,
+            "timed_out": timed_out, "seconds": round(seconds, 1), "output_tail": output[-20000:]}
 
 
 def versions() -> dict:
@@ -207,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     target.write_text(json.dumps({**summary, "jobs": [{k: v for k, v in r.items() if k != "output_tail"}
                                                       for r in results]}, indent=1) + "\n")
     width = max(len(r["job"]) for r in results)
-    print(f"\n{'job':<{width}}  result  passed  failed  skipped  seconds")
+    print(f"\n{'job':<{width}}  result  passed  failed  skipped  left out  seconds")
     for r in results:
         verdict = "ok" if r["ok"] else ("TIMEOUT" if r["timed_out"] else "FAIL")
         print(f"{r['job']:<{width}}  {verdict:<6}  {r['passed']:>6}  {r['failed']:>6}  {r['skipped']:>7}  "
-              f"{r['seconds']:>7.1f}")
+              f"{r['deselected']:>8}  {r['seconds']:>7.1f}")
     print(f"{device.device_kind}: {sum(r['ok'] for r in results)}/{len(results)} jobs ok in {total_s:.0f} s; "
           f"details in {target} and {logs / f'{name}.log'}")
     return 0 if summary["ok"] else 1

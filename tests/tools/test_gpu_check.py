@@ -41,3 +41,16 @@ def test_parts_set_leaves_out_data_that_does_not_travel(env):
 def test_no_file_is_in_two_sets():
     files = [name for names in gpu_check.SETS.values() for name in names]
     assert len(files) == len(set(files))
+
+
+def test_a_job_counts_its_tests_and_those_it_left_out(tmp_path):
+    """run_job's counts come from the job's own pytest run: a deselected test is neither passed nor skipped, and
+    the table shows it apart so that a job with data left out does not read as complete."""
+    tests = tmp_path / "test_sample.py"
+    tests.write_text("def test_runs():\n    assert True\n\n\ndef test_smollm2_needs_weights():\n    assert True\n")
+    result = gpu_check.run_job("sample", [str(tests), "-k", "not smollm2"], tmp_path, dict(os.environ))
+    assert (result["ok"], result["passed"], result["failed"], result["skipped"], result["deselected"]) == \
+        (True, 1, 0, 0, 1)
+    tests.write_text("def test_fails():\n    assert False\n")
+    result = gpu_check.run_job("sample", [str(tests)], tmp_path, dict(os.environ))
+    assert (result["ok"], result["passed"], result["failed"], result["deselected"]) == (False, 0, 1, 0)
