@@ -31,7 +31,7 @@ def test_tiny_tour_runs_every_step_and_every_variant_learns():
         assert step.name in text
     assert tour.results["pc_test_accuracy"] > 0.5
     served = tour.results["serving"]  # SmolLM2 through the loopback server and the openai client
-    assert "Paris" in served["reply"] and served["tokens_per_s"] > 0 and served["url"].startswith("http://127.0.0.1:")
+    assert "Mercury" in served["reply"] and served["tokens_per_s"] > 0 and served["url"].startswith("http://127.0.0.1:")
     assert served["completion_tokens"] > 1 and 0 < served["ttft_s"] < served["total_s"]
     summary = text[text.index("apex-jax tour"):]  # the summary table comes last, a line per part
     for part in ("apex_jax", "checkpoint", "pc", "serving"):
