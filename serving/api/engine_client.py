@@ -26,6 +26,7 @@ from serving.llm_engine import Engine, EngineFullError, StepOutput
 from serving.spec_decode import SpecStats
 
 OK = "ok"  # the status of a client that serves
+WARMING = "warming"  # the status of one that will serve once its engine has loaded and compiled; any other: stopped
 
 
 class EngineUnavailableError(RuntimeError):

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from serving.api.async_engine import RequestStream
-from serving.api.engine_client import OK, EngineClient, EngineUnavailableError
+from serving.api.engine_client import OK, WARMING, EngineClient, EngineUnavailableError
 from serving.api.errors import APIError, overloaded, sse_error
 from serving.api.images import ImageCollector, ImageOptions
 from serving.api.metrics import Metrics
@@ -205,7 +205,10 @@ class Frontend:
                cache_salt: str | None = None, images: list[ImageInput] | None = None) -> RequestStream:
         try:
             stream = self.async_engine.submit(prompt_ids, params, prefix, cache_salt, images)
-        except (EngineFullError, EngineUnavailableError) as e:
+        except EngineUnavailableError as e:
+            self.check_room()  # stopped since the route checked: that 503 has no Retry-After
+            raise overloaded(str(e)) from None
+        except EngineFullError as e:
             raise overloaded(str(e)) from None
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -237,13 +240,16 @@ class Frontend:
                 self.async_engine.abort(stream.request_id)
 
     def check_room(self) -> None:
-        """503 at once while the engine is not serving (warming up, stopped) or the server is full, before a
-        request is even parsed."""
+        """503 at once while the engine is not serving or the server is full, before a request is even parsed:
+        with Retry-After while it warms up or is full, without once it has stopped (nothing will change until the
+        server is restarted)."""
         status = self.async_engine.status()
         if status["status"] != OK:
             detail = status.get("error") or status.get("stage")
-            raise overloaded(f"the engine is not serving ({status['status']}{': ' + detail if detail else ''}): "
-                             "retry later")
+            state = f"{status['status']}{': ' + detail if detail else ''}"
+            if status["status"] == WARMING:
+                raise overloaded(f"the engine is not serving yet ({state}): retry later")
+            raise APIError(503, f"the engine has stopped ({state}): the server must be restarted")
         capacity = self.async_engine.capacity
         if capacity is not None and self.async_engine.in_flight >= capacity:
             raise overloaded(f"server is at capacity ({capacity} sequences in flight): retry later")

@@ -37,7 +37,7 @@ import zmq
 
 from serving.api import ipc
 from serving.api.async_engine import RequestStream
-from serving.api.engine_client import OK, Admission, EngineStats, EngineUnavailableError, OnStep
+from serving.api.engine_client import OK, WARMING, Admission, EngineStats, EngineUnavailableError, OnStep
 from serving.api.engine_core import run_core
 from serving.api.engine_spec import EngineSpec
 from serving.api.profiling import profiled
@@ -50,7 +50,7 @@ from serving.tokenizer import Tokenizer
 
 STOP_TIMEOUT_S = 30.0  # how long ``stop`` waits for the core to end before terminating it
 POLL_MS = 100  # the reader checks that the core lives when no event came for this long
-WARMING, STOPPED = "warming", "engine core stopped"
+STOPPED = "engine core stopped"
 log = logging.getLogger(__name__)
 
 

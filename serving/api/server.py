@@ -33,7 +33,7 @@ from serving.api import security
 from serving.api.anthropic_api import AnthropicRoutes
 from serving.api.async_engine import AsyncEngine
 from serving.api.dashboard import DashboardRoutes
-from serving.api.engine_client import OK
+from serving.api.engine_client import OK, WARMING
 from serving.api.engine_spec import EngineSpec
 from serving.api.errors import APIError, error_response
 from serving.api.frontend import Frontend
@@ -52,6 +52,7 @@ CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # uvicorn as the server runs it: uvloop's event loop and the httptools parser (C, not pure-Python asyncio and h11:
 # the front end's time per streamed chunk is what a client waits for at high concurrency), a JSON 400 for a
 # request it cannot parse, and a second for the streams still open at shutdown.
+ENGINE_WATCH_S = 0.5  # how often ``serve`` checks that its engine still runs
 UVICORN_OPTIONS = {"loop": "uvloop", "http": security.JSONErrorHTTPProtocol, "timeout_graceful_shutdown": 1}
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,29 @@ class Server:
 
 def serve(app: FastAPI, host: str = DEFAULT_HOST, port: int = 8000, api_key: str | None = None,
           log_level: str = "info") -> None:
-    """Serve ``app`` in the foreground (the CLI); refuses a non-loopback ``host`` without ``api_key``."""
+    """Serve ``app`` in the foreground (the CLI); refuses a non-loopback ``host`` without ``api_key``.
+
+    The server ends, and this raises ``SystemExit`` naming why, once its engine has stopped on its own (an engine
+    core that could not load the model or warm up, or whose process died; the in-process engine's thread ended):
+    such a server could answer nothing but 503s until restarted, and a supervisor restarts a process that exits."""
     security.check_bind(host, api_key)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, **UVICORN_OPTIONS)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, **UVICORN_OPTIONS))
+    engine, stopped = app.state.frontend.async_engine, []
+
+    def watch() -> None:
+        while not server.should_exit:
+            status = engine.status()  # before start-up (the lifespan starts the engine) an engine reads stopped
+            if server.started and status["status"] not in (OK, WARMING) and not server.should_exit:
+                stopped.append(status)
+                server.should_exit = True
+                return
+            time.sleep(ENGINE_WATCH_S)
+
+    threading.Thread(target=watch, name="serving-engine-watch", daemon=True).start()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down for, as uvicorn.run swallows it
+        pass
+    if stopped:
+        detail = stopped[0].get("error")
+        raise SystemExit(f"serve stopped: {stopped[0]['status']}{': ' + detail if detail else ''}")

@@ -374,6 +374,23 @@ def test_a_core_that_cannot_start_says_why(tmp_path):
         assert "could not start" in health.json()["error"]
         refused = httpx.post(f"{server.url}{CHAT}", json=chat(), timeout=TIMEOUT_S)
         assert refused.status_code == 503 and "could not start" in refused.json()["error"]["message"]
+        # permanent: no Retry-After (a warming server's 503 has one), and the message says what would help
+        assert "retry-after" not in refused.headers and "must be restarted" in refused.json()["error"]["message"]
+
+
+def test_serve_exits_naming_why_when_its_engine_core_cannot_start(tmp_path):
+    """``python -m serving serve`` does not stay up answering 503s for a model that cannot load: it exits 1 and
+    says why (a supervisor then sees a failed process, not a live one)."""
+    folder = model_folder(tmp_path)
+    (folder / "model.safetensors").unlink()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-m", "serving", "serve", "--model", str(folder), "--port", "0",
+                          "--num-blocks", "16"], capture_output=True, text=True, env=env, cwd=REPO,
+                         timeout=READY_WITHIN_S)
+    assert run.returncode == 1, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("serve stopped: engine core stopped: the engine core could not start: ") and \
+        "model.safetensors" in last, last
 
 
 FRONT_END = """
