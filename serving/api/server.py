@@ -52,8 +52,8 @@ CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # uvicorn as the server runs it: uvloop's event loop and the httptools parser (C, not pure-Python asyncio and h11:
 # the front end's time per streamed chunk is what a client waits for at high concurrency), a JSON 400 for a
 # request it cannot parse, and a second for the streams still open at shutdown.
-ENGINE_WATCH_S = 0.5  # how often ``serve`` checks that its engine still runs
 UVICORN_OPTIONS = {"loop": "uvloop", "http": security.JSONErrorHTTPProtocol, "timeout_graceful_shutdown": 1}
+ENGINE_WATCH_S = 0.5  # how often ``serve`` checks that its engine still runs
 log = logging.getLogger(__name__)
 
 
