@@ -3,11 +3,11 @@ for the front end's commands, answering each step with one event carrying every 
 
 Entry point ``run_core(spec, commands_address, events_address)``, started by ``ProcessEngine`` in a 'spawn'
 process (JAX is not fork-safe). The wire is ``ipc.py``'s. Its loop: take every command that has arrived
-(sleeping on the socket while there is no work; with ``--admission-window`` and a call in flight on the device,
-also those that arrive within its ``AdmissionWindow``), then step once if there is work, then send one ``step``
-event (outputs, finished requests, refusals, failures, acknowledged aborts, stats). Token ids cross the wire, never
-text: the front end detokenizes. A request's sequences therefore run without a detokenizer here unless the
-request has stop strings, which the engine must see in text to stop on.
+(sleeping on the socket while there is no work; with ``--admission-window``, a call in flight on the device and
+requests ended by the last event, also the new requests that arrive within its ``AdmissionWindow``), then step once
+if there is work, then send one ``step`` event (outputs, finished requests, refusals, failures, acknowledged
+aborts, stats). Token ids cross the wire, never text: the front end detokenizes. A request's sequences therefore
+run without a detokenizer here unless the request has stop strings, which the engine must see in text to stop on.
 
 The process ends on a ``stop`` command, and on its own when the process that started it dies (a watchdog thread
 waits on the parent's sentinel), so a server killed without a clean shutdown leaves no core behind.
@@ -107,11 +107,17 @@ def receive_commands(socket: zmq.Socket, block: bool) -> list:
             return commands
 
 
-def receive_within(socket: zmq.Socket, seconds: float) -> list:
-    """Every command on ``socket`` now or arriving within ``seconds`` (a ``stop`` ends the wait)."""
+def receive_within(socket: zmq.Socket, seconds: float, adds: int | None = None) -> list:
+    """Every command on ``socket`` now or arriving within ``seconds``; a ``stop`` ends the wait, and so does the
+    ``adds``-th new request when ``adds`` is given (the requests the wait is for have all come)."""
     deadline = time.perf_counter() + seconds
     commands = receive_commands(socket, block=False)
-    while not any(c[0] == ipc.STOP for c in commands) and (left_ms := int((deadline - time.perf_counter()) * 1e3)) > 0:
+
+    def done() -> bool:
+        kinds = [c[0] for c in commands]
+        return ipc.STOP in kinds or (adds is not None and kinds.count(ipc.ADD) >= adds)
+
+    while not done() and (left_ms := int((deadline - time.perf_counter()) * 1e3)) > 0:
         if socket.poll(left_ms):
             commands += receive_commands(socket, block=False)
     return commands
@@ -133,6 +139,10 @@ class AdmissionWindow:
     an engine bound by its host (no slack) waits nothing. A call that had ended before the host asked for its
     tokens (the window was too long: the device idled) counts as no slack, which closes the window for the next
     ``samples`` calls of its kind.
+
+    Only a turn after an event that ended requests waits (``EngineCore.run``), and only until as many new requests
+    have come as that event ended (a closed loop's clients each send one back): a turn that expects no request never
+    delays its dispatch, and one whose requests have all come dispatches at once.
 
     Off by default (``fraction`` 0; ``serve --admission-window F``): on a CPU, where a prompt chunk's step costs
     several decode steps, it measured slower (the README's serving figures), and a GPU default waits on its own
@@ -171,23 +181,25 @@ class EngineCore:
         self.window = window or AdmissionWindow()  # default: no wait
 
     def run(self) -> None:
-        """Serve until a ``stop`` command: each turn's commands (waiting for one while there is no work, and for
-        the ``AdmissionWindow`` of a call in flight while a request could still be admitted), one step event per
-        turn."""
+        """Serve until a ``stop`` command: each turn's commands (waiting for one while there is no work; after an
+        event that ended requests, while a request could still be admitted, for as many new ones within the
+        ``AdmissionWindow`` of the call in flight), one step event per turn."""
+        awaited = 0  # requests that ended in the last event: their closed-loop clients' next ones are on the way
         while True:
             engine = self.engine
             if not engine.has_unfinished():
                 commands, kind = receive_commands(self.commands, block=True), None
             else:
                 kind, start = engine.in_flight_kind, time.perf_counter()
-                window = self.window.seconds(kind) if kind is not None and engine.can_admit else 0.0
-                commands = receive_within(self.commands, window)
+                window = self.window.seconds(kind) if kind is not None and awaited and engine.can_admit else 0.0
+                commands = receive_within(self.commands, window, adds=awaited)
                 waited = time.perf_counter() - start
             if any(command[0] == ipc.STOP for command in commands):
                 return
             event = self.turn(commands)
             if kind is not None and engine.chained_wait_s is not None:
                 self.window.record(kind, waited, engine.chained_wait_s)
+            awaited = len(event["done"])
             self.send(event)
 
     def turn(self, commands: list[list]) -> dict:

@@ -4,8 +4,9 @@ dispatches the next call, so a request sent in reply to an event joins the very 
 
 ``AdmissionWindow``'s arithmetic, ``receive_within`` over real ZeroMQ sockets, and ``EngineCore.run`` over the tiny
 Llama fixture with a device made slow on purpose (each fetch waits ``DEVICE_S`` first, as a long device call
-would keep the host waiting): a request sent as soon as an event arrives is admitted in the next call dispatched,
-so its first token comes two events later, and the answers equal those of the engine alone."""
+would keep the host waiting): a request sent as soon as an event that ended another arrives is admitted in the
+next call dispatched, so its first token comes two events later; the turn that waited for it stopped waiting when
+it came; no other turn waited; and the answers equal those of the engine alone."""
 
 import argparse
 import queue
@@ -16,7 +17,7 @@ import pytest
 import zmq
 from helpers.server import make_engine, model_folder
 
-from serving.api import ipc
+from serving.api import engine_core, ipc
 from serving.api.cli import _spec, add_commands
 from serving.api.engine_core import AdmissionWindow, EngineCore, receive_within
 from serving.api.engine_spec import EngineSpec
@@ -102,23 +103,41 @@ def test_receive_within_collects_what_arrives_until_its_deadline(sockets):
     later(0.05, [ipc.STOP])
     start = time.perf_counter()
     assert receive_within(pull, 5.0) == [[ipc.STOP]] and time.perf_counter() - start < 2.0  # a stop ends it
+    later(0.05, [ipc.ABORT, "not an add"]), later(0.1, add("x", [1])), later(0.15, add("y", [2]))
+    start = time.perf_counter()
+    commands = receive_within(pull, 5.0, adds=2)  # the second new request ends the wait
+    assert [c[1] for c in commands] == ["not an add", "x", "y"] and time.perf_counter() - start < 2.0
 
 
-def test_a_request_sent_in_reply_to_an_event_joins_the_next_call(tmp_path, monkeypatch, sockets):
+def test_a_request_sent_in_reply_to_an_event_that_ended_one_joins_the_next_call(tmp_path, monkeypatch, sockets):
     folder = model_folder(tmp_path)
     engine = make_engine(folder, num_blocks=64)
     for name in ("fetch", "fetch_decode"):  # a slow device: every call keeps the host waiting for its tokens
         fetch = getattr(engine.runner, name)
         monkeypatch.setattr(engine.runner, name, lambda step, fetch=fetch: (time.sleep(DEVICE_S), fetch(step))[1])
+    waits: list[tuple[float, int | None, float]] = []  # per turn with work: (window, adds awaited, seconds waited)
+
+    def timed_receive_within(socket, seconds, adds=None):
+        start = time.perf_counter()
+        commands = receive_within(socket, seconds, adds)
+        waits.append((seconds, adds, time.perf_counter() - start))
+        return commands
+
+    monkeypatch.setattr(engine_core, "receive_within", timed_receive_within)
     push, pull = sockets
     events: queue.Queue = queue.Queue()
     core = EngineCore(engine, pull, events.put, AdmissionWindow(FRACTION))
     thread = threading.Thread(target=core.run, daemon=True)
     thread.start()
-    first = dict(max_tokens=40, ignore_eos=True, temperature=0.0)
-    push.send(ipc.pack(add("a", [5, 6, 7], **first)))
-    tokens: dict[str, list[int]] = {"a": [], "b": []}
-    sent_after = first_seen = None
+    # c decodes alone first (the slack of its calls measured), then a runs beside it and ends: the call in flight
+    # then is c's alone again, and b is sent in reply to the event that ended a
+    params = {"c": dict(max_tokens=30, ignore_eos=True, temperature=0.0),
+              "a": dict(max_tokens=4, ignore_eos=True, temperature=0.0),
+              "b": dict(max_tokens=5, ignore_eos=True, temperature=0.0)}
+    prompts = {"c": [4, 3], "a": [5, 6, 7], "b": [8, 9]}
+    push.send(ipc.pack(add("c", prompts["c"], **params["c"])))
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    sent_after = first_seen = turns_before = None
     done: set[str] = set()
     for index in range(1000):
         event = events.get(timeout=EVENT_TIMEOUT_S)
@@ -126,21 +145,25 @@ def test_a_request_sent_in_reply_to_an_event_joins_the_next_call(tmp_path, monke
             tokens[request_id].append(token_id)
         if first_seen is None and tokens["b"]:
             first_seen = index
-        if sent_after is None and len(tokens["a"]) >= 2:  # a decodes: a call is in flight, its slack measured
-            push.send(ipc.pack(add("b", [8, 9], max_tokens=5, ignore_eos=True, temperature=0.0)))
-            sent_after = index
+        if len(tokens["c"]) == 4 and not tokens["a"]:
+            push.send(ipc.pack(add("a", prompts["a"], **params["a"])))
         done |= set(event["done"])
-        if done == {"a", "b"}:
+        if sent_after is None and "a" in done:
+            push.send(ipc.pack(add("b", prompts["b"], **params["b"])))
+            sent_after, turns_before = index, len(waits)
+        if done == set(prompts):
             break
     push.send(ipc.pack([ipc.STOP]))
     thread.join(EVENT_TIMEOUT_S)
     assert not thread.is_alive()
-    # b reached the core during the window of the call in flight when a's event was sent: the next call the core
+    # b reached the core during the window of the call in flight when a's end was sent: the next call the core
     # dispatched ran b's prompt, and the event after that call's fetch carries b's first token.
     assert first_seen == sent_after + 2, (sent_after, first_seen)
-    assert max(map(core.window.seconds, core.window.slack)) >= FRACTION * DEVICE_S * 0.9
+    window, adds, waited = waits[turns_before]  # the turn after a's end waited for one request, until it came
+    assert adds == 1 and window >= FRACTION * DEVICE_S * 0.9 and waited < window / 2, waits[turns_before]
+    assert all(seconds == 0.0 for seconds, adds, _ in waits if not adds), waits  # none awaited: no wait
+    assert sum(1 for _, adds, _ in waits if adds) <= 2, waits  # after a's end and after c's (b may still run)
     alone = make_engine(folder, num_blocks=64)
-    expected = {rid: alone.generate([prompt], SamplingParams(**params))[0].outputs[0].token_ids
-                for rid, prompt, params in (("a", [5, 6, 7], first),
-                                            ("b", [8, 9], dict(max_tokens=5, ignore_eos=True, temperature=0.0)))}
+    expected = {rid: alone.generate([prompts[rid]], SamplingParams(**params[rid]))[0].outputs[0].token_ids
+                for rid in prompts}
     assert tokens == expected
