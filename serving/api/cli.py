@@ -164,8 +164,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                         help="quantize the loaded weights per output column before serving (attention and expert "
                              "projections; as `python -m serving quantize` writes them)")
     parser.add_argument("--admission-window", type=float, default=0.0, metavar="F",
-                        help="with a device call in flight, the engine core waits F of that kind of call's measured "
-                             "slack for new requests before dispatching the next call, which they then join (0: off; "
+                        help="after an event that ended requests, with a device call in flight, the engine core "
+                             "waits up to F of that kind of call's measured slack for as many new requests before "
+                             "dispatching the next call, which they then join (0: off; "
                              "serving.api.engine_core.AdmissionWindow)")
     parser.add_argument("--compilation-cache", default=True, metavar="DIR",
                         help="JAX's persistent compilation cache (default: jax-compilation in $APEX_JAX_CACHE, "
