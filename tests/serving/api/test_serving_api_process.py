@@ -46,7 +46,7 @@ NUM_BLOCKS = 512
 TIMEOUT_S = 120
 READY_WITHIN_S = 240  # spawn, import jax, load the fixture, on 2 busy cores
 FREED_WITHIN_S = 2.0  # the abort's round trip: a step in progress, then the core's acknowledgement
-FAST_503_S = 0.1
+FAST_503_S = 0.25  # test_serving_api_reliability.FAST_503_S: 0.1 s idle, up to 0.145 s seen on busy CI cores
 LONG_TOKENS = 300
 # Most of the 1024-token context: the tiny model decoded 300 tokens in under 0.5 s on an idle CPU, so a client that
 # disconnects (after DISCONNECT_AFTER_S, or mid-stream) leaves most of them ungenerated on any machine.
@@ -341,9 +341,10 @@ def test_backpressure_then_a_killed_core_gives_5xx_and_health_503(folder):
 
         results = asyncio.run(burst())
         assert sorted(status for status, *_ in results) == [200] * 2 + [503] * 8
+        served_s = min(seconds for status, seconds, _ in results if status == 200)
         for status, seconds, payload in results:
-            if status == 503:
-                assert seconds < FAST_503_S and "capacity" in payload["error"]["message"]
+            if status == 503:  # no wait for capacity: before either admitted request ended
+                assert seconds < min(FAST_503_S, served_s) and "capacity" in payload["error"]["message"]
         wait_until_idle(url, FREED_WITHIN_S)
 
         with httpx.stream("POST", f"{url}{CHAT}", json={**body, "max_tokens": LONG_TOKENS, "stream": True},
