@@ -145,8 +145,7 @@ class AdmissionWindow:
     delays its dispatch, and one whose requests have all come dispatches at once.
 
     Off by default (``fraction`` 0; ``serve --admission-window F``): on a CPU, where a prompt chunk's step costs
-    several decode steps, it measured slower, and on an H100 it measured no faster at concurrency 16 or 64 (the
-    README's serving figures).
+    several decode steps, it is slower, and on a GPU it has not measured faster (the README's serving figures).
     """
 
     def __init__(self, fraction: float = 0.0, samples: int = SLACK_SAMPLES):

@@ -23,6 +23,9 @@ CHAT_MARKERS = ["<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MODEL_NAME = "tiny-llama"
+# A refusal (503) waits for no engine step and no capacity: 0.1 s on an idle machine, with room here for a busy 2-core
+# CI machine; the backpressure tests also require it to come back before every admitted request of its burst
+FAST_503_S = 0.25
 BLOCK = 4
 VL = HF / "qwen3_vl_moe"
 VL_MODEL_NAME = "tiny-qwen3-vl"

@@ -26,6 +26,7 @@ import pytest
 from helpers import HF, REPO
 from helpers.server import (
     BLOCK,
+    FAST_503_S,
     LLAMA,
     MODEL_NAME,
     failing_constraint_beside_a_stream,
@@ -46,7 +47,6 @@ NUM_BLOCKS = 512
 TIMEOUT_S = 120
 READY_WITHIN_S = 240  # spawn, import jax, load the fixture, on 2 busy cores
 FREED_WITHIN_S = 2.0  # the abort's round trip: a step in progress, then the core's acknowledgement
-FAST_503_S = 0.25  # test_serving_api_reliability.FAST_503_S: 0.1 s idle, up to 0.145 s seen on busy CI cores
 LONG_TOKENS = 300
 # Most of the 1024-token context: the tiny model decoded 300 tokens in under 0.5 s on an idle CPU, so a client that
 # disconnects (after DISCONNECT_AFTER_S, or mid-stream) leaves most of them ungenerated on any machine.
