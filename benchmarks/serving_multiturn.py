@@ -17,7 +17,8 @@ starts with an empty GPU prefix cache
 (``Engine.reset_prefix_cache``). Before timing, the engine compiles every step shape and the tiers' copies
 (``Engine.warm_up``, on an accelerator; ``--no-warm-up`` skips it) and each mode runs an untimed round of the same
 workload with other prompts (the same lengths, so the same shapes). Per mode: TTFT (a request's queueing, the moment
-its user is done thinking, to its first token, over every request: median, p99 and all of them sorted), prefill
+its user is done thinking, to its first token, over every request: median, p99 and all of them sorted; the wait
+part of it, to the request's first scheduled chunk: median, p99; the slowest requests' breakdowns), prefill
 tokens computed (prompt tokens the model ran, preemptions' recomputation included: counted from the scheduled
 chunks), prompt tokens served by the cache, output tokens/s over the run, preemptions, the tier counters, and the
 fraction of answers equal to the GPU-only run's. Ratios: TTFT median and p99 (GPU only / tiered), prefill tokens
@@ -83,40 +84,52 @@ def load_model(config: dict, dtype: jnp.dtype) -> LoadedModel:
     return LoadedModel(cfg, model_module(cfg.family).init_params(cfg, jax.random.key(0), dtype), None, ())
 
 
+SLOWEST = 12  # requests whose TTFT breakdown a row keeps, slowest first
+
+
 class PrefillCounter:
     """Prompt tokens the engine's scheduled chunks compute (a chunk's positions before its sequence's prompt end),
     counted by wrapping the scheduler's two ways to schedule: ``schedule`` and, for the step dispatched ahead of
-    the one in flight (async scheduling), ``schedule_after``."""
+    the one in flight (async scheduling), ``schedule_after``; and the moment each request was first scheduled
+    (``admitted``, by request id), which splits a TTFT into its wait for admission and its prefill."""
 
     def __init__(self, engine: Engine):
         self.tokens = 0
+        self.admitted: dict[str, float] = {}
         for name in ("schedule", "schedule_after"):
             setattr(engine.scheduler, name, self._counting(getattr(engine.scheduler, name)))
 
     def _counting(self, schedule: Callable[..., list]) -> Callable[..., list]:
         def counted(*args, **kwargs) -> list:
             chunks = schedule(*args, **kwargs)
-            self.tokens += sum(max(0, min(c.start + c.count, len(c.seq.prompt_ids)) - c.start) for c in chunks)
+            now = time.perf_counter()
+            for c in chunks or ():
+                self.admitted.setdefault(c.seq.request_id, now)
+            self.tokens += sum(max(0, min(c.start + c.count, len(c.seq.prompt_ids)) - c.start) for c in chunks or ())
             return chunks
 
         return counted
 
 
-def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int) -> dict:
+def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int,
+                 admitted: dict[str, float] | None = None) -> dict:
     """Every user's turns as a closed loop (module docstring): per request its TTFT; the run's wall time, output
-    tokens, prompt tokens served by the cache, and every answer (by user and turn)."""
+    tokens, prompt tokens served by the cache, and every answer (by user and turn). With ``admitted`` (request id
+    -> when first scheduled, ``PrefillCounter.admitted``), ``requests`` splits each TTFT into the wait for
+    admission and the rest (prefill, tier loads), with the prompt and cached lengths."""
     rng = np.random.default_rng(seed)
     system = rng.integers(3, vocab, workload.system_len).tolist()
     messages = rng.integers(3, vocab, (workload.users, workload.turns, workload.user_len)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=workload.answer_len, ignore_eos=True)
     history = [list(system) for _ in range(workload.users)]
-    turn, queued, first_token = [0] * workload.users, {}, {}
-    ttft, answers, cached, output_tokens = [], {}, 0, 0
+    turn, queued, queued_at, first_token = [0] * workload.users, {}, {}, {}
+    ttft, answers, cached, output_tokens, requests = [], {}, 0, 0, []
 
     def submit(user: int, at: float) -> None:
         prompt = history[user] + messages[user][turn[user]]
         request = engine.add_request(prompt, params, request_id=f"u{user}t{turn[user]}")
         queued[request] = (user, prompt, at)
+        queued_at[request] = at
 
     think = workload.think_ms / 1e3
     start = time.perf_counter()
@@ -142,6 +155,12 @@ def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int) -> d
                 result = engine.release(out.request_id)
                 answer = result.outputs[0].token_ids
                 answers[out.request_id] = answer
+                if admitted is not None:
+                    at, first = queued_at[out.request_id], first_token[out.request_id]
+                    wait = admitted.get(out.request_id, first) - at
+                    requests.append(dict(id=out.request_id, ttft_ms=round((first - at) * 1e3, 2),
+                                         wait_ms=round(wait * 1e3, 2), prompt_tokens=len(prompt),
+                                         cached_tokens=result.num_cached_tokens))
                 cached += result.num_cached_tokens
                 output_tokens += len(answer)
                 history[user] = prompt + answer
@@ -149,7 +168,7 @@ def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int) -> d
                 if turn[user] < workload.turns:
                     heapq.heappush(thinking, (now + think, user))
     return dict(seconds=time.perf_counter() - start, ttft=ttft, answers=answers, cached_tokens=cached,
-                output_tokens=output_tokens)
+                output_tokens=output_tokens, requests=requests)
 
 
 def use_tiers(engine: Engine, tiers: KVTiers | None) -> None:
@@ -167,16 +186,19 @@ def measure(engine: Engine, modes: dict[str, Callable[[], KVTiers | None]], work
         use_tiers(engine, make_tiers())
         run_workload(engine, workload, seed=1, vocab=vocab)
         use_tiers(engine, make_tiers())
-        counter.tokens = 0
+        counter.tokens, counter.admitted = 0, {}
         preemptions = engine.scheduler.num_preemptions
-        result = run_workload(engine, workload, seed=0, vocab=vocab)
+        result = run_workload(engine, workload, seed=0, vocab=vocab, admitted=counter.admitted)
         ttft_ms = np.asarray(result["ttft"]) * 1e3
+        waits = np.asarray([r["wait_ms"] for r in result["requests"]])
         row = dict(mode=mode, requests=len(result["ttft"]), ttft_median_ms=float(np.median(ttft_ms)),
                    ttft_p99_ms=float(np.percentile(ttft_ms, 99)), prefill_tokens=counter.tokens,
                    cached_prompt_tokens=result["cached_tokens"], output_tokens=result["output_tokens"],
                    seconds=result["seconds"], output_tokens_per_s=result["output_tokens"] / result["seconds"],
                    preemptions=engine.scheduler.num_preemptions - preemptions, answers=result["answers"],
-                   ttft_ms=np.round(np.sort(ttft_ms), 2).tolist())
+                   ttft_ms=np.round(np.sort(ttft_ms), 2).tolist(), wait_median_ms=float(np.median(waits)),
+                   wait_p99_ms=float(np.percentile(waits, 99)),
+                   slowest=sorted(result["requests"], key=lambda r: -r["ttft_ms"])[:SLOWEST])
         if engine.tier_stats is not None:  # this run's tiers' counters (they start at 0)
             row["tiers"] = dataclasses.asdict(engine.tier_stats)
         rows.append(row)
@@ -296,7 +318,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for size in host_batches for copies in tier_copies}
     rows = measure(engine, modes, workload, config["vocab_size"])
     name = args.name or ("serving_multiturn_cpu" if args.cpu else "serving_multiturn")
-    print(format_table(rows, ["mode", "requests", "ttft_median_ms", "ttft_p99_ms", "prefill_tokens",
+    print(format_table(rows, ["mode", "requests", "ttft_median_ms", "ttft_p99_ms", "wait_p99_ms", "prefill_tokens",
                               "cached_prompt_tokens", "output_tokens_per_s", "preemptions", "same_answers",
                               "ttft_median_speedup", "prefill_reduction", "throughput_ratio"]))
     settings["decode_steps"] = dataclasses.asdict(engine.decode_steps)

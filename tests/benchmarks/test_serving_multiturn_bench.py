@@ -34,6 +34,12 @@ def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path):
         # every prompt token is either computed or served by the cache (no preemption recomputes any), whichever
         # scheduling path admitted it (the step dispatched ahead of the one in flight included)
         assert row["preemptions"] == 0 and row["prefill_tokens"] + row["cached_prompt_tokens"] == prompt_tokens
+        # the slowest requests' TTFTs, each its wait for admission and the rest; the wait is part of the TTFT
+        slowest = row["slowest"]
+        assert len(slowest) == serving_multiturn.SLOWEST and slowest[0]["ttft_ms"] == max(row["ttft_ms"])
+        assert [r["ttft_ms"] for r in slowest] == sorted((r["ttft_ms"] for r in slowest), reverse=True)
+        assert all(0 <= r["wait_ms"] <= r["ttft_ms"] and r["cached_tokens"] < r["prompt_tokens"] for r in slowest)
+        assert 0 <= row["wait_median_ms"] <= row["wait_p99_ms"] <= max(row["ttft_ms"])
     assert "tiers" not in gpu and tiered["tiers"]["host_hits"] > 0 and tiered["tiers"]["saved_blocks"] > 0
     for row in (tiered, program, small, small_program):
         assert row["prefill_tokens"] < gpu["prefill_tokens"]
