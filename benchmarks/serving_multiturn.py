@@ -20,7 +20,8 @@ workload with other prompts (the same lengths, so the same shapes). Per mode: TT
 its user is done thinking, to its first token, over every request: median, p99 and all of them sorted; the wait
 part of it, to the request's first scheduled chunk: median, p99; the slowest requests' breakdowns), prefill
 tokens computed (prompt tokens the model ran, preemptions' recomputation included: counted from the scheduled
-chunks), prompt tokens served by the cache, output tokens/s over the run, preemptions, the tier counters, and the
+chunks), prompt tokens served by the cache, output tokens/s over the run, preemptions, executables compiled while
+timed (none should be), the tier counters, and the
 fraction of answers equal to the GPU-only run's. Ratios: TTFT median and p99 (GPU only / tiered), prefill tokens
 (GPU only / tiered) and throughput (tiered / GPU only).
 
@@ -45,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import format_table, save_plot, write_results
+from benchmarks.harness import COMPILE_EVENTS, compile_events, format_table, save_plot, write_results
 from benchmarks.serving_decode import MOE_1B, QWEN3_30B_A3B, TINY_MOE, num_layers, with_layers
 from serving import Engine, LoadedModel, SamplingParams, enable_command_buffers
 from serving.config import ModelConfig
@@ -188,7 +189,8 @@ def measure(engine: Engine, modes: dict[str, Callable[[], KVTiers | None]], work
         use_tiers(engine, make_tiers())
         counter.tokens, counter.admitted = 0, {}
         preemptions = engine.scheduler.num_preemptions
-        result = run_workload(engine, workload, seed=0, vocab=vocab, admitted=counter.admitted)
+        with compile_events() as events:  # after the warm-up and the untimed round none should come
+            result = run_workload(engine, workload, seed=0, vocab=vocab, admitted=counter.admitted)
         ttft_ms = np.asarray(result["ttft"]) * 1e3
         waits = np.asarray([r["wait_ms"] for r in result["requests"]])
         row = dict(mode=mode, requests=len(result["ttft"]), ttft_median_ms=float(np.median(ttft_ms)),
@@ -196,6 +198,7 @@ def measure(engine: Engine, modes: dict[str, Callable[[], KVTiers | None]], work
                    cached_prompt_tokens=result["cached_tokens"], output_tokens=result["output_tokens"],
                    seconds=result["seconds"], output_tokens_per_s=result["output_tokens"] / result["seconds"],
                    preemptions=engine.scheduler.num_preemptions - preemptions, answers=result["answers"],
+                   compiles=events.count(COMPILE_EVENTS[1]),
                    ttft_ms=np.round(np.sort(ttft_ms), 2).tolist(), wait_median_ms=float(np.median(waits)),
                    wait_p99_ms=float(np.percentile(waits, 99)),
                    slowest=sorted(result["requests"], key=lambda r: -r["ttft_ms"])[:SLOWEST])
@@ -319,7 +322,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = measure(engine, modes, workload, config["vocab_size"])
     name = args.name or ("serving_multiturn_cpu" if args.cpu else "serving_multiturn")
     print(format_table(rows, ["mode", "requests", "ttft_median_ms", "ttft_p99_ms", "wait_p99_ms", "prefill_tokens",
-                              "cached_prompt_tokens", "output_tokens_per_s", "preemptions", "same_answers",
+                              "cached_prompt_tokens", "output_tokens_per_s", "preemptions", "compiles", "same_answers",
                               "ttft_median_speedup", "prefill_reduction", "throughput_ratio"]))
     settings["decode_steps"] = dataclasses.asdict(engine.decode_steps)
     write_results(name, dict(benchmark=name, settings=settings, working_set_blocks=working_set, rows=rows),
