@@ -31,6 +31,8 @@ model's first N layers. A model's prefill cost per token bounds the TTFT the tie
 there is Qwen3-30B-A3B's shape, with several times its compute per token. ``--cpu``: tiny, 4 users x 3 turns
 (seconds; the tests run it).
 
+The JSON is rewritten after every mode, so a run cut short (a device call's time limit) keeps the modes it finished.
+
     python -m benchmarks.serving_multiturn                # GPU: moe-1b, results/serving_multiturn.json + .png
     python -m benchmarks.serving_multiturn --cpu          # CPU: results/serving_multiturn_cpu.json + .png
 """
@@ -179,10 +181,11 @@ def use_tiers(engine: Engine, tiers: KVTiers | None) -> None:
 
 
 def measure(engine: Engine, modes: dict[str, Callable[[], KVTiers | None]], workload: Workload,
-            vocab: int) -> list[dict]:
+            vocab: int, done: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
     """One row per mode (its tiers made by ``modes[mode]()``): an untimed round of ``workload`` with other prompts,
-    then the timed one, each from empty caches."""
-    rows, counter = [], PrefillCounter(engine)
+    then the timed one, each from empty caches; ``done(rows)`` after each mode (a run cut short keeps its rows).
+    The first mode is the base of every row's ratios."""
+    rows, counter, base_answers = [], PrefillCounter(engine), None
     for mode, make_tiers in modes.items():
         use_tiers(engine, make_tiers())
         run_workload(engine, workload, seed=1, vocab=vocab)
@@ -204,16 +207,15 @@ def measure(engine: Engine, modes: dict[str, Callable[[], KVTiers | None]], work
                    slowest=sorted(result["requests"], key=lambda r: -r["ttft_ms"])[:SLOWEST])
         if engine.tier_stats is not None:  # this run's tiers' counters (they start at 0)
             row["tiers"] = dataclasses.asdict(engine.tier_stats)
-        rows.append(row)
-    base = rows[0]
-    for row in rows:
-        row["same_answers"] = float(np.mean([row["answers"][k] == base["answers"][k] for k in base["answers"]]))
+        answers = row.pop("answers")
+        base, base_answers = (rows or [row])[0], base_answers or answers
+        row["same_answers"] = float(np.mean([answers[k] == base_answers[k] for k in base_answers]))
         row["ttft_median_speedup"] = base["ttft_median_ms"] / row["ttft_median_ms"]
         row["ttft_p99_speedup"] = base["ttft_p99_ms"] / row["ttft_p99_ms"]
         row["prefill_reduction"] = base["prefill_tokens"] / max(row["prefill_tokens"], 1)
         row["throughput_ratio"] = row["output_tokens_per_s"] / base["output_tokens_per_s"]
-    for row in rows:
-        del row["answers"]
+        rows.append(row)
+        done(rows)
     return rows
 
 
@@ -319,14 +321,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "gpu+host" + ("" if size == MAX_BATCH else f"/{size}") + ("" if copies == COPIES[0] else f"/{copies}"):
             lambda size=size, copies=copies: tiers(size, copies)
         for size in host_batches for copies in tier_copies}
-    rows = measure(engine, modes, workload, config["vocab_size"])
     name = args.name or ("serving_multiturn_cpu" if args.cpu else "serving_multiturn")
+    settings["decode_steps"] = dataclasses.asdict(engine.decode_steps)
+
+    def write(rows: list[dict]) -> None:
+        write_results(name, dict(benchmark=name, settings=settings, working_set_blocks=working_set, rows=rows),
+                      args.out_dir)
+
+    rows = measure(engine, modes, workload, config["vocab_size"], done=write)
     print(format_table(rows, ["mode", "requests", "ttft_median_ms", "ttft_p99_ms", "wait_p99_ms", "prefill_tokens",
                               "cached_prompt_tokens", "output_tokens_per_s", "preemptions", "compiles", "same_answers",
                               "ttft_median_speedup", "prefill_reduction", "throughput_ratio"]))
-    settings["decode_steps"] = dataclasses.asdict(engine.decode_steps)
-    write_results(name, dict(benchmark=name, settings=settings, working_set_blocks=working_set, rows=rows),
-                  args.out_dir)
     plot(rows, name, args.out_dir)
     return rows
 

@@ -10,8 +10,12 @@ from benchmarks import serving_multiturn
 
 
 @pytest.mark.slow  # ~60 s on 2 shared cores (five modes of one engine, each with an untimed round)
-def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path):
+def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path, monkeypatch):
     think_ms = 20.0  # each user pauses between turns: its turns span at least (turns - 1) pauses
+    written = []  # the modes in each write of the JSON: one more each time (a run cut short keeps its rows)
+    write_results = serving_multiturn.write_results
+    monkeypatch.setattr(serving_multiturn, "write_results", lambda name, result, out_dir: (
+        written.append([r["mode"] for r in result["rows"]]), write_results(name, result, out_dir)))
     rows = serving_multiturn.main(["--cpu", "--name", "multiturn", "--think-ms", str(think_ms), "--host-batches",
                                    "64,2", "--tier-copies", "put,program", "--decode-steps", "2",
                                    "--layers", "1", "--out-dir", str(tmp_path)])
@@ -19,6 +23,7 @@ def test_cpu_run_writes_both_rows_and_the_host_tier_cuts_prefill(tmp_path):
     assert result["rows"] == rows and [r["mode"] for r in rows] == ["gpu", "gpu+host", "gpu+host/program",
                                                                     "gpu+host/2", "gpu+host/2/program"]
     assert result["working_set_blocks"] > result["settings"]["num_blocks"]
+    assert written == [[r["mode"] for r in rows[:i]] for i in range(1, len(rows) + 1)]
     assert result["settings"]["decode_steps"]["n"] == 2  # the engine's multi-step decode, as asked
     assert result["settings"]["layers"] == 1  # of the tiny model's 2
     gpu, tiered, program, small, small_program = rows
