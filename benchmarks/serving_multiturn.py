@@ -105,10 +105,12 @@ class PrefillCounter:
     def _counting(self, schedule: Callable[..., list]) -> Callable[..., list]:
         def counted(*args, **kwargs) -> list:
             chunks = schedule(*args, **kwargs)
+            if not chunks:  # schedule_after's None: nothing scheduled
+                return chunks
             now = time.perf_counter()
-            for c in chunks or ():
+            for c in chunks:
                 self.admitted.setdefault(c.seq.request_id, now)
-            self.tokens += sum(max(0, min(c.start + c.count, len(c.seq.prompt_ids)) - c.start) for c in chunks or ())
+            self.tokens += sum(max(0, min(c.start + c.count, len(c.seq.prompt_ids)) - c.start) for c in chunks)
             return chunks
 
         return counted
@@ -125,14 +127,13 @@ def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int,
     messages = rng.integers(3, vocab, (workload.users, workload.turns, workload.user_len)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=workload.answer_len, ignore_eos=True)
     history = [list(system) for _ in range(workload.users)]
-    turn, queued, queued_at, first_token = [0] * workload.users, {}, {}, {}
+    turn, queued, first_token = [0] * workload.users, {}, {}
     ttft, answers, cached, output_tokens, requests = [], {}, 0, 0, []
 
     def submit(user: int, at: float) -> None:
         prompt = history[user] + messages[user][turn[user]]
         request = engine.add_request(prompt, params, request_id=f"u{user}t{turn[user]}")
         queued[request] = (user, prompt, at)
-        queued_at[request] = at
 
     think = workload.think_ms / 1e3
     start = time.perf_counter()
@@ -154,12 +155,12 @@ def run_workload(engine: Engine, workload: Workload, seed: int, vocab: int,
                 first_token[out.request_id] = now
                 ttft.append(now - queued[out.request_id][2])
             if out.finished:
-                user, prompt, _ = queued.pop(out.request_id)
+                user, prompt, at = queued.pop(out.request_id)
                 result = engine.release(out.request_id)
                 answer = result.outputs[0].token_ids
                 answers[out.request_id] = answer
                 if admitted is not None:
-                    at, first = queued_at[out.request_id], first_token[out.request_id]
+                    first = first_token[out.request_id]
                     wait = admitted.get(out.request_id, first) - at
                     requests.append(dict(id=out.request_id, ttft_ms=round((first - at) * 1e3, 2),
                                          wait_ms=round(wait * 1e3, 2), prompt_tokens=len(prompt),
@@ -185,7 +186,7 @@ def measure(engine: Engine, modes: dict[str, Callable[[], KVTiers | None]], work
     """One row per mode (its tiers made by ``modes[mode]()``): an untimed round of ``workload`` with other prompts,
     then the timed one, each from empty caches; ``done(rows)`` after each mode (a run cut short keeps its rows).
     The first mode is the base of every row's ratios."""
-    rows, counter, base_answers = [], PrefillCounter(engine), None
+    rows, counter, base_answers = [], PrefillCounter(engine), {}
     for mode, make_tiers in modes.items():
         use_tiers(engine, make_tiers())
         run_workload(engine, workload, seed=1, vocab=vocab)
@@ -208,7 +209,9 @@ def measure(engine: Engine, modes: dict[str, Callable[[], KVTiers | None]], work
         if engine.tier_stats is not None:  # this run's tiers' counters (they start at 0)
             row["tiers"] = dataclasses.asdict(engine.tier_stats)
         answers = row.pop("answers")
-        base, base_answers = (rows or [row])[0], base_answers or answers
+        if not rows:
+            base_answers = answers
+        base = rows[0] if rows else row
         row["same_answers"] = float(np.mean([answers[k] == base_answers[k] for k in base_answers]))
         row["ttft_median_speedup"] = base["ttft_median_ms"] / row["ttft_median_ms"]
         row["ttft_p99_speedup"] = base["ttft_p99_ms"] / row["ttft_p99_ms"]
