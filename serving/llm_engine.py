@@ -931,21 +931,24 @@ class Engine:
         """``scheduler.update(chunks, tokens)`` (chunk i's tokens in order, those past a stop dropped): one output per
         appended token, the last of a finished sequence carrying its finish reason; ``logprobs``: the entries of
         chunk i's tokens, for the sequences that ask for logprobs."""
-        chunk_of = {c.seq.seq_id: i for i, c in enumerate(chunks)}
+        chunk_of = {c.seq.seq_id: i for i, c in enumerate(chunks)} if logprobs is not None else {}
         ahead = {} if self._inflight is None else {c.seq.seq_id: c.count for c in self._inflight.chunks}
         outputs = []
-        for seq, group in itertools.groupby(self.scheduler.update(chunks, tokens, ahead), key=lambda u: u[0]):
-            i, texts = chunk_of[seq.seq_id], [text for _, text in group]
-            first = len(seq.output_ids) - len(texts)
+        for seq, texts in self.scheduler.update(chunks, tokens, ahead):
+            if not texts:
+                continue
+            request_id, index, num_top = seq.request_id, seq.index, seq.params.logprobs
+            first, last = len(seq.output_ids) - len(texts), len(texts) - 1
             for j, text in enumerate(texts):
                 entry = None
-                if logprobs is not None and seq.params.logprobs is not None:
-                    entry = logprobs.entry(i, j, seq.params.logprobs)
+                if logprobs is not None and num_top is not None:
+                    entry = logprobs.entry(chunk_of[seq.seq_id], j, num_top)
                     seq.logprobs.append(entry)
-                last = j == len(texts) - 1
-                outputs.append(StepOutput(seq.request_id, seq.index, seq.output_ids[first + j], text,
-                                          seq.finished and last, seq.finish_reason if last else None, entry,
-                                          seq.error if last else None))
+                if j < last:
+                    outputs.append(StepOutput(request_id, index, seq.output_ids[first + j], text, False, None, entry))
+                else:
+                    outputs.append(StepOutput(request_id, index, seq.output_ids[first + j], text, seq.finished,
+                                              seq.finish_reason, entry, seq.error))
             if seq.finished:
                 self._forget(seq, learn=True)
                 self._freed = True

@@ -255,22 +255,21 @@ class EngineCore:
             log.exception("an engine step failed outside its device call")
             self._fail(list(self.unfinished), f"{type(e).__name__}: {e}", event)
             return
+        unfinished, sent = self.unfinished, event["outputs"]
         for out in outputs:
             if out.finish_reason == ERROR:  # its constraint failed: refused from here on, as a ValueError (a 400)
-                if self.unfinished.pop(out.request_id, None) is not None:
+                if unfinished.pop(out.request_id, None) is not None:
                     self.engine.abort(out.request_id)
                     event["refused"].append([out.request_id, "ValueError", out.error])
                 continue
-            if out.request_id not in self.unfinished:  # a request refused earlier in this step
+            if out.request_id not in unfinished:  # a request refused earlier in this step
                 continue
-            event["outputs"].append([out.request_id, out.index, out.token_id, out.finished, out.finish_reason,
-                                     out.logprobs])
+            sent.append([out.request_id, out.index, out.token_id, out.finished, out.finish_reason, out.logprobs])
             if out.finished:
-                self.unfinished[out.request_id] -= 1
-                if self.unfinished[out.request_id] == 0:
-                    del self.unfinished[out.request_id]
+                unfinished[out.request_id] -= 1
+                if unfinished[out.request_id] == 0:
+                    del unfinished[out.request_id]
                     result = self.engine.release(out.request_id)
                     event["done"][out.request_id] = result.num_cached_tokens
                     if result.prompt_logprobs is not None:
                         event["prompt_logprobs"][out.request_id] = result.prompt_logprobs
-

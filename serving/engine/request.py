@@ -85,20 +85,23 @@ class SequenceState:
             except ValueError as e:
                 self.finish_reason, self.error = ERROR, f"the output constraint failed: {e}"
                 return ""
-        p = self.params
+        p, detokenizer = self.params, self.detokenizer
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             self.finish_reason = STOP
-        elif self.detokenizer is not None:
-            start = max(0, len(self.text) - max((len(s) for s in p.stop), default=0))
-            self.text += self.detokenizer.add(token)
+        elif detokenizer is not None:
+            start = max(0, len(self.text) - max((len(s) for s in p.stop), default=0)) if p.stop else 0
+            self.text += detokenizer.add(token)
             hits = [i for s in p.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
                 self.text, self.finish_reason = self.text[:min(hits)], STOP
-        if self.finish_reason is None and (len(self.output_ids) >= p.max_tokens or self.num_tokens >= self.max_len):
+        if self.finish_reason is None and (len(self.output_ids) >= p.max_tokens
+                                           or len(self.prompt_ids) + len(self.output_ids) >= self.max_len):
             self.finish_reason = LENGTH
-            if self.detokenizer is not None:
-                self.text += self.detokenizer.finish()
-        end = len(self.text) if self.finished else len(self.text) - self._held_back()
+            if detokenizer is not None:
+                self.text += detokenizer.finish()
+        if detokenizer is None:  # token ids only (the engine core's sequences): no text to emit
+            return ""
+        end = len(self.text) if self.finish_reason is not None else len(self.text) - self._held_back()
         delta, self.emitted = self.text[self.emitted:end], max(self.emitted, end)
         return delta
 

@@ -209,7 +209,7 @@ class Scheduler:
         return True
 
     def update(self, chunks: list[ScheduledChunk], tokens: list[int | list[int]],
-               ahead: Mapping[int, int] | None = None) -> list[tuple[SequenceState, str]]:
+               ahead: Mapping[int, int] | None = None) -> list[tuple[SequenceState, list[str]]]:
         """Record a step: ``tokens[i]`` is chunk i's sampled token, or its accepted tokens in order (speculative
         decoding) or its n tokens (a multi-step decode), ignored unless the chunk samples. Tokens after a stop
         condition are dropped; the cache keeps only the positions of accepted tokens (rejected drafts' and a
@@ -217,25 +217,31 @@ class Scheduler:
         freed, but those of a step in flight after this one: ``ahead[seq_id]`` is how many tokens it computes for
         that sequence (from its new last token on; ``reserve_next``).
 
-        Returns (sequence, new text) for every appended token, in order; finished sequences leave the running set.
+        Returns (sequence, the new text of each token it appended, in order) for every chunk that sampled, in
+        ``chunks``' order; finished sequences leave the running set.
         """
-        updated, ahead = [], ahead or {}
+        updated, ahead, size = [], ahead or {}, self.block_size
         for chunk, new in zip(chunks, tokens, strict=True):
             seq = chunk.seq
             seq.num_computed += chunk.count
             if chunk.samples:
-                for token in [new] if isinstance(new, int) else new:
-                    updated.append((seq, seq.append(int(token))))
-                    if seq.finished:
+                texts = []
+                for token in (new,) if isinstance(new, int) else new:
+                    texts.append(seq.append(int(token)))
+                    if seq.finish_reason is not None:
                         break
-                seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
+                updated.append((seq, texts))
+                num_tokens = len(seq.prompt_ids) + len(seq.output_ids)
+                seq.num_computed = min(seq.num_computed, num_tokens - 1)
                 # every token's block (the last is computed next) and those of a step in flight after it
-                keep = -(-(seq.num_tokens + ahead.get(seq.seq_id, 1) - 1) // self.block_size)
-                for block in reversed(seq.block_table[keep:]):
-                    self.allocator.free(block)
-                del seq.block_table[keep:]
-            self._register_full_blocks(seq)
-            if seq.finished:
+                keep = -(-(num_tokens + ahead.get(seq.seq_id, 1) - 1) // size)
+                if len(seq.block_table) > keep:
+                    for block in reversed(seq.block_table[keep:]):
+                        self.allocator.free(block)
+                    del seq.block_table[keep:]
+            if seq.num_computed // size > len(seq.block_hashes):
+                self._register_full_blocks(seq)
+            if seq.finish_reason is not None:
                 self.running.remove(seq)
                 self._release(seq)
         return updated
