@@ -2,9 +2,10 @@
 
 Builds the engine ``python -m serving serve`` would build for one of ``benchmarks/serving_load.py``'s models,
 warms it up, then runs serving_load's closed loop on it (``engine_load``) at each concurrency level. Each
-``Engine.step`` is timed and classed by what it ran (``multi``: a multi-step decode, ``chained``: a step dispatched
-behind the one in flight, be it a decode or one that admits requests, ``decode``: a single decode step, ``mixed``: a
-step with prefill tokens), and the time spent blocked in ``jax.device_get`` (waiting for the device) is split
+``Engine.step`` is timed and classed by what it ran (``multi``: a multi-step decode, ``chained-multi``,
+``chained-decode``, ``chained-mixed``: a step dispatched behind the one in flight, a multi-step decode, a single
+decode step or one with prefill tokens (requests admitted), ``decode``: a single decode step, ``mixed``: a step with
+prefill tokens), and the time spent blocked in ``jax.device_get`` (waiting for the device) is split
 from the rest (the host: scheduling, packing, dispatch, appending and detokenizing tokens). The host share is what
 async scheduling must hide. With ``--cprofile``, the host's hottest functions at the last level too. Prints one
 table per level and writes JSON under ``--out-dir``.
@@ -69,7 +70,13 @@ class StepClock:
             return outputs
 
         engine.step, engine._run = timed_step, run_tagged
-        engine._run_multi_step, engine._advance = tagged("multi", multi), tagged("chained", advance)
+        def advance_tagged(inflight):
+            chunks = inflight.chunks
+            self.kind = self.kind or ("chained-multi" if inflight.steps > 1 else "chained-decode" if all(
+                c.count == 1 and c.start > 0 for c in chunks) else "chained-mixed")
+            return advance(inflight)
+
+        engine._run_multi_step, engine._advance = tagged("multi", multi), advance_tagged
         jax.device_get = waiting
 
     def take(self) -> dict[str, dict]:
@@ -84,6 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, help="the random-weights model's first N layers")
     parser.add_argument("--concurrency", help="comma-separated levels (default: serving_load's)")
     parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--input-len", type=int, help="prompt tokens per request (default: serving_load's)")
+    parser.add_argument("--output-len", type=int, help="output tokens per request (default: serving_load's)")
     parser.add_argument("--serve-arg", action="append", default=[], help="another serve option (repeatable)")
     parser.add_argument("--compilation-cache", help="a compilation cache folder (default: a fresh one)")
     parser.add_argument("--cprofile", action="store_true", help="profile the host at the last level")
@@ -98,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     from serving.api import cli
 
     mode = "cpu" if args.cpu else "gpu"
-    settings = serving_load.SETTINGS[mode]
+    lengths = {"input_len": args.input_len, "output_len": args.output_len}
+    settings = serving_load.SETTINGS[mode] | {k: v for k, v in lengths.items() if v is not None}
     levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else list(settings["concurrency"])
     spec = serving_load.models(mode, args.layers)[args.model]
     with tempfile.TemporaryDirectory() as folder:
@@ -133,11 +143,11 @@ def main(argv: list[str] | None = None) -> dict:
     if profile:
         print(profile)
     print(f"{args.model}: decode_steps {engine.decode_steps}, ready after {startup_s:.0f} s")
-    print(f"{'conc':>4} {'tok/s':>8} {'tpot_ms':>7}  {'kind':8} {'steps':>6} {'tokens':>7} {'wall_ms':>8} "
+    print(f"{'conc':>4} {'tok/s':>8} {'tpot_ms':>7}  {'kind':14} {'steps':>6} {'tokens':>7} {'wall_ms':>8} "
           f"{'wait_ms':>8} {'host_ms':>8} {'host/step':>9}")
     for r in rows:
         for kind, c in r["steps"].items():
-            print(f"{r['concurrency']:4d} {r['output_throughput']:8.0f} {r['tpot_median_ms'] or 0:7.2f}  {kind:8} "
+            print(f"{r['concurrency']:4d} {r['output_throughput']:8.0f} {r['tpot_median_ms'] or 0:7.2f}  {kind:14} "
                   f"{c['steps']:6.0f} {c.get('tokens', 0):7.0f} {1e3 * c['wall_s']:8.1f} "
                   f"{1e3 * c.get('device_wait_s', 0):8.1f} {1e3 * c.get('host_s', 0):8.1f} "
                   f"{1e3 * c.get('host_s', 0) / c['steps']:9.3f}")
