@@ -328,16 +328,31 @@ class ModelRunner:
 
     def _fed(self, previous: "Dispatched | None", num_seqs: int) -> jax.Array:
         """A step's fed vector: ``previous``'s samples (on the device), or zeros (no token id of the step refers to
-        it)."""
+        it), placed as those samples are: replicated on a mesh, else on the device and committed to it where the
+        cache is (a step's outputs are committed where its inputs are). A step fed from the host and one chained
+        behind another then call its executable with one signature, the one warm-up's run covers: an argument of
+        another kind (numpy, or committed where the run's was not) costs a compiled call's next dispatch jax's slow
+        path, on some request's TTFT."""
         size = self.fed_size(num_seqs)
         if previous is None:
             if size not in self._zeros:
-                self._zeros[size] = self.place(np.zeros(size, np.int32))
+                cache = jax.tree.leaves(self.kv)[0]
+                placement = self._replicated or (cache.sharding if cache.committed else None)
+                self._zeros[size] = jax.device_put(np.zeros(size, np.int32), placement)
             return self._zeros[size]
         if previous.fed.shape[0] != size:
             raise ValueError(f"a step of {num_seqs} sequences chained after one fed {previous.fed.shape[0]} tokens: "
                              f"expected {size} (a runner without max_seqs chains only steps of one S)")
         return previous.fed
+
+    def padding_feds(self, num_seqs: int) -> list[jax.Array]:
+        """Fed vectors of every kind a step of ``num_seqs`` sequences is called with, for warm-up's runs: on a mesh
+        one (replicated); on one device an uncommitted and a committed one, since a step chained behind another
+        takes that one's samples as they come, committed or not as its outputs happen to be (``_fed``)."""
+        if self.mesh is not None:
+            return [self._fed(None, num_seqs)]
+        zeros, cache = np.zeros(self.fed_size(num_seqs), np.int32), jax.tree.leaves(self.kv)[0]
+        return [jax.device_put(zeros), jax.device_put(zeros, cache.sharding)]
 
     def table_width(self, widest: int) -> int:
         """The padded block-table width W of a step whose widest sequence holds ``widest`` blocks: the runner's
@@ -564,13 +579,14 @@ class ModelRunner:
                            max_blocks=shape.max_blocks)
         return self._packed(np.zeros(shape.num_tokens, np.int32), batch, np.zeros(shape.num_seqs, np.int32))
 
-    def _padding_call(self, shape: StepShape, scores: bool) -> tuple[tuple, dict]:
+    def _padding_call(self, shape: StepShape, scores: bool, fed: jax.Array | None = None) -> tuple[tuple, dict]:
         """``_step``'s arguments after the params and cache (and its static ones) for a step of ``shape`` over a
         batch of padding only (every token's slot PAD: running it leaves the cache as it was); with ``scores`` the
-        scoring variant."""
+        scoring variant; ``fed``: its fed vector (default: a step's fed from the host)."""
         packed = self._padding_packed(shape)
         targets = self.place(np.zeros(shape.num_tokens, np.int32)) if scores else None
-        return (packed, self._fed(None, shape.num_seqs), None, targets), self._step_static(shape[:3], shape.paged_only)
+        fed = self._fed(None, shape.num_seqs) if fed is None else fed
+        return (packed, fed, None, targets), self._step_static(shape[:3], shape.paged_only)
 
     def build_step(self, shape: StepShape, scores: bool = False) -> jax.ShapeDtypeStruct:
         """Compile ``run``'s forward step of ``shape`` (nothing runs; the one executable of that shape, whatever
@@ -583,15 +599,15 @@ class ModelRunner:
         return jax.ShapeDtypeStruct(info.shape, info.dtype,
                                     sharding=None if self.mesh is None else compiled.output_shardings[0])
 
-    def run_padding(self, shape: StepShape, scores: bool = False) -> None:
-        """Run ``build_step``'s step of ``shape`` once over its batch of padding (the cache is left as it was), and
-        wait for it. A compiled executable's first run costs more than the next ones (XLA:CPU generates its
-        kernels' code then; a GPU loads its modules), so warm-up runs each one once and the first requests do not
-        pay it."""
-        args, static = self._padding_call(shape, scores)
+    def run_padding(self, shape: StepShape, scores: bool = False, fed: jax.Array | None = None) -> jax.Array:
+        """Run ``build_step``'s step of ``shape`` once over its batch of padding (the cache is left as it was), wait
+        for it, and return its logits (as a step hands them to the sampler). A compiled executable's first run costs
+        more than the next ones (XLA:CPU generates its kernels' code then; a GPU loads its modules), so warm-up runs
+        each one once and the first requests do not pay it. ``fed``: one of ``padding_feds``."""
+        args, static = self._padding_call(shape, scores, fed)
         with self.on_mesh():
             logits, self.kv, *rest = self.executables.call("step", _step, (self.params, self.kv), args, static)
-        jax.block_until_ready((logits, rest))
+        return jax.block_until_ready((logits, rest))[0]
 
     def _sample_call(self, logits: Any, num_top: int, draw: bool, masked: bool, biased: bool) -> tuple[tuple, dict]:
         """The sampler's arguments (and static ones) for ``logits`` ``[S, V]`` and rows of padding."""
@@ -609,25 +625,27 @@ class ModelRunner:
             self.executables.build("sample", _sample_fed, (), *self._sample_call(logits, num_top, draw, masked,
                                                                                   biased))
 
-    def run_sample_padding(self, logits: jax.ShapeDtypeStruct, num_top: int, draw: bool, masked: bool,
+    def run_sample_padding(self, logits: jax.Array, num_top: int, draw: bool, masked: bool,
                            biased: bool = False) -> None:
-        """Run ``build_sample``'s sampler once over zero logits and rows of padding, and wait for it (its first run
-        is the slow one, as ``run_padding``'s)."""
-        zeros = jax.device_put(np.zeros(logits.shape, logits.dtype), logits.sharding)
+        """Run ``build_sample``'s sampler once over ``logits`` (a ``run_padding`` step's: placed as a step's are, so
+        this run's call signature is serving's) and rows of padding, and wait for it (its first run is the slow
+        one, as ``run_padding``'s)."""
         with self.on_mesh():
             jax.block_until_ready(self.executables.call("sample", _sample_fed, (),
-                                                        *self._sample_call(zeros, num_top, draw, masked, biased)))
+                                                        *self._sample_call(logits, num_top, draw, masked, biased)))
 
     def _decode_static(self, sizes: tuple[int, int, int], steps: int, num_top: int, draw: bool) -> dict[str, Any]:
         """``_decode_steps``' static arguments."""
         return dict(sizes=sizes, steps=steps, block_size=self.block_size, forward=self.forward, cfg=self.cfg,
                     kernels=self.kernels, draw=draw, num_top=num_top)
 
-    def _decode_call(self, shape: StepShape, steps: int, num_top: int, draw: bool) -> tuple[tuple, dict]:
+    def _decode_call(self, shape: StepShape, steps: int, num_top: int, draw: bool,
+                     fed: jax.Array | None = None) -> tuple[tuple, dict]:
         """``_decode_steps``' arguments after the params and cache (and its static ones) for a batch of ``shape``
         of padding only (every token's slot PAD: running it leaves the cache as it was)."""
         packed = self._padding_packed(shape)
-        return ((packed, self._fed(None, shape.num_seqs), sampling_batch([], shape.num_seqs), None),
+        fed = self._fed(None, shape.num_seqs) if fed is None else fed
+        return ((packed, fed, sampling_batch([], shape.num_seqs), None),
                 self._decode_static(shape[:3], steps, num_top, draw))
 
     def build_decode(self, shape: StepShape, steps: int, num_top: int, draw: bool) -> None:
@@ -636,12 +654,13 @@ class ModelRunner:
             self.executables.build("decode", _decode_steps, (self.params, self.kv),
                                    *self._decode_call(shape, steps, num_top, draw), donate=(1,))
 
-    def run_decode_padding(self, shape: StepShape, steps: int, num_top: int, draw: bool) -> None:
+    def run_decode_padding(self, shape: StepShape, steps: int, num_top: int, draw: bool,
+                           fed: jax.Array | None = None) -> None:
         """Run ``build_decode``'s call once over a batch of padding (the cache is left as it was), and wait for it
-        (its first run is the slow one, as ``run_padding``'s)."""
+        (its first run is the slow one, as ``run_padding``'s). ``fed``: one of ``padding_feds``."""
         with self.on_mesh():
             result, _, self.kv, counts = self.executables.call("decode", _decode_steps, (self.params, self.kv),
-                                                               *self._decode_call(shape, steps, num_top, draw))
+                                                               *self._decode_call(shape, steps, num_top, draw, fed))
         jax.block_until_ready((result, counts))
 
     def _masks(self, rows: list[SampleRow], num_seqs: int) -> np.ndarray | None:

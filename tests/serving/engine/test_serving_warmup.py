@@ -274,15 +274,48 @@ def test_a_run_over_padding_leaves_the_cache_and_the_outputs_as_they_were(folder
     before = jax.device_get(eng.runner.kv)
     assert any(np.abs(leaf).sum() > 0 for leaf in jax.tree.leaves(before))  # the request's blocks are cached
     runner = eng.runner
+    step_logits = {}
     for shape in runner.step_shapes(16):
-        runner.run_padding(shape)
+        step_logits[shape.num_seqs] = runner.run_padding(shape)
         runner.run_padding(shape, scores=True)
     for shape in runner.step_shapes(16, decode_only=True):
         runner.run_padding(shape)
         runner.run_decode_padding(shape, 2, MAX_LOGPROBS, True)  # a multi-step decode over padding
-    for variant in ((0, False, False, False), (MAX_LOGPROBS, True, True, True)):  # samplers over zero logits
-        runner.run_sample_padding(jax.ShapeDtypeStruct((4, eng.cfg.vocab), jax.numpy.float32), *variant)
+    for variant in ((0, False, False, False), (MAX_LOGPROBS, True, True, True)):  # samplers over a step's logits
+        runner.run_sample_padding(step_logits[4], *variant)
     after = jax.device_get(eng.runner.kv)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
     [again] = eng.generate(["Once upon a time there was"], greedy)
     assert again.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def _call_signature(args) -> tuple:
+    """What a compiled call's fast path is keyed on beside shapes and dtypes: each argument leaf a numpy array or a
+    device array, committed or not, and its sharding."""
+    return tuple((type(leaf).__name__, getattr(leaf, "committed", None), str(getattr(leaf, "sharding", None)))
+                 for leaf in jax.tree.leaves(list(args)))
+
+
+def test_serving_calls_every_executable_as_warm_up_ran_it(folder, monkeypatch):
+    """A compiled call dispatched with arguments of a kind its runs have not met (numpy where warm-up passed a device
+    array, a committed array where it passed an uncommitted one) takes jax's slow path once, on some request's
+    TTFT: warm-up's runs over padding pass every argument as serving does, a step fed from the host and one chained
+    behind another (fed on the device) alike, and each sampler a step's own logits."""
+    eng = Engine(folder, dtype="float32", num_blocks=64, block_size=4, max_running=4, token_budget=16,
+                 max_model_len=64, compilation_cache=False, decode_steps=4)
+    monkeypatch.setattr(eng.runner, "platform", "gpu")  # warm-up runs every call once, as on an accelerator
+    seen, phase = {"warm-up": set(), "serving": set()}, ["warm-up"]
+    call = executables.Executables.call
+
+    def recorded(self, name, jitted, fixed, args, static):
+        seen[phase[0]].add((name, self.key(name, args, static), _call_signature(args)))
+        return call(self, name, jitted, fixed, args, static)
+
+    monkeypatch.setattr(executables.Executables, "call", recorded)
+    eng.warm_up()
+    phase[0] = "serving"
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    eng.generate(["Once upon a time there was", "The"], greedy)  # prefill, chained single and multi-step decodes
+    eng.generate(["A long time ago"], SamplingParams(temperature=0.8, max_tokens=6, seed=1, logprobs=2))
+    assert {name for name, *_ in seen["serving"]} >= {"step", "sample", "decode"}
+    assert seen["serving"] - seen["warm-up"] == set()
