@@ -563,16 +563,18 @@ class Engine:
                     progress(done, len(entries))
         # each call's first run, over padding (ModelRunner.run_padding and the like); on a CPU the decode steps' only
         step_logits = {}  # S -> the logits of a step of S sequences: what the sampler of S runs on
+        # every kind of fed vector on an accelerator; a CPU's start-up runs one (a slow path there costs a few ms)
+        feds = runner.padding_feds if runner.platform != "cpu" else (lambda num_seqs: [None])
         for kind, *args in entries:
             if kind == "scores" and (runner.platform != "cpu" or args[0] in decode_shapes):
                 runner.run_padding(args[0], scores=True)
             elif kind == "step" and (runner.platform != "cpu" or args[0] in decode_shapes):
-                for fed in runner.padding_feds(args[0].num_seqs):  # fed from the host, and chained
+                for fed in feds(args[0].num_seqs):  # fed from the host, and chained
                     step_logits.setdefault(args[0].num_seqs, runner.run_padding(args[0], fed=fed))
             elif kind == "sample" and runner.platform != "cpu":
                 runner.run_sample_padding(step_logits[args[0]], *args[1:])
             elif kind == "decode" and runner.platform != "cpu":
-                for fed in runner.padding_feds(args[0].num_seqs):
+                for fed in feds(args[0].num_seqs):
                     runner.run_decode_padding(*args, fed=fed)
         return entries
 
