@@ -49,8 +49,11 @@ class StepClock:
                 return method(*args, **kwargs)
             return call
 
+        def decodes(chunks) -> bool:
+            return all(c.count == 1 and c.start > 0 for c in chunks)
+
         def run_tagged(chunks):
-            self.kind = self.kind or ("decode" if all(c.count == 1 and c.start > 0 for c in chunks) else "mixed")
+            self.kind = self.kind or ("decode" if decodes(chunks) else "mixed")
             return run(chunks)
 
         def waiting(*args, **kwargs):
@@ -71,9 +74,8 @@ class StepClock:
 
         engine.step, engine._run = timed_step, run_tagged
         def advance_tagged(inflight):
-            chunks = inflight.chunks
-            self.kind = self.kind or ("chained-multi" if inflight.steps > 1 else "chained-decode" if all(
-                c.count == 1 and c.start > 0 for c in chunks) else "chained-mixed")
+            self.kind = self.kind or ("chained-multi" if inflight.steps > 1 else
+                                      "chained-decode" if decodes(inflight.chunks) else "chained-mixed")
             return advance(inflight)
 
         engine._run_multi_step, engine._advance = tagged("multi", multi), advance_tagged

@@ -328,11 +328,9 @@ class ModelRunner:
 
     def _fed(self, previous: "Dispatched | None", num_seqs: int) -> jax.Array:
         """A step's fed vector: ``previous``'s samples (on the device), or zeros (no token id of the step refers to
-        it), placed as those samples are: replicated on a mesh, else on the device and committed to it where the
-        cache is (a step's outputs are committed where its inputs are). A step fed from the host and one chained
-        behind another then call its executable with one signature, the one warm-up's run covers: an argument of
-        another kind (numpy, or committed where the run's was not) costs a compiled call's next dispatch jax's slow
-        path, on some request's TTFT."""
+        it): a device array, never numpy (replicated on a mesh, else committed to the device where the cache is),
+        so that its kind is one of those ``padding_feds`` gives warm-up. An argument kind a compiled call's runs
+        have not met costs its next dispatch jax's slow path, on some request's TTFT."""
         size = self.fed_size(num_seqs)
         if previous is None:
             if size not in self._zeros:
